@@ -1,0 +1,96 @@
+"""Turn what users pass as ``device_ids`` into a validated list of ``torch.device``.
+
+Virtual devices (one device repeated, e.g. ``["cpu", "cpu"]`` or ``["cuda:0", "cuda:0"]``) are allowed on purpose: they
+run the multi-device code paths on a machine with fewer devices, which is how the tests and benchmarks run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+DeviceLike = int | str | torch.device
+
+
+def to_device(device: DeviceLike) -> torch.device:
+    """One device from an int (CUDA index), a string (``"cuda:1"``, ``"cpu"``) or a ``torch.device``."""
+    if isinstance(device, bool):
+        raise TypeError(
+            f"Invalid device {device!r}: expected an int index, a string such as 'cuda:0', or a torch.device."
+        )
+    if isinstance(device, int):
+        if device < 0:
+            raise ValueError(f"Invalid device index {device}: CUDA device indices are >= 0.")
+        return torch.device("cuda", device)
+    if isinstance(device, str):
+        try:
+            device = torch.device(device)
+        except RuntimeError as err:
+            raise ValueError(f"Invalid device string {device!r}: use e.g. 'cpu', 'cuda:0' or an int index.") from err
+    if not isinstance(device, torch.device):
+        raise TypeError(
+            f"Invalid device {device!r}: expected an int index, a string such as 'cuda:0', or a torch.device."
+        )
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"Device {device} was requested but CUDA is not available on this machine.")
+        index = torch.cuda.current_device() if device.index is None else device.index
+        if index >= torch.cuda.device_count():
+            raise ValueError(
+                f"Device {device} was requested but only {torch.cuda.device_count()} CUDA device(s) are visible."
+            )
+        return torch.device("cuda", index)
+    return device
+
+
+def resolve_devices(
+    device_ids: Sequence[DeviceLike] | None, fallback: torch.device | None = None
+) -> list[torch.device]:
+    """Validate ``device_ids`` and return them as ``torch.device`` objects.
+
+    ``None`` means every visible CUDA device, or ``[fallback]`` (typically the module's device) when CUDA is absent.
+    All devices must be of one type: a replica on the CPU beside replicas on GPUs would make the slowest device pace
+    every step, which is never what a user wants.
+    """
+    if device_ids is None:
+        if torch.cuda.is_available():
+            return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+        return [fallback if fallback is not None else torch.device("cpu")]
+    if isinstance(device_ids, (str, int, torch.device)):
+        raise TypeError(f"device_ids must be a list of devices, got a single device {device_ids!r}; wrap it in a list.")
+    devices = [to_device(d) for d in device_ids]
+    if not devices:
+        raise ValueError("device_ids is empty: pass at least one device (e.g. [0, 1] or ['cpu', 'cpu']), or None.")
+    types = {d.type for d in devices}
+    if len(types) > 1:
+        raise ValueError(f"device_ids mixes device types {sorted(types)}: use devices of one type.")
+    return devices
+
+
+def module_device(module: torch.nn.Module) -> torch.device | None:
+    """Device of the module's first parameter or buffer, or ``None`` for a module without state."""
+    for tensor in module.parameters():
+        return tensor.device
+    for tensor in module.buffers():
+        return tensor.device
+    return None
+
+
+def check_module_on(module: torch.nn.Module, device: torch.device, what: str = "module") -> None:
+    """Raise if any parameter or buffer of ``module`` is not on ``device`` (the root device)."""
+    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        if tensor.device != device and not (tensor.device.type == device.type == "cpu"):
+            raise ValueError(
+                f"The {what} must have all parameters and buffers on the root device {device} (device_ids[0]), "
+                f"but {name!r} is on {tensor.device}. Call `.to({str(device)!r})` first."
+            )
+
+
+def all_cpu(devices: Sequence[torch.device]) -> bool:
+    return all(d.type == "cpu" for d in devices)
+
+
+def distinct_cuda(devices: Sequence[torch.device]) -> bool:
+    """True when every device is a different CUDA device (where torch's broadcast-based replicate applies)."""
+    return all(d.type == "cuda" for d in devices) and len({d.index for d in devices}) == len(devices)

@@ -1,0 +1,78 @@
+"""Reduce per-replica scalar losses onto the root device, weighted so the result equals one-device training.
+
+With per-replica mean losses ``l_i`` over ``w_i`` items, the whole-batch mean is ``sum(w_i * l_i) / sum(w_i)``. The
+weights are sample counts by default, or counts the caller knows better (e.g. non-ignored MLM tokens). An equal-weight
+mean (the 2018 DataParallelCriterion, Lightning 1.x ``dp``) is only right when every replica holds as many items.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from lightning_mgpu.parallel.devices import DeviceLike, to_device
+
+Weight = int | float | Tensor
+LossReduction = Literal["weighted", "mean", "sum"]
+LOSS_REDUCTIONS = ("weighted", "mean", "sum")
+
+
+def as_float_weights(weights: Sequence[Weight]) -> list[float]:
+    """Weights as Python floats (one host sync for tensor weights, which zero-weight detection needs anyway)."""
+    tensors = [w for w in weights if isinstance(w, Tensor)]
+    if not tensors:
+        return [float(w) for w in weights]
+    values = iter(torch.stack([t.detach().reshape(()).double().cpu() for t in tensors]).tolist())
+    return [next(values) if isinstance(w, Tensor) else float(w) for w in weights]
+
+
+def _scalar_on(loss: Tensor, device: torch.device, index: int) -> Tensor:
+    if not isinstance(loss, Tensor):
+        raise TypeError(f"The loss of replica {index} is a {type(loss).__name__}, expected a scalar tensor.")
+    if loss.numel() != 1:
+        raise ValueError(
+            f"The loss of replica {index} has shape {tuple(loss.shape)}; only scalar losses can be reduced. "
+            "Reduce it to a scalar (e.g. `.mean()`), or gather per-sample losses instead."
+        )
+    return loss.reshape(()).to(device)
+
+
+def reduce_losses(
+    losses: Sequence[Tensor],
+    weights: Sequence[Weight] | None = None,
+    device: DeviceLike | None = None,
+    reduction: LossReduction = "weighted",
+) -> Tensor:
+    """Combine per-replica scalar losses on ``device`` (default: the first loss's device), keeping autograd.
+
+    ``reduction``: ``"weighted"`` = ``sum(w_i * l_i) / sum(w_i)`` (``weights`` default to 1 each); ``"mean"`` = equal
+    weights; ``"sum"`` = plain sum. Replicas with weight 0 are left out entirely, so a replica whose loss is NaN because
+    it saw no valid item (e.g. no masked token) cannot poison the result or the gradients.
+    """
+    if reduction not in LOSS_REDUCTIONS:
+        raise ValueError(f"Unknown loss reduction {reduction!r}: choose one of {LOSS_REDUCTIONS}.")
+    if not losses:
+        raise ValueError("reduce_losses() needs at least one loss.")
+    root = to_device(device) if device is not None else losses[0].device
+    scalars = [_scalar_on(loss, root, i) for i, loss in enumerate(losses)]
+    if reduction == "sum":
+        return torch.stack(scalars).sum()
+    if reduction == "mean" or weights is None:
+        return torch.stack(scalars).mean()
+    if len(weights) != len(losses):
+        raise ValueError(f"Got {len(weights)} weights for {len(losses)} losses.")
+    values = as_float_weights(weights)
+    if any(w < 0 for w in values):
+        raise ValueError(f"Loss weights must be >= 0, got {values}.")
+    kept = [(s, w) for s, w in zip(scalars, values, strict=True) if w > 0]
+    if not kept:
+        raise ValueError(
+            "Every replica has loss weight 0 (e.g. no valid target in the whole batch): the weighted mean is undefined."
+        )
+    stacked = torch.stack([s for s, _ in kept])
+    stacked = stacked.to(torch.promote_types(stacked.dtype, torch.float32))  # never weight in half precision
+    weight_tensor = torch.tensor([w for _, w in kept], dtype=stacked.dtype, device=root)
+    return (stacked * weight_tensor).sum() / weight_tensor.sum()
