@@ -1,0 +1,139 @@
+"""``self.log`` from replicas: record per replica, merge once on the root module.
+
+Replicas share the trainer's result collection, so a replica calling the real ``LightningModule.log`` would race
+with the others and log one shard's value as if it were the batch's (measured: a logged training loss of 0.0038 for
+a true 1.14). Each replica's ``log`` is replaced by a recorder; after the replicas have run, values are merged per
+name according to ``reduce_fx`` and logged once, from the main thread, on the root module:
+
+* ``"mean"``: weighted by each replica's ``batch_size=`` argument when given (then logged with their sum as the
+  batch size), else by its sample count. Both equal the single-device value of a per-sample mean.
+* ``"sum"``, ``"max"``, ``"min"``: sum, max, min over replicas.
+* a torchmetrics ``Metric``: the root metric, whose state the metric merger has filled from every replica.
+
+Replicas that skip a name do not take part in its merge; every replica that logs a name must use the same options.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+from torchmetrics import Metric
+
+_MEAN = ("mean", "avg", torch.mean)
+_SUM = ("sum", torch.sum)
+_MAX = ("max", torch.max)
+_MIN = ("min", torch.min)
+_LOG_DEFAULTS: dict[str, Any] = {"reduce_fx": "mean", "batch_size": None, "enable_graph": False}
+
+
+@dataclass
+class LogCall:
+    name: str
+    value: Any
+    options: dict[str, Any]
+
+
+@dataclass
+class LogRecorder:
+    """Stands in for ``LightningModule.log`` on one replica (``log_dict`` calls ``log``, so it is recorded too)."""
+
+    calls: list[LogCall] = field(default_factory=list)
+
+    def log(self, name: str, value: Any, **options: Any) -> None:
+        self.calls.append(LogCall(name, value, options))
+
+
+def _reduce_kind(reduce_fx: str | Callable[..., Any]) -> str:
+    for kind, aliases in (("mean", _MEAN), ("sum", _SUM), ("max", _MAX), ("min", _MIN)):
+        if any(reduce_fx is a or (isinstance(reduce_fx, str) and reduce_fx.lower() == a) for a in aliases):
+            return kind
+    raise ValueError(
+        f"self.log(reduce_fx={reduce_fx!r}) is not supported under a multi-device single-process strategy: "
+        "use 'mean', 'sum', 'max' or 'min'."
+    )
+
+
+def _without(options: dict[str, Any], *keys: str) -> dict[str, Any]:
+    return {k: v for k, v in options.items() if k not in keys}
+
+
+def merge_and_log(
+    root: Any,
+    recorders: Sequence[LogRecorder],
+    sample_counts: Sequence[int],
+    metric_owner: Callable[[Any], Metric | None],
+) -> None:
+    """Merge the replicas' recorded ``log`` calls and log each name once on ``root`` (a LightningModule).
+
+    ``metric_owner(value)`` maps a replica's metric clone to the root metric it stands for (``None`` if ``value`` is
+    not one).
+    """
+    by_name: dict[str, list[tuple[int, LogCall]]] = {}
+    for index, recorder in enumerate(recorders):
+        for call in recorder.calls:
+            by_name.setdefault(call.name, []).append((index, call))
+        recorder.calls.clear()
+    for name, entries in by_name.items():
+        options = {**_LOG_DEFAULTS, **entries[0][1].options}
+        for index, call in entries[1:]:
+            other = {**_LOG_DEFAULTS, **call.options}
+            if _without(other, "batch_size") != _without(options, "batch_size"):
+                raise ValueError(
+                    f"Replicas logged {name!r} with different options ({_without(options, 'batch_size')} on replica "
+                    f"{entries[0][0]} vs {_without(other, 'batch_size')} on replica {index}); log it the same way."
+                )
+        first_value = entries[0][1].value
+        if isinstance(first_value, Metric):
+            owner = metric_owner(first_value)
+            if owner is None:
+                raise ValueError(
+                    f"{name!r}: a replica logged a Metric that is not an attribute of the LightningModule."
+                )
+            root.log(name, owner, **options)
+            continue
+        value, merged_options = _merge_values(name, entries, sample_counts, options)
+        root.log(name, value, **merged_options)
+
+
+def _merge_values(
+    name: str, entries: list[tuple[int, LogCall]], sample_counts: Sequence[int], options: dict[str, Any]
+) -> tuple[Tensor, dict[str, Any]]:
+    kind = _reduce_kind(options["reduce_fx"])
+    values = [_as_tensor(name, call.value, options["enable_graph"]) for _, call in entries]
+    device = values[0].device
+    dtype = torch.promote_types(values[0].dtype, torch.float32) if values[0].is_floating_point() else torch.float32
+    stacked = torch.stack([v.to(device=device, dtype=dtype) for v in values])
+    merged_options = dict(options)
+    if kind == "mean":
+        explicit = [call.options.get("batch_size") for _, call in entries]
+        if all(b is not None for b in explicit):
+            weights = [float(b) for b in explicit]
+            merged_options["batch_size"] = int(sum(weights))
+        else:
+            weights = [float(sample_counts[index]) for index, _ in entries]
+        w = torch.tensor(weights, dtype=dtype, device=device)
+        merged = (stacked * w).sum() / w.sum()
+    elif kind == "sum":
+        merged = stacked.sum()
+    elif kind == "max":
+        merged = stacked.max()
+    else:
+        merged = stacked.min()
+    return merged, merged_options
+
+
+def _as_tensor(name: str, value: Any, enable_graph: bool) -> Tensor:
+    if isinstance(value, Tensor):
+        if value.numel() != 1:
+            raise ValueError(
+                f"self.log({name!r}, ...) needs a single value, got a tensor of shape {tuple(value.shape)}."
+            )
+        value = value.reshape(())
+        return value if enable_graph else value.detach()
+    if isinstance(value, (int, float)):
+        return torch.tensor(float(value), dtype=torch.float64)
+    raise ValueError(f"self.log({name!r}, ...) got a {type(value).__name__}; log a number or a scalar tensor.")

@@ -1,0 +1,133 @@
+"""torchmetrics inside replicas: per-device clones whose state is merged into the root metric after each step.
+
+A ``Metric``'s ``update`` is bound to the original object, so a replica calling its (shallow-copied) metric would
+update the root metric from another thread and, on GPUs, with tensors of another device. Instead each replica gets a
+persistent clone of every metric on its own device; after the step, the clones' states are merged into the root
+metric with the metric's own ``dist_reduce_fx`` (the same rule DDP uses to combine ranks) and the clones are reset.
+The root metric's step value (``_forward_cache``, what ``self.log(name, metric)`` shows per step) is computed from
+the merged batch state, so logged values equal single-device ones.
+
+Metrics must be submodules of the LightningModule (attributes, ``nn.ModuleDict``, ``MetricCollection``...).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torchmetrics import Metric
+from torchmetrics.utilities.data import dim_zero_cat
+
+
+def _outermost_metrics(module: nn.Module, prefix: str = "") -> list[tuple[str, Metric]]:
+    """``(dotted path, metric)`` for every metric not nested inside another metric."""
+    found = []
+    for name, child in module.named_children():
+        path = f"{prefix}{name}"
+        if isinstance(child, Metric):
+            found.append((path, child))
+        else:
+            found.extend(_outermost_metrics(child, f"{path}."))
+    return found
+
+
+def _set_submodule(root: nn.Module, path: str, value: nn.Module) -> None:
+    parent_path, _, name = path.rpartition(".")
+    parent = root.get_submodule(parent_path) if parent_path else root
+    parent._modules[name] = value
+
+
+def _combine(values: Sequence[Any], reduce_fx: Any, device: torch.device) -> Any:
+    """Combine states the way ``Metric._sync_dist`` combines ranks (lists of tensors for "cat" states stay lists)."""
+    if isinstance(values[0], list):
+        return [t.to(device) for v in values for t in v]
+    stacked = [v.to(device) for v in values]
+    if reduce_fx is None:
+        return torch.stack(stacked)
+    if reduce_fx is dim_zero_cat:
+        return torch.cat([s.reshape(1) if s.dim() == 0 else s for s in stacked])
+    return reduce_fx(torch.stack(stacked))
+
+
+def _states(metric: Metric) -> dict[str, Any]:
+    return {attr: getattr(metric, attr) for attr in metric._reductions}
+
+
+class MetricReplicas:
+    """Owns the per-device metric clones of one LightningModule and merges them back after each step."""
+
+    def __init__(self) -> None:
+        self._clones: dict[tuple[int, int], Metric] = {}  # (id(root metric), replica index) -> clone
+        self._owner: dict[int, Metric] = {}  # id(clone) -> root metric
+        self._scratch: dict[int, Metric] = {}  # id(root metric) -> clone used to compute the batch value
+        self._active: list[tuple[Metric, list[Metric]]] = []
+
+    def install(self, root: nn.Module, replicas: Sequence[nn.Module], devices: Sequence[torch.device]) -> None:
+        """Put a clone of each root metric, on the replica's device, into every replica."""
+        self._active = []
+        for path, metric in _outermost_metrics(root):
+            clones = []
+            for index, (replica, device) in enumerate(zip(replicas, devices, strict=True)):
+                key = (id(metric), index)
+                clone = self._clones.get(key)
+                if clone is None:
+                    clone = metric.clone()
+                    clone.reset()
+                    self._clones[key] = clone
+                    self._owner[id(clone)] = metric
+                clone.to(device)
+                _set_submodule(replica, path, clone)
+                clones.append(clone)
+            self._active.append((metric, clones))
+
+    def owner_of(self, value: Any) -> Metric | None:
+        """The root metric a replica's clone stands for."""
+        return self._owner.get(id(value)) if isinstance(value, Metric) else None
+
+    def merge(self, compute_step_value: set[int] | None = None) -> None:
+        """Fold every updated clone's state into its root metric, then reset the clones.
+
+        ``compute_step_value``: ids of root metrics whose per-step value is needed (logged with ``on_step``).
+        """
+        for metric, clones in self._active:
+            updated = [c for c in clones if c._update_count > 0]
+            if not updated:
+                continue
+            device = _metric_device(metric)
+            batch_state = {
+                attr: _combine([getattr(c, attr) for c in updated], metric._reductions[attr], device)
+                for attr in metric._reductions
+            }
+            if compute_step_value and id(metric) in compute_step_value:
+                metric._forward_cache = self._batch_value(metric, batch_state)
+            for attr, value in batch_state.items():
+                current = getattr(metric, attr)
+                if metric._update_count == 0 and not isinstance(current, list):
+                    setattr(metric, attr, value)
+                else:
+                    setattr(metric, attr, _combine([current, value], metric._reductions[attr], device))
+            metric._update_count += 1
+            metric._computed = None
+            for clone in updated:
+                clone.reset()
+        self._active = []
+
+    def _batch_value(self, metric: Metric, batch_state: dict[str, Any]) -> Any:
+        scratch = self._scratch.get(id(metric))
+        if scratch is None:
+            scratch = metric.clone()
+            self._scratch[id(metric)] = scratch
+        scratch.reset()
+        for attr, value in batch_state.items():
+            setattr(scratch, attr, value)
+        scratch._update_count = 1
+        return scratch.compute()
+
+
+def _metric_device(metric: Metric) -> torch.device:
+    for value in _states(metric).values():
+        if isinstance(value, Tensor):
+            return value.device
+    return metric.device

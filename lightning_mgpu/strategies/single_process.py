@@ -1,0 +1,173 @@
+"""Shared base of the single-process multi-device strategies: one process drives every device.
+
+Ranks are 0 and ``world_size`` is 1, so Lightning injects no ``DistributedSampler`` and ``sync_dist`` is a no-op; the
+master weights and the optimizer state live on the root device (``parallel_devices[0]``). The LightningModule is
+stored unwrapped, so checkpoints carry no ``module.`` prefix and move freely between strategies and device counts.
+
+This class also owns the replica lifecycle the two strategies share: replicate the module for the devices a batch
+uses, give each replica its device, a ``log`` recorder and per-device metric clones, run them, then merge logs and
+metrics back on the root from the main thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.device_dtype_mixin import _DeviceDtypeModuleMixin
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import nn
+
+from lightning_mgpu.parallel.parallel_apply import EXECUTION_MODES, ExecutionMode, parallel_apply
+from lightning_mgpu.parallel.replicate import replicate
+from lightning_mgpu.strategies.replica_logging import LogRecorder, merge_and_log
+from lightning_mgpu.strategies.replica_metrics import MetricReplicas
+
+
+class SingleProcessParallelStrategy(ParallelStrategy):
+    """Base for strategies that run replicas of the model on several devices from one process."""
+
+    strategy_name: str = ""
+
+    def __init__(
+        self,
+        accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Any = None,
+        dim: int = 0,
+        execution_mode: ExecutionMode = "auto",
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=None,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        if execution_mode not in EXECUTION_MODES:
+            raise ValueError(f"execution_mode must be one of {EXECUTION_MODES}, got {execution_mode!r}.")
+        self.dim = dim
+        self.execution_mode: ExecutionMode = execution_mode
+        self._metric_replicas = MetricReplicas()
+
+    # --- one process: constant ranks, collectives are identities -----------------------------------------------------
+    @property
+    def global_rank(self) -> int:
+        return 0
+
+    @property
+    def local_rank(self) -> int:
+        return 0
+
+    @property
+    def node_rank(self) -> int:
+        return 0
+
+    @property
+    def world_size(self) -> int:
+        return 1
+
+    @property
+    def is_distributed(self) -> bool:
+        return False
+
+    @property
+    def root_device(self) -> torch.device:
+        if not self.parallel_devices:
+            raise RuntimeError(f"{type(self).__name__} has no devices yet; it gets them when the Trainer is built.")
+        return self.parallel_devices[0]
+
+    @property
+    def distributed_sampler_kwargs(self) -> None:
+        return None
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        return tensor
+
+    def barrier(self, name: str | None = None) -> None:
+        pass
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return obj
+
+    def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
+        return tensor
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        return decision
+
+    # --- set-up checks -----------------------------------------------------------------------------------------------
+    def setup(self, trainer: Trainer) -> None:
+        if self._layer_sync is not None:
+            raise MisconfigurationException(
+                f"sync_batchnorm=True cannot work with strategy={self.strategy_name!r}: SyncBatchNorm needs one "
+                "process per device. Remove it, or use strategy='ddp' to synchronise BatchNorm statistics."
+            )
+        super().setup(trainer)
+
+    # --- replica lifecycle -------------------------------------------------------------------------------------------
+    def _make_replicas(self, module: nn.Module, devices: Sequence[torch.device]) -> tuple[list[nn.Module], list]:
+        """Replicas of ``module`` with their device set, a log recorder each and per-device metric clones."""
+        replicas = replicate(module, devices, detach=not torch.is_grad_enabled())
+        recorders = []
+        for replica, device in zip(replicas, devices, strict=True):
+            replica.__dict__.pop("forward", None)  # a patched forward (dp) must not be copied into replicas
+            if device != self.root_device:
+                for sub in replica.modules():
+                    if isinstance(sub, _DeviceDtypeModuleMixin):
+                        sub._device = device
+            recorder = LogRecorder()
+            replica.log = recorder.log  # instance attribute: shadows LightningModule.log on this replica only
+            for sub in replica.modules():
+                if isinstance(sub, LightningModule) and sub is not replica:
+                    sub.log = recorder.log
+            recorders.append(recorder)
+        self._metric_replicas.install(module, replicas, devices)
+        return replicas, recorders
+
+    def _run_replicas(
+        self,
+        module: nn.Module,
+        devices: Sequence[torch.device],
+        sample_counts: Sequence[int],
+        call: Callable[[int, nn.Module], Any],
+    ) -> list[Any]:
+        """Run ``call(i, replica_i)`` for every device, then merge logs and metrics into ``self.lightning_module``."""
+        replicas, recorders = self._make_replicas(module, devices)
+        outputs = parallel_apply(
+            [lambda i=i, r=r: call(i, r) for i, r in enumerate(replicas)], devices, self.execution_mode
+        )
+        self._merge_replica_state(recorders, sample_counts)
+        return outputs
+
+    def _merge_replica_state(self, recorders: Sequence[LogRecorder], sample_counts: Sequence[int]) -> None:
+        in_training = self.lightning_module._current_fx_name == "training_step"
+        step_metrics = {
+            id(owner)
+            for rec in recorders
+            for call in rec.calls
+            if (owner := self._metric_replicas.owner_of(call.value)) is not None
+            and (in_training if call.options.get("on_step") is None else call.options["on_step"])
+        }
+        self._metric_replicas.merge(step_metrics)
+        merge_and_log(self.lightning_module, recorders, sample_counts, self._metric_replicas.owner_of)
+
+    @contextmanager
+    def _step_context(self, hook: str):
+        ctx = {
+            "training_step": self.precision_plugin.train_step_context,
+            "validation_step": self.precision_plugin.val_step_context,
+            "test_step": self.precision_plugin.test_step_context,
+            "predict_step": self.precision_plugin.predict_step_context,
+        }[hook]
+        with ctx():
+            yield
