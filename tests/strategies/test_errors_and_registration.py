@@ -1,0 +1,108 @@
+"""Clear errors on configurations that cannot work; registration with Lightning."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import lightning.pytorch as L
+import pytest
+import torch
+from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from strategy_models import Classifier, loader, seeded, trainer
+from torch.utils.data import DataLoader
+
+import lightning_mgpu
+
+
+def test_registered_names_and_idempotent_registration():
+    for name, cls in [
+        ("parallel_criterion", lightning_mgpu.ParallelCriterionStrategy),
+        ("dp", lightning_mgpu.DataParallelStrategy),
+        ("data_parallel", lightning_mgpu.DataParallelStrategy),
+    ]:
+        assert StrategyRegistry[name]["strategy"] is cls
+    lightning_mgpu.register_strategies()
+    importlib.reload(importlib.import_module("lightning_mgpu.strategies"))
+    lightning_mgpu.register_strategies()
+    assert "parallel_criterion" in StrategyRegistry
+
+
+@pytest.mark.parametrize("strategy", ["parallel_criterion", "dp"])
+def test_trainer_is_single_process_with_n_devices(strategy):
+    t = trainer(strategy, 4)
+    assert isinstance(t.strategy, lightning_mgpu.strategies.SingleProcessParallelStrategy)
+    assert t.world_size == 1 and t.num_devices == 4 and t.global_rank == 0
+    assert t.strategy.parallel_devices == [torch.device("cpu")] * 4
+    assert t.strategy.root_device == torch.device("cpu")
+    assert not t._accelerator_connector.is_distributed
+
+
+@pytest.mark.parametrize("strategy", ["parallel_criterion", "dp"])
+def test_sync_batchnorm_is_refused(strategy):
+    t = trainer(strategy, 2, max_steps=1, sync_batchnorm=True)
+    with pytest.raises(MisconfigurationException, match=r"sync_batchnorm=True cannot work.*strategy='ddp'"):
+        t.fit(seeded(Classifier), loader(10))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised on a machine without a GPU")
+def test_gpu_accelerator_without_gpu_is_refused():
+    with pytest.raises(MisconfigurationException, match="No supported gpu backend found"):
+        L.Trainer(strategy="parallel_criterion", accelerator="gpu", devices=2)
+
+
+class RecordsShardSizes(Classifier):
+    def __init__(self) -> None:
+        super().__init__()
+        self.shards: list[int] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        self.shards.append(batch[0].shape[0])
+        return super().training_step(batch, batch_idx)
+
+
+def test_batch_smaller_than_device_count_uses_fewer_replicas():
+    module = seeded(RecordsShardSizes)
+    trainer("parallel_criterion", 4, max_steps=1).fit(module, loader(3))
+    assert module.shards == [1, 1, 1]
+    module = seeded(RecordsShardSizes)
+    trainer("parallel_criterion", 4, max_steps=1).fit(module, loader(10))
+    assert module.shards == [3, 3, 2, 2]
+
+
+class DictBatches(Classifier):
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        return super().training_step((batch["x"], batch["y"]), batch_idx)
+
+
+def _bad_collate(items: list) -> dict[str, torch.Tensor]:
+    x = torch.stack([i[0] for i in items])
+    y = torch.stack([i[1] for i in items])
+    return {"x": x, "y": y, "mask": torch.ones(len(items) + 1)}
+
+
+@pytest.mark.parametrize("strategy", ["parallel_criterion"])
+def test_unsplittable_batch_names_the_key_path(strategy):
+    data = loader(10).dataset
+    with pytest.raises(ValueError, match=r"batch\['x'\] has size 10 but batch\['mask'\] has size 11"):
+        trainer(strategy, 2, max_steps=1).fit(
+            seeded(DictBatches), DataLoader(data, batch_size=10, collate_fn=_bad_collate)
+        )
+
+
+def test_dp_output_device_and_parallel_modules():
+    strategy = lightning_mgpu.DataParallelStrategy(output_device=1, parallel_modules=["net"])
+    t = trainer(strategy, 2, max_steps=2)
+    t.fit(seeded(Classifier), loader(10))
+    assert strategy.output_device == torch.device("cpu")
+    with pytest.raises(ValueError, match="not a submodule"):
+        t2 = trainer(lightning_mgpu.DataParallelStrategy(parallel_modules=["nope"]), 2, max_steps=1)
+        t2.fit(seeded(Classifier), loader(10))
+
+
+def test_invalid_options_are_refused():
+    with pytest.raises(ValueError, match="loss_reduction must be one of"):
+        lightning_mgpu.ParallelCriterionStrategy(loss_reduction="median")
+    with pytest.raises(ValueError, match="execution_mode must be one of"):
+        lightning_mgpu.DataParallelStrategy(execution_mode="processes")
