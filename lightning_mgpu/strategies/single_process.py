@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,8 +25,33 @@ from torch import nn
 
 from lightning_mgpu.parallel.parallel_apply import EXECUTION_MODES, ExecutionMode, parallel_apply
 from lightning_mgpu.parallel.replicate import replicate
+from lightning_mgpu.parallel.scatter_gather import iter_tensors
 from lightning_mgpu.strategies.replica_logging import LogRecorder, merge_and_log
 from lightning_mgpu.strategies.replica_metrics import MetricReplicas
+
+
+@dataclass
+class StepTransfer:
+    """Bytes one step sends between the root and the other replicas, as on distinct devices.
+
+    ``outputs``: what replicas other than the root send it (``dp``: the gathered outputs; ``parallel_criterion``:
+    losses and step outputs). ``parameters``: parameters and buffers broadcast to those replicas. ``gradients``: their
+    gradients reduced back onto the root (training only). With virtual devices nothing crosses a bus, but the figures
+    are what distinct devices would move.
+    """
+
+    outputs: int = 0
+    parameters: int = 0
+    gradients: int = 0
+    replicas: int = 1
+
+    @property
+    def total(self) -> int:
+        return self.outputs + self.parameters + self.gradients
+
+
+def _nbytes(obj: Any) -> int:
+    return sum(t.numel() * t.element_size() for _, t in iter_tensors(obj))
 
 
 class SingleProcessParallelStrategy(ParallelStrategy):
@@ -54,6 +80,7 @@ class SingleProcessParallelStrategy(ParallelStrategy):
         self.dim = dim
         self.execution_mode: ExecutionMode = execution_mode
         self._metric_replicas = MetricReplicas()
+        self.step_transfer = StepTransfer()
 
     # --- one process: constant ranks, collectives are identities -----------------------------------------------------
     @property
@@ -147,7 +174,18 @@ class SingleProcessParallelStrategy(ParallelStrategy):
             [lambda i=i, r=r: call(i, r) for i, r in enumerate(replicas)], devices, self.execution_mode
         )
         self._merge_replica_state(recorders, sample_counts)
+        self._count_transfer(module, outputs)
         return outputs
+
+    def _count_transfer(self, module: nn.Module, outputs: Sequence[Any]) -> None:
+        others = len(outputs) - 1
+        state_bytes = sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
+        grad_bytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+        transfer = self.step_transfer
+        transfer.outputs += sum(_nbytes(o) for o in outputs[1:])
+        transfer.parameters += others * state_bytes
+        transfer.gradients += others * grad_bytes if torch.is_grad_enabled() else 0
+        transfer.replicas = max(transfer.replicas, len(outputs))
 
     def _merge_replica_state(self, recorders: Sequence[LogRecorder], sample_counts: Sequence[int]) -> None:
         in_training = self.lightning_module._current_fx_name == "training_step"
@@ -169,5 +207,6 @@ class SingleProcessParallelStrategy(ParallelStrategy):
             "test_step": self.precision_plugin.test_step_context,
             "predict_step": self.precision_plugin.predict_step_context,
         }[hook]
+        self.step_transfer = StepTransfer()
         with ctx():
             yield
