@@ -112,21 +112,9 @@ class DataParallelStrategy(SingleProcessParallelStrategy):
 
         return parallel_forward
 
-    def _step(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _run_step(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         with self._step_context(hook), self._replicated_forward():
             return getattr(self.lightning_module, hook)(*args, **kwargs)
-
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._step("training_step", args, kwargs)
-
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._step("validation_step", args, kwargs)
-
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._step("test_step", args, kwargs)
-
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._step("predict_step", args, kwargs)
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:

@@ -76,32 +76,16 @@ class ParallelCriterionStrategy(SingleProcessParallelStrategy):
     def _single_device(self) -> bool:
         return len(self.parallel_devices) == 1
 
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._step_context("training_step"):
-            if self._single_device():
-                return self.lightning_module.training_step(*args, **kwargs)
-            outputs, sizes = self._parallel_step("training_step", args, kwargs)
-        if all_or_none(outputs, "training_step"):
-            return None
-        return reduce_training_outputs(outputs, sizes, self.root_device, self.loss_reduction)
-
-    def _eval_step(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _run_step(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         with self._step_context(hook):
-            if self._single_device():
+            if len(self.parallel_devices) == 1:
                 return getattr(self.lightning_module, hook)(*args, **kwargs)
             outputs, sizes = self._parallel_step(hook, args, kwargs)
         if all_or_none(outputs, hook):
             return None
+        if hook == "training_step":
+            return reduce_training_outputs(outputs, sizes, self.root_device, self.loss_reduction)
         return gather_step_outputs(outputs, sizes, self.root_device)
-
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._eval_step("validation_step", args, kwargs)
-
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._eval_step("test_step", args, kwargs)
-
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._eval_step("predict_step", args, kwargs)
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:

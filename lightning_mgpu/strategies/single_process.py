@@ -199,6 +199,23 @@ class SingleProcessParallelStrategy(ParallelStrategy):
         self._metric_replicas.merge(step_metrics)
         merge_and_log(self.lightning_module, recorders, sample_counts, self._metric_replicas.owner_of)
 
+    # --- the four step hooks Lightning calls on the strategy ------------------------------------------------------
+    def _run_step(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run ``hook`` (e.g. ``"training_step"``) the way this strategy spreads it over devices."""
+        raise NotImplementedError
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run_step("training_step", args, kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run_step("validation_step", args, kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run_step("test_step", args, kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run_step("predict_step", args, kwargs)
+
     @contextmanager
     def _step_context(self, hook: str):
         ctx = {
