@@ -22,8 +22,8 @@ def to_device(device: DeviceLike) -> torch.device:
     if isinstance(device, int):
         if device < 0:
             raise ValueError(f"Invalid device index {device}: CUDA device indices are >= 0.")
-        return torch.device("cuda", device)
-    if isinstance(device, str):
+        device = torch.device("cuda", device)
+    elif isinstance(device, str):
         try:
             device = torch.device(device)
         except RuntimeError as err:
@@ -41,6 +41,9 @@ def to_device(device: DeviceLike) -> torch.device:
                 f"Device {device} was requested but only {torch.cuda.device_count()} CUDA device(s) are visible."
             )
         return torch.device("cuda", index)
+    if device.type == "cpu":
+        # Tensors always report `cpu` (no index), and torch.device("cpu:0") != torch.device("cpu").
+        return torch.device("cpu")
     return device
 
 
@@ -64,7 +67,9 @@ def resolve_devices(
         raise ValueError("device_ids is empty: pass at least one device (e.g. [0, 1] or ['cpu', 'cpu']), or None.")
     types = {d.type for d in devices}
     if len(types) > 1:
-        raise ValueError(f"device_ids mixes device types {sorted(types)}: use devices of one type.")
+        raise ValueError(
+            f"device_ids mixes device types {sorted(types)} ({[str(d) for d in devices]}): use devices of one type."
+        )
     return devices
 
 

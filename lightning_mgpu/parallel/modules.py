@@ -26,10 +26,12 @@ from lightning_mgpu.parallel.reduce import reduce_losses
 from lightning_mgpu.parallel.replicate import replicate
 from lightning_mgpu.parallel.scatter_gather import (
     BatchSplitError,
+    args_batch_size,
     batch_size_of,
     gather,
     iter_tensors,
     move_to,
+    scatter,
     scatter_args,
 )
 
@@ -47,9 +49,9 @@ class DataParallelModel(nn.Module):
         dim: the batch dimension of inputs and outputs.
         mode: ``"auto"`` (threads on GPUs, sequential on CPUs), ``"threads"`` or ``"sequential"``.
 
-    Any output type works: tensor, tuple, list, dict, dataclass, ``transformers`` ``ModelOutput``. With one device the
-    module is called directly (no scatter, no replica). After each call, :attr:`last_split_sizes` holds the number of
-    samples each replica received.
+    Any output type works: tensor, tuple, list, dict, dataclass, ``transformers`` ``ModelOutput``. With one device (or
+    a batch of one sample) the module is called directly (no replica; inputs are moved to the device only if some are
+    elsewhere). After each call, :attr:`last_split_sizes` holds the number of samples each replica received.
     """
 
     def __init__(
@@ -71,10 +73,17 @@ class DataParallelModel(nn.Module):
 
     def forward(self, *inputs: Any, **kwargs: Any) -> list[Any]:
         if len(self.device_ids) == 1:
-            self.last_split_sizes = (_safe_batch_size((inputs, kwargs), self.dim),)
+            # A plain call: no scatter, no replica. Inputs are moved to the device only when some are elsewhere.
+            root = self.device_ids[0]
+            on_root, size = _scan(inputs, kwargs, root, self.dim)
+            if not on_root:
+                inputs, kwargs = move_to((inputs, kwargs), root)
+            self.__dict__["last_split_sizes"] = (size,)  # a plain attribute: skip nn.Module.__setattr__'s checks
             return [self.module(*inputs, **kwargs)]
         args_chunks, kwargs_chunks, sizes = scatter_args(inputs, kwargs, self.device_ids, self.dim)
         self.last_split_sizes = tuple(sizes)
+        if len(sizes) == 1:  # a batch of one sample: all of it on the root, no replica needed
+            return [self.module(*args_chunks[0], **kwargs_chunks[0])]
         used = self.device_ids[: len(sizes)]
         replicas = replicate(self.module, used, detach=not torch.is_grad_enabled())
         calls = [
@@ -94,7 +103,36 @@ def _safe_batch_size(obj: Any, dim: int) -> int:
         return 0
 
 
-def _count_weight(criterion: nn.Module, output: Any, targets: tuple[Any, ...], dim: int) -> float | Tensor:
+_PLAIN_TYPES = (int, float, str, bool, type(None))
+
+
+def _scan(args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device, dim: int) -> tuple[bool, int]:
+    """``(every tensor is on device, the first size along dim or 0)`` in one pass: the one-device path runs this on
+    every call, so flat tensor arguments take a loop with no generator (a launch-bound CUDA step feels each µs)."""
+    on_device, size = True, 0
+    for values in (args, kwargs.values()):
+        for value in values:
+            if isinstance(value, Tensor):
+                tensors: Any = (value,)
+            elif isinstance(value, _PLAIN_TYPES):
+                continue
+            else:
+                tensors = (t for _, t in iter_tensors(value))
+            for tensor in tensors:
+                if on_device and tensor.device != device:
+                    on_device = False
+                if not size and tensor.dim() > dim:
+                    size = tensor.shape[dim]
+    return on_device, size
+
+
+def _has_tensors(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters()) or any(True for _ in module.buffers())
+
+
+def _count_weight(
+    criterion: Any, output: Any, targets: tuple[Any, ...], kwargs: dict[str, Any], dim: int
+) -> float | Tensor:
     """How many items this replica's mean loss averages over, so the weighted mean equals the whole-batch mean.
 
     Class-index targets of a criterion with ``ignore_index`` (CrossEntropyLoss, NLLLoss) count non-ignored targets,
@@ -102,23 +140,37 @@ def _count_weight(criterion: nn.Module, output: Any, targets: tuple[Any, ...], d
     counts samples along ``dim``; with a fixed per-sample shape this is proportional to the element count that
     element-wise losses (MSE, BCE...) average over.
     """
-    target = targets[0] if targets else None
+    target = targets[0] if targets else kwargs.get("target")
     ignore_index = getattr(criterion, "ignore_index", None)
-    if isinstance(target, Tensor) and ignore_index is not None and not target.is_floating_point():
+    if isinstance(target, Tensor) and isinstance(ignore_index, int) and not target.is_floating_point():
         valid = target != ignore_index
         class_weight = getattr(criterion, "weight", None)
         if isinstance(class_weight, Tensor):
             return class_weight.to(target.device)[target[valid]].sum()
         return valid.sum()
-    return batch_size_of((output, targets), dim, path="criterion inputs")
+    # Samples along dim: read from the targets (split by us), else from the output (e.g. no targets at all).
+    try:
+        return args_batch_size(targets, kwargs, dim, names=("targets", "kwargs"))
+    except BatchSplitError:
+        pass
+    try:
+        return batch_size_of(output, dim, path="output")
+    except BatchSplitError as err:
+        raise ValueError(
+            f"Cannot tell how many samples a replica's loss averages over ({err}). Pass "
+            "DataParallelCriterion(..., weight_fn=lambda output, targets: count) to give each replica's weight."
+        ) from err
 
 
 class DataParallelCriterion(nn.Module):
     """Compute ``criterion`` on every device from :class:`DataParallelModel`'s per-device outputs.
 
-    Call it as ``criterion(outputs, *targets, **kwargs)`` with the *whole* targets: they are scattered exactly as the
-    inputs were. A plain-tuple output is unpacked into positional arguments (so ``(anchor, positive, negative)``
-    feeds a ``TripletMarginLoss``); other outputs are passed as one argument.
+    Call it as ``criterion(outputs, *targets, **kwargs)`` with the *whole* targets: they are split exactly as the
+    outputs are (by each output's batch size along ``dim``, or as the inputs were when that cannot be read) and
+    moved to each output's device. Targets without a batch dimension (or none at all) go whole to every replica.
+    A plain-tuple output is unpacked into positional arguments (so ``(anchor, positive, negative)`` feeds a
+    ``TripletMarginLoss``); other outputs are passed as one argument. With a single output (one device, or a batch
+    of one sample) the criterion is simply called on it.
 
     The per-device losses are reduced on the root device (``device_ids[0]``) according to ``criterion.reduction``:
     ``"mean"`` (default): weighted by per-device counts (:func:`_count_weight`), equal to the whole-batch value;
@@ -149,10 +201,16 @@ class DataParallelCriterion(nn.Module):
         return getattr(self.criterion, "reduction", "mean")
 
     def forward(self, outputs: Sequence[Any], *targets: Any, **kwargs: Any) -> Tensor:
-        if not isinstance(outputs, (list, tuple)) or (isinstance(outputs, tuple) and hasattr(outputs, "_fields")):
+        if not isinstance(outputs, list):
+            hint = (
+                " A tuple is taken as one model output (e.g. (anchor, positive, negative)), never as per-device "
+                "outputs: wrap it in a list for one device, or pass list(outputs) if it holds per-device outputs."
+                if isinstance(outputs, tuple)
+                else ""
+            )
             raise TypeError(
                 "DataParallelCriterion expects the list of per-device outputs returned by DataParallelModel, got "
-                f"{type(outputs).__name__}. For one gathered output, call the criterion itself."
+                f"{type(outputs).__name__}. For one gathered output, call the criterion itself.{hint}"
             )
         if not outputs:
             raise ValueError("DataParallelCriterion got an empty list of outputs.")
@@ -161,37 +219,69 @@ class DataParallelCriterion(nn.Module):
                 f"Got outputs from {len(outputs)} devices but the criterion has {len(self.device_ids)} device_ids; "
                 "use the same device_ids for DataParallelModel and DataParallelCriterion."
             )
-        devices = [_output_device(o, d) for o, d in zip(outputs, self.device_ids, strict=False)]
-        if len(outputs) == 1:
-            target_chunks, kwargs_chunks = [move_to(targets, devices[0])], [move_to(kwargs, devices[0])]
-        else:
-            target_chunks, kwargs_chunks, _ = scatter_args(targets, kwargs, devices, self.dim)
-            if len(target_chunks) != len(outputs):
-                raise ValueError(
-                    f"The targets split into {len(target_chunks)} chunks but there are {len(outputs)} outputs: "
-                    "the targets' batch size does not match the inputs given to DataParallelModel."
-                )
-        for i, (output, chunk) in enumerate(zip(outputs, target_chunks, strict=True)):
-            _check_aligned(output, chunk, i, self.dim)
-
         criterion = self.criterion
-        if isinstance(criterion, nn.Module) and len(outputs) > 1:
+        if len(outputs) == 1:
+            # A plain call on the one output: the result is exactly the criterion's, whatever its reduction.
+            device = _output_device(outputs[0], self.device_ids[0])
+            if not _scan(targets, kwargs, device, self.dim)[0]:
+                targets, kwargs = move_to((targets, kwargs), device)
+            return criterion(*_as_args(outputs[0]), *targets, **kwargs)
+
+        devices = [_output_device(o, d) for o, d in zip(outputs, self.device_ids, strict=False)]
+        target_chunks, kwargs_chunks = self._split_targets(outputs, targets, kwargs, devices)
+        for i, (output, chunk, kw) in enumerate(zip(outputs, target_chunks, kwargs_chunks, strict=True)):
+            _check_aligned(output, (chunk, kw), i, self.dim)
+
+        if isinstance(criterion, nn.Module) and _has_tensors(criterion):
+            check_module_on(criterion, self.device_ids[0], what="criterion")
             replicas: Sequence[Any] = replicate(criterion, devices, detach=not torch.is_grad_enabled())
         else:
-            replicas = [criterion] * len(outputs)
+            replicas = [criterion] * len(outputs)  # stateless: calling one object from several threads is safe
         calls = [
             (lambda c=c, o=o, t=t, k=k: c(*_as_args(o), *t, **k))
             for c, o, t, k in zip(replicas, outputs, target_chunks, kwargs_chunks, strict=True)
         ]
-        losses = parallel_apply(calls, devices, self.mode) if len(calls) > 1 else [calls[0]()]
+        losses = parallel_apply(calls, devices, self.mode)
         root = self.device_ids[0]
         if self.reduction == "none":
             return gather(losses, root, self.dim)
         if self.reduction == "sum":
             return reduce_losses(losses, device=root, reduction="sum")
-        weigh = self.weight_fn or (lambda o, t: _count_weight(criterion, o, t, self.dim))  # type: ignore[arg-type]
-        weights = [weigh(o, t) for o, t in zip(outputs, target_chunks, strict=True)]
+        if self.weight_fn is not None:
+            weights = [self.weight_fn(o, t) for o, t in zip(outputs, target_chunks, strict=True)]
+        else:
+            weights = [
+                _count_weight(criterion, o, t, k, self.dim)
+                for o, t, k in zip(outputs, target_chunks, kwargs_chunks, strict=True)
+            ]
         return reduce_losses(losses, weights, device=root, reduction="weighted")
+
+    def _split_targets(
+        self, outputs: list[Any], targets: tuple[Any, ...], kwargs: dict[str, Any], devices: list[torch.device]
+    ) -> tuple[list[tuple[Any, ...]], list[dict[str, Any]]]:
+        """Targets chunked exactly as the outputs are: by the outputs' own batch sizes when every output has one."""
+        if not any(t.dim() > self.dim for _, t in iter_tensors((targets, kwargs))):
+            # Nothing to split (no targets, as for TripletMarginLoss on (anchor, positive, negative), or only
+            # non-batch values): every replica gets them whole, on its device.
+            return [move_to(targets, d) for d in devices], [move_to(kwargs, d) for d in devices]
+        total = args_batch_size(targets, kwargs, self.dim, names=("targets", "kwargs"))
+        out_sizes = [_safe_batch_size(o, self.dim) for o in outputs]
+        sizes: list[int] | None = None
+        if all(out_sizes):
+            if sum(out_sizes) != total:
+                raise ValueError(
+                    f"Outputs and targets do not line up: the per-device outputs hold {out_sizes} samples along dim "
+                    f"{self.dim} ({sum(out_sizes)} in all) but the targets hold {total}. The targets must have the "
+                    "same batch size as the inputs given to DataParallelModel."
+                )
+            sizes = out_sizes
+        chunks, _ = scatter((tuple(targets), dict(kwargs)), devices, self.dim, batch_size=total, sizes=sizes)
+        if len(chunks) != len(outputs):
+            raise ValueError(
+                f"The targets split into {len(chunks)} chunks but there are {len(outputs)} outputs: "
+                "the targets' batch size does not match the inputs given to DataParallelModel."
+            )
+        return [c[0] for c in chunks], [c[1] for c in chunks]
 
 
 def _as_args(output: Any) -> tuple[Any, ...]:
@@ -201,12 +291,14 @@ def _as_args(output: Any) -> tuple[Any, ...]:
 
 
 def _output_device(output: Any, default: torch.device) -> torch.device:
+    if isinstance(output, Tensor):
+        return output.device
     for _, tensor in iter_tensors(output):
         return tensor.device
     return default
 
 
-def _check_aligned(output: Any, targets: tuple[Any, ...], index: int, dim: int) -> None:
+def _check_aligned(output: Any, targets: Any, index: int, dim: int) -> None:
     out_size = _safe_batch_size(output, dim)
     target_size = _safe_batch_size(targets, dim)
     if out_size and target_size and out_size != target_size:

@@ -11,6 +11,7 @@ the default mode runs the replicas sequentially there.
 
 from __future__ import annotations
 
+import os
 import threading
 import traceback
 from collections.abc import Callable, Sequence
@@ -93,15 +94,37 @@ def _pool() -> ThreadPoolExecutor:
         return _POOL
 
 
+def _forget_pool_in_child() -> None:
+    """A forked child inherits the executor but none of its threads: its idle-thread count would make submit() wait
+    for threads that do not exist (a deadlock, e.g. in a fork-started worker after a threads-mode step). Start over."""
+    global _POOL, _POOL_LOCK
+    _POOL_LOCK = threading.Lock()
+    _POOL = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool_in_child)
+
+
 def _reraise(index: int, device: torch.device, err: BaseException) -> None:
     """Raise in the caller: same exception type when possible, with the replica index and the original traceback."""
     original = "".join(traceback.format_exception(type(err), err, err.__traceback__))
     message = f"Caught {type(err).__name__} in replica {index} on device {device}.\nOriginal traceback:\n{original}"
+    if isinstance(err, KeyError):
+        # KeyError's str() is the repr of its argument: it would print the traceback on one line with \n escapes.
+        message = _KeyErrorMessage(message)
     try:
         new_err = type(err)(message)
     except Exception:
         new_err = ReplicaError(message)
     raise new_err from err
+
+
+class _KeyErrorMessage(str):
+    """A message whose repr is itself, so ``str(KeyError(msg))`` keeps its lines (as torch's ExceptionWrapper does)."""
+
+    def __repr__(self) -> str:
+        return self
 
 
 def resolve_mode(mode: ExecutionMode, devices: Sequence[torch.device]) -> Literal["threads", "sequential"]:

@@ -7,6 +7,7 @@ mean (the 2018 DataParallelCriterion, Lightning 1.x ``dp``) is only right when e
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Literal
 
@@ -56,6 +57,8 @@ def reduce_losses(
         raise ValueError(f"Unknown loss reduction {reduction!r}: choose one of {LOSS_REDUCTIONS}.")
     if not losses:
         raise ValueError("reduce_losses() needs at least one loss.")
+    if device is None and not isinstance(losses[0], Tensor):
+        _scalar_on(losses[0], torch.device("cpu"), 0)  # raises the TypeError
     root = to_device(device) if device is not None else losses[0].device
     scalars = [_scalar_on(loss, root, i) for i, loss in enumerate(losses)]
     if reduction == "sum":
@@ -65,8 +68,8 @@ def reduce_losses(
     if len(weights) != len(losses):
         raise ValueError(f"Got {len(weights)} weights for {len(losses)} losses.")
     values = as_float_weights(weights)
-    if any(w < 0 for w in values):
-        raise ValueError(f"Loss weights must be >= 0, got {values}.")
+    if any(not math.isfinite(w) or w < 0 for w in values):
+        raise ValueError(f"Loss weights must be finite and >= 0, got {values}.")
     kept = [(s, w) for s, w in zip(scalars, values, strict=True) if w > 0]
     if not kept:
         raise ValueError(

@@ -70,6 +70,13 @@ def _shallow_replica(module: nn.Module, device: torch.device, share_buffers: boo
             replica._buffers[name] = None if buffer is None else buffer_for(buffer)
         for name, child in original._modules.items():
             replica._modules[name] = None if child is None else copy_module(child)
+        if isinstance(replica, nn.RNNBase):
+            # RNNs run on a cached list of their weights, which must hold this replica's tensors (on its device,
+            # detached or not), not the original's; without flatten_parameters(), which would rewrite storage.
+            replica._flat_weights = [
+                replica._parameters.get(wn) if wn in replica._parameters else getattr(replica, wn, None)
+                for wn in replica._flat_weights_names
+            ]
         return replica
 
     return copy_module(module)

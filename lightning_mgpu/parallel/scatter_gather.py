@@ -10,8 +10,9 @@ the number of devices uses fewer replicas.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -64,8 +65,12 @@ def batch_size_of(obj: Any, dim: int = 0, path: str = "batch") -> int:
 
     Raises :class:`BatchSplitError` naming both key paths when two tensors disagree, and when there is no tensor.
     """
+    return _common_size(iter_tensors(obj, path), dim, type(obj).__name__)
+
+
+def _common_size(tensors: Iterable[tuple[str, Tensor]], dim: int, what: str) -> int:
     first: tuple[str, int] | None = None
-    for key, tensor in iter_tensors(obj, path):
+    for key, tensor in tensors:
         if tensor.dim() <= dim:
             continue
         size = tensor.shape[dim]
@@ -79,9 +84,26 @@ def batch_size_of(obj: Any, dim: int = 0, path: str = "batch") -> int:
     if first is None:
         raise BatchSplitError(
             f"Cannot split the batch along dim {dim}: it holds no tensor with a dimension {dim} "
-            f"(got {type(obj).__name__}). Pass tensors, or collections of tensors, with the batch along dim {dim}."
+            f"(got {what}). Pass tensors, or collections of tensors, with the batch along dim {dim}."
         )
     return first[1]
+
+
+def _args_tensors(
+    args: Sequence[Any], kwargs: Mapping[str, Any], names: tuple[str, str]
+) -> Iterator[tuple[str, Tensor]]:
+    """Tensors of call arguments, with paths such as ``args[0]['mask']`` or ``kwargs['labels']``."""
+    for i, arg in enumerate(args):
+        yield from iter_tensors(arg, f"{names[0]}[{i}]")
+    for key, value in kwargs.items():
+        yield from iter_tensors(value, f"{names[1]}[{key!r}]")
+
+
+def args_batch_size(
+    args: Sequence[Any], kwargs: Mapping[str, Any], dim: int = 0, names: tuple[str, str] = ("args", "kwargs")
+) -> int:
+    """:func:`batch_size_of` for call arguments; error messages name e.g. ``args[0]['mask']``."""
+    return _common_size(_args_tensors(args, kwargs, names), dim, "no tensor argument")
 
 
 def split_sizes(batch_size: int, num_devices: int) -> list[int]:
@@ -139,24 +161,41 @@ def _map_structure(obj: Any, leaf_fn: Callable[[Any], Any], batch_size: int | No
 
 
 def scatter(
-    obj: Any, devices: Sequence[DeviceLike], dim: int = 0, batch_size: int | None = None
+    obj: Any,
+    devices: Sequence[DeviceLike],
+    dim: int = 0,
+    batch_size: int | None = None,
+    *,
+    sizes: Sequence[int] | None = None,
 ) -> tuple[list[Any], list[int]]:
     """Split ``obj`` into one chunk per device, moved to that device.
 
     Returns ``(chunks, sizes)``: ``len(chunks) == len(sizes) <= len(devices)`` (fewer when the batch is smaller than
-    the device count). The copy to each device is differentiable.
+    the device count). The copy to each device is differentiable. ``sizes`` imposes the chunk sizes (they must add up
+    to the batch size), e.g. to split targets exactly as the model's outputs were split.
     """
     devices = [to_device(d) for d in devices]
     if batch_size is None:
         batch_size = batch_size_of(obj, dim)
-    sizes = split_sizes(batch_size, len(devices))
-    bounds = [sum(sizes[: i + 1]) for i in range(len(sizes) - 1)]
-    per_replica: list[list[Any]] = []
+    if sizes is None:
+        sizes = split_sizes(batch_size, len(devices))
+    else:
+        sizes = [int(n) for n in sizes]
+        if sum(sizes) != batch_size or any(n <= 0 for n in sizes) or len(sizes) > len(devices):
+            raise BatchSplitError(
+                f"Cannot split a batch of {batch_size} into chunks of {sizes} over {len(devices)} device(s): the "
+                "sizes must be positive, one per device at most, and add up to the batch size."
+            )
+    return _scatter_sizes(obj, devices, dim, batch_size, sizes), sizes
 
+
+def _scatter_sizes(obj: Any, devices: Sequence[torch.device], dim: int, batch_size: int, sizes: list[int]) -> list[Any]:
+    bounds = list(itertools.accumulate(sizes[:-1]))
     cache: dict[int, list[Any]] = {}
 
     def split_leaf(leaf: Any) -> list[Any]:
-        # Each leaf is split and copied once, then picked per replica.
+        # Each leaf is split and copied once, then picked per replica. The keys are ids of objects that ``obj``
+        # keeps alive for the whole call, so they cannot be reused.
         key = id(leaf)
         if key not in cache:
             cache[key] = _split_leaf(leaf)
@@ -173,17 +212,18 @@ def scatter(
             return [leaf[edges[i] : edges[i + 1]] for i in range(len(sizes))]
         return [leaf] * len(sizes)
 
-    for i in range(len(sizes)):
-        per_replica.append(_map_structure(obj, lambda leaf, i=i: split_leaf(leaf)[i], batch_size))
-    return per_replica, sizes
+    return [_map_structure(obj, lambda leaf, i=i: split_leaf(leaf)[i], batch_size) for i in range(len(sizes))]
 
 
 def scatter_args(
     args: tuple[Any, ...], kwargs: Mapping[str, Any], devices: Sequence[DeviceLike], dim: int = 0
 ) -> tuple[list[tuple[Any, ...]], list[dict[str, Any]], list[int]]:
-    """Scatter positional and keyword arguments together (they must share one batch size)."""
+    """Scatter positional and keyword arguments together (they must share one batch size).
+
+    An error names the offending argument, e.g. ``args[0]['mask']`` or ``kwargs['labels']``.
+    """
     combined = (tuple(args), dict(kwargs))
-    chunks, sizes = scatter(combined, devices, dim, batch_size=batch_size_of(combined, dim, path="inputs"))
+    chunks, sizes = scatter(combined, devices, dim, batch_size=args_batch_size(args, kwargs, dim))
     return [c[0] for c in chunks], [c[1] for c in chunks], sizes
 
 
@@ -196,14 +236,30 @@ def move_to(obj: Any, device: DeviceLike) -> Any:
 def gather(outputs: Sequence[Any], device: DeviceLike, dim: int = 0) -> Any:
     """Concatenate per-replica outputs on ``device`` along ``dim`` (differentiable), preserving the structure.
 
-    0-dim tensors are stacked (one value per replica); lists of plain items are concatenated; other non-tensor values
-    are kept when equal across replicas, else returned as a list with one value per replica.
+    The inverse of :func:`scatter`: tensors are concatenated; a list of plain items (e.g. strings) is concatenated
+    when it holds one item per sample of its replica (the replica's batch size is read from its tensors; without
+    any tensor, such lists are always concatenated); other non-tensor values, including lists that were passed whole,
+    are kept when equal across replicas, else returned as a list with one value per replica. 0-dim tensors (e.g. a
+    per-replica loss) are stacked, one value per replica, as ``nn.DataParallel`` does.
     """
     if not outputs:
         raise ValueError("gather() needs at least one output.")
     target = to_device(device)
+    sizes: list[int] | None = []
+    for output in outputs:
+        try:
+            sizes.append(batch_size_of(output, dim))
+        except BatchSplitError:
+            sizes = None
+            break
+    return _gather(list(outputs), target, dim, sizes, "output")
+
+
+def _gather(outputs: list[Any], target: torch.device, dim: int, sizes: list[int] | None, path: str) -> Any:
     first = outputs[0]
     if isinstance(first, Tensor):
+        if not all(isinstance(o, Tensor) for o in outputs):
+            raise _mismatch(outputs, path, "a tensor")
         tensors = [o.to(target) for o in outputs]
         if first.dim() == 0:
             return torch.stack(tensors)
@@ -211,14 +267,45 @@ def gather(outputs: Sequence[Any], device: DeviceLike, dim: int = 0) -> Any:
     if first is None:
         return None
     if isinstance(first, Mapping):
-        return rebuild(first, {k: gather([o[k] for o in outputs], target, dim) for k in first})
+        if not all(isinstance(o, Mapping) and o.keys() == first.keys() for o in outputs):
+            raise _mismatch(outputs, path, f"a mapping with keys {list(first.keys())}")
+        return rebuild(
+            first, {k: _gather([o[k] for o in outputs], target, dim, sizes, f"{path}[{k!r}]") for k in first}
+        )
     if isinstance(first, list) and not _contains_tensor(first):
-        return [item for o in outputs for item in o]
+        if not all(isinstance(o, list) for o in outputs):
+            raise _mismatch(outputs, path, "a list")
+        if sizes is None or all(len(o) == n for o, n in zip(outputs, sizes, strict=True)):
+            return [item for o in outputs for item in o]
+        return _gather_value(outputs)
     if isinstance(first, (list, tuple)):
-        return rebuild(first, [gather([o[i] for o in outputs], target, dim) for i in range(len(first))])
+        if not all(type(o) is type(first) and len(o) == len(first) for o in outputs):
+            raise _mismatch(outputs, path, f"a {type(first).__name__} of length {len(first)}")
+        return rebuild(
+            first, [_gather([o[i] for o in outputs], target, dim, sizes, f"{path}[{i}]") for i in range(len(first))]
+        )
     if _is_dataclass_instance(first):
+        if not all(type(o) is type(first) for o in outputs):
+            raise _mismatch(outputs, path, f"a {type(first).__name__}")
         names = [f.name for f in dataclasses.fields(first)]
-        return rebuild(first, [gather([getattr(o, n) for o in outputs], target, dim) for n in names])
-    if all(o == first for o in outputs[1:]):
-        return first
-    return list(outputs)
+        return rebuild(
+            first, [_gather([getattr(o, n) for o in outputs], target, dim, sizes, f"{path}.{n}") for n in names]
+        )
+    return _gather_value(outputs)
+
+
+def _gather_value(outputs: list[Any]) -> Any:
+    first = outputs[0]
+    try:
+        same = all(bool(o == first) for o in outputs[1:])
+    except Exception:  # e.g. arrays, whose == is element-wise
+        same = all(o is first for o in outputs[1:])
+    return first if same else list(outputs)
+
+
+def _mismatch(outputs: list[Any], path: str, expected: str) -> ValueError:
+    kinds = [type(o).__name__ for o in outputs]
+    return ValueError(
+        f"Cannot gather {path}: replica 0 returned {expected} but the replicas returned {kinds} with different "
+        "structures. Every replica must return the same structure."
+    )

@@ -1,0 +1,147 @@
+"""Misuse gives a clear error naming what is wrong."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_mgpu.parallel import (
+    BatchSplitError,
+    DataParallelCriterion,
+    DataParallelModel,
+    batch_size_of,
+    gather,
+    parallel_apply,
+    reduce_losses,
+    resolve_devices,
+    scatter,
+    split_sizes,
+)
+
+CPU2 = ["cpu"] * 2
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without CUDA")
+
+
+def test_empty_batch():
+    with pytest.raises(BatchSplitError, match="empty batch"):
+        DataParallelModel(nn.Linear(3, 2), CPU2)(torch.zeros(0, 3))
+    with pytest.raises(BatchSplitError, match="empty batch"):
+        split_sizes(0, 4)
+    with pytest.raises(BatchSplitError, match="no tensor"):
+        scatter({"names": ["a", "b"]}, CPU2)
+
+
+def test_batch_sizes_disagree_names_the_key_path():
+    batch = {"x": torch.zeros(4, 3), "mask": torch.zeros(3)}
+    with pytest.raises(BatchSplitError, match=r"batch\['x'\] has size 4 but batch\['mask'\] has size 3"):
+        scatter(batch, CPU2)
+    with pytest.raises(BatchSplitError, match=r"args\[0\]\['mask'\] has size 3"):
+        DataParallelModel(nn.Identity(), CPU2)(batch)
+    with pytest.raises(BatchSplitError, match=r"args\[0\] has size 4 but kwargs\['mask'\] has size 5"):
+        DataParallelModel(nn.Identity(), CPU2)(torch.zeros(4, 3), mask=torch.zeros(5))
+    with pytest.raises(BatchSplitError, match=r"batch\.left has size 2 but batch\.right"):
+        from collections import namedtuple
+
+        batch_size_of(namedtuple("P", "left right")(torch.zeros(2), torch.zeros(3)))
+
+
+@pytest.mark.parametrize(
+    ("device_ids", "error", "pattern"),
+    [
+        ([], ValueError, "device_ids is empty"),
+        (["cud:0"], ValueError, "Invalid device string 'cud:0'"),
+        (["cpu", "meta"], ValueError, "mixes device types"),
+        ([-1], ValueError, "Invalid device index -1"),
+        ([True], TypeError, "Invalid device True"),
+        ([1.5], TypeError, "Invalid device 1.5"),
+        ("cpu", TypeError, "wrap it in a list"),
+    ],
+)
+def test_invalid_device_lists(device_ids, error, pattern):
+    with pytest.raises(error, match=pattern):
+        resolve_devices(device_ids)
+    with pytest.raises(error, match=pattern):
+        DataParallelModel(nn.Linear(2, 2), device_ids)
+    with pytest.raises(error, match=pattern):
+        DataParallelCriterion(nn.MSELoss(), device_ids)
+
+
+@no_cuda
+@pytest.mark.parametrize("device_ids", [["cuda:0"], [0, 1], ["cuda"]])
+def test_cuda_devices_without_cuda(device_ids):
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        DataParallelModel(nn.Linear(2, 2), device_ids)
+
+
+def test_module_not_on_root_device():
+    with pytest.raises(ValueError, match=r"root device meta .*'weight' is on cpu"):
+        DataParallelModel(nn.Linear(2, 2), ["meta", "meta"])
+
+
+def test_unknown_mode():
+    with pytest.raises(ValueError, match="Unknown execution mode 'fast'"):
+        DataParallelModel(nn.Linear(2, 2), CPU2, mode="fast")
+
+
+def test_criterion_outputs_and_targets_do_not_line_up():
+    outputs = DataParallelModel(nn.Linear(3, 2), CPU2)(torch.zeros(8, 3))
+    criterion = DataParallelCriterion(nn.MSELoss(), CPU2)
+    with pytest.raises(ValueError, match=r"outputs hold \[4, 4\] samples .* targets hold 10"):
+        criterion(outputs, torch.zeros(10, 2))
+    with pytest.raises(BatchSplitError, match=r"targets\[0\] has size 8 but targets\[1\] has size 7"):
+        criterion(outputs, torch.zeros(8, 2), torch.zeros(7))
+    # Outputs whose own batch sizes cannot be read: the per-device check still catches a mismatch.
+    # An output whose batch size cannot be read: the targets are split evenly and each device is checked.
+    mixed = [torch.zeros(2, 2), (torch.zeros(3, 2), torch.zeros(4, 2))]
+    with pytest.raises(ValueError, match=r"do not line up on device 0: the output has 2 samples .* targets have 3"):
+        DataParallelCriterion(lambda *args: args[0].sum(), CPU2)(mixed, torch.zeros(5, 1))
+    # No targets and no readable batch size: the replica weights are unknown, weight_fn is the way out.
+    weird = [(torch.zeros(3, 2), torch.zeros(4, 2))] * 2
+    with pytest.raises(ValueError, match="weight_fn"):
+        DataParallelCriterion(lambda a, b: a.sum(), CPU2)(weird)
+    assert DataParallelCriterion(lambda a, b: a.sum() + 1, CPU2, weight_fn=lambda o, t: 1)(weird).item() == 1.0
+
+
+def test_criterion_given_a_tensor_or_tuple_instead_of_the_list():
+    criterion = DataParallelCriterion(nn.MSELoss(), CPU2)
+    with pytest.raises(TypeError, match=r"expects the list of per-device outputs .* got Tensor"):
+        criterion(torch.zeros(4, 2), torch.zeros(4, 2))
+    with pytest.raises(TypeError, match="A tuple is taken as one model output"):
+        criterion((torch.zeros(4, 2), torch.zeros(4, 2)), torch.zeros(8, 2))
+    with pytest.raises(ValueError, match="empty list of outputs"):
+        criterion([], torch.zeros(4, 2))
+    with pytest.raises(ValueError, match="outputs from 3 devices but the criterion has 2 device_ids"):
+        criterion([torch.zeros(1, 2)] * 3, torch.zeros(3, 2))
+    with pytest.raises(TypeError, match="criterion must be callable"):
+        DataParallelCriterion("mse", CPU2)
+
+
+def test_reduce_losses_errors():
+    with pytest.raises(ValueError, match="only scalar losses"):
+        reduce_losses([torch.zeros(2), torch.zeros(2)])
+    with pytest.raises(TypeError, match="loss of replica 0 is a float"):
+        reduce_losses([1.0, torch.tensor(1.0)])
+    with pytest.raises(ValueError, match="Every replica has loss weight 0"):
+        reduce_losses([torch.tensor(1.0), torch.tensor(2.0)], [0, 0])
+    with pytest.raises(ValueError, match="finite and >= 0"):
+        reduce_losses([torch.tensor(1.0), torch.tensor(2.0)], [1, -1])
+    with pytest.raises(ValueError, match="finite and >= 0"):
+        reduce_losses([torch.tensor(1.0), torch.tensor(2.0)], [1, float("nan")])
+    with pytest.raises(ValueError, match="2 weights for 1 losses"):
+        reduce_losses([torch.tensor(1.0)], [1, 2])
+    with pytest.raises(ValueError, match="Unknown loss reduction"):
+        reduce_losses([torch.tensor(1.0)], reduction="avg")
+    with pytest.raises(ValueError, match="at least one loss"):
+        reduce_losses([])
+
+
+def test_gather_and_parallel_apply_errors():
+    with pytest.raises(ValueError, match="at least one output"):
+        gather([], "cpu")
+    with pytest.raises(ValueError, match=r"Cannot gather output\['b'\]"):
+        gather([{"b": torch.zeros(1)}, {"b": [1]}], "cpu")
+    with pytest.raises(ValueError, match="Cannot gather output: replica 0 returned a mapping"):
+        gather([{"a": torch.zeros(1)}, {"b": torch.zeros(1)}], "cpu")
+    with pytest.raises(ValueError, match="2 functions for 3 devices"):
+        parallel_apply([lambda: 1, lambda: 2], ["cpu"] * 3)

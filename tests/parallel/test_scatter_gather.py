@@ -1,0 +1,250 @@
+"""Every supported batch and output structure is split and gathered back exactly."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict, namedtuple
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_mgpu.parallel import (
+    DataParallelCriterion,
+    DataParallelModel,
+    batch_size_of,
+    gather,
+    move_to,
+    scatter,
+    scatter_args,
+    split_sizes,
+)
+
+CPU4 = ["cpu"] * 4
+Pair = namedtuple("Pair", ["left", "right"])
+
+
+@dataclasses.dataclass
+class Sample:
+    image: torch.Tensor
+    label: torch.Tensor
+    name: str = "train"
+
+
+@dataclasses.dataclass(frozen=True)
+class Frozen:
+    value: torch.Tensor
+    derived: int = dataclasses.field(init=False, default=7)
+
+
+def assert_same(a, b, path="x"):
+    """Structural equality: same types all the way down, tensors equal (and same dtype)."""
+    assert type(a) is type(b), f"{path}: {type(a)} != {type(b)}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert list(a) == list(b), path
+        for k in a:
+            assert_same(a[k], b[k], f"{path}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same(x, y, f"{path}[{i}]")
+    elif dataclasses.is_dataclass(a):
+        for f in dataclasses.fields(a):
+            assert_same(getattr(a, f.name), getattr(b, f.name), f"{path}.{f.name}")
+    else:
+        assert a == b, path
+
+
+def test_split_sizes_are_tensor_split_sizes():
+    assert split_sizes(10, 4) == [3, 3, 2, 2]
+    assert split_sizes(8, 4) == [2, 2, 2, 2]
+    assert split_sizes(3, 4) == [1, 1, 1]  # fewer replicas, never an empty chunk
+    assert split_sizes(5, 1) == [5]
+    assert [len(c) for c in torch.arange(10).tensor_split(4)] == split_sizes(10, 4)
+
+
+def nested_batch(n: int = 10):
+    g = torch.Generator().manual_seed(0)
+
+    def t(*shape, dtype=torch.float32):
+        return torch.randn(n, *shape, generator=g).to(dtype)
+
+    return {
+        "tuple": (t(3), t(2, 2)),
+        "list": [t(1), t(4, dtype=torch.float64)],
+        "pair": Pair(t(2), torch.arange(n)),
+        "sample": Sample(t(1, 4, 4), torch.arange(n) % 3),
+        "frozen": Frozen(t(2)),
+        "nested": OrderedDict(deep=[{"ids": torch.arange(n), "mask": torch.ones(n, 5, dtype=torch.bool)}]),
+        "names": [f"s{i}" for i in range(n)],
+        "constants": {"epoch": 3, "tag": "x", "none": None, "classes": ["cat", "dog"]},
+    }
+
+
+def test_scatter_every_structure():
+    batch = nested_batch(10)
+    chunks, sizes = scatter(batch, CPU4)
+    assert sizes == [3, 3, 2, 2]
+    start = 0
+    for chunk, size in zip(chunks, sizes, strict=True):
+        rows = slice(start, start + size)
+        assert isinstance(chunk, dict) and list(chunk) == list(batch)
+        assert isinstance(chunk["tuple"], tuple) and torch.equal(chunk["tuple"][1], batch["tuple"][1][rows])
+        assert isinstance(chunk["list"], list) and chunk["list"][1].dtype == torch.float64
+        assert type(chunk["pair"]) is Pair and torch.equal(chunk["pair"].right, torch.arange(10)[rows])
+        assert type(chunk["sample"]) is Sample and chunk["sample"].image.shape == (size, 1, 4, 4)
+        assert chunk["sample"].name == "train"
+        assert type(chunk["frozen"]) is Frozen and chunk["frozen"].derived == 7
+        assert type(chunk["nested"]) is OrderedDict
+        assert torch.equal(chunk["nested"]["deep"][0]["ids"], torch.arange(10)[rows])
+        assert chunk["names"] == [f"s{i}" for i in range(start, start + size)]  # split with the batch
+        assert chunk["constants"] == {"epoch": 3, "tag": "x", "none": None, "classes": ["cat", "dog"]}
+        start += size
+    assert [len(c["names"]) for c in chunks] == [3, 3, 2, 2]
+
+
+def test_gather_reverses_scatter_exactly():
+    batch = nested_batch(10)
+    for n in (1, 2, 3, 4):
+        chunks, _ = scatter(batch, ["cpu"] * n)
+        assert_same(gather(chunks, "cpu"), batch)
+    small = nested_batch(3)  # fewer samples than devices: 3 chunks
+    chunks, sizes = scatter(small, CPU4)
+    assert sizes == [1, 1, 1]
+    assert_same(gather(chunks, "cpu"), small)
+
+
+def test_zero_dim_tensors_are_replicated_and_stacked_back():
+    scale = torch.tensor(2.5)
+    chunks, _ = scatter({"x": torch.arange(10.0), "scale": scale}, CPU4)
+    assert all(c["scale"].dim() == 0 and c["scale"].item() == 2.5 for c in chunks)
+    # Gathering 0-dim outputs (e.g. a per-replica auxiliary loss) stacks them, one value per replica.
+    assert torch.equal(gather([torch.tensor(1.0), torch.tensor(2.0)], "cpu"), torch.tensor([1.0, 2.0]))
+
+
+def test_non_tensor_values_passed_whole_and_gathered():
+    marker = object()
+    chunks, _ = scatter((torch.zeros(6, 2), marker, "text", 4, ["a", "b"]), ["cpu"] * 3)
+    assert all(c[1] is marker and c[2] == "text" and c[3] == 4 and c[4] == ["a", "b"] for c in chunks)
+    # Different non-tensor values come back as one value per replica.
+    assert gather([{"x": torch.zeros(1), "k": 1}, {"x": torch.zeros(1), "k": 2}], "cpu")["k"] == [1, 2]
+    # Lists of plain items with no tensor beside them are concatenated.
+    assert gather([["a", "b"], ["c"]], "cpu") == ["a", "b", "c"]
+
+
+def test_scatter_along_another_dim():
+    x = torch.arange(24.0).reshape(2, 12)
+    chunks, sizes = scatter({"x": x, "bias": torch.ones(3)}, CPU4, dim=1)
+    assert sizes == [3, 3, 3, 3] and chunks[0]["x"].shape == (2, 3)
+    assert torch.equal(chunks[0]["bias"], torch.ones(3))  # 1-dim: no dim 1, replicated
+    assert torch.equal(gather([c["x"] for c in chunks], "cpu", dim=1), x)
+
+
+def test_scatter_is_differentiable():
+    x = torch.randn(10, 3, requires_grad=True)
+    chunks, _ = scatter(x, CPU4)
+    torch.cat([c * (i + 1) for i, c in enumerate(chunks)]).sum().backward()
+    assert torch.equal(x.grad[:, 0], torch.tensor([1.0] * 3 + [2.0] * 3 + [3.0] * 2 + [4.0] * 2))
+
+
+def test_scatter_args_and_move_to():
+    args, kwargs, sizes = scatter_args((torch.arange(5),), {"mask": torch.ones(5), "flag": True}, ["cpu"] * 2)
+    assert sizes == [3, 2]
+    assert [a[0].tolist() for a in args] == [[0, 1, 2], [3, 4]]
+    assert all(k["flag"] is True and k["mask"].shape[0] == s for k, s in zip(kwargs, sizes, strict=True))
+    moved = move_to({"a": [torch.ones(2)], "b": Pair(torch.zeros(1), "s")}, "cpu")
+    assert type(moved["b"]) is Pair and moved["b"].right == "s"
+    assert batch_size_of(nested_batch(7)) == 7
+
+
+class DictModel(nn.Module):
+    """Consumes a dict batch with strings, returns dict / namedtuple / dataclass / nested outputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 3).double()
+
+    def forward(self, batch):
+        assert len(batch["names"]) == batch["x"].shape[0]
+        logits = self.lin(batch["x"])
+        return {
+            "logits": logits,
+            "pair": Pair(logits.sum(1), logits.argmax(1)),
+            "sample": Sample(logits[:, None, :, None], batch["y"], name="out"),
+            "names": [n.upper() for n in batch["names"]],
+            "meta": ("const", [logits * 2]),
+        }
+
+
+@pytest.mark.parametrize("mode", ["threads", "sequential"])
+def test_model_outputs_of_every_structure_gather_to_single_device(mode):
+    g = torch.Generator().manual_seed(1)
+    batch = {
+        "x": torch.randn(10, 4, generator=g, dtype=torch.float64),
+        "y": torch.arange(10),
+        "names": list("abcdefghij"),
+    }
+    model = DictModel()
+    expected = model(batch)
+    dp_model = DataParallelModel(model, CPU4, mode=mode)
+    outputs = dp_model(batch)
+    assert len(outputs) == 4 and [len(o["names"]) for o in outputs] == [3, 3, 2, 2]
+    gathered = dp_model.gather(outputs)
+    assert gathered["names"] == list("ABCDEFGHIJ")
+    assert gathered["meta"][0] == "const"
+    assert type(gathered["pair"]) is Pair and type(gathered["sample"]) is Sample
+    assert gathered["sample"].name == "out"
+    for key in ("logits",):
+        assert torch.allclose(gathered[key], expected[key], atol=1e-12, rtol=0)
+    assert torch.allclose(gathered["meta"][1][0], expected["meta"][1][0], atol=1e-12, rtol=0)
+    assert torch.equal(gathered["sample"].label, expected["sample"].label)
+    assert gathered["logits"].requires_grad  # gather is differentiable
+
+
+def test_transformers_model_output():
+    modeling_outputs = pytest.importorskip("transformers.modeling_outputs")
+    SequenceClassifierOutput = modeling_outputs.SequenceClassifierOutput
+
+    class HFLike(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.encoder = nn.Linear(4, 6).double()
+            self.head = nn.Linear(6, 3).double()
+
+        def forward(self, input_ids=None, attention_mask=None):
+            hidden = torch.tanh(self.encoder(input_ids)) * attention_mask[:, None]
+            return SequenceClassifierOutput(logits=self.head(hidden), hidden_states=(hidden,))
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 4, generator=g, dtype=torch.float64)
+    mask = torch.ones(9, dtype=torch.float64)
+    labels = torch.randint(0, 3, (9,), generator=g)
+    reference, model = HFLike(), HFLike()
+    expected = reference(input_ids=x, attention_mask=mask)
+    ref_loss = nn.functional.cross_entropy(expected.logits, labels)
+    ref_loss.backward()
+
+    dp_model = DataParallelModel(model, CPU4)
+    outputs = dp_model(input_ids=x, attention_mask=mask)
+    assert all(type(o) is SequenceClassifierOutput for o in outputs)
+    gathered = dp_model.gather(outputs)
+    assert type(gathered) is SequenceClassifierOutput
+    assert gathered.loss is None and list(gathered.keys()) == ["logits", "hidden_states"]
+    assert isinstance(gathered.hidden_states, tuple) and gathered.hidden_states[0].shape == (9, 6)
+    assert torch.allclose(gathered.logits, expected.logits, atol=1e-12, rtol=0)
+
+    criterion = DataParallelCriterion(lambda out, y: nn.functional.cross_entropy(out.logits, y), CPU4)
+    loss = criterion(outputs, labels)
+    loss.backward()
+    assert abs(loss.item() - ref_loss.item()) < 1e-10
+    for p_ref, p in zip(reference.parameters(), model.parameters(), strict=True):
+        assert (p_ref.grad - p.grad).abs().max().item() < 1e-10
+
+    # A ModelOutput as input is split like any mapping.
+    chunks, _ = scatter(SequenceClassifierOutput(logits=x), CPU4)
+    assert all(type(c) is SequenceClassifierOutput for c in chunks)
+    assert_same(gather(chunks, "cpu"), SequenceClassifierOutput(logits=x))
