@@ -58,5 +58,6 @@ def test_mixed_precision_dtype_reaches_gpu_worker_threads(precision, dtype):
     t.fit(module, loader(8, dtype=torch.float32))
     assert len(module.records) == 6
     assert {r[1] for r in module.records} == {dtype}
-    assert len({r[0] for r in module.records}) == 2  # replica 1 ran in a worker thread
+    threads = {r[0] for r in module.records}
+    assert threading.main_thread().name in threads and len(threads) >= 2  # replica 1 ran in a worker thread
     assert torch.isfinite(flat_params(module)).all()
