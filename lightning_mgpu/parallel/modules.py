@@ -47,7 +47,7 @@ class DataParallelModel(nn.Module):
             devices", e.g. ``["cpu"] * 4``). ``None``: every visible CUDA device, or the module's device without CUDA.
         output_device: where :meth:`gather` puts outputs; default ``device_ids[0]``.
         dim: the batch dimension of inputs and outputs.
-        mode: ``"auto"`` (threads on GPUs, sequential on CPUs), ``"threads"`` or ``"sequential"``.
+        mode: ``"auto"`` (threads on distinct GPUs, else sequential), ``"threads"`` or ``"sequential"``.
 
     Any output type works: tensor, tuple, list, dict, dataclass, ``transformers`` ``ModelOutput``. With one device (or
     a batch of one sample) the module is called directly (no replica; inputs are moved to the device only if some are

@@ -30,7 +30,7 @@ class DataParallelStrategy(SingleProcessParallelStrategy):
         parallel_modules: dotted names of the submodules whose ``forward`` runs replicated (e.g. ``["backbone"]``);
             default ``[""]``: the LightningModule's own ``forward``, i.e. every ``self(...)`` call in a step.
         dim: the batch dimension of inputs and outputs.
-        execution_mode: ``"auto"`` (threads on GPUs, sequential on CPUs), ``"threads"`` or ``"sequential"``.
+        execution_mode: ``"auto"`` (threads on distinct GPUs, else sequential), ``"threads"`` or ``"sequential"``.
     """
 
     strategy_name = "dp"

@@ -29,7 +29,7 @@ class ParallelCriterionStrategy(SingleProcessParallelStrategy):
         loss_reduction: ``"weighted"`` (default): losses weighted by sample count or the step's own weights, equal to
             one device on the whole batch; ``"mean"``: plain mean over replicas (Lightning 1.x ``dp``); ``"sum"``.
         dim: the batch dimension to split along.
-        execution_mode: ``"auto"`` (threads on GPUs, sequential on CPUs), ``"threads"`` or ``"sequential"``.
+        execution_mode: ``"auto"`` (threads on distinct GPUs, else sequential), ``"threads"`` or ``"sequential"``.
 
     The ``*_step`` methods run on replicas, so they must not rebind attributes of the module (such changes are lost
     with the replica); ``self.log`` and torchmetrics attributes are handled and give single-device values. Manual
