@@ -154,7 +154,7 @@ class PyramidNet(nn.Module):
             for i in range(units):
                 width += add_rate
                 stride = 2 if stage > 0 and i == 0 else 1
-                unit = unit_cls(in_channels, int(round(width)), stride)
+                unit = unit_cls(in_channels, round(width), stride)  # Python rounding, as the official code
                 blocks.append(unit)
                 in_channels = unit.out_channels
             stages.append(nn.Sequential(*blocks))
@@ -226,8 +226,8 @@ PYRAMIDNET_CONFIGS: dict[str, PyramidNetConfig] = {
     "pyramidnet272_bottleneck_a200": PyramidNetConfig(
         272, 200, bottleneck=True, reported_params=26_000_000, note="paper: 26.0M, C10 error 3.31%"
     ),
-    "tiny": PyramidNetConfig(8, 24, note="tests: 3 basic units (one per stage), widths 24/32/40; fast on a CPU"),
-    "small": PyramidNetConfig(14, 48, note="quickstart: 6 basic units, widths 24..64; about a minute on 2 CPU cores"),
+    "tiny": PyramidNetConfig(8, 24, note="tests and the quickstart: 3 basic units (one per stage), widths 24/32/40"),
+    "small": PyramidNetConfig(14, 48, note="CPU experiments: 6 basic units, widths 24..64, about 4× the cost of tiny"),
 }
 
 

@@ -1,0 +1,148 @@
+"""PyramidNet architecture: parameter counts of every named config, shapes, memory formats, autocast, init."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from recipes.pyramidnet.model import (
+    PYRAMIDNET_CONFIGS,
+    PyramidNet,
+    build_pyramidnet,
+    count_parameters,
+    pyramidnet_names,
+)
+from recipes.pyramidnet.model import _shortcut as shortcut
+
+# name → (count asserted, relative tolerance, final width). Paper counts are rounded to 0.1M in the paper's table
+# (the official code counts slightly more); the seed count is exact. Final widths are the paper's "output dim".
+EXPECTED = {
+    "seed": (24_253_410, 0.0, 271),
+    "pyramidnet110_a48": (1_700_000, 0.05, 64),
+    "pyramidnet110_a84": (3_800_000, 0.05, 100),
+    "pyramidnet110_a270": (28_300_000, 0.05, 286),
+    "pyramidnet164_bottleneck_a270": (27_000_000, 0.05, 1144),
+    "pyramidnet200_bottleneck_a240": (26_600_000, 0.05, 1024),
+    "pyramidnet236_bottleneck_a220": (26_800_000, 0.05, 944),
+    "pyramidnet272_bottleneck_a200": (26_000_000, 0.05, 864),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_parameter_counts_match_the_article_and_the_paper(name: str) -> None:
+    with torch.device("meta"):
+        model = build_pyramidnet(name)
+    expected, tolerance, width = EXPECTED[name]
+    n = count_parameters(model)
+    if tolerance == 0:
+        assert n == expected
+    else:
+        assert abs(n - expected) <= tolerance * expected, f"{name}: {n:,} vs paper {expected:,}"
+    assert model.final_channels == width
+    assert PYRAMIDNET_CONFIGS[name].reported_params == expected
+
+
+def test_every_named_config_is_covered_and_builds() -> None:
+    small = {"tiny", "small"}
+    assert set(pyramidnet_names()) == set(EXPECTED) | small
+    for name in small:
+        with torch.device("meta"):
+            assert count_parameters(build_pyramidnet(name)) < 500_000
+
+
+def test_seed_structure_is_17_units_per_stage_with_rate_5() -> None:
+    with torch.device("meta"):
+        model = build_pyramidnet("seed")
+    stages = [model.stage1, model.stage2, model.stage3]
+    assert [len(s) for s in stages] == [17, 17, 17]
+    widths = [unit.out_channels for s in stages for unit in s]
+    assert widths == [16 + 5 * (i + 1) for i in range(51)]
+    strides = [unit.stride for s in stages for unit in s]
+    assert strides[0] == 1 and strides[17] == 2 and strides[34] == 2 and strides.count(2) == 2
+    # No projection shortcuts anywhere: every conv belongs to a residual branch or the stem.
+    convs = [m for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
+    assert len(convs) == 1 + 2 * 51
+
+
+def test_units_per_stage_override_keeps_the_widening_rate() -> None:
+    with torch.device("meta"):
+        full = PyramidNet(110, 270)
+        short = PyramidNet(110, 270, units_per_stage=17)
+    assert full.final_channels == 16 + 270 and len(full.stage1) == 18
+    assert short.final_channels == 16 + 5 * 51 and len(short.stage1) == 17
+
+
+def test_bottleneck_units_expand_four_times() -> None:
+    with torch.device("meta"):
+        model = PyramidNet(20, 24, bottleneck=True)  # n = 2 units per stage, rate 4
+    widths = [unit.out_channels for s in (model.stage1, model.stage2, model.stage3) for unit in s]
+    assert widths == [4 * (16 + 4 * (i + 1)) for i in range(6)]
+
+
+def test_unknown_name_lists_the_valid_ones() -> None:
+    with pytest.raises(ValueError, match="unknown PyramidNet 'resnet50'") as err:
+        build_pyramidnet("resnet50")
+    for name in pyramidnet_names():
+        assert name in str(err.value)
+
+
+@pytest.mark.parametrize(("depth", "bottleneck"), [(109, False), (111, True), (2, False)])
+def test_invalid_depth_is_refused(depth: int, bottleneck: bool) -> None:
+    with pytest.raises(ValueError, match="depth"):
+        PyramidNet(depth, 48, bottleneck=bottleneck)
+
+
+def test_tiny_forward_shapes_and_channels_last_agree() -> None:
+    torch.manual_seed(0)
+    model = build_pyramidnet("tiny", num_classes=7).eval()
+    x = torch.randn(5, 3, 32, 32)
+    with torch.no_grad():
+        out = model(x)
+        model_cl = model.to(memory_format=torch.channels_last)
+        out_cl = model_cl(x.contiguous(memory_format=torch.channels_last))
+    assert out.shape == out_cl.shape == (5, 7)
+    torch.testing.assert_close(out, out_cl, rtol=1e-4, atol=1e-4)
+
+
+def test_bottleneck_forward_and_backward_reach_every_parameter() -> None:
+    torch.manual_seed(0)
+    model = PyramidNet(11, 12, bottleneck=True)
+    loss = F.cross_entropy(model(torch.randn(4, 3, 32, 32)), torch.tensor([0, 1, 2, 3]))
+    loss.backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+
+
+def test_autocast_bfloat16_on_cpu() -> None:
+    torch.manual_seed(0)
+    model = build_pyramidnet("tiny").to(memory_format=torch.channels_last)
+    x = torch.randn(4, 3, 32, 32).contiguous(memory_format=torch.channels_last)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
+    out.float().sum().backward()
+    assert model.conv1.weight.grad is not None
+
+
+def test_shortcut_pools_and_zero_pads_in_the_input_dtype() -> None:
+    x = torch.arange(2 * 3 * 5 * 5, dtype=torch.float64).view(2, 3, 5, 5)
+    y = shortcut(x, out_channels=5, stride=2)
+    assert y.shape == (2, 5, 3, 3) and y.dtype == torch.float64  # ceil_mode: 5 → 3
+    torch.testing.assert_close(y[:, :3], F.avg_pool2d(x, 2, 2, ceil_mode=True))
+    assert y[0, 0, 0, 0] == (0 + 1 + 5 + 6) / 4
+    assert (y[:, 3:] == 0).all()
+    same = shortcut(x, out_channels=3, stride=1)
+    assert same is x
+
+
+def test_paper_initialisation() -> None:
+    torch.manual_seed(0)
+    model = build_pyramidnet("pyramidnet110_a48")
+    conv = model.stage3[-1].conv2  # 64 → 64, 3×3: 36,864 weights
+    expected_std = math.sqrt(2.0 / (3 * 3 * conv.out_channels))
+    assert abs(conv.weight.std().item() / expected_std - 1) < 0.03
+    assert abs(conv.weight.mean().item()) < 0.05 * expected_std
+    bns = [m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    assert all((bn.weight == 1).all() and (bn.bias == 0).all() for bn in bns)
