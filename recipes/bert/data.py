@@ -1,0 +1,286 @@
+"""``BertPretrainingDataModule``: corpus -> WordPiece tokenizer -> NSP sentence pairs -> masked batches.
+
+Where the text comes from, in order of precedence:
+
+1. ``corpus``: local text file(s), one sentence per line, a blank line between documents (read with ``datasets``);
+2. ``hub_dataset``: a Hugging Face hub dataset name (needs the network or its cache);
+3. neither: a synthetic, learnable corpus (see ``corpus.synthetic_documents``) written to ``work_dir`` once.
+
+The tokenizer is loaded from ``tokenizer_dir`` if it holds one (a directory saved by an earlier run, or a local
+pretrained BERT tokenizer), else trained on the training documents and saved there. ``prepare_data`` (run once per
+node) writes the synthetic corpus and the tokenizer; ``setup`` (every process) reads them, tokenizes every sentence
+once and builds the pairs deterministically from ``seed``, so all DDP ranks hold the same dataset.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from recipes.bert.corpus import Documents, read_hub_documents, read_text_documents, write_synthetic_corpus
+from recipes.bert.masking import PretrainingCollator
+from recipes.bert.pairs import SentencePairs, build_nsp_pairs, truncate_pair_lengths
+from recipes.bert.tokenizer import (
+    SpecialTokenIds,
+    Tokenizer,
+    load_tokenizer,
+    save_tokenizer,
+    special_token_ids,
+    tokenizer_exists,
+    train_wordpiece,
+)
+
+
+class TokenizedCorpus:
+    """Every sentence of a corpus as token ids (no special tokens), stored flat: ``ids[offsets[i]:offsets[i+1]]``."""
+
+    def __init__(self, documents: Documents, tokenizer: Tokenizer, batch_size: int = 10_000) -> None:
+        sentences = [s for doc in documents for s in doc]
+        lengths = np.empty(len(sentences), dtype=np.int64)
+        chunks = []
+        for start in range(0, len(sentences), batch_size):
+            encodings = tokenizer.encode_batch(sentences[start : start + batch_size], add_special_tokens=False)
+            for i, encoding in enumerate(encodings):
+                lengths[start + i] = len(encoding.ids)
+                chunks.append(np.asarray(encoding.ids, dtype=np.int32))
+        self.ids = np.concatenate(chunks) if chunks else np.empty(0, dtype=np.int32)
+        self.offsets = np.concatenate(([0], np.cumsum(lengths)))
+        self.sentences_per_document = [len(doc) for doc in documents]
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def sentence(self, index: int) -> np.ndarray:
+        """Token ids of sentence ``index`` (global index over all documents)."""
+        return self.ids[self.offsets[index] : self.offsets[index + 1]]
+
+
+class NspPairDataset(Dataset):
+    """Map-style dataset of ``[CLS] A [SEP] B [SEP]`` examples, truncated longest-first to ``max_seq_length``.
+
+    Items are dicts of Python lists/ints (cheap to pickle to ``DataLoader`` workers); ``PretrainingCollator`` pads
+    and masks them.
+    """
+
+    def __init__(
+        self, corpus: TokenizedCorpus, pairs: SentencePairs, special: SpecialTokenIds, max_seq_length: int
+    ) -> None:
+        if max_seq_length < 5:
+            raise ValueError(f"max_seq_length must be at least 5 ([CLS] a [SEP] b [SEP]), got {max_seq_length}")
+        self.corpus = corpus
+        self.pairs = pairs
+        self.special = special
+        self.max_seq_length = max_seq_length
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        a = self.corpus.sentence(int(self.pairs.first[index]))
+        b = self.corpus.sentence(int(self.pairs.second[index]))
+        len_a, len_b = truncate_pair_lengths(len(a), len(b), self.max_seq_length - 3)
+        cls, sep = self.special.cls, self.special.sep
+        input_ids = [cls, *a[:len_a].tolist(), sep, *b[:len_b].tolist(), sep]
+        token_type_ids = [0] * (len_a + 2) + [1] * (len_b + 1)
+        return {
+            "input_ids": input_ids,
+            "token_type_ids": token_type_ids,
+            "next_sentence_label": int(self.pairs.label[index]),
+        }
+
+
+class BertPretrainingDataModule(pl.LightningDataModule):
+    """MLM + NSP data for BERT pretraining (see the module docstring for sources and caching).
+
+    Args:
+        corpus: local text file(s) in BERT's corpus format; overrides ``hub_dataset``.
+        hub_dataset, hub_config, hub_split, text_column: a hub dataset whose ``text_column`` holds sentences.
+        work_dir: where the synthetic corpus, the default tokenizer directory and the ``datasets`` cache go.
+        tokenizer_dir: tokenizer to reuse, or where to save the trained one (default ``work_dir/wordpiece-<vocab>``).
+        tokenizer_vocab_size, min_frequency, lowercase: WordPiece training (the vocabulary may come out smaller; the
+            model's ``vocab_size`` must be at least the result). Named apart from the model's ``vocab_size`` because
+            Lightning refuses equal hparam names with different values in the model and the datamodule.
+        max_seq_length: longest ``[CLS] A [SEP] B [SEP]`` (pairs are truncated longest-first).
+        batch_size: per step (per process under DDP; split across devices by the single-process strategies).
+        val_fraction: share of *documents* held out for validation (at least one when > 0).
+        mlm_probability, mask_ratio, random_ratio: masking (15% selected; 80% [MASK], 10% random, 10% kept).
+        pad_to_max_length: pad every batch to ``max_seq_length`` instead of its longest sequence.
+        seed: fixes the synthetic corpus, the train/val split, the NSP pairs and the validation masks.
+        synthetic_documents, synthetic_topics, synthetic_words_per_topic: size of the synthetic corpus.
+    """
+
+    def __init__(
+        self,
+        corpus: str | list[str] | None = None,
+        hub_dataset: str | None = None,
+        hub_config: str | None = None,
+        hub_split: str = "train",
+        text_column: str = "text",
+        work_dir: str = "data/bert",
+        tokenizer_dir: str | None = None,
+        tokenizer_vocab_size: int = 30522,
+        min_frequency: int = 2,
+        lowercase: bool = True,
+        max_seq_length: int = 128,
+        batch_size: int = 32,
+        val_batch_size: int | None = None,
+        val_fraction: float = 0.05,
+        num_workers: int = 0,
+        mlm_probability: float = 0.15,
+        mask_ratio: float = 0.8,
+        random_ratio: float = 0.1,
+        pad_to_max_length: bool = False,
+        seed: int = 1234,
+        synthetic_documents: int = 2000,
+        synthetic_topics: int = 16,
+        synthetic_words_per_topic: int = 16,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.corpus = corpus
+        self.work_dir = Path(work_dir)
+        default_dir = self.work_dir / f"wordpiece-{tokenizer_vocab_size}"
+        self.tokenizer_dir = Path(tokenizer_dir) if tokenizer_dir else default_dir
+        self.tokenizer: Tokenizer | None = None
+        self.train_dataset: NspPairDataset | None = None
+        self.val_dataset: NspPairDataset | None = None
+
+    # ----------------------------------------------------------------------------------------------- sources
+    @property
+    def synthetic_corpus_path(self) -> Path:
+        """Where the synthetic corpus is written (its name encodes the generator's parameters)."""
+        h = self.hparams
+        name = f"synthetic-d{h.synthetic_documents}-t{h.synthetic_topics}-w{h.synthetic_words_per_topic}-s{h.seed}.txt"
+        return self.work_dir / name
+
+    def _corpus_files(self) -> list[str] | None:
+        if self.corpus is not None:
+            return [self.corpus] if isinstance(self.corpus, (str, os.PathLike)) else list(self.corpus)
+        if self.hparams.hub_dataset is not None:
+            return None
+        return [str(self.synthetic_corpus_path)]
+
+    def _write_synthetic_corpus(self) -> None:
+        if self.corpus is None and self.hparams.hub_dataset is None and not self.synthetic_corpus_path.is_file():
+            h = self.hparams
+            write_synthetic_corpus(
+                self.synthetic_corpus_path,
+                num_documents=h.synthetic_documents,
+                num_topics=h.synthetic_topics,
+                words_per_topic=h.synthetic_words_per_topic,
+                seed=h.seed,
+            )
+
+    def read_documents(self) -> Documents:
+        """All documents of the configured source."""
+        cache_dir = self.work_dir / "hf_cache"
+        files = self._corpus_files()
+        if files is None:
+            h = self.hparams
+            return read_hub_documents(h.hub_dataset, h.hub_config, h.hub_split, h.text_column, cache_dir=cache_dir)
+        return read_text_documents(files, cache_dir=cache_dir)
+
+    def _split_documents(self, documents: Documents) -> tuple[Documents, Documents, np.ndarray]:
+        """Seeded document-level train/val split; returns train docs, val docs and the val flags per document."""
+        n = len(documents)
+        is_val = np.zeros(n, dtype=bool)
+        if self.hparams.val_fraction > 0 and n >= 3:
+            n_val = min(n - 2, max(1, round(self.hparams.val_fraction * n)))
+            is_val[np.random.default_rng(self.hparams.seed).permutation(n)[:n_val]] = True
+        train = [d for d, v in zip(documents, is_val, strict=True) if not v]
+        val = [d for d, v in zip(documents, is_val, strict=True) if v]
+        return train, val, is_val
+
+    # ----------------------------------------------------------------------------------------------- hooks
+    def prepare_data(self) -> None:
+        """Write the synthetic corpus and train + save the tokenizer if they are not there yet (once per node)."""
+        self._write_synthetic_corpus()
+        if not tokenizer_exists(self.tokenizer_dir):
+            train_docs, _, _ = self._split_documents(self.read_documents())
+            texts = [s for doc in train_docs for s in doc]
+            h = self.hparams
+            tokenizer = train_wordpiece(texts, h.tokenizer_vocab_size, h.min_frequency, h.lowercase, length=len(texts))
+            save_tokenizer(tokenizer, self.tokenizer_dir)
+
+    def setup(self, stage: str | None = None) -> None:
+        """Load the tokenizer, tokenize the corpus and build the train/val pair datasets (idempotent)."""
+        if self.train_dataset is not None:
+            return
+        synthetic_missing = (
+            self.corpus is None and self.hparams.hub_dataset is None and not self.synthetic_corpus_path.is_file()
+        )
+        if synthetic_missing or not tokenizer_exists(self.tokenizer_dir):
+            self.prepare_data()  # e.g. when used outside a Trainer, which calls prepare_data itself
+        self.tokenizer = load_tokenizer(self.tokenizer_dir, lowercase=self.hparams.lowercase)
+        special = special_token_ids(self.tokenizer)
+        documents = self.read_documents()
+        _, _, is_val = self._split_documents(documents)
+        corpus = TokenizedCorpus(documents, self.tokenizer)
+        pairs = build_nsp_pairs(corpus.sentences_per_document, seed=self.hparams.seed)
+        pair_is_val = is_val[pairs.document]
+        h = self.hparams
+        self.train_dataset = NspPairDataset(corpus, pairs.subset(~pair_is_val), special, h.max_seq_length)
+        self.val_dataset = NspPairDataset(corpus, pairs.subset(pair_is_val), special, h.max_seq_length)
+        if len(self.train_dataset) == 0:
+            raise ValueError("the corpus yields no training pairs: documents need at least 2 sentences")
+
+    # ----------------------------------------------------------------------------------------------- loaders
+    @property
+    def vocab_size(self) -> int:
+        """Size of the loaded tokenizer's vocabulary (call ``setup`` first): the model's must be at least this."""
+        if self.tokenizer is None:
+            raise RuntimeError("call setup() before reading vocab_size")
+        return self.tokenizer.get_vocab_size()
+
+    @property
+    def special_token_ids(self) -> SpecialTokenIds:
+        """Ids of [PAD], [UNK], [CLS], [SEP], [MASK] in the loaded tokenizer."""
+        if self.tokenizer is None:
+            raise RuntimeError("call setup() before reading special_token_ids")
+        return special_token_ids(self.tokenizer)
+
+    def collator(self, generator: torch.Generator | None = None) -> PretrainingCollator:
+        """The masking collator for this tokenizer (``generator`` fixes the masks; None: torch's global RNG)."""
+        special = self.special_token_ids
+        h = self.hparams
+        return PretrainingCollator(
+            vocab_size=self.vocab_size,
+            pad_token_id=special.pad,
+            mask_token_id=special.mask,
+            special_ids=special.all,
+            mlm_probability=h.mlm_probability,
+            mask_ratio=h.mask_ratio,
+            random_ratio=h.random_ratio,
+            pad_to_length=h.max_seq_length if h.pad_to_max_length else None,
+            generator=generator,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        """Shuffled pairs with fresh masks every epoch."""
+        assert self.train_dataset is not None, "call setup() first"
+        return DataLoader(
+            self.train_dataset,
+            batch_size=self.hparams.batch_size,
+            shuffle=True,
+            num_workers=self.hparams.num_workers,
+            collate_fn=self.collator(),
+            persistent_workers=self.hparams.num_workers > 0,
+            drop_last=False,
+        )
+
+    def val_dataloader(self) -> DataLoader:
+        """Held-out documents' pairs, masked with a seeded generator so validation is reproducible."""
+        assert self.val_dataset is not None, "call setup() first"
+        return DataLoader(
+            self.val_dataset,
+            batch_size=self.hparams.val_batch_size or self.hparams.batch_size,
+            shuffle=False,
+            num_workers=self.hparams.num_workers,
+            collate_fn=self.collator(torch.Generator().manual_seed(self.hparams.seed)),
+        )
