@@ -29,7 +29,8 @@ TRAINER = {
 
 
 def _write(path: Path, trainer: dict) -> Path:
-    path.write_text(yaml.safe_dump({"trainer": {**TRAINER, **trainer}, "model": MODEL, "data": DATA}))
+    trainer = {**TRAINER, "default_root_dir": str(path.parent), **trainer}  # LightningCLI saves config.yaml there
+    path.write_text(yaml.safe_dump({"trainer": trainer, "model": MODEL, "data": DATA}))
     return path
 
 
