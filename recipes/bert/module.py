@@ -198,7 +198,8 @@ class BertPretrainingModule(pl.LightningModule):
         """Log the total training loss from the (strategy-reduced) ``outputs["loss"]`` on the root device."""
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         if loss is not None:
-            self.log("train/loss", loss.detach(), batch_size=int(batch["input_ids"].shape[0]), on_step=True,
+            loss = loss.detach() * self.trainer.accumulate_grad_batches  # Lightning hands over loss / accumulation
+            self.log("train/loss", loss, batch_size=int(batch["input_ids"].shape[0]), on_step=True,
                      on_epoch=True, sync_dist=True, prog_bar=True)
 
     def _log_epoch_losses(self, stage: str) -> None:
