@@ -70,7 +70,10 @@ def train_wordpiece(
 ) -> Tokenizer:
     """Train a BERT WordPiece vocabulary of at most ``vocab_size`` tokens (fewer if the corpus is small).
 
-    Deterministic: the same texts give the same ids. ``length`` (the number of texts) only drives progress estimates.
+    Ids are in a canonical order (specials, then the tokens sorted). The token set can differ between two trainings on
+    the same texts by a few tokens tied at the ``vocab_size`` boundary (the trainer breaks ties in hash-map order), so
+    runs reuse the saved tokenizer (:func:`load_or_train_tokenizer`) instead of retraining. ``length`` (the number of
+    texts) only drives progress estimates.
     """
     if vocab_size <= len(SPECIAL_TOKENS):
         raise ValueError(f"vocab_size must exceed the {len(SPECIAL_TOKENS)} special tokens, got {vocab_size}")
@@ -83,8 +86,8 @@ def train_wordpiece(
         show_progress=False,
     )
     tokenizer.train_from_iterator(texts, trainer=trainer, length=length)
-    # The trainer's ids depend on hash-map order (ties differ run to run), although the token set does not. WordPiece
-    # encoding depends only on the set, so renumber: specials first, then the tokens sorted. Same corpus, same ids.
+    # The trainer's ids follow hash-map order; WordPiece encoding depends only on the token set, so renumber in a
+    # canonical order: specials first, then the tokens sorted.
     vocab = tokenizer.get_vocab()
     ordered = list(SPECIAL_TOKENS) + sorted(t for t in vocab if t not in SPECIAL_TOKENS)
     model = models.WordPiece({t: i for i, t in enumerate(ordered)}, unk_token="[UNK]", max_input_chars_per_word=100)

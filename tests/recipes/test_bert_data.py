@@ -211,8 +211,12 @@ def test_tokenizer_trains_from_a_file_and_is_reused_from_its_directory(tmp_path:
     assert pair.ids[0] == CLS and pair.ids.count(SEP) == 2 and UNK not in pair.ids
     assert pair.type_ids[-1] == 1 and pair.type_ids[0] == 0
 
-    # Training is deterministic (the trainer's own ids are not: they follow hash-map order).
-    assert train_wordpiece(texts, vocab_size=200, min_frequency=1).get_vocab() == tokenizer.get_vocab()
+    # Retraining gives ids in the same canonical order (specials, then sorted tokens); the token set itself may differ
+    # by a few tokens tied at the vocabulary-size boundary (the trainer breaks ties in hash-map order), which is why the
+    # tokenizer is saved and reused below rather than retrained.
+    retrained = train_wordpiece(texts, vocab_size=200, min_frequency=1).get_vocab()
+    assert sorted(retrained, key=retrained.__getitem__)[5:] == sorted(t for t in retrained if t not in SPECIAL_TOKENS)
+    assert len(retrained.keys() & tokenizer.get_vocab().keys()) >= 0.95 * len(retrained)
 
     # Reused, not retrained: other texts and another size give back the saved vocabulary.
     reused = load_or_train_tokenizer(directory, ["completely different words"], vocab_size=50)
