@@ -11,6 +11,7 @@ from lightning_mgpu.parallel.reduce import reduce_losses
 from lightning_mgpu.parallel.replicate import replicate
 from lightning_mgpu.parallel.scatter_gather import (
     BatchSplitError,
+    NothingToSplitError,
     batch_size_of,
     gather,
     move_to,
@@ -23,6 +24,7 @@ __all__ = [
     "BatchSplitError",
     "DataParallelCriterion",
     "DataParallelModel",
+    "NothingToSplitError",
     "ReplicaError",
     "ThreadState",
     "batch_size_of",

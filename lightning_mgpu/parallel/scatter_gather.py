@@ -25,6 +25,10 @@ class BatchSplitError(ValueError):
     """The batch cannot be split into per-device chunks (empty, or inconsistent batch sizes)."""
 
 
+class NothingToSplitError(BatchSplitError):
+    """The inputs hold no tensor with a batch dimension (callers may then run once, unsplit)."""
+
+
 def _is_namedtuple(obj: Any) -> bool:
     return isinstance(obj, tuple) and hasattr(obj, "_fields")
 
@@ -82,7 +86,7 @@ def _common_size(tensors: Iterable[tuple[str, Tensor]], dim: int, what: str) -> 
                 "Every tensor that has a batch dimension must have the same batch size."
             )
     if first is None:
-        raise BatchSplitError(
+        raise NothingToSplitError(
             f"Cannot split the batch along dim {dim}: it holds no tensor with a dimension {dim} "
             f"(got {what}). Pass tensors, or collections of tensors, with the batch along dim {dim}."
         )
@@ -216,14 +220,21 @@ def _scatter_sizes(obj: Any, devices: Sequence[torch.device], dim: int, batch_si
 
 
 def scatter_args(
-    args: tuple[Any, ...], kwargs: Mapping[str, Any], devices: Sequence[DeviceLike], dim: int = 0
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    devices: Sequence[DeviceLike],
+    dim: int = 0,
+    batch_size: int | None = None,
 ) -> tuple[list[tuple[Any, ...]], list[dict[str, Any]], list[int]]:
     """Scatter positional and keyword arguments together (they must share one batch size).
 
-    An error names the offending argument, e.g. ``args[0]['mask']`` or ``kwargs['labels']``.
+    An error names the offending argument, e.g. ``args[0]['mask']`` or ``kwargs['labels']``. ``batch_size``: the
+    result of :func:`args_batch_size` when the caller has it already.
     """
     combined = (tuple(args), dict(kwargs))
-    chunks, sizes = scatter(combined, devices, dim, batch_size=args_batch_size(args, kwargs, dim))
+    if batch_size is None:
+        batch_size = args_batch_size(args, kwargs, dim)
+    chunks, sizes = scatter(combined, devices, dim, batch_size=batch_size)
     return [c[0] for c in chunks], [c[1] for c in chunks], sizes
 
 

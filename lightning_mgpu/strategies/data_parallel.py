@@ -17,7 +17,7 @@ from torch import nn
 
 from lightning_mgpu.parallel.devices import DeviceLike, to_device
 from lightning_mgpu.parallel.parallel_apply import ExecutionMode
-from lightning_mgpu.parallel.scatter_gather import BatchSplitError, batch_size_of, gather, scatter_args
+from lightning_mgpu.parallel.scatter_gather import NothingToSplitError, args_batch_size, gather, scatter_args
 from lightning_mgpu.strategies.single_process import SingleProcessParallelStrategy
 
 
@@ -98,10 +98,12 @@ class DataParallelStrategy(SingleProcessParallelStrategy):
 
         def parallel_forward(*inputs: Any, **kwargs: Any) -> Any:
             try:
-                batch_size_of((inputs, kwargs), self.dim, path="inputs")
-            except BatchSplitError:
-                return original(*inputs, **kwargs)  # nothing to split (e.g. no tensor input): run once, on root
-            args_chunks, kwargs_chunks, sizes = scatter_args(inputs, kwargs, self.parallel_devices, self.dim)
+                batch_size = args_batch_size(inputs, kwargs, self.dim)
+            except NothingToSplitError:
+                return original(*inputs, **kwargs)  # no tensor input: run once, on root
+            args_chunks, kwargs_chunks, sizes = scatter_args(
+                inputs, kwargs, self.parallel_devices, self.dim, batch_size=batch_size
+            )
             devices = self.parallel_devices[: len(sizes)]
 
             def call(index: int, replica: Any) -> Any:

@@ -106,3 +106,18 @@ def test_invalid_options_are_refused():
         lightning_mgpu.ParallelCriterionStrategy(loss_reduction="median")
     with pytest.raises(ValueError, match="execution_mode must be one of"):
         lightning_mgpu.DataParallelStrategy(execution_mode="processes")
+
+
+class MismatchedForwardInputs(Classifier):
+    def forward(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        return self.net(x) if scale is None else self.net(x) * scale.mean()
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        logits = self(x, scale=torch.ones(len(y) + 1, dtype=x.dtype))
+        return torch.nn.functional.cross_entropy(logits, y)
+
+
+def test_dp_refuses_forward_inputs_with_different_batch_sizes():
+    with pytest.raises(ValueError, match=r"args\[0\] has size 10 but kwargs\['scale'\] has size 11"):
+        trainer("dp", 2, max_steps=1).fit(seeded(MismatchedForwardInputs), loader(10))
