@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -37,13 +37,33 @@ class StepTransfer:
     ``outputs``: what replicas other than the root send it (``dp``: the gathered outputs; ``parallel_criterion``:
     losses and step outputs). ``parameters``: parameters and buffers broadcast to those replicas. ``gradients``: their
     gradients reduced back onto the root (training only). With virtual devices nothing crosses a bus, but the figures
-    are what distinct devices would move.
+    are what distinct devices would move. Parameter and gradient bytes are computed when read, not on every step.
     """
 
     outputs: int = 0
-    parameters: int = 0
-    gradients: int = 0
     replicas: int = 1
+    _replications: list[tuple[nn.Module, int, bool]] = field(default_factory=list, repr=False)
+
+    def add(self, module: nn.Module, outputs: Sequence[Any]) -> None:
+        """Record one replicated call of ``module`` that returned ``outputs`` (one per replica)."""
+        self.outputs += sum(_nbytes(o) for o in outputs[1:])
+        self._replications.append((module, len(outputs) - 1, torch.is_grad_enabled()))
+        self.replicas = max(self.replicas, len(outputs))
+
+    @property
+    def parameters(self) -> int:
+        return sum(
+            others * sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
+            for module, others, _ in self._replications
+        )
+
+    @property
+    def gradients(self) -> int:
+        return sum(
+            others * sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+            for module, others, with_grad in self._replications
+            if with_grad
+        )
 
     @property
     def total(self) -> int:
@@ -148,15 +168,12 @@ class SingleProcessParallelStrategy(ParallelStrategy):
         recorders = []
         for replica, device in zip(replicas, devices, strict=True):
             replica.__dict__.pop("forward", None)  # a patched forward (dp) must not be copied into replicas
-            if device != self.root_device:
-                for sub in replica.modules():
-                    if isinstance(sub, _DeviceDtypeModuleMixin):
-                        sub._device = device
             recorder = LogRecorder()
-            replica.log = recorder.log  # instance attribute: shadows LightningModule.log on this replica only
             for sub in replica.modules():
-                if isinstance(sub, LightningModule) and sub is not replica:
-                    sub.log = recorder.log
+                if isinstance(sub, LightningModule):
+                    sub.log = recorder.log  # instance attribute: shadows LightningModule.log on this replica only
+                if device != self.root_device and isinstance(sub, _DeviceDtypeModuleMixin):
+                    sub._device = device
             recorders.append(recorder)
         self._metric_replicas.install(module, replicas, devices)
         return replicas, recorders
@@ -174,18 +191,8 @@ class SingleProcessParallelStrategy(ParallelStrategy):
             [lambda i=i, r=r: call(i, r) for i, r in enumerate(replicas)], devices, self.execution_mode
         )
         self._merge_replica_state(recorders, sample_counts)
-        self._count_transfer(module, outputs)
+        self.step_transfer.add(module, outputs)
         return outputs
-
-    def _count_transfer(self, module: nn.Module, outputs: Sequence[Any]) -> None:
-        others = len(outputs) - 1
-        state_bytes = sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
-        grad_bytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
-        transfer = self.step_transfer
-        transfer.outputs += sum(_nbytes(o) for o in outputs[1:])
-        transfer.parameters += others * state_bytes
-        transfer.gradients += others * grad_bytes if torch.is_grad_enabled() else 0
-        transfer.replicas = max(transfer.replicas, len(outputs))
 
     def _merge_replica_state(self, recorders: Sequence[LogRecorder], sample_counts: Sequence[int]) -> None:
         in_training = self.lightning_module._current_fx_name == "training_step"
