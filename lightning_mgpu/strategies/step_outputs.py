@@ -92,10 +92,11 @@ def gather_step_outputs(outputs: Sequence[Any], sample_counts: Sequence[int], ro
         return None
     if isinstance(first, Tensor):
         if first.dim() == 0:
-            return _weighted_mean([o.to(root) for o in outputs], sample_counts)
+            return reduce_losses(list(outputs), sample_counts, root)
         return torch.cat([o.to(root) for o in outputs], dim=0)
     if isinstance(first, (int, float)) and not isinstance(first, bool):
-        return float(_weighted_mean([torch.tensor(float(o), dtype=torch.float64) for o in outputs], sample_counts))
+        values = [torch.tensor(float(o), dtype=torch.float64) for o in outputs]
+        return float(reduce_losses(values, sample_counts, torch.device("cpu")))
     if isinstance(first, Mapping):
         return rebuild(first, {k: gather_step_outputs([o[k] for o in outputs], sample_counts, root) for k in first})
     if isinstance(first, list) and not any(isinstance(x, (Tensor, Mapping, list, tuple)) for x in first):
@@ -107,9 +108,3 @@ def gather_step_outputs(outputs: Sequence[Any], sample_counts: Sequence[int], ro
         return first
     return list(outputs)
 
-
-def _weighted_mean(values: Sequence[Tensor], counts: Sequence[int]) -> Tensor:
-    stacked = torch.stack([v.reshape(()) for v in values])
-    dtype = torch.promote_types(stacked.dtype, torch.float32)
-    w = torch.tensor([float(c) for c in counts], dtype=dtype, device=stacked.device)
-    return ((stacked.to(dtype) * w).sum() / w.sum()).to(stacked.dtype if stacked.is_floating_point() else dtype)
