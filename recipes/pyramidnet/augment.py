@@ -25,18 +25,30 @@ def random_crop(images: torch.Tensor, padding: int = 4, generator: torch.Generat
     """Random ``H×W`` crops of ``images`` (N, C, H, W) zero-padded by ``padding`` on every side, one offset per image.
 
     Equivalent to torchvision's ``RandomCrop(size, padding=padding)`` per image (zero fill, so black pixels for uint8
-    input); done with two ``gather`` calls on the padded batch. ``generator`` must live on the images' device.
+    input); done with one ``gather`` on the padded batch. ``generator`` must live on the images' device.
     """
     if padding <= 0:
         return images
+    offsets = torch.randint(0, 2 * padding + 1, (2, images.shape[0]), device=images.device, generator=generator)
+    return _crop(images, padding, offsets)
+
+
+def _crop(images: torch.Tensor, padding: int, offsets: torch.Tensor, flip: torch.Tensor | None = None) -> torch.Tensor:
+    """Crop at ``offsets`` (2, N) (rows, columns) of the zero-padded batch, mirrored where ``flip`` (N,) is true.
+
+    A single ``gather`` over the flattened padded images: the flip only reverses the column indices, so cropping and
+    flipping cost one pass and no intermediate batch.
+    """
     n, c, h, w = images.shape
     padded = F.pad(images, (padding, padding, padding, padding))
     device = images.device
-    offsets = torch.randint(0, 2 * padding + 1, (2, n), device=device, generator=generator)
+    cols = torch.arange(w, device=device)
+    if flip is not None:
+        cols = torch.where(flip[:, None], cols.flip(0), cols)  # (N, W)
     rows = offsets[0, :, None] + torch.arange(h, device=device)  # (N, H)
-    cols = offsets[1, :, None] + torch.arange(w, device=device)  # (N, W)
-    out = padded.gather(2, rows[:, None, :, None].expand(n, c, h, w + 2 * padding))
-    return out.gather(3, cols[:, None, None, :].expand(n, c, h, w))
+    cols = offsets[1, :, None] + cols  # (N, W)
+    index = rows[:, :, None] * (w + 2 * padding) + cols[:, None, :]  # (N, H, W) into the flattened padded image
+    return padded.flatten(2).gather(2, index.view(n, 1, h * w).expand(n, c, h * w)).view(n, c, h, w)
 
 
 def random_hflip(images: torch.Tensor, p: float = 0.5, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -60,7 +72,8 @@ def normalize(
 ) -> torch.Tensor:
     """uint8 images in [0, 255] → float32 ``(x / 255 - mean) / std`` per channel."""
     scale, shift = _stats(images.device, tuple(mean), tuple(std))
-    return images.float() * scale - shift
+    # One new float32 tensor, scaled and shifted in place (``copy=True``: never write into a float input).
+    return images.to(torch.float32, copy=True).mul_(scale).sub_(shift)
 
 
 def transform_batch(
@@ -82,10 +95,18 @@ def transform_batch(
     if images.ndim != 4:
         raise ValueError(f"expected images of shape (N, C, H, W), got {tuple(images.shape)}")
     if train:
-        images = random_crop(images, padding)
-        if flip:
+        if padding > 0:
+            # Same random draws, in the same order, as random_crop then random_hflip, fused into one gather.
+            device = images.device
+            offsets = torch.randint(0, 2 * padding + 1, (2, images.shape[0]), device=device)
+            flips = torch.rand(images.shape[0], device=device) < 0.5 if flip else None
+            images = _crop(images, padding, offsets, flips)
+        elif flip:
             images = random_hflip(images)
+    if channels_last:
+        # Reformat the uint8 batch (a quarter of the float bytes); the elementwise normalisation keeps the layout.
+        images = images.contiguous(memory_format=torch.channels_last)
     out = normalize(images, mean, std)
     if channels_last:
-        out = out.contiguous(memory_format=torch.channels_last)
+        out = out.contiguous(memory_format=torch.channels_last)  # no-op unless the layout was ambiguous
     return out

@@ -53,38 +53,49 @@ def _shortcut(x: torch.Tensor, out_channels: int, stride: int) -> torch.Tensor:
     return x
 
 
-class BasicUnit(nn.Module):
+class _Unit(nn.Module):
+    """What both units share: the first BN, ``out_channels`` and the padded identity added to ``residual``."""
+
+    expansion = 1
+
+    def __init__(self, in_channels: int, planes: int, stride: int) -> None:
+        super().__init__()
+        self.stride = stride
+        self.out_channels = planes * self.expansion
+        self.bn1 = nn.BatchNorm2d(in_channels)
+
+    def residual(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.residual(x) + _shortcut(x, self.out_channels, self.stride)
+
+
+class BasicUnit(_Unit):
     """Basic pyramidal unit: BN → 3×3 conv (stride) → BN → ReLU → 3×3 conv → BN, plus the padded identity."""
 
     expansion = 1
 
     def __init__(self, in_channels: int, planes: int, stride: int = 1) -> None:
-        super().__init__()
-        self.stride = stride
-        self.out_channels = planes * self.expansion
-        self.bn1 = nn.BatchNorm2d(in_channels)
+        super().__init__(in_channels, planes, stride)
         self.conv1 = _conv3x3(in_channels, planes, stride)
         self.bn2 = nn.BatchNorm2d(planes)
         self.conv2 = _conv3x3(planes, planes)
         self.bn3 = nn.BatchNorm2d(planes)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def residual(self, x: torch.Tensor) -> torch.Tensor:
         out = self.conv1(self.bn1(x))
         out = self.conv2(F.relu(self.bn2(out)))
-        out = self.bn3(out)
-        return out + _shortcut(x, self.out_channels, self.stride)
+        return self.bn3(out)
 
 
-class BottleneckUnit(nn.Module):
+class BottleneckUnit(_Unit):
     """Bottleneck unit: BN → 1×1 → BN → ReLU → 3×3 (stride) → BN → ReLU → 1×1 (4× planes) → BN, plus the identity."""
 
     expansion = 4
 
     def __init__(self, in_channels: int, planes: int, stride: int = 1) -> None:
-        super().__init__()
-        self.stride = stride
-        self.out_channels = planes * self.expansion
-        self.bn1 = nn.BatchNorm2d(in_channels)
+        super().__init__(in_channels, planes, stride)
         self.conv1 = _conv1x1(in_channels, planes)
         self.bn2 = nn.BatchNorm2d(planes)
         self.conv2 = _conv3x3(planes, planes, stride)
@@ -92,12 +103,11 @@ class BottleneckUnit(nn.Module):
         self.conv3 = _conv1x1(planes, self.out_channels)
         self.bn4 = nn.BatchNorm2d(self.out_channels)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def residual(self, x: torch.Tensor) -> torch.Tensor:
         out = self.conv1(self.bn1(x))
         out = self.conv2(F.relu(self.bn2(out)))
         out = self.conv3(F.relu(self.bn3(out)))
-        out = self.bn4(out)
-        return out + _shortcut(x, self.out_channels, self.stride)
+        return self.bn4(out)
 
 
 class PyramidNet(nn.Module):
@@ -141,7 +151,7 @@ class PyramidNet(nn.Module):
         self.alpha = alpha
         self.bottleneck = bottleneck
         self.units_per_stage = units
-        unit_cls: type[BasicUnit] | type[BottleneckUnit] = BottleneckUnit if bottleneck else BasicUnit
+        unit_cls: type[_Unit] = BottleneckUnit if bottleneck else BasicUnit
         add_rate = alpha / (3 * n)
 
         self.conv1 = _conv3x3(3, stem_channels)

@@ -112,17 +112,17 @@ class PyramidNetModule(L.LightningModule):
         return loss
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss, logits, labels = self._step(batch)
-        self.val_acc.update(logits, labels)
-        self.log("val_loss", loss, on_epoch=True, sync_dist=True)
-        self.log("val_acc", self.val_acc, on_epoch=True, prog_bar=True)
-        return loss
+        return self._eval_step(batch, "val", self.val_acc)
 
     def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self._eval_step(batch, "test", self.test_acc)
+
+    def _eval_step(self, batch: tuple[torch.Tensor, torch.Tensor], stage: str, accuracy: MulticlassAccuracy
+                   ) -> torch.Tensor:
         loss, logits, labels = self._step(batch)
-        self.test_acc.update(logits, labels)
-        self.log("test_loss", loss, on_epoch=True, sync_dist=True)
-        self.log("test_acc", self.test_acc, on_epoch=True)
+        accuracy.update(logits, labels)
+        self.log(f"{stage}_loss", loss, on_epoch=True, sync_dist=True)
+        self.log(f"{stage}_acc", accuracy, on_epoch=True, prog_bar=stage == "val")
         return loss
 
     def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
