@@ -43,8 +43,15 @@ def write_chart(report: dict[str, Any], path: Path) -> None:
     memory_ax.bar(positions, heights, color=[color for _, _, color, _ in bars])
     top = max(heights, default=0.0) or 1.0
     for x, (_, value, _, text) in zip(positions, bars, strict=True):
-        memory_ax.text(x, (value or 0.0) + 0.01 * top, text, ha="center", va="bottom", fontsize=8,
-                       color="black" if value is not None else "#990000")
+        memory_ax.text(
+            x,
+            (value or 0.0) + 0.01 * top,
+            text,
+            ha="center",
+            va="bottom",
+            fontsize=8,
+            color="black" if value is not None else "#990000",
+        )
     memory_ax.set_xticks(positions, [label for label, _, _, _ in bars], fontsize=8)
     memory_ax.set_ylim(0, top * 1.3)  # room for the legend
     kind = "CUDA peak allocated" if report["devices"]["accelerator"] == "gpu" else "process peak RSS"
@@ -63,8 +70,11 @@ def write_chart(report: dict[str, Any], path: Path) -> None:
 
     names = [row["strategy"] for row in rows]
     speeds = [row.get("samples_per_s") if row.get("status") == "ok" else None for row in rows]
-    speed_ax.bar(range(len(rows)), [s or 0.0 for s in speeds],
-                 color=[OTHER_COLOR if s is not None else FAILED_COLOR for s in speeds])
+    speed_ax.bar(
+        range(len(rows)),
+        [s or 0.0 for s in speeds],
+        color=[OTHER_COLOR if s is not None else FAILED_COLOR for s in speeds],
+    )
     top = max((s or 0.0 for s in speeds), default=0.0) or 1.0
     for x, (row, speed) in enumerate(zip(rows, speeds, strict=True)):
         if speed is None:
@@ -79,13 +89,19 @@ def write_chart(report: dict[str, Any], path: Path) -> None:
     speed_ax.set_title("Throughput", fontsize=10)
 
     devices = report["devices"]
-    title = f"{', '.join(Path(c).name for c in report['configs'])}: {len(devices['replicas'])} replica(s) on " \
-            f"{', '.join(devices['physical_devices'])}"
+    title = (
+        f"{', '.join(Path(c).name for c in report['configs'])}: {len(devices['replicas'])} replica(s) on "
+        f"{', '.join(devices['physical_devices'])}"
+    )
     if devices.get("names"):
         title += f" ({', '.join(devices['names'])})"
     figure.suptitle(title, fontsize=11)
     if report["virtual_devices"]:
-        figure.supxlabel("VIRTUAL DEVICES: the replicas share one physical device - not a multi-GPU result "
-                         "(a grey bar is the shared device's total for all its replicas)", fontsize=9, color="#990000")
+        figure.supxlabel(
+            "VIRTUAL DEVICES: the replicas share one physical device - not a multi-GPU result "
+            "(a grey bar is the shared device's total for all its replicas)",
+            fontsize=9,
+            color="#990000",
+        )
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path)

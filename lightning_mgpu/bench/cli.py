@@ -36,25 +36,50 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("-c", "--config", action="append", required=True,
-                        help="LightningCLI YAML of a recipe (repeat to overlay, as with python -m lightning_mgpu)")
-    parser.add_argument("--strategies", nargs="+", default=list(DEFAULT_STRATEGIES),
-                        help="single, dp, parallel_criterion, ddp; other names are passed to Lightning as is")
+    parser.add_argument(
+        "-c",
+        "--config",
+        action="append",
+        required=True,
+        help="LightningCLI YAML of a recipe (repeat to overlay, as with python -m lightning_mgpu)",
+    )
+    parser.add_argument(
+        "--strategies",
+        nargs="+",
+        default=list(DEFAULT_STRATEGIES),
+        help="single, dp, parallel_criterion, ddp; other names are passed to Lightning as is",
+    )
     parser.add_argument("--accelerator", choices=["auto", "cpu", "gpu", "cuda"], default="auto")
-    parser.add_argument("--devices", type=int, default=None,
-                        help="replicas (default: every visible GPU, or 2 on the CPU); more than the visible GPUs "
-                             "puts several replicas on one GPU (virtual devices)")
+    parser.add_argument(
+        "--devices",
+        type=int,
+        default=None,
+        help="replicas (default: every visible GPU, or 2 on the CPU); more than the visible GPUs "
+        "puts several replicas on one GPU (virtual devices)",
+    )
     parser.add_argument("--steps", type=int, default=20, help="training batches per strategy")
     parser.add_argument("--warmup", type=int, default=3, help="first batches left out of the timings")
-    parser.add_argument("--link-gbps", type=float, default=DEFAULT_LINK_GBPS,
-                        help="link bandwidth b of the communication model, Gbit/s (default: PCIe 3.0 x16)")
-    parser.add_argument("--ddp-batch", choices=["global", "per-process"], default="global",
-                        help="global: divide data.init_args.batch_size by N under ddp, so every strategy trains the "
-                             "same global batch; per-process: keep the config's batch size in every process")
+    parser.add_argument(
+        "--link-gbps",
+        type=float,
+        default=DEFAULT_LINK_GBPS,
+        help="link bandwidth b of the communication model, Gbit/s (default: PCIe 3.0 x16)",
+    )
+    parser.add_argument(
+        "--ddp-batch",
+        choices=["global", "per-process"],
+        default="global",
+        help="global: divide data.init_args.batch_size by N under ddp, so every strategy trains the "
+        "same global batch; per-process: keep the config's batch size in every process",
+    )
     parser.add_argument("--no-flops", action="store_true", help="skip the FLOP count (one 2-sample step)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch CPU threads per process (sets OMP_NUM_THREADS for the workers; default: torch's "
-                             "own choice, and under ddp on the CPU Lightning's cores / processes)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads per process (sets OMP_NUM_THREADS for the workers; default: torch's "
+        "own choice, and under ddp on the CPU Lightning's cores / processes)",
+    )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="report folder")
     parser.add_argument("--name", default=None, help="report file stem (default strategy_comparison_<accelerator>)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per strategy before it is stopped")
@@ -66,8 +91,10 @@ def _environment() -> str:
     import lightning
     import torch
 
-    return (f"Python {platform.python_version()}, torch {torch.__version__}, lightning {lightning.__version__}, "
-            f"{platform.machine()} {platform.system()}.")
+    return (
+        f"Python {platform.python_version()}, torch {torch.__version__}, lightning {lightning.__version__}, "
+        f"{platform.machine()} {platform.system()}."
+    )
 
 
 def _load_average() -> list[float] | None:
@@ -88,8 +115,12 @@ def _progress(index: int, total: int, row: dict[str, Any]) -> str:
     memory = ", ".join(f"{label} {value:,.0f} MiB" for label, value in peaks.items())
     speed = row.get("samples_per_s")
     step = row.get("median_step_s")
-    return head + (f"{speed:,.1f} samples/s, " if speed else "") + (
-        f"median step {step * 1e3:.2f} ms, " if step else "") + f"peak {memory} ({row['wall_s']:.1f} s)"
+    return (
+        head
+        + (f"{speed:,.1f} samples/s, " if speed else "")
+        + (f"median step {step * 1e3:.2f} ms, " if step else "")
+        + f"peak {memory} ({row['wall_s']:.1f} s)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,22 +152,34 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="lightning_mgpu_bench_"))
     log_dir.mkdir(parents=True, exist_ok=True)
     options = [a for c in args.config for a in ("--config", c)] + [
-        "--accelerator", plan.accelerator, "--devices", str(len(plan.devices)), "--steps", str(args.steps),
-        "--warmup", str(args.warmup), "--ddp-batch", args.ddp_batch, *(["--no-flops"] if args.no_flops else []),
+        "--accelerator",
+        plan.accelerator,
+        "--devices",
+        str(len(plan.devices)),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--ddp-batch",
+        args.ddp_batch,
+        *(["--no-flops"] if args.no_flops else []),
     ]
     if args.threads is not None:
         if args.threads < 1:
             parser.error(f"--threads must be >= 1, got {args.threads}")
         os.environ["OMP_NUM_THREADS"] = str(args.threads)  # inherited by every worker and DDP rank
     load = _load_average()
-    print(f"lightning-mgpu bench: {len(args.strategies)} strategies x {args.steps} steps; {plan.describe()} "
-          f"Logs: {log_dir}", file=sys.stderr, flush=True)
+    print(
+        f"lightning-mgpu bench: {len(args.strategies)} strategies x {args.steps} steps; {plan.describe()} "
+        f"Logs: {log_dir}",
+        file=sys.stderr,
+        flush=True,
+    )
 
     rows = []
     for index, strategy in enumerate(args.strategies, start=1):
         stem = f"{index:02d}_{strategy}".replace("/", "_")
-        row = run_worker(strategy, log_dir / f"{stem}.json", log_dir / f"{stem}.log", options, cli_args,
-                         args.timeout)
+        row = run_worker(strategy, log_dir / f"{stem}.json", log_dir / f"{stem}.log", options, cli_args, args.timeout)
         rows.append(row)
         print(_progress(index, len(args.strategies), row), file=sys.stderr, flush=True)
 
@@ -160,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     write_report(report, paths[0], paths[1])
     write_chart(report, paths[2])
     succeeded = sum(row.get("status") == "ok" for row in rows)
-    print(f"{succeeded}/{len(rows)} strategies trained; wrote {', '.join(str(p) for p in paths)}",
-          file=sys.stderr, flush=True)
+    print(
+        f"{succeeded}/{len(rows)} strategies trained; wrote {', '.join(str(p) for p in paths)}",
+        file=sys.stderr,
+        flush=True,
+    )
     return 0 if succeeded else 1

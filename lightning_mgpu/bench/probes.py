@@ -19,6 +19,7 @@ import torch
 from lightning.fabric.utilities.throughput import measure_flops
 from lightning.pytorch.loggers import Logger
 
+from lightning_mgpu.callbacks.device_memory import distinct_devices, strategy_devices
 from lightning_mgpu.parallel.scatter_gather import batch_size_of, scatter
 
 TOKEN_KEYS = ("attention_mask", "input_ids")
@@ -68,9 +69,7 @@ class StepTimer(L.Callback):
         self._start = 0.0
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        strategy = trainer.strategy
-        listed = getattr(strategy, "parallel_devices", None) if trainer.world_size == 1 else None
-        self.devices = list(dict.fromkeys(listed or [strategy.root_device]))
+        self.devices = distinct_devices(strategy_devices(trainer))
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         _synchronize(self.devices)
@@ -106,8 +105,9 @@ class BatchProbe(L.Callback):
         self.samples = 0
         self.tokens: int | None = None
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self.samples = batch_size_fn(batch)
         self.tokens = token_count_fn(batch) if has_tokens(batch) else None
 
@@ -157,8 +157,9 @@ class FlopsProbe(L.Callback):
         self.error: str | None = None
         self._done = False
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self._done:
             return
         self._done = True

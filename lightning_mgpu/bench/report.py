@@ -79,8 +79,10 @@ def _transfer_cell(row: dict[str, Any]) -> str:
         return f"{human_bytes(transfer['total'])} per device (ring all-reduce, formula)"
     if not transfer["total"]:
         return "0 (one device)"
-    return (f"{human_bytes(transfer['total'])}: outputs {human_bytes(transfer['outputs'])}, parameters "
-            f"{human_bytes(transfer['parameters'])}, gradients {human_bytes(transfer['gradients'])}")
+    return (
+        f"{human_bytes(transfer['total'])}: outputs {human_bytes(transfer['outputs'])}, parameters "
+        f"{human_bytes(transfer['parameters'])}, gradients {human_bytes(transfer['gradients'])}"
+    )
 
 
 def _status_cell(row: dict[str, Any]) -> str:
@@ -120,7 +122,8 @@ def markdown(report: dict[str, Any]) -> str:
     lines += [
         f"Command: `{report['command']}`  ",
         f"Config: {', '.join(f'`{c}`' for c in report['configs'])}"
-        + (f" with `{' '.join(report['cli_args'])}`" if report["cli_args"] else "") + "  ",
+        + (f" with `{' '.join(report['cli_args'])}`" if report["cli_args"] else "")
+        + "  ",
         f"Devices: {n} replica(s) on {', '.join(devices['replicas'])}{names}"
         + (" (virtual: see above)  " if report["virtual_devices"] else "  "),
         f"{report['steps']} training steps per strategy, the first {report['warmup']} not timed; each strategy in a "
@@ -134,8 +137,11 @@ def markdown(report: dict[str, Any]) -> str:
         notes = sorted({r["batch_note"] for r in ok if r.get("batch_note")})
         lines += [f"ddp: {note}." for note in notes]
         lines += [""]
-    memory_kind = ("peak allocated by the CUDA caching allocator" if devices["accelerator"] == "gpu"
-                   else "process peak RSS, Python + torch + Lightning included")
+    memory_kind = (
+        "peak allocated by the CUDA caching allocator"
+        if devices["accelerator"] == "gpu"
+        else "process peak RSS, Python + torch + Lightning included"
+    )
     heading = "## Results"
     if report["virtual_devices"]:
         physical = len(devices["physical_devices"])
@@ -151,18 +157,24 @@ def markdown(report: dict[str, Any]) -> str:
     for row in rows:
         good = row.get("status") == "ok"
         step = row.get("median_step_s")
-        lines.append("| " + " | ".join([
-            f"`{row['strategy']}`",
-            _status_cell(row),
-            _number(row.get("samples_per_s")) if good else "—",
-            _number(row.get("tokens_per_s"), 0) if good and row.get("tokens_per_s") else "—",
-            _number(step * 1e3 if step is not None else None, 2) if good else "—",
-            _number(row.get("epoch_estimate_s"), 1) if good else "—",
-            _memory_cell(row) if good else "—",
-            _imbalance_cell(row),
-            _transfer_cell(row) if good else "—",
-            si(row.get("flops_per_s"), "FLOP/s") if good else "—",
-        ]) + " |")
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    f"`{row['strategy']}`",
+                    _status_cell(row),
+                    _number(row.get("samples_per_s")) if good else "—",
+                    _number(row.get("tokens_per_s"), 0) if good and row.get("tokens_per_s") else "—",
+                    _number(step * 1e3 if step is not None else None, 2) if good else "—",
+                    _number(row.get("epoch_estimate_s"), 1) if good else "—",
+                    _memory_cell(row) if good else "—",
+                    _imbalance_cell(row),
+                    _transfer_cell(row) if good else "—",
+                    si(row.get("flops_per_s"), "FLOP/s") if good else "—",
+                ]
+            )
+            + " |"
+        )
     lines += [""]
     comm = report.get("communication_model")
     if comm is not None:
@@ -185,7 +197,7 @@ def markdown(report: dict[str, Any]) -> str:
         "Notes: samples/s and tokens/s are Lightning's `ThroughputMonitor` over the timed steps (data loading "
         "included); the median step is forward + loss + backward + optimizer step, synchronised on every device; "
         "the epoch estimate is that median times the batches per epoch. Memory is the peak over the training steps "
-        "(`DeviceMemoryMonitor`). \"to/from root\" is `strategy.step_transfer`: the bytes a step would move between "
+        '(`DeviceMemoryMonitor`). "to/from root" is `strategy.step_transfer`: the bytes a step would move between '
         "the root and the other devices were they distinct (for `ddp`, the ring all-reduce formula). FLOP/s come from "
         "`measure_flops` on a 2-sample step scaled to the batch, unless the module defines `flops_per_batch`.",
         "",

@@ -77,15 +77,17 @@ def _log_tail(log: Path) -> str:
     return "\n".join(lines[-LOG_TAIL_LINES:])
 
 
-def run_worker(strategy: str, result: Path, log: Path, options: list[str], cli_args: list[str],
-               timeout_s: float) -> dict[str, Any]:
+def run_worker(
+    strategy: str, result: Path, log: Path, options: list[str], cli_args: list[str], timeout_s: float
+) -> dict[str, Any]:
     """Run the worker for ``strategy``; its result row, or a failed row saying what happened."""
     result.unlink(missing_ok=True)
     command = worker_command(strategy, result, options, cli_args)
     start = time.perf_counter()
     with log.open("w") as log_file:
-        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   start_new_session=True)
+        process = subprocess.Popen(
+            command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
         try:
             returncode: int | None = process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:

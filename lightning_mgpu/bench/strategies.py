@@ -15,8 +15,11 @@ import torch
 
 from lightning_mgpu.bench.devices import DevicePlan
 
-SINGLE_PROCESS = {"parallel_criterion": "ParallelCriterionStrategy", "dp": "DataParallelStrategy",
-                  "data_parallel": "DataParallelStrategy"}
+SINGLE_PROCESS = {
+    "parallel_criterion": "ParallelCriterionStrategy",
+    "dp": "DataParallelStrategy",
+    "data_parallel": "DataParallelStrategy",
+}
 
 
 @dataclass
@@ -42,14 +45,18 @@ def strategy_setup(name: str, plan: DevicePlan) -> StrategySetup:
     if name == "single":
         return StrategySetup(
             {"accelerator": plan.accelerator, "devices": _gpu_indices(devices[:1]) if gpu else 1, "strategy": "auto"},
-            "single", devices[:1], 1,
+            "single",
+            devices[:1],
+            1,
         )
     if name in SINGLE_PROCESS:
         cls = getattr(lightning_mgpu, SINGLE_PROCESS[name])
         strategy = cls(parallel_devices=[torch.device(d) for d in devices])
         return StrategySetup(
             {"accelerator": plan.accelerator, "devices": _gpu_indices(devices) if gpu else 1, "strategy": strategy},
-            "single-process", devices, 1,
+            "single-process",
+            devices,
+            1,
         )
     if name == "ddp":
         if gpu and plan.virtual:
@@ -59,7 +66,10 @@ def strategy_setup(name: str, plan: DevicePlan) -> StrategySetup:
             strategy = DDPStrategy(parallel_devices=[torch.device(d) for d in devices], process_group_backend="gloo")
             kwargs = {"accelerator": "gpu", "devices": _gpu_indices(devices), "strategy": strategy}
         else:
-            kwargs = {"accelerator": plan.accelerator, "devices": _gpu_indices(devices) if gpu else n,
-                      "strategy": "ddp"}
+            kwargs = {
+                "accelerator": plan.accelerator,
+                "devices": _gpu_indices(devices) if gpu else n,
+                "strategy": "ddp",
+            }
         return StrategySetup(kwargs, "multi-process", devices, n)
     return StrategySetup({"accelerator": plan.accelerator, "devices": n, "strategy": name}, "other", devices, n)

@@ -39,8 +39,9 @@ class TinyClassifier(L.LightningModule):
 class RandomClassificationData(L.LightningDataModule):
     """Gaussian features with labels from a fixed random linear map (learnable), generated in memory."""
 
-    def __init__(self, batch_size: int = 32, num_samples: int = 512, in_features: int = 32, num_classes: int = 10,
-                 seed: int = 0) -> None:
+    def __init__(
+        self, batch_size: int = 32, num_samples: int = 512, in_features: int = 32, num_classes: int = 10, seed: int = 0
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.dataset: TensorDataset | None = None

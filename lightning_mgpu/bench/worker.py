@@ -29,13 +29,37 @@ from lightning_mgpu.bench.devices import plan_devices
 from lightning_mgpu.bench.strategies import StrategySetup, strategy_setup
 
 # Trainer arguments the benchmark decides; every other trainer setting of the config is kept.
-CONTROLLED = frozenset({
-    "accelerator", "strategy", "devices", "num_nodes", "callbacks", "logger", "max_steps", "min_steps", "max_epochs",
-    "min_epochs", "max_time", "limit_train_batches", "limit_val_batches", "limit_test_batches",
-    "limit_predict_batches", "overfit_batches", "val_check_interval", "check_val_every_n_epoch",
-    "num_sanity_val_steps", "log_every_n_steps", "enable_checkpointing", "enable_progress_bar",
-    "enable_model_summary", "default_root_dir", "fast_dev_run", "profiler", "barebones",
-})
+CONTROLLED = frozenset(
+    {
+        "accelerator",
+        "strategy",
+        "devices",
+        "num_nodes",
+        "callbacks",
+        "logger",
+        "max_steps",
+        "min_steps",
+        "max_epochs",
+        "min_epochs",
+        "max_time",
+        "limit_train_batches",
+        "limit_val_batches",
+        "limit_test_batches",
+        "limit_predict_batches",
+        "overfit_batches",
+        "val_check_interval",
+        "check_val_every_n_epoch",
+        "num_sanity_val_steps",
+        "log_every_n_steps",
+        "enable_checkpointing",
+        "enable_progress_bar",
+        "enable_model_summary",
+        "default_root_dir",
+        "fast_dev_run",
+        "profiler",
+        "barebones",
+    }
+)
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -109,8 +133,11 @@ def build_from_config(config_args: list[str], batch_divisor: int) -> tuple[Any, 
 
 
 def _memory_summary(values: dict[str, float]) -> dict[str, Any]:
-    peaks = {k[: -len("_peak_mib")]: v for k, v in values.items()
-             if k.endswith("_peak_mib") and not k.endswith("_reserved_peak_mib")}
+    peaks = {
+        k[: -len("_peak_mib")]: v
+        for k, v in values.items()
+        if k.endswith("_peak_mib") and not k.endswith("_reserved_peak_mib")
+    }
     reserved = {k[: -len("_reserved_peak_mib")]: v for k, v in values.items() if k.endswith("_reserved_peak_mib")}
     return {"peak_mib": peaks, "reserved_peak_mib": reserved or None, "imbalance": values.get("imbalance")}
 
@@ -119,8 +146,14 @@ def _transfer(setup: StrategySetup, probe: Any, grad_bytes: int) -> dict[str, An
     n = len(setup.devices)
     if setup.kind == "multi-process":
         ring = ring_allreduce_bytes(grad_bytes, n)
-        return {"outputs": 0, "parameters": 0, "gradients": ring, "total": ring, "replicas": n,
-                "source": "ring all-reduce of the gradients, 2(N-1)K/N bytes per device (formula, not measured)"}
+        return {
+            "outputs": 0,
+            "parameters": 0,
+            "gradients": ring,
+            "total": ring,
+            "replicas": n,
+            "source": "ring all-reduce of the gradients, 2(N-1)K/N bytes per device (formula, not measured)",
+        }
     if probe.last is not None:
         return {**probe.last, "source": "strategy.step_transfer (last step; what distinct devices would move)"}
     return {"outputs": 0, "parameters": 0, "gradients": 0, "total": 0, "replicas": 1, "source": "one device"}
@@ -145,8 +178,11 @@ def run(args: argparse.Namespace, cli_args: list[str]) -> dict[str, Any]:
     timer, transfer, batch = probes.StepTimer(), probes.TransferProbe(), probes.BatchProbe()
     # The window's first update ends the last warm-up batch (the first batch at least, whose start it cannot see),
     # so its rates cover exactly the timed batches.
-    throughput = ThroughputMonitor(batch_size_fn=probes.batch_size_fn, length_fn=probes.token_count_fn,
-                                   window_size=args.steps - max(args.warmup, 1) + 1)
+    throughput = ThroughputMonitor(
+        batch_size_fn=probes.batch_size_fn,
+        length_fn=probes.token_count_fn,
+        window_size=args.steps - max(args.warmup, 1) + 1,
+    )
     recorder = probes.MetricsRecorder()
     with warnings.catch_warnings(), tempfile.TemporaryDirectory(prefix="lightning_mgpu_bench_") as root_dir:
         warnings.filterwarnings("ignore", message=".*(log_every_n_steps|flops_per_batch|does not have many workers).*")
@@ -187,7 +223,8 @@ def run(args: argparse.Namespace, cli_args: list[str]) -> dict[str, Any]:
         "physical_devices": list(dict.fromkeys(setup.devices)),
         "world_size": world,
         "device_names": sorted({torch.cuda.get_device_name(torch.device(d)) for d in setup.devices})
-        if plan.accelerator == "gpu" else None,
+        if plan.accelerator == "gpu"
+        else None,
         "precision": str(trainer.precision),
         "torch_threads": torch.get_num_threads(),
         "steps": args.steps,
@@ -206,11 +243,16 @@ def run(args: argparse.Namespace, cli_args: list[str]) -> dict[str, Any]:
         "step_times_s": timer.times,
         "batches_per_epoch": None if math.isinf(batches) else int(batches),
         "epoch_estimate_s": None if median_step is None or math.isinf(batches) else median_step * batches,
-        "memory": {"kind": "cuda_max_memory_allocated" if plan.accelerator == "gpu" else "process_peak_rss",
-                   **_memory_summary(monitor.last)},
+        "memory": {
+            "kind": "cuda_max_memory_allocated" if plan.accelerator == "gpu" else "process_peak_rss",
+            **_memory_summary(monitor.last),
+        },
         "transfer_bytes_per_step": _transfer(setup, transfer, grad_bytes),
-        "model": {"parameters": sum(p.numel() for p in params), "parameter_bytes": sum(
-            p.numel() * p.element_size() for p in params), "gradient_bytes": grad_bytes},
+        "model": {
+            "parameters": sum(p.numel() for p in params),
+            "parameter_bytes": sum(p.numel() * p.element_size() for p in params),
+            "gradient_bytes": grad_bytes,
+        },
     }
 
 
@@ -224,8 +266,12 @@ def _failure(args: argparse.Namespace, err: BaseException) -> dict[str, Any]:
         from lightning_mgpu.callbacks import read_device_memory
 
         memory = read_device_memory([torch.device("cuda", i) for i in range(torch.cuda.device_count())])
-    return {"strategy": args.strategy, "status": "oom" if oom else "failed",
-            "error": message if len(message) <= 2000 else message[:2000] + " …", "memory_at_failure_mib": memory}
+    return {
+        "strategy": args.strategy,
+        "status": "oom" if oom else "failed",
+        "error": message if len(message) <= 2000 else message[:2000] + " …",
+        "memory_at_failure_mib": memory,
+    }
 
 
 def _write(path: Path, result: dict[str, Any]) -> None:

@@ -34,6 +34,13 @@ def distinct_devices(devices: Sequence[torch.device]) -> list[torch.device]:
     return list(dict.fromkeys(normalised))
 
 
+def strategy_devices(trainer: L.Trainer) -> list[torch.device]:
+    """Devices this process drives, repeats kept: a single-process strategy's ``parallel_devices``, else the root."""
+    strategy = trainer.strategy
+    listed = getattr(strategy, "parallel_devices", None) if trainer.world_size == 1 else None
+    return list(listed or [strategy.root_device])
+
+
 def read_device_memory(devices: Sequence[torch.device]) -> dict[str, float]:
     """Peak memory of each device in MiB, keyed ``"<device>_peak_mib"``, plus a companion figure per device.
 
@@ -117,12 +124,8 @@ class DeviceMemoryMonitor(L.Callback):
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         """Find the devices this process drives: all of a single-process strategy's, or the rank's own."""
-        strategy = trainer.strategy
         self._distributed = trainer.world_size > 1
-        if self._distributed:
-            listed = [strategy.root_device]
-        else:
-            listed = list(getattr(strategy, "parallel_devices", None) or [strategy.root_device])
+        listed = strategy_devices(trainer)
         self.devices = distinct_devices(listed)
         self.virtual = len(self.devices) < len(listed)
         if self.virtual and self.enabled:
