@@ -14,7 +14,6 @@ once and builds the pairs deterministically from ``seed``, so all DDP ranks hold
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -42,15 +41,13 @@ class TokenizedCorpus:
 
     def __init__(self, documents: Documents, tokenizer: Tokenizer, batch_size: int = 10_000) -> None:
         sentences = [s for doc in documents for s in doc]
-        lengths = np.empty(len(sentences), dtype=np.int64)
-        chunks = []
-        for start in range(0, len(sentences), batch_size):
-            encodings = tokenizer.encode_batch(sentences[start : start + batch_size], add_special_tokens=False)
-            for i, encoding in enumerate(encodings):
-                lengths[start + i] = len(encoding.ids)
-                chunks.append(np.asarray(encoding.ids, dtype=np.int32))
+        chunks = [
+            np.asarray(encoding.ids, dtype=np.int32)
+            for start in range(0, len(sentences), batch_size)
+            for encoding in tokenizer.encode_batch(sentences[start : start + batch_size], add_special_tokens=False)
+        ]
         self.ids = np.concatenate(chunks) if chunks else np.empty(0, dtype=np.int32)
-        self.offsets = np.concatenate(([0], np.cumsum(lengths)))
+        self.offsets = np.concatenate(([0], np.cumsum([len(c) for c in chunks], dtype=np.int64)))
         self.sentences_per_document = [len(doc) for doc in documents]
 
     def __len__(self) -> int:
@@ -108,7 +105,7 @@ class BertPretrainingDataModule(pl.LightningDataModule):
             Lightning refuses equal hparam names with different values in the model and the datamodule.
         max_seq_length: longest ``[CLS] A [SEP] B [SEP]`` (pairs are truncated longest-first).
         batch_size: per step (per process under DDP; split across devices by the single-process strategies).
-        val_fraction: share of *documents* held out for validation (at least one when > 0).
+        val_fraction: share of *documents* held out for validation (at least one when > 0 and there are >= 3).
         mlm_probability, mask_ratio, random_ratio: masking (15% selected; 80% [MASK], 10% random, 10% kept).
         pad_to_max_length: pad every batch to ``max_seq_length`` instead of its longest sequence.
         seed: fixes the synthetic corpus, the train/val split, the NSP pairs and the validation masks.
@@ -159,15 +156,13 @@ class BertPretrainingDataModule(pl.LightningDataModule):
         name = f"synthetic-d{h.synthetic_documents}-t{h.synthetic_topics}-w{h.synthetic_words_per_topic}-s{h.seed}.txt"
         return self.work_dir / name
 
-    def _corpus_files(self) -> list[str] | None:
-        if self.corpus is not None:
-            return [self.corpus] if isinstance(self.corpus, (str, os.PathLike)) else list(self.corpus)
-        if self.hparams.hub_dataset is not None:
-            return None
-        return [str(self.synthetic_corpus_path)]
+    @property
+    def _synthetic(self) -> bool:
+        """Neither ``corpus`` nor ``hub_dataset`` is set: the synthetic corpus is the source."""
+        return self.corpus is None and self.hparams.hub_dataset is None
 
     def _write_synthetic_corpus(self) -> None:
-        if self.corpus is None and self.hparams.hub_dataset is None and not self.synthetic_corpus_path.is_file():
+        if self._synthetic and not self.synthetic_corpus_path.is_file():
             h = self.hparams
             write_synthetic_corpus(
                 self.synthetic_corpus_path,
@@ -180,30 +175,30 @@ class BertPretrainingDataModule(pl.LightningDataModule):
     def read_documents(self) -> Documents:
         """All documents of the configured source."""
         cache_dir = self.work_dir / "hf_cache"
-        files = self._corpus_files()
-        if files is None:
-            h = self.hparams
+        h = self.hparams
+        if self.corpus is not None:
+            return read_text_documents(self.corpus, cache_dir=cache_dir)
+        if h.hub_dataset is not None:
             return read_hub_documents(h.hub_dataset, h.hub_config, h.hub_split, h.text_column, cache_dir=cache_dir)
-        return read_text_documents(files, cache_dir=cache_dir)
+        return read_text_documents(self.synthetic_corpus_path, cache_dir=cache_dir)
 
-    def _split_documents(self, documents: Documents) -> tuple[Documents, Documents, np.ndarray]:
-        """Seeded document-level train/val split; returns train docs, val docs and the val flags per document."""
-        n = len(documents)
+    def _val_flags(self, num_documents: int) -> np.ndarray:
+        """Seeded document-level train/val split: True for each held-out (validation) document."""
+        n = num_documents
         is_val = np.zeros(n, dtype=bool)
         if self.hparams.val_fraction > 0 and n >= 3:
             n_val = min(n - 2, max(1, round(self.hparams.val_fraction * n)))
             is_val[np.random.default_rng(self.hparams.seed).permutation(n)[:n_val]] = True
-        train = [d for d, v in zip(documents, is_val, strict=True) if not v]
-        val = [d for d, v in zip(documents, is_val, strict=True) if v]
-        return train, val, is_val
+        return is_val
 
     # ----------------------------------------------------------------------------------------------- hooks
     def prepare_data(self) -> None:
         """Write the synthetic corpus and train + save the tokenizer if they are not there yet (once per node)."""
         self._write_synthetic_corpus()
         if not tokenizer_exists(self.tokenizer_dir):
-            train_docs, _, _ = self._split_documents(self.read_documents())
-            texts = [s for doc in train_docs for s in doc]
+            documents = self.read_documents()
+            is_val = self._val_flags(len(documents))
+            texts = [s for doc, v in zip(documents, is_val, strict=True) if not v for s in doc]
             h = self.hparams
             tokenizer = train_wordpiece(texts, h.tokenizer_vocab_size, h.min_frequency, h.lowercase, length=len(texts))
             save_tokenizer(tokenizer, self.tokenizer_dir)
@@ -212,15 +207,11 @@ class BertPretrainingDataModule(pl.LightningDataModule):
         """Load the tokenizer, tokenize the corpus and build the train/val pair datasets (idempotent)."""
         if self.train_dataset is not None:
             return
-        synthetic_missing = (
-            self.corpus is None and self.hparams.hub_dataset is None and not self.synthetic_corpus_path.is_file()
-        )
-        if synthetic_missing or not tokenizer_exists(self.tokenizer_dir):
-            self.prepare_data()  # e.g. when used outside a Trainer, which calls prepare_data itself
+        self.prepare_data()  # a no-op when done already (the Trainer calls it first); needed outside a Trainer
         self.tokenizer = load_tokenizer(self.tokenizer_dir, lowercase=self.hparams.lowercase)
         special = special_token_ids(self.tokenizer)
         documents = self.read_documents()
-        _, _, is_val = self._split_documents(documents)
+        is_val = self._val_flags(len(documents))
         corpus = TokenizedCorpus(documents, self.tokenizer)
         pairs = build_nsp_pairs(corpus.sentences_per_document, seed=self.hparams.seed)
         pair_is_val = is_val[pairs.document]

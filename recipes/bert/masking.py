@@ -42,7 +42,7 @@ def mask_tokens(
     probability = torch.full(input_ids.shape, mlm_probability, device=device)
     probability.masked_fill_(special_tokens_mask, 0.0)
     selected = torch.bernoulli(probability, generator=generator).bool()
-    labels = torch.where(selected, input_ids, torch.full_like(input_ids, IGNORE_INDEX))
+    labels = input_ids.masked_fill(~selected, IGNORE_INDEX)
 
     # One uniform draw per token splits the selected ones into [MASK] / random / unchanged.
     u = torch.rand(input_ids.shape, generator=generator, device=device)
@@ -72,8 +72,9 @@ class PretrainingCollator:
     ``-100`` where not selected) and ``next_sentence_label``.
 
     Sequences are padded to the longest in the batch, or to ``pad_to_length`` when given (fixed shapes, e.g. for
-    benchmarks). ``generator`` makes the masks reproducible (validation); by default torch's global RNG is used, which
-    ``seed_everything`` seeds and ``DataLoader`` workers re-seed every epoch, so training masks change every epoch.
+    benchmarks). ``generator`` makes the masks reproducible (validation); by default torch's global RNG is used
+    (seeded by ``seed_everything``; ``DataLoader`` seeds its workers from it), whose state advances with every batch,
+    so training masks change every epoch.
     """
 
     def __init__(
@@ -115,10 +116,9 @@ class PretrainingCollator:
             input_ids[row, :length] = torch.as_tensor(example["input_ids"], dtype=torch.long)
             token_type_ids[row, :length] = torch.as_tensor(example["token_type_ids"], dtype=torch.long)
         attention_mask = (torch.arange(width) < torch.tensor(lengths).unsqueeze(1)).long()
-        special = torch.isin(input_ids, self.special_ids) | (attention_mask == 0)
         masked, labels = mask_tokens(
             input_ids,
-            special,
+            torch.isin(input_ids, self.special_ids),  # padding holds pad_token_id, one of special_ids
             mask_token_id=self.mask_token_id,
             replacement_ids=self.replacement_ids,
             mlm_probability=self.mlm_probability,

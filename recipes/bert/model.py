@@ -155,14 +155,6 @@ def next_sentence_loss(logits: Tensor, labels: Tensor) -> Tensor:
     return F.cross_entropy(logits, labels)
 
 
-def select_masked(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
-    """``(logits, labels)`` at the selected tokens only, ``(n, V)`` and ``(n,)``, whichever head produced them."""
-    if logits.dim() == 2:
-        return logits, labels
-    selected = labels != IGNORE_INDEX
-    return logits[selected], labels[selected]
-
-
 def pretraining_loss(output: BertPretrainingOutput, nsp_labels: Tensor) -> dict[str, Tensor | int]:
     """Both losses and their sum: ``{"loss", "mlm_loss", "nsp_loss", "n_masked", "n_sequences"}``."""
     if output.mlm_labels is None:
@@ -172,18 +164,11 @@ def pretraining_loss(output: BertPretrainingOutput, nsp_labels: Tensor) -> dict[
     return {"loss": mlm + nsp, "mlm_loss": mlm, "nsp_loss": nsp, "n_masked": n_masked, "n_sequences": len(nsp_labels)}
 
 
-def count_parameters(module: nn.Module) -> int:
-    """Number of distinct parameters (tied weights counted once)."""
-    return sum(p.numel() for p in module.parameters())
-
-
 __all__ = [
     "BertPretrainingModel",
     "BertPretrainingOutput",
     "MaskedLMHead",
-    "count_parameters",
     "masked_lm_loss",
     "next_sentence_loss",
     "pretraining_loss",
-    "select_masked",
 ]

@@ -33,7 +33,8 @@ from torch import Tensor
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
-from recipes.bert.model import BertPretrainingModel, BertPretrainingOutput, pretraining_loss, select_masked
+from recipes.bert.masking import IGNORE_INDEX
+from recipes.bert.model import BertPretrainingModel, BertPretrainingOutput, pretraining_loss
 
 Schedule = Literal["linear", "noam", "constant"]
 
@@ -160,12 +161,16 @@ class BertPretrainingModule(pl.LightningModule):
         )
         nsp_labels = batch["next_sentence_label"]
         losses = pretraining_loss(output, nsp_labels)
-        mlm_loss, nsp_loss, n_masked = losses["mlm_loss"], losses["nsp_loss"], int(losses["n_masked"])
-        n_seq = int(nsp_labels.shape[0])
+        mlm_loss, nsp_loss = losses["mlm_loss"], losses["nsp_loss"]
+        n_masked, n_seq = losses["n_masked"], losses["n_sequences"]
 
-        mlm_logits, mlm_labels = select_masked(output.mlm_logits, output.mlm_labels)  # type: ignore[arg-type]
         if n_masked > 0:  # torchmetrics rejects empty updates (a data-parallel shard may hold no masked token)
-            getattr(self, f"{stage}_mlm_acc").update(mlm_logits.detach().argmax(-1), mlm_labels)
+            # argmax before selecting: with full logits this copies (n_masked,) predictions, not (n_masked, vocab).
+            mlm_preds, mlm_labels = output.mlm_logits.detach().argmax(-1), output.mlm_labels
+            if mlm_preds.dim() == 2:  # full logits: (batch, seq)
+                selected = mlm_labels != IGNORE_INDEX
+                mlm_preds, mlm_labels = mlm_preds[selected], mlm_labels[selected]
+            getattr(self, f"{stage}_mlm_acc").update(mlm_preds, mlm_labels)
             getattr(self, f"{stage}_mlm_loss_mean").update(mlm_loss.detach(), weight=n_masked)
         getattr(self, f"{stage}_nsp_acc").update(output.nsp_logits.detach().argmax(-1), nsp_labels)
         getattr(self, f"{stage}_nsp_loss_mean").update(nsp_loss.detach(), weight=n_seq)
@@ -199,7 +204,7 @@ class BertPretrainingModule(pl.LightningModule):
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         if loss is not None:
             loss = loss.detach() * self.trainer.accumulate_grad_batches  # Lightning hands over loss / accumulation
-            self.log("train/loss", loss, batch_size=int(batch["input_ids"].shape[0]), on_step=True,
+            self.log("train/loss", loss, batch_size=len(batch["input_ids"]), on_step=True,
                      on_epoch=True, sync_dist=True, prog_bar=True)
 
     def _log_epoch_losses(self, stage: str) -> None:
@@ -241,16 +246,14 @@ class BertPretrainingModule(pl.LightningModule):
             eps=h.adam_eps,
         )
         total = h.total_steps
-        if total is None and h.schedule == "linear":
-            estimate = self.trainer.estimated_stepping_batches
-            if not math.isfinite(estimate):
-                raise ValueError("the linear schedule needs a finite run: set trainer.max_steps or model.total_steps")
-            total = int(estimate)
         warmup = h.warmup_steps
+        if total is None and (h.schedule == "linear" or warmup < 1):
+            estimate = self.trainer.estimated_stepping_batches
+            if math.isfinite(estimate):
+                total = int(estimate)
+            elif h.schedule == "linear":
+                raise ValueError("the linear schedule needs a finite run: set trainer.max_steps or model.total_steps")
         if warmup < 1:
-            if total is None:
-                estimate = self.trainer.estimated_stepping_batches
-                total = int(estimate) if math.isfinite(estimate) else None
             if total is None:
                 raise ValueError("a fractional warmup_steps needs a finite run or model.total_steps")
             warmup = warmup * total
