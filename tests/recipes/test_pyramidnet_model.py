@@ -67,6 +67,24 @@ def test_seed_structure_is_17_units_per_stage_with_rate_5() -> None:
     assert len(convs) == 1 + 2 * 51
 
 
+def test_channel_multiple_rounds_every_width_up_and_keeps_the_paper_model_by_default() -> None:
+    with torch.device("meta"):
+        paper = build_pyramidnet("seed")
+        aligned = build_pyramidnet("seed", channel_multiple=8)
+    paper_widths = [unit.out_channels for s in (paper.stage1, paper.stage2, paper.stage3) for unit in s]
+    aligned_widths = [unit.out_channels for s in (aligned.stage1, aligned.stage2, aligned.stage3) for unit in s]
+    assert aligned_widths == [8 * math.ceil(w / 8) for w in paper_widths]  # 21 -> 24, 26 -> 32, ..., 271 -> 272
+    assert paper.channel_multiple == 1 and count_parameters(paper) == 24_253_410
+    convs = [m for m in aligned.modules() if isinstance(m, torch.nn.Conv2d)][1:]  # all but the RGB stem
+    assert all(c.in_channels % 8 == 0 and c.out_channels % 8 == 0 for c in convs)
+    assert 1.0 < count_parameters(aligned) / count_parameters(paper) < 1.15
+    with pytest.raises(ValueError, match="channel_multiple must be >= 1"):
+        PyramidNet(8, 24, channel_multiple=0)
+    torch.manual_seed(0)
+    tiny = build_pyramidnet("tiny", channel_multiple=16)
+    assert tiny(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+
+
 def test_units_per_stage_override_keeps_the_widening_rate() -> None:
     with torch.device("meta"):
         full = PyramidNet(110, 270)
