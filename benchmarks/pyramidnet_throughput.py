@@ -3,9 +3,11 @@
 Both run in the same process on the same model architecture, the same device-resident uint8 batches, the same
 on-device augmentation (random crop + flip + normalisation, ``recipes/pyramidnet/augment.py``), precision, memory
 format and optimizer (SGD, Nesterov momentum 0.9, wd 1e-4, MultiStepLR). Throughput is images per second over timed
-windows of optimizer steps (the device is synchronised at window boundaries only); the median window is reported and
-the ratio Lightning / plain is the overhead figure. Results go to ``benchmarks/results/pyramidnet_throughput_<device>``
-as JSON and markdown, with the device, versions and the exact command.
+windows of optimizer steps (the device is synchronised at window boundaries only). The two loops alternate in
+``--rounds`` rounds (the first to run swaps every round), each run reporting its median window; the overhead figure is
+the median over rounds of the paired ratio Lightning / plain, so that drift of a shared machine cancels. Results go to
+``benchmarks/results/pyramidnet_throughput_<device>`` as JSON and markdown, with the device, versions and the exact
+command.
 
     python benchmarks/pyramidnet_throughput.py                      # CPU: tiny model, small batch (minutes at most)
     python benchmarks/pyramidnet_throughput.py --device cuda --model seed --batch-size 256 --precision bf16-mixed
@@ -124,7 +126,7 @@ def run_plain(args: argparse.Namespace, pool: list[tuple[torch.Tensor, torch.Ten
               device: torch.device) -> dict[str, Any]:
     """The hand-written loop: augment, forward + loss under autocast, backward, SGD step, scheduler step."""
     torch.manual_seed(0)
-    model = build_pyramidnet(args.model).to(device)
+    model = build_pyramidnet(args.model, channel_multiple=args.channel_multiple).to(device)
     if args.channels_last:
         model = model.to(memory_format=torch.channels_last)
     if args.compile:
@@ -190,7 +192,7 @@ def run_lightning(args: argparse.Namespace, pool: list[tuple[torch.Tensor, torch
                   device: torch.device) -> dict[str, Any]:
     """The recipe's LightningModule under a single-device Trainer, same data, precision and memory format."""
     torch.manual_seed(0)
-    module = _BenchModule(arch=args.model, channels_last=args.channels_last)
+    module = _BenchModule(arch=args.model, channels_last=args.channels_last, channel_multiple=args.channel_multiple)
     if args.compile:
         module.net.compile()
     timer = WindowTimer(device, args.warmup, args.window, args.windows, args.batch_size)
@@ -246,31 +248,41 @@ def _versions() -> dict[str, str | None]:
 def _markdown(report: dict[str, Any]) -> str:
     cfg, res = report["config"], report["results"]
     rows = []
-    for name in ("plain", "lightning"):
-        r = res[name]
-        mem = f"{r['peak_memory_mb']:.0f}" if r["peak_memory_mb"] is not None else "n/a"
-        windows = ", ".join(f"{w:.0f}" for w in r["images_per_s_windows"])
-        rows.append(f"| {name} | {r['images_per_s_median']:.1f} | {r['ms_per_step_median']:.1f} | {mem} | {windows} |")
+    for i, rnd in enumerate(report["rounds"], start=1):
+        for name in rnd["order"]:
+            r = rnd[name]
+            mem = f"{r['peak_memory_mb']:.0f}" if r["peak_memory_mb"] is not None else "n/a"
+            windows = ", ".join(f"{w:.0f}" for w in r["images_per_s_windows"])
+            rows.append(f"| {i} | {name} | {r['images_per_s_median']:.1f} | {r['ms_per_step_median']:.2f} | {mem} "
+                        f"| {windows} |")
+        rows.append(f"| {i} | **lightning / plain** | **{rnd['ratio_lightning_over_plain']:.3f}** | | | |")
+    ratios = ", ".join(f"{r['ratio_lightning_over_plain']:.3f}" for r in report["rounds"])
     return "\n".join([
         "# PyramidNet training throughput: Lightning recipe vs plain PyTorch",
         "",
         f"- device: {report['device']}",
         f"- model: `{cfg['model']}` ({cfg['parameters']:,} parameters), batch {cfg['batch_size']}, "
-        f"precision {cfg['precision']}, channels_last {cfg['channels_last']}, compile {cfg['compile']}",
-        f"- {cfg['warmup']} warm-up steps, then {cfg['windows']} windows of {cfg['window']} steps; median window",
+        f"precision {cfg['precision']}, channels_last {cfg['channels_last']}, compile {cfg['compile']}, "
+        f"channel_multiple {cfg['channel_multiple']}",
+        f"- {cfg['rounds']} rounds, the two loops alternating (first to run swaps each round); per run "
+        f"{cfg['warmup']} warm-up steps, then {cfg['windows']} windows of {cfg['window']} steps, median window",
         "- versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items() if v),
         f"- command: `{report['command']}`",
-        f"- date: {report['date']}",
+        f"- date: {report['date']}, wall {report['wall_seconds']} s",
         *([f"- note: {report['note']}"] if report["note"] else []),
         "",
-        "| loop | images/s (median) | ms/step | peak memory (MiB) | images/s per window |",
-        "| --- | ---: | ---: | ---: | --- |",
+        "| round | loop | images/s (median window) | ms/step | peak memory (MiB) | images/s per window |",
+        "| ---: | --- | ---: | ---: | ---: | --- |",
         *rows,
         "",
-        f"**Lightning / plain throughput ratio: {report['ratio_lightning_over_plain']:.3f}**",
+        f"Median over rounds: plain **{res['plain']['images_per_s_median']:.1f}** images/s, lightning "
+        f"**{res['lightning']['images_per_s_median']:.1f}** images/s.",
+        "",
+        f"**Lightning / plain throughput ratio (median of paired rounds): {report['ratio_lightning_over_plain']:.3f}** "
+        f"(rounds: {ratios})",
         "",
         "Same device-resident uint8 batches, on-device augmentation, optimizer and precision in both loops; the "
-        "Lightning side also updates the recipe's torchmetrics accuracy and logs loss and lr each step.",
+        "Lightning side also updates the recipe's torchmetrics accuracy and logs its loss and lr as the recipe does.",
         "",
     ])
 
@@ -287,11 +299,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 15 on cuda, 5 on cpu)")
     parser.add_argument("--window", type=int, default=None,
                         help="steps per timed window (default 20 on cuda, 10 on cpu)")
-    parser.add_argument("--windows", type=int, default=5, help="timed windows; the median is reported")
+    parser.add_argument("--windows", type=int, default=5, help="timed windows per run; the median is reported")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="alternating plain/lightning rounds; the median paired ratio is reported "
+                             "(default 3 on cuda, 5 on cpu)")
     parser.add_argument("--pool-batches", type=int, default=8, help="distinct device-resident batches cycled through")
     parser.add_argument("--no-channels-last", dest="channels_last", action="store_false",
                         help="keep NCHW instead of channels_last")
     parser.add_argument("--compile", action="store_true", help="torch.compile the PyramidNet in both loops")
+    parser.add_argument("--channel-multiple", type=int, default=1,
+                        help="round unit widths up to this multiple (8: tensor-core aligned; not the paper's model)")
     parser.add_argument("--note", default="", help="free text stored with the results (e.g. machine conditions)")
     parser.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--out-name", default=None,
@@ -299,9 +316,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     on_cuda = args.device.startswith("cuda")
     args.model = args.model or ("seed" if on_cuda else "tiny")
-    args.batch_size = args.batch_size or (256 if on_cuda else 32)
+    args.batch_size = args.batch_size if args.batch_size is not None else (256 if on_cuda else 32)
     args.warmup = args.warmup if args.warmup is not None else (15 if on_cuda else 5)
-    args.window = args.window or (20 if on_cuda else 10)
+    args.window = args.window if args.window is not None else (20 if on_cuda else 10)
+    args.rounds = args.rounds if args.rounds is not None else (3 if on_cuda else 5)
+    for name in ("window", "windows", "rounds", "batch_size", "pool_batches", "channel_multiple"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.warmup < 1:
+        parser.error(f"--warmup must be at least 1 (the timer starts after a warm-up step), got {args.warmup}")
     return args
 
 
@@ -317,10 +340,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     L.seed_everything(0, verbose=False)
     pool = make_pool(args.batch_size, args.pool_batches, device)
     start = time.perf_counter()
-    plain = run_plain(args, pool, device)
-    lit = run_lightning(args, pool, device)
+    runners = {"plain": run_plain, "lightning": run_lightning}
+    rounds: list[dict[str, Any]] = []
+    for i in range(args.rounds):
+        order = ("plain", "lightning") if i % 2 == 0 else ("lightning", "plain")
+        rnd: dict[str, Any] = {"order": list(order)}
+        for name in order:
+            rnd[name] = runners[name](args, pool, device)
+        rnd["ratio_lightning_over_plain"] = (rnd["lightning"]["images_per_s_median"]
+                                             / rnd["plain"]["images_per_s_median"])
+        rounds.append(rnd)
+    summary = {name: {"images_per_s_median": statistics.median(r[name]["images_per_s_median"] for r in rounds)}
+               for name in runners}
+    ratio = statistics.median(r["ratio_lightning_over_plain"] for r in rounds)
     with torch.device("meta"):
-        n_params = count_parameters(build_pyramidnet(args.model))
+        n_params = count_parameters(build_pyramidnet(args.model, channel_multiple=args.channel_multiple))
     env = [f"{k}={shlex.quote(os.environ[k])}" for k in ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES") if k in os.environ]
     command = " ".join([*env, "python", shlex.quote(os.path.relpath(__file__, Path.cwd())),
                         *map(shlex.quote, argv if argv is not None else sys.argv[1:])])
@@ -332,23 +366,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "versions": _versions(),
         "config": {"model": args.model, "parameters": n_params, "batch_size": args.batch_size,
                    "precision": args.precision, "channels_last": args.channels_last, "compile": args.compile,
-                   "warmup": args.warmup, "window": args.window, "windows": args.windows,
+                   "channel_multiple": args.channel_multiple,
+                   "warmup": args.warmup, "window": args.window, "windows": args.windows, "rounds": args.rounds,
                    "pool_batches": args.pool_batches},
-        "results": {"plain": plain, "lightning": lit},
-        "ratio_lightning_over_plain": lit["images_per_s_median"] / plain["images_per_s_median"],
+        "rounds": rounds,
+        "results": summary,
+        "ratio_lightning_over_plain": ratio,
         "wall_seconds": round(time.perf_counter() - start, 1),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "note": args.note,
     }
-    stem = args.out_name or f"pyramidnet_throughput_{device.type}" + ("_compile" if args.compile else "")
+    stem = args.out_name or (f"pyramidnet_throughput_{device.type}" + ("_compile" if args.compile else "")
+                             + (f"_aligned{args.channel_multiple}" if args.channel_multiple > 1 else ""))
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
     (args.out_dir / f"{stem}.md").write_text(_markdown(report))
     print(
         f"pyramidnet_throughput: {args.model} batch {args.batch_size} {args.precision}"
         f"{' channels_last' if args.channels_last else ''}{' compile' if args.compile else ''} on {report['device']}: "
-        f"plain {plain['images_per_s_median']:.1f} img/s, lightning {lit['images_per_s_median']:.1f} img/s, "
-        f"ratio {report['ratio_lightning_over_plain']:.3f} -> {args.out_dir / stem}.json",
+        f"plain {summary['plain']['images_per_s_median']:.1f} img/s, lightning "
+        f"{summary['lightning']['images_per_s_median']:.1f} img/s, paired ratio {ratio:.3f} over {args.rounds} "
+        f"rounds -> {args.out_dir / stem}.json",
         flush=True,
     )
     return report

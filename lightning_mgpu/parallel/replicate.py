@@ -30,10 +30,11 @@ def replicate(module: nn.Module, devices: Sequence[DeviceLike], detach: bool = F
     if compiled is not None:
         where = f"submodule '{compiled}'" if compiled else "the module"
         raise ValueError(
-            f"Cannot replicate {where}: it was compiled with torch.compile (module.compile() or torch.compile(module)). "
-            "The compiled code stays bound to the original module, so every replica would silently run the original's "
-            "parameters and buffers instead of its own (torch.nn.DataParallel has the same limitation). Train a "
-            "compiled model on one device, or with strategy='ddp' (one process per device), or drop the compile call."
+            f"Cannot replicate {where}: it was compiled with torch.compile (module.compile() or "
+            "torch.compile(module)). The compiled code stays bound to the original module, so every replica would "
+            "silently run the original's parameters and buffers instead of its own (torch.nn.DataParallel has the "
+            "same limitation). Train a compiled model on one device, or with strategy='ddp' (one process per "
+            "device), or drop the compile call."
         )
     if distinct_cuda(targets) and not isinstance(module, torch.jit.ScriptModule):
         return list(torch.nn.parallel.replicate(module, targets, detach=detach))

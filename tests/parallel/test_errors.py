@@ -161,7 +161,7 @@ def test_compiled_modules_are_refused_by_replicas_and_still_run_on_one_device():
     weighted = nn.CrossEntropyLoss(weight=torch.tensor([1.0, 2.0]))  # holds a tensor: replicated, so refused
     weighted.compile(backend="eager")
     logits, targets = torch.randn(6, 2), torch.tensor([0, 1, 1, 0, 1, 0])
-    with pytest.raises(ValueError, match="compiled with torch.compile"):
+    with pytest.raises(ValueError, match=r"compiled with torch\.compile"):
         DataParallelCriterion(weighted, CPU2)(list(logits.chunk(2)), targets)
     stateless = nn.CrossEntropyLoss()  # no tensors: the one compiled object serves every shard, which is exact
     stateless.compile(backend="eager")

@@ -24,14 +24,20 @@ def _load_benchmark():
 def test_cpu_benchmark_writes_a_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bench = _load_benchmark()
     args = ["--device", "cpu", "--model", "tiny", "--batch-size", "8", "--warmup", "1", "--window", "2",
-            "--windows", "2", "--pool-batches", "2", "--out-dir", str(tmp_path), "--out-name", "bench"]
+            "--windows", "2", "--rounds", "2", "--pool-batches", "2", "--out-dir", str(tmp_path), "--out-name", "bench"]
     report = bench.main(args)
     saved = json.loads((tmp_path / "bench.json").read_text())
     assert saved["config"]["model"] == "tiny" and saved["config"]["precision"] == "bf16-mixed"
     assert saved["config"]["channels_last"] is True and saved["device_type"] == "cpu"
-    for loop in ("plain", "lightning"):
-        assert len(saved["results"][loop]["images_per_s_windows"]) == 2
-        assert saved["results"][loop]["images_per_s_median"] > 0
+    rounds = saved["rounds"]
+    assert [r["order"] for r in rounds] == [["plain", "lightning"], ["lightning", "plain"]]  # alternating
+    for rnd in rounds:
+        for loop in ("plain", "lightning"):
+            assert len(rnd[loop]["images_per_s_windows"]) == 2 and rnd[loop]["images_per_s_median"] > 0
+        assert rnd["ratio_lightning_over_plain"] == pytest.approx(
+            rnd["lightning"]["images_per_s_median"] / rnd["plain"]["images_per_s_median"])
+    paired = sorted(r["ratio_lightning_over_plain"] for r in rounds)
+    assert saved["ratio_lightning_over_plain"] == pytest.approx(sum(paired) / 2)  # median of two rounds
     assert saved["ratio_lightning_over_plain"] == pytest.approx(report["ratio_lightning_over_plain"])
     assert "--model tiny" in saved["command"] and saved["versions"]["torch"]
     markdown = (tmp_path / "bench.md").read_text()
@@ -45,4 +51,11 @@ def test_gpu_invocation_parses() -> None:
         ["--device", "cuda", "--model", "seed", "--batch-size", "256", "--precision", "bf16-mixed"]
     )
     assert (args.model, args.batch_size, args.precision, args.channels_last) == ("seed", 256, "bf16-mixed", True)
-    assert (args.warmup, args.window, args.windows) == (15, 20, 5)
+    assert (args.warmup, args.window, args.windows, args.rounds) == (15, 20, 5, 3)
+
+
+@pytest.mark.parametrize("option", ["--rounds", "--window", "--warmup", "--batch-size"])
+def test_counts_below_one_are_refused(option: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        _load_benchmark().parse_args(["--device", "cpu", option, "0"])
+    assert f"{option} must be at least 1" in capsys.readouterr().err

@@ -110,6 +110,10 @@ def test_lr_schedule_over_the_estimated_steps(schedule: str, tmp_path: Path) -> 
 def test_module_architecture_arguments() -> None:
     explicit = PyramidNetModule(arch=None, depth=8, alpha=12, units_per_stage=2)
     assert [len(s) for s in (explicit.net.stage1, explicit.net.stage2, explicit.net.stage3)] == [2, 2, 2]
+    for module in (PyramidNetModule(arch="tiny", channel_multiple=16),
+                   PyramidNetModule(arch=None, depth=8, alpha=12, channel_multiple=16)):
+        assert module.net.channel_multiple == 16
+        assert all(u.out_channels % 16 == 0 for s in (module.net.stage1, module.net.stage2) for u in s)
     with pytest.raises(ValueError, match="either arch"):
         PyramidNetModule(arch="tiny", depth=8)
     with pytest.raises(ValueError, match="depth and alpha are required"):
