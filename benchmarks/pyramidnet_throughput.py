@@ -3,11 +3,11 @@
 Both run in the same process on the same model architecture, the same device-resident uint8 batches, the same
 on-device augmentation (random crop + flip + normalisation, ``recipes/pyramidnet/augment.py``), precision, memory
 format and optimizer (SGD, Nesterov momentum 0.9, wd 1e-4, MultiStepLR). Throughput is images per second over timed
-windows of optimizer steps (the device is synchronised at window boundaries only). The two loops alternate in
-``--rounds`` rounds (the first to run swaps every round), each run reporting its median window; the overhead figure is
-the median over rounds of the paired ratio Lightning / plain, so that drift of a shared machine cancels. Results go to
-``benchmarks/results/pyramidnet_throughput_<device>`` as JSON and markdown, with the device, versions and the exact
-command.
+windows of optimizer steps (the device is synchronised at window boundaries only). After one discarded run of each,
+the two loops alternate in ``--rounds`` rounds (the first to run swaps every round), each run reporting its median
+window; the overhead figure is the median over rounds of the paired ratio Lightning / plain, so that drift of a shared
+machine cancels. Results go to ``benchmarks/results/pyramidnet_throughput_<device>`` as JSON and markdown, with the
+device, versions and the exact command.
 
     python benchmarks/pyramidnet_throughput.py                      # CPU: tiny model, small batch (minutes at most)
     python benchmarks/pyramidnet_throughput.py --device cuda --model seed --batch-size 256 --precision bf16-mixed
@@ -264,7 +264,8 @@ def _markdown(report: dict[str, Any]) -> str:
         f"- model: `{cfg['model']}` ({cfg['parameters']:,} parameters), batch {cfg['batch_size']}, "
         f"precision {cfg['precision']}, channels_last {cfg['channels_last']}, compile {cfg['compile']}, "
         f"channel_multiple {cfg['channel_multiple']}",
-        f"- {cfg['rounds']} rounds, the two loops alternating (first to run swaps each round); per run "
+        f"- one discarded run of each loop, then {cfg['rounds']} rounds, the two loops alternating (first to run "
+        "swaps each round); per run "
         f"{cfg['warmup']} warm-up steps, then {cfg['windows']} windows of {cfg['window']} steps, median window",
         "- versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items() if v),
         f"- command: `{report['command']}`",
@@ -341,6 +342,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     pool = make_pool(args.batch_size, args.pool_batches, device)
     start = time.perf_counter()
     runners = {"plain": run_plain, "lightning": run_lightning}
+    for run in runners.values():  # discarded: one-time costs (kernel selection, allocator growth, JIT) go here
+        run(args, pool, device)
     rounds: list[dict[str, Any]] = []
     for i in range(args.rounds):
         order = ("plain", "lightning") if i % 2 == 0 else ("lightning", "plain")
