@@ -192,9 +192,8 @@ def run_lightning(args: argparse.Namespace, pool: list[tuple[torch.Tensor, torch
                   device: torch.device) -> dict[str, Any]:
     """The recipe's LightningModule under a single-device Trainer, same data, precision and memory format."""
     torch.manual_seed(0)
-    module = _BenchModule(arch=args.model, channels_last=args.channels_last, channel_multiple=args.channel_multiple)
-    if args.compile:
-        module.net.compile()
+    module = _BenchModule(arch=args.model, channels_last=args.channels_last, channel_multiple=args.channel_multiple,
+                          compile_net=args.compile)
     timer = WindowTimer(device, args.warmup, args.window, args.windows, args.batch_size)
     trainer = L.Trainer(
         accelerator=device.type if device.type != "cuda" else "gpu",

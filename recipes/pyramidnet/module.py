@@ -41,6 +41,9 @@ class PyramidNetModule(L.LightningModule):
         label_smoothing: cross-entropy label smoothing (0 in the paper).
         channels_last: keep the weights in ``channels_last`` memory format (pair with the data module's option).
         channel_multiple: round unit widths up to a multiple of this (see ``PyramidNet``; 1 keeps the paper's model).
+        compile_net: ``torch.compile`` the PyramidNet in place (``nn.Module.compile``: state-dict keys unchanged,
+            compiled on the first step). For one device or ``ddp``; the single-process multi-device strategies refuse
+            compiled modules, whose compiled code would run the original's tensors in every replica.
     """
 
     def __init__(
@@ -61,6 +64,7 @@ class PyramidNetModule(L.LightningModule):
         label_smoothing: float = 0.0,
         channels_last: bool = False,
         channel_multiple: int = 1,
+        compile_net: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -68,6 +72,8 @@ class PyramidNetModule(L.LightningModule):
                                                channel_multiple)
         if channels_last:
             self.net = self.net.to(memory_format=torch.channels_last)
+        if compile_net:
+            self.net.compile()
         if any(not 0 < m <= 1 for m in milestones):
             raise ValueError(f"milestones are fractions of training in (0, 1], got {milestones}")
         self.criterion = nn.CrossEntropyLoss(label_smoothing=label_smoothing)

@@ -65,6 +65,15 @@ def test_quickstart_trains_two_steps_under_each_single_process_strategy(strategy
         assert len(trainer.strategy.parallel_devices) == 2
 
 
+def test_compiled_net_keeps_its_checkpoint_keys_and_is_refused_by_replicas(tmp_path: Path) -> None:
+    compiled = PyramidNetModule(arch="tiny", compile_net=True)
+    assert compiled.net._compiled_call_impl is not None
+    assert compiled.state_dict().keys() == PyramidNetModule(arch="tiny").state_dict().keys()  # in place: no _orig_mod
+    with pytest.raises(ValueError, match=r"Cannot replicate submodule 'net': it was compiled with torch\.compile"):
+        main(["fit", "-c", str(QUICKSTART), "-c", _overlay("parallel_criterion"), *_fast_args(tmp_path),
+              "--model.init_args.compile_net=true"])
+
+
 def test_quickstart_trains_two_steps_under_ddp(tmp_path: Path) -> None:
     # In-process ddp would re-launch pytest's own command line, so the CLI runs in a subprocess (2 gloo processes).
     cmd = [sys.executable, "-m", "lightning_mgpu", "fit", "-c", str(QUICKSTART), "-c", _overlay("ddp"),
