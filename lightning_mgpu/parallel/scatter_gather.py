@@ -29,7 +29,8 @@ class NothingToSplitError(BatchSplitError):
     """The inputs hold no tensor with a batch dimension (callers may then run once, unsplit)."""
 
 
-def _is_namedtuple(obj: Any) -> bool:
+def is_namedtuple(obj: Any) -> bool:
+    """A ``namedtuple`` / ``typing.NamedTuple`` instance: a fixed structure, never a per-sample sequence."""
     return isinstance(obj, tuple) and hasattr(obj, "_fields")
 
 
@@ -42,8 +43,18 @@ def _contains_tensor(obj: Any) -> bool:
 
 
 def _is_per_sample_list(obj: Any, batch_size: int | None) -> bool:
-    """A list of plain items (e.g. strings) with one item per sample: split like a tensor."""
-    return isinstance(obj, list) and batch_size is not None and len(obj) == batch_size and not _contains_tensor(obj)
+    """A list or tuple of plain items (e.g. ids) with one item per sample: split like a tensor.
+
+    Tuples count too: ``ids, images = zip(*samples)`` in a collate function makes a tuple of ids. Namedtuples are
+    structures and never count.
+    """
+    return (
+        isinstance(obj, (list, tuple))
+        and not is_namedtuple(obj)
+        and batch_size is not None
+        and len(obj) == batch_size
+        and not _contains_tensor(obj)
+    )
 
 
 def iter_tensors(obj: Any, path: str = "batch") -> Iterator[tuple[str, Tensor]]:
@@ -53,7 +64,7 @@ def iter_tensors(obj: Any, path: str = "batch") -> Iterator[tuple[str, Tensor]]:
     elif isinstance(obj, Mapping):
         for key, value in obj.items():
             yield from iter_tensors(value, f"{path}[{key!r}]")
-    elif _is_namedtuple(obj):
+    elif is_namedtuple(obj):
         for field in obj._fields:
             yield from iter_tensors(getattr(obj, field), f"{path}.{field}")
     elif isinstance(obj, (list, tuple)):
@@ -132,7 +143,7 @@ def rebuild(template: Any, values: Sequence[Any] | Mapping[str, Any]) -> Any:
             return type(template)(values)
         except TypeError:
             return dict(values)
-    if _is_namedtuple(template):
+    if is_namedtuple(template):
         return type(template)(*values)
     if isinstance(template, (list, tuple)):
         try:
@@ -247,11 +258,12 @@ def move_to(obj: Any, device: DeviceLike) -> Any:
 def gather(outputs: Sequence[Any], device: DeviceLike, dim: int = 0) -> Any:
     """Concatenate per-replica outputs on ``device`` along ``dim`` (differentiable), preserving the structure.
 
-    The inverse of :func:`scatter`: tensors are concatenated; a list of plain items (e.g. strings) is concatenated
-    when it holds one item per sample of its replica (the replica's batch size is read from its tensors; without
-    any tensor, such lists are always concatenated); other non-tensor values, including lists that were passed whole,
-    are kept when equal across replicas, else returned as a list with one value per replica. 0-dim tensors (e.g. a
-    per-replica loss) are stacked, one value per replica, as ``nn.DataParallel`` does.
+    The inverse of :func:`scatter`: tensors are concatenated; a list (or non-named tuple) of plain items (e.g.
+    strings) is concatenated when it holds one item per sample of its replica (the replica's batch size is read from
+    its tensors; without any tensor, such lists are always concatenated, tuples never); other non-tensor values,
+    including lists that were passed whole, are kept when equal across replicas, else returned as a list with one
+    value per replica. 0-dim tensors (e.g. a per-replica loss) are stacked, one value per replica, as
+    ``nn.DataParallel`` does.
     """
     if not outputs:
         raise ValueError("gather() needs at least one output.")
@@ -289,6 +301,9 @@ def _gather(outputs: list[Any], target: torch.device, dim: int, sizes: list[int]
         if sizes is None or all(len(o) == n for o, n in zip(outputs, sizes, strict=True)):
             return [item for o in outputs for item in o]
         return _gather_value(outputs)
+    if (isinstance(first, tuple) and not is_namedtuple(first) and sizes is not None and not _contains_tensor(first)
+            and all(isinstance(o, tuple) and len(o) == n for o, n in zip(outputs, sizes, strict=True))):
+        return tuple(item for o in outputs for item in o)  # one plain item per sample, e.g. ids
     if isinstance(first, (list, tuple)):
         if not all(type(o) is type(first) and len(o) == len(first) for o in outputs):
             raise _mismatch(outputs, path, f"a {type(first).__name__} of length {len(first)}")

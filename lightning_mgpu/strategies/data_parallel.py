@@ -25,8 +25,9 @@ class DataParallelStrategy(SingleProcessParallelStrategy):
     """DataParallel in Lightning 2: forward replicated, outputs gathered on one device.
 
     Args:
-        output_device: where outputs are gathered (an index into the strategy's devices, or a device); default the
-            root device (``parallel_devices[0]``).
+        output_device: where outputs are gathered: an int is an index into the strategy's devices (with
+            ``devices=[2, 3]``, ``1`` is ``cuda:3``), anything else a device (``"cuda:3"``); default the root device
+            (``parallel_devices[0]``).
         parallel_modules: dotted names of the submodules whose ``forward`` runs replicated (e.g. ``["backbone"]``);
             default ``[""]``: the LightningModule's own ``forward``, i.e. every ``self(...)`` call in a step.
         dim: the batch dimension of inputs and outputs.
@@ -57,7 +58,7 @@ class DataParallelStrategy(SingleProcessParallelStrategy):
         """The device outputs are gathered on."""
         if self._output_device is None:
             return self.root_device
-        if isinstance(self._output_device, int) and self.root_device.type != "cuda":
+        if isinstance(self._output_device, int) and not isinstance(self._output_device, bool):
             if not 0 <= self._output_device < len(self.parallel_devices):
                 raise ValueError(
                     f"output_device={self._output_device} is not an index into the {len(self.parallel_devices)} "

@@ -84,8 +84,8 @@ class ParallelCriterionStrategy(SingleProcessParallelStrategy):
         if all_or_none(outputs, hook):
             return None
         if hook == "training_step":
-            return reduce_training_outputs(outputs, sizes, self.root_device, self.loss_reduction)
-        return gather_step_outputs(outputs, sizes, self.root_device)
+            return reduce_training_outputs(outputs, sizes, self.root_device, self.loss_reduction, self.dim)
+        return gather_step_outputs(outputs, sizes, self.root_device, self.dim)
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:

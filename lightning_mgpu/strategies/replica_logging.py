@@ -6,7 +6,9 @@ a true 1.14). Each replica's ``log`` is replaced by a recorder; after the replic
 name according to ``reduce_fx`` and logged once, from the main thread, on the root module:
 
 * ``"mean"``: weighted by each replica's ``batch_size=`` argument when given (then logged with their sum as the
-  batch size), else by its sample count. Both equal the single-device value of a per-sample mean.
+  batch size); else, for a value that is the loss the step returned with ``loss_weight`` (or a ``loss_terms`` term),
+  by that weight; else by the replica's sample count. Each equals the single-device value of the mean. Replicas with
+  weight 0 (e.g. no valid token in their shard, whose mean is NaN) are left out, as in the loss.
 * ``"sum"``, ``"max"``, ``"min"``: sum, max, min over replicas.
 * a torchmetrics ``Metric``: the root metric, whose state the metric merger has filled from every replica.
 
@@ -24,9 +26,9 @@ from torch import Tensor
 from torchmetrics import Metric
 
 _MEAN = ("mean", "avg", torch.mean)
-_SUM = ("sum", torch.sum)
-_MAX = ("max", torch.max)
-_MIN = ("min", torch.min)
+_SUM = ("sum", torch.sum, sum)
+_MAX = ("max", torch.max, max)
+_MIN = ("min", torch.min, min)
 _LOG_DEFAULTS: dict[str, Any] = {"reduce_fx": "mean", "batch_size": None, "enable_graph": False}
 
 
@@ -66,11 +68,12 @@ def merge_and_log(
     recorders: Sequence[LogRecorder],
     sample_counts: Sequence[int],
     metric_owner: Callable[[Any], Metric | None],
+    implied_weights: Sequence[dict[int, Any]] | None = None,
 ) -> None:
     """Merge the replicas' recorded ``log`` calls and log each name once on ``root`` (a LightningModule).
 
     ``metric_owner(value)`` maps a replica's metric clone to the root metric it stands for (``None`` if ``value`` is
-    not one).
+    not one). ``implied_weights[i]`` maps ``id(tensor)`` to the weight replica ``i`` returned for that loss tensor.
     """
     by_name: dict[str, list[tuple[int, LogCall]]] = {}
     for index, recorder in enumerate(recorders):
@@ -95,12 +98,16 @@ def merge_and_log(
                 )
             root.log(name, owner, **options)
             continue
-        value, merged_options = _merge_values(name, entries, sample_counts, options)
+        value, merged_options = _merge_values(name, entries, sample_counts, options, implied_weights)
         root.log(name, value, **merged_options)
 
 
 def _merge_values(
-    name: str, entries: list[tuple[int, LogCall]], sample_counts: Sequence[int], options: dict[str, Any]
+    name: str,
+    entries: list[tuple[int, LogCall]],
+    sample_counts: Sequence[int],
+    options: dict[str, Any],
+    implied_weights: Sequence[dict[int, Any]] | None = None,
 ) -> tuple[Tensor, dict[str, Any]]:
     kind = _reduce_kind(options["reduce_fx"])
     values = [_as_tensor(name, call.value, options["enable_graph"]) for _, call in entries]
@@ -110,12 +117,18 @@ def _merge_values(
     merged_options = dict(options)
     if kind == "mean":
         explicit = [call.options.get("batch_size") for _, call in entries]
+        implied = [(implied_weights[index] if implied_weights else {}).get(id(call.value)) for index, call in entries]
         if all(b is not None for b in explicit):
             weights = [float(b) for b in explicit]
             merged_options["batch_size"] = int(sum(weights))
+        elif all(b is not None for b in implied):
+            weights = [float(b) for b in implied]
         else:
             weights = [float(sample_counts[index]) for index, _ in entries]
         w = torch.tensor(weights, dtype=dtype, device=device)
+        counted = w > 0
+        if bool(counted.any()):  # a replica with nothing to average over contributes nothing (its mean may be NaN)
+            stacked, w = stacked[counted], w[counted]
         merged = (stacked * w).sum() / w.sum()
     elif kind == "sum":
         merged = stacked.sum()

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torchmetrics import Metric
-from torchmetrics.utilities.data import dim_zero_cat
+from torchmetrics.utilities.data import dim_zero_cat, dim_zero_mean
 
 
 def _outermost_metrics(module: nn.Module, prefix: str = "") -> list[tuple[str, Metric]]:
@@ -63,6 +63,7 @@ class MetricReplicas:
         self._owner: dict[int, Metric] = {}  # id(clone) -> root metric
         self._scratch: dict[int, Metric] = {}  # id(root metric) -> clone used to compute the batch value
         self._active: list[tuple[Metric, list[Metric]]] = []
+        self._contributions: dict[int, int] = {}  # id(root metric) -> replica states folded in since its reset
 
     def install(self, root: nn.Module, replicas: Sequence[nn.Module], devices: Sequence[torch.device]) -> None:
         """Put a clone of each root metric, on the replica's device, into every replica."""
@@ -81,6 +82,13 @@ class MetricReplicas:
                 _set_submodule(replica, path, clone)
                 clones.append(clone)
             self._active.append((metric, clones))
+
+    def discard(self) -> None:
+        """Forget the step in progress (it failed): reset its clones so no partial update reaches a later step."""
+        for _, clones in self._active:
+            for clone in clones:
+                clone.reset()
+        self._active = []
 
     def owner_of(self, value: Any) -> Metric | None:
         """The root metric a replica's clone stands for."""
@@ -102,12 +110,24 @@ class MetricReplicas:
             }
             if compute_step_value and id(metric) in compute_step_value:
                 metric._forward_cache = self._batch_value(metric, batch_state)
+            fresh = metric._update_count == 0
+            folded = 0 if fresh else self._contributions.get(id(metric), 1)
             for attr, value in batch_state.items():
                 current = getattr(metric, attr)
-                if metric._update_count == 0 and not isinstance(current, list):
+                reduce_fx = metric._reductions[attr]
+                if fresh and not isinstance(current, list):
                     setattr(metric, attr, value)
+                elif reduce_fx is None:
+                    # Unreduced states (e.g. PearsonCorrCoef's) are stacked one row per contributor, as DDP stacks
+                    # ranks; compute() aggregates the rows. Later steps append rows instead of nesting stacks.
+                    setattr(metric, attr, torch.cat([current.to(device), value]))
+                elif reduce_fx is dim_zero_mean:
+                    # DDP takes the equal-weight mean over ranks: over every replica state folded in so far.
+                    n = len(updated)
+                    setattr(metric, attr, (current.to(device) * folded + value * n) / (folded + n))
                 else:
-                    setattr(metric, attr, _combine([current, value], metric._reductions[attr], device))
+                    setattr(metric, attr, _combine([current, value], reduce_fx, device))
+            self._contributions[id(metric)] = folded + len(updated)
             metric._update_count += 1
             metric._computed = None
             for clone in updated:

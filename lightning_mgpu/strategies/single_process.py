@@ -28,6 +28,7 @@ from lightning_mgpu.parallel.replicate import replicate
 from lightning_mgpu.parallel.scatter_gather import iter_tensors
 from lightning_mgpu.strategies.replica_logging import LogRecorder, merge_and_log
 from lightning_mgpu.strategies.replica_metrics import MetricReplicas
+from lightning_mgpu.strategies.step_outputs import loss_weights_by_tensor
 
 
 @dataclass
@@ -187,14 +188,20 @@ class SingleProcessParallelStrategy(ParallelStrategy):
     ) -> list[Any]:
         """Run ``call(i, replica_i)`` for every device, then merge logs and metrics into ``self.lightning_module``."""
         replicas, recorders = self._make_replicas(module, devices)
-        outputs = parallel_apply(
-            [lambda i=i, r=r: call(i, r) for i, r in enumerate(replicas)], devices, self.execution_mode
-        )
-        self._merge_replica_state(recorders, sample_counts)
+        try:
+            outputs = parallel_apply(
+                [lambda i=i, r=r: call(i, r) for i, r in enumerate(replicas)], devices, self.execution_mode
+            )
+        except BaseException:
+            self._metric_replicas.discard()
+            raise
+        self._merge_replica_state(recorders, sample_counts, [loss_weights_by_tensor(o) for o in outputs])
         self.step_transfer.add(module, outputs)
         return outputs
 
-    def _merge_replica_state(self, recorders: Sequence[LogRecorder], sample_counts: Sequence[int]) -> None:
+    def _merge_replica_state(
+        self, recorders: Sequence[LogRecorder], sample_counts: Sequence[int], implied_weights: Sequence[dict[int, Any]]
+    ) -> None:
         in_training = self.lightning_module._current_fx_name == "training_step"
         step_metrics = {
             id(owner)
@@ -204,7 +211,9 @@ class SingleProcessParallelStrategy(ParallelStrategy):
             and (in_training if call.options.get("on_step") is None else call.options["on_step"])
         }
         self._metric_replicas.merge(step_metrics)
-        merge_and_log(self.lightning_module, recorders, sample_counts, self._metric_replicas.owner_of)
+        merge_and_log(
+            self.lightning_module, recorders, sample_counts, self._metric_replicas.owner_of, implied_weights
+        )
 
     # --- the four step hooks Lightning calls on the strategy ------------------------------------------------------
     def _run_step(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

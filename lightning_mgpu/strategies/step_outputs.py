@@ -8,9 +8,17 @@ Training steps may return, besides ``"loss"``, two documented keys that say how 
   ``{"mlm": (mlm_loss, n_masked_tokens), "nsp": (nsp_loss, batch_size)}``. Each term is reduced with its own weights
   and the root loss is their sum (the replica's ``"loss"`` must equal the sum of its terms; one device uses it).
 
-Both keys are consumed here and do not appear in the step's outputs. Other outputs are gathered on the root: tensors
-with a batch dimension concatenated in batch order, scalars (0-dim tensors, numbers) averaged weighted by sample
-count, which is what one device computes for a per-sample mean.
+Both keys are consumed here and do not appear in the step's outputs. Other outputs are gathered on the root, in
+batch order, as one device would have returned them for the whole batch:
+
+* tensors and numpy arrays whose size along ``dim`` is the replica's sample count are concatenated;
+* lists and tuples with one item per sample (ids, per-sample records, variable-size tensors) are concatenated;
+* scalars (0-dim tensors, numbers) are averaged weighted by sample count: exact for a per-sample mean, not for a sum
+  or a count (return per-sample values, or log sums with ``reduce_fx="sum"``);
+* mappings, dataclasses and fixed structures (``(preds, target)``) are gathered field by field;
+* anything else that is not the same on every replica (e.g. a ``(C, C)`` confusion matrix) comes back as
+  ``ReplicaValues``, the list of the replicas' values, so code expecting one device's value fails loudly instead of
+  using a wrong number.
 """
 
 from __future__ import annotations
@@ -18,14 +26,31 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from lightning_mgpu.parallel.reduce import LossReduction, reduce_losses
-from lightning_mgpu.parallel.scatter_gather import rebuild
+from lightning_mgpu.parallel.scatter_gather import is_namedtuple, rebuild
 
 LOSS_WEIGHT_KEY = "loss_weight"
 LOSS_TERMS_KEY = "loss_terms"
+
+
+class ReplicaValues(list):
+    """A step output that cannot be merged into one device's value: one entry per replica, in batch order.
+
+    Returned for values without a per-sample dimension that differ between replicas (a confusion matrix, a count
+    tensor of another shape). Using it as a tensor fails with an explanation instead of a wrong number.
+    """
+
+    def __getattr__(self, name: str) -> Any:
+        raise AttributeError(
+            f"this step output has no per-sample dimension and differs between the {len(self)} replicas, so it came "
+            f"back as a list of their values (ReplicaValues) and has no attribute {name!r}. Combine them as your "
+            "statistic needs (e.g. torch.stack(values).sum(0) for counts), or return per-sample values, which are "
+            "concatenated in batch order."
+        )
 
 
 def all_or_none(outputs: Sequence[Any], hook: str) -> bool:
@@ -42,8 +67,28 @@ def all_or_none(outputs: Sequence[Any], hook: str) -> bool:
     return False
 
 
+def loss_weights_by_tensor(output: Any) -> dict[int, Any]:
+    """``{id(tensor): weight}`` for the losses a training step returned with an explicit weight.
+
+    A value logged without ``batch_size=`` that *is* one of these tensors (``self.log("train_loss", loss)`` then
+    ``return {"loss": loss, "loss_weight": n}``) is merged across replicas with the same weights as the loss, so the
+    logged number is the optimized one.
+    """
+    if not isinstance(output, Mapping):
+        return {}
+    weights: dict[int, Any] = {}
+    if LOSS_WEIGHT_KEY in output and isinstance(output.get("loss"), Tensor):
+        weights[id(output["loss"])] = output[LOSS_WEIGHT_KEY]
+    terms = output.get(LOSS_TERMS_KEY)
+    if isinstance(terms, Mapping):
+        for term in terms.values():
+            if isinstance(term, (tuple, list)) and len(term) == 2 and isinstance(term[0], Tensor):
+                weights[id(term[0])] = term[1]
+    return weights
+
+
 def reduce_training_outputs(
-    outputs: Sequence[Any], sample_counts: Sequence[int], root: torch.device, reduction: LossReduction
+    outputs: Sequence[Any], sample_counts: Sequence[int], root: torch.device, reduction: LossReduction, dim: int = 0
 ) -> Any:
     """The training step's result on the root: a reduced loss tensor, or ``{"loss": ..., **gathered extras}``."""
     first = outputs[0]
@@ -61,7 +106,7 @@ def reduce_training_outputs(
         weights = [o.get(LOSS_WEIGHT_KEY, n) for o, n in zip(outputs, sample_counts, strict=True)]
         loss = reduce_losses([o["loss"] for o in outputs], weights, root, reduction)
     extras = [{k: v for k, v in o.items() if k not in ("loss", LOSS_WEIGHT_KEY, LOSS_TERMS_KEY)} for o in outputs]
-    return {"loss": loss, **gather_step_outputs(extras, sample_counts, root)}
+    return {"loss": loss, **gather_step_outputs(extras, sample_counts, root, dim)}
 
 
 def _reduce_terms(outputs: Sequence[Mapping[str, Any]], root: torch.device, reduction: LossReduction) -> Tensor:
@@ -85,26 +130,62 @@ def _reduce_terms(outputs: Sequence[Mapping[str, Any]], root: torch.device, redu
     return total  # type: ignore[return-value]
 
 
-def gather_step_outputs(outputs: Sequence[Any], sample_counts: Sequence[int], root: torch.device) -> Any:
+def gather_step_outputs(outputs: Sequence[Any], sample_counts: Sequence[int], root: torch.device, dim: int = 0) -> Any:
     """Gather arbitrary step outputs on ``root`` as one device would have produced them for the whole batch."""
     first = outputs[0]
     if first is None:
         return None
-    if isinstance(first, Tensor):
-        if first.dim() == 0:
-            return reduce_losses(list(outputs), sample_counts, root)
-        return torch.cat([o.to(root) for o in outputs], dim=0)
-    if isinstance(first, (int, float)) and not isinstance(first, bool):
-        values = [torch.tensor(float(o), dtype=torch.float64) for o in outputs]
-        return float(reduce_losses(values, sample_counts, torch.device("cpu")))
+    if isinstance(first, (Tensor, np.ndarray)):
+        if first.ndim == 0:
+            return _weighted_mean(outputs, sample_counts, root)
+        if _per_sample_arrays(outputs, sample_counts, dim):
+            if isinstance(first, Tensor):
+                return torch.cat([o.to(root) for o in outputs], dim=dim)
+            return np.concatenate(outputs, axis=dim)
+        return ReplicaValues(outputs)
+    if isinstance(first, (int, float, np.number)) and not isinstance(first, bool):
+        return _weighted_mean(outputs, sample_counts, root)
     if isinstance(first, Mapping):
-        return rebuild(first, {k: gather_step_outputs([o[k] for o in outputs], sample_counts, root) for k in first})
-    if isinstance(first, list) and not any(isinstance(x, (Tensor, Mapping, list, tuple)) for x in first):
-        return [x for o in outputs for x in o]
+        gathered = {k: gather_step_outputs([o[k] for o in outputs], sample_counts, root, dim) for k in first}
+        return rebuild(first, gathered)
     if isinstance(first, (list, tuple)):
-        items = [gather_step_outputs([o[i] for o in outputs], sample_counts, root) for i in range(len(first))]
-        return rebuild(first, items)
-    if all(o == first for o in outputs[1:]):
+        if not is_namedtuple(first) and _per_sample_items(outputs, sample_counts, dim):
+            return type(first)(x for o in outputs for x in o)
+        if all(type(o) is type(first) and len(o) == len(first) for o in outputs):
+            items = [gather_step_outputs([o[i] for o in outputs], sample_counts, root, dim) for i in range(len(first))]
+            return rebuild(first, items)
+        return ReplicaValues(outputs)
+    if all(_same(o, first) for o in outputs[1:]):
         return first
-    return list(outputs)
+    return ReplicaValues(outputs)
 
+
+def _weighted_mean(values: Sequence[Any], sample_counts: Sequence[int], root: torch.device) -> Any:
+    if isinstance(values[0], Tensor):
+        return reduce_losses(list(values), sample_counts, root)
+    as_tensors = [torch.tensor(float(v), dtype=torch.float64) for v in values]
+    return float(reduce_losses(as_tensors, sample_counts, torch.device("cpu")))
+
+
+def _per_sample_arrays(outputs: Sequence[Any], sample_counts: Sequence[int], dim: int) -> bool:
+    return all(o.ndim > dim and o.shape[dim] == n for o, n in zip(outputs, sample_counts, strict=True))
+
+
+def _per_sample_items(outputs: Sequence[Sequence[Any]], sample_counts: Sequence[int], dim: int) -> bool:
+    """One item per sample on every replica, and not a fixed structure of per-sample arrays such as ``(preds, y)``."""
+    if any(len(o) != n for o, n in zip(outputs, sample_counts, strict=True)):
+        return False
+    if len(set(sample_counts)) > 1:  # lengths follow uneven shard sizes: per-sample for sure
+        return True
+    return not all(
+        isinstance(item, (Tensor, np.ndarray)) and _per_sample_arrays([item], [n], dim)
+        for o, n in zip(outputs, sample_counts, strict=True)
+        for item in o
+    )
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except (TypeError, ValueError, RuntimeError):  # e.g. objects whose == is elementwise or undefined
+        return False

@@ -134,6 +134,19 @@ def test_non_tensor_values_passed_whole_and_gathered():
     assert gather([["a", "b"], ["c"]], "cpu") == ["a", "b", "c"]
 
 
+def test_tuples_of_per_sample_items_split_with_the_batch():
+    """``images, ids = zip(*samples)`` collates ids into a tuple: it must travel with its samples."""
+    ids = tuple(f"id{i}" for i in range(5))
+    chunks, sizes = scatter((torch.arange(5), ids), ["cpu"] * 2)
+    assert sizes == [3, 2] and [c[1] for c in chunks] == [("id0", "id1", "id2"), ("id3", "id4")]
+    gathered = gather(chunks, "cpu")  # the tensors beside the tuple give each replica's sample count
+    assert torch.equal(gathered[0], torch.arange(5)) and gathered[1] == ids
+    shape = Pair(32, 32)  # a namedtuple is a structure even when its length equals the batch size
+    chunks, _ = scatter((torch.zeros(2, 3), shape, (7, 7)), ["cpu"] * 2)
+    assert all(c[1] == shape and type(c[1]) is Pair for c in chunks)
+    assert [c[2] for c in chunks] == [(7,), (7,)]  # a plain tuple of length batch size counts as per-sample
+
+
 def test_scatter_along_another_dim():
     x = torch.arange(24.0).reshape(2, 12)
     chunks, sizes = scatter({"x": x, "bias": torch.ones(3)}, CPU4, dim=1)

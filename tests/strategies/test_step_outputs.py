@@ -101,3 +101,90 @@ def test_custom_loss_weights_give_single_device_training(module_cls):
     sample_weighted.__class__ = SampleWeighted
     trainer("parallel_criterion", 4, max_steps=4).fit(sample_weighted, loader(10))
     assert (flat_params(sample_weighted) - flat_params(single)).abs().max() > 1e-6
+
+
+class Records(Classifier):
+    """Predicts from ``(x, ids)`` batches whose ids are a tuple (``zip(*samples)`` collate), in several output forms."""
+
+    def predict_step(self, batch: Any, batch_idx: int) -> Any:
+        x, ids = batch
+        scores = self(x)[:, 0]
+        return {
+            "records": [{"id": i, "score": float(s)} for i, s in zip(ids, scores, strict=True)],
+            "ids": ids,
+            "numpy": scores.detach().numpy(),
+            "ragged": [torch.arange(int(i[2:]) % 3) for i in ids],  # variable-size per-sample tensors
+            "pair": (scores, x[:, 0]),  # a fixed structure of per-sample tensors, not a per-sample list
+        }
+
+
+def _id_loader(batch_size: int) -> torch.utils.data.DataLoader:
+    data = [(x, f"id{i}") for i, (x, _) in enumerate(loader(1).dataset)]
+    return torch.utils.data.DataLoader(
+        data,
+        batch_size=batch_size,
+        collate_fn=lambda samples: (torch.stack([s[0] for s in samples]), tuple(s[1] for s in samples)),
+    )
+
+
+@pytest.mark.parametrize(("devices", "batch_size"), [(3, 10), (2, 4)])  # uneven (4, 3, 3) and even (2, 2) shards
+def test_per_sample_predictions_come_back_in_order(devices: int, batch_size: int):
+    base = seeded(Records)
+    single = trainer("auto", 1).predict(clone(base), _id_loader(batch_size))
+    multi = trainer("parallel_criterion", devices).predict(clone(base), _id_loader(batch_size))
+    assert len(multi) == len(single)
+    for got, ref in zip(multi, single, strict=True):
+        assert got["ids"] == ref["ids"] and isinstance(got["ids"], tuple)  # split with x, not copied to every shard
+        assert [r["id"] for r in got["records"]] == [r["id"] for r in ref["records"]]
+        assert [r["score"] for r in got["records"]] == pytest.approx([r["score"] for r in ref["records"]], abs=1e-12)
+        assert got["numpy"].shape == ref["numpy"].shape and got["numpy"] == pytest.approx(ref["numpy"], abs=1e-12)
+        assert [t.tolist() for t in got["ragged"]] == [t.tolist() for t in ref["ragged"]]
+        assert isinstance(got["pair"], tuple) and len(got["pair"]) == 2
+        for g, r in zip(got["pair"], ref["pair"], strict=True):
+            torch.testing.assert_close(g, r, rtol=0, atol=1e-12)
+
+
+class BatchStatistics(Classifier):
+    """Batches with the batch on dim 1 (``x.T``, ``y[None]``); outputs without a per-sample dimension, or on dim 1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outputs: list[Any] = []
+
+    def validation_step(self, batch: Any, batch_idx: int) -> Any:
+        x_t, y_row = batch
+        logits = self(x_t.T)
+        y = y_row[0]
+        confusion = torch.zeros(3, 3, dtype=torch.long).index_put_(
+            (y, logits.argmax(-1)), torch.tensor(1), accumulate=True
+        )
+        return {"confusion": confusion, "by_class": logits.T}  # (C, C) and (C, B)
+
+    def on_validation_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self.outputs.append(outputs)
+
+
+def _batch_on_dim_1(batch_size: int) -> torch.utils.data.DataLoader:
+    return torch.utils.data.DataLoader(
+        loader(1).dataset,
+        batch_size=batch_size,
+        collate_fn=lambda samples: (
+            torch.stack([s[0] for s in samples], dim=1),
+            torch.stack([s[1] for s in samples])[None],
+        ),
+    )
+
+
+def test_outputs_without_a_sample_dimension_are_not_concatenated_and_dim_is_honoured():
+    base = seeded(BatchStatistics)
+    single, multi = clone(base), clone(base)
+    trainer("auto", 1, limit_val_batches=1).validate(single, _batch_on_dim_1(10), verbose=False)
+    strategy = lightning_mgpu.ParallelCriterionStrategy(dim=1)
+    trainer(strategy, 2, limit_val_batches=1).validate(multi, _batch_on_dim_1(10), verbose=False)
+    confusion = multi.outputs[0]["confusion"]
+    assert isinstance(confusion, lightning_mgpu.strategies.step_outputs.ReplicaValues) and len(confusion) == 2
+    torch.testing.assert_close(torch.stack(list(confusion)).sum(0), single.outputs[0]["confusion"])
+    with pytest.raises(AttributeError, match=r"no per-sample dimension .* has no attribute 'shape'"):
+        _ = confusion.shape
+    assert multi.outputs[0]["by_class"].shape == (3, 10)
+    torch.testing.assert_close(multi.outputs[0]["by_class"], single.outputs[0]["by_class"], rtol=0, atol=1e-12)

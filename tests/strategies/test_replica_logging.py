@@ -1,0 +1,139 @@
+"""Replica logging and metrics edge cases: zero-weight shards, loss_weight-implied weights, builtin reduce_fx,
+metrics with unreduced states, and a failed step leaving no state behind."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torchmetrics
+from strategy_models import Classifier, clone, loader, metrics, seeded, trainer
+from torch import nn
+
+import lightning_mgpu
+
+
+class TokenLossLogged(Classifier):
+    """A token loss with ignored targets: one shard of the first batch has none valid (its mean is NaN)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y, index = batch
+        labels = torch.where(index % 8 < 4, -100, y)  # batches of 8 over 2 shards: shard 0 has no valid target
+        loss = nn.functional.cross_entropy(self(x), labels, ignore_index=-100)
+        valid = (labels != -100).sum()
+        self.log("tok_loss_by_batch_size", loss, batch_size=int(valid), on_step=True)
+        self.log("tok_loss_implied", loss, on_step=True)  # no batch_size: weighted like the returned loss
+        self.log("max_seen", float(len(y)), reduce_fx=max, on_step=True)  # builtins, as Lightning accepts
+        self.log("min_seen", float(len(y)), reduce_fx=min, on_step=True)
+        self.log("n_seen", float(len(y)), reduce_fx=sum, on_step=True)
+        return {"loss": loss, lightning_mgpu.LOSS_WEIGHT_KEY: valid}
+
+
+def test_logged_means_skip_zero_weight_shards_and_follow_loss_weight():
+    x, y = loader(8).dataset.tensors
+    indexed = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y, torch.arange(len(y))), batch_size=8)
+    base = seeded(TokenLossLogged)
+    single, multi = trainer("auto", 1, max_steps=1), trainer("parallel_criterion", 2, max_steps=1)
+    single.fit(clone(base), indexed)
+    multi.fit(clone(base), indexed)
+    ref, got = metrics(single), metrics(multi)
+    for name in ("tok_loss_by_batch_size", "tok_loss_implied"):
+        assert got[name] == pytest.approx(ref[name], abs=1e-12), name  # not NaN, not sample-weighted
+    assert (got["max_seen"], got["min_seen"], got["n_seen"]) == (4.0, 4.0, 8.0)  # per-replica max/min, summed total
+    assert (ref["max_seen"], ref["min_seen"], ref["n_seen"]) == (8.0, 8.0, 8.0)
+
+
+class Correlation(Classifier):
+    """PearsonCorrCoef keeps unreduced (dist_reduce_fx=None) states that DDP stacks per rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pearson = torchmetrics.PearsonCorrCoef()
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.pearson.update(self(x)[:, 0], y.double())
+        self.log("val_pearson", self.pearson)
+
+
+class MeanState(torchmetrics.Metric):
+    """A state reduced with "mean" across processes: the mean of per-batch maxima."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_state("value", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="mean")
+        self.add_state("batches", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="mean")
+
+    def update(self, x: torch.Tensor) -> None:
+        self.value += x.max()
+        self.batches += 1
+
+    def compute(self) -> torch.Tensor:
+        return self.value / self.batches
+
+
+class MeanReduced(Classifier):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mean_state = MeanState()
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.mean_state.update(batch[0][:, 0])
+        self.log("mean_of_maxima", self.mean_state)
+
+
+@pytest.mark.parametrize("devices", [2, 3])
+def test_metric_with_unreduced_states_equals_one_device(devices: int):
+    base = seeded(Correlation)
+    single, multi = trainer("auto", 1, limit_val_batches=4), trainer("parallel_criterion", devices, limit_val_batches=4)
+    single.validate(clone(base), loader(10), verbose=False)
+    multi.validate(clone(base), loader(10), verbose=False)
+    assert metrics(multi)["val_pearson"] == pytest.approx(metrics(single)["val_pearson"], abs=1e-10)
+
+
+def test_mean_reduced_state_is_the_equal_weight_mean_over_every_replica_batch():
+    """As DDP would with one rank per (batch, replica): equal weights, not a running mean of running means."""
+    multi = trainer("parallel_criterion", 2, limit_val_batches=3)
+    multi.validate(seeded(MeanReduced), loader(10), verbose=False)
+    x = loader(10).dataset.tensors[0][:30, 0]
+    shard_maxima = [chunk.max() for batch in x.split(10) for chunk in batch.tensor_split(2)]
+    expected = torch.stack(shard_maxima).mean()  # value and batches both averaged: the ratio of the means
+    assert metrics(multi)["mean_of_maxima"] == pytest.approx(float(expected), abs=1e-12)
+
+
+class FailsOnce(Classifier):
+    """Replica 1 raises after updating the metric in its first validation step (a caught OOM, say)."""
+
+    fail = True
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.val_acc.update(self(x), y)
+        if FailsOnce.fail and x.shape[0] < 5:  # 9 over 2 devices: 5 and 4
+            raise RuntimeError("replica failure")
+        self.log("val_acc", self.val_acc)
+
+
+def test_a_failed_step_leaves_no_metric_state_behind():
+    base = seeded(FailsOnce)
+    module = clone(base)
+    strategy_trainer = trainer("parallel_criterion", 2, limit_val_batches=3)
+    with pytest.raises(RuntimeError, match="replica failure"):
+        strategy_trainer.validate(module, loader(9), verbose=False)
+    FailsOnce.fail = False
+    try:
+        module.val_acc.reset()
+        strategy_trainer.validate(module, loader(9), verbose=False)
+        reference = trainer("auto", 1, limit_val_batches=3)
+        reference.validate(clone(base), loader(9), verbose=False)
+    finally:
+        FailsOnce.fail = True
+    assert metrics(strategy_trainer)["val_acc"] == pytest.approx(metrics(reference)["val_acc"], abs=1e-12)
+
+
+def test_dp_output_device_index_is_an_index_into_the_strategys_devices():
+    strategy = lightning_mgpu.DataParallelStrategy(
+        output_device=1, parallel_devices=[torch.device("cuda", 2), torch.device("cuda", 3)]
+    )
+    assert strategy.output_device == torch.device("cuda", 3)
