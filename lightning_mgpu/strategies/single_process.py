@@ -21,6 +21,7 @@ from lightning.fabric.utilities.device_dtype_mixin import _DeviceDtypeModuleMixi
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lightning_mgpu.parallel.parallel_apply import EXECUTION_MODES, ExecutionMode, parallel_apply
@@ -71,6 +72,10 @@ class StepTransfer:
         return self.outputs + self.parameters + self.gradients
 
 
+def _public_list_lengths(module: nn.Module) -> dict[str, int]:
+    return {name: len(value) for name, value in vars(module).items() if isinstance(value, list) and name[0] != "_"}
+
+
 def _nbytes(obj: Any) -> int:
     return sum(t.numel() * t.element_size() for _, t in iter_tensors(obj))
 
@@ -101,6 +106,7 @@ class SingleProcessParallelStrategy(ParallelStrategy):
         self.dim = dim
         self.execution_mode: ExecutionMode = execution_mode
         self._metric_replicas = MetricReplicas()
+        self._warned_lists: set[str] = set()
         self.step_transfer = StepTransfer()
 
     # --- one process: constant ranks, collectives are identities -----------------------------------------------------
@@ -188,6 +194,7 @@ class SingleProcessParallelStrategy(ParallelStrategy):
     ) -> list[Any]:
         """Run ``call(i, replica_i)`` for every device, then merge logs and metrics into ``self.lightning_module``."""
         replicas, recorders = self._make_replicas(module, devices)
+        list_lengths = _public_list_lengths(module)
         try:
             outputs = parallel_apply(
                 [lambda i=i, r=r: call(i, r) for i, r in enumerate(replicas)], devices, self.execution_mode
@@ -197,7 +204,20 @@ class SingleProcessParallelStrategy(ParallelStrategy):
             raise
         self._merge_replica_state(recorders, sample_counts, [loss_weights_by_tensor(o) for o in outputs])
         self.step_transfer.add(module, outputs)
+        self._warn_on_grown_lists(module, list_lengths, len(replicas))
         return outputs
+
+    def _warn_on_grown_lists(self, module: nn.Module, before: dict[str, int], n_replicas: int) -> None:
+        """Warn (once per attribute) when a replicated step appended to a list attribute of the module."""
+        for name, length in _public_list_lengths(module).items():
+            if length > before.get(name, length) and name not in self._warned_lists:
+                self._warned_lists.add(name)
+                rank_zero_warn(
+                    f"`{type(module).__name__}.{name}` grew during a step that ran on {n_replicas} replicas: each "
+                    "appended its own shard's value, so the list holds one entry per device per step, in no fixed "
+                    "order under threads. Collect step outputs in `on_train_batch_end` / `on_validation_batch_end` "
+                    "(they receive the gathered outputs, once, on the root) or use a torchmetrics metric."
+                )
 
     def _merge_replica_state(
         self, recorders: Sequence[LogRecorder], sample_counts: Sequence[int], implied_weights: Sequence[dict[int, Any]]

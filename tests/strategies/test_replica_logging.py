@@ -137,3 +137,22 @@ def test_dp_output_device_index_is_an_index_into_the_strategys_devices():
         output_device=1, parallel_devices=[torch.device("cuda", 2), torch.device("cuda", 3)]
     )
     assert strategy.output_device == torch.device("cuda", 3)
+
+
+class AppendsOutputs(Classifier):
+    """Lightning 2's epoch-output pattern: append in the step, reduce at epoch end. Wrong on replicas."""
+
+    def on_validation_epoch_start(self) -> None:
+        self.losses: list[torch.Tensor] = []
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.losses.append(nn.functional.cross_entropy(self(x), y))
+
+
+def test_appending_to_a_list_attribute_inside_a_replicated_step_warns_once():
+    module = seeded(AppendsOutputs)
+    with pytest.warns(UserWarning, match=r"`AppendsOutputs.losses` grew during a step that ran on 2 replicas") as seen:
+        trainer("parallel_criterion", 2, limit_val_batches=3).validate(module, loader(8), verbose=False)
+    assert len(module.losses) == 6  # one entry per device per step: the reason for the warning
+    assert sum("grew during a step" in str(w.message) for w in seen) == 1
