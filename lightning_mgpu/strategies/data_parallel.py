@@ -52,6 +52,13 @@ class DataParallelStrategy(SingleProcessParallelStrategy):
         self.parallel_modules = list(parallel_modules)
         if not self.parallel_modules:
             raise ValueError("parallel_modules is empty: name at least one submodule ('' is the LightningModule).")
+        for i, outer in enumerate(self.parallel_modules):
+            for j, inner in enumerate(self.parallel_modules):
+                if i != j and (outer == inner or outer == "" or inner.startswith(f"{outer}.")):
+                    raise ValueError(
+                        f"parallel_modules names {outer!r} and {inner!r}, but {inner!r} runs inside {outer!r}: its "
+                        "forward would be replicated again inside each replica. Name only the outermost module."
+                    )
 
     @property
     def output_device(self) -> torch.device:

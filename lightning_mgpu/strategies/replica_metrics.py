@@ -83,6 +83,14 @@ class MetricReplicas:
                 clones.append(clone)
             self._active.append((metric, clones))
 
+    def clear(self) -> None:
+        """Drop every clone (at teardown): frees their memory on the other devices, forgets ids that may be reused."""
+        self._clones.clear()
+        self._owner.clear()
+        self._scratch.clear()
+        self._contributions.clear()
+        self._active = []
+
     def discard(self) -> None:
         """Forget the step in progress (it failed): reset its clones so no partial update reaches a later step."""
         for _, clones in self._active:

@@ -168,6 +168,10 @@ class SingleProcessParallelStrategy(ParallelStrategy):
             )
         super().setup(trainer)
 
+    def teardown(self) -> None:
+        self._metric_replicas.clear()
+        super().teardown()
+
     # --- replica lifecycle -------------------------------------------------------------------------------------------
     def _make_replicas(self, module: nn.Module, devices: Sequence[torch.device]) -> tuple[list[nn.Module], list]:
         """Replicas of ``module`` with their device set, a log recorder each and per-device metric clones."""

@@ -99,6 +99,10 @@ def test_dp_output_device_and_parallel_modules():
     with pytest.raises(ValueError, match="not a submodule"):
         t2 = trainer(lightning_mgpu.DataParallelStrategy(parallel_modules=["nope"]), 2, max_steps=1)
         t2.fit(seeded(Classifier), loader(10))
+    for nested in (["", "net"], ["net", "net.0"], ["net", "net"]):
+        with pytest.raises(ValueError, match="runs inside .* Name only the outermost module"):
+            lightning_mgpu.DataParallelStrategy(parallel_modules=nested)
+    lightning_mgpu.DataParallelStrategy(parallel_modules=["net.0", "net.2"])  # siblings are fine
 
 
 def test_invalid_options_are_refused():

@@ -90,6 +90,7 @@ def test_metric_with_unreduced_states_equals_one_device(devices: int):
     single.validate(clone(base), loader(10), verbose=False)
     multi.validate(clone(base), loader(10), verbose=False)
     assert metrics(multi)["val_pearson"] == pytest.approx(metrics(single)["val_pearson"], abs=1e-10)
+    assert not multi.strategy._metric_replicas._clones  # released at teardown (they live on the other devices)
 
 
 def test_mean_reduced_state_is_the_equal_weight_mean_over_every_replica_batch():
