@@ -14,10 +14,12 @@ moves only one scalar per device to the root, weighted so the result equals the 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_mgpu.parallel.devices import DeviceLike, check_module_on, module_device, resolve_devices
@@ -130,21 +132,48 @@ def _has_tensors(module: nn.Module) -> bool:
     return any(True for _ in module.parameters()) or any(True for _ in module.buffers())
 
 
+# Plain functions whose options are keyword arguments, with torch's defaults.
+_CLASS_INDEX_FUNCTIONS = (F.cross_entropy, F.nll_loss)
+_CLASS_INDEX_DEFAULTS: dict[str, Any] = {"ignore_index": -100, "weight": None, "reduction": "mean"}
+
+
+def _function_defaults(criterion: Any) -> dict[str, Any]:
+    """torch's defaults of the options of ``F.cross_entropy`` / ``F.nll_loss`` (or a partial of them), else {}."""
+    base = criterion.func if isinstance(criterion, functools.partial) else criterion
+    return _CLASS_INDEX_DEFAULTS if any(base is f for f in _CLASS_INDEX_FUNCTIONS) else {}
+
+
+def _criterion_option(criterion: Any, kwargs: dict[str, Any], name: str, default: Any) -> Any:
+    """An option of ``criterion`` for this call: a keyword argument of the call, a ``functools.partial`` keyword,
+    torch's default for ``F.cross_entropy`` / ``F.nll_loss``, or the module's attribute (``nn.CrossEntropyLoss``)."""
+    if name in kwargs:
+        return kwargs[name]
+    if isinstance(criterion, functools.partial):
+        if name in criterion.keywords:
+            return criterion.keywords[name]
+        criterion = criterion.func
+    defaults = _function_defaults(criterion)
+    if name in defaults:
+        return defaults[name]
+    return getattr(criterion, name, default)
+
+
 def _count_weight(
     criterion: Any, output: Any, targets: tuple[Any, ...], kwargs: dict[str, Any], dim: int
 ) -> float | Tensor:
     """How many items this replica's mean loss averages over, so the weighted mean equals the whole-batch mean.
 
-    Class-index targets of a criterion with ``ignore_index`` (CrossEntropyLoss, NLLLoss) count non-ignored targets,
-    each weighted by its class ``weight`` when the criterion has one (that is torch's own normaliser). Anything else
+    Class-index targets of a criterion with ``ignore_index`` (CrossEntropyLoss, NLLLoss, ``F.cross_entropy``,
+    ``F.nll_loss``, partials of them) count non-ignored targets, each weighted by its class ``weight`` when the
+    criterion has one (that is torch's own normaliser). Anything else
     counts samples along ``dim``; with a fixed per-sample shape this is proportional to the element count that
     element-wise losses (MSE, BCE...) average over.
     """
     target = targets[0] if targets else kwargs.get("target")
-    ignore_index = getattr(criterion, "ignore_index", None)
+    ignore_index = _criterion_option(criterion, kwargs, "ignore_index", None)
     if isinstance(target, Tensor) and isinstance(ignore_index, int) and not target.is_floating_point():
         valid = target != ignore_index
-        class_weight = getattr(criterion, "weight", None)
+        class_weight = _criterion_option(criterion, kwargs, "weight", None)
         if isinstance(class_weight, Tensor):
             return class_weight.to(target.device)[target[valid]].sum()
         return valid.sum()
@@ -198,7 +227,8 @@ class DataParallelCriterion(nn.Module):
 
     @property
     def reduction(self) -> str:
-        return getattr(self.criterion, "reduction", "mean")
+        """The criterion's own reduction (a call may override it with a ``reduction=`` keyword argument)."""
+        return _criterion_option(self.criterion, {}, "reduction", "mean")
 
     def forward(self, outputs: Sequence[Any], *targets: Any, **kwargs: Any) -> Tensor:
         if not isinstance(outputs, list):
@@ -243,9 +273,10 @@ class DataParallelCriterion(nn.Module):
         ]
         losses = parallel_apply(calls, devices, self.mode)
         root = self.device_ids[0]
-        if self.reduction == "none":
+        reduction = _criterion_option(criterion, kwargs, "reduction", "mean")
+        if reduction == "none":
             return gather(losses, root, self.dim)
-        if self.reduction == "sum":
+        if reduction == "sum":
             return reduce_losses(losses, device=root, reduction="sum")
         if self.weight_fn is not None:
             weights = [self.weight_fn(o, t) for o, t in zip(outputs, target_chunks, strict=True)]
@@ -259,7 +290,16 @@ class DataParallelCriterion(nn.Module):
     def _split_targets(
         self, outputs: list[Any], targets: tuple[Any, ...], kwargs: dict[str, Any], devices: list[torch.device]
     ) -> tuple[list[tuple[Any, ...]], list[dict[str, Any]]]:
-        """Targets chunked exactly as the outputs are: by the outputs' own batch sizes when every output has one."""
+        """Targets chunked exactly as the outputs are: by the outputs' own batch sizes when every output has one.
+
+        Options of ``F.cross_entropy`` / ``F.nll_loss`` passed as keywords (the per-class ``weight``...) go whole.
+        """
+        options = _function_defaults(self.criterion)
+        whole = {k: v for k, v in kwargs.items() if k in options}
+        if whole:
+            per_sample = {k: v for k, v in kwargs.items() if k not in options}
+            target_chunks, kwarg_chunks = self._split_targets(outputs, targets, per_sample, devices)
+            return target_chunks, [{**kw, **move_to(whole, d)} for kw, d in zip(kwarg_chunks, devices, strict=True)]
         if not any(t.dim() > self.dim for _, t in iter_tensors((targets, kwargs))):
             # Nothing to split (no targets, as for TripletMarginLoss on (anchor, positive, negative), or only
             # non-batch values): every replica gets them whole, on its device.

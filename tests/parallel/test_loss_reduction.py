@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -100,6 +101,35 @@ def test_class_weighted_cross_entropy_with_label_smoothing():
     )
     assert abs(loss.item() - ref_loss.item()) < TOL
     assert max_diff(dp_grads, ref_grads) < TOL
+
+
+@pytest.mark.parametrize(
+    ("criterion", "kwargs"),
+    [
+        (nn.functional.cross_entropy, {}),  # torch's default ignore_index=-100
+        (functools.partial(nn.functional.cross_entropy, ignore_index=3), {}),
+        (nn.functional.cross_entropy, {"ignore_index": 3, "weight": torch.linspace(0.5, 2.0, VOCAB).double()}),
+        (nn.functional.cross_entropy, {"reduction": "sum"}),
+        (lambda logits, target: nn.functional.nll_loss(logits.log_softmax(1), target), "sample-weighted"),
+    ],
+)
+def test_functional_cross_entropy_is_weighted_by_its_valid_targets(criterion, kwargs):
+    tokens, targets = token_batch([5, 5, 2, 1, 5, 1])
+    call_kwargs = {} if kwargs == "sample-weighted" else kwargs
+    if 3 in (call_kwargs.get("ignore_index"), getattr(criterion, "keywords", {}).get("ignore_index")):
+        targets[targets == -100] = 3  # the padding value is this call's ignore_index
+    reference = TokenModel()
+    ref_loss = criterion(reference(tokens), targets, **call_kwargs)
+    ref_loss.backward()
+    model = TokenModel()
+    outputs = DataParallelModel(model, ["cpu"] * 3)(tokens)
+    loss = DataParallelCriterion(criterion, ["cpu"] * 3)(outputs, targets, **call_kwargs)
+    loss.backward()
+    if kwargs == "sample-weighted":  # an opaque function: weights fall back to samples, which is not exact here
+        assert abs(loss.item() - ref_loss.item()) > 1e-3
+        return
+    assert abs(loss.item() - ref_loss.item()) < TOL
+    assert max_diff(grads(model), grads(reference)) < TOL
 
 
 @pytest.mark.parametrize("mode", MODES)
