@@ -33,7 +33,6 @@ from lightning_mgpu.parallel.scatter_gather import (
     gather,
     iter_tensors,
     move_to,
-    scatter,
     scatter_args,
 )
 
@@ -315,13 +314,15 @@ class DataParallelCriterion(nn.Module):
                     "same batch size as the inputs given to DataParallelModel."
                 )
             sizes = out_sizes
-        chunks, _ = scatter((tuple(targets), dict(kwargs)), devices, self.dim, batch_size=total, sizes=sizes)
-        if len(chunks) != len(outputs):
+        target_chunks, kwarg_chunks, used = scatter_args(
+            tuple(targets), kwargs, devices, self.dim, batch_size=total, sizes=sizes, names=("targets", "kwargs")
+        )
+        if len(used) != len(outputs):
             raise ValueError(
-                f"The targets split into {len(chunks)} chunks but there are {len(outputs)} outputs: "
+                f"The targets split into {len(used)} chunks but there are {len(outputs)} outputs: "
                 "the targets' batch size does not match the inputs given to DataParallelModel."
             )
-        return [c[0] for c in chunks], [c[1] for c in chunks]
+        return target_chunks, kwarg_chunks
 
 
 def _as_args(output: Any) -> tuple[Any, ...]:

@@ -5,6 +5,11 @@ dataclasses of tensors. Tensors are split along ``dim`` with ``torch.tensor_spli
 balanced than ``torch.chunk``'s 3, 3, 3, 1). A list of non-tensor items whose length equals the batch size (strings,
 ids) is split the same way; any other non-tensor, and 0-dim tensors, go whole to every replica. A batch smaller than
 the number of devices uses fewer replicas.
+
+Per-sample records: when the tensors disagree on the batch size because some live in a list of per-sample dicts or
+dataclasses (detection targets: ``[{"boxes": (n_i, 4), "labels": (n_i,)}, ...]``), such a list is split by its items
+instead, provided its length is the batch size the other tensors give (or, without other tensors, the same for every
+such list).
 """
 
 from __future__ import annotations
@@ -78,9 +83,68 @@ def iter_tensors(obj: Any, path: str = "batch") -> Iterator[tuple[str, Tensor]]:
 def batch_size_of(obj: Any, dim: int = 0, path: str = "batch") -> int:
     """The size along ``dim`` shared by every tensor that has that dim (0-dim tensors are ignored).
 
-    Raises :class:`BatchSplitError` naming both key paths when two tensors disagree, and when there is no tensor.
+    Tensors inside per-sample records (see the module doc) count by their list's length when they would otherwise
+    disagree. Raises :class:`BatchSplitError` naming both key paths when two tensors disagree, and when there is no
+    tensor.
     """
-    return _common_size(iter_tensors(obj, path), dim, type(obj).__name__)
+    return _infer_batch_size(obj, dim, path, type(obj).__name__)[0]
+
+
+def _infer_batch_size(obj: Any, dim: int, path: str, what: str) -> tuple[int, bool]:
+    """``(batch size, records)``: ``records`` is True when per-sample record lists had to be split by their items."""
+    try:
+        return _common_size(iter_tensors(obj, path), dim, what), False
+    except NothingToSplitError:
+        raise
+    except BatchSplitError as strict_error:
+        size = _records_batch_size([(path, obj)], dim, what)
+        if size is None:
+            raise strict_error from None
+        return size, True
+
+
+def _is_record_sequence(obj: Any) -> bool:
+    """A list (or plain tuple) of dicts or of dataclass instances holding tensors: one record per sample, maybe."""
+    if not isinstance(obj, (list, tuple)) or is_namedtuple(obj) or not obj:
+        return False
+    records = all(isinstance(x, Mapping) for x in obj) or all(_is_dataclass_instance(x) for x in obj)
+    return records and _contains_tensor(obj)
+
+
+def _records_batch_size(roots: Iterable[tuple[str, Any]], dim: int, what: str) -> int | None:
+    """The batch size when record sequences are split by their items, or None when that does not make sizes agree."""
+    records: list[tuple[str, Any]] = []
+    outside = [item for path, obj in roots for item in _tensors_outside_records(obj, path, records)]
+    if not records:
+        return None
+    try:
+        size = _common_size(outside, dim, what)
+    except NothingToSplitError:
+        lengths = {len(seq) for _, seq in records}
+        return lengths.pop() if len(lengths) == 1 else None
+    except BatchSplitError:
+        return None
+    return size if all(len(seq) == size for _, seq in records) else None
+
+
+def _tensors_outside_records(obj: Any, path: str, records: list[tuple[str, Any]]) -> Iterator[tuple[str, Tensor]]:
+    if _is_record_sequence(obj):
+        records.append((path, obj))
+        return
+    if isinstance(obj, Tensor):
+        yield path, obj
+    elif isinstance(obj, Mapping):
+        for key, value in obj.items():
+            yield from _tensors_outside_records(value, f"{path}[{key!r}]", records)
+    elif is_namedtuple(obj):
+        for field in obj._fields:
+            yield from _tensors_outside_records(getattr(obj, field), f"{path}.{field}", records)
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            yield from _tensors_outside_records(value, f"{path}[{i}]", records)
+    elif _is_dataclass_instance(obj):
+        for field in dataclasses.fields(obj):
+            yield from _tensors_outside_records(getattr(obj, field.name), f"{path}.{field.name}", records)
 
 
 def _common_size(tensors: Iterable[tuple[str, Tensor]], dim: int, what: str) -> int:
@@ -118,7 +182,26 @@ def args_batch_size(
     args: Sequence[Any], kwargs: Mapping[str, Any], dim: int = 0, names: tuple[str, str] = ("args", "kwargs")
 ) -> int:
     """:func:`batch_size_of` for call arguments; error messages name e.g. ``args[0]['mask']``."""
-    return _common_size(_args_tensors(args, kwargs, names), dim, "no tensor argument")
+    return _infer_args_batch_size(args, kwargs, dim, names)[0]
+
+
+def _infer_args_batch_size(
+    args: Sequence[Any], kwargs: Mapping[str, Any], dim: int, names: tuple[str, str] = ("args", "kwargs")
+) -> tuple[int, bool]:
+    """:func:`_infer_batch_size` for call arguments: each argument is a root (the argument tuple is no record list)."""
+    try:
+        return _common_size(_args_tensors(args, kwargs, names), dim, "no tensor argument"), False
+    except NothingToSplitError:
+        raise
+    except BatchSplitError as strict_error:
+        roots = [
+            *((f"{names[0]}[{i}]", a) for i, a in enumerate(args)),
+            *((f"{names[1]}[{k!r}]", v) for k, v in kwargs.items()),
+        ]
+        size = _records_batch_size(roots, dim, "no tensor argument")
+        if size is None:
+            raise strict_error from None
+        return size, True
 
 
 def split_sizes(batch_size: int, num_devices: int) -> list[int]:
@@ -160,17 +243,20 @@ def rebuild(template: Any, values: Sequence[Any] | Mapping[str, Any]) -> Any:
     raise TypeError(f"Cannot rebuild a {type(template).__name__}.")
 
 
-def _map_structure(obj: Any, leaf_fn: Callable[[Any], Any], batch_size: int | None) -> Any:
-    """Apply ``leaf_fn`` to tensors and per-sample lists; rebuild containers around the results."""
+def _map_structure(obj: Any, leaf_fn: Callable[[Any], Any], batch_size: int | None, records: bool = False) -> Any:
+    """Apply ``leaf_fn`` to tensors and per-sample lists (and, with ``records``, per-sample record lists); rebuild
+    containers around the results."""
     if isinstance(obj, Tensor) or _is_per_sample_list(obj, batch_size):
         return leaf_fn(obj)
+    if records and _is_record_sequence(obj) and len(obj) == batch_size:
+        return leaf_fn(obj)
     if isinstance(obj, Mapping):
-        return rebuild(obj, {k: _map_structure(v, leaf_fn, batch_size) for k, v in obj.items()})
+        return rebuild(obj, {k: _map_structure(v, leaf_fn, batch_size, records) for k, v in obj.items()})
     if isinstance(obj, (list, tuple)):
-        return rebuild(obj, [_map_structure(v, leaf_fn, batch_size) for v in obj])
+        return rebuild(obj, [_map_structure(v, leaf_fn, batch_size, records) for v in obj])
     if _is_dataclass_instance(obj):
         return rebuild(
-            obj, [_map_structure(getattr(obj, f.name), leaf_fn, batch_size) for f in dataclasses.fields(obj)]
+            obj, [_map_structure(getattr(obj, f.name), leaf_fn, batch_size, records) for f in dataclasses.fields(obj)]
         )
     return leaf_fn(obj)
 
@@ -190,21 +276,31 @@ def scatter(
     to the batch size), e.g. to split targets exactly as the model's outputs were split.
     """
     devices = [to_device(d) for d in devices]
+    inferred, records = _infer_batch_size(obj, dim, "batch", type(obj).__name__)
     if batch_size is None:
-        batch_size = batch_size_of(obj, dim)
+        batch_size = inferred
+    elif batch_size != inferred:
+        raise BatchSplitError(f"batch_size={batch_size} was given but the batch's tensors have size {inferred}.")
+    sizes = _chunk_sizes(batch_size, len(devices), sizes)
+    return _scatter_sizes(obj, devices, dim, batch_size, sizes, records), sizes
+
+
+def _chunk_sizes(batch_size: int, num_devices: int, sizes: Sequence[int] | None) -> list[int]:
+    """``sizes`` checked against the batch, or the balanced split when None."""
     if sizes is None:
-        sizes = split_sizes(batch_size, len(devices))
-    else:
-        sizes = [int(n) for n in sizes]
-        if sum(sizes) != batch_size or any(n <= 0 for n in sizes) or len(sizes) > len(devices):
-            raise BatchSplitError(
-                f"Cannot split a batch of {batch_size} into chunks of {sizes} over {len(devices)} device(s): the "
-                "sizes must be positive, one per device at most, and add up to the batch size."
-            )
-    return _scatter_sizes(obj, devices, dim, batch_size, sizes), sizes
+        return split_sizes(batch_size, num_devices)
+    chunks = [int(n) for n in sizes]
+    if sum(chunks) != batch_size or any(n <= 0 for n in chunks) or len(chunks) > num_devices:
+        raise BatchSplitError(
+            f"Cannot split a batch of {batch_size} into chunks of {chunks} over {num_devices} device(s): the "
+            "sizes must be positive, one per device at most, and add up to the batch size."
+        )
+    return chunks
 
 
-def _scatter_sizes(obj: Any, devices: Sequence[torch.device], dim: int, batch_size: int, sizes: list[int]) -> list[Any]:
+def _scatter_sizes(
+    obj: Any, devices: Sequence[torch.device], dim: int, batch_size: int, sizes: list[int], records: bool
+) -> list[Any]:
     bounds = list(itertools.accumulate(sizes[:-1]))
     cache: dict[int, list[Any]] = {}
 
@@ -222,12 +318,16 @@ def _scatter_sizes(obj: Any, devices: Sequence[torch.device], dim: int, batch_si
                 return [leaf.to(d) for d in devices[: len(sizes)]]
             parts = torch.tensor_split(leaf, bounds, dim=dim) if bounds else (leaf,)
             return [p.to(d) for p, d in zip(parts, devices, strict=False)]
+        edges = [0, *bounds, batch_size]
         if _is_per_sample_list(leaf, batch_size):
-            edges = [0, *bounds, batch_size]
             return [leaf[edges[i] : edges[i + 1]] for i in range(len(sizes))]
+        if records and _is_record_sequence(leaf) and len(leaf) == batch_size:
+            return [move_to(leaf[edges[i] : edges[i + 1]], devices[i]) for i in range(len(sizes))]
         return [leaf] * len(sizes)
 
-    return [_map_structure(obj, lambda leaf, i=i: split_leaf(leaf)[i], batch_size) for i in range(len(sizes))]
+    return [
+        _map_structure(obj, lambda leaf, i=i: split_leaf(leaf)[i], batch_size, records) for i in range(len(sizes))
+    ]
 
 
 def scatter_args(
@@ -236,17 +336,29 @@ def scatter_args(
     devices: Sequence[DeviceLike],
     dim: int = 0,
     batch_size: int | None = None,
+    *,
+    sizes: Sequence[int] | None = None,
+    names: tuple[str, str] = ("args", "kwargs"),
 ) -> tuple[list[tuple[Any, ...]], list[dict[str, Any]], list[int]]:
     """Scatter positional and keyword arguments together (they must share one batch size).
 
     An error names the offending argument, e.g. ``args[0]['mask']`` or ``kwargs['labels']``. ``batch_size``: the
-    result of :func:`args_batch_size` when the caller has it already.
+    result of :func:`args_batch_size` when the caller has it already. ``sizes`` imposes the chunk sizes, as in
+    :func:`scatter`.
     """
-    combined = (tuple(args), dict(kwargs))
-    if batch_size is None:
-        batch_size = args_batch_size(args, kwargs, dim)
-    chunks, sizes = scatter(combined, devices, dim, batch_size=batch_size)
-    return [c[0] for c in chunks], [c[1] for c in chunks], sizes
+    targets = [to_device(d) for d in devices]
+    inferred, records = _infer_args_batch_size(args, kwargs, dim, names)
+    if batch_size is not None and batch_size != inferred:
+        raise BatchSplitError(f"batch_size={batch_size} was given but the arguments' tensors have size {inferred}.")
+    sizes = _chunk_sizes(inferred, len(targets), sizes)
+    # Each argument is scattered as its own root, so the argument tuple itself is never taken for a record list.
+    arg_chunks = [_scatter_sizes(a, targets, dim, inferred, sizes, records) for a in args]
+    kwarg_chunks = {k: _scatter_sizes(v, targets, dim, inferred, sizes, records) for k, v in kwargs.items()}
+    return (
+        [tuple(chunks[i] for chunks in arg_chunks) for i in range(len(sizes))],
+        [{k: chunks[i] for k, chunks in kwarg_chunks.items()} for i in range(len(sizes))],
+        sizes,
+    )
 
 
 def move_to(obj: Any, device: DeviceLike) -> Any:
@@ -269,17 +381,29 @@ def gather(outputs: Sequence[Any], device: DeviceLike, dim: int = 0) -> Any:
         raise ValueError("gather() needs at least one output.")
     target = to_device(device)
     sizes: list[int] | None = []
+    records = False
     for output in outputs:
         try:
-            sizes.append(batch_size_of(output, dim))
+            size, output_records = _infer_batch_size(output, dim, "output", type(output).__name__)
         except BatchSplitError:
             sizes = None
             break
-    return _gather(list(outputs), target, dim, sizes, "output")
+        sizes.append(size)
+        records = records or output_records
+    return _gather(list(outputs), target, dim, sizes, "output", records)
 
 
-def _gather(outputs: list[Any], target: torch.device, dim: int, sizes: list[int] | None, path: str) -> Any:
+def _gather(
+    outputs: list[Any], target: torch.device, dim: int, sizes: list[int] | None, path: str, records: bool = False
+) -> Any:
     first = outputs[0]
+    if (
+        records
+        and sizes is not None
+        and _is_record_sequence(first)
+        and all(_is_record_sequence(o) and len(o) == n for o, n in zip(outputs, sizes, strict=True))
+    ):
+        return rebuild(first, [move_to(item, target) for o in outputs for item in o])  # per-sample records
     if isinstance(first, Tensor):
         if not all(isinstance(o, Tensor) for o in outputs):
             raise _mismatch(outputs, path, "a tensor")
@@ -293,7 +417,7 @@ def _gather(outputs: list[Any], target: torch.device, dim: int, sizes: list[int]
         if not all(isinstance(o, Mapping) and o.keys() == first.keys() for o in outputs):
             raise _mismatch(outputs, path, f"a mapping with keys {list(first.keys())}")
         return rebuild(
-            first, {k: _gather([o[k] for o in outputs], target, dim, sizes, f"{path}[{k!r}]") for k in first}
+            first, {k: _gather([o[k] for o in outputs], target, dim, sizes, f"{path}[{k!r}]", records) for k in first}
         )
     if isinstance(first, list) and not _contains_tensor(first):
         if not all(isinstance(o, list) for o in outputs):
@@ -307,16 +431,16 @@ def _gather(outputs: list[Any], target: torch.device, dim: int, sizes: list[int]
     if isinstance(first, (list, tuple)):
         if not all(type(o) is type(first) and len(o) == len(first) for o in outputs):
             raise _mismatch(outputs, path, f"a {type(first).__name__} of length {len(first)}")
-        return rebuild(
-            first, [_gather([o[i] for o in outputs], target, dim, sizes, f"{path}[{i}]") for i in range(len(first))]
-        )
+        items = [
+            _gather([o[i] for o in outputs], target, dim, sizes, f"{path}[{i}]", records) for i in range(len(first))
+        ]
+        return rebuild(first, items)
     if _is_dataclass_instance(first):
         if not all(type(o) is type(first) for o in outputs):
             raise _mismatch(outputs, path, f"a {type(first).__name__}")
         names = [f.name for f in dataclasses.fields(first)]
-        return rebuild(
-            first, [_gather([getattr(o, n) for o in outputs], target, dim, sizes, f"{path}.{n}") for n in names]
-        )
+        fields = [_gather([getattr(o, n) for o in outputs], target, dim, sizes, f"{path}.{n}", records) for n in names]
+        return rebuild(first, fields)
     return _gather_value(outputs)
 
 

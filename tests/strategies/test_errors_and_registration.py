@@ -100,7 +100,7 @@ def test_dp_output_device_and_parallel_modules():
         t2 = trainer(lightning_mgpu.DataParallelStrategy(parallel_modules=["nope"]), 2, max_steps=1)
         t2.fit(seeded(Classifier), loader(10))
     for nested in (["", "net"], ["net", "net.0"], ["net", "net"]):
-        with pytest.raises(ValueError, match="runs inside .* Name only the outermost module"):
+        with pytest.raises(ValueError, match=r"runs inside .* Name only the outermost module"):
             lightning_mgpu.DataParallelStrategy(parallel_modules=nested)
     lightning_mgpu.DataParallelStrategy(parallel_modules=["net.0", "net.2"])  # siblings are fine
 
