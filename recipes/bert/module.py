@@ -74,7 +74,8 @@ class BertPretrainingModule(pl.LightningModule):
 
     Args:
         vocab_size: embedding/decoder size; must be >= the tokenizer's vocabulary (checked in ``setup``).
-        hidden_size, num_layers, num_heads, intermediate_size, max_position_embeddings: the encoder.
+        hidden_size, num_layers, num_heads, intermediate_size, max_position_embeddings: the encoder
+            (``max_position_embeddings`` must be >= the datamodule's ``max_seq_length``; checked in ``setup``).
         dropout, attention_dropout: BERT's dropout probabilities.
         tie_word_embeddings: the MLM decoder shares the word-embedding matrix.
         full_logits: compute MLM logits at every position (as ``BertForPreTraining``) instead of the masked ones.
@@ -139,7 +140,11 @@ class BertPretrainingModule(pl.LightningModule):
         return self.model(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, labels=labels)
 
     def setup(self, stage: str) -> None:
-        """Check that the datamodule's tokenizer fits in the embedding table (a clear error instead of an index one)."""
+        """Check that the datamodule's data fits the model: clear errors instead of an index or shape error at step 1.
+
+        The tokenizer's vocabulary must fit in the embedding table, and the datamodule's ``max_seq_length`` in the
+        position embeddings.
+        """
         datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         try:
             tokenizer_vocab = getattr(datamodule, "vocab_size", None)
@@ -149,6 +154,14 @@ class BertPretrainingModule(pl.LightningModule):
             raise ValueError(
                 f"the tokenizer has {tokenizer_vocab} tokens but the model's vocab_size is {self.hparams.vocab_size}:"
                 " set model.init_args.vocab_size to at least the tokenizer's size"
+            )
+        max_seq_length = getattr(getattr(datamodule, "hparams", None), "max_seq_length", None)
+        positions = self.hparams.max_position_embeddings
+        if isinstance(max_seq_length, int) and max_seq_length > positions:
+            raise ValueError(
+                f"the data's max_seq_length ({max_seq_length}) exceeds the model's max_position_embeddings"
+                f" ({positions}): set data.init_args.max_seq_length to at most {positions} or"
+                f" model.init_args.max_position_embeddings to at least {max_seq_length}"
             )
 
     # ------------------------------------------------------------------------------------------------ steps

@@ -5,6 +5,9 @@ For every sentence that has a successor in its document, a fair coin decides bet
 uniformly chosen sentence of a uniformly chosen *other* document (label 1; never the same document, unlike the
 seed implementation, whose "random" line could be the true pair). Pairs are fixed by ``seed`` — identical on every
 DDP rank — while masking stays dynamic (see ``masking``).
+
+Negatives are drawn from the documents given, so build training and validation pairs separately (one call per
+split, as the data module does): pairs built over the whole corpus would put held-out sentences into training pairs.
 """
 
 from __future__ import annotations
@@ -43,11 +46,14 @@ def build_nsp_pairs(
     """Build one pair per sentence that has a successor in its document (see the module docstring).
 
     Sentence ``j`` of document ``d`` has global index ``offset[d] + j`` (documents laid out one after another).
-    Needs at least two documents (negatives come from another one).
+    Needs at least two documents (negatives come from another one); no documents give no pairs (an empty split).
     """
     counts = np.asarray(sentences_per_document, dtype=np.int64)
     if counts.ndim != 1 or (counts < 1).any():
         raise ValueError("every document needs at least one sentence")
+    if len(counts) == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return SentencePairs(empty, empty, empty, empty, empty)
     if len(counts) < 2:
         raise ValueError(f"next-sentence pairs need at least 2 documents, got {len(counts)}")
     starts = np.concatenate(([0], np.cumsum(counts)[:-1]))

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from recipes.bert.corpus import write_synthetic_corpus
-from recipes.bert.tokenizer import load_or_train_tokenizer
+from recipes.bert.tokenizer import save_tokenizer, train_wordpiece
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "configs" / "bert" / "quickstart.yaml"
@@ -34,12 +34,16 @@ pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
 
 @pytest.fixture(scope="module")
 def corpus_and_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """A small synthetic corpus and its tokenizer, made once: the runs reuse the saved tokenizer."""
+    """A small synthetic corpus and its tokenizer, made once: the runs reuse the saved tokenizer.
+
+    Saved without a record of its training inputs, as a pretrained tokenizer would be, so the data module uses it
+    whatever its own tokenizer settings are.
+    """
     root = tmp_path_factory.mktemp("bert_cli")
     corpus = write_synthetic_corpus(root / "corpus.txt", num_documents=120, num_topics=4, seed=0)
     tokenizer_dir = root / "tokenizer"
     texts = [line.strip() for line in corpus.read_text().splitlines() if line.strip()]
-    load_or_train_tokenizer(tokenizer_dir, texts, vocab_size=400, min_frequency=1)
+    save_tokenizer(train_wordpiece(texts, vocab_size=400, min_frequency=1), tokenizer_dir)
     return corpus, tokenizer_dir
 
 
@@ -146,4 +150,16 @@ def test_tokenizer_larger_than_the_model_vocab_is_a_clear_error(
     args = _args(QUICKSTART, "single", corpus, tokenizer_dir, tmp_path)
     args.append("--model.init_args.vocab_size=50")
     with pytest.raises(ValueError, match="vocab_size"):
+        main(args=args)
+
+
+def test_sequences_longer_than_the_position_embeddings_are_a_clear_error(
+    corpus_and_tokenizer: tuple[Path, Path], tmp_path: Path
+) -> None:
+    from lightning_mgpu.cli import main
+
+    corpus, tokenizer_dir = corpus_and_tokenizer
+    args = _args(QUICKSTART, "single", corpus, tokenizer_dir, tmp_path)  # max_seq_length=32
+    args.append("--model.init_args.max_position_embeddings=16")
+    with pytest.raises(ValueError, match=r"max_seq_length \(32\) exceeds the model's max_position_embeddings \(16\)"):
         main(args=args)

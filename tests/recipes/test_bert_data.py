@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import os
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local files only: never reach the hub
@@ -26,8 +27,12 @@ from recipes.bert.masking import IGNORE_INDEX, PretrainingCollator, mask_tokens,
 from recipes.bert.pairs import IS_NEXT, NOT_NEXT, build_nsp_pairs, truncate_pair_lengths
 from recipes.bert.tokenizer import (
     SPECIAL_TOKENS,
+    Tokenizer,
+    TokenizerInputsChanged,
     load_or_train_tokenizer,
     load_tokenizer,
+    read_training_inputs,
+    save_tokenizer,
     special_token_ids,
     train_wordpiece,
 )
@@ -117,6 +122,32 @@ def test_collator_pads_masks_and_is_dynamic() -> None:
     a, b = fixed(examples), again(examples)
     assert a["input_ids"].shape == (128, 8)
     assert torch.equal(a["labels"], b["labels"]) and torch.equal(a["input_ids"], b["input_ids"])
+
+
+def test_seeded_collator_masks_each_example_from_its_index() -> None:
+    """With a seed, an example's mask depends on (seed, index) only: not on its batch, position or padding."""
+    def example(index: int, length: int = 40) -> dict:
+        return {"input_ids": [CLS, *range(10, 10 + length), SEP], "token_type_ids": [0] * (length + 2),
+                "next_sentence_label": 0, "index": index}
+
+    collate = PretrainingCollator(vocab_size=100, pad_token_id=PAD, mask_token_id=MASK, special_ids=SPECIALS,
+                                  seed=7)
+    first = collate([example(i) for i in range(32)])
+    # Identical token ids, distinct indices: distinct masks.
+    assert len({tuple(row.tolist()) for row in first["labels"]}) == 32
+    # Example 5 again, in another batch, at another row, padded to another width: the same mask and inputs.
+    again = collate([example(100, length=60), example(5)])
+    assert torch.equal(again["labels"][1, :42], first["labels"][5])
+    assert torch.equal(again["input_ids"][1, :42], first["input_ids"][5])
+    assert (again["labels"][1, 42:] == IGNORE_INDEX).all()
+    other_seed = PretrainingCollator(vocab_size=100, pad_token_id=PAD, mask_token_id=MASK, special_ids=SPECIALS,
+                                     seed=8)
+    assert not torch.equal(other_seed([example(5)])["labels"][0], first["labels"][5])
+    with pytest.raises(ValueError, match="index"):
+        collate([{k: v for k, v in example(0).items() if k != "index"}])
+    with pytest.raises(ValueError, match="not both"):
+        PretrainingCollator(vocab_size=100, pad_token_id=PAD, mask_token_id=MASK, special_ids=SPECIALS, seed=1,
+                            generator=torch.Generator())
 
 
 # ------------------------------------------------------------------------------------------------------ NSP pairs
@@ -218,10 +249,16 @@ def test_tokenizer_trains_from_a_file_and_is_reused_from_its_directory(tmp_path:
     assert sorted(retrained, key=retrained.__getitem__)[5:] == sorted(t for t in retrained if t not in SPECIAL_TOKENS)
     assert len(retrained.keys() & tokenizer.get_vocab().keys()) >= 0.95 * len(retrained)
 
-    # Reused, not retrained: other texts and another size give back the saved vocabulary.
-    reused = load_or_train_tokenizer(directory, ["completely different words"], vocab_size=50)
+    # Reused, not retrained, for the same texts and settings (or no texts); refused for other ones.
+    reused = load_or_train_tokenizer(directory, texts, vocab_size=200, min_frequency=1)
     assert reused.get_vocab() == tokenizer.get_vocab()
     assert reused.encode(texts[5]).ids == tokenizer.encode(texts[5]).ids
+    assert load_or_train_tokenizer(directory, None).get_vocab() == tokenizer.get_vocab()
+    with pytest.raises(TokenizerInputsChanged, match=r"training texts: \d+ lines .* -> 1 lines"):
+        load_or_train_tokenizer(directory, ["completely different words"], vocab_size=200, min_frequency=1)
+    with pytest.raises(TokenizerInputsChanged, match="vocab_size: 200 -> 50") as raised:
+        load_or_train_tokenizer(directory, texts, vocab_size=50, min_frequency=1)
+    assert "training texts" not in str(raised.value) and f"delete {directory}" in str(raised.value)
 
     # A directory with only vocab.txt (e.g. a pretrained BERT's) loads with BERT's pipeline.
     vocab_only = tmp_path / "vocab_only"
@@ -265,8 +302,8 @@ def test_datamodule_pairs_follow_documents(tmp_path: Path) -> None:
         for i, sentence in enumerate(doc):
             where.setdefault(tuple(tokenizer.encode(sentence, add_special_tokens=False).ids), set()).add((d, i))
 
-    val_docs = set()
-    for dataset, is_val in ((dm.train_dataset, False), (dm.val_dataset, True)):
+    docs_used = {"train": set(), "val": set()}  # documents of sentences A and B of each split's pairs
+    for dataset, split in ((dm.train_dataset, "train"), (dm.val_dataset, "val")):
         labels = []
         for k in range(len(dataset)):
             item = dataset[k]
@@ -280,11 +317,14 @@ def test_datamodule_pairs_follow_documents(tmp_path: Path) -> None:
                 assert (doc_b, i_b) == (doc_a, i_a + 1)
             else:
                 assert doc_b != doc_a
-            if is_val:
-                val_docs.add(doc_a)
+            docs_used[split] |= {doc_a, doc_b}
             labels.append(item["next_sentence_label"])
         assert set(labels) == {IS_NEXT, NOT_NEXT}
-    assert len(val_docs) == 6  # 10% of the 60 documents are held out, whole
+    # 10% of the 60 documents are held out, whole: no sentence of theirs is in a training pair, not even as the B of a
+    # negative, and validation negatives come from validation documents.
+    assert len(docs_used["val"]) == 6
+    assert not docs_used["train"] & docs_used["val"]
+    assert len(docs_used["train"]) == 54
 
     batch = next(iter(dm.train_dataloader()))
     assert set(batch) == {"input_ids", "token_type_ids", "attention_mask", "labels", "next_sentence_label"}
@@ -317,3 +357,188 @@ def test_synthetic_default_corpus_is_written_once(tmp_path: Path) -> None:
     dm.setup("fit")
     assert len(dm.train_dataset) > 100
     assert special_token_ids(dm.tokenizer).mask == MASK
+
+
+# ------------------------------------------------------------------------------------------------------ masks
+@pytest.fixture(scope="module")
+def synthetic_work_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A work_dir with a small synthetic corpus and its tokenizer, prepared once for the masking tests."""
+    work_dir = tmp_path_factory.mktemp("bert_masks")
+    _small_datamodule(work_dir).prepare_data()
+    return work_dir
+
+
+def _small_datamodule(work_dir: Path, **overrides) -> BertPretrainingDataModule:
+    settings = {"work_dir": str(work_dir), "tokenizer_vocab_size": 300, "synthetic_documents": 200,
+                "max_seq_length": 32, "batch_size": 8, "val_fraction": 0.1, "seed": 3}
+    return BertPretrainingDataModule(**{**settings, **overrides})
+
+
+def _selected(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return batch["labels"] != IGNORE_INDEX
+
+
+def _original_ids(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The token ids before masking (the labels hold them at the selected positions)."""
+    return torch.where(_selected(batch), batch["labels"], batch["input_ids"])
+
+
+def test_validation_masks_are_the_same_at_every_pass_and_with_workers(synthetic_work_dir: Path) -> None:
+    dm = _small_datamodule(synthetic_work_dir)
+    dm.setup("fit")
+    loader = dm.val_dataloader()  # Lightning requests it once per fit and iterates it at every validation
+    first, second = list(loader), list(loader)
+    assert len(first) > 5 and sum(int(_selected(b).sum()) for b in first) > 100
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a["labels"], b["labels"]) and torch.equal(a["input_ids"], b["input_ids"])
+
+    with_workers = _small_datamodule(synthetic_work_dir, num_workers=2)
+    with_workers.setup("fit")
+    for a, b in zip(first, with_workers.val_dataloader(), strict=True):
+        assert torch.equal(a["labels"], b["labels"]) and torch.equal(a["input_ids"], b["input_ids"])
+
+
+def test_training_masks_differ_between_workers(synthetic_work_dir: Path) -> None:
+    """Batches 0 and 1 come from workers 0 and 1: their masks must come from different random streams."""
+    dm = _small_datamodule(synthetic_work_dir, num_workers=2, pad_to_max_length=True)
+    dm.setup("fit")
+    batches = iter(dm.train_dataloader())
+    first, second = next(batches), next(batches)
+    # Positions where both batches hold an ordinary token: the same stream would select exactly the same ones there.
+    both = ~torch.isin(_original_ids(first), torch.tensor(SPECIALS))
+    both &= ~torch.isin(_original_ids(second), torch.tensor(SPECIALS))
+    assert both.sum() > 100
+    assert not torch.equal(_selected(first) & both, _selected(second) & both)
+
+
+# ------------------------------------------------------------------------------------------------------ stale tokenizer
+def _write_corpus(path: Path, words: list[str], documents: int = 12) -> Path:
+    """Documents of 4 sentences built from ``words`` (every sentence distinct)."""
+    docs = [[f"{words[d % len(words)]} {words[(d + i) % len(words)]} {words[i]} number{d}x{i} ." for i in range(4)]
+            for d in range(documents)]
+    return write_documents(docs, path)
+
+
+def test_tokenizer_trained_for_other_inputs_is_refused(tmp_path: Path) -> None:
+    botany = _write_corpus(tmp_path / "botany.txt", ["chlorophyll", "photosynthesis", "stomata", "xylem", "phloem"])
+    physics = _write_corpus(tmp_path / "physics.txt", ["quark", "gluon", "boson", "fermion", "lepton"])
+    work = tmp_path / "work"
+    settings = {"work_dir": str(work), "tokenizer_vocab_size": 200, "min_frequency": 1, "max_seq_length": 32}
+    first = BertPretrainingDataModule(corpus=str(botany), **settings)
+    first.setup("fit")
+    vocab = first.tokenizer.get_vocab()
+    assert "chlorophyll" in vocab and (work / "wordpiece-200" / "training_inputs.json").is_file()
+
+    # Another corpus in the same work_dir: refused, naming both sources and what to do.
+    with pytest.raises(TokenizerInputsChanged, match="training texts") as raised:
+        BertPretrainingDataModule(corpus=str(physics), **settings).setup("fit")
+    message = str(raised.value)
+    assert str(botany) in message and str(physics) in message
+    assert f"delete {work / 'wordpiece-200'}" in message and "tokenizer_dir" in message
+    # Another setting, or another split of the same corpus: refused too.
+    with pytest.raises(TokenizerInputsChanged, match="min_frequency: 1 -> 2"):
+        BertPretrainingDataModule(corpus=str(botany), **{**settings, "min_frequency": 2}).setup("fit")
+    with pytest.raises(TokenizerInputsChanged, match="lowercase: True -> False"):
+        BertPretrainingDataModule(corpus=str(botany), lowercase=False, **settings).setup("fit")
+    with pytest.raises(TokenizerInputsChanged, match=r"seed=1234 -> .* seed=9"):
+        BertPretrainingDataModule(corpus=str(botany), seed=9, **settings).setup("fit")
+
+    # The same text under another path (a copy, another machine) is the same input: reused.
+    copy = tmp_path / "elsewhere" / "botany.txt"
+    copy.parent.mkdir()
+    copy.write_bytes(botany.read_bytes())
+    reused = BertPretrainingDataModule(corpus=str(copy), **settings)
+    reused.setup("fit")
+    assert reused.tokenizer.get_vocab() == vocab
+
+    # Another tokenizer_dir trains the new corpus its own vocabulary.
+    other = BertPretrainingDataModule(corpus=str(physics), tokenizer_dir=str(tmp_path / "physics-tok"), **settings)
+    other.setup("fit")
+    assert "quark" in other.tokenizer.get_vocab() and "quark" not in vocab
+
+
+# ------------------------------------------------------------------------------------------------------ checkpoints
+def _renumbered(tokenizer: Tokenizer) -> Tokenizer:
+    """The same tokens with the ordinary ones' ids reversed: what a retraining that broke ties otherwise gives."""
+    data = json.loads(tokenizer.to_str())
+    vocab = data["model"]["vocab"]
+    ordinary = sorted((t for t in vocab if t not in SPECIAL_TOKENS), key=vocab.__getitem__)
+    reversed_ids = zip(reversed(ordinary), [vocab[t] for t in ordinary], strict=True)
+    data["model"]["vocab"] = {**{t: vocab[t] for t in SPECIAL_TOKENS}, **dict(reversed_ids)}
+    return Tokenizer.from_str(json.dumps(data))
+
+
+def test_checkpoint_tokenizer_replaces_a_retrained_one_and_never_a_foreign_one(
+    synthetic_work_dir: Path, tmp_path: Path
+) -> None:
+    original = _small_datamodule(synthetic_work_dir)
+    original.setup("fit")
+    state = original.state_dict()
+    vocab, example = original.tokenizer.get_vocab(), original.train_dataset[0]
+
+    # Loaded before setup into an empty work_dir: saved there instead of training a new tokenizer.
+    fresh = _small_datamodule(tmp_path / "fresh")
+    fresh.load_state_dict(state)
+    fresh.setup("fit")
+    assert fresh.tokenizer.get_vocab() == vocab and fresh.train_dataset[0] == example
+    assert load_tokenizer(fresh.tokenizer_dir).get_vocab() == vocab
+    assert (fresh.tokenizer_dir / "training_inputs.json").is_file()
+
+    # Loaded after setup (as Lightning does) over a tokenizer this module trained with other ids: replaced, and the
+    # datasets are rebuilt with the checkpoint's ids.
+    retrained = _small_datamodule(tmp_path / "retrained")
+    retrained.prepare_data()
+    directory = retrained.tokenizer_dir
+    save_tokenizer(_renumbered(load_tokenizer(directory)), directory, read_training_inputs(directory))
+    retrained.setup("fit")
+    assert retrained.train_dataset[0]["input_ids"] != example["input_ids"]
+    with pytest.warns(UserWarning, match="replacing the tokenizer"):
+        retrained.load_state_dict(state)
+    assert retrained.tokenizer.get_vocab() == vocab and retrained.train_dataset[0] == example
+    assert load_tokenizer(directory).get_vocab() == vocab
+
+    # A tokenizer this module did not train (no record: e.g. a pretrained one) is never overwritten.
+    foreign_dir = save_tokenizer(_renumbered(original.tokenizer), tmp_path / "pretrained")
+    foreign = _small_datamodule(synthetic_work_dir, tokenizer_dir=str(foreign_dir))
+    foreign.setup("fit")
+    with pytest.raises(ValueError, match=f"another tokenizer than the one in {foreign_dir}"):
+        foreign.load_state_dict(state)
+    assert load_tokenizer(foreign_dir).get_vocab() != vocab
+    # A checkpoint from before the tokenizer was stored changes nothing.
+    foreign.load_state_dict({})
+
+
+@pytest.mark.filterwarnings("ignore:You're resuming from a checkpoint that ended before the epoch ended")
+def test_resuming_with_a_fresh_work_dir_restores_the_checkpoint_tokenizer(
+    synthetic_work_dir: Path, tmp_path: Path, one_thread: None
+) -> None:
+    """Fit 2 steps, then resume in another work_dir whose retrained tokenizer numbers tokens otherwise."""
+    import lightning.pytorch as pl
+
+    from recipes.bert.module import BertPretrainingModule
+
+    def fit(datamodule: BertPretrainingDataModule, steps: int, ckpt_path: Path | None = None) -> pl.Trainer:
+        pl.seed_everything(0, verbose=False)
+        model = BertPretrainingModule(vocab_size=300, hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32,
+                                      max_position_embeddings=32, total_steps=10)
+        trainer = pl.Trainer(accelerator="cpu", max_steps=steps, limit_val_batches=1, num_sanity_val_steps=0,
+                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False, default_root_dir=tmp_path)
+        trainer.fit(model, datamodule, ckpt_path=ckpt_path)
+        return trainer
+
+    first = _small_datamodule(synthetic_work_dir)
+    trainer = fit(first, steps=2)
+    checkpoint = tmp_path / "two_steps.ckpt"
+    trainer.save_checkpoint(checkpoint)
+
+    resumed = _small_datamodule(tmp_path / "elsewhere")
+    resumed.prepare_data()
+    directory = resumed.tokenizer_dir
+    save_tokenizer(_renumbered(load_tokenizer(directory)), directory, read_training_inputs(directory))
+    with pytest.warns(UserWarning, match="replacing the tokenizer"):
+        trainer = fit(resumed, steps=4, ckpt_path=checkpoint)
+    assert trainer.global_step == 4 and torch.isfinite(trainer.callback_metrics["train/loss_step"])
+    assert resumed.tokenizer.get_vocab() == first.tokenizer.get_vocab()
+    assert load_tokenizer(directory).get_vocab() == first.tokenizer.get_vocab()
+    assert resumed.train_dataset[0] == first.train_dataset[0]

@@ -166,7 +166,7 @@ def test_optimizer_groups_and_schedules() -> None:
         WarmupSchedule("linear", warmup_steps=10)
 
 
-def test_synthetic_corpus_is_learnable(tmp_path) -> None:
+def test_synthetic_corpus_is_learnable(tmp_path, one_thread) -> None:
     """A tiny model gets far above chance on MLM and NSP after a few hundred steps (plain loop, no Lightning)."""
     from recipes.bert.data import BertPretrainingDataModule
 
