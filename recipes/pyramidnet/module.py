@@ -39,7 +39,8 @@ class PyramidNetModule(L.LightningModule):
         milestones: fractions of the total optimizer steps at which ``multistep`` decays (paper: 50% and 75%).
         gamma: decay factor of ``multistep``.
         label_smoothing: cross-entropy label smoothing (0 in the paper).
-        channels_last: keep the weights in ``channels_last`` memory format (pair with the data module's option).
+        channels_last: keep the weights in ``channels_last`` memory format and feed the network ``channels_last``
+            batches (``CIFAR10DataModule`` reads the ``channels_last`` attribute and produces them in that layout).
         channel_multiple: round unit widths up to a multiple of this (see ``PyramidNet``; 1 keeps the paper's model).
         compile_net: ``torch.compile`` the PyramidNet in place (``nn.Module.compile``: state-dict keys unchanged,
             compiled on the first step). For one device or ``ddp``; the single-process multi-device strategies refuse
@@ -96,13 +97,18 @@ class PyramidNetModule(L.LightningModule):
         return PyramidNet(depth, alpha, bottleneck=bottleneck, num_classes=num_classes,
                           units_per_stage=units_per_stage, channel_multiple=channel_multiple)
 
+    @property
+    def channels_last(self) -> bool:
+        """The memory format this module wants its input in; data modules may read it (one setting for both)."""
+        return bool(self.hparams.channels_last)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Logits of the wrapped PyramidNet (the part ``dp`` replicates)."""
         return self.net(x)
 
     def _step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         images, labels = batch
-        if self.hparams.channels_last:
+        if self.channels_last:  # a no-op for CIFAR10DataModule's batches, already in this layout
             images = images.contiguous(memory_format=torch.channels_last)
         logits = self(images)
         # Loss in float32 whatever the autocast dtype of the logits.

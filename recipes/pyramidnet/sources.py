@@ -10,7 +10,8 @@ Local layouts understood by :func:`load_local`:
 * the original python version (``cifar-10-python.tar.gz`` extracted): a folder ``cifar-10-batches-py`` holding the
   pickles ``data_batch_1`` … ``data_batch_5``, ``test_batch`` and ``batches.meta`` (or the folder containing it);
 * a ``datasets`` ``DatasetDict`` written by ``save_to_disk`` (``dataset_dict.json`` plus ``train``/``test`` folders);
-* parquet files as on the Hub (``train-*.parquet`` and ``test-*.parquet`` anywhere below the folder).
+* parquet files as on the Hub, anywhere below the folder: named by split (``train-00000-of-00001.parquet``,
+  ``test-*.parquet``) or in folders named by split (the Hub's converted layout ``plain_text/train/0000.parquet``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ __all__ = [
     "load_python_batches",
     "load_saved_dataset",
     "make_synthetic",
+    "parquet_split",
 ]
 
 CIFAR10_CLASSES: tuple[str, ...] = (
@@ -49,8 +51,9 @@ LAYOUTS_HELP = (
     "expected one of: (1) the CIFAR-10 python version, a folder 'cifar-10-batches-py' with data_batch_1..5, "
     "test_batch and batches.meta (pickled dicts with b'data': uint8 N×3072 and b'labels'), or the folder containing "
     "it; (2) a datasets DatasetDict saved with save_to_disk (dataset_dict.json, splits 'train' and 'test'); "
-    "(3) a folder of parquet files named train-*.parquet and test-*.parquet with an image column ('img' or 'image', "
-    "encoded PNG bytes) and a 'label' column; or source='synthetic' for generated data"
+    "(3) a folder of parquet files named train-*.parquet and test-*.parquet, or inside folders named train/ and "
+    "test/ (as <config>/train/0000.parquet), with an image column ('img' or 'image', encoded PNG bytes) and a "
+    "'label' column; or source='synthetic' for generated data"
 )
 
 
@@ -228,8 +231,21 @@ def load_saved_dataset(folder: str | Path) -> CIFARSplits:
     return _splits_from_dataset_dict(dsd, repr(str(folder)))
 
 
+def parquet_split(file: Path, folder: Path) -> str | None:
+    """The split (``"train"``/``"test"``) of a parquet ``file`` below ``folder``, or ``None``.
+
+    From the file name (``train-00000-of-00001.parquet``, as in Hub repositories) or, failing that, from the innermost
+    folder between ``folder`` and the file named exactly like a split (``plain_text/train/0000.parquet``, the Hub's
+    auto-converted layout). The name wins: ``train/test-0.parquet`` is a test file.
+    """
+    for split in ("train", "test"):
+        if file.name.startswith(split):
+            return split
+    return next((part for part in reversed(file.relative_to(folder).parent.parts) if part in ("train", "test")), None)
+
+
 def load_parquet(folder: str | Path) -> CIFARSplits:
-    """Load ``train-*.parquet`` / ``test-*.parquet`` files found below ``folder`` (read with pyarrow, no cache)."""
+    """Load the train and test parquet files found below ``folder`` (see :func:`parquet_split`; pyarrow, no cache)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -237,10 +253,11 @@ def load_parquet(folder: str | Path) -> CIFARSplits:
     files = sorted(folder.rglob("*.parquet"))
     out = []
     for split in ("train", "test"):
-        chosen = [f for f in files if f.name.startswith(split)]
+        chosen = [f for f in files if parquet_split(f, folder) == split]
         if not chosen:
-            raise FileNotFoundError(f"no {split}*.parquet file below {str(folder)!r} (found "
-                                    f"{[f.name for f in files]}); {LAYOUTS_HELP}")
+            raise FileNotFoundError(f"no {split}*.parquet file or parquet file in a {split}/ folder below "
+                                    f"{str(folder)!r} (found {[str(f.relative_to(folder)) for f in files]}); "
+                                    f"{LAYOUTS_HELP}")
         try:
             table = pa.concat_tables([pq.read_table(f) for f in chosen])
         except Exception as err:

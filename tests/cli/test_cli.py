@@ -1,7 +1,9 @@
-"""``python -m lightning_mgpu`` (LightningCLI) with the strategies by registered name and by class_path."""
+"""``python -m lightning_mgpu`` and the ``lightning-mgpu`` console script (LightningCLI) with the strategies by
+registered name and by class_path, and recipe class paths resolved from the current directory."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +13,7 @@ import torch
 import yaml
 
 import lightning_mgpu
-from lightning_mgpu.cli import main
+from lightning_mgpu.cli import main, put_cwd_on_sys_path
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = {"class_path": "lightning.pytorch.demos.boring_classes.BoringModel"}
@@ -78,3 +80,41 @@ def test_module_entry_point_runs_in_a_fresh_process(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "`Trainer.fit` stopped: `max_steps=2` reached." in done.stderr + done.stdout
     assert torch.__version__  # the same interpreter ran it
+
+
+# What the installed `lightning-mgpu` script does, minus its own folder on sys.path: no current directory on sys.path
+# (unlike `python -m` and `python -c`), then `sys.exit(main())`.
+_CONSOLE_SCRIPT = """
+import importlib.util, os, sys
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != os.getcwd()]
+assert importlib.util.find_spec("recipes") is None, "recipes is importable without the current directory"
+from lightning_mgpu.cli import main
+sys.exit(main())
+"""
+
+
+def test_console_script_runs_a_recipe_config_from_the_current_directory(tmp_path):
+    args = ["fit", "-c", "configs/pyramidnet/quickstart.yaml", "-c", "configs/strategies/single.yaml",
+            "--trainer.max_steps=1", "--trainer.limit_val_batches=0", "--trainer.num_sanity_val_steps=0",
+            "--trainer.enable_progress_bar=false", f"--trainer.default_root_dir={tmp_path}",
+            "--data.init_args.synthetic_train_size=32", "--data.init_args.synthetic_test_size=16",
+            "--data.init_args.batch_size=16"]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-c", _CONSOLE_SCRIPT, *args], cwd=REPO, env={**env, "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]  # 1 if main() returned an object to sys.exit
+    assert "No module named 'recipes'" not in done.stderr
+    assert "`Trainer.fit` stopped: `max_steps=1` reached." in done.stderr + done.stdout
+    assert "PyramidNet quickstart:" in done.stdout  # the recipe's FinalReport callback ran
+    assert "LightningCLI object" not in done.stderr
+
+
+def test_current_directory_goes_on_sys_path_once(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cwd = os.getcwd()
+    monkeypatch.setattr(sys, "path", ["/elsewhere"])
+    assert put_cwd_on_sys_path() and sys.path == [cwd, "/elsewhere"]  # first, as `python -m` puts it
+    assert not put_cwd_on_sys_path() and sys.path == [cwd, "/elsewhere"]
+    for spelling in ("", ".", "sub/.."):  # already there under another spelling: left alone
+        monkeypatch.setattr(sys, "path", ["/elsewhere", spelling])
+        assert not put_cwd_on_sys_path() and sys.path == ["/elsewhere", spelling]

@@ -1,15 +1,22 @@
 """CIFAR-10 data for the PyramidNet recipe: loaders on small files in the real formats, errors, synthetic data,
-on-device augmentation and the data module's splits. Nothing here touches the network."""
+on-device augmentation, the data module's splits and its training order (one process, resume, ddp). Nothing here
+touches the network."""
 
 from __future__ import annotations
 
+import json
+import os
 import pickle
+import subprocess
+import sys
 from pathlib import Path
 
+import lightning.pytorch as L
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 
 from recipes.pyramidnet.augment import (
     CIFAR10_MEAN,
@@ -19,14 +26,17 @@ from recipes.pyramidnet.augment import (
     random_hflip,
     transform_batch,
 )
-from recipes.pyramidnet.data import CIFAR10DataModule
+from recipes.pyramidnet.data import CIFAR10DataModule, ShuffledBatches
 from recipes.pyramidnet.model import build_pyramidnet
 from recipes.pyramidnet.sources import (
     CIFAR10_CLASSES,
     is_local_source,
     load_local,
     make_synthetic,
+    parquet_split,
 )
+
+ROOT = Path(__file__).resolve().parents[2]
 
 # --------------------------------------------------------------------------------------------------------------------
 # Files in the real formats
@@ -138,6 +148,24 @@ def _hf_dataset_dict(n_train: int = 6, n_test: int = 4):
     train, train_images = split(n_train, 1)
     test, test_images = split(n_test, 2)
     return datasets.DatasetDict({"train": train, "test": test}), train_images, test_images
+
+
+def test_hub_converted_parquet_layout_takes_splits_from_folders(tmp_path: Path) -> None:
+    # The Hub's auto-converted parquet (refs/convert/parquet): <config>/<split>/0000.parquet, no split in file names.
+    dsd, train_images, test_images = _hf_dataset_dict()
+    for split in ("train", "test"):
+        (tmp_path / "plain_text" / split).mkdir(parents=True)
+        dsd[split].to_parquet(str(tmp_path / "plain_text" / split / "0000.parquet"))
+    splits = load_local(tmp_path)
+    assert torch.equal(splits.train_images, torch.from_numpy(train_images))
+    assert torch.equal(splits.test_images, torch.from_numpy(test_images))
+    # A file name naming a split wins over its folder; folder names must match exactly.
+    assert parquet_split(tmp_path / "train" / "test-0.parquet", tmp_path) == "test"
+    assert parquet_split(tmp_path / "partial-train" / "0000.parquet", tmp_path) is None
+    (tmp_path / "plain_text" / "test" / "0000.parquet").rename(tmp_path / "plain_text" / "0000.parquet")
+    with pytest.raises(FileNotFoundError, match=r"no test\*\.parquet file or parquet file in a test/ folder") as err:
+        load_local(tmp_path)
+    assert "plain_text/0000.parquet" in str(err.value)  # lists what it found, relative to the source
 
 
 def test_saved_dataset_and_parquet_loaders(tmp_path: Path) -> None:
@@ -296,14 +324,15 @@ def test_eval_transform_only_normalises_and_train_transform_augments() -> None:
 
 
 def test_data_module_transforms_batches_by_trainer_state() -> None:
-    dm = CIFAR10DataModule(source="synthetic", batch_size=8, channels_last=True,
-                           synthetic_train_size=32, synthetic_test_size=16)
+    dm = CIFAR10DataModule(source="synthetic", batch_size=8, synthetic_train_size=32, synthetic_test_size=16)
     dm.setup("fit")
     images, labels = next(iter(dm.val_dataloader()))
-    # No trainer attached: evaluation transform (normalisation only).
+    # No trainer attached: evaluation transform (normalisation only), in the default layout (no model to follow).
     out, out_labels = dm.on_after_batch_transfer((images, labels), 0)
-    assert torch.equal(out, normalize(images)) and out.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(out, normalize(images)) and out.is_contiguous()
     assert out_labels is labels
+    channels_last = dm.transform(images, train=False, channels_last=True)
+    assert torch.equal(channels_last, out) and channels_last.is_contiguous(memory_format=torch.channels_last)
     torch.manual_seed(0)
     assert not torch.equal(dm.transform(images, train=True), normalize(images))
 
@@ -361,3 +390,146 @@ def test_loaders_yield_whole_uint8_batches() -> None:
                                 synthetic_train_size=40, synthetic_test_size=10)
     dm_drop.setup("fit")
     assert [b[0].shape[0] for b in dm_drop.train_dataloader()] == [16, 16]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Training order: a function of (seed, epoch)
+
+
+class _IndexedCIFAR(CIFAR10DataModule):
+    """The real data module with each training image's index as its label, so a run can record its order."""
+
+    def setup(self, stage: str | None = None) -> None:
+        super().setup(stage)
+        self.train_set.labels = torch.arange(len(self.train_set))
+
+
+class _IndexedCIFARInDDPWrapper(_IndexedCIFAR):
+    """One process, but the training sampler wrapped as Lightning wraps it under ddp (world size 1 here).
+
+    The wrapper lists the batches when the epoch's iterator is created, which Lightning does for the first epoch of
+    a fit before it calls ``set_epoch``: the path where a resumed ddp run could replay epoch 0.
+    """
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        loader = super().train_dataloader()
+        wrapped = DistributedSamplerWrapper(loader.sampler, num_replicas=1, rank=0, shuffle=False)
+        return torch.utils.data.DataLoader(loader.dataset, batch_size=None, sampler=wrapped)
+
+
+class _RecordOrder(L.LightningModule):
+    """A one-layer model that records, per epoch, the training indices it was given (the labels of _IndexedCIFAR)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(3, 1)
+        self.seen: dict[int, list[int]] = {}
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        images, index = batch
+        self.seen.setdefault(self.current_epoch, []).extend(index.tolist())
+        return self.layer(images.mean(dim=(2, 3))).square().mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def _indexed(seed: int | None = 0, size: int = 48, cls: type[_IndexedCIFAR] = _IndexedCIFAR) -> _IndexedCIFAR:
+    return cls(source="synthetic", batch_size=8, seed=seed, synthetic_train_size=size, synthetic_test_size=8)
+
+
+def _order(loader: torch.utils.data.DataLoader) -> list[int]:
+    return torch.cat([index for _, index in loader]).tolist()
+
+
+def _fit(data: CIFAR10DataModule, epochs: int, root: Path, ckpt_path: Path | None = None,
+         **trainer_kwargs: object) -> tuple[_RecordOrder, L.Trainer]:
+    model = _RecordOrder()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=epochs, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                        default_root_dir=root, **trainer_kwargs)
+    trainer.fit(model, data, ckpt_path=ckpt_path)
+    return model, trainer
+
+
+def test_order_changes_every_epoch_and_is_reproducible_from_the_seed() -> None:
+    dm = _indexed(seed=3)
+    dm.setup("fit")
+    loader = dm.train_dataloader()
+    epoch0, epoch1 = _order(loader), _order(loader)  # a plain loop: each pass is the next epoch
+    assert sorted(epoch0) == sorted(epoch1) == list(range(48)) and epoch0 != epoch1
+    again = _indexed(seed=3)
+    again.setup("fit")
+    assert _order(again.train_dataloader()) == epoch0
+    other = _indexed(seed=4)
+    other.setup("fit")
+    assert _order(other.train_dataloader()) != epoch0
+    loader.sampler.set_epoch(1)  # what Lightning calls before each epoch
+    assert _order(loader) == epoch1
+    assert len(loader) == 6 and [len(b) for b in ShuffledBatches(10, 4, drop_last=True, seed=0)] == [4, 4]
+
+
+def test_default_seed_is_the_global_seed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)  # restored after the test: seed_everything sets it
+
+    def first_epoch(seed: int | None, global_seed: int) -> list[int]:
+        L.seed_everything(global_seed, verbose=False)
+        dm = _indexed(seed=seed)
+        dm.setup("fit")
+        return _order(dm.train_dataloader())
+
+    assert first_epoch(None, 1) != first_epoch(None, 2)
+    assert first_epoch(None, 1) == first_epoch(1, 2)  # an explicit seed wins over the global one
+    assert first_epoch(5, 1) == first_epoch(5, 2)
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("cls", [_IndexedCIFAR, _IndexedCIFARInDDPWrapper], ids=["plain", "ddp-wrapper"])
+def test_trainer_epochs_follow_the_epoch_across_reloads_and_resume(cls: type[_IndexedCIFAR], tmp_path: Path) -> None:
+    expected = [ShuffledBatches(48, 8, drop_last=False, seed=0).order(epoch).tolist() for epoch in range(3)]
+    full, _ = _fit(_indexed(cls=cls), 3, tmp_path / "full")
+    assert [full.seen[e] for e in range(3)] == expected and len({tuple(o) for o in expected}) == 3
+    # A loader rebuilt every epoch does not start over at epoch 0's order.
+    reloaded, _ = _fit(_indexed(cls=cls), 3, tmp_path / "reload", reload_dataloaders_every_n_epochs=1)
+    assert reloaded.seen == full.seen
+    # Stopped after 2 epochs, resumed in a fresh trainer and data module: epoch 2's order, not epoch 0's.
+    _, first = _fit(_indexed(cls=cls), 2, tmp_path / "first")
+    first.save_checkpoint(tmp_path / "epoch2.ckpt")
+    resumed, _ = _fit(_indexed(cls=cls), 3, tmp_path / "resumed", ckpt_path=tmp_path / "epoch2.ckpt")
+    assert resumed.seen == {2: full.seen[2]}
+
+
+_DDP_SCRIPT = """
+import importlib.util, json, os
+import lightning.pytorch as L
+
+spec = importlib.util.spec_from_file_location("pyramidnet_data_tests", {test_file!r})
+tests = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(tests)
+L.seed_everything(100, verbose=False)  # the data module's default seed: the global one, the same on every rank
+model = tests._RecordOrder()
+trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=2, logger=False,
+                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                    limit_val_batches=0, default_root_dir={out!r})
+trainer.fit(model, tests._indexed(seed=None, size=48))
+with open(os.path.join({out!r}, f"rank{{trainer.global_rank}}.json"), "w") as f:
+    json.dump(model.seen, f)
+"""
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_ddp_ranks_see_disjoint_batches_of_each_epochs_order(tmp_path: Path) -> None:
+    # Two gloo processes in a subprocess (in-process ddp would re-launch pytest's command line). Lightning wraps the
+    # loader's sampler in its DistributedSamplerWrapper, which deals out whole batches of the epoch's order.
+    script = tmp_path / "ddp_order.py"
+    script.write_text(_DDP_SCRIPT.format(test_file=str(Path(__file__)), out=str(tmp_path)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+           "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    for epoch in ("0", "1"):
+        assert not set(rank0[epoch]) & set(rank1[epoch])
+        assert sorted(rank0[epoch] + rank1[epoch]) == list(range(48))
+    assert rank0["0"] != rank0["1"] and rank1["0"] != rank1["1"]

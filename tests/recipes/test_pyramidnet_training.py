@@ -12,6 +12,7 @@ from pathlib import Path
 import lightning.pytorch as L
 import pytest
 import torch
+import yaml
 
 from lightning_mgpu.cli import main
 from recipes.pyramidnet.data import CIFAR10DataModule
@@ -63,6 +64,43 @@ def test_quickstart_trains_two_steps_under_each_single_process_strategy(strategy
     assert isinstance(cli.model, PyramidNetModule) and isinstance(cli.datamodule, CIFAR10DataModule)
     if strategy != "single":
         assert len(trainer.strategy.parallel_devices) == 2
+
+
+class _RecordLayout(L.Callback):
+    """Whether each training batch the data module hands over, and each input the network sees, is channels_last."""
+
+    def __init__(self) -> None:
+        self.batches: list[bool] = []
+        self.net_inputs: list[bool] = []
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        pl_module.net.register_forward_pre_hook(lambda _, args: self.net_inputs.append(_channels_last(args[0])))
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: object,
+                             batch_idx: int) -> None:
+        self.batches.append(_channels_last(batch[0]))
+
+
+def _channels_last(x: torch.Tensor) -> bool:
+    return x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+
+
+@pytest.mark.parametrize("channels_last", [True, False])
+def test_one_layout_setting_with_a_logger(channels_last: bool, tmp_path: Path) -> None:
+    # With a logger, Lightning merges the model's and the data module's hparams and refuses a key with two values;
+    # the layout is the model's setting alone, and the data module hands over batches in that layout.
+    cli = main(["-c", str(QUICKSTART), "-c", _overlay("single"), *_fast_args(tmp_path),
+                "--trainer.max_steps=1", "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
+                f"--trainer.logger.save_dir={tmp_path}", f"--model.init_args.channels_last={channels_last}"],
+               run=False)
+    recorder = _RecordLayout()
+    cli.trainer.callbacks.append(recorder)
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    assert cli.trainer.global_step == 1
+    assert recorder.batches == recorder.net_inputs == [channels_last]
+    assert _channels_last(cli.model.net.conv1.weight) == channels_last
+    logged = yaml.safe_load((Path(cli.trainer.logger.log_dir) / "hparams.yaml").read_text())
+    assert logged["channels_last"] is channels_last and logged["source"] == "synthetic"
 
 
 def test_compiled_net_keeps_its_checkpoint_keys_and_is_refused_by_replicas(tmp_path: Path) -> None:
@@ -150,6 +188,6 @@ def test_gpu_configs_hold_the_papers_recipe(config: str, arch: str, batch_size: 
     assert hp.schedule == "multistep" and tuple(hp.milestones) == (0.5, 0.75) and hp.gamma == 0.1
     assert cli.trainer.max_epochs == 300
     assert data.source == "uoft-cs/cifar10" and data.batch_size == batch_size and data.augment
-    assert data.crop_padding == 4 and data.channels_last and hp.channels_last
+    assert data.crop_padding == 4 and hp.channels_last and "channels_last" not in data.hparams
     if params is not None:
         assert count_parameters(cli.model.net) == params
