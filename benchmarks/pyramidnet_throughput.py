@@ -4,10 +4,11 @@ Both run in the same process on the same model architecture, the same device-res
 on-device augmentation (random crop + flip + normalisation, ``recipes/pyramidnet/augment.py``), precision, memory
 format and optimizer (SGD, Nesterov momentum 0.9, wd 1e-4, MultiStepLR). Throughput is images per second over timed
 windows of optimizer steps (the device is synchronised at window boundaries only). After one discarded run of each,
-the two loops alternate in ``--rounds`` rounds (the first to run swaps every round), each run reporting its median
-window; the overhead figure is the median over rounds of the paired ratio Lightning / plain, so that drift of a shared
-machine cancels. Results go to ``benchmarks/results/pyramidnet_throughput_<device>`` as JSON and markdown, with the
-device, versions and the exact command.
+the loops run in ``--rounds`` rounds (each loop first in turn), each run reporting its median window; the overhead
+figure is the median over rounds of the paired ratio Lightning / plain, so that drift of a shared machine cancels. A
+third loop, ``lightning_no_log`` (the recipe with ``self.log`` a no-op), splits Lightning's per-step host overhead
+into loop and logging. Results go to ``benchmarks/results/pyramidnet_throughput_<device>`` as JSON and markdown,
+with the device, versions and the exact command.
 
     python benchmarks/pyramidnet_throughput.py                      # CPU: tiny model, small batch (minutes at most)
     python benchmarks/pyramidnet_throughput.py --device cuda --model seed --batch-size 256 --precision bf16-mixed
@@ -179,6 +180,13 @@ class _BenchModule(PyramidNetModule):
         return transform_batch(images, train=self.trainer.training, channels_last=self.hparams.channels_last), labels
 
 
+class _SilentBenchModule(_BenchModule):
+    """The same module with ``self.log`` a no-op: separates Lightning's loop overhead from its logging cost."""
+
+    def log(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
 class _TimerCallback(L.Callback):
     def __init__(self, timer: WindowTimer) -> None:
         self.timer = timer
@@ -189,10 +197,14 @@ class _TimerCallback(L.Callback):
 
 
 def run_lightning(args: argparse.Namespace, pool: list[tuple[torch.Tensor, torch.Tensor]],
-                  device: torch.device) -> dict[str, Any]:
-    """The recipe's LightningModule under a single-device Trainer, same data, precision and memory format."""
+                  device: torch.device, log: bool = True) -> dict[str, Any]:
+    """The recipe's LightningModule under a single-device Trainer, same data, precision and memory format.
+
+    ``log=False`` turns the module's ``self.log`` calls into no-ops (a diagnostic, not the recipe).
+    """
     torch.manual_seed(0)
-    module = _BenchModule(arch=args.model, channels_last=args.channels_last, channel_multiple=args.channel_multiple,
+    module_cls = _BenchModule if log else _SilentBenchModule
+    module = module_cls(arch=args.model, channels_last=args.channels_last, channel_multiple=args.channel_multiple,
                           compile_net=args.compile)
     timer = WindowTimer(device, args.warmup, args.window, args.windows, args.batch_size)
     trainer = L.Trainer(
@@ -214,8 +226,9 @@ def run_lightning(args: argparse.Namespace, pool: list[tuple[torch.Tensor, torch
     trainer.fit(module, train_dataloaders=_Batches(pool, timer.total_steps))
     _sync(device)
     assert trainer.global_step == timer.total_steps, trainer.global_step
+    final = trainer.callback_metrics.get("train_loss")
     return {**timer.summary(), "peak_memory_mb": _peak_memory_mb(device),
-            "final_loss": float(trainer.callback_metrics["train_loss"])}
+            "final_loss": float(final) if final is not None else None}
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -255,6 +268,7 @@ def _markdown(report: dict[str, Any]) -> str:
             rows.append(f"| {i} | {name} | {r['images_per_s_median']:.1f} | {r['ms_per_step_median']:.2f} | {mem} "
                         f"| {windows} |")
         rows.append(f"| {i} | **lightning / plain** | **{rnd['ratio_lightning_over_plain']:.3f}** | | | |")
+        rows.append(f"| {i} | lightning_no_log / plain | {rnd['ratio_no_log_over_plain']:.3f} | | | |")
     ratios = ", ".join(f"{r['ratio_lightning_over_plain']:.3f}" for r in report["rounds"])
     return "\n".join([
         "# PyramidNet training throughput: Lightning recipe vs plain PyTorch",
@@ -263,8 +277,7 @@ def _markdown(report: dict[str, Any]) -> str:
         f"- model: `{cfg['model']}` ({cfg['parameters']:,} parameters), batch {cfg['batch_size']}, "
         f"precision {cfg['precision']}, channels_last {cfg['channels_last']}, compile {cfg['compile']}, "
         f"channel_multiple {cfg['channel_multiple']}",
-        f"- one discarded run of each loop, then {cfg['rounds']} rounds, the two loops alternating (first to run "
-        "swaps each round); per run "
+        f"- one discarded run of each loop, then {cfg['rounds']} rounds, each loop running first in turn; per run "
         f"{cfg['warmup']} warm-up steps, then {cfg['windows']} windows of {cfg['window']} steps, median window",
         "- versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items() if v),
         f"- command: `{report['command']}`",
@@ -276,13 +289,16 @@ def _markdown(report: dict[str, Any]) -> str:
         *rows,
         "",
         f"Median over rounds: plain **{res['plain']['images_per_s_median']:.1f}** images/s, lightning "
-        f"**{res['lightning']['images_per_s_median']:.1f}** images/s.",
+        f"**{res['lightning']['images_per_s_median']:.1f}** images/s, lightning without `self.log` "
+        f"{res['lightning_no_log']['images_per_s_median']:.1f} images/s.",
         "",
         f"**Lightning / plain throughput ratio (median of paired rounds): {report['ratio_lightning_over_plain']:.3f}** "
-        f"(rounds: {ratios})",
+        f"(rounds: {ratios}); without `self.log`: {report['ratio_no_log_over_plain']:.3f}.",
         "",
-        "Same device-resident uint8 batches, on-device augmentation, optimizer and precision in both loops; the "
-        "Lightning side also updates the recipe's torchmetrics accuracy and logs its loss and lr as the recipe does.",
+        "Same device-resident uint8 batches, on-device augmentation, optimizer and precision in every loop; the "
+        "Lightning side also updates the recipe's torchmetrics accuracy and logs its loss and lr as the recipe does. "
+        "`lightning_no_log` is the same module with `self.log` made a no-op: a diagnostic that splits Lightning's "
+        "per-step host overhead into its loop and its logging, not a configuration to train with.",
         "",
     ])
 
@@ -301,8 +317,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="steps per timed window (default 20 on cuda, 10 on cpu)")
     parser.add_argument("--windows", type=int, default=5, help="timed windows per run; the median is reported")
     parser.add_argument("--rounds", type=int, default=None,
-                        help="alternating plain/lightning rounds; the median paired ratio is reported "
-                             "(default 3 on cuda, 5 on cpu)")
+                        help="rounds of every loop (each first in turn); the median paired ratio is reported "
+                             "(default 3 on cuda, 6 on cpu)")
     parser.add_argument("--pool-batches", type=int, default=8, help="distinct device-resident batches cycled through")
     parser.add_argument("--no-channels-last", dest="channels_last", action="store_false",
                         help="keep NCHW instead of channels_last")
@@ -319,7 +335,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.batch_size = args.batch_size if args.batch_size is not None else (256 if on_cuda else 32)
     args.warmup = args.warmup if args.warmup is not None else (15 if on_cuda else 5)
     args.window = args.window if args.window is not None else (20 if on_cuda else 10)
-    args.rounds = args.rounds if args.rounds is not None else (3 if on_cuda else 5)
+    args.rounds = args.rounds if args.rounds is not None else (3 if on_cuda else 6)
     for name in ("window", "windows", "rounds", "batch_size", "pool_batches", "channel_multiple"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
@@ -340,21 +356,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     L.seed_everything(0, verbose=False)
     pool = make_pool(args.batch_size, args.pool_batches, device)
     start = time.perf_counter()
-    runners = {"plain": run_plain, "lightning": run_lightning}
+    runners = {
+        "plain": run_plain,
+        "lightning": run_lightning,
+        "lightning_no_log": lambda a, p, d: run_lightning(a, p, d, log=False),
+    }
     for run in runners.values():  # discarded: one-time costs (kernel selection, allocator growth, JIT) go here
         run(args, pool, device)
+    names = list(runners)
     rounds: list[dict[str, Any]] = []
     for i in range(args.rounds):
-        order = ("plain", "lightning") if i % 2 == 0 else ("lightning", "plain")
-        rnd: dict[str, Any] = {"order": list(order)}
+        order = names[i % len(names):] + names[: i % len(names)]  # each loop runs first in turn
+        rnd: dict[str, Any] = {"order": order}
         for name in order:
             rnd[name] = runners[name](args, pool, device)
-        rnd["ratio_lightning_over_plain"] = (rnd["lightning"]["images_per_s_median"]
-                                             / rnd["plain"]["images_per_s_median"])
+        plain_rate = rnd["plain"]["images_per_s_median"]
+        rnd["ratio_lightning_over_plain"] = rnd["lightning"]["images_per_s_median"] / plain_rate
+        rnd["ratio_no_log_over_plain"] = rnd["lightning_no_log"]["images_per_s_median"] / plain_rate
         rounds.append(rnd)
     summary = {name: {"images_per_s_median": statistics.median(r[name]["images_per_s_median"] for r in rounds)}
                for name in runners}
     ratio = statistics.median(r["ratio_lightning_over_plain"] for r in rounds)
+    ratio_no_log = statistics.median(r["ratio_no_log_over_plain"] for r in rounds)
     with torch.device("meta"):
         n_params = count_parameters(build_pyramidnet(args.model, channel_multiple=args.channel_multiple))
     env = [f"{k}={shlex.quote(os.environ[k])}" for k in ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES") if k in os.environ]
@@ -374,6 +397,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "rounds": rounds,
         "results": summary,
         "ratio_lightning_over_plain": ratio,
+        "ratio_no_log_over_plain": ratio_no_log,
         "wall_seconds": round(time.perf_counter() - start, 1),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "note": args.note,

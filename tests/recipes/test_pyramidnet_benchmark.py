@@ -30,9 +30,12 @@ def test_cpu_benchmark_writes_a_report(tmp_path: Path, capsys: pytest.CaptureFix
     assert saved["config"]["model"] == "tiny" and saved["config"]["precision"] == "bf16-mixed"
     assert saved["config"]["channels_last"] is True and saved["device_type"] == "cpu"
     rounds = saved["rounds"]
-    assert [r["order"] for r in rounds] == [["plain", "lightning"], ["lightning", "plain"]]  # alternating
+    loops = ["plain", "lightning", "lightning_no_log"]
+    assert [r["order"] for r in rounds] == [loops, loops[1:] + loops[:1]]  # each loop runs first in turn
     for rnd in rounds:
-        for loop in ("plain", "lightning"):
+        assert rnd["ratio_no_log_over_plain"] == pytest.approx(
+            rnd["lightning_no_log"]["images_per_s_median"] / rnd["plain"]["images_per_s_median"])
+        for loop in loops:
             assert len(rnd[loop]["images_per_s_windows"]) == 2 and rnd[loop]["images_per_s_median"] > 0
         assert rnd["ratio_lightning_over_plain"] == pytest.approx(
             rnd["lightning"]["images_per_s_median"] / rnd["plain"]["images_per_s_median"])
@@ -41,7 +44,7 @@ def test_cpu_benchmark_writes_a_report(tmp_path: Path, capsys: pytest.CaptureFix
     assert saved["ratio_lightning_over_plain"] == pytest.approx(report["ratio_lightning_over_plain"])
     assert "--model tiny" in saved["command"] and saved["versions"]["torch"]
     markdown = (tmp_path / "bench.md").read_text()
-    assert "| plain |" in markdown and "| lightning |" in markdown and "ratio" in markdown
+    assert "| plain |" in markdown and "| lightning |" in markdown and "| lightning_no_log |" in markdown
     last_line = capsys.readouterr().out.strip().splitlines()[-1]
     assert last_line.startswith("pyramidnet_throughput: tiny batch 8 bf16-mixed") and "ratio" in last_line
 
