@@ -93,8 +93,12 @@ class DataParallelModel(nn.Module):
         return parallel_apply(calls, used, self.mode)
 
     def gather(self, outputs: Sequence[Any]) -> Any:
-        """Concatenate per-device outputs on ``output_device`` (for metrics, logging, visualisation)."""
-        return gather(outputs, self.output_device, self.dim)
+        """Concatenate per-device outputs on ``output_device`` (for metrics, logging, visualisation).
+
+        Outputs of the last call are gathered with its split sizes, so per-sample records come back one per sample.
+        """
+        sizes = self.last_split_sizes if len(self.last_split_sizes) == len(outputs) else None
+        return gather(outputs, self.output_device, self.dim, sizes=sizes)
 
 
 def _safe_batch_size(obj: Any, dim: int) -> int:
@@ -143,18 +147,16 @@ def _function_defaults(criterion: Any) -> dict[str, Any]:
 
 
 def _criterion_option(criterion: Any, kwargs: dict[str, Any], name: str, default: Any) -> Any:
-    """An option of ``criterion`` for this call: a keyword argument of the call, a ``functools.partial`` keyword,
-    torch's default for ``F.cross_entropy`` / ``F.nll_loss``, or the module's attribute (``nn.CrossEntropyLoss``)."""
+    """An option of ``criterion`` for this call: the module's attribute (``nn.CrossEntropyLoss``), or for
+    ``F.cross_entropy`` / ``F.nll_loss`` a keyword of the call, a ``functools.partial`` keyword or torch's default."""
+    defaults = _function_defaults(criterion)
+    if not defaults:  # a module, or an opaque function: its keywords are not known options
+        return getattr(criterion, name, default)
     if name in kwargs:
         return kwargs[name]
-    if isinstance(criterion, functools.partial):
-        if name in criterion.keywords:
-            return criterion.keywords[name]
-        criterion = criterion.func
-    defaults = _function_defaults(criterion)
-    if name in defaults:
-        return defaults[name]
-    return getattr(criterion, name, default)
+    if isinstance(criterion, functools.partial) and name in criterion.keywords:
+        return criterion.keywords[name]
+    return defaults.get(name, default)
 
 
 def _count_weight(

@@ -50,16 +50,18 @@ def _contains_tensor(obj: Any) -> bool:
 def _is_per_sample_list(obj: Any, batch_size: int | None) -> bool:
     """A list or tuple of plain items (e.g. ids) with one item per sample: split like a tensor.
 
-    Tuples count too: ``ids, images = zip(*samples)`` in a collate function makes a tuple of ids. Namedtuples are
-    structures and never count.
+    A tuple counts only when it holds strings: ``ids, images = zip(*samples)`` in a collate function makes a tuple of
+    ids, while a tuple of numbers is more often an option such as ``size=(16, 16)`` or a ``torch.Size``.
     """
-    return (
-        isinstance(obj, (list, tuple))
-        and not is_namedtuple(obj)
-        and batch_size is not None
-        and len(obj) == batch_size
-        and not _contains_tensor(obj)
-    )
+    if batch_size is None or not isinstance(obj, (list, tuple)) or len(obj) != batch_size:
+        return False
+    if isinstance(obj, list):
+        return not _contains_tensor(obj)
+    return _is_tuple_of_strings(obj)
+
+
+def _is_tuple_of_strings(obj: Any) -> bool:
+    return isinstance(obj, tuple) and not is_namedtuple(obj) and all(isinstance(x, str) for x in obj)
 
 
 def iter_tensors(obj: Any, path: str = "batch") -> Iterator[tuple[str, Tensor]]:
@@ -91,16 +93,24 @@ def batch_size_of(obj: Any, dim: int = 0, path: str = "batch") -> int:
 
 
 def _infer_batch_size(obj: Any, dim: int, path: str, what: str) -> tuple[int, bool]:
-    """``(batch size, records)``: ``records`` is True when per-sample record lists had to be split by their items."""
-    try:
-        return _common_size(iter_tensors(obj, path), dim, what), False
-    except NothingToSplitError:
-        raise
-    except BatchSplitError as strict_error:
-        size = _records_batch_size([(path, obj)], dim, what)
-        if size is None:
-            raise strict_error from None
-        return size, True
+    """``(batch size, records)``: ``records`` is True when per-sample sequences are split by their items."""
+    return _infer_from_roots([(path, obj)], dim, what)
+
+
+def _infer_from_roots(roots: Iterable[tuple[str, Any]], dim: int, what: str) -> tuple[int, bool]:
+    records: list[Any] = []
+    tensor_lists: list[tuple[str, Any]] = []
+    outside: list[tuple[str, Tensor]] = []
+    for path, obj in roots:
+        _partition(obj, path, records, tensor_lists, outside)
+    if records:
+        size = _records_batch_size(records, tensor_lists, outside, dim)
+        if size is not None:
+            return size, True
+    if not tensor_lists and not records:  # the common case: ``outside`` holds every tensor, in order
+        return _common_size(outside, dim, what), False
+    every = (item for path, obj in roots for item in iter_tensors(obj, path))
+    return _common_size(every, dim, what), False
 
 
 def _is_record_sequence(obj: Any) -> bool:
@@ -111,40 +121,73 @@ def _is_record_sequence(obj: Any) -> bool:
     return records and _contains_tensor(obj)
 
 
-def _records_batch_size(roots: Iterable[tuple[str, Any]], dim: int, what: str) -> int | None:
-    """The batch size when record sequences are split by their items, or None when that does not make sizes agree."""
-    records: list[tuple[str, Any]] = []
-    outside = [item for path, obj in roots for item in _tensors_outside_records(obj, path, records)]
-    if not records:
-        return None
-    try:
-        size = _common_size(outside, dim, what)
-    except NothingToSplitError:
-        lengths = {len(seq) for _, seq in records}
-        return lengths.pop() if len(lengths) == 1 else None
-    except BatchSplitError:
-        return None
-    return size if all(len(seq) == size for _, seq in records) else None
+def _is_tensor_list(obj: Any) -> bool:
+    return isinstance(obj, (list, tuple)) and not is_namedtuple(obj) and bool(obj) and all(
+        isinstance(x, Tensor) for x in obj
+    )
 
 
-def _tensors_outside_records(obj: Any, path: str, records: list[tuple[str, Any]]) -> Iterator[tuple[str, Tensor]]:
+def _is_per_sample_sequence(obj: Any, batch_size: int | None) -> bool:
+    """In records mode: a record list, or a list of tensors (e.g. images of different sizes), of one item per sample."""
+    return (
+        batch_size is not None
+        and isinstance(obj, (list, tuple))
+        and len(obj) == batch_size
+        and (_is_record_sequence(obj) or _is_tensor_list(obj))
+    )
+
+
+def _records_batch_size(
+    records: list[Any], tensor_lists: list[tuple[str, Any]], outside: list[tuple[str, Tensor]], dim: int
+) -> int | None:
+    """The batch size read from per-sample record lists, or None when that reading does not fit the batch.
+
+    It fits when every record list has the same length B >= 2, the lists of tensors of length B are per-sample items
+    too, and every other tensor has size B along ``dim``. It is preferred to the strict reading when both fit (every
+    image having exactly B boxes must not turn each record's tensors into batch slices). It needs something besides
+    the records (a tensor, or a list of per-sample tensors): a batch made of record lists only, such as Lightning's
+    list of several dataloaders' batches, keeps the strict reading.
+    """
+    lengths = {len(seq) for seq in records}
+    if len(lengths) != 1:
+        return None
+    size = lengths.pop()
+    if size < 2:  # a list of one dict is as likely a structure as one sample's record: keep the strict reading
+        return None
+    per_sample_lists = [seq for _, seq in tensor_lists if len(seq) == size]
+    others = [t for _, t in outside] + [t for _, seq in tensor_lists if len(seq) != size for t in seq]
+    batched = [t for t in others if t.dim() > dim]
+    if not batched and not per_sample_lists:
+        return None
+    return size if all(t.shape[dim] == size for t in batched) else None
+
+
+def _partition(
+    obj: Any,
+    path: str,
+    records: list[Any],
+    tensor_lists: list[tuple[str, Any]],
+    outside: list[tuple[str, Tensor]],
+) -> None:
+    """Sort a batch's tensors into record lists, lists of tensors and the other tensors (with their key paths)."""
     if _is_record_sequence(obj):
-        records.append((path, obj))
-        return
-    if isinstance(obj, Tensor):
-        yield path, obj
+        records.append(obj)
+    elif _is_tensor_list(obj):
+        tensor_lists.append((path, obj))
+    elif isinstance(obj, Tensor):
+        outside.append((path, obj))
     elif isinstance(obj, Mapping):
         for key, value in obj.items():
-            yield from _tensors_outside_records(value, f"{path}[{key!r}]", records)
+            _partition(value, f"{path}[{key!r}]", records, tensor_lists, outside)
     elif is_namedtuple(obj):
         for field in obj._fields:
-            yield from _tensors_outside_records(getattr(obj, field), f"{path}.{field}", records)
+            _partition(getattr(obj, field), f"{path}.{field}", records, tensor_lists, outside)
     elif isinstance(obj, (list, tuple)):
         for i, value in enumerate(obj):
-            yield from _tensors_outside_records(value, f"{path}[{i}]", records)
+            _partition(value, f"{path}[{i}]", records, tensor_lists, outside)
     elif _is_dataclass_instance(obj):
         for field in dataclasses.fields(obj):
-            yield from _tensors_outside_records(getattr(obj, field.name), f"{path}.{field.name}", records)
+            _partition(getattr(obj, field.name), f"{path}.{field.name}", records, tensor_lists, outside)
 
 
 def _common_size(tensors: Iterable[tuple[str, Tensor]], dim: int, what: str) -> int:
@@ -168,16 +211,6 @@ def _common_size(tensors: Iterable[tuple[str, Tensor]], dim: int, what: str) -> 
     return first[1]
 
 
-def _args_tensors(
-    args: Sequence[Any], kwargs: Mapping[str, Any], names: tuple[str, str]
-) -> Iterator[tuple[str, Tensor]]:
-    """Tensors of call arguments, with paths such as ``args[0]['mask']`` or ``kwargs['labels']``."""
-    for i, arg in enumerate(args):
-        yield from iter_tensors(arg, f"{names[0]}[{i}]")
-    for key, value in kwargs.items():
-        yield from iter_tensors(value, f"{names[1]}[{key!r}]")
-
-
 def args_batch_size(
     args: Sequence[Any], kwargs: Mapping[str, Any], dim: int = 0, names: tuple[str, str] = ("args", "kwargs")
 ) -> int:
@@ -189,19 +222,11 @@ def _infer_args_batch_size(
     args: Sequence[Any], kwargs: Mapping[str, Any], dim: int, names: tuple[str, str] = ("args", "kwargs")
 ) -> tuple[int, bool]:
     """:func:`_infer_batch_size` for call arguments: each argument is a root (the argument tuple is no record list)."""
-    try:
-        return _common_size(_args_tensors(args, kwargs, names), dim, "no tensor argument"), False
-    except NothingToSplitError:
-        raise
-    except BatchSplitError as strict_error:
-        roots = [
-            *((f"{names[0]}[{i}]", a) for i, a in enumerate(args)),
-            *((f"{names[1]}[{k!r}]", v) for k, v in kwargs.items()),
-        ]
-        size = _records_batch_size(roots, dim, "no tensor argument")
-        if size is None:
-            raise strict_error from None
-        return size, True
+    roots = [
+        *((f"{names[0]}[{i}]", a) for i, a in enumerate(args)),
+        *((f"{names[1]}[{k!r}]", v) for k, v in kwargs.items()),
+    ]
+    return _infer_from_roots(roots, dim, "no tensor argument")
 
 
 def split_sizes(batch_size: int, num_devices: int) -> list[int]:
@@ -248,7 +273,7 @@ def _map_structure(obj: Any, leaf_fn: Callable[[Any], Any], batch_size: int | No
     containers around the results."""
     if isinstance(obj, Tensor) or _is_per_sample_list(obj, batch_size):
         return leaf_fn(obj)
-    if records and _is_record_sequence(obj) and len(obj) == batch_size:
+    if records and _is_per_sample_sequence(obj, batch_size):
         return leaf_fn(obj)
     if isinstance(obj, Mapping):
         return rebuild(obj, {k: _map_structure(v, leaf_fn, batch_size, records) for k, v in obj.items()})
@@ -321,7 +346,7 @@ def _scatter_sizes(
         edges = [0, *bounds, batch_size]
         if _is_per_sample_list(leaf, batch_size):
             return [leaf[edges[i] : edges[i + 1]] for i in range(len(sizes))]
-        if records and _is_record_sequence(leaf) and len(leaf) == batch_size:
+        if records and _is_per_sample_sequence(leaf, batch_size):
             return [move_to(leaf[edges[i] : edges[i + 1]], devices[i]) for i in range(len(sizes))]
         return [leaf] * len(sizes)
 
@@ -367,30 +392,36 @@ def move_to(obj: Any, device: DeviceLike) -> Any:
     return _map_structure(obj, lambda leaf: leaf.to(target) if isinstance(leaf, Tensor) else leaf, None)
 
 
-def gather(outputs: Sequence[Any], device: DeviceLike, dim: int = 0) -> Any:
+def gather(outputs: Sequence[Any], device: DeviceLike, dim: int = 0, *, sizes: Sequence[int] | None = None) -> Any:
     """Concatenate per-replica outputs on ``device`` along ``dim`` (differentiable), preserving the structure.
 
-    The inverse of :func:`scatter`: tensors are concatenated; a list (or non-named tuple) of plain items (e.g.
-    strings) is concatenated when it holds one item per sample of its replica (the replica's batch size is read from
-    its tensors; without any tensor, such lists are always concatenated, tuples never); other non-tensor values,
-    including lists that were passed whole, are kept when equal across replicas, else returned as a list with one
-    value per replica. 0-dim tensors (e.g. a per-replica loss) are stacked, one value per replica, as
-    ``nn.DataParallel`` does.
+    The inverse of :func:`scatter`: tensors are concatenated; a list of plain items (or a tuple of strings, e.g. ids)
+    is concatenated when it holds one item per sample of its replica (the replica's batch size is read from its
+    tensors; without any tensor, such lists are always concatenated, tuples never); a list of per-sample records
+    (dicts or dataclasses, e.g. detections) is concatenated when it holds one record per sample; other non-tensor
+    values, including lists that were passed whole, are kept when equal across replicas, else returned as a list with
+    one value per replica. 0-dim tensors (e.g. a per-replica loss) are stacked, one value per replica, as
+    ``nn.DataParallel`` does. ``sizes``: the samples each replica received (as :func:`scatter` returned them), which
+    settles what is per-sample better than reading it back from the outputs.
     """
     if not outputs:
         raise ValueError("gather() needs at least one output.")
     target = to_device(device)
-    sizes: list[int] | None = []
+    if sizes is not None:
+        if len(sizes) != len(outputs):
+            raise ValueError(f"gather() got {len(outputs)} outputs but {len(sizes)} sizes.")
+        return _gather(list(outputs), target, dim, [int(n) for n in sizes], "output", True)
+    inferred: list[int] | None = []
     records = False
     for output in outputs:
         try:
             size, output_records = _infer_batch_size(output, dim, "output", type(output).__name__)
         except BatchSplitError:
-            sizes = None
+            inferred = None
             break
-        sizes.append(size)
+        inferred.append(size)
         records = records or output_records
-    return _gather(list(outputs), target, dim, sizes, "output", records)
+    return _gather(list(outputs), target, dim, inferred, "output", records)
 
 
 def _gather(
@@ -425,9 +456,8 @@ def _gather(
         if sizes is None or all(len(o) == n for o, n in zip(outputs, sizes, strict=True)):
             return [item for o in outputs for item in o]
         return _gather_value(outputs)
-    if (isinstance(first, tuple) and not is_namedtuple(first) and sizes is not None and not _contains_tensor(first)
-            and all(isinstance(o, tuple) and len(o) == n for o, n in zip(outputs, sizes, strict=True))):
-        return tuple(item for o in outputs for item in o)  # one plain item per sample, e.g. ids
+    if sizes is not None and all(_is_tuple_of_strings(o) and len(o) == n for o, n in zip(outputs, sizes, strict=True)):
+        return tuple(item for o in outputs for item in o)  # one string per sample, e.g. ids
     if isinstance(first, (list, tuple)):
         if not all(type(o) is type(first) and len(o) == len(first) for o in outputs):
             raise _mismatch(outputs, path, f"a {type(first).__name__} of length {len(first)}")

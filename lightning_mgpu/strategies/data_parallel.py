@@ -118,7 +118,7 @@ class DataParallelStrategy(SingleProcessParallelStrategy):
                 return replica(*args_chunks[index], **kwargs_chunks[index])
 
             outputs = self._run_replicas(target, devices, sizes, call)
-            return gather(outputs, self.output_device, self.dim)
+            return gather(outputs, self.output_device, self.dim, sizes=sizes)
 
         return parallel_forward
 

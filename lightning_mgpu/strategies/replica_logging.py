@@ -119,17 +119,15 @@ def _merge_values(
         explicit = [call.options.get("batch_size") for _, call in entries]
         implied = [(implied_weights[index] if implied_weights else {}).get(id(call.value)) for index, call in entries]
         if all(b is not None for b in explicit):
-            weights = [float(b) for b in explicit]
-            merged_options["batch_size"] = int(sum(weights))
-        elif all(b is not None for b in implied):
-            weights = [float(b) for b in implied]
+            w = torch.tensor([float(b) for b in explicit], dtype=dtype, device=device)
+            merged_options["batch_size"] = int(sum(float(b) for b in explicit))
+        elif all(b is not None for b in implied):  # loss weights, often device tensors: no host sync
+            w = torch.stack([torch.as_tensor(b).to(device=device, dtype=dtype).reshape(()) for b in implied])
         else:
-            weights = [float(sample_counts[index]) for index, _ in entries]
-        w = torch.tensor(weights, dtype=dtype, device=device)
-        counted = w > 0
-        if bool(counted.any()):  # a replica with nothing to average over contributes nothing (its mean may be NaN)
-            stacked, w = stacked[counted], w[counted]
-        merged = (stacked * w).sum() / w.sum()
+            w = torch.tensor([float(sample_counts[index]) for index, _ in entries], dtype=dtype, device=device)
+        # A replica with nothing to average over (weight 0) contributes nothing, not its NaN; no host sync either.
+        contributions = torch.where(w > 0, stacked, torch.zeros_like(stacked)) * w
+        merged = contributions.sum() / w.sum()
     elif kind == "sum":
         merged = stacked.sum()
     elif kind == "max":

@@ -125,6 +125,8 @@ class MetricReplicas:
                 reduce_fx = metric._reductions[attr]
                 if fresh and not isinstance(current, list):
                     setattr(metric, attr, value)
+                elif isinstance(current, list):  # list states (retrieval, SSIM, mAP...): every element, in order
+                    setattr(metric, attr, _combine([current, value], reduce_fx, device))
                 elif reduce_fx is None:
                     # Unreduced states (e.g. PearsonCorrCoef's) are stacked one row per contributor, as DDP stacks
                     # ranks; compute() aggregates the rows. Later steps append rows instead of nesting stacks.

@@ -11,18 +11,21 @@ Training steps may return, besides ``"loss"``, two documented keys that say how 
 Both keys are consumed here and do not appear in the step's outputs. Other outputs are gathered on the root, in
 batch order, as one device would have returned them for the whole batch:
 
-* tensors and numpy arrays whose size along ``dim`` is the replica's sample count are concatenated;
+* tensors and numpy arrays are concatenated along ``dim``, as ``nn.DataParallel`` gathers: per-sample values and
+  flattened per-element ones (``preds[mask]``) come back whole; a statistic without a sample dimension (a ``(C, C)``
+  confusion matrix) comes back stacked along ``dim``, to be summed; arrays whose other dimensions differ come back
+  as ``ReplicaValues``;
 * lists and tuples with one item per sample (ids, per-sample records, variable-size tensors) are concatenated;
 * scalars (0-dim tensors, numbers) are averaged weighted by sample count: exact for a per-sample mean, not for a sum
   or a count (return per-sample values, or log sums with ``reduce_fx="sum"``);
 * mappings, dataclasses and fixed structures (``(preds, target)``) are gathered field by field;
-* anything else that is not the same on every replica (e.g. a ``(C, C)`` confusion matrix) comes back as
-  ``ReplicaValues``, the list of the replicas' values, so code expecting one device's value fails loudly instead of
-  using a wrong number.
+* anything else that is not the same on every replica comes back as ``ReplicaValues``, the list of the replicas'
+  values, so code expecting one device's value fails loudly instead of using a wrong number.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -40,16 +43,16 @@ LOSS_TERMS_KEY = "loss_terms"
 class ReplicaValues(list):
     """A step output that cannot be merged into one device's value: one entry per replica, in batch order.
 
-    Returned for values without a per-sample dimension that differ between replicas (a confusion matrix, a count
-    tensor of another shape). Using it as a tensor fails with an explanation instead of a wrong number.
+    Returned for values that differ between replicas and have no rule to combine them (arrays whose non-batch
+    dimensions differ, objects). Using it as the value one device would have returned fails with an explanation.
     """
 
     def __getattr__(self, name: str) -> Any:
         raise AttributeError(
-            f"this step output has no per-sample dimension and differs between the {len(self)} replicas, so it came "
-            f"back as a list of their values (ReplicaValues) and has no attribute {name!r}. Combine them as your "
-            "statistic needs (e.g. torch.stack(values).sum(0) for counts), or return per-sample values, which are "
-            "concatenated in batch order."
+            f"this step output differs between the {len(self)} replicas and has no rule to merge it into one "
+            f"device's value, so it came back as the list of their values (ReplicaValues), which has no attribute "
+            f"{name!r}. Combine them as your statistic needs, or return per-sample values, which are concatenated "
+            "in batch order."
         )
 
 
@@ -138,7 +141,7 @@ def gather_step_outputs(outputs: Sequence[Any], sample_counts: Sequence[int], ro
     if isinstance(first, (Tensor, np.ndarray)):
         if first.ndim == 0:
             return _weighted_mean(outputs, sample_counts, root)
-        if _per_sample_arrays(outputs, sample_counts, dim):
+        if _concatenable(outputs, dim):
             if isinstance(first, Tensor):
                 return torch.cat([o.to(root) for o in outputs], dim=dim)
             return np.concatenate(outputs, axis=dim)
@@ -167,21 +170,42 @@ def _weighted_mean(values: Sequence[Any], sample_counts: Sequence[int], root: to
     return float(reduce_losses(as_tensors, sample_counts, torch.device("cpu")))
 
 
-def _per_sample_arrays(outputs: Sequence[Any], sample_counts: Sequence[int], dim: int) -> bool:
-    return all(o.ndim > dim and o.shape[dim] == n for o, n in zip(outputs, sample_counts, strict=True))
+def _concatenable(outputs: Sequence[Any], dim: int) -> bool:
+    """Arrays of one type that agree on every dimension but ``dim``."""
+    first = outputs[0]
+    return all(
+        type(o) is type(first) and o.ndim == first.ndim > dim
+        and all(a == b for d, (a, b) in enumerate(zip(o.shape, first.shape, strict=True)) if d != dim)
+        for o in outputs
+    )
 
 
 def _per_sample_items(outputs: Sequence[Sequence[Any]], sample_counts: Sequence[int], dim: int) -> bool:
-    """One item per sample on every replica, and not a fixed structure of per-sample arrays such as ``(preds, y)``."""
+    """A list or tuple with one item per sample on every replica, rather than a fixed structure such as ``(preds, y)``.
+
+    The lengths must equal the replicas' sample counts. When those differ between replicas, that settles it. When they
+    are equal, the items decide: records (dicts, dataclasses) and strings are per-sample in lists and tuples, other
+    plain values in lists only (a tuple of numbers is a structure such as ``(loss, acc)``), and tensors when they are
+    ragged (not all of the replica's size along ``dim``, and none 0-dim).
+    """
     if any(len(o) != n for o, n in zip(outputs, sample_counts, strict=True)):
         return False
-    if len(set(sample_counts)) > 1:  # lengths follow uneven shard sizes: per-sample for sure
+    if len(set(sample_counts)) > 1:
         return True
-    return not all(
-        isinstance(item, (Tensor, np.ndarray)) and _per_sample_arrays([item], [n], dim)
-        for o, n in zip(outputs, sample_counts, strict=True)
-        for item in o
-    )
+    items = [item for o in outputs for item in o]
+    if all(isinstance(x, Mapping) for x in items) or all(dataclasses.is_dataclass(x) for x in items):
+        return True
+    if all(isinstance(x, str) for x in items):
+        return True
+    if isinstance(outputs[0], list) and all(isinstance(x, _PLAIN) for x in items):
+        return True
+    if all(isinstance(x, (Tensor, np.ndarray)) for x in items):
+        n = sample_counts[0]
+        return all(x.ndim > 0 for x in items) and not all(x.ndim > dim and x.shape[dim] == n for x in items)
+    return False
+
+
+_PLAIN = (str, bytes, int, float, bool, type(None), np.number)
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -42,7 +42,8 @@ def test_record_lists_split_by_items_and_gather_back():
     back = gather(chunks, "cpu")
     assert torch.equal(back["images"], images) and back["names"] == batch["names"]
     assert all(torch.equal(b["boxes"], t["boxes"]) for b, t in zip(back["targets"], targets, strict=True))
-    assert batch_size_of(targets) == 5  # records alone: their length
+    with pytest.raises(BatchSplitError, match="has size"):  # records alone (e.g. several loaders' batches): strict
+        batch_size_of(targets)
 
 
 def test_record_lists_that_do_not_line_up_keep_the_clear_error():
@@ -76,13 +77,46 @@ def test_model_taking_record_targets_equals_one_device(n: int):
     ref = reference(images, targets)
     ref["loss"].backward()
     model = BoxRegressor()
-    outputs = DataParallelModel(model, CPU2)(images, targets)
+    parallel = DataParallelModel(model, CPU2)
+    outputs = parallel(images, targets)
     loss = DataParallelCriterion(lambda out: out["loss"], CPU2, weight_fn=lambda out, t: len(out["boxes"]))(outputs)
     loss.backward()
     torch.testing.assert_close(loss, ref["loss"], rtol=0, atol=1e-12)
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-12)
-    gathered = DataParallelModel(model, CPU2).gather(outputs)
+    gathered = parallel.gather(outputs)  # with the call's split sizes: one record per sample, even 1 per replica
     assert len(gathered["detections"]) == n  # per-sample records concatenated, not merged item by item
     for got, want in zip(gathered["detections"], ref["detections"], strict=True):
         torch.testing.assert_close(got["box"], want["box"], rtol=0, atol=1e-12)
+
+
+def test_records_win_when_every_image_has_as_many_boxes_as_the_batch():
+    """Two images with exactly two boxes each: every tensor agrees on 2, yet the targets are per image."""
+    images = torch.randn(2, 3, 8, 8)
+    targets = [{"boxes": torch.full((2, 4), float(i))} for i in range(2)]
+    chunks, sizes = scatter((images, targets), CPU2)
+    assert sizes == [1, 1]
+    for i, (chunk_images, chunk_targets) in enumerate(chunks):
+        assert chunk_images.shape == (1, 3, 8, 8) and len(chunk_targets) == 1
+        assert torch.equal(chunk_targets[0]["boxes"], targets[i]["boxes"])  # whole, not a slice of each
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_torchvision_style_lists_of_images_split_by_image(n: int):
+    """Images as a list of (3, H_i, W_i) tensors: with 3 images, the channel size must not be read as the batch."""
+    images = [torch.randn(3, 8 + i, 8) for i in range(n)]
+    targets = [{"boxes": torch.rand(i + 1, 4)} for i in range(n)]
+    chunks, sizes = scatter((images, targets), CPU2)
+    assert sizes == ([1, 1] if n == 2 else [2, 1])
+    flat_images = [img for chunk in chunks for img in chunk[0]]
+    assert [img.shape for img in flat_images] == [img.shape for img in images]
+    assert sum(len(chunk[1]) for chunk in chunks) == n
+
+
+def test_several_loaders_batches_are_not_taken_for_records():
+    """Lightning passes ``[batch_a, batch_b]`` for two training loaders: not per-sample records, so sizes must agree."""
+    batches = [{"x": torch.zeros(8, 3)}, {"x": torch.zeros(4, 3)}]
+    with pytest.raises(BatchSplitError, match=r"batch\[0\]\['x'\] has size 8 but batch\[1\]\['x'\] has size 4"):
+        scatter(batches, CPU2)
+    chunks, _ = scatter([{"x": torch.arange(4)}, {"x": torch.arange(4)}], CPU2)  # equal sizes: each split by rows
+    assert [c[0]["x"].tolist() for c in chunks] == [[0, 1], [2, 3]]

@@ -144,7 +144,9 @@ def test_tuples_of_per_sample_items_split_with_the_batch():
     shape = Pair(32, 32)  # a namedtuple is a structure even when its length equals the batch size
     chunks, _ = scatter((torch.zeros(2, 3), shape, (7, 7)), ["cpu"] * 2)
     assert all(c[1] == shape and type(c[1]) is Pair for c in chunks)
-    assert [c[2] for c in chunks] == [(7,), (7,)]  # a plain tuple of length batch size counts as per-sample
+    assert [c[2] for c in chunks] == [(7, 7), (7, 7)]  # numbers in a tuple are an option (a size), not per-sample
+    chunks, _ = scatter((torch.zeros(2, 3), torch.Size([4, 4])), ["cpu"] * 2)
+    assert all(c[1] == torch.Size([4, 4]) for c in chunks)
 
 
 def test_scatter_along_another_dim():

@@ -158,7 +158,8 @@ class BatchStatistics(Classifier):
         confusion = torch.zeros(3, 3, dtype=torch.long).index_put_(
             (y, logits.argmax(-1)), torch.tensor(1), accumulate=True
         )
-        return {"confusion": confusion, "by_class": logits.T}  # (C, C) and (C, B)
+        selected = logits[logits[:, 0] > 0]  # (k, C): k varies on dim 0, but the batch dimension here is dim 1
+        return {"confusion": confusion, "by_class": logits.T, "selected": selected}
 
     def on_validation_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         self.outputs.append(outputs)
@@ -175,16 +176,37 @@ def _batch_on_dim_1(batch_size: int) -> torch.utils.data.DataLoader:
     )
 
 
-def test_outputs_without_a_sample_dimension_are_not_concatenated_and_dim_is_honoured():
+def test_outputs_are_concatenated_along_dim_and_unmergeable_ones_come_back_per_replica():
     base = seeded(BatchStatistics)
     single, multi = clone(base), clone(base)
     trainer("auto", 1, limit_val_batches=1).validate(single, _batch_on_dim_1(10), verbose=False)
     strategy = lightning_mgpu.ParallelCriterionStrategy(dim=1)
     trainer(strategy, 2, limit_val_batches=1).validate(multi, _batch_on_dim_1(10), verbose=False)
-    confusion = multi.outputs[0]["confusion"]
-    assert isinstance(confusion, lightning_mgpu.strategies.step_outputs.ReplicaValues) and len(confusion) == 2
-    torch.testing.assert_close(torch.stack(list(confusion)).sum(0), single.outputs[0]["confusion"])
-    with pytest.raises(AttributeError, match=r"no per-sample dimension .* has no attribute 'shape'"):
-        _ = confusion.shape
-    assert multi.outputs[0]["by_class"].shape == (3, 10)
-    torch.testing.assert_close(multi.outputs[0]["by_class"], single.outputs[0]["by_class"], rtol=0, atol=1e-12)
+    got, ref = multi.outputs[0], single.outputs[0]
+    assert got["by_class"].shape == (3, 10)
+    torch.testing.assert_close(got["by_class"], ref["by_class"], rtol=0, atol=1e-12)
+    # A statistic without a sample dimension is stacked along dim, as nn.DataParallel gathers: sum the blocks.
+    assert got["confusion"].shape == (3, 6)
+    torch.testing.assert_close(got["confusion"][:, :3] + got["confusion"][:, 3:], ref["confusion"])
+    torch.testing.assert_close(torch.cat(list(got["selected"])), ref["selected"])  # not mergeable on dim 1
+    assert isinstance(got["selected"], lightning_mgpu.strategies.step_outputs.ReplicaValues)
+    with pytest.raises(AttributeError, match=r"differs between the 2 replicas .* has no attribute 'shape'"):
+        _ = got["selected"].shape
+
+
+def test_fixed_structures_and_per_sample_sequences_are_told_apart_with_even_shards():
+    """Two samples per replica: a 2-tuple (preds, loss) is a structure, a 2-list of scores or records is per-sample."""
+    from lightning_mgpu.strategies.step_outputs import gather_step_outputs
+
+    cpu, counts = torch.device("cpu"), [2, 2]
+    preds = [torch.arange(6.0).view(2, 3), torch.arange(6.0, 12.0).view(2, 3)]
+    losses = [torch.tensor(1.0), torch.tensor(3.0)]
+    merged = gather_step_outputs([(preds[0], losses[0]), (preds[1], losses[1])], counts, cpu)
+    assert isinstance(merged, tuple) and len(merged) == 2
+    assert torch.equal(merged[0], torch.cat(preds)) and float(merged[1]) == 2.0
+    assert gather_step_outputs([(1.0, 0.5), (3.0, 1.0)], counts, cpu) == (2.0, 0.75)  # (loss, acc): averaged
+    assert gather_step_outputs([[0.1, 0.2], [0.3, 0.4]], counts, cpu) == [0.1, 0.2, 0.3, 0.4]  # per-sample scores
+    records = gather_step_outputs([[{"id": 0}, {"id": 1}], [{"id": 2}, {"id": 3}]], counts, cpu)
+    assert [r["id"] for r in records] == [0, 1, 2, 3]
+    tokens = [torch.tensor([5, 6, 7]), torch.tensor([8])]  # preds[mask]: per token, not per sample
+    assert gather_step_outputs(tokens, counts, cpu).tolist() == [5, 6, 7, 8]
