@@ -83,13 +83,29 @@ class MeanReduced(Classifier):
         self.log("mean_of_maxima", self.mean_state)
 
 
+class Retrieval(Classifier):
+    """RetrievalMRR keeps list states with no reduction (each rank's list is kept, DDP concatenates them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mrr = torchmetrics.retrieval.RetrievalMRR()
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.mrr.update(self(x)[:, 0], y == 0, indexes=(x[:, 1] > 0).long())  # query id from the sample itself
+        self.log("val_mrr", self.mrr)
+
+
 @pytest.mark.parametrize("devices", [2, 3])
-def test_metric_with_unreduced_states_equals_one_device(devices: int):
-    base = seeded(Correlation)
+@pytest.mark.parametrize("module_cls", [Correlation, Retrieval])
+def test_metric_with_unreduced_states_equals_one_device(devices: int, module_cls: type):
+    base = seeded(module_cls)
     single, multi = trainer("auto", 1, limit_val_batches=4), trainer("parallel_criterion", devices, limit_val_batches=4)
     single.validate(clone(base), loader(10), verbose=False)
     multi.validate(clone(base), loader(10), verbose=False)
-    assert metrics(multi)["val_pearson"] == pytest.approx(metrics(single)["val_pearson"], abs=1e-10)
+    name = "val_pearson" if module_cls is Correlation else "val_mrr"
+    assert metrics(multi)[name] == pytest.approx(metrics(single)[name], abs=1e-10)
+    assert 0 < abs(metrics(single)[name]) < 1
     assert not multi.strategy._metric_replicas._clones  # released at teardown (they live on the other devices)
 
 
