@@ -8,6 +8,7 @@ The pure-PyTorch :class:`DataParallelModel` / :class:`DataParallelCriterion` are
 from lightning_mgpu.parallel import (
     DataParallelCriterion,
     DataParallelModel,
+    PerSample,
     gather,
     parallel_apply,
     reduce_losses,
@@ -33,6 +34,7 @@ __all__ = [
     "DataParallelModel",
     "DataParallelStrategy",
     "ParallelCriterionStrategy",
+    "PerSample",
     "__version__",
     "gather",
     "parallel_apply",

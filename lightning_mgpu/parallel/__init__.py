@@ -12,6 +12,7 @@ from lightning_mgpu.parallel.replicate import replicate
 from lightning_mgpu.parallel.scatter_gather import (
     BatchSplitError,
     NothingToSplitError,
+    PerSample,
     batch_size_of,
     gather,
     move_to,
@@ -25,6 +26,7 @@ __all__ = [
     "DataParallelCriterion",
     "DataParallelModel",
     "NothingToSplitError",
+    "PerSample",
     "ReplicaError",
     "ThreadState",
     "batch_size_of",

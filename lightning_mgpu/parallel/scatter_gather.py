@@ -6,10 +6,10 @@ balanced than ``torch.chunk``'s 3, 3, 3, 1). A list of non-tensor items whose le
 ids) is split the same way; any other non-tensor, and 0-dim tensors, go whole to every replica. A batch smaller than
 the number of devices uses fewer replicas.
 
-Per-sample records: when the tensors disagree on the batch size because some live in a list of per-sample dicts or
-dataclasses (detection targets: ``[{"boxes": (n_i, 4), "labels": (n_i,)}, ...]``), such a list is split by its items
-instead, provided its length is the batch size the other tensors give (or, without other tensors, the same for every
-such list).
+Lists of per-sample items that hold tensors (detection targets ``[{"boxes": (n_i, 4)}, ...]``, images of different
+sizes) cannot be told from fixed structures by their shape alone: a list of 2 dicts of batched tensors, or every
+image having exactly B boxes, read either way. Mark them: :class:`PerSample` ``(items)`` is split by item. Unmarked,
+such a list is read as a structure, and when that makes the batch sizes disagree the error says to mark it.
 """
 
 from __future__ import annotations
@@ -32,6 +32,16 @@ class BatchSplitError(ValueError):
 
 class NothingToSplitError(BatchSplitError):
     """The inputs hold no tensor with a batch dimension (callers may then run once, unsplit)."""
+
+
+class PerSample(list):
+    """A list with one item per sample, split by item across devices (and concatenated back when gathered).
+
+    Use it in a ``collate_fn`` (or a model's output) for per-sample items that hold tensors of per-sample sizes, which
+    the batch dimension of a tensor cannot carry: ``(images, PerSample(targets))`` with ``targets[i] = {"boxes":
+    (n_i, 4), "labels": (n_i,)}``, or ``PerSample(images)`` for images of different sizes. Its length is the batch
+    size; every other tensor with a batch dimension must agree with it.
+    """
 
 
 def is_namedtuple(obj: Any) -> bool:
@@ -83,111 +93,102 @@ def iter_tensors(obj: Any, path: str = "batch") -> Iterator[tuple[str, Tensor]]:
 
 
 def batch_size_of(obj: Any, dim: int = 0, path: str = "batch") -> int:
-    """The size along ``dim`` shared by every tensor that has that dim (0-dim tensors are ignored).
+    """The size along ``dim`` shared by every tensor that has that dim (0-dim tensors are ignored), or the length of
+    the batch's :class:`PerSample` lists.
 
-    Tensors inside per-sample records (see the module doc) count by their list's length when they would otherwise
-    disagree. Raises :class:`BatchSplitError` naming both key paths when two tensors disagree, and when there is no
-    tensor.
+    Raises :class:`BatchSplitError` naming both key paths when two disagree, and when there is no tensor.
     """
-    return _infer_batch_size(obj, dim, path, type(obj).__name__)[0]
+    return _infer_batch_size(obj, dim, path, type(obj).__name__)
 
 
-def _infer_batch_size(obj: Any, dim: int, path: str, what: str) -> tuple[int, bool]:
-    """``(batch size, records)``: ``records`` is True when per-sample sequences are split by their items."""
+def _infer_batch_size(obj: Any, dim: int, path: str, what: str) -> int:
     return _infer_from_roots([(path, obj)], dim, what)
 
 
-def _infer_from_roots(roots: Iterable[tuple[str, Any]], dim: int, what: str) -> tuple[int, bool]:
-    records: list[Any] = []
-    tensor_lists: list[tuple[str, Any]] = []
-    outside: list[tuple[str, Tensor]] = []
+def _infer_from_roots(roots: Sequence[tuple[str, Any]], dim: int, what: str) -> int:
+    """The batch size: the length of the :class:`PerSample` lists, else the size shared by every tensor along dim."""
+    marked: list[tuple[str, PerSample]] = []
+    tensors: list[tuple[str, Tensor]] = []
     for path, obj in roots:
-        _partition(obj, path, records, tensor_lists, outside)
-    if records:
-        size = _records_batch_size(records, tensor_lists, outside, dim)
-        if size is not None:
-            return size, True
-    if not tensor_lists and not records:  # the common case: ``outside`` holds every tensor, in order
-        return _common_size(outside, dim, what), False
-    every = (item for path, obj in roots for item in iter_tensors(obj, path))
-    return _common_size(every, dim, what), False
+        _collect(obj, path, marked, tensors)
+    if marked:
+        first_path, first = marked[0]
+        for path, seq in marked[1:]:
+            if len(seq) != len(first):
+                raise BatchSplitError(
+                    f"Cannot split the batch: {first_path} is a PerSample of {len(first)} items but {path} has "
+                    f"{len(seq)}. Every PerSample list holds one item per sample of the batch."
+                )
+        for path, tensor in tensors:
+            if tensor.dim() > dim and tensor.shape[dim] != len(first):
+                raise BatchSplitError(
+                    f"Cannot split the batch along dim {dim}: {first_path} is a PerSample of {len(first)} items but "
+                    f"{path} has size {tensor.shape[dim]}. Every tensor that has a batch dimension must agree with it."
+                )
+        if not first:
+            raise BatchSplitError(f"Cannot split an empty batch: {first_path} is an empty PerSample.")
+        return len(first)
+    try:
+        return _common_size(tensors, dim, what)
+    except NothingToSplitError:
+        raise
+    except BatchSplitError as err:
+        hint = _per_sample_hint(roots)
+        if hint is None:
+            raise
+        raise BatchSplitError(f"{err} {hint}") from None
 
 
-def _is_record_sequence(obj: Any) -> bool:
-    """A list (or plain tuple) of dicts or of dataclass instances holding tensors: one record per sample, maybe."""
-    if not isinstance(obj, (list, tuple)) or is_namedtuple(obj) or not obj:
-        return False
-    records = all(isinstance(x, Mapping) for x in obj) or all(_is_dataclass_instance(x) for x in obj)
-    return records and _contains_tensor(obj)
-
-
-def _is_tensor_list(obj: Any) -> bool:
-    return isinstance(obj, (list, tuple)) and not is_namedtuple(obj) and bool(obj) and all(
-        isinstance(x, Tensor) for x in obj
-    )
-
-
-def _is_per_sample_sequence(obj: Any, batch_size: int | None) -> bool:
-    """In records mode: a record list, or a list of tensors (e.g. images of different sizes), of one item per sample."""
-    return (
-        batch_size is not None
-        and isinstance(obj, (list, tuple))
-        and len(obj) == batch_size
-        and (_is_record_sequence(obj) or _is_tensor_list(obj))
-    )
-
-
-def _records_batch_size(
-    records: list[Any], tensor_lists: list[tuple[str, Any]], outside: list[tuple[str, Tensor]], dim: int
-) -> int | None:
-    """The batch size read from per-sample record lists, or None when that reading does not fit the batch.
-
-    It fits when every record list has the same length B >= 2, the lists of tensors of length B are per-sample items
-    too, and every other tensor has size B along ``dim``. It is preferred to the strict reading when both fit (every
-    image having exactly B boxes must not turn each record's tensors into batch slices). It needs something besides
-    the records (a tensor, or a list of per-sample tensors): a batch made of record lists only, such as Lightning's
-    list of several dataloaders' batches, keeps the strict reading.
-    """
-    lengths = {len(seq) for seq in records}
-    if len(lengths) != 1:
-        return None
-    size = lengths.pop()
-    if size < 2:  # a list of one dict is as likely a structure as one sample's record: keep the strict reading
-        return None
-    per_sample_lists = [seq for _, seq in tensor_lists if len(seq) == size]
-    others = [t for _, t in outside] + [t for _, seq in tensor_lists if len(seq) != size for t in seq]
-    batched = [t for t in others if t.dim() > dim]
-    if not batched and not per_sample_lists:
-        return None
-    return size if all(t.shape[dim] == size for t in batched) else None
-
-
-def _partition(
-    obj: Any,
-    path: str,
-    records: list[Any],
-    tensor_lists: list[tuple[str, Any]],
-    outside: list[tuple[str, Tensor]],
-) -> None:
-    """Sort a batch's tensors into record lists, lists of tensors and the other tensors (with their key paths)."""
-    if _is_record_sequence(obj):
-        records.append(obj)
-    elif _is_tensor_list(obj):
-        tensor_lists.append((path, obj))
+def _collect(obj: Any, path: str, marked: list[tuple[str, PerSample]], tensors: list[tuple[str, Tensor]]) -> None:
+    """Sort a batch's :class:`PerSample` lists (not entered) and its other tensors, with their key paths."""
+    if isinstance(obj, PerSample):
+        marked.append((path, obj))
     elif isinstance(obj, Tensor):
-        outside.append((path, obj))
+        tensors.append((path, obj))
     elif isinstance(obj, Mapping):
         for key, value in obj.items():
-            _partition(value, f"{path}[{key!r}]", records, tensor_lists, outside)
+            _collect(value, f"{path}[{key!r}]", marked, tensors)
     elif is_namedtuple(obj):
         for field in obj._fields:
-            _partition(getattr(obj, field), f"{path}.{field}", records, tensor_lists, outside)
+            _collect(getattr(obj, field), f"{path}.{field}", marked, tensors)
     elif isinstance(obj, (list, tuple)):
         for i, value in enumerate(obj):
-            _partition(value, f"{path}[{i}]", records, tensor_lists, outside)
+            _collect(value, f"{path}[{i}]", marked, tensors)
     elif _is_dataclass_instance(obj):
         for field in dataclasses.fields(obj):
-            _partition(getattr(obj, field.name), f"{path}.{field.name}", records, tensor_lists, outside)
+            _collect(getattr(obj, field.name), f"{path}.{field.name}", marked, tensors)
+
+
+def _per_sample_hint(roots: Sequence[tuple[str, Any]]) -> str | None:
+    """Advice naming the first list of dicts, dataclasses or tensors, which may be per-sample items to mark."""
+    for path, obj in roots:
+        found = _first_item_list(obj, path)
+        if found is not None:
+            where, seq = found
+            kind = "dicts" if isinstance(seq[0], Mapping) else type(seq[0]).__name__ + "s"
+            return (
+                f"{where} is a list of {len(seq)} {kind}: if it holds one item per sample (e.g. detection targets, "
+                "images of different sizes), wrap it in lightning_mgpu.PerSample(...) in your collate_fn so that it "
+                "is split by item."
+            )
+    return None
+
+
+def _first_item_list(obj: Any, path: str) -> tuple[str, Sequence[Any]] | None:
+    if isinstance(obj, (list, tuple)) and not is_namedtuple(obj) and obj:
+        kinds = (Mapping, Tensor)
+        if any(all(isinstance(x, k) for x in obj) for k in kinds) or all(_is_dataclass_instance(x) for x in obj):
+            return path, obj
+        children: Iterable[tuple[str, Any]] = ((f"{path}[{i}]", v) for i, v in enumerate(obj))
+    elif isinstance(obj, Mapping):
+        children = ((f"{path}[{k!r}]", v) for k, v in obj.items())
+    else:
+        return None
+    for child_path, child in children:
+        found = _first_item_list(child, child_path)
+        if found is not None:
+            return found
+    return None
 
 
 def _common_size(tensors: Iterable[tuple[str, Tensor]], dim: int, what: str) -> int:
@@ -215,13 +216,13 @@ def args_batch_size(
     args: Sequence[Any], kwargs: Mapping[str, Any], dim: int = 0, names: tuple[str, str] = ("args", "kwargs")
 ) -> int:
     """:func:`batch_size_of` for call arguments; error messages name e.g. ``args[0]['mask']``."""
-    return _infer_args_batch_size(args, kwargs, dim, names)[0]
+    return _infer_args_batch_size(args, kwargs, dim, names)
 
 
 def _infer_args_batch_size(
     args: Sequence[Any], kwargs: Mapping[str, Any], dim: int, names: tuple[str, str] = ("args", "kwargs")
-) -> tuple[int, bool]:
-    """:func:`_infer_batch_size` for call arguments: each argument is a root (the argument tuple is no record list)."""
+) -> int:
+    """:func:`_infer_batch_size` for call arguments, whose error messages name e.g. ``args[0]['mask']``."""
     roots = [
         *((f"{names[0]}[{i}]", a) for i, a in enumerate(args)),
         *((f"{names[1]}[{k!r}]", v) for k, v in kwargs.items()),
@@ -268,20 +269,17 @@ def rebuild(template: Any, values: Sequence[Any] | Mapping[str, Any]) -> Any:
     raise TypeError(f"Cannot rebuild a {type(template).__name__}.")
 
 
-def _map_structure(obj: Any, leaf_fn: Callable[[Any], Any], batch_size: int | None, records: bool = False) -> Any:
-    """Apply ``leaf_fn`` to tensors and per-sample lists (and, with ``records``, per-sample record lists); rebuild
-    containers around the results."""
-    if isinstance(obj, Tensor) or _is_per_sample_list(obj, batch_size):
-        return leaf_fn(obj)
-    if records and _is_per_sample_sequence(obj, batch_size):
+def _map_structure(obj: Any, leaf_fn: Callable[[Any], Any], batch_size: int | None) -> Any:
+    """Apply ``leaf_fn`` to tensors, :class:`PerSample` lists and per-sample lists; rebuild containers around them."""
+    if isinstance(obj, (Tensor, PerSample)) or _is_per_sample_list(obj, batch_size):
         return leaf_fn(obj)
     if isinstance(obj, Mapping):
-        return rebuild(obj, {k: _map_structure(v, leaf_fn, batch_size, records) for k, v in obj.items()})
+        return rebuild(obj, {k: _map_structure(v, leaf_fn, batch_size) for k, v in obj.items()})
     if isinstance(obj, (list, tuple)):
-        return rebuild(obj, [_map_structure(v, leaf_fn, batch_size, records) for v in obj])
+        return rebuild(obj, [_map_structure(v, leaf_fn, batch_size) for v in obj])
     if _is_dataclass_instance(obj):
         return rebuild(
-            obj, [_map_structure(getattr(obj, f.name), leaf_fn, batch_size, records) for f in dataclasses.fields(obj)]
+            obj, [_map_structure(getattr(obj, f.name), leaf_fn, batch_size) for f in dataclasses.fields(obj)]
         )
     return leaf_fn(obj)
 
@@ -301,13 +299,13 @@ def scatter(
     to the batch size), e.g. to split targets exactly as the model's outputs were split.
     """
     devices = [to_device(d) for d in devices]
-    inferred, records = _infer_batch_size(obj, dim, "batch", type(obj).__name__)
+    inferred = _infer_batch_size(obj, dim, "batch", type(obj).__name__)
     if batch_size is None:
         batch_size = inferred
     elif batch_size != inferred:
         raise BatchSplitError(f"batch_size={batch_size} was given but the batch's tensors have size {inferred}.")
     sizes = _chunk_sizes(batch_size, len(devices), sizes)
-    return _scatter_sizes(obj, devices, dim, batch_size, sizes, records), sizes
+    return _scatter_sizes(obj, devices, dim, batch_size, sizes), sizes
 
 
 def _chunk_sizes(batch_size: int, num_devices: int, sizes: Sequence[int] | None) -> list[int]:
@@ -324,7 +322,7 @@ def _chunk_sizes(batch_size: int, num_devices: int, sizes: Sequence[int] | None)
 
 
 def _scatter_sizes(
-    obj: Any, devices: Sequence[torch.device], dim: int, batch_size: int, sizes: list[int], records: bool
+    obj: Any, devices: Sequence[torch.device], dim: int, batch_size: int, sizes: list[int]
 ) -> list[Any]:
     bounds = list(itertools.accumulate(sizes[:-1]))
     cache: dict[int, list[Any]] = {}
@@ -346,12 +344,12 @@ def _scatter_sizes(
         edges = [0, *bounds, batch_size]
         if _is_per_sample_list(leaf, batch_size):
             return [leaf[edges[i] : edges[i + 1]] for i in range(len(sizes))]
-        if records and _is_per_sample_sequence(leaf, batch_size):
-            return [move_to(leaf[edges[i] : edges[i + 1]], devices[i]) for i in range(len(sizes))]
+        if isinstance(leaf, PerSample):
+            return [PerSample(move_to(leaf[edges[i] : edges[i + 1]], devices[i])) for i in range(len(sizes))]
         return [leaf] * len(sizes)
 
     return [
-        _map_structure(obj, lambda leaf, i=i: split_leaf(leaf)[i], batch_size, records) for i in range(len(sizes))
+        _map_structure(obj, lambda leaf, i=i: split_leaf(leaf)[i], batch_size) for i in range(len(sizes))
     ]
 
 
@@ -372,13 +370,13 @@ def scatter_args(
     :func:`scatter`.
     """
     targets = [to_device(d) for d in devices]
-    inferred, records = _infer_args_batch_size(args, kwargs, dim, names)
+    inferred = _infer_args_batch_size(args, kwargs, dim, names)
     if batch_size is not None and batch_size != inferred:
         raise BatchSplitError(f"batch_size={batch_size} was given but the arguments' tensors have size {inferred}.")
     sizes = _chunk_sizes(inferred, len(targets), sizes)
     # Each argument is scattered as its own root, so the argument tuple itself is never taken for a record list.
-    arg_chunks = [_scatter_sizes(a, targets, dim, inferred, sizes, records) for a in args]
-    kwarg_chunks = {k: _scatter_sizes(v, targets, dim, inferred, sizes, records) for k, v in kwargs.items()}
+    arg_chunks = [_scatter_sizes(a, targets, dim, inferred, sizes) for a in args]
+    kwarg_chunks = {k: _scatter_sizes(v, targets, dim, inferred, sizes) for k, v in kwargs.items()}
     return (
         [tuple(chunks[i] for chunks in arg_chunks) for i in range(len(sizes))],
         [{k: chunks[i] for k, chunks in kwarg_chunks.items()} for i in range(len(sizes))],
@@ -395,14 +393,12 @@ def move_to(obj: Any, device: DeviceLike) -> Any:
 def gather(outputs: Sequence[Any], device: DeviceLike, dim: int = 0, *, sizes: Sequence[int] | None = None) -> Any:
     """Concatenate per-replica outputs on ``device`` along ``dim`` (differentiable), preserving the structure.
 
-    The inverse of :func:`scatter`: tensors are concatenated; a list of plain items (or a tuple of strings, e.g. ids)
-    is concatenated when it holds one item per sample of its replica (the replica's batch size is read from its
-    tensors; without any tensor, such lists are always concatenated, tuples never); a list of per-sample records
-    (dicts or dataclasses, e.g. detections) is concatenated when it holds one record per sample; other non-tensor
-    values, including lists that were passed whole, are kept when equal across replicas, else returned as a list with
-    one value per replica. 0-dim tensors (e.g. a per-replica loss) are stacked, one value per replica, as
-    ``nn.DataParallel`` does. ``sizes``: the samples each replica received (as :func:`scatter` returned them), which
-    settles what is per-sample better than reading it back from the outputs.
+    The inverse of :func:`scatter`: tensors are concatenated; :class:`PerSample` lists are concatenated; a list of
+    plain items (or a tuple of strings, e.g. ids) is concatenated when it holds one item per sample of its replica
+    (the replica's batch size is read from its tensors, or given as ``sizes``; without either, such lists are always
+    concatenated, tuples never); other lists, tuples and dicts are gathered field by field, as ``nn.DataParallel``
+    does; other non-tensor values are kept when equal across replicas, else returned as a list with one value per
+    replica. 0-dim tensors (e.g. a per-replica loss) are stacked, one value per replica, as ``nn.DataParallel`` does.
     """
     if not outputs:
         raise ValueError("gather() needs at least one output.")
@@ -410,31 +406,23 @@ def gather(outputs: Sequence[Any], device: DeviceLike, dim: int = 0, *, sizes: S
     if sizes is not None:
         if len(sizes) != len(outputs):
             raise ValueError(f"gather() got {len(outputs)} outputs but {len(sizes)} sizes.")
-        return _gather(list(outputs), target, dim, [int(n) for n in sizes], "output", True)
+        return _gather(list(outputs), target, dim, [int(n) for n in sizes], "output")
     inferred: list[int] | None = []
-    records = False
     for output in outputs:
         try:
-            size, output_records = _infer_batch_size(output, dim, "output", type(output).__name__)
+            inferred.append(_infer_batch_size(output, dim, "output", type(output).__name__))
         except BatchSplitError:
             inferred = None
             break
-        inferred.append(size)
-        records = records or output_records
-    return _gather(list(outputs), target, dim, inferred, "output", records)
+    return _gather(list(outputs), target, dim, inferred, "output")
 
 
-def _gather(
-    outputs: list[Any], target: torch.device, dim: int, sizes: list[int] | None, path: str, records: bool = False
-) -> Any:
+def _gather(outputs: list[Any], target: torch.device, dim: int, sizes: list[int] | None, path: str) -> Any:
     first = outputs[0]
-    if (
-        records
-        and sizes is not None
-        and _is_record_sequence(first)
-        and all(_is_record_sequence(o) and len(o) == n for o, n in zip(outputs, sizes, strict=True))
-    ):
-        return rebuild(first, [move_to(item, target) for o in outputs for item in o])  # per-sample records
+    if isinstance(first, PerSample):
+        if not all(isinstance(o, PerSample) for o in outputs):
+            raise _mismatch(outputs, path, "a PerSample list")
+        return PerSample(move_to(item, target) for o in outputs for item in o)
     if isinstance(first, Tensor):
         if not all(isinstance(o, Tensor) for o in outputs):
             raise _mismatch(outputs, path, "a tensor")
@@ -447,9 +435,8 @@ def _gather(
     if isinstance(first, Mapping):
         if not all(isinstance(o, Mapping) and o.keys() == first.keys() for o in outputs):
             raise _mismatch(outputs, path, f"a mapping with keys {list(first.keys())}")
-        return rebuild(
-            first, {k: _gather([o[k] for o in outputs], target, dim, sizes, f"{path}[{k!r}]", records) for k in first}
-        )
+        merged = {k: _gather([o[k] for o in outputs], target, dim, sizes, f"{path}[{k!r}]") for k in first}
+        return rebuild(first, merged)
     if isinstance(first, list) and not _contains_tensor(first):
         if not all(isinstance(o, list) for o in outputs):
             raise _mismatch(outputs, path, "a list")
@@ -461,15 +448,13 @@ def _gather(
     if isinstance(first, (list, tuple)):
         if not all(type(o) is type(first) and len(o) == len(first) for o in outputs):
             raise _mismatch(outputs, path, f"a {type(first).__name__} of length {len(first)}")
-        items = [
-            _gather([o[i] for o in outputs], target, dim, sizes, f"{path}[{i}]", records) for i in range(len(first))
-        ]
+        items = [_gather([o[i] for o in outputs], target, dim, sizes, f"{path}[{i}]") for i in range(len(first))]
         return rebuild(first, items)
     if _is_dataclass_instance(first):
         if not all(type(o) is type(first) for o in outputs):
             raise _mismatch(outputs, path, f"a {type(first).__name__}")
         names = [f.name for f in dataclasses.fields(first)]
-        fields = [_gather([getattr(o, n) for o in outputs], target, dim, sizes, f"{path}.{n}", records) for n in names]
+        fields = [_gather([getattr(o, n) for o in outputs], target, dim, sizes, f"{path}.{n}") for n in names]
         return rebuild(first, fields)
     return _gather_value(outputs)
 
@@ -487,5 +472,6 @@ def _mismatch(outputs: list[Any], path: str, expected: str) -> ValueError:
     kinds = [type(o).__name__ for o in outputs]
     return ValueError(
         f"Cannot gather {path}: replica 0 returned {expected} but the replicas returned {kinds} with different "
-        "structures. Every replica must return the same structure."
+        "structures. Every replica must return the same structure; a list with one item per sample (e.g. "
+        "detections) must be returned as lightning_mgpu.PerSample(items), which is concatenated."
     )

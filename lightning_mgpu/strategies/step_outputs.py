@@ -15,7 +15,8 @@ batch order, as one device would have returned them for the whole batch:
   flattened per-element ones (``preds[mask]``) come back whole; a statistic without a sample dimension (a ``(C, C)``
   confusion matrix) comes back stacked along ``dim``, to be summed; arrays whose other dimensions differ come back
   as ``ReplicaValues``;
-* lists and tuples with one item per sample (ids, per-sample records, variable-size tensors) are concatenated;
+* lists and tuples with one item per sample (ids, per-sample records, variable-size tensors; :class:`PerSample` lists
+  always) are concatenated;
 * scalars (0-dim tensors, numbers) are averaged weighted by sample count: exact for a per-sample mean, not for a sum
   or a count (return per-sample values, or log sums with ``reduce_fx="sum"``);
 * mappings, dataclasses and fixed structures (``(preds, target)``) are gathered field by field;
@@ -34,7 +35,7 @@ import torch
 from torch import Tensor
 
 from lightning_mgpu.parallel.reduce import LossReduction, reduce_losses
-from lightning_mgpu.parallel.scatter_gather import is_namedtuple, rebuild
+from lightning_mgpu.parallel.scatter_gather import PerSample, is_namedtuple, iter_tensors, move_to, rebuild
 
 LOSS_WEIGHT_KEY = "loss_weight"
 LOSS_TERMS_KEY = "loss_terms"
@@ -153,7 +154,7 @@ def gather_step_outputs(outputs: Sequence[Any], sample_counts: Sequence[int], ro
         return rebuild(first, gathered)
     if isinstance(first, (list, tuple)):
         if not is_namedtuple(first) and _per_sample_items(outputs, sample_counts, dim):
-            return type(first)(x for o in outputs for x in o)
+            return type(first)(move_to(x, root) for o in outputs for x in o)
         if all(type(o) is type(first) and len(o) == len(first) for o in outputs):
             items = [gather_step_outputs([o[i] for o in outputs], sample_counts, root, dim) for i in range(len(first))]
             return rebuild(first, items)
@@ -183,26 +184,34 @@ def _concatenable(outputs: Sequence[Any], dim: int) -> bool:
 def _per_sample_items(outputs: Sequence[Sequence[Any]], sample_counts: Sequence[int], dim: int) -> bool:
     """A list or tuple with one item per sample on every replica, rather than a fixed structure such as ``(preds, y)``.
 
-    The lengths must equal the replicas' sample counts. When those differ between replicas, that settles it. When they
-    are equal, the items decide: records (dicts, dataclasses) and strings are per-sample in lists and tuples, other
-    plain values in lists only (a tuple of numbers is a structure such as ``(loss, acc)``), and tensors when they are
-    ragged (not all of the replica's size along ``dim``, and none 0-dim).
+    :class:`PerSample` lists are, always. Otherwise the lengths must equal the replicas' sample counts; when those
+    differ between replicas, that settles it. When they are equal, the items decide: strings, and in lists also
+    numbers and 0-dim tensors, are per-sample (a tuple of numbers is a structure such as ``(loss, acc)``); dicts and
+    dataclasses are per-sample records unless every tensor in them is batched (one dict per decoder layer, say);
+    tensors are per-sample when ragged (not all of the replica's size along ``dim``).
     """
+    if all(isinstance(o, PerSample) for o in outputs):
+        return True
     if any(len(o) != n for o, n in zip(outputs, sample_counts, strict=True)):
         return False
     if len(set(sample_counts)) > 1:
         return True
+    n = sample_counts[0]
     items = [item for o in outputs for item in o]
-    if all(isinstance(x, Mapping) for x in items) or all(dataclasses.is_dataclass(x) for x in items):
-        return True
     if all(isinstance(x, str) for x in items):
         return True
-    if isinstance(outputs[0], list) and all(isinstance(x, _PLAIN) for x in items):
+    if isinstance(outputs[0], list) and all(_is_scalar(x) for x in items):
         return True
+    if all(isinstance(x, Mapping) for x in items) or all(dataclasses.is_dataclass(x) for x in items):
+        tensors = [t for x in items for _, t in iter_tensors(x)]
+        return not tensors or not all(t.ndim > dim and t.shape[dim] == n for t in tensors)
     if all(isinstance(x, (Tensor, np.ndarray)) for x in items):
-        n = sample_counts[0]
         return all(x.ndim > 0 for x in items) and not all(x.ndim > dim and x.shape[dim] == n for x in items)
     return False
+
+
+def _is_scalar(value: Any) -> bool:
+    return isinstance(value, _PLAIN) or (isinstance(value, (Tensor, np.ndarray)) and value.ndim == 0)
 
 
 _PLAIN = (str, bytes, int, float, bool, type(None), np.number)

@@ -1,4 +1,4 @@
-"""Per-sample records (detection-style targets): lists of dicts whose tensors have per-sample sizes."""
+"""Per-sample items marked with PerSample (detection targets, images of different sizes): split and gathered by item."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from lightning_mgpu.parallel import (
     BatchSplitError,
     DataParallelCriterion,
     DataParallelModel,
+    PerSample,
     batch_size_of,
     gather,
     scatter,
@@ -18,40 +19,74 @@ from lightning_mgpu.parallel import (
 CPU2 = ["cpu"] * 2
 
 
-def detection_batch(n: int, seed: int = 0) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
+def detection_batch(n: int, seed: int = 0) -> tuple[torch.Tensor, PerSample]:
     """Images (n, 3, 8, 8) and one target dict per image with a varying number of boxes (1 to 4)."""
     g = torch.Generator().manual_seed(seed)
     images = torch.randn(n, 3, 8, 8, generator=g, dtype=torch.float64)
-    targets = []
+    targets = PerSample()
     for i in range(n):
         boxes = torch.rand(i % 4 + 1, 4, generator=g, dtype=torch.float64)
         targets.append({"boxes": boxes, "labels": torch.arange(len(boxes))})
     return images, targets
 
 
-def test_record_lists_split_by_items_and_gather_back():
+def test_per_sample_lists_split_by_item_and_gather_back():
     images, targets = detection_batch(5)
     batch = {"images": images, "targets": targets, "names": [f"img{i}" for i in range(5)]}
     assert batch_size_of(batch) == 5
     chunks, sizes = scatter(batch, CPU2)
     assert sizes == [3, 2]
     assert [len(c["targets"]) for c in chunks] == [3, 2] and chunks[1]["names"] == ["img3", "img4"]
+    assert all(isinstance(c["targets"], PerSample) for c in chunks)
     for chunk, start in zip(chunks, (0, 3), strict=True):
         for k, target in enumerate(chunk["targets"]):
             assert torch.equal(target["boxes"], targets[start + k]["boxes"])
     back = gather(chunks, "cpu")
     assert torch.equal(back["images"], images) and back["names"] == batch["names"]
     assert all(torch.equal(b["boxes"], t["boxes"]) for b, t in zip(back["targets"], targets, strict=True))
-    with pytest.raises(BatchSplitError, match="has size"):  # records alone (e.g. several loaders' batches): strict
-        batch_size_of(targets)
 
 
-def test_record_lists_that_do_not_line_up_keep_the_clear_error():
+def test_unmarked_per_sample_lists_fail_with_advice():
     images, targets = detection_batch(5)
-    with pytest.raises(BatchSplitError, match=r"batch\[0\] has size 5 but batch\[1\]\[0\]\['boxes'\] has size 1"):
-        scatter((images, targets[:4]), CPU2)
-    with pytest.raises(BatchSplitError, match="has size"):
-        batch_size_of([targets, targets[:3]])  # two record lists of different lengths and nothing else
+    with pytest.raises(BatchSplitError, match=r"batch\[1\] is a list of 5 dicts: .* lightning_mgpu\.PerSample"):
+        scatter((images, list(targets)), CPU2)
+
+
+def test_marked_lists_win_even_when_every_image_has_as_many_boxes_as_the_batch():
+    """Two images with two boxes each: read as tensors, every size agrees on 2; marked, targets stay whole."""
+    images = torch.randn(2, 3, 8, 8)
+    targets = PerSample({"boxes": torch.full((2, 4), float(i))} for i in range(2))
+    chunks, sizes = scatter((images, targets), CPU2)
+    assert sizes == [1, 1]
+    for i, (chunk_images, chunk_targets) in enumerate(chunks):
+        assert chunk_images.shape == (1, 3, 8, 8) and len(chunk_targets) == 1
+        assert torch.equal(chunk_targets[0]["boxes"], targets[i]["boxes"])
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_lists_of_images_of_different_sizes_split_by_image(n: int):
+    images = PerSample(torch.randn(3, 8 + i, 8) for i in range(n))
+    targets = PerSample({"boxes": torch.rand(3, 4)} for _ in range(n))  # 3 boxes, 3 channels: nothing to confuse
+    chunks, sizes = scatter((images, targets), CPU2)
+    assert sizes == {1: [1], 2: [1, 1], 3: [2, 1]}[n]
+    assert [img.shape for chunk in chunks for img in chunk[0]] == [img.shape for img in images]
+    assert sum(len(chunk[1]) for chunk in chunks) == n
+
+
+def test_marked_lists_must_agree_with_the_batch():
+    images, targets = detection_batch(5)
+    with pytest.raises(BatchSplitError, match=r"batch\[1\] is a PerSample of 4 items but batch\[0\] has size 5"):
+        scatter((images, PerSample(targets[:4])), CPU2)
+    with pytest.raises(BatchSplitError, match=r"PerSample of 5 items but batch\[1\] has 3"):
+        scatter((targets, PerSample(targets[:3])), CPU2)
+    with pytest.raises(BatchSplitError, match="empty PerSample"):
+        scatter(PerSample(), CPU2)
+
+
+def test_several_loaders_batches_are_read_as_a_structure():
+    """Lightning passes ``[batch_a, batch_b]`` for two training loaders: each is split by its rows."""
+    chunks, _ = scatter([{"x": torch.arange(4)}, {"x": torch.arange(4, 8)}], CPU2)
+    assert [[c[0]["x"].tolist(), c[1]["x"].tolist()] for c in chunks] == [[[0, 1], [4, 5]], [[2, 3], [6, 7]]]
 
 
 class BoxRegressor(nn.Module):
@@ -64,14 +99,14 @@ class BoxRegressor(nn.Module):
         self.head = nn.Linear(4, 4)
         self.double()
 
-    def forward(self, images: torch.Tensor, targets: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    def forward(self, images: torch.Tensor, targets: list[dict[str, torch.Tensor]]) -> dict[str, object]:
         boxes = self.head(self.features(images))
         per_image = torch.stack([(b - t["boxes"]).abs().mean() for b, t in zip(boxes, targets, strict=True)])
-        return {"loss": per_image.mean(), "boxes": boxes, "detections": [{"box": b} for b in boxes]}
+        return {"loss": per_image.mean(), "boxes": boxes, "detections": PerSample({"box": b} for b in boxes)}
 
 
-@pytest.mark.parametrize("n", [5, 2])
-def test_model_taking_record_targets_equals_one_device(n: int):
+@pytest.mark.parametrize("n", [5, 2, 1])
+def test_model_taking_per_sample_targets_equals_one_device(n: int):
     images, targets = detection_batch(n)
     reference = BoxRegressor()
     ref = reference(images, targets)
@@ -84,39 +119,21 @@ def test_model_taking_record_targets_equals_one_device(n: int):
     torch.testing.assert_close(loss, ref["loss"], rtol=0, atol=1e-12)
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-12)
-    gathered = parallel.gather(outputs)  # with the call's split sizes: one record per sample, even 1 per replica
-    assert len(gathered["detections"]) == n  # per-sample records concatenated, not merged item by item
+    gathered = parallel.gather(outputs)
+    assert len(gathered["detections"]) == n
     for got, want in zip(gathered["detections"], ref["detections"], strict=True):
         torch.testing.assert_close(got["box"], want["box"], rtol=0, atol=1e-12)
 
 
-def test_records_win_when_every_image_has_as_many_boxes_as_the_batch():
-    """Two images with exactly two boxes each: every tensor agrees on 2, yet the targets are per image."""
-    images = torch.randn(2, 3, 8, 8)
-    targets = [{"boxes": torch.full((2, 4), float(i))} for i in range(2)]
-    chunks, sizes = scatter((images, targets), CPU2)
-    assert sizes == [1, 1]
-    for i, (chunk_images, chunk_targets) in enumerate(chunks):
-        assert chunk_images.shape == (1, 3, 8, 8) and len(chunk_targets) == 1
-        assert torch.equal(chunk_targets[0]["boxes"], targets[i]["boxes"])  # whole, not a slice of each
+def test_criterion_with_per_sample_targets_only():
+    """Targets given as PerSample alone are split as the outputs were."""
+    images, targets = detection_batch(5)
+    model = BoxRegressor()
 
+    def box_loss(boxes: torch.Tensor, targets: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        return torch.stack([(b - t["boxes"]).abs().mean() for b, t in zip(boxes, targets, strict=True)]).mean()
 
-@pytest.mark.parametrize("n", [2, 3])
-def test_torchvision_style_lists_of_images_split_by_image(n: int):
-    """Images as a list of (3, H_i, W_i) tensors: with 3 images, the channel size must not be read as the batch."""
-    images = [torch.randn(3, 8 + i, 8) for i in range(n)]
-    targets = [{"boxes": torch.rand(i + 1, 4)} for i in range(n)]
-    chunks, sizes = scatter((images, targets), CPU2)
-    assert sizes == ([1, 1] if n == 2 else [2, 1])
-    flat_images = [img for chunk in chunks for img in chunk[0]]
-    assert [img.shape for img in flat_images] == [img.shape for img in images]
-    assert sum(len(chunk[1]) for chunk in chunks) == n
-
-
-def test_several_loaders_batches_are_not_taken_for_records():
-    """Lightning passes ``[batch_a, batch_b]`` for two training loaders: not per-sample records, so sizes must agree."""
-    batches = [{"x": torch.zeros(8, 3)}, {"x": torch.zeros(4, 3)}]
-    with pytest.raises(BatchSplitError, match=r"batch\[0\]\['x'\] has size 8 but batch\[1\]\['x'\] has size 4"):
-        scatter(batches, CPU2)
-    chunks, _ = scatter([{"x": torch.arange(4)}, {"x": torch.arange(4)}], CPU2)  # equal sizes: each split by rows
-    assert [c[0]["x"].tolist() for c in chunks] == [[0, 1], [2, 3]]
+    reference = box_loss(model.head(model.features(images)), targets)
+    outputs = DataParallelModel(nn.Sequential(model.features, model.head), CPU2)(images)
+    loss = DataParallelCriterion(box_loss, CPU2)(outputs, targets)
+    torch.testing.assert_close(loss, reference, rtol=0, atol=1e-12)

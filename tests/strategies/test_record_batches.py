@@ -1,4 +1,5 @@
-"""Detection-style batches (images plus one target dict per image) train under both strategies as on one device."""
+"""Detection-style batches (images plus a PerSample list of target dicts) train under both strategies as on one device
+(batches of 5, 5 and 1 over 3 devices)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from strategy_models import clone, flat_params, trainer
 from torch import nn
 from torch.utils.data import DataLoader
 
-import lightning_mgpu  # noqa: F401  (registers the strategies)
+import lightning_mgpu
 
 
 class BoxRegression(L.LightningModule):
@@ -37,7 +38,7 @@ class BoxRegression(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.5)
 
 
-def detection_loader(n: int = 12, batch_size: int = 5) -> DataLoader:
+def detection_loader(n: int = 11, batch_size: int = 5) -> DataLoader:
     g = torch.Generator().manual_seed(0)
     samples = [
         (
@@ -47,7 +48,9 @@ def detection_loader(n: int = 12, batch_size: int = 5) -> DataLoader:
         for i in range(n)
     ]
     return DataLoader(
-        samples, batch_size=batch_size, collate_fn=lambda s: (torch.stack([x for x, _ in s]), [t for _, t in s])
+        samples,
+        batch_size=batch_size,
+        collate_fn=lambda s: (torch.stack([x for x, _ in s]), lightning_mgpu.PerSample(t for _, t in s)),
     )
 
 

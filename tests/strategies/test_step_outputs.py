@@ -210,3 +210,18 @@ def test_fixed_structures_and_per_sample_sequences_are_told_apart_with_even_shar
     assert [r["id"] for r in records] == [0, 1, 2, 3]
     tokens = [torch.tensor([5, 6, 7]), torch.tensor([8])]  # preds[mask]: per token, not per sample
     assert gather_step_outputs(tokens, counts, cpu).tolist() == [5, 6, 7, 8]
+
+
+def test_lists_of_scalars_are_per_sample_and_dicts_of_batched_tensors_are_structures():
+    from lightning_mgpu.strategies.step_outputs import gather_step_outputs
+
+    cpu, counts = torch.device("cpu"), [2, 2]
+    scores = gather_step_outputs(
+        [[torch.tensor(1.0), torch.tensor(2.0)], [torch.tensor(3.0), torch.tensor(4.0)]], counts, cpu
+    )
+    assert [float(x) for x in scores] == [1.0, 2.0, 3.0, 4.0]  # list(scores) from predict_step
+    layers = [[{"logits": torch.zeros(2, 5)}, {"logits": torch.ones(2, 5)}] for _ in range(2)]  # one dict per layer
+    merged = gather_step_outputs(layers, counts, cpu)
+    assert len(merged) == 2 and merged[0]["logits"].shape == (4, 5) and float(merged[1]["logits"].sum()) == 20.0
+    marked = gather_step_outputs([lightning_mgpu.PerSample([1]), lightning_mgpu.PerSample([2, 3])], [2, 2], cpu)
+    assert marked == [1, 2, 3] and isinstance(marked, lightning_mgpu.PerSample)  # marked: concatenated as given
