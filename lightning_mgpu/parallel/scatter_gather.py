@@ -321,9 +321,7 @@ def _chunk_sizes(batch_size: int, num_devices: int, sizes: Sequence[int] | None)
     return chunks
 
 
-def _scatter_sizes(
-    obj: Any, devices: Sequence[torch.device], dim: int, batch_size: int, sizes: list[int]
-) -> list[Any]:
+def _scatter_sizes(obj: Any, devices: Sequence[torch.device], dim: int, batch_size: int, sizes: list[int]) -> list[Any]:
     bounds = list(itertools.accumulate(sizes[:-1]))
     cache: dict[int, list[Any]] = {}
 
@@ -348,9 +346,7 @@ def _scatter_sizes(
             return [PerSample(move_to(leaf[edges[i] : edges[i + 1]], devices[i])) for i in range(len(sizes))]
         return [leaf] * len(sizes)
 
-    return [
-        _map_structure(obj, lambda leaf, i=i: split_leaf(leaf)[i], batch_size) for i in range(len(sizes))
-    ]
+    return [_map_structure(obj, lambda leaf, i=i: split_leaf(leaf)[i], batch_size) for i in range(len(sizes))]
 
 
 def scatter_args(

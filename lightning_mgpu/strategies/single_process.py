@@ -235,9 +235,7 @@ class SingleProcessParallelStrategy(ParallelStrategy):
             and (in_training if call.options.get("on_step") is None else call.options["on_step"])
         }
         self._metric_replicas.merge(step_metrics)
-        merge_and_log(
-            self.lightning_module, recorders, sample_counts, self._metric_replicas.owner_of, implied_weights
-        )
+        merge_and_log(self.lightning_module, recorders, sample_counts, self._metric_replicas.owner_of, implied_weights)
 
     # --- the four step hooks Lightning calls on the strategy ------------------------------------------------------
     def _run_step(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -175,7 +175,8 @@ def _concatenable(outputs: Sequence[Any], dim: int) -> bool:
     """Arrays of one type that agree on every dimension but ``dim``."""
     first = outputs[0]
     return all(
-        type(o) is type(first) and o.ndim == first.ndim > dim
+        type(o) is type(first)
+        and o.ndim == first.ndim > dim
         and all(a == b for d, (a, b) in enumerate(zip(o.shape, first.shape, strict=True)) if d != dim)
         for o in outputs
     )
