@@ -270,8 +270,11 @@ def rebuild(template: Any, values: Sequence[Any] | Mapping[str, Any]) -> Any:
 
 
 def _map_structure(obj: Any, leaf_fn: Callable[[Any], Any], batch_size: int | None) -> Any:
-    """Apply ``leaf_fn`` to tensors, :class:`PerSample` lists and per-sample lists; rebuild containers around them."""
-    if isinstance(obj, (Tensor, PerSample)) or _is_per_sample_list(obj, batch_size):
+    """Apply ``leaf_fn`` to tensors and per-sample lists (``PerSample`` ones only when splitting a batch, i.e. with a
+    ``batch_size``); rebuild containers around the results."""
+    if isinstance(obj, Tensor) or _is_per_sample_list(obj, batch_size):
+        return leaf_fn(obj)
+    if isinstance(obj, PerSample) and batch_size is not None:
         return leaf_fn(obj)
     if isinstance(obj, Mapping):
         return rebuild(obj, {k: _map_structure(v, leaf_fn, batch_size) for k, v in obj.items()})

@@ -137,3 +137,11 @@ def test_criterion_with_per_sample_targets_only():
     outputs = DataParallelModel(nn.Sequential(model.features, model.head), CPU2)(images)
     loss = DataParallelCriterion(box_loss, CPU2)(outputs, targets)
     torch.testing.assert_close(loss, reference, rtol=0, atol=1e-12)
+
+
+def test_move_to_moves_the_tensors_inside_per_sample_lists():
+    from lightning_mgpu.parallel import move_to
+
+    moved = move_to((PerSample([{"boxes": torch.zeros(2, 4)}]), torch.zeros(1)), "meta")
+    assert isinstance(moved[0], PerSample) and moved[0][0]["boxes"].device.type == "meta"
+    assert moved[1].device.type == "meta"
