@@ -14,6 +14,7 @@ moves only one scalar per device to the root, weighted so the result equals the 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -28,6 +29,7 @@ from lightning_mgpu.parallel.reduce import reduce_losses
 from lightning_mgpu.parallel.replicate import replicate
 from lightning_mgpu.parallel.scatter_gather import (
     BatchSplitError,
+    NothingToSplitError,
     args_batch_size,
     batch_size_of,
     gather,
@@ -114,7 +116,7 @@ _PLAIN_TYPES = (int, float, str, bool, type(None))
 def _scan(args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device, dim: int) -> tuple[bool, int]:
     """``(every tensor is on device, the first size along dim or 0)`` in one pass: the one-device path runs this on
     every call, so flat tensor arguments take a loop with no generator (a launch-bound CUDA step feels each µs)."""
-    on_device, size = True, 0
+    on_device, size, nested = True, 0, False
     for values in (args, kwargs.values()):
         for value in values:
             if isinstance(value, Tensor):
@@ -122,12 +124,16 @@ def _scan(args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device, d
             elif isinstance(value, _PLAIN_TYPES):
                 continue
             else:
+                nested = True
                 tensors = (t for _, t in iter_tensors(value))
             for tensor in tensors:
                 if on_device and tensor.device != device:
                     on_device = False
                 if not size and tensor.dim() > dim:
                     size = tensor.shape[dim]
+    if nested:  # containers may hold a PerSample, whose length is the batch size
+        with contextlib.suppress(BatchSplitError):
+            size = args_batch_size(args, kwargs, dim)
     return on_device, size
 
 
@@ -301,12 +307,15 @@ class DataParallelCriterion(nn.Module):
             per_sample = {k: v for k, v in kwargs.items() if k not in options}
             target_chunks, kwarg_chunks = self._split_targets(outputs, targets, per_sample, devices)
             return target_chunks, [{**kw, **move_to(whole, d)} for kw, d in zip(kwarg_chunks, devices, strict=True)]
-        if not any(t.dim() > self.dim for _, t in iter_tensors((targets, kwargs))):
-            # Nothing to split (no targets, as for TripletMarginLoss on (anchor, positive, negative), or only
-            # non-batch values): every replica gets them whole, on its device.
-            return [move_to(targets, d) for d in devices], [move_to(kwargs, d) for d in devices]
-        total = args_batch_size(targets, kwargs, self.dim, names=("targets", "kwargs"))
         out_sizes = [_safe_batch_size(o, self.dim) for o in outputs]
+        try:
+            total = args_batch_size(targets, kwargs, self.dim, names=("targets", "kwargs"))
+        except NothingToSplitError:
+            if not all(out_sizes) or not _has_per_sample_list(targets, kwargs, sum(out_sizes)):
+                # Nothing to split (no targets, as for TripletMarginLoss on (anchor, positive, negative), or only
+                # non-batch values): every replica gets them whole, on its device.
+                return [move_to(targets, d) for d in devices], [move_to(kwargs, d) for d in devices]
+            total = sum(out_sizes)  # e.g. a list of class ids, split like the outputs
         sizes: list[int] | None = None
         if all(out_sizes):
             if sum(out_sizes) != total:
@@ -325,6 +334,12 @@ class DataParallelCriterion(nn.Module):
                 "the targets' batch size does not match the inputs given to DataParallelModel."
             )
         return target_chunks, kwarg_chunks
+
+
+def _has_per_sample_list(targets: tuple[Any, ...], kwargs: dict[str, Any], batch_size: int) -> bool:
+    """Whether targets without tensors hold a list of ``batch_size`` items (plain ones, or a ``PerSample``)."""
+    values = [*targets, *kwargs.values()]
+    return any(isinstance(v, list) and len(v) == batch_size for v in values)
 
 
 def _as_args(output: Any) -> tuple[Any, ...]:

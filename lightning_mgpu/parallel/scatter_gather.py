@@ -133,7 +133,7 @@ def _infer_from_roots(roots: Sequence[tuple[str, Any]], dim: int, what: str) -> 
     except NothingToSplitError:
         raise
     except BatchSplitError as err:
-        hint = _per_sample_hint(roots)
+        hint = _per_sample_hint(roots, tensors, dim)
         if hint is None:
             raise
         raise BatchSplitError(f"{err} {hint}") from None
@@ -159,36 +159,36 @@ def _collect(obj: Any, path: str, marked: list[tuple[str, PerSample]], tensors: 
             _collect(getattr(obj, field.name), f"{path}.{field.name}", marked, tensors)
 
 
-def _per_sample_hint(roots: Sequence[tuple[str, Any]]) -> str | None:
-    """Advice naming the first list of dicts, dataclasses or tensors, which may be per-sample items to mark."""
+def _per_sample_hint(roots: Sequence[tuple[str, Any]], tensors: Sequence[tuple[str, Tensor]], dim: int) -> str | None:
+    """Advice to mark a list with :class:`PerSample`, given only when that would settle the disagreement: the list
+    (of dicts, dataclasses or tensors) is as long as the batch size of a tensor outside it, and a tensor inside it has
+    another size."""
     for path, obj in roots:
-        found = _first_item_list(obj, path)
-        if found is not None:
-            where, seq = found
-            kind = "dicts" if isinstance(seq[0], Mapping) else type(seq[0]).__name__ + "s"
-            return (
-                f"{where} is a list of {len(seq)} {kind}: if it holds one item per sample (e.g. detection targets, "
-                "images of different sizes), wrap it in lightning_mgpu.PerSample(...) in your collate_fn so that it "
-                "is split by item."
-            )
+        for where, seq in _item_lists(obj, path):
+            inside = [t for p, t in tensors if p.startswith(f"{where}[") and t.dim() > dim]
+            outside = {t.shape[dim] for p, t in tensors if not p.startswith(f"{where}[") and t.dim() > dim}
+            if len(seq) in outside and any(t.shape[dim] != len(seq) for t in inside):
+                kind = "dicts" if isinstance(seq[0], Mapping) else type(seq[0]).__name__ + "s"
+                container = "tuple" if isinstance(seq, tuple) else "list"
+                return (
+                    f"{where} is a {container} of {len(seq)} {kind}, as many as the batch: if it holds one item per "
+                    "sample (e.g. detection targets, images of different sizes), wrap it in "
+                    "lightning_mgpu.PerSample(...) in your collate_fn so that it is split by item."
+                )
     return None
 
 
-def _first_item_list(obj: Any, path: str) -> tuple[str, Sequence[Any]] | None:
+def _item_lists(obj: Any, path: str) -> Iterator[tuple[str, Sequence[Any]]]:
+    """Every list or plain tuple of dicts, dataclasses or tensors in ``obj``, outermost first, with its key path."""
     if isinstance(obj, (list, tuple)) and not is_namedtuple(obj) and obj:
         kinds = (Mapping, Tensor)
         if any(all(isinstance(x, k) for x in obj) for k in kinds) or all(_is_dataclass_instance(x) for x in obj):
-            return path, obj
-        children: Iterable[tuple[str, Any]] = ((f"{path}[{i}]", v) for i, v in enumerate(obj))
+            yield path, obj
+        for i, value in enumerate(obj):
+            yield from _item_lists(value, f"{path}[{i}]")
     elif isinstance(obj, Mapping):
-        children = ((f"{path}[{k!r}]", v) for k, v in obj.items())
-    else:
-        return None
-    for child_path, child in children:
-        found = _first_item_list(child, child_path)
-        if found is not None:
-            return found
-    return None
+        for key, value in obj.items():
+            yield from _item_lists(value, f"{path}[{key!r}]")
 
 
 def _common_size(tensors: Iterable[tuple[str, Tensor]], dim: int, what: str) -> int:
@@ -272,9 +272,9 @@ def rebuild(template: Any, values: Sequence[Any] | Mapping[str, Any]) -> Any:
 def _map_structure(obj: Any, leaf_fn: Callable[[Any], Any], batch_size: int | None) -> Any:
     """Apply ``leaf_fn`` to tensors and per-sample lists (``PerSample`` ones only when splitting a batch, i.e. with a
     ``batch_size``); rebuild containers around the results."""
-    if isinstance(obj, Tensor) or _is_per_sample_list(obj, batch_size):
-        return leaf_fn(obj)
     if isinstance(obj, PerSample) and batch_size is not None:
+        return leaf_fn(obj)
+    if isinstance(obj, Tensor) or _is_per_sample_list(obj, batch_size):
         return leaf_fn(obj)
     if isinstance(obj, Mapping):
         return rebuild(obj, {k: _map_structure(v, leaf_fn, batch_size) for k, v in obj.items()})
@@ -302,7 +302,12 @@ def scatter(
     to the batch size), e.g. to split targets exactly as the model's outputs were split.
     """
     devices = [to_device(d) for d in devices]
-    inferred = _infer_batch_size(obj, dim, "batch", type(obj).__name__)
+    try:
+        inferred = _infer_batch_size(obj, dim, "batch", type(obj).__name__)
+    except NothingToSplitError:
+        if batch_size is None:
+            raise
+        inferred = batch_size  # no tensor to read it from (e.g. a list of ids): the caller's size
     if batch_size is None:
         batch_size = inferred
     elif batch_size != inferred:
@@ -343,10 +348,10 @@ def _scatter_sizes(obj: Any, devices: Sequence[torch.device], dim: int, batch_si
             parts = torch.tensor_split(leaf, bounds, dim=dim) if bounds else (leaf,)
             return [p.to(d) for p, d in zip(parts, devices, strict=False)]
         edges = [0, *bounds, batch_size]
+        if isinstance(leaf, PerSample):  # before the plain-list rule: slices stay PerSample
+            return [PerSample(move_to(leaf[edges[i] : edges[i + 1]], devices[i])) for i in range(len(sizes))]
         if _is_per_sample_list(leaf, batch_size):
             return [leaf[edges[i] : edges[i + 1]] for i in range(len(sizes))]
-        if isinstance(leaf, PerSample):
-            return [PerSample(move_to(leaf[edges[i] : edges[i + 1]], devices[i])) for i in range(len(sizes))]
         return [leaf] * len(sizes)
 
     return [_map_structure(obj, lambda leaf, i=i: split_leaf(leaf)[i], batch_size) for i in range(len(sizes))]
@@ -369,7 +374,12 @@ def scatter_args(
     :func:`scatter`.
     """
     targets = [to_device(d) for d in devices]
-    inferred = _infer_args_batch_size(args, kwargs, dim, names)
+    try:
+        inferred = _infer_args_batch_size(args, kwargs, dim, names)
+    except NothingToSplitError:
+        if batch_size is None:
+            raise
+        inferred = batch_size  # no tensor to read it from (e.g. a list of class ids): the caller's size
     if batch_size is not None and batch_size != inferred:
         raise BatchSplitError(f"batch_size={batch_size} was given but the arguments' tensors have size {inferred}.")
     sizes = _chunk_sizes(inferred, len(targets), sizes)
@@ -445,8 +455,10 @@ def _gather(outputs: list[Any], target: torch.device, dim: int, sizes: list[int]
     if sizes is not None and all(_is_tuple_of_strings(o) and len(o) == n for o, n in zip(outputs, sizes, strict=True)):
         return tuple(item for o in outputs for item in o)  # one string per sample, e.g. ids
     if isinstance(first, (list, tuple)):
-        if not all(type(o) is type(first) and len(o) == len(first) for o in outputs):
-            raise _mismatch(outputs, path, f"a {type(first).__name__} of length {len(first)}")
+        if not all(type(o) is type(first) for o in outputs):
+            raise _mismatch(outputs, path, f"a {type(first).__name__}")
+        if not all(len(o) == len(first) for o in outputs):
+            raise _mismatch(outputs, path, f"a {type(first).__name__} of length {len(first)}", lengths=True)
         items = [_gather([o[i] for o in outputs], target, dim, sizes, f"{path}[{i}]") for i in range(len(first))]
         return rebuild(first, items)
     if _is_dataclass_instance(first):
@@ -467,10 +479,15 @@ def _gather_value(outputs: list[Any]) -> Any:
     return first if same else list(outputs)
 
 
-def _mismatch(outputs: list[Any], path: str, expected: str) -> ValueError:
-    kinds = [type(o).__name__ for o in outputs]
+def _mismatch(outputs: list[Any], path: str, expected: str, lengths: bool = False) -> ValueError:
+    kinds = [f"{type(o).__name__} of length {len(o)}" if lengths else type(o).__name__ for o in outputs]
+    advice = (
+        " A list with one item per sample (e.g. detections) must be returned as lightning_mgpu.PerSample(items), "
+        "which is concatenated."
+        if lengths
+        else ""
+    )
     return ValueError(
         f"Cannot gather {path}: replica 0 returned {expected} but the replicas returned {kinds} with different "
-        "structures. Every replica must return the same structure; a list with one item per sample (e.g. "
-        "detections) must be returned as lightning_mgpu.PerSample(items), which is concatenated."
+        f"structures. Every replica must return the same structure.{advice}"
     )

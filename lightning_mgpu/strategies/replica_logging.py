@@ -7,8 +7,9 @@ name according to ``reduce_fx`` and logged once, from the main thread, on the ro
 
 * ``"mean"``: weighted by each replica's ``batch_size=`` argument when given (then logged with their sum as the
   batch size); else, for a value that is the loss the step returned with ``loss_weight`` (or a ``loss_terms`` term),
-  by that weight; else by the replica's sample count. Each equals the single-device value of the mean. Replicas with
-  weight 0 (e.g. no valid token in their shard, whose mean is NaN) are left out, as in the loss.
+  by that weight; else by the replica's sample count (then logged with the step's sample count as the batch size).
+  Each equals the single-device value of the mean. Replicas with weight 0 (e.g. no valid token in their shard, whose
+  mean is NaN) are left out, as in the loss.
 * ``"sum"``, ``"max"``, ``"min"``: sum, max, min over replicas.
 * a torchmetrics ``Metric``: the root metric, whose state the metric merger has filled from every replica.
 
@@ -124,7 +125,11 @@ def _merge_values(
         elif all(b is not None for b in implied):  # loss weights, often device tensors: no host sync
             w = torch.stack([torch.as_tensor(b).to(device=device, dtype=dtype).reshape(()) for b in implied])
         else:
-            w = torch.tensor([float(sample_counts[index]) for index, _ in entries], dtype=dtype, device=device)
+            counts = [sample_counts[index] for index, _ in entries]
+            w = torch.tensor([float(n) for n in counts], dtype=dtype, device=device)
+            # The step's weight in the epoch mean: its sample count, which Lightning would otherwise read from the
+            # first tensor of the batch (the channel count of a PerSample list of images, say).
+            merged_options["batch_size"] = sum(counts)
         # A replica with nothing to average over (weight 0) contributes nothing, not its NaN; no host sync either.
         contributions = torch.where(w > 0, stacked, torch.zeros_like(stacked)) * w
         merged = contributions.sum() / w.sum()

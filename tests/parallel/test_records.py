@@ -46,10 +46,19 @@ def test_per_sample_lists_split_by_item_and_gather_back():
     assert all(torch.equal(b["boxes"], t["boxes"]) for b, t in zip(back["targets"], targets, strict=True))
 
 
-def test_unmarked_per_sample_lists_fail_with_advice():
+def test_unmarked_per_sample_lists_fail_with_advice_only_where_it_applies():
     images, targets = detection_batch(5)
-    with pytest.raises(BatchSplitError, match=r"batch\[1\] is a list of 5 dicts: .* lightning_mgpu\.PerSample"):
+    with pytest.raises(BatchSplitError, match=r"batch\[1\] is a list of 5 dicts, as many as the batch: .*PerSample"):
         scatter((images, list(targets)), CPU2)
+    unrelated = [
+        [torch.zeros(4, 5), torch.zeros(16)],  # default_collate's [x, y] with sizes that disagree
+        [{"x": torch.zeros(8, 3)}, {"x": torch.zeros(4, 3)}],  # two loaders' batches
+        {"hidden": [torch.zeros(4, 7), torch.zeros(4, 7)], "labels": torch.zeros(3)},
+    ]
+    for batch in unrelated:
+        with pytest.raises(BatchSplitError) as err:
+            scatter(batch, CPU2)
+        assert "PerSample" not in str(err.value)  # marking any of these lists would split it wrongly
 
 
 def test_marked_lists_win_even_when_every_image_has_as_many_boxes_as_the_batch():
@@ -81,6 +90,31 @@ def test_marked_lists_must_agree_with_the_batch():
         scatter((targets, PerSample(targets[:3])), CPU2)
     with pytest.raises(BatchSplitError, match="empty PerSample"):
         scatter(PerSample(), CPU2)
+
+
+def test_per_sample_lists_without_tensors_keep_their_type():
+    chunks, _ = scatter((torch.zeros(4, 2), PerSample(["a", "b", "c", "d"])), CPU2)
+    assert [type(c[1]) for c in chunks] == [PerSample, PerSample] and chunks[1][1] == ["c", "d"]
+
+
+def test_one_device_reports_the_per_sample_length_as_the_batch_size():
+    model = DataParallelModel(nn.Identity(), ["cpu"])
+    model(PerSample(torch.zeros(3, 8 + i, 8) for i in range(5)))
+    assert model.last_split_sizes == (5,)
+
+
+def test_criterion_splits_targets_without_tensors_like_the_outputs():
+    """Class ids as a plain list (or a PerSample of ints): split as the outputs were, not copied to every replica."""
+    logits = torch.randn(5, 3, dtype=torch.float64)
+    labels = [0, 1, 0, 2, 1]
+
+    def loss_fn(out: torch.Tensor, ids: list[int]) -> torch.Tensor:
+        return nn.functional.cross_entropy(out, torch.tensor(ids))
+
+    outputs = list(logits.tensor_split(2))
+    reference = loss_fn(logits, labels)
+    for targets in (labels, PerSample(labels)):
+        torch.testing.assert_close(DataParallelCriterion(loss_fn, CPU2)(outputs, targets), reference)
 
 
 def test_several_loaders_batches_are_read_as_a_structure():

@@ -67,3 +67,40 @@ def test_detection_batches_train_like_one_device(strategy: str):
     assert float(parallel.callback_metrics["train_loss"]) == pytest.approx(
         float(reference.callback_metrics["train_loss"]), abs=1e-12
     )
+
+
+class ListOfImages(BoxRegression):
+    """Images of different sizes as a PerSample list: Lightning alone would read the batch size off a channel dim."""
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        images, targets = batch
+        boxes = torch.cat([self(image[None]) for image in images])
+        per_image = torch.stack([(b - t["boxes"]).abs().mean() for b, t in zip(boxes, targets, strict=True)])
+        self.log("val_loss", per_image.mean())
+        self.per_image.append(per_image.detach())
+
+    def on_validation_epoch_start(self) -> None:
+        self.per_image: list[torch.Tensor] = []
+
+
+def test_epoch_means_weight_steps_by_their_per_sample_length():
+    g = torch.Generator().manual_seed(1)
+    samples = [
+        (
+            torch.randn(3, 8 + i % 3, 8, generator=g, dtype=torch.float64),
+            {"boxes": torch.rand(i % 4 + 1, 4, generator=g, dtype=torch.float64)},
+        )
+        for i in range(11)
+    ]
+    loader = DataLoader(
+        samples,
+        batch_size=5,
+        collate_fn=lambda s: (lightning_mgpu.PerSample(x for x, _ in s), lightning_mgpu.PerSample(t for _, t in s)),
+    )
+    torch.manual_seed(0)
+    module = ListOfImages().double()
+    with pytest.warns(UserWarning, match="grew during a step"):  # per_image: recorded per replica, on purpose
+        parallel = trainer("parallel_criterion", 2)
+        parallel.validate(module, loader, verbose=False)
+    true_mean = torch.cat(module.per_image).mean()  # batches of 5, 5 and 1 images
+    assert float(parallel.callback_metrics["val_loss"]) == pytest.approx(float(true_mean), abs=1e-12)
