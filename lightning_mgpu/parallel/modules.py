@@ -97,7 +97,8 @@ class DataParallelModel(nn.Module):
     def gather(self, outputs: Sequence[Any]) -> Any:
         """Concatenate per-device outputs on ``output_device`` (for metrics, logging, visualisation).
 
-        Outputs of the last call are gathered with its split sizes, so per-sample records come back one per sample.
+        Outputs of the last call are gathered with its split sizes, which tell per-sample lists of plain items (ids)
+        from fixed ones even when the outputs hold no tensor to read a batch size from.
         """
         sizes = self.last_split_sizes if len(self.last_split_sizes) == len(outputs) else None
         return gather(outputs, self.output_device, self.dim, sizes=sizes)

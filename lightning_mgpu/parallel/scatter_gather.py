@@ -74,22 +74,29 @@ def _is_tuple_of_strings(obj: Any) -> bool:
     return isinstance(obj, tuple) and not is_namedtuple(obj) and all(isinstance(x, str) for x in obj)
 
 
-def iter_tensors(obj: Any, path: str = "batch") -> Iterator[tuple[str, Tensor]]:
-    """Yield ``(key path, tensor)`` for every tensor in a nested structure, e.g. ``('batch["mask"]', tensor)``."""
-    if isinstance(obj, Tensor):
+def iter_tensors(
+    obj: Any, path: str = "batch", per_sample: list[tuple[str, PerSample]] | None = None
+) -> Iterator[tuple[str, Tensor]]:
+    """Yield ``(key path, tensor)`` for every tensor in a nested structure, e.g. ``('batch["mask"]', tensor)``.
+
+    With a ``per_sample`` list, :class:`PerSample` lists are appended to it (with their paths) instead of entered.
+    """
+    if per_sample is not None and isinstance(obj, PerSample):
+        per_sample.append((path, obj))
+    elif isinstance(obj, Tensor):
         yield path, obj
     elif isinstance(obj, Mapping):
         for key, value in obj.items():
-            yield from iter_tensors(value, f"{path}[{key!r}]")
+            yield from iter_tensors(value, f"{path}[{key!r}]", per_sample)
     elif is_namedtuple(obj):
         for field in obj._fields:
-            yield from iter_tensors(getattr(obj, field), f"{path}.{field}")
+            yield from iter_tensors(getattr(obj, field), f"{path}.{field}", per_sample)
     elif isinstance(obj, (list, tuple)):
         for i, value in enumerate(obj):
-            yield from iter_tensors(value, f"{path}[{i}]")
+            yield from iter_tensors(value, f"{path}[{i}]", per_sample)
     elif _is_dataclass_instance(obj):
         for field in dataclasses.fields(obj):
-            yield from iter_tensors(getattr(obj, field.name), f"{path}.{field.name}")
+            yield from iter_tensors(getattr(obj, field.name), f"{path}.{field.name}", per_sample)
 
 
 def batch_size_of(obj: Any, dim: int = 0, path: str = "batch") -> int:
@@ -108,9 +115,7 @@ def _infer_batch_size(obj: Any, dim: int, path: str, what: str) -> int:
 def _infer_from_roots(roots: Sequence[tuple[str, Any]], dim: int, what: str) -> int:
     """The batch size: the length of the :class:`PerSample` lists, else the size shared by every tensor along dim."""
     marked: list[tuple[str, PerSample]] = []
-    tensors: list[tuple[str, Tensor]] = []
-    for path, obj in roots:
-        _collect(obj, path, marked, tensors)
+    tensors = [item for path, obj in roots for item in iter_tensors(obj, path, marked)]
     if marked:
         first_path, first = marked[0]
         for path, seq in marked[1:]:
@@ -137,26 +142,6 @@ def _infer_from_roots(roots: Sequence[tuple[str, Any]], dim: int, what: str) -> 
         if hint is None:
             raise
         raise BatchSplitError(f"{err} {hint}") from None
-
-
-def _collect(obj: Any, path: str, marked: list[tuple[str, PerSample]], tensors: list[tuple[str, Tensor]]) -> None:
-    """Sort a batch's :class:`PerSample` lists (not entered) and its other tensors, with their key paths."""
-    if isinstance(obj, PerSample):
-        marked.append((path, obj))
-    elif isinstance(obj, Tensor):
-        tensors.append((path, obj))
-    elif isinstance(obj, Mapping):
-        for key, value in obj.items():
-            _collect(value, f"{path}[{key!r}]", marked, tensors)
-    elif is_namedtuple(obj):
-        for field in obj._fields:
-            _collect(getattr(obj, field), f"{path}.{field}", marked, tensors)
-    elif isinstance(obj, (list, tuple)):
-        for i, value in enumerate(obj):
-            _collect(value, f"{path}[{i}]", marked, tensors)
-    elif _is_dataclass_instance(obj):
-        for field in dataclasses.fields(obj):
-            _collect(getattr(obj, field.name), f"{path}.{field.name}", marked, tensors)
 
 
 def _per_sample_hint(roots: Sequence[tuple[str, Any]], tensors: Sequence[tuple[str, Tensor]], dim: int) -> str | None:
@@ -216,18 +201,27 @@ def args_batch_size(
     args: Sequence[Any], kwargs: Mapping[str, Any], dim: int = 0, names: tuple[str, str] = ("args", "kwargs")
 ) -> int:
     """:func:`batch_size_of` for call arguments; error messages name e.g. ``args[0]['mask']``."""
-    return _infer_args_batch_size(args, kwargs, dim, names)
+    return _infer_from_roots(_args_roots(args, kwargs, names), dim, "no tensor argument")
 
 
-def _infer_args_batch_size(
-    args: Sequence[Any], kwargs: Mapping[str, Any], dim: int, names: tuple[str, str] = ("args", "kwargs")
-) -> int:
-    """:func:`_infer_batch_size` for call arguments, whose error messages name e.g. ``args[0]['mask']``."""
-    roots = [
+def _args_roots(args: Sequence[Any], kwargs: Mapping[str, Any], names: tuple[str, str]) -> list[tuple[str, Any]]:
+    return [
         *((f"{names[0]}[{i}]", a) for i, a in enumerate(args)),
         *((f"{names[1]}[{k!r}]", v) for k, v in kwargs.items()),
     ]
-    return _infer_from_roots(roots, dim, "no tensor argument")
+
+
+def _resolve_batch_size(roots: Sequence[tuple[str, Any]], dim: int, what: str, given: int | None) -> int:
+    """The batch size read from ``roots``; ``given`` when they hold nothing to read it from (e.g. a list of ids)."""
+    try:
+        inferred = _infer_from_roots(roots, dim, what)
+    except NothingToSplitError:
+        if given is None:
+            raise
+        return given
+    if given is not None and given != inferred:
+        raise BatchSplitError(f"batch_size={given} was given but the tensors have size {inferred}.")
+    return inferred
 
 
 def split_sizes(batch_size: int, num_devices: int) -> list[int]:
@@ -302,16 +296,7 @@ def scatter(
     to the batch size), e.g. to split targets exactly as the model's outputs were split.
     """
     devices = [to_device(d) for d in devices]
-    try:
-        inferred = _infer_batch_size(obj, dim, "batch", type(obj).__name__)
-    except NothingToSplitError:
-        if batch_size is None:
-            raise
-        inferred = batch_size  # no tensor to read it from (e.g. a list of ids): the caller's size
-    if batch_size is None:
-        batch_size = inferred
-    elif batch_size != inferred:
-        raise BatchSplitError(f"batch_size={batch_size} was given but the batch's tensors have size {inferred}.")
+    batch_size = _resolve_batch_size([("batch", obj)], dim, type(obj).__name__, batch_size)
     sizes = _chunk_sizes(batch_size, len(devices), sizes)
     return _scatter_sizes(obj, devices, dim, batch_size, sizes), sizes
 
@@ -374,18 +359,11 @@ def scatter_args(
     :func:`scatter`.
     """
     targets = [to_device(d) for d in devices]
-    try:
-        inferred = _infer_args_batch_size(args, kwargs, dim, names)
-    except NothingToSplitError:
-        if batch_size is None:
-            raise
-        inferred = batch_size  # no tensor to read it from (e.g. a list of class ids): the caller's size
-    if batch_size is not None and batch_size != inferred:
-        raise BatchSplitError(f"batch_size={batch_size} was given but the arguments' tensors have size {inferred}.")
-    sizes = _chunk_sizes(inferred, len(targets), sizes)
-    # Each argument is scattered as its own root, so the argument tuple itself is never taken for a record list.
-    arg_chunks = [_scatter_sizes(a, targets, dim, inferred, sizes) for a in args]
-    kwarg_chunks = {k: _scatter_sizes(v, targets, dim, inferred, sizes) for k, v in kwargs.items()}
+    batch_size = _resolve_batch_size(_args_roots(args, kwargs, names), dim, "no tensor argument", batch_size)
+    sizes = _chunk_sizes(batch_size, len(targets), sizes)
+    # Each argument is scattered as its own root, so error messages name it (``args[0]['mask']``).
+    arg_chunks = [_scatter_sizes(a, targets, dim, batch_size, sizes) for a in args]
+    kwarg_chunks = {k: _scatter_sizes(v, targets, dim, batch_size, sizes) for k, v in kwargs.items()}
     return (
         [tuple(chunks[i] for chunks in arg_chunks) for i in range(len(sizes))],
         [{k: chunks[i] for k, chunks in kwarg_chunks.items()} for i in range(len(sizes))],
