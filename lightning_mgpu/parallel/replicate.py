@@ -26,33 +26,34 @@ def replicate(module: nn.Module, devices: Sequence[DeviceLike], detach: bool = F
     targets = [to_device(d) for d in devices]
     if not targets:
         raise ValueError("replicate() needs at least one device.")
-    compiled = _compiled_submodule(module)
-    if compiled is not None:
-        where = f"submodule '{compiled}'" if compiled else "the module"
-        raise ValueError(
-            f"Cannot replicate {where}: it was compiled with torch.compile (module.compile() or "
-            "torch.compile(module)). The compiled code stays bound to the original module, so every replica would "
-            "silently run the original's parameters and buffers instead of its own (torch.nn.DataParallel has the "
-            "same limitation). Train a compiled model on one device, or with strategy='ddp' (one process per "
-            "device), or drop the compile call."
-        )
     if distinct_cuda(targets) and not isinstance(module, torch.jit.ScriptModule):
+        if any(_is_compiled(sub) for sub in module.modules()):
+            _refuse_compiled(module)
         return list(torch.nn.parallel.replicate(module, targets, detach=detach))
     return [_shallow_replica(module, device, share_buffers=(i == 0), detach=detach) for i, device in enumerate(targets)]
 
 
-def _compiled_submodule(module: nn.Module) -> str | None:
-    """Dotted name of the first torch.compile'd module in the tree ('' for the root), or None if nothing is compiled."""
-    if "torch._dynamo" not in sys.modules:  # nothing can have been compiled without dynamo loaded
-        return None
+def _is_compiled(module: nn.Module) -> bool:
+    """Whether ``module`` was torch.compile'd (``module.compile()`` or ``torch.compile(module)``)."""
+    if module.__dict__.get("_compiled_call_impl") is not None:
+        return True
+    if "torch._dynamo" not in sys.modules:  # no OptimizedModule can exist without dynamo loaded
+        return False
     from torch._dynamo.eval_frame import OptimizedModule
 
-    def compiled(sub: nn.Module) -> bool:
-        return isinstance(sub, OptimizedModule) or sub.__dict__.get("_compiled_call_impl") is not None
+    return isinstance(module, OptimizedModule)
 
-    if not any(compiled(sub) for sub in module.modules()):  # the common case, without building names
-        return None
-    return next(name for name, sub in module.named_modules() if compiled(sub))
+
+def _refuse_compiled(root: nn.Module) -> None:
+    name = next(name for name, sub in root.named_modules() if _is_compiled(sub))
+    where = f"submodule '{name}'" if name else "the module"
+    raise ValueError(
+        f"Cannot replicate {where}: it was compiled with torch.compile (module.compile() or "
+        "torch.compile(module)). The compiled code stays bound to the original module, so every replica would "
+        "silently run the original's parameters and buffers instead of its own (torch.nn.DataParallel has the "
+        "same limitation). Train a compiled model on one device, or with strategy='ddp' (one process per "
+        "device), or drop the compile call."
+    )
 
 
 def _move(tensor: Tensor, device: torch.device, detach: bool) -> Tensor:
@@ -87,6 +88,8 @@ def _shallow_replica(module: nn.Module, device: torch.device, share_buffers: boo
         key = id(original)
         if key in module_copies:  # a submodule used twice stays one module in the replica
             return module_copies[key]
+        if _is_compiled(original):  # checked here, in the walk replication makes anyway: no extra pass per step
+            _refuse_compiled(module)
         replica = original._replicate_for_data_parallel()
         module_copies[key] = replica
         for name, param in original._parameters.items():
