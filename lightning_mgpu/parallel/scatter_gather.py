@@ -448,13 +448,17 @@ def _gather(outputs: list[Any], target: torch.device, dim: int, sizes: list[int]
     return _gather_value(outputs)
 
 
-def _gather_value(outputs: list[Any]) -> Any:
-    first = outputs[0]
+def all_equal(values: Sequence[Any]) -> bool:
+    """Whether every value equals the first (by identity when ``==`` is element-wise or undefined, as for arrays)."""
+    first = values[0]
     try:
-        same = all(bool(o == first) for o in outputs[1:])
-    except Exception:  # e.g. arrays, whose == is element-wise
-        same = all(o is first for o in outputs[1:])
-    return first if same else list(outputs)
+        return all(bool(v == first) for v in values[1:])
+    except Exception:
+        return all(v is first for v in values[1:])
+
+
+def _gather_value(outputs: list[Any]) -> Any:
+    return outputs[0] if all_equal(outputs) else list(outputs)
 
 
 def _mismatch(outputs: list[Any], path: str, expected: str, lengths: bool = False) -> ValueError:

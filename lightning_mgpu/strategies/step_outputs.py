@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from lightning_mgpu.parallel.reduce import LossReduction, reduce_losses
-from lightning_mgpu.parallel.scatter_gather import PerSample, is_namedtuple, iter_tensors, move_to, rebuild
+from lightning_mgpu.parallel.scatter_gather import PerSample, all_equal, is_namedtuple, iter_tensors, move_to, rebuild
 
 LOSS_WEIGHT_KEY = "loss_weight"
 LOSS_TERMS_KEY = "loss_terms"
@@ -159,9 +159,7 @@ def gather_step_outputs(outputs: Sequence[Any], sample_counts: Sequence[int], ro
             items = [gather_step_outputs([o[i] for o in outputs], sample_counts, root, dim) for i in range(len(first))]
             return rebuild(first, items)
         return ReplicaValues(outputs)
-    if all(_same(o, first) for o in outputs[1:]):
-        return first
-    return ReplicaValues(outputs)
+    return first if all_equal(outputs) else ReplicaValues(outputs)
 
 
 def _weighted_mean(values: Sequence[Any], sample_counts: Sequence[int], root: torch.device) -> Any:
@@ -216,10 +214,3 @@ def _is_scalar(value: Any) -> bool:
 
 
 _PLAIN = (str, bytes, int, float, bool, type(None), np.number)
-
-
-def _same(a: Any, b: Any) -> bool:
-    try:
-        return bool(a == b)
-    except (TypeError, ValueError, RuntimeError):  # e.g. objects whose == is elementwise or undefined
-        return False
