@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_mgpu.parallel import DataParallelModel, ReplicaError, ThreadState, parallel_apply
+from lightning_mgpu.parallel import DataParallelModel, ThreadState, parallel_apply
 
 N = 3
 
@@ -44,7 +44,7 @@ class Recorder(nn.Module):
 
 def run_threads(model, x):
     model.records.clear()
-    outputs = DataParallelModel(model, ["cpu"] * N, mode="threads")(x)
+    outputs = DataParallelModel(model, ["cpu"] * N, execution_mode="threads")(x)
     return outputs, list(model.records)
 
 
@@ -135,25 +135,26 @@ class Exploding(nn.Module):
 def test_replica_exception_reraised_in_caller(mode):
     x = torch.arange(10.0)[:, None]
     with pytest.raises(ValueError) as info:
-        DataParallelModel(Exploding(), ["cpu"] * 3, mode=mode)(x)  # chunks 4, 3, 3: sample 9 is in replica 2
-    message = str(info.value)
-    assert "replica 2" in message
-    assert "Original traceback" in message and "_explode" in message and "bad chunk of 3 samples" in message
-    assert isinstance(info.value.__cause__, ValueError)
-    assert info.value.__cause__.__traceback__ is not None
+        DataParallelModel(Exploding(), ["cpu"] * 3, execution_mode=mode)(x)  # chunks 4, 3, 3: sample 9 is in replica 2
+    # The replica's own exception, unchanged, with its index attached (the note is in torch's wording).
+    assert str(info.value) == "bad chunk of 3 samples" and info.value.replica_index == 2
+    (note,) = info.value.__notes__
+    assert note.startswith("Caught ValueError in replica 2 on device cpu.\nOriginal Traceback (most recent call last):")
+    assert "_explode" in note and "bad chunk of 3 samples" in note
+    assert info.value.__traceback__ is not None
 
 
 def test_key_error_message_stays_readable():
     def fails():
         return {}["missing"]
 
-    with pytest.raises(KeyError) as info:
-        parallel_apply([lambda: 1, fails], ["cpu"] * 2, mode="threads")
-    assert str(info.value).startswith("Caught KeyError in replica 1")
-    assert "\n" in str(info.value)  # real line breaks, not an escaped repr
+    with pytest.raises(KeyError, match="Caught KeyError in replica 1") as info:  # pytest matches notes too
+        parallel_apply([lambda: 1, fails], ["cpu"] * 2, execution_mode="threads")
+    assert str(info.value) == "'missing'"
+    assert "\n" in info.value.__notes__[0]  # real line breaks, not an escaped repr
 
 
-def test_exception_without_message_constructor_becomes_replica_error():
+def test_exception_without_message_constructor_is_raised_as_is():
     class Picky(Exception):
         def __init__(self, code: int, detail: str) -> None:
             super().__init__(code, detail)
@@ -161,9 +162,9 @@ def test_exception_without_message_constructor_becomes_replica_error():
     def fails():
         raise Picky(3, "x")
 
-    with pytest.raises(ReplicaError, match="Caught Picky in replica 0") as info:
-        parallel_apply([fails, lambda: 1], ["cpu"] * 2, mode="threads")
-    assert isinstance(info.value.__cause__, Picky)
+    with pytest.raises(Picky, match="Caught Picky in replica 0") as info:
+        parallel_apply([fails, lambda: 1], ["cpu"] * 2, execution_mode="threads")
+    assert info.value.args == (3, "x")
 
 
 def test_parallel_apply_keeps_order_and_waits_for_all():
@@ -176,7 +177,7 @@ def test_parallel_apply_keeps_order_and_waits_for_all():
 
         return run
 
-    assert parallel_apply([slow(i) for i in range(5)], ["cpu"] * 5, mode="threads") == [0, 10, 20, 30, 40]
+    assert parallel_apply([slow(i) for i in range(5)], ["cpu"] * 5, execution_mode="threads") == [0, 10, 20, 30, 40]
     assert sorted(done) == list(range(5))
     done.clear()
 
@@ -184,12 +185,12 @@ def test_parallel_apply_keeps_order_and_waits_for_all():
         raise RuntimeError("first fails")
 
     with pytest.raises(RuntimeError, match="replica 0"):
-        parallel_apply([boom, slow(1), slow(2)], ["cpu"] * 3, mode="threads")
+        parallel_apply([boom, slow(1), slow(2)], ["cpu"] * 3, execution_mode="threads")
     assert sorted(done) == [1, 2]  # the others still ran to completion before the error was raised
 
 
 def _threads_mode_in_child(queue) -> None:
-    queue.put(parallel_apply([lambda: 1, lambda: 2, lambda: 3], ["cpu"] * 3, mode="threads"))
+    queue.put(parallel_apply([lambda: 1, lambda: 2, lambda: 3], ["cpu"] * 3, execution_mode="threads"))
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
@@ -197,7 +198,7 @@ def _threads_mode_in_child(queue) -> None:
 def test_threads_mode_works_in_a_forked_child():
     """The pool's threads do not survive fork(): a child must not wait for them (it used to deadlock)."""
     # Two replicas that overlap leave two idle pool threads behind in this process.
-    parallel_apply([lambda: 0, lambda: time.sleep(0.1), lambda: time.sleep(0.1)], ["cpu"] * 3, mode="threads")
+    parallel_apply([lambda: 0, lambda: time.sleep(0.1), lambda: time.sleep(0.1)], ["cpu"] * 3, execution_mode="threads")
     ctx = multiprocessing.get_context("fork")
     queue = ctx.Queue()
     child = ctx.Process(target=_threads_mode_in_child, args=(queue,))

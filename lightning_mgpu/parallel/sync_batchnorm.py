@@ -1,0 +1,629 @@
+"""Single-process SyncBatchNorm: BatchNorm statistics over the whole batch, across the replicas of one call.
+
+Under ``DataParallelModel`` and the single-process strategies each replica runs its BatchNorm layers on its own shard,
+so a BatchNorm model drifts from one-device training. :class:`SyncBatchNorm` makes every replica normalise with the
+statistics of the *whole* batch, weighted by each shard's size (so uneven shards, 4/3/3, are exact), with exact
+gradients, and keeps the running statistics one device would keep.
+
+How: the replicas of one :func:`~lightning_mgpu.parallel.parallel_apply` call form a group. In training mode each
+replica computes its shard's statistics, then meets the others at the layer (a rendezvous in forward; the k-th call of
+a layer in one replica pairs with the k-th call in the others). The last one to arrive runs *one* autograd node over
+every replica's input: it combines the statistics in replica order (deterministic), normalises every shard on its
+device and updates the running statistics of replica 0, whose buffers are the module's own. Its backward combines the
+gradient sums of all replicas the same way, so the autograd engine computes exact gradients without any rendezvous in
+backward. On CUDA the node uses torch's batch-norm primitives (``torch.batch_norm_stats``,
+``..._gather_stats_with_counts``, ``..._elemt``, ``..._backward_reduce``, ``..._backward_elemt``: the kernels of
+``torch.nn.SyncBatchNorm``) and does no host synchronisation; elsewhere (the CPU has no such kernels) it uses plain
+tensor ops. Statistics are float32 at least (half and bfloat16 inputs, autocast), float64 for float64 inputs; outputs
+have the input's dtype, as BatchNorm's.
+
+Outside a replicated call (one device, a plain call), in a call with one replica, or in eval mode with running
+statistics, the layer is exactly ``BatchNorm``. Its state dict has BatchNorm's keys.
+
+Requirements and limits:
+
+* The replicas must run concurrently (``execution_mode="threads"``): a sync layer reached in a call that runs its
+  replicas one after another raises at once. :func:`uses_sync_batchnorm` tells whether a model needs threads in its
+  current mode.
+* Every replica must call the sync layers the same number of times in the same order. A replica that skips a layer,
+  reaches them in another order, or raises never hangs the others: they fail with an error naming the layer (its
+  dotted name, recorded by :func:`convert_sync_batchnorm` and :func:`uses_sync_batchnorm`) and the replicas concerned,
+  and ``parallel_apply`` re-raises the root cause.
+* The replicas' outputs must be backpropagated in one ``backward`` call (as a reduced loss is), and double backward
+  through the layer is not supported. Activation checkpointing that recomputes a sync layer in backward recomputes it
+  without its peers (as a plain BatchNorm): do not checkpoint segments that contain sync layers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.autograd.function import Function, FunctionCtx, once_differentiable
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.lazy import LazyModuleMixin
+
+from lightning_mgpu.parallel.parallel_apply import RendezvousError, ReplicaContext, current_replica
+
+__all__ = ["SyncBatchNorm", "convert_sync_batchnorm", "revert_sync_batchnorm", "uses_sync_batchnorm"]
+
+_HINT = (
+    "Every replica must call each SyncBatchNorm layer the same number of times and in the same order, because the "
+    "layer computes its statistics over the whole batch across the replicas: data-dependent control flow (a branch on "
+    "one shard's values or size) breaks this. Branch on something every replica shares, or keep that layer a plain "
+    "BatchNorm (revert_sync_batchnorm)."
+)
+_INPUT_DIMS: tuple[tuple[type[_BatchNorm], tuple[int, ...]], ...] = (
+    (nn.BatchNorm1d, (2, 3)),
+    (nn.BatchNorm2d, (4,)),
+    (nn.BatchNorm3d, (5,)),
+)
+
+
+class _LayerKey:
+    """Identity of one sync layer, shared with its replicas: it lives in the layer's ``__dict__``, which replication
+    (``Module._replicate_for_data_parallel``) copies shallowly, so replicas hold this very object and find each other
+    by it, while ``copy.deepcopy`` makes a new one (a deep copy is another layer). Also records the layer's dotted
+    name (for error messages) and the BatchNorm class it was converted from (for :func:`revert_sync_batchnorm`)."""
+
+    __slots__ = ("name", "original_class")
+
+    def __init__(self, name: str | None = None, original_class: type[_BatchNorm] | None = None) -> None:
+        self.name = name
+        self.original_class = original_class
+
+
+class SyncBatchNorm(_BatchNorm):
+    """BatchNorm whose training statistics span every replica of a replicated call (see the module documentation).
+
+    Same arguments, parameters, buffers and state-dict keys as ``nn.BatchNorm1d/2d/3d``; accepts inputs of 2 to 5
+    dims (a layer made by :func:`convert_sync_batchnorm` checks the dims of the class it replaced).
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        device: Any = None,
+        dtype: Any = None,
+    ) -> None:
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
+        self._sync_key = _LayerKey()
+
+    def _check_input_dim(self, input: Tensor) -> None:
+        original = _key_of(self).original_class
+        for cls, dims in _INPUT_DIMS:
+            if original is not None and issubclass(original, cls):
+                if input.dim() not in dims:
+                    expected = " or ".join(f"{d}D" for d in dims)
+                    raise ValueError(f"expected {expected} input (got {input.dim()}D input)")
+                return
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+
+    def forward(self, input: Tensor) -> Tensor:
+        replica = current_replica()
+        uses_batch_stats = self.training or (self.running_mean is None and self.running_var is None)
+        if replica is None or replica.group.size < 2 or not uses_batch_stats:
+            return super().forward(input)
+        self._check_input_dim(input)
+        return _synced_forward(self, input, replica)
+
+
+def _key_of(layer: SyncBatchNorm) -> _LayerKey:
+    key = layer.__dict__.get("_sync_key")
+    if key is None:  # e.g. a layer unpickled from an object saved without one
+        key = layer._sync_key = _LayerKey()
+    return key
+
+
+def _describe(layer: SyncBatchNorm) -> str:
+    name = _key_of(layer).name
+    if name is None:
+        return f"<unnamed, {layer.num_features} features>"
+    return repr(name) if name else "<the root module>"
+
+
+# --- the synchronised forward -------------------------------------------------------------------------------------
+@dataclass
+class _Part:
+    """What one replica brings to the rendezvous of a layer call."""
+
+    x: Tensor
+    weight: Tensor | None
+    bias: Tensor | None
+    stats: tuple[Tensor, Tensor] | None  # this shard's statistics (kernel-specific), None for an empty shard
+    count: int  # values per channel in this shard
+    stream: torch.cuda.Stream | None
+    kernels: type[_Kernels]
+    layer: SyncBatchNorm | None  # replica 0 only: its buffers are the module's own
+
+
+def _synced_forward(layer: SyncBatchNorm, input: Tensor, replica: ReplicaContext) -> Tensor:
+    key = _key_of(layer)
+    call = replica.next_call(key)
+    label = f"SyncBatchNorm layer {_describe(layer)} (call {call} in this forward)"
+    group = replica.group
+    if group.sequential:
+        raise RendezvousError(
+            f"{label} computes its statistics over the whole batch across the {group.size} replicas, but this call "
+            "runs its replicas one after another (execution_mode='sequential'), so they cannot meet. Run it with "
+            "execution_mode='threads' (DataParallelModel and DataParallelCriterion switch to threads by themselves, "
+            "and so do the lightning_mgpu strategies; parallel_apply(..., execution_mode='threads')), or put the "
+            "layer in eval mode."
+        )
+    if input.size(1) != layer.num_features:
+        raise ValueError(f"{label} expects {layer.num_features} channels (dim 1) but got input of shape {input.shape}.")
+    x = _contiguous(input)
+    count = x.numel() // x.size(1)
+    kernels: type[_Kernels] = _CudaKernels if x.is_cuda else _PlainKernels
+    stats = None
+    if count:
+        with torch.no_grad():
+            stats = kernels.local_stats(x, layer.eps)
+    part = _Part(
+        x=x,
+        weight=layer.weight,
+        bias=layer.bias,
+        stats=stats,
+        count=count,
+        stream=torch.cuda.current_stream(x.device) if x.is_cuda else None,
+        kernels=kernels,
+        layer=layer if replica.index == 0 else None,
+    )
+    return group.rendezvous(replica.index, (key, call), part, _combine, label, _HINT)
+
+
+def _combine(parts: list[_Part]) -> tuple[Tensor, ...]:
+    """Run by the last replica to arrive: the joint node over every replica's input, outputs in replica order."""
+    layer = parts[0].layer
+    assert layer is not None, "replica 0 always brings its layer"
+    kernels = parts[0].kernels
+    if any(p.kernels is not kernels for p in parts):
+        raise RuntimeError(
+            f"SyncBatchNorm layer {_describe(layer)}: the replicas' inputs are on devices of different types "
+            f"({[str(p.x.device) for p in parts]}); put every replica on devices of one type."
+        )
+    total = sum(p.count for p in parts)
+    if total == 0 or (layer.training and total == 1):
+        raise ValueError(
+            f"Expected more than 1 value per channel when training, got {total} over all replicas "
+            f"(SyncBatchNorm layer {_describe(layer)})"
+        )
+    running = None
+    if layer.training and layer.track_running_stats and layer.running_mean is not None:
+        # BatchNorm's bookkeeping, on replica 0's buffers (the module's own). Without momentum: a cumulative average
+        # (factor 1 / num_batches_tracked), or no update at all if the layer has no batch counter.
+        momentum = layer.momentum
+        if momentum is None and layer.num_batches_tracked is None:
+            momentum = 0.0
+        running = _Running(layer.running_mean, layer.running_var, layer.num_batches_tracked, momentum)
+    plan = _Plan(
+        kernels=kernels,
+        counts=tuple(p.count for p in parts),
+        stats=tuple(p.stats for p in parts),
+        streams=tuple(p.stream for p in parts),
+        eps=layer.eps,
+        running=running,
+    )
+    xs = [p.x for p in parts]
+    # Each replica's stream is current on its device while the node runs *and* while autograd records its outputs.
+    with _streams(plan.streams):
+        return _JointBatchNorm.apply(plan, *xs, *(p.weight for p in parts), *(p.bias for p in parts))
+
+
+@dataclass
+class _Running:
+    """Replica 0's running statistics and how BatchNorm would update them for this batch."""
+
+    mean: Tensor
+    var: Tensor
+    batches: Tensor | None  # num_batches_tracked: incremented once per synchronised call
+    momentum: float | None  # None: cumulative average, factor 1 / batches (kept on the device: no host sync)
+
+    def update(self, mean: Tensor, var: Tensor, total: int) -> None:
+        """BatchNorm's update, with the unbiased variance of the whole batch; no host synchronisation."""
+        dtype = self.mean.dtype
+        mean, unbiased = mean.to(dtype), (var * (total / (total - 1))).to(dtype)
+        if self.momentum is None:
+            factor = self.batches.to(torch.float64).reciprocal().to(dtype)
+            self.mean.mul_(1 - factor).add_(mean * factor)
+            self.var.mul_(1 - factor).add_(unbiased * factor)
+        else:
+            self.mean.mul_(1 - self.momentum).add_(mean, alpha=self.momentum)
+            self.var.mul_(1 - self.momentum).add_(unbiased, alpha=self.momentum)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Everything the joint node needs besides its tensor inputs."""
+
+    kernels: type[_Kernels]
+    counts: tuple[int, ...]
+    stats: tuple[tuple[Tensor, Tensor] | None, ...]
+    streams: tuple[torch.cuda.Stream | None, ...]
+    eps: float
+    running: _Running | None
+
+    @property
+    def size(self) -> int:
+        return len(self.counts)
+
+    @property
+    def active(self) -> list[int]:
+        return [i for i, count in enumerate(self.counts) if count]
+
+
+class _JointBatchNorm(Function):
+    """One autograd node spanning every replica of a layer call: inputs ``(*xs, *weights, *biases)``, one output per
+    replica, each on its replica's device. Backward combines the replicas' gradient sums in replica order."""
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, plan: _Plan, *tensors: Tensor | None) -> tuple[Tensor, ...]:
+        n, kernels = plan.size, plan.kernels
+        xs, weights, biases = tensors[:n], tensors[n : 2 * n], tensors[2 * n :]
+        active = plan.active
+        if plan.running is not None and plan.running.batches is not None:
+            plan.running.batches.add_(1)
+        mean, invstd = kernels.joint_stats(
+            [plan.stats[i] for i in active], [plan.counts[i] for i in active], xs[0].device, plan.eps, plan.running
+        )
+        stats = _spread(torch.cat([mean, invstd]), [x.device for x in xs])
+        outputs = []
+        for i in range(n):
+            if plan.counts[i]:
+                mean_i, invstd_i = stats[i].chunk(2)
+                outputs.append(kernels.normalize(xs[i], weights[i], biases[i], mean_i, invstd_i, plan.eps))
+            else:
+                outputs.append(torch.empty_like(xs[i]))
+        ctx.plan = _BackwardPlan(kernels, plan.counts, plan.streams)
+        ctx.save_for_backward(*xs, *weights, *stats)
+        return tuple(outputs)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
+        plan: _BackwardPlan = ctx.plan
+        n, kernels = len(plan.counts), plan.kernels
+        saved = ctx.saved_tensors
+        xs, weights, stats = saved[:n], saved[n : 2 * n], saved[2 * n :]
+        needs = ctx.needs_input_grad[1:]
+        needs_x, needs_w, needs_b = needs[:n], needs[n : 2 * n], needs[2 * n :]
+        grad_x: list[Tensor | None] = [None] * n
+        grad_w: list[Tensor | None] = [None] * n
+        grad_b: list[Tensor | None] = [None] * n
+        input_grad = any(needs_x)
+        active = [i for i in range(n) if plan.counts[i]]
+        with _streams(plan.streams):
+            dys = [_contiguous(g) for g in grads]
+            sums = {}
+            for i in active:
+                if not (input_grad or needs_w[i] or needs_b[i]):
+                    continue
+                mean, invstd = stats[i].chunk(2)
+                sum_dy, sum_dy_xmu, gw, gb = kernels.backward_reduce(
+                    dys[i], xs[i], mean, invstd, weights[i], input_grad, needs_w[i], needs_b[i]
+                )
+                grad_w[i] = gw if needs_w[i] else None
+                grad_b[i] = gb if needs_b[i] else None
+                if input_grad:  # the sums are undefined (None) when the kernel was told no input gradient is needed
+                    sums[i] = torch.cat([sum_dy, sum_dy_xmu])
+            if input_grad:
+                root = xs[0].device
+                total_sums = torch.stack([sums[i].to(root, non_blocking=True) for i in active]).sum(0)
+                per_device = _spread(total_sums, [x.device for x in xs])
+                total = sum(plan.counts)
+                for i in range(n):
+                    if not needs_x[i]:
+                        continue
+                    if not plan.counts[i]:
+                        grad_x[i] = torch.zeros_like(xs[i])
+                        continue
+                    mean, invstd = stats[i].chunk(2)
+                    sum_dy, sum_dy_xmu = per_device[i].chunk(2)
+                    grad_x[i] = kernels.backward_elemt(
+                        dys[i], xs[i], mean, invstd, weights[i], sum_dy, sum_dy_xmu, total
+                    )
+        return (None, *grad_x, *grad_w, *grad_b)
+
+
+@dataclass(frozen=True)
+class _BackwardPlan:
+    kernels: type[_Kernels]
+    counts: tuple[int, ...]
+    streams: tuple[torch.cuda.Stream | None, ...]
+
+
+def _spread(tensor: Tensor, devices: Sequence[torch.device]) -> list[Tensor]:
+    """``tensor`` on each of ``devices`` (one copy per distinct device; replicas of one device share it)."""
+    copies = {tensor.device: tensor}
+    spread = []
+    for device in devices:
+        if device not in copies:
+            copies[device] = tensor.to(device, non_blocking=True)
+        spread.append(copies[device])
+    return spread
+
+
+@contextlib.contextmanager
+def _streams(streams: Sequence[torch.cuda.Stream | None]) -> Iterator[None]:
+    """Make each replica's CUDA stream (captured when it arrived) current on its device while one thread works on
+    every device: so the work is ordered with what the replica's own thread queued before and queues after."""
+    with contextlib.ExitStack() as stack:
+        entered: set[Any] = set()
+        for stream in streams:
+            if stream is not None and stream.device not in entered:
+                entered.add(stream.device)
+                stack.enter_context(torch.cuda.stream(stream))
+        yield
+
+
+def _contiguous(t: Tensor) -> Tensor:
+    if t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last)):
+        return t
+    if t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d):
+        return t
+    return t.contiguous()
+
+
+# --- kernels ------------------------------------------------------------------------------------------------------
+def _shape(x: Tensor) -> tuple[int, ...]:
+    """Broadcast shape of a per-channel vector against ``x``."""
+    return (1, x.size(1)) + (1,) * (x.dim() - 2)
+
+
+def _dims(x: Tensor) -> list[int]:
+    """Every dim but the channels."""
+    return [0, *range(2, x.dim())]
+
+
+class _Kernels:
+    """Per-device steps of the joint node. ``local_stats`` returns a kernel-specific pair the same class combines."""
+
+    @staticmethod
+    def local_stats(x: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+        raise NotImplementedError
+
+    @staticmethod
+    def joint_stats(
+        stats: Sequence[tuple[Tensor, Tensor]],
+        counts: Sequence[int],
+        root: torch.device,
+        eps: float,
+        running: _Running | None,
+    ) -> tuple[Tensor, Tensor]:
+        """Mean and inverse std of the whole batch on ``root``; updates ``running``."""
+        raise NotImplementedError
+
+    @staticmethod
+    def normalize(
+        x: Tensor, weight: Tensor | None, bias: Tensor | None, mean: Tensor, invstd: Tensor, eps: float
+    ) -> Tensor:
+        raise NotImplementedError
+
+    @staticmethod
+    def backward_reduce(
+        dy: Tensor,
+        x: Tensor,
+        mean: Tensor,
+        invstd: Tensor,
+        weight: Tensor | None,
+        input_g: bool,
+        weight_g: bool,
+        bias_g: bool,
+    ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+        """This shard's ``sum(dy)``, ``sum(dy * (x - mean))`` per channel, and its weight and bias gradients."""
+        raise NotImplementedError
+
+    @staticmethod
+    def backward_elemt(
+        dy: Tensor,
+        x: Tensor,
+        mean: Tensor,
+        invstd: Tensor,
+        weight: Tensor | None,
+        sum_dy: Tensor,
+        sum_dy_xmu: Tensor,
+        total: int,
+    ) -> Tensor:
+        """The input gradient, given the sums over the whole batch (``total`` values per channel)."""
+        raise NotImplementedError
+
+
+class _CudaKernels(_Kernels):
+    """torch's batch-norm primitives (those of ``torch.nn.SyncBatchNorm``): fused kernels, statistics in the
+    accumulation type (float32 for half/bfloat16), no host synchronisation."""
+
+    @staticmethod
+    def local_stats(x: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+        return torch.batch_norm_stats(x, eps)  # mean, invstd
+
+    @staticmethod
+    def joint_stats(stats, counts, root, eps, running):
+        means = torch.stack([mean.to(root, non_blocking=True) for mean, _ in stats])
+        invstds = torch.stack([invstd.to(root, non_blocking=True) for _, invstd in stats])
+        # The kernel reads counts (and updates running stats) in the running stats' dtype, or else in the dtype of its
+        # first argument: pass the statistics there, so counts stay float32/64 (never half) without running stats.
+        fused = running is not None and running.momentum is not None and running.mean.dtype == means.dtype
+        counts_dtype = running.mean.dtype if fused else means.dtype
+        # One small asynchronous copy from pinned memory: a plain torch.tensor(..., device=root) would block the host.
+        counts_tensor = torch.tensor(counts, dtype=counts_dtype).pin_memory().to(root, non_blocking=True)
+        if fused:
+            return torch.batch_norm_gather_stats_with_counts(
+                means, means, invstds, running.mean, running.var, running.momentum, eps, counts_tensor
+            )
+        mean, invstd = torch.batch_norm_gather_stats_with_counts(
+            means, means, invstds, None, None, 0.0, eps, counts_tensor
+        )
+        if running is not None:
+            running.update(mean, invstd.pow(-2).sub_(eps), sum(counts))
+        return mean, invstd
+
+    @staticmethod
+    def normalize(x, weight, bias, mean, invstd, eps):
+        return torch.batch_norm_elemt(x, weight, bias, mean, invstd, eps)
+
+    @staticmethod
+    def backward_reduce(dy, x, mean, invstd, weight, input_g, weight_g, bias_g):
+        return torch.batch_norm_backward_reduce(dy, x, mean, invstd, weight, input_g, weight_g, bias_g)
+
+    @staticmethod
+    def backward_elemt(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, total):
+        if weight is not None and weight.dtype != mean.dtype:
+            weight = weight.to(mean.dtype)
+        # The kernel divides the sums by the sum of `count`: the whole batch's count, made on the device (no copy).
+        count = torch.full((1,), total, dtype=torch.int32, device=x.device)
+        return torch.batch_norm_backward_elemt(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, count)
+
+
+class _PlainKernels(_Kernels):
+    """Plain tensor ops, for devices without the primitives (the CPU). Statistics in float32 at least."""
+
+    @staticmethod
+    def local_stats(x: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+        var, mean = torch.var_mean(_upcast(x), _dims(x), correction=0)
+        return mean, var
+
+    @staticmethod
+    def joint_stats(stats, counts, root, eps, running):
+        means = torch.stack([mean.to(root) for mean, _ in stats])
+        variances = torch.stack([var.to(root) for _, var in stats])
+        total = sum(counts)
+        weights = torch.tensor([c / total for c in counts], dtype=means.dtype, device=root).unsqueeze(1)
+        mean = (weights * means).sum(0)
+        var = (weights * (variances + (means - mean).square())).sum(0)  # within-shard + between-shard variance
+        if running is not None:
+            running.update(mean, var, total)
+        return mean, torch.rsqrt(var + eps)
+
+    @staticmethod
+    def normalize(x, weight, bias, mean, invstd, eps):
+        shape = _shape(x)
+        scale = invstd if weight is None else invstd * weight.to(invstd.dtype)
+        y = (_upcast(x) - mean.view(shape)) * scale.view(shape)
+        if bias is not None:
+            y = y + bias.to(y.dtype).view(shape)
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward_reduce(dy, x, mean, invstd, weight, input_g, weight_g, bias_g):
+        dims = _dims(x)
+        dy32 = dy.to(mean.dtype)
+        sum_dy = dy32.sum(dims)
+        sum_dy_xmu = (dy32 * (_upcast(x) - mean.view(_shape(x)))).sum(dims)
+        grad_weight = (sum_dy_xmu * invstd).to(weight.dtype) if weight_g and weight is not None else None
+        grad_bias = sum_dy.to(weight.dtype) if bias_g and weight is not None else None
+        return sum_dy, sum_dy_xmu, grad_weight, grad_bias
+
+    @staticmethod
+    def backward_elemt(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, total):
+        shape = _shape(x)
+        scale = invstd if weight is None else invstd * weight.to(invstd.dtype)
+        xmu = _upcast(x) - mean.view(shape)
+        mean_dy, mean_dy_xmu = (sum_dy / total).view(shape), (sum_dy_xmu / total).view(shape)
+        grad = dy.to(mean.dtype) - mean_dy - xmu * invstd.square().view(shape) * mean_dy_xmu
+        return (grad * scale.view(shape)).to(x.dtype)
+
+
+def _upcast(x: Tensor) -> Tensor:
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+# --- conversion ---------------------------------------------------------------------------------------------------
+def convert_sync_batchnorm(module: nn.Module) -> nn.Module:
+    """Replace every BatchNorm in ``module`` (``nn.BatchNorm1d/2d/3d``, ``nn.SyncBatchNorm``, any ``_BatchNorm``) by a
+    :class:`SyncBatchNorm`; return the converted module (a new object only when ``module`` itself is a BatchNorm).
+
+    The analogue of ``torch.nn.SyncBatchNorm.convert_sync_batchnorm`` for one process. Each new layer holds the *same*
+    Parameter and buffer objects (optimizers stay valid, ``requires_grad`` is kept), the training flag, hooks and other
+    attributes of the layer it replaces, and records its dotted name and class so :func:`revert_sync_batchnorm` can
+    restore it. A layer used at several places stays one layer. State dicts keep BatchNorm's keys, so checkpoints load
+    into the unconverted model and back.
+    """
+    done: dict[int, nn.Module] = {}
+
+    def convert(sub: nn.Module, name: str) -> nn.Module:
+        if id(sub) in done:
+            return done[id(sub)]
+        if isinstance(sub, _BatchNorm) and not isinstance(sub, SyncBatchNorm):
+            new = _retype(sub, SyncBatchNorm, name)
+            new._sync_key = _LayerKey(name, type(sub))
+        else:
+            new = sub
+            if isinstance(sub, SyncBatchNorm) and _key_of(sub).name is None:
+                _key_of(sub).name = name
+            for child_name, child in list(sub._modules.items()):
+                if child is not None:
+                    sub._modules[child_name] = convert(child, f"{name}.{child_name}" if name else child_name)
+        done[id(sub)] = new
+        return new
+
+    return convert(module, "")
+
+
+def revert_sync_batchnorm(module: nn.Module, default: type[_BatchNorm] | None = None) -> nn.Module:
+    """Turn every :class:`SyncBatchNorm` in ``module`` back into the BatchNorm class it was converted from (``default``
+    for layers built as SyncBatchNorm directly), keeping the same Parameter and buffer objects; return the module."""
+    done: dict[int, nn.Module] = {}
+
+    def revert(sub: nn.Module, name: str) -> nn.Module:
+        if id(sub) in done:
+            return done[id(sub)]
+        if isinstance(sub, SyncBatchNorm):
+            cls = _key_of(sub).original_class or default
+            if cls is None:
+                raise ValueError(
+                    f"SyncBatchNorm layer {name or '<the root module>'!r} was built directly, not by "
+                    "convert_sync_batchnorm, so the BatchNorm class to restore is unknown: pass e.g. "
+                    "revert_sync_batchnorm(model, default=nn.BatchNorm2d)."
+                )
+            new = _retype(sub, cls, name)
+            new.__dict__.pop("_sync_key", None)
+        else:
+            new = sub
+            for child_name, child in list(sub._modules.items()):
+                if child is not None:
+                    sub._modules[child_name] = revert(child, f"{name}.{child_name}" if name else child_name)
+        done[id(sub)] = new
+        return new
+
+    return revert(module, "")
+
+
+def _retype(layer: _BatchNorm, cls: type[_BatchNorm], name: str) -> Any:
+    """A ``cls`` instance with ``layer``'s state: the same tensors, flags, hooks and attributes (containers copied, so
+    the two modules do not share later registrations)."""
+    if isinstance(layer, LazyModuleMixin) and layer.has_uninitialized_params():
+        raise ValueError(
+            f"Cannot convert {type(layer).__name__} {name or '<the root module>'!r}: its parameters are not "
+            "initialised yet. Run one forward pass (a dry run on a sample batch) before converting."
+        )
+    new = cls.__new__(cls)
+    new.__dict__.update({k: v.copy() if isinstance(v, (dict, set)) else v for k, v in layer.__dict__.items()})
+    return new
+
+
+def uses_sync_batchnorm(module: nn.Module) -> bool:
+    """Whether a forward of ``module`` in its current mode synchronises BatchNorm statistics across replicas: some
+    :class:`SyncBatchNorm` is in training mode (or has no running statistics). The replicas must then run in threads.
+
+    One walk over the modules (cheap: call it per step, since the mode can change). It also records the dotted names
+    of sync layers that have none yet (layers built directly), so their errors name them.
+    """
+    syncs = unnamed = False
+    for sub in module.modules():
+        if isinstance(sub, SyncBatchNorm):
+            unnamed = unnamed or _key_of(sub).name is None
+            syncs = syncs or sub.training or (sub.running_mean is None and sub.running_var is None)
+    if unnamed:
+        for name, sub in module.named_modules():
+            if isinstance(sub, SyncBatchNorm) and _key_of(sub).name is None:
+                _key_of(sub).name = name
+    return syncs
