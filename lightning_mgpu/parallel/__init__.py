@@ -5,20 +5,26 @@ Works on distinct CUDA devices, on one device repeated ("virtual devices") and o
 """
 
 from lightning_mgpu.parallel.devices import resolve_devices
+from lightning_mgpu.parallel.gather import ReplicaValues, gather
 from lightning_mgpu.parallel.modules import DataParallelCriterion, DataParallelModel
-from lightning_mgpu.parallel.parallel_apply import ReplicaError, ThreadState, parallel_apply
+from lightning_mgpu.parallel.parallel_apply import PeerFailedError, RendezvousError, ThreadState, parallel_apply
 from lightning_mgpu.parallel.reduce import reduce_losses
-from lightning_mgpu.parallel.replicate import replicate
+from lightning_mgpu.parallel.replicas import ReplicaSet, replicate
 from lightning_mgpu.parallel.scatter_gather import (
     BatchSplitError,
     NothingToSplitError,
     PerSample,
     batch_size_of,
-    gather,
     move_to,
     scatter,
     scatter_args,
     split_sizes,
+)
+from lightning_mgpu.parallel.sync_batchnorm import (
+    SyncBatchNorm,
+    convert_sync_batchnorm,
+    revert_sync_batchnorm,
+    uses_sync_batchnorm,
 )
 
 __all__ = [
@@ -26,17 +32,24 @@ __all__ = [
     "DataParallelCriterion",
     "DataParallelModel",
     "NothingToSplitError",
+    "PeerFailedError",
     "PerSample",
-    "ReplicaError",
+    "RendezvousError",
+    "ReplicaSet",
+    "ReplicaValues",
+    "SyncBatchNorm",
     "ThreadState",
     "batch_size_of",
+    "convert_sync_batchnorm",
     "gather",
     "move_to",
     "parallel_apply",
     "reduce_losses",
     "replicate",
     "resolve_devices",
+    "revert_sync_batchnorm",
     "scatter",
     "scatter_args",
     "split_sizes",
+    "uses_sync_batchnorm",
 ]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,19 +24,21 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_mgpu.parallel.compiled import is_compiled
 from lightning_mgpu.parallel.devices import DeviceLike, check_module_on, module_device, resolve_devices
+from lightning_mgpu.parallel.gather import gather
 from lightning_mgpu.parallel.parallel_apply import ExecutionMode, parallel_apply, resolve_mode
 from lightning_mgpu.parallel.reduce import reduce_losses
-from lightning_mgpu.parallel.replicate import replicate
+from lightning_mgpu.parallel.replicas import ReplicaSet
 from lightning_mgpu.parallel.scatter_gather import (
     BatchSplitError,
     NothingToSplitError,
     args_batch_size,
     batch_size_of,
-    gather,
     iter_tensors,
     move_to,
     scatter_args,
+    unsplittable_error,
 )
 
 WeightFn = Callable[[Any, tuple[Any, ...]], float | int | Tensor]
@@ -48,13 +51,18 @@ class DataParallelModel(nn.Module):
         module: the model, with its parameters on ``device_ids[0]`` (the root, where gradients accumulate).
         device_ids: devices as ints (CUDA indices), strings or ``torch.device``; repeats are allowed ("virtual
             devices", e.g. ``["cpu"] * 4``). ``None``: every visible CUDA device, or the module's device without CUDA.
-        output_device: where :meth:`gather` puts outputs; default ``device_ids[0]``.
+        output_device: where :meth:`gather` puts outputs; default ``device_ids[0]``. An int is a CUDA device index,
+            as in ``nn.DataParallel``.
         dim: the batch dimension of inputs and outputs.
-        mode: ``"auto"`` (threads on distinct GPUs, else sequential), ``"threads"`` or ``"sequential"``.
+        execution_mode: ``"auto"`` (threads on distinct GPUs, else sequential), ``"threads"`` or ``"sequential"``.
+            Compiled modules run one replica after another (Dynamo is not thread-safe); training with
+            :class:`SyncBatchNorm` layers runs them in threads (the replicas meet inside each layer).
 
     Any output type works: tensor, tuple, list, dict, dataclass, ``transformers`` ``ModelOutput``. With one device (or
     a batch of one sample) the module is called directly (no replica; inputs are moved to the device only if some are
-    elsewhere). After each call, :attr:`last_split_sizes` holds the number of samples each replica received.
+    elsewhere). Inputs with no batch dimension (no inputs at all, or plain values) run once on ``device_ids[0]``, as
+    ``nn.DataParallel`` runs a module without inputs. Replicas are built once and reused across calls (rebuilt when
+    the module's structure changes). After each call, :attr:`last_split_sizes` holds each replica's sample count.
     """
 
     def __init__(
@@ -63,15 +71,17 @@ class DataParallelModel(nn.Module):
         device_ids: Sequence[DeviceLike] | None = None,
         output_device: DeviceLike | None = None,
         dim: int = 0,
-        mode: ExecutionMode = "auto",
+        execution_mode: ExecutionMode = "auto",
     ) -> None:
         super().__init__()
         self.module = module
         self.device_ids = resolve_devices(device_ids, fallback=module_device(module))
         self.output_device = resolve_devices([output_device])[0] if output_device is not None else self.device_ids[0]
         self.dim = dim
-        self.mode = resolve_mode(mode, self.device_ids)
+        resolve_mode(execution_mode, self.device_ids)  # checks the value
+        self.execution_mode: ExecutionMode = execution_mode
         self.last_split_sizes: tuple[int, ...] = ()
+        self._replicas = LastingReplicas()
         check_module_on(module, self.device_ids[0])
 
     def forward(self, *inputs: Any, **kwargs: Any) -> list[Any]:
@@ -83,16 +93,27 @@ class DataParallelModel(nn.Module):
                 inputs, kwargs = move_to((inputs, kwargs), root)
             self.__dict__["last_split_sizes"] = (size,)  # a plain attribute: skip nn.Module.__setattr__'s checks
             return [self.module(*inputs, **kwargs)]
-        args_chunks, kwargs_chunks, sizes = scatter_args(inputs, kwargs, self.device_ids, self.dim)
+        try:
+            args_chunks, kwargs_chunks, sizes = scatter_args(inputs, kwargs, self.device_ids, self.dim)
+        except NothingToSplitError as err:
+            unsplittable = unsplittable_error((inputs, kwargs), err)
+            if unsplittable is not None:
+                raise unsplittable from None
+            self.last_split_sizes = ()  # no batch dimension: one run on the root, as nn.DataParallel does
+            return [self.module(*move_to(inputs, self.device_ids[0]), **move_to(kwargs, self.device_ids[0]))]
         self.last_split_sizes = tuple(sizes)
         if len(sizes) == 1:  # a batch of one sample: all of it on the root, no replica needed
             return [self.module(*args_chunks[0], **kwargs_chunks[0])]
         used = self.device_ids[: len(sizes)]
-        replicas = replicate(self.module, used, detach=not torch.is_grad_enabled())
+        replica_set = self._replicas.of(self.module, self.device_ids)
+        mode, reason = replica_set.execution_mode(self.execution_mode, len(used))
+        if reason is not None:
+            warnings.warn(f"DataParallelModel: {reason}.", UserWarning, stacklevel=2)
+        replicas = replica_set.prepare(len(used))
         calls = [
             (lambda r=r, a=a, k=k: r(*a, **k)) for r, a, k in zip(replicas, args_chunks, kwargs_chunks, strict=True)
         ]
-        return parallel_apply(calls, used, self.mode)
+        return parallel_apply(calls, used, mode)
 
     def gather(self, outputs: Sequence[Any]) -> Any:
         """Concatenate per-device outputs on ``output_device`` (for metrics, logging, visualisation).
@@ -102,6 +123,31 @@ class DataParallelModel(nn.Module):
         """
         sizes = self.last_split_sizes if len(self.last_split_sizes) == len(outputs) else None
         return gather(outputs, self.output_device, self.dim, sizes=sizes)
+
+
+class LastingReplicas:
+    """The :class:`ReplicaSet` of a wrapper's module, kept across calls and rebuilt when the module or devices change.
+
+    Never copied or pickled with the wrapper (replicas hold autograd links to the last step): a copy starts empty.
+    """
+
+    def __init__(self) -> None:
+        self._set: ReplicaSet | None = None
+
+    def of(self, module: nn.Module, devices: Sequence[torch.device]) -> ReplicaSet:
+        current = self._set
+        if current is None or current.module is not module or current.devices != list(devices):
+            current = self._set = ReplicaSet(module, devices)
+        return current
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> LastingReplicas:
+        return LastingReplicas()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._set = None
 
 
 def _safe_batch_size(obj: Any, dim: int) -> int:
@@ -220,7 +266,7 @@ class DataParallelCriterion(nn.Module):
         criterion: nn.Module | Callable[..., Tensor],
         device_ids: Sequence[DeviceLike] | None = None,
         dim: int = 0,
-        mode: ExecutionMode = "auto",
+        execution_mode: ExecutionMode = "auto",
         weight_fn: WeightFn | None = None,
     ) -> None:
         super().__init__()
@@ -230,8 +276,10 @@ class DataParallelCriterion(nn.Module):
         fallback = module_device(criterion) if isinstance(criterion, nn.Module) else None
         self.device_ids = resolve_devices(device_ids, fallback=fallback)
         self.dim = dim
-        self.mode = resolve_mode(mode, self.device_ids)
+        resolve_mode(execution_mode, self.device_ids)  # checks the value
+        self.execution_mode: ExecutionMode = execution_mode
         self.weight_fn = weight_fn
+        self._replicas = LastingReplicas()
 
     @property
     def reduction(self) -> str:
@@ -272,14 +320,15 @@ class DataParallelCriterion(nn.Module):
 
         if isinstance(criterion, nn.Module) and _has_tensors(criterion):
             check_module_on(criterion, self.device_ids[0], what="criterion")
-            replicas: Sequence[Any] = replicate(criterion, devices, detach=not torch.is_grad_enabled())
+            replicas: Sequence[Any] = self._replicas.of(criterion, devices).prepare()
         else:
             replicas = [criterion] * len(outputs)  # stateless: calling one object from several threads is safe
         calls = [
             (lambda c=c, o=o, t=t, k=k: c(*_as_args(o), *t, **k))
             for c, o, t, k in zip(replicas, outputs, target_chunks, kwargs_chunks, strict=True)
         ]
-        losses = parallel_apply(calls, devices, self.mode)
+        # A compiled criterion runs one replica after another: Dynamo is not thread-safe.
+        losses = parallel_apply(calls, devices, "sequential" if is_compiled(criterion) else self.execution_mode)
         root = self.device_ids[0]
         reduction = _criterion_option(criterion, kwargs, "reduction", "mean")
         if reduction == "none":
@@ -288,6 +337,12 @@ class DataParallelCriterion(nn.Module):
             return reduce_losses(losses, device=root, reduction="sum")
         if self.weight_fn is not None:
             weights = [self.weight_fn(o, t) for o, t in zip(outputs, target_chunks, strict=True)]
+            for index, weight in enumerate(weights):
+                if not isinstance(weight, (int, float, Tensor)) or isinstance(weight, bool):
+                    raise TypeError(
+                        f"weight_fn returned {weight!r} for replica {index}; it must return a number or a one-element "
+                        "tensor: how many items that replica's mean loss averages over (e.g. non-ignored targets)."
+                    )
         else:
             weights = [
                 _count_weight(criterion, o, t, k, self.dim)

@@ -17,17 +17,37 @@ from torch import Tensor
 from lightning_mgpu.parallel.devices import DeviceLike, to_device
 
 Weight = int | float | Tensor
-LossReduction = Literal["weighted", "mean", "sum"]
-LOSS_REDUCTIONS = ("weighted", "mean", "sum")
+LossReduction = Literal["weighted", "replica_mean", "sum"]
+LOSS_REDUCTIONS = ("weighted", "replica_mean", "sum")
 
 
-def as_float_weights(weights: Sequence[Weight]) -> list[float]:
-    """Weights as Python floats (one host sync for tensor weights, which zero-weight detection needs anyway)."""
+def as_float_weights(weights: Sequence[Weight], what: str = "loss weight") -> list[float]:
+    """Weights as Python floats (one host sync for tensor weights, which zero-weight detection needs anyway).
+
+    Each must be a number or a one-element tensor, finite and >= 0; anything else is refused, naming the replica.
+    """
+    for index, weight in enumerate(weights):
+        is_number = isinstance(weight, (int, float)) and not isinstance(weight, bool)
+        if not (is_number or (isinstance(weight, Tensor) and weight.numel() == 1)):
+            shown = f"a tensor of shape {tuple(weight.shape)}" if isinstance(weight, Tensor) else repr(weight)
+            raise TypeError(
+                f"The {what} of replica {index} is {shown}; it must be a number or a one-element tensor: the count "
+                "(samples, valid tokens...) that replica's mean loss averages over."
+            )
     tensors = [w for w in weights if isinstance(w, Tensor)]
-    if not tensors:
-        return [float(w) for w in weights]
-    values = iter(torch.stack([t.detach().reshape(()).double().cpu() for t in tensors]).tolist())
-    return [next(values) if isinstance(w, Tensor) else float(w) for w in weights]
+    if tensors:
+        values = iter(torch.stack([t.detach().reshape(()).double().cpu() for t in tensors]).tolist())
+        floats = [next(values) if isinstance(w, Tensor) else float(w) for w in weights]
+    else:
+        floats = [float(w) for w in weights]
+    bad = [(i, w) for i, w in enumerate(floats) if not math.isfinite(w) or w < 0]
+    if bad:
+        raise ValueError(
+            f"The {what}s must be finite and >= 0 (each is the count a replica's mean loss averages over), got "
+            + ", ".join(f"{w} on replica {i}" for i, w in bad)
+            + "."
+        )
+    return floats
 
 
 def _scalar_on(loss: Tensor, device: torch.device, index: int) -> Tensor:
@@ -38,7 +58,8 @@ def _scalar_on(loss: Tensor, device: torch.device, index: int) -> Tensor:
             f"The loss of replica {index} has shape {tuple(loss.shape)}; only scalar losses can be reduced. "
             "Reduce it to a scalar (e.g. `.mean()`), or gather per-sample losses instead."
         )
-    return loss.reshape(()).to(device)
+    loss = loss.reshape(()).to(device)
+    return loss.to(torch.promote_types(loss.dtype, torch.float32))  # never reduce in half precision or integers
 
 
 def reduce_losses(
@@ -49,9 +70,11 @@ def reduce_losses(
 ) -> Tensor:
     """Combine per-replica scalar losses on ``device`` (default: the first loss's device), keeping autograd.
 
-    ``reduction``: ``"weighted"`` = ``sum(w_i * l_i) / sum(w_i)`` (``weights`` default to 1 each); ``"mean"`` = equal
-    weights; ``"sum"`` = plain sum. Replicas with weight 0 are left out entirely, so a replica whose loss is NaN because
-    it saw no valid item (e.g. no masked token) cannot poison the result or the gradients.
+    ``reduction``: ``"weighted"`` = ``sum(w_i * l_i) / sum(w_i)`` (``weights`` default to 1 each); ``"replica_mean"``
+    = equal weights, whatever each replica holds (Lightning 1.x ``dp``, the 2018 DataParallelCriterion); ``"sum"`` =
+    plain sum. Computed in at least float32 (integer or half-precision losses included). Replicas with weight 0 are
+    left out entirely, so a replica whose loss is NaN because it saw no valid item (e.g. no masked token) cannot
+    poison the result or the gradients.
     """
     if reduction not in LOSS_REDUCTIONS:
         raise ValueError(f"Unknown loss reduction {reduction!r}: choose one of {LOSS_REDUCTIONS}.")
@@ -63,19 +86,16 @@ def reduce_losses(
     scalars = [_scalar_on(loss, root, i) for i, loss in enumerate(losses)]
     if reduction == "sum":
         return torch.stack(scalars).sum()
-    if reduction == "mean" or weights is None:
+    if reduction == "replica_mean" or weights is None:
         return torch.stack(scalars).mean()
     if len(weights) != len(losses):
         raise ValueError(f"Got {len(weights)} weights for {len(losses)} losses.")
     values = as_float_weights(weights)
-    if any(not math.isfinite(w) or w < 0 for w in values):
-        raise ValueError(f"Loss weights must be finite and >= 0, got {values}.")
     kept = [(s, w) for s, w in zip(scalars, values, strict=True) if w > 0]
     if not kept:
         raise ValueError(
             "Every replica has loss weight 0 (e.g. no valid target in the whole batch): the weighted mean is undefined."
         )
     stacked = torch.stack([s for s, _ in kept])
-    stacked = stacked.to(torch.promote_types(stacked.dtype, torch.float32))  # never weight in half precision
     weight_tensor = torch.tensor([w for _, w in kept], dtype=stacked.dtype, device=root)
     return (stacked * weight_tensor).sum() / weight_tensor.sum()

@@ -1,4 +1,4 @@
-"""Split a batch into per-device chunks and gather per-device outputs back.
+"""Split a batch into per-device chunks (the inverse, gathering outputs back, is :mod:`.gather`).
 
 Batches are nested tuples, lists, dicts (any ``Mapping``, including ``transformers`` ``ModelOutput``), namedtuples and
 dataclasses of tensors. Tensors are split along ``dim`` with ``torch.tensor_split`` (10 over 4 gives 3, 3, 2, 2, better
@@ -49,7 +49,7 @@ def is_namedtuple(obj: Any) -> bool:
     return isinstance(obj, tuple) and hasattr(obj, "_fields")
 
 
-def _is_dataclass_instance(obj: Any) -> bool:
+def is_dataclass_instance(obj: Any) -> bool:
     return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
 
 
@@ -94,7 +94,7 @@ def iter_tensors(
     elif isinstance(obj, (list, tuple)):
         for i, value in enumerate(obj):
             yield from iter_tensors(value, f"{path}[{i}]", per_sample)
-    elif _is_dataclass_instance(obj):
+    elif is_dataclass_instance(obj):
         for field in dataclasses.fields(obj):
             yield from iter_tensors(getattr(obj, field.name), f"{path}.{field.name}", per_sample)
 
@@ -167,7 +167,7 @@ def _item_lists(obj: Any, path: str) -> Iterator[tuple[str, Sequence[Any]]]:
     """Every list or plain tuple of dicts, dataclasses or tensors in ``obj``, outermost first, with its key path."""
     if isinstance(obj, (list, tuple)) and not is_namedtuple(obj) and obj:
         kinds = (Mapping, Tensor)
-        if any(all(isinstance(x, k) for x in obj) for k in kinds) or all(_is_dataclass_instance(x) for x in obj):
+        if any(all(isinstance(x, k) for x in obj) for k in kinds) or all(is_dataclass_instance(x) for x in obj):
             yield path, obj
         for i, value in enumerate(obj):
             yield from _item_lists(value, f"{path}[{i}]")
@@ -240,7 +240,7 @@ def rebuild(template: Any, values: Sequence[Any] | Mapping[str, Any]) -> Any:
     if isinstance(template, Mapping):
         if isinstance(template, defaultdict):
             return defaultdict(template.default_factory, values)
-        if _is_dataclass_instance(template):  # transformers ModelOutput: a dataclass and an OrderedDict
+        if is_dataclass_instance(template):  # transformers ModelOutput: a dataclass and an OrderedDict
             return type(template)(**values)
         try:
             return type(template)(values)
@@ -253,7 +253,7 @@ def rebuild(template: Any, values: Sequence[Any] | Mapping[str, Any]) -> Any:
             return type(template)(values)
         except TypeError:
             return list(values) if isinstance(template, list) else tuple(values)
-    if _is_dataclass_instance(template):
+    if is_dataclass_instance(template):
         init_fields = {f.name: v for f, v in zip(dataclasses.fields(template), values, strict=True) if f.init}
         obj = type(template)(**init_fields)
         for f, v in zip(dataclasses.fields(template), values, strict=True):
@@ -274,7 +274,7 @@ def _map_structure(obj: Any, leaf_fn: Callable[[Any], Any], batch_size: int | No
         return rebuild(obj, {k: _map_structure(v, leaf_fn, batch_size) for k, v in obj.items()})
     if isinstance(obj, (list, tuple)):
         return rebuild(obj, [_map_structure(v, leaf_fn, batch_size) for v in obj])
-    if _is_dataclass_instance(obj):
+    if is_dataclass_instance(obj):
         return rebuild(
             obj, [_map_structure(getattr(obj, f.name), leaf_fn, batch_size) for f in dataclasses.fields(obj)]
         )
@@ -377,99 +377,27 @@ def move_to(obj: Any, device: DeviceLike) -> Any:
     return _map_structure(obj, lambda leaf: leaf.to(target) if isinstance(leaf, Tensor) else leaf, None)
 
 
-def gather(outputs: Sequence[Any], device: DeviceLike, dim: int = 0, *, sizes: Sequence[int] | None = None) -> Any:
-    """Concatenate per-replica outputs on ``device`` along ``dim`` (differentiable), preserving the structure.
-
-    The inverse of :func:`scatter`: tensors are concatenated; :class:`PerSample` lists are concatenated; a list of
-    plain items (or a tuple of strings, e.g. ids) is concatenated when it holds one item per sample of its replica
-    (the replica's batch size is read from its tensors, or given as ``sizes``; without either, such lists are always
-    concatenated, tuples never); other lists, tuples and dicts are gathered field by field, as ``nn.DataParallel``
-    does; other non-tensor values are kept when equal across replicas, else returned as a list with one value per
-    replica. 0-dim tensors (e.g. a per-replica loss) are stacked, one value per replica, as ``nn.DataParallel`` does.
-    """
-    if not outputs:
-        raise ValueError("gather() needs at least one output.")
-    target = to_device(device)
-    if sizes is not None:
-        if len(sizes) != len(outputs):
-            raise ValueError(f"gather() got {len(outputs)} outputs but {len(sizes)} sizes.")
-        return _gather(list(outputs), target, dim, [int(n) for n in sizes], "output")
-    inferred: list[int] | None = []
-    for output in outputs:
-        try:
-            inferred.append(_infer_batch_size(output, dim, "output", type(output).__name__))
-        except BatchSplitError:
-            inferred = None
-            break
-    return _gather(list(outputs), target, dim, inferred, "output")
-
-
-def _gather(outputs: list[Any], target: torch.device, dim: int, sizes: list[int] | None, path: str) -> Any:
-    first = outputs[0]
-    if isinstance(first, PerSample):
-        if not all(isinstance(o, PerSample) for o in outputs):
-            raise _mismatch(outputs, path, "a PerSample list")
-        return PerSample(move_to(item, target) for o in outputs for item in o)
-    if isinstance(first, Tensor):
-        if not all(isinstance(o, Tensor) for o in outputs):
-            raise _mismatch(outputs, path, "a tensor")
-        tensors = [o.to(target) for o in outputs]
-        if first.dim() == 0:
-            return torch.stack(tensors)
-        return torch.cat(tensors, dim=dim)
-    if first is None:
+def unsplittable_error(batch: Any, cause: NothingToSplitError) -> BatchSplitError | None:
+    """For a batch without a batch dimension: an error when it holds a sequence of strings, which looks like one item
+    per sample that nothing tells the size of (mark it :class:`PerSample`); ``None`` when it holds only values that
+    every replica takes whole (``dict(x=1)``), which callers then run once, unsplit, as ``nn.DataParallel`` does."""
+    sequences = list(_string_sequences(batch, "batch"))
+    if not sequences:
         return None
-    if isinstance(first, Mapping):
-        if not all(isinstance(o, Mapping) and o.keys() == first.keys() for o in outputs):
-            raise _mismatch(outputs, path, f"a mapping with keys {list(first.keys())}")
-        merged = {k: _gather([o[k] for o in outputs], target, dim, sizes, f"{path}[{k!r}]") for k in first}
-        return rebuild(first, merged)
-    if isinstance(first, list) and not _contains_tensor(first):
-        if not all(isinstance(o, list) for o in outputs):
-            raise _mismatch(outputs, path, "a list")
-        if sizes is None or all(len(o) == n for o, n in zip(outputs, sizes, strict=True)):
-            return [item for o in outputs for item in o]
-        return _gather_value(outputs)
-    if sizes is not None and all(_is_tuple_of_strings(o) and len(o) == n for o, n in zip(outputs, sizes, strict=True)):
-        return tuple(item for o in outputs for item in o)  # one string per sample, e.g. ids
-    if isinstance(first, (list, tuple)):
-        if not all(type(o) is type(first) for o in outputs):
-            raise _mismatch(outputs, path, f"a {type(first).__name__}")
-        if not all(len(o) == len(first) for o in outputs):
-            raise _mismatch(outputs, path, f"a {type(first).__name__} of length {len(first)}", lengths=True)
-        items = [_gather([o[i] for o in outputs], target, dim, sizes, f"{path}[{i}]") for i in range(len(first))]
-        return rebuild(first, items)
-    if _is_dataclass_instance(first):
-        if not all(type(o) is type(first) for o in outputs):
-            raise _mismatch(outputs, path, f"a {type(first).__name__}")
-        names = [f.name for f in dataclasses.fields(first)]
-        fields = [_gather([getattr(o, n) for o in outputs], target, dim, sizes, f"{path}.{n}") for n in names]
-        return rebuild(first, fields)
-    return _gather_value(outputs)
-
-
-def all_equal(values: Sequence[Any]) -> bool:
-    """Whether every value equals the first (by identity when ``==`` is element-wise or undefined, as for arrays)."""
-    first = values[0]
-    try:
-        return all(bool(v == first) for v in values[1:])
-    except Exception:
-        return all(v is first for v in values[1:])
-
-
-def _gather_value(outputs: list[Any]) -> Any:
-    return outputs[0] if all_equal(outputs) else list(outputs)
-
-
-def _mismatch(outputs: list[Any], path: str, expected: str, lengths: bool = False) -> ValueError:
-    kinds = [f"{type(o).__name__} of length {len(o)}" if lengths else type(o).__name__ for o in outputs]
-    advice = (
-        " A list with one item per sample (e.g. detections) must be returned as lightning_mgpu.PerSample(items), "
-        "which is concatenated."
-        if lengths
-        else ""
+    where, length = sequences[0]
+    return BatchSplitError(
+        f"Cannot split the batch: it holds no tensor with a batch dimension, only {where}, a sequence of {length} "
+        "strings, and nothing says that it holds one item per sample. Wrap it in lightning_mgpu.PerSample(...) in "
+        "your collate_fn (or before the call) so that it is split by item across the devices."
     )
-    return ValueError(
-        f"Cannot gather {path}: replica 0 returned {expected} but the replicas returned {kinds} with different "
-        f"structures. Every replica must return the same structure.{advice}"
-    )
+
+
+def _string_sequences(obj: Any, path: str) -> Iterator[tuple[str, int]]:
+    if isinstance(obj, (list, tuple)) and not is_namedtuple(obj) and obj and all(isinstance(x, str) for x in obj):
+        yield path, len(obj)
+    elif isinstance(obj, Mapping):
+        for key, value in obj.items():
+            yield from _string_sequences(value, f"{path}[{key!r}]")
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            yield from _string_sequences(value, f"{path}[{i}]")

@@ -68,8 +68,8 @@ def test_gradients_float32(devices, mode, batch_size):
     y = torch.randint(0, 5, (batch_size,), device="cuda", generator=g)
     ref_loss = nn.CrossEntropyLoss()(reference(x), y)
     ref_loss.backward()
-    loss = DataParallelCriterion(nn.CrossEntropyLoss(), devices, mode=mode)(
-        DataParallelModel(model, devices, mode=mode)(x),
+    loss = DataParallelCriterion(nn.CrossEntropyLoss(), devices, execution_mode=mode)(
+        DataParallelModel(model, devices, execution_mode=mode)(x),
         y.cpu(),  # targets may live elsewhere: moved per device
     )
     loss.backward()
@@ -106,7 +106,9 @@ def test_autocast_bf16_in_worker_threads(devices):
             return out
 
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        outputs = DataParallelModel(Recorder().cuda(), devices, mode="threads")(torch.randn(6, 8, device="cuda"))
+        outputs = DataParallelModel(Recorder().cuda(), devices, execution_mode="threads")(
+            torch.randn(6, 8, device="cuda")
+        )
     assert len(records) == len(devices)
     assert sum(name == threading.current_thread().name for name, *_ in records) == 1
     assert all(enabled and dtype == torch.bfloat16 and out == torch.bfloat16 for _, enabled, dtype, out, *_ in records)
@@ -128,7 +130,7 @@ def test_caller_stream_is_used_by_workers():
     x = torch.randn(4, 3, device="cuda")
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        outputs = DataParallelModel(Probe(), ["cuda:0", "cuda:0"], mode="threads")(x)
+        outputs = DataParallelModel(Probe(), ["cuda:0", "cuda:0"], execution_mode="threads")(x)
         result = torch.cat(outputs)
     torch.cuda.current_stream().wait_stream(side)
     assert all(s == side for s in streams)

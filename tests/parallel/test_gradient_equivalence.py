@@ -72,8 +72,8 @@ def test_gradients_equal_single_device(model_name, n, batch_size, kind, mode):
     ref_loss, ref_grads = single_device(reference, x, y)
 
     model = make()
-    dp_model = DataParallelModel(model, ["cpu"] * n, mode=mode)
-    dp_criterion = DataParallelCriterion(nn.CrossEntropyLoss(), ["cpu"] * n, mode=mode)
+    dp_model = DataParallelModel(model, ["cpu"] * n, execution_mode=mode)
+    dp_criterion = DataParallelCriterion(nn.CrossEntropyLoss(), ["cpu"] * n, execution_mode=mode)
     outputs = dp_model(x)
     loss = dp_criterion(outputs, y)
     loss.backward()
@@ -91,8 +91,8 @@ def test_gradients_equal_single_device(model_name, n, batch_size, kind, mode):
 def test_parameters_equal_after_several_sgd_steps(mode):
     """Gradients accumulate into the originals, so an optimizer on the original parameters trains identically."""
     reference, model = cnn(), cnn()
-    dp_model = DataParallelModel(model, ["cpu"] * 3, mode=mode)
-    dp_criterion = DataParallelCriterion(nn.CrossEntropyLoss(), ["cpu"] * 3, mode=mode)
+    dp_model = DataParallelModel(model, ["cpu"] * 3, execution_mode=mode)
+    dp_criterion = DataParallelCriterion(nn.CrossEntropyLoss(), ["cpu"] * 3, execution_mode=mode)
     opt_ref = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for step, size in enumerate((10, 7, 2, 9)):
@@ -123,8 +123,8 @@ def test_keyword_inputs_and_targets(mode):
     x, y = batch((5,), 9)
     ref_loss = nn.CrossEntropyLoss()(reference(features=x, scale=0.5), y)
     ref_loss.backward()
-    dp_model = DataParallelModel(model, ["cpu"] * 4, mode=mode)
-    loss = DataParallelCriterion(nn.CrossEntropyLoss(), ["cpu"] * 4, mode=mode)(
+    dp_model = DataParallelModel(model, ["cpu"] * 4, execution_mode=mode)
+    loss = DataParallelCriterion(nn.CrossEntropyLoss(), ["cpu"] * 4, execution_mode=mode)(
         dp_model(features=x, scale=0.5), target=y
     )
     loss.backward()

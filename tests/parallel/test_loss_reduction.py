@@ -55,8 +55,8 @@ def run_both(criterion_factory, tokens, targets, n, mode="sequential"):
     ref_loss = criterion_factory()(reference(tokens), targets)
     ref_loss.backward()
     model = TokenModel()
-    outputs = DataParallelModel(model, ["cpu"] * n, mode=mode)(tokens)
-    loss = DataParallelCriterion(criterion_factory(), ["cpu"] * n, mode=mode)(outputs, targets)
+    outputs = DataParallelModel(model, ["cpu"] * n, execution_mode=mode)(tokens)
+    loss = DataParallelCriterion(criterion_factory(), ["cpu"] * n, execution_mode=mode)(outputs, targets)
     loss.backward()
     return (ref_loss, grads(reference)), (loss, grads(model), outputs)
 
@@ -76,7 +76,7 @@ def test_token_cross_entropy_needs_count_weights(mode):
     counts = [int((t != -100).sum()) for t in shards]
     assert counts == [10, 3, 6]
     weighted = reduce_losses(losses, counts, reduction="weighted")
-    equal = reduce_losses(losses, counts, reduction="mean")  # the 2018 DataParallelCriterion / Lightning 1.x dp
+    equal = reduce_losses(losses, counts, reduction="replica_mean")  # the 2018 DataParallelCriterion / Lightning 1.x dp
     assert abs(weighted.item() - ref_loss.item()) < TOL
     assert abs(equal.item() - ref_loss.item()) > 1e-3
     assert abs(equal.item() - sum(losses).item() / 3) < TOL
@@ -159,7 +159,7 @@ def test_reduce_losses_weighting_and_dtypes():
     assert reduce_losses(losses, [3, 1]).item() == pytest.approx(1.75)
     assert reduce_losses(losses, [torch.tensor(3), torch.tensor(1.0)]).item() == pytest.approx(1.75)
     assert reduce_losses(losses).item() == pytest.approx(2.5)  # no weights: equal weights
-    assert reduce_losses(losses, [3, 1], reduction="mean").item() == pytest.approx(2.5)
+    assert reduce_losses(losses, [3, 1], reduction="replica_mean").item() == pytest.approx(2.5)
     assert reduce_losses(losses, reduction="sum").item() == pytest.approx(5.0)
     half = [t.to(torch.bfloat16) for t in losses]
     assert reduce_losses(half, [3, 1]).dtype == torch.float32  # weighted in at least float32
@@ -171,8 +171,10 @@ def test_reduction_none_gathers_per_sample_losses(mode):
     tokens, targets = token_batch([5, 4, 2, 1, 5, 3, 2], seed=5)
     reference, model = TokenModel(), TokenModel()
     ref = nn.CrossEntropyLoss(reduction="none")(reference(tokens), targets)
-    outputs = DataParallelModel(model, ["cpu"] * 4, mode=mode)(tokens)
-    per_sample = DataParallelCriterion(nn.CrossEntropyLoss(reduction="none"), ["cpu"] * 4, mode=mode)(outputs, targets)
+    outputs = DataParallelModel(model, ["cpu"] * 4, execution_mode=mode)(tokens)
+    per_sample = DataParallelCriterion(nn.CrossEntropyLoss(reduction="none"), ["cpu"] * 4, execution_mode=mode)(
+        outputs, targets
+    )
     assert per_sample.shape == ref.shape == targets.shape
     assert (per_sample - ref).abs().max().item() < TOL
     ref.sum().backward()
@@ -199,9 +201,9 @@ def test_multi_input_criterion_triplet(mode, n):
     reference, model = TripletNet(), TripletNet()
     ref_loss = nn.TripletMarginLoss(margin=2.0)(*reference(a, p, q))
     ref_loss.backward()
-    outputs = DataParallelModel(model, ["cpu"] * n, mode=mode)(a, p, q)
+    outputs = DataParallelModel(model, ["cpu"] * n, execution_mode=mode)(a, p, q)
     assert all(isinstance(o, tuple) and len(o) == 3 for o in outputs)
-    loss = DataParallelCriterion(nn.TripletMarginLoss(margin=2.0), ["cpu"] * n, mode=mode)(outputs)
+    loss = DataParallelCriterion(nn.TripletMarginLoss(margin=2.0), ["cpu"] * n, execution_mode=mode)(outputs)
     loss.backward()
     assert ref_loss.item() > 0
     assert abs(loss.item() - ref_loss.item()) < TOL

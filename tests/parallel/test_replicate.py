@@ -19,13 +19,17 @@ def bn_net() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 2)).double()
 
 
-def test_replicas_share_parameters_and_replica_zero_shares_buffers():
+def test_replicas_alias_parameters_and_replica_zero_shares_buffers():
     model = bn_net()
     replicas = replicate(model, ["cpu"] * 3)
     assert len(replicas) == 3 and all(r is not model for r in replicas)
-    for replica in replicas:
+    for index, replica in enumerate(replicas):
         for p, q in zip(model.parameters(), replica.parameters(), strict=True):
-            assert q is p  # same device: the original leaf parameters, gradients accumulate there
+            # Same device: the original storage (no copy), linked to the original by one autograd node.
+            assert q is not p and q.data_ptr() == p.data_ptr() and q.grad_fn is not None
+            (q.sum() * (index + 1)).backward()
+    for p in model.parameters():
+        assert torch.equal(p.grad, torch.full_like(p, 6.0))  # 1 + 2 + 3: every replica's gradient reached p
     bn = model[1]
     assert replicas[0][1].running_mean is bn.running_mean
     assert replicas[0][1].num_batches_tracked is bn.num_batches_tracked
@@ -43,7 +47,7 @@ def test_batchnorm_running_stats_come_from_chunk_zero(mode):
     model = bn_net()
     chunk0_only = copy.deepcopy(model)
     x = torch.randn(10, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    outputs = DataParallelModel(model, ["cpu"] * 4, mode=mode)(x)
+    outputs = DataParallelModel(model, ["cpu"] * 4, execution_mode=mode)(x)
     assert [o.shape[0] for o in outputs] == [3, 3, 2, 2]
     chunk0_only(x[:3])  # what BN sees on replica 0
     bn, ref = model[1], chunk0_only[1]
@@ -96,8 +100,8 @@ def test_tied_weights_stay_tied(mode):
     targets = torch.randint(0, 13, (7, 4), generator=torch.Generator().manual_seed(1))
     ref_loss = nn.CrossEntropyLoss()(reference(tokens), targets)
     ref_loss.backward()
-    loss = DataParallelCriterion(nn.CrossEntropyLoss(), ["cpu"] * 3, mode=mode)(
-        DataParallelModel(model, ["cpu"] * 3, mode=mode)(tokens), targets
+    loss = DataParallelCriterion(nn.CrossEntropyLoss(), ["cpu"] * 3, execution_mode=mode)(
+        DataParallelModel(model, ["cpu"] * 3, execution_mode=mode)(tokens), targets
     )
     loss.backward()
     assert abs(loss.item() - ref_loss.item()) < 1e-10
@@ -124,7 +128,7 @@ def test_one_device_is_a_plain_call(monkeypatch):
     def no_replicas(*args, **kwargs):
         raise AssertionError("one device must not replicate")
 
-    monkeypatch.setattr(modules_module, "replicate", no_replicas)
+    monkeypatch.setattr(modules_module, "ReplicaSet", no_replicas)
     monkeypatch.setattr(modules_module, "parallel_apply", no_replicas)
     model = bn_net()
     seen = []
@@ -147,7 +151,7 @@ def test_one_device_is_a_plain_call(monkeypatch):
 
 
 def test_batch_of_one_sample_on_many_devices_is_a_plain_call(monkeypatch):
-    monkeypatch.setattr(modules_module, "replicate", lambda *a, **k: pytest.fail("no replica needed"))
+    monkeypatch.setattr(modules_module, "ReplicaSet", lambda *a, **k: pytest.fail("no replica needed"))
     model = nn.Linear(3, 2)
     seen = []
     model.register_forward_hook(lambda module, args, out: seen.append(module))
@@ -195,7 +199,7 @@ def test_rnn_and_parametrized_modules():
     y = torch.randint(0, 3, (7,), generator=torch.Generator().manual_seed(1))
     nn.CrossEntropyLoss()(reference(x), y).backward()
     DataParallelCriterion(nn.CrossEntropyLoss(), ["cpu"] * 3)(
-        DataParallelModel(model, ["cpu"] * 3, mode="threads")(x), y
+        DataParallelModel(model, ["cpu"] * 3, execution_mode="threads")(x), y
     ).backward()
     for p, q in zip(reference.parameters(), model.parameters(), strict=True):
         assert (p.grad - q.grad).abs().max().item() < 1e-10

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+import lightning_mgpu
 from lightning_mgpu.parallel import (
     DataParallelCriterion,
     DataParallelModel,
@@ -116,20 +117,24 @@ def test_gather_reverses_scatter_exactly():
     assert_same(gather(chunks, "cpu"), small)
 
 
-def test_zero_dim_tensors_are_replicated_and_stacked_back():
+def test_zero_dim_tensors_are_replicated_and_averaged_back_by_sample_count():
     scale = torch.tensor(2.5)
     chunks, _ = scatter({"x": torch.arange(10.0), "scale": scale}, CPU4)
     assert all(c["scale"].dim() == 0 and c["scale"].item() == 2.5 for c in chunks)
-    # Gathering 0-dim outputs (e.g. a per-replica auxiliary loss) stacks them, one value per replica.
-    assert torch.equal(gather([torch.tensor(1.0), torch.tensor(2.0)], "cpu"), torch.tensor([1.0, 2.0]))
+    # A 0-dim output (e.g. a per-replica mean loss) becomes one value, weighted by each replica's sample count.
+    assert torch.equal(gather([torch.tensor(1.0), torch.tensor(2.0)], "cpu"), torch.tensor(1.5))
+    assert gather([torch.tensor(1.0), torch.tensor(2.0)], "cpu", sizes=[3, 1]).item() == pytest.approx(1.25)
+    assert gather([{"n": torch.tensor(4.0)}, {"n": torch.tensor(4.0)}], "cpu")["n"].item() == 4.0  # equal: as is
 
 
 def test_non_tensor_values_passed_whole_and_gathered():
     marker = object()
     chunks, _ = scatter((torch.zeros(6, 2), marker, "text", 4, ["a", "b"]), ["cpu"] * 3)
     assert all(c[1] is marker and c[2] == "text" and c[3] == 4 and c[4] == ["a", "b"] for c in chunks)
-    # Different non-tensor values come back as one value per replica.
-    assert gather([{"x": torch.zeros(1), "k": 1}, {"x": torch.zeros(1), "k": 2}], "cpu")["k"] == [1, 2]
+    # Different numbers are averaged by sample count (here 1 each); other values come back one per replica.
+    assert gather([{"x": torch.zeros(1), "k": 1}, {"x": torch.zeros(1), "k": 2}], "cpu")["k"] == 1.5
+    merged = gather([{"x": torch.zeros(1), "k": "a"}, {"x": torch.zeros(1), "k": "b"}], "cpu")["k"]
+    assert isinstance(merged, lightning_mgpu.ReplicaValues) and list(merged) == ["a", "b"]
     # Lists of plain items with no tensor beside them are concatenated.
     assert gather([["a", "b"], ["c"]], "cpu") == ["a", "b", "c"]
 
@@ -204,7 +209,7 @@ def test_model_outputs_of_every_structure_gather_to_single_device(mode):
     }
     model = DictModel()
     expected = model(batch)
-    dp_model = DataParallelModel(model, CPU4, mode=mode)
+    dp_model = DataParallelModel(model, CPU4, execution_mode=mode)
     outputs = dp_model(batch)
     assert len(outputs) == 4 and [len(o["names"]) for o in outputs] == [3, 3, 2, 2]
     gathered = dp_model.gather(outputs)

@@ -1,0 +1,73 @@
+"""Replicas of ``torch.compile``d modules: compiled code bound to each replica's own tensors.
+
+A compiled module's code is bound to the original object: ``module.compile()`` stores ``torch.compile(
+module._call_impl)`` (a bound method) on the instance, and ``torch.compile(module)`` wraps it in an
+``OptimizedModule`` whose ``forward`` is bound to the wrapped original. A shallow replica would therefore run the
+original's parameters and buffers. Here each replica gets the same compilation, with the original's options, bound to
+itself. Dynamo is not thread-safe (pytorch #118260), so callers run compiled replicas one after another.
+
+Reading the options back uses torch internals (the compile context closed over by ``module.compile()``'s wrapper,
+``OptimizedModule.dynamo_ctx``); :class:`CompiledReplicaError` says so clearly if a future torch changes them.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from torch import nn
+
+
+class CompiledReplicaError(RuntimeError):
+    """A compiled module whose compile options cannot be read back, so it cannot be replicated faithfully."""
+
+
+def _dynamo_loaded() -> bool:
+    return "torch._dynamo" in sys.modules  # nothing compiled can exist before dynamo is imported
+
+
+def is_optimized_module(module: nn.Module) -> bool:
+    """``torch.compile(module)``'s wrapper."""
+    if not _dynamo_loaded():
+        return False
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return isinstance(module, OptimizedModule)
+
+
+def is_compiled(module: nn.Module) -> bool:
+    """Whether ``module`` itself runs compiled code (``module.compile()`` or ``torch.compile(module)``)."""
+    return module.__dict__.get("_compiled_call_impl") is not None or is_optimized_module(module)
+
+
+def _compile_context(compiled_call: Callable[..., Any], where: str) -> Callable[[Callable[..., Any]], Any]:
+    """The compile context (options included) that ``module.compile()`` wrapped around ``module._call_impl``."""
+    from torch._dynamo.eval_frame import _TorchDynamoContext
+
+    for cell in getattr(compiled_call, "__closure__", None) or ():
+        try:
+            content = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(content, _TorchDynamoContext):
+            return content
+    raise CompiledReplicaError(
+        f"Cannot replicate {where}: it was compiled with module.compile(), but this torch version does not let its "
+        "compile options be read back, so a replica cannot run the same compiled code on its own tensors. Compile "
+        "with torch.compile(module) instead, train on one device, or use strategy='ddp'."
+    )
+
+
+def compiled_call(original: nn.Module, replica: nn.Module) -> Callable[..., Any]:
+    """``replica``'s ``_compiled_call_impl``: the original's compilation (same options) of ``replica._call_impl``."""
+    context = _compile_context(original.__dict__["_compiled_call_impl"], f"a {type(original).__name__}")
+    return context(replica._call_impl)
+
+
+def optimized_module_replica(original: nn.Module, children: Mapping[str, nn.Module | None]) -> nn.Module:
+    """A new ``OptimizedModule`` with the original's compile context around the replica of the wrapped module."""
+    wrapped = children.get("_orig_mod")
+    if wrapped is None:
+        raise CompiledReplicaError(f"Cannot replicate {type(original).__name__}: it wraps no module.")
+    return type(original)(wrapped, original.dynamo_ctx)

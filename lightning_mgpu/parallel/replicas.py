@@ -1,0 +1,430 @@
+"""Lasting replicas: copies of a module's tree, built once per device list and brought up to date every step.
+
+Rebuilding replicas on every step (what ``torch.nn.DataParallel`` does) costs host time that grows with the model's
+depth times the number of devices. A :class:`ReplicaSet` builds the module copies once and, each step, does only what
+``DataParallel``'s semantics need:
+
+* **Parameters** reach the replicas through ONE autograd node per step (:class:`_ReplicaParameters`): on the
+  parameters' own device a replica gets an alias of the original storage (no copy), on other devices a coalesced copy.
+  Its backward sums the replicas' gradients onto the originals in replica order, so the result never depends on
+  thread timing. Parameters that do not require gradients, and every parameter when grad mode is off, are handed to
+  the replicas without a node.
+* **Buffers** follow ``DataParallel``: replica 0 shares the original buffers (BatchNorm running statistics are updated
+  from chunk 0), the other replicas own copies that are overwritten from the originals, in place, before every step.
+* **Everything else** stays in sync by a cheap check: attributes rebound on the original modules between steps (a
+  scheduler changing a dropout rate, ``train()``/``eval()``) are copied to the replicas; a structural change (a module,
+  parameter or buffer added, removed or replaced) rebuilds the replicas.
+
+Modules compiled with ``torch.compile`` (``module.compile()`` or ``torch.compile(module)``) get replicas that run
+compiled code bound to their own tensors, with the original's compile options (:mod:`.compiled`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_mgpu.parallel.compiled import compiled_call, is_compiled, is_optimized_module, optimized_module_replica
+from lightning_mgpu.parallel.devices import DeviceLike, distinct_cuda, to_device
+from lightning_mgpu.parallel.parallel_apply import ExecutionMode, resolve_mode
+from lightning_mgpu.parallel.sync_batchnorm import uses_sync_batchnorm
+
+_STRUCTURE = ("_parameters", "_buffers", "_modules")
+_NEVER_SYNCED = frozenset({*_STRUCTURE, "_is_replica", "_compiled_call_impl", "forward"})
+
+
+def replicate(module: nn.Module, devices: Sequence[DeviceLike], detach: bool = False) -> list[nn.Module]:
+    """One replica of ``module`` per device, ready for one call (a one-off :class:`ReplicaSet`).
+
+    With gradients enabled (and ``detach=False``), gradients of every replica flow back into the original parameters;
+    with ``detach=True`` replicas hold no autograd link (for inference). Callers that run many steps should keep a
+    :class:`ReplicaSet` instead, which builds the copies once.
+    """
+    with torch.set_grad_enabled(torch.is_grad_enabled() and not detach):
+        return ReplicaSet(module, devices).prepare()
+
+
+class ReplicaSet:
+    """Lasting replicas of ``module``, one per device of ``devices`` (devices may repeat: "virtual devices").
+
+    Call :meth:`prepare` before each step: it returns the first ``n`` replicas, up to date with the original.
+    ``overrides`` names attributes that the owner sets per replica (a ``log`` recorder, a ``_device``): they are
+    never overwritten from the original. ``shared(submodule)`` marks submodules that are not copied: every replica
+    holds the original object (the owner may swap in its own per-replica objects from ``on_build``, as the
+    strategies do with torchmetrics clones). :attr:`builds` counts (re)builds.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        devices: Sequence[DeviceLike],
+        on_build: Callable[[list[nn.Module]], None] | None = None,
+        overrides: Sequence[str] = (),
+        shared: Callable[[nn.Module], bool] | None = None,
+    ) -> None:
+        self.module = module
+        self._shared = shared
+        self.devices = [to_device(d) for d in devices]
+        if not self.devices:
+            raise ValueError("A ReplicaSet needs at least one device.")
+        self._on_build = on_build
+        self._overrides = frozenset(overrides) | _NEVER_SYNCED
+        self.builds = 0
+        self._build()
+
+    # --- build -------------------------------------------------------------------------------------------------------
+    def _build(self) -> None:
+        self._originals = _walk(self.module, self._shared)
+        position = {id(m): k for k, m in enumerate(self._originals)}
+        self._params = _unique(p for m in self._originals for p in m._parameters.values() if p is not None)
+        param_index = {id(p): j for j, p in enumerate(self._params)}
+        self._root = self._params[0].device if self._params else self.devices[0]
+        self._copies: list[list[nn.Module]] = []
+        self._param_slots: list[list[tuple[dict[str, Any], str, int]]] = []
+        self._buffer_copies: list[tuple[list[Tensor], list[Tensor]]] = []  # (replica's own copies, originals)
+        self._rnns: list[list[nn.RNNBase]] = []
+        self.compiled = any(is_compiled(m) for m in self._originals)
+        with torch.inference_mode(False), torch.no_grad():  # copies must be normal tensors, whatever the caller's mode
+            for i, device in enumerate(self.devices):
+                self._build_replica(i, device, position, param_index)
+        self._snapshot()
+        self.builds += 1
+        if self._on_build is not None:
+            self._on_build(self.replicas)
+
+    def _build_replica(
+        self, i: int, device: torch.device, position: dict[int, int], param_index: dict[int, int]
+    ) -> None:
+        originals = self._originals
+        shared = self._shared
+        copies: list[nn.Module | None] = [
+            m
+            if shared is not None and shared(m)
+            else None
+            if is_optimized_module(m)
+            else m._replicate_for_data_parallel()
+            for m in originals
+        ]
+        # torch.compile(module) wrappers are built around their wrapped module's copy; innermost first.
+        for k in range(len(originals) - 1, -1, -1):
+            if copies[k] is None:
+                copies[k] = optimized_module_replica(originals[k], self._children(k, copies, position))
+        slots, own, sources, rnns = [], [], [], []
+        for k, (original, copy) in enumerate(zip(originals, copies, strict=True)):
+            assert copy is not None
+            if copy is original or is_optimized_module(original):
+                continue  # shared as is, or a compiled wrapper (its tensors are those of the wrapped module)
+            copy._modules = self._children(k, copies, position)  # type: ignore[assignment]
+            copy._parameters = dict(original._parameters)  # the originals until the first prepare()
+            for name, param in original._parameters.items():
+                if param is not None:
+                    slots.append((copy._parameters, name, param_index[id(param)]))
+            for name, buffer in original._buffers.items():
+                if buffer is None:
+                    continue
+                if i == 0 and buffer.device == device:
+                    copy._buffers[name] = buffer  # replica 0 shares the originals (DataParallel's semantics)
+                else:
+                    replica_buffer = buffer.detach().to(device, copy=True)
+                    copy._buffers[name] = replica_buffer
+                    own.append(replica_buffer)
+                    sources.append(buffer)
+            if original.__dict__.get("_compiled_call_impl") is not None:
+                copy._compiled_call_impl = compiled_call(original, copy)
+            if isinstance(copy, nn.RNNBase):
+                rnns.append(copy)
+        self._copies.append(copies)  # type: ignore[arg-type]
+        self._param_slots.append(slots)
+        self._buffer_copies.append((own, sources))
+        self._rnns.append(rnns)
+
+    def _children(
+        self, k: int, copies: list[nn.Module | None], position: dict[int, int]
+    ) -> dict[str, nn.Module | None]:
+        return {
+            name: None if child is None else copies[position[id(child)]]
+            for name, child in self._originals[k]._modules.items()
+        }
+
+    def _snapshot(self) -> None:
+        shared = self._shared
+        self._watch = [_watch_entry(m) if shared is None or not shared(m) else _UNWATCHED for m in self._originals]
+
+    @property
+    def replicas(self) -> list[nn.Module]:
+        """Every replica's root module, in device order."""
+        return [copies[0] for copies in self._copies]
+
+    def execution_mode(self, requested: ExecutionMode, count: int) -> tuple[ExecutionMode, str | None]:
+        """The mode to run ``count`` replicas in, and why it is not ``requested`` (``None`` when it is).
+
+        Compiled replicas run one after another: Dynamo is not thread-safe (pytorch #118260). Training with
+        SyncBatchNorm needs threads: the replicas meet inside every BatchNorm layer. Both at once cannot work.
+        """
+        devices = self.devices[:count]
+        sync = count > 1 and uses_sync_batchnorm(self.module)  # per layer: training, or no running statistics
+        if self.compiled and sync:
+            raise RuntimeError(
+                "SyncBatchNorm needs the replicas to run at the same time (in threads), but the model is compiled "
+                "with torch.compile, whose compiler is not thread-safe, so compiled replicas run one after another. "
+                "Revert the SyncBatchNorm layers (revert_sync_batchnorm / no sync_batchnorm=True), or do not compile "
+                "the model here (DDP runs compiled models with synchronised BatchNorm)."
+            )
+        if self.compiled:
+            switched = resolve_mode(requested, devices) == "threads"
+            reason = "the model is compiled, and torch.compile's compiler is not thread-safe: replicas run one after "
+            return "sequential", (
+                reason + "another from one thread (on distinct GPUs they still overlap)"
+            ) if switched else None
+        if sync:
+            switched = resolve_mode(requested, devices) == "sequential"
+            reason = "SyncBatchNorm layers make the replicas meet inside every BatchNorm layer: replicas run in threads"
+            return "threads", reason if switched else None
+        return requested, None
+
+    # --- every step --------------------------------------------------------------------------------------------------
+    def prepare(self, n: int | None = None) -> list[nn.Module]:
+        """The first ``n`` replicas (default all), synced with the original for a step in the current grad mode."""
+        n = len(self.devices) if n is None else n
+        if not 1 <= n <= len(self.devices):
+            raise ValueError(f"Asked for {n} replicas of a set of {len(self.devices)}.")
+        self._sync_structure()
+        with torch.no_grad():
+            for own, sources in self._buffer_copies[:n]:
+                if own:
+                    torch._foreach_copy_(own, sources)
+        self._assign_parameters(n)
+        return self.replicas[:n]
+
+    def _sync_structure(self) -> None:
+        """Rebuild on a structural change; copy attributes rebound on the originals to every replica.
+
+        One pass of identity comparisons (dicts compare their values by identity first, at C speed): the common case,
+        nothing changed, costs well under a microsecond per module.
+        """
+        for k, (attrs, params, buffers, children, *saved) in enumerate(self._watch):
+            if attrs is None:  # a shared submodule: every replica holds the original
+                continue
+            same_structure = _same(params, saved[1]) and _same(buffers, saved[2]) and _same(children, saved[3])
+            if same_structure and _same(attrs, saved[0]):
+                continue
+            if not same_structure or _compile_changed(attrs, saved[0]):
+                self._build()
+                return
+            self._copy_attributes(k, saved[0])
+
+    def _copy_attributes(self, k: int, before: dict[str, Any]) -> None:
+        current = self._originals[k].__dict__
+        changed = {
+            key: value
+            for key, value in current.items()
+            if key not in self._overrides and (key not in before or before[key] is not value)
+        }
+        removed = [key for key in before if key not in current and key not in self._overrides]
+        for copies in self._copies:
+            replica_dict = copies[k].__dict__
+            replica_dict.update(changed)
+            for key in removed:
+                replica_dict.pop(key, None)
+        self._watch[k] = _watch_entry(self._originals[k])
+
+    def restore_attributes(self) -> None:
+        """Undo attributes rebound on the replicas (by a step they ran): each replica's modules get the original's
+        attributes back, except the per-replica ``overrides``."""
+        for k, original in enumerate(self._originals):
+            source = original.__dict__
+            for copies in self._copies:
+                copy = copies[k]
+                if copy is original:
+                    continue
+                replica_dict = copy.__dict__
+                for key in [key for key in replica_dict if key not in source and key not in self._overrides]:
+                    del replica_dict[key]
+                replica_dict.update(
+                    {
+                        key: value
+                        for key, value in source.items()
+                        if key not in self._overrides and replica_dict.get(key, _MISSING) is not value
+                    }
+                )
+
+    def _assign_parameters(self, n: int) -> None:
+        params = self._params
+        count = len(params)
+        layout = _Layout(self.devices[:n], self._root)
+        grad = torch.is_grad_enabled()
+        trainable = [j for j, p in enumerate(params) if grad and p.requires_grad]
+        if len(trainable) == count:  # the common case: every replica's tensors are one slice of the node's outputs
+            linked = _ReplicaParameters.apply(layout, *params) if count else ()
+            per_replica: list[Sequence[Tensor]] = [linked[i * count : (i + 1) * count] for i in range(n)]
+        else:
+            frozen = [j for j in range(count) if not (grad and params[j].requires_grad)]
+            lists: list[list[Tensor]] = [[None] * count for _ in range(n)]  # type: ignore[list-item]
+            _fill(lists, frozen, _unlinked([params[j] for j in frozen], layout))
+            if trainable:
+                linked = _ReplicaParameters.apply(layout, *(params[j] for j in trainable))
+                step = len(trainable)
+                _fill(lists, trainable, [linked[i * step : (i + 1) * step] for i in range(n)])
+            per_replica = lists  # type: ignore[assignment]
+        for i in range(n):
+            tensors = per_replica[i]
+            for store, name, j in self._param_slots[i]:
+                store[name] = tensors[j]
+            for rnn in self._rnns[i]:
+                # RNNs run on a cached list of their weights, which must hold this replica's tensors.
+                rnn._flat_weights = [getattr(rnn, wn, None) for wn in rnn._flat_weights_names]
+
+    def release(self) -> None:
+        """Drop every replica and copy (frees their memory on the other devices)."""
+        self._copies, self._param_slots, self._buffer_copies, self._rnns = [], [], [], []
+        self._originals, self._params, self._watch = [], [], []
+
+
+class _Layout:
+    """Where a step's replicas live, relative to the root (the original parameters' device)."""
+
+    def __init__(self, devices: Sequence[torch.device], root: torch.device) -> None:
+        self.devices = list(devices)
+        self.root = root
+        self.others = list(dict.fromkeys(d for d in self.devices if d != root))
+
+
+def _unlinked(params: Sequence[Tensor], layout: _Layout) -> list[list[Tensor]]:
+    """Per replica, ``params`` without an autograd link: aliases of the originals on the root, copies elsewhere."""
+    detached = [p.detach() for p in params]
+    copies = _broadcast(detached, layout.root, layout.others)
+    return [[p.detach() for p in params] if d == layout.root else copies[d] for d in layout.devices]
+
+
+def _fill(per_replica: list[list[Tensor]], indices: Sequence[int], values: Sequence[Sequence[Tensor]]) -> None:
+    for tensors, replica_values in zip(per_replica, values, strict=True):
+        for j, value in zip(indices, replica_values, strict=True):
+            tensors[j] = value
+
+
+def _broadcast(
+    tensors: Sequence[Tensor], root: torch.device, others: Sequence[torch.device]
+) -> dict[Any, list[Tensor]]:
+    """``tensors`` (on ``root``) copied to each device of ``others``: one coalesced broadcast on distinct GPUs."""
+    if not others:
+        return {}
+    if tensors and distinct_cuda([root, *others]):
+        copies = torch.cuda.comm.broadcast_coalesced(list(tensors), [root, *others])
+        return {d: list(c) for d, c in zip(others, copies[1:], strict=True)}
+    return {d: [t.to(d, non_blocking=True) for t in tensors] for d in others}
+
+
+class _ReplicaParameters(torch.autograd.Function):
+    """One node that hands every replica its parameters and sums their gradients back in replica order.
+
+    Outputs are replica-major: ``outputs[i * P + j]`` is parameter ``j`` for replica ``i``. On the root device they
+    share the original storage (no copy); elsewhere they are one coalesced copy per device, shared by the replicas
+    on that device. Backward adds the replicas' gradients in replica order on each device, then reduces the devices
+    onto the root in device order: deterministic, whatever order threads finished in.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, layout: _Layout, *params: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+        ctx.layout = layout
+        ctx.count = len(params)
+        copies = _broadcast(params, layout.root, layout.others)
+        outputs: list[Tensor] = []
+        for device in layout.devices:
+            source = params if device == layout.root else copies[device]
+            outputs.extend(t.detach() for t in source)  # aliases: autograd links them to this node
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        layout: _Layout = ctx.layout
+        count = ctx.count
+        per_device: dict[torch.device, list[Tensor | None]] = {}
+        for i, device in enumerate(layout.devices):
+            replica_grads = grads[i * count : (i + 1) * count]
+            total = per_device.get(device)
+            per_device[device] = list(replica_grads) if total is None else _add(total, replica_grads)
+        result = per_device.get(layout.root, [None] * count)
+        for device in layout.others:  # device order
+            result = _add(result, _to_device_coalesced(per_device[device], layout.root))
+        return (None, *result)
+
+
+def _add(total: list[Tensor | None], extra: Sequence[Tensor | None]) -> list[Tensor | None]:
+    """Element-wise ``total + extra`` with ``None`` as zero; out of place (incoming gradients may be shared)."""
+    both = [j for j, (a, b) in enumerate(zip(total, extra, strict=True)) if a is not None and b is not None]
+    result = [a if a is not None else b for a, b in zip(total, extra, strict=True)]
+    if both:
+        sums = torch._foreach_add([total[j] for j in both], [extra[j] for j in both])  # type: ignore[misc]
+        for j, s in zip(both, sums, strict=True):
+            result[j] = s
+    return result
+
+
+def _to_device_coalesced(tensors: Sequence[Tensor | None], device: torch.device) -> list[Tensor | None]:
+    """``tensors`` moved to ``device`` with one transfer per dtype (flattened, then split back)."""
+    moved: list[Tensor | None] = [None] * len(tensors)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for j, t in enumerate(tensors):
+        if t is not None:
+            by_dtype.setdefault(t.dtype, []).append(j)
+    for indices in by_dtype.values():
+        flat = torch.cat([tensors[j].reshape(-1) for j in indices]).to(device)  # type: ignore[union-attr]
+        for j, part in zip(indices, flat.split([tensors[j].numel() for j in indices]), strict=True):  # type: ignore[union-attr]
+            moved[j] = part.view_as(tensors[j])  # type: ignore[arg-type]
+    return moved
+
+
+_UNWATCHED = (None,) * 8
+_MISSING = object()
+
+
+def _walk(module: nn.Module, shared: Callable[[nn.Module], bool] | None = None) -> list[nn.Module]:
+    """Every distinct module of the tree, parents before children (a stack, not recursion: no closure cycles).
+
+    The subtree of a ``shared`` module is not entered: the module is listed, its children are not."""
+    seen: set[int] = set()
+    order: list[nn.Module] = []
+    stack = [module]
+    while stack:
+        current = stack.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        order.append(current)
+        if shared is not None and current is not module and shared(current):
+            continue
+        stack.extend(child for child in reversed(current._modules.values()) if child is not None)
+    return order
+
+
+def _unique(tensors: Any) -> list[Tensor]:
+    seen: set[int] = set()
+    unique = []
+    for t in tensors:
+        if id(t) not in seen:
+            seen.add(id(t))
+            unique.append(t)
+    return unique
+
+
+def _watch_entry(module: nn.Module) -> tuple[dict[str, Any], ...]:
+    """A module's attribute, parameter, buffer and child dicts, then shallow copies of them to compare against."""
+    live = (module.__dict__, module._parameters, module._buffers, module._modules)
+    return (*live, *(dict(d) for d in live))
+
+
+def _same(current: dict[str, Any], saved: dict[str, Any]) -> bool:
+    """Whether a dict still holds what ``saved`` copied from it. Values compare by identity first (C speed); a value
+    whose ``==`` cannot answer (a tensor rebound to another tensor) counts as changed."""
+    try:
+        return bool(current == saved)
+    except Exception:
+        return False
+
+
+def _compile_changed(current: dict[str, Any], saved: dict[str, Any]) -> bool:
+    """Compiled (or un-compiled) since the build: replicas need their own compiled code, so a rebuild."""
+    return current.get("_compiled_call_impl") is not saved.get("_compiled_call_impl")
