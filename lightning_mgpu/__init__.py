@@ -1,45 +1,78 @@
 """lightning-mgpu: single-process multi-GPU training for PyTorch Lightning 2.
 
-``import lightning_mgpu`` registers ``strategy="parallel_criterion"`` and ``strategy="dp"`` (alias
-``"data_parallel"``) with Lightning, so ``Trainer(strategy="parallel_criterion", accelerator="gpu", devices=4)`` works.
-The pure-PyTorch :class:`DataParallelModel` / :class:`DataParallelCriterion` are here too.
+``import lightning_mgpu`` registers ``strategy="parallel_criterion"`` and ``strategy="dp"`` (alias ``"data_parallel"``)
+with every Lightning namespace the project uses, ``lightning.pytorch`` and ``pytorch_lightning`` (at once if it is
+imported, else as soon as it is: see :mod:`lightning_mgpu.registration`), so
+``Trainer(strategy="parallel_criterion", accelerator="gpu", devices=4)`` works. Importing the package imports no
+Lightning itself: the pure-PyTorch :class:`DataParallelModel` / :class:`DataParallelCriterion` need torch only.
+
+``lightning_mgpu.ParallelCriterionStrategy`` and ``lightning_mgpu.DataParallelStrategy`` are the ``lightning.pytorch``
+classes (imported on first use); ``pytorch_lightning`` projects that pass an instance use
+``lightning_mgpu.strategies.pytorch_lightning.ParallelCriterionStrategy`` (and ``DataParallelStrategy``).
 """
 
+from typing import Any
+
 from lightning_mgpu.parallel import (
+    BatchSplitError,
     DataParallelCriterion,
     DataParallelModel,
+    NothingToSplitError,
+    PeerFailedError,
     PerSample,
+    RendezvousError,
+    ReplicaSet,
+    ReplicaValues,
+    SyncBatchNorm,
+    convert_sync_batchnorm,
     gather,
     parallel_apply,
     reduce_losses,
     replicate,
+    revert_sync_batchnorm,
     scatter,
 )
-from lightning_mgpu.strategies import (
-    LOSS_TERMS_KEY,
-    LOSS_WEIGHT_KEY,
-    DataParallelStrategy,
-    ParallelCriterionStrategy,
-    register_strategies,
-)
+from lightning_mgpu.registration import register_on_import, register_strategies
+from lightning_mgpu.strategies.step_outputs import LOSS_TERMS_KEY, LOSS_WEIGHT_KEY
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
-register_strategies()
+_STRATEGY_CLASSES = ("ParallelCriterionStrategy", "DataParallelStrategy")
+
+
+def __getattr__(name: str) -> Any:
+    """The strategy classes, imported on first use (they import ``lightning.pytorch``)."""
+    if name in _STRATEGY_CLASSES:
+        from lightning_mgpu.strategies import lightning_pytorch
+
+        return getattr(lightning_pytorch, name)
+    raise AttributeError(f"module 'lightning_mgpu' has no attribute {name!r}")
+
+
+register_on_import()
 
 __all__ = [
     "LOSS_TERMS_KEY",
     "LOSS_WEIGHT_KEY",
+    "BatchSplitError",
     "DataParallelCriterion",
     "DataParallelModel",
     "DataParallelStrategy",
+    "NothingToSplitError",
     "ParallelCriterionStrategy",
+    "PeerFailedError",
     "PerSample",
+    "RendezvousError",
+    "ReplicaSet",
+    "ReplicaValues",
+    "SyncBatchNorm",
     "__version__",
+    "convert_sync_batchnorm",
     "gather",
     "parallel_apply",
     "reduce_losses",
     "register_strategies",
     "replicate",
+    "revert_sync_batchnorm",
     "scatter",
 ]

@@ -4,32 +4,48 @@ The ``*_step`` runs once, on the root device, with the whole batch; only the mod
 submodules' ``forward``) runs replicated, and its outputs are gathered on ``output_device``, where the user's loss then
 runs. This is ``torch.nn.DataParallel``'s data flow: simple, manual optimization works, and the gathered outputs plus
 the loss's activations sit on one device, which is why that device runs out of memory first when outputs are large.
+
+Two things differ from ``nn.DataParallel``, both so that training equals one device: a scalar a forward returns per
+replica (a ``transformers`` model's ``.loss``) is combined into one value with the right weights (found out on the
+first call, as ``parallel_criterion`` does for step losses) instead of being stacked; and a step that never calls a
+replicated forward (``self.model(...)`` instead of ``self(...)``) is reported instead of silently running on one
+device.
 """
 
 from __future__ import annotations
 
+import types
+import warnings
 from collections.abc import Sequence
-from contextlib import contextmanager
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
+from typing_extensions import override
 
 from lightning_mgpu.parallel.devices import DeviceLike, to_device
-from lightning_mgpu.parallel.parallel_apply import ExecutionMode
-from lightning_mgpu.parallel.scatter_gather import NothingToSplitError, args_batch_size, gather, scatter_args
-from lightning_mgpu.strategies.single_process import SingleProcessParallelStrategy
+from lightning_mgpu.parallel.gather import gather
+from lightning_mgpu.parallel.parallel_apply import ExecutionMode, parallel_apply
+from lightning_mgpu.parallel.scatter_gather import (
+    NothingToSplitError,
+    args_batch_size,
+    iter_tensors,
+    scatter_args,
+    unsplittable_error,
+)
+from lightning_mgpu.strategies.loss_normalization import SAMPLES, LossNormalization, detect
+from lightning_mgpu.strategies.single_process import SingleProcessParallel
 
 
-class DataParallelStrategy(SingleProcessParallelStrategy):
-    """DataParallel in Lightning 2: forward replicated, outputs gathered on one device.
+class DataParallel(SingleProcessParallel):
+    """One process, N devices: forward replicated, outputs gathered on ``output_device`` (``nn.DataParallel``).
 
     Args:
-        output_device: where outputs are gathered: an int is an index into the strategy's devices (with
-            ``devices=[2, 3]``, ``1`` is ``cuda:3``), anything else a device (``"cuda:3"``); default the root device
-            (``parallel_devices[0]``).
-        parallel_modules: dotted names of the submodules whose ``forward`` runs replicated (e.g. ``["backbone"]``);
-            default ``[""]``: the LightningModule's own ``forward``, i.e. every ``self(...)`` call in a step.
+        output_device: where outputs are gathered; default the root device (``parallel_devices[0]``). An int is a
+            CUDA device index, as for ``nn.DataParallel`` and ``DataParallelModel`` (and Lightning's
+            ``devices=[2, 3]``); a string (``"cuda:3"``) or ``torch.device`` works too.
+        parallel_modules: names of the submodules whose ``forward`` runs replicated (e.g. ``["backbone"]``); default
+            ``[""]``: the LightningModule's own ``forward``, i.e. every ``self(...)`` call in a step.
         dim: the batch dimension of inputs and outputs.
         execution_mode: ``"auto"`` (threads on distinct GPUs, else sequential), ``"threads"`` or ``"sequential"``.
     """
@@ -48,7 +64,14 @@ class DataParallelStrategy(SingleProcessParallelStrategy):
         execution_mode: ExecutionMode = "auto",
     ) -> None:
         super().__init__(accelerator, parallel_devices, checkpoint_io, precision_plugin, dim, execution_mode)
+        if output_device is not None:
+            to_device(output_device)  # a clear error now, not at the first step
         self._output_device = output_device
+        if isinstance(parallel_modules, str) or not all(isinstance(n, str) for n in parallel_modules):
+            raise TypeError(
+                f"parallel_modules must be a list of submodule names, got {parallel_modules!r}: write "
+                f"parallel_modules=[{parallel_modules!r}] for one module ('' is the LightningModule itself)."
+            )
         self.parallel_modules = list(parallel_modules)
         if not self.parallel_modules:
             raise ValueError("parallel_modules is empty: name at least one submodule ('' is the LightningModule).")
@@ -59,23 +82,40 @@ class DataParallelStrategy(SingleProcessParallelStrategy):
                         f"parallel_modules names {outer!r} and {inner!r}, but {inner!r} runs inside {outer!r}: its "
                         "forward would be replicated again inside each replica. Name only the outermost module."
                     )
+        self._wrapped: list[nn.Module] = []
+        self._in_step = False
+        self._forward_calls = 0
+        self._scalar_rules: dict[str, LossNormalization] = {}
+        self._warned_unreplicated: set[str] = set()
+
+    @classmethod
+    @override
+    def registered_names(cls) -> tuple[str, ...]:
+        return (cls.strategy_name, "data_parallel")
 
     @property
     def output_device(self) -> torch.device:
         """The device outputs are gathered on."""
-        if self._output_device is None:
-            return self.root_device
-        if isinstance(self._output_device, int) and not isinstance(self._output_device, bool):
-            if not 0 <= self._output_device < len(self.parallel_devices):
-                raise ValueError(
-                    f"output_device={self._output_device} is not an index into the {len(self.parallel_devices)} "
-                    "devices of this strategy."
-                )
-            return self.parallel_devices[self._output_device]
-        return to_device(self._output_device)
+        return self.root_device if self._output_device is None else to_device(self._output_device)
+
+    # --- the parallel forward, installed once per fit/validate/test/predict ------------------------------------------
+    @override
+    def setup(self, trainer: Any) -> None:
+        super().setup(trainer)
+        if len(self.parallel_devices) > 1:  # type: ignore[attr-defined]
+            for target in self._targets():
+                target.forward = ParallelForward(self, target)  # an instance attribute: never in state dicts
+                self._wrapped.append(target)
+
+    @override
+    def teardown(self) -> None:
+        for target in self._wrapped:
+            target.__dict__.pop("forward", None)
+        self._wrapped = []
+        super().teardown()
 
     def _targets(self) -> list[nn.Module]:
-        module = self.lightning_module
+        module = self.lightning_module  # type: ignore[attr-defined]
         targets = []
         for name in self.parallel_modules:
             try:
@@ -86,49 +126,152 @@ class DataParallelStrategy(SingleProcessParallelStrategy):
                 ) from err
         return targets
 
-    @contextmanager
-    def _replicated_forward(self):
-        """Patch each target's ``forward`` on the instance (never saved in state dicts) for the step's duration."""
-        if len(self.parallel_devices) == 1:
-            yield
-            return
-        targets = self._targets()
-        for target in targets:
-            target.forward = self._make_parallel_forward(target)
-        try:
-            yield
-        finally:
-            for target in targets:
-                target.__dict__.pop("forward", None)
-
-    def _make_parallel_forward(self, target: nn.Module):
-        original = type(target).forward.__get__(target)
-
-        def parallel_forward(*inputs: Any, **kwargs: Any) -> Any:
-            try:
-                batch_size = args_batch_size(inputs, kwargs, self.dim)
-            except NothingToSplitError:
-                return original(*inputs, **kwargs)  # no tensor input: run once, on root
-            args_chunks, kwargs_chunks, sizes = scatter_args(
-                inputs, kwargs, self.parallel_devices, self.dim, batch_size=batch_size
-            )
-            devices = self.parallel_devices[: len(sizes)]
-
-            def call(index: int, replica: Any) -> Any:
-                return replica(*args_chunks[index], **kwargs_chunks[index])
-
-            outputs = self._run_replicas(target, devices, sizes, call)
-            return gather(outputs, self.output_device, self.dim, sizes=sizes)
-
-        return parallel_forward
-
     def _run_step(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        with self._step_context(hook), self._replicated_forward():
-            return getattr(self.lightning_module, hook)(*args, **kwargs)
+        module = self.lightning_module  # type: ignore[attr-defined]
+        self._in_step, self._forward_calls = True, 0
+        try:
+            with self._step_context(hook):
+                output = getattr(module, hook)(*args, **kwargs)
+        finally:
+            self._in_step = False
+        if self._wrapped and self._forward_calls == 0 and hook in ("training_step", "validation_step"):
+            self._warn_unreplicated(hook)
+        return output
 
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        description = "One process, N devices: forward replicated, outputs gathered on output_device (nn.DataParallel)"
-        for name in (cls.strategy_name, "data_parallel"):
-            if name not in strategy_registry:
-                strategy_registry.register(name, cls, description=description)
+    def _warn_unreplicated(self, hook: str) -> None:
+        if hook in self._warned_unreplicated:
+            return
+        self._warned_unreplicated.add(hook)
+        names = [n or "self" for n in self.parallel_modules]
+        warnings.warn(
+            f"dp: `{hook}` ran on one device: it never called the replicated forward of {names} (`self(...)` for "
+            "the LightningModule), so nothing ran in parallel. A call such as `self.model(...)` bypasses it: call "
+            "`self(...)` and have `forward` call the model, or pass DataParallelStrategy(parallel_modules=['model']).",
+            UserWarning,
+            stacklevel=2,
+        )
+
+    def _forward(self, target: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        original = types.MethodType(type(target).forward, target)
+        if not self._in_step:
+            return original(*inputs, **kwargs)  # outside a step (a callback's self(x)): a plain call
+        self._forward_calls += 1
+        try:
+            batch_size = args_batch_size(inputs, kwargs, self.dim)
+        except NothingToSplitError as err:
+            unsplittable = unsplittable_error((inputs, kwargs), err)
+            if unsplittable is not None:
+                raise unsplittable from None
+            return original(*inputs, **kwargs)  # nothing to split: run once, on the root
+        devices = self.parallel_devices  # type: ignore[attr-defined]
+        args_chunks, kwargs_chunks, sizes = scatter_args(inputs, kwargs, devices, self.dim, batch_size=batch_size)
+        if len(sizes) == 1:
+            return original(*args_chunks[0], **kwargs_chunks[0])
+
+        def call(index: int, replica: nn.Module) -> Any:
+            return replica(*args_chunks[index], **kwargs_chunks[index])
+
+        outputs = self._run_replicated(target, sizes, call)
+        chunks = list(zip(args_chunks, kwargs_chunks, strict=True))
+        weights = self._scalar_weights(target, outputs, chunks, sizes, (inputs, kwargs))
+        return gather(outputs, self.output_device, self.dim, sizes=sizes, weights=weights)
+
+    # --- scalars in forward outputs (a transformers model's .loss) --------------------------------------------------
+    def _scalar_weights(
+        self,
+        target: nn.Module,
+        outputs: list[Any],
+        chunks: list[tuple[tuple[Any, ...], dict[str, Any]]],
+        sizes: list[int],
+        whole: tuple[tuple[Any, ...], dict[str, Any]],
+    ) -> dict[str, Any]:
+        """How to combine each floating scalar of the outputs that differs between replicas: sample counts for a
+        per-sample mean, token counts for a token mean, summed for a sum."""
+        weights: dict[str, Any] = {}
+        for path in _floating_scalar_paths(outputs):
+            rule = self._scalar_rules.get(path)
+            if rule is None:
+                rule = self._scalar_rules[path] = self._detect_scalar(target, path, whole)
+            if rule.kind == "sum":
+                weights[path] = "sum"
+            elif rule.kind == "replica_mean":
+                weights[path] = [1] * len(outputs)
+            else:
+                weights[path] = rule.weights(chunks, sizes)
+        return weights
+
+    def _detect_scalar(self, target: nn.Module, path: str, whole: tuple[Any, ...]) -> LossNormalization:
+        replicas = self._replicas_of(target)
+
+        def values_of(chunks: list[Any]) -> list[Tensor] | None:
+            with self._side_effect_free(replicas, len(chunks)) as live:
+                outs = parallel_apply(
+                    [lambda r=r, c=c: r(*c[0], **c[1]) for r, c in zip(live, chunks, strict=True)],
+                    replicas.devices[: len(chunks)],
+                    "sequential",
+                )
+            values = [_at(out, path) for out in outs]
+            return values if all(isinstance(v, Tensor) and v.numel() == 1 for v in values) else None
+
+        detection = detect(whole, self.dim, values_of)
+        if detection.normalization is not None:
+            self._log(
+                f"dp: {path} of {type(target).__name__}.forward is {detection.normalization.describe()}; the "
+                "replicas' values are combined accordingly (found out on the first call)."
+            )
+            return detection.normalization
+        warnings.warn(
+            f"dp: {type(target).__name__}.forward returns a scalar at {path} on each replica, and how it is "
+            f"normalised could not be established ({detection.reason}); the replicas' values are averaged weighted "
+            "by sample count, which equals one device only for a per-sample mean.\n"
+            + (detection.report() + "\n" if detection.predictions else "")
+            + "Compute the loss in the step from the gathered outputs (call the model without labels), or use "
+            "strategy='parallel_criterion' with loss_reduction set.",
+            UserWarning,
+            stacklevel=2,
+        )
+        return SAMPLES
+
+
+class ParallelForward:
+    """The replicated ``forward`` that ``dp`` installs on each target module for a run (removed at teardown).
+
+    Copies and pickles of the module get a plain bound ``forward`` instead, so an EMA copy or a pickled module never
+    carries the strategy along."""
+
+    def __init__(self, strategy: DataParallel, target: nn.Module) -> None:
+        self.strategy = strategy
+        self.target = target
+
+    def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
+        return self.strategy._forward(self.target, inputs, kwargs)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        copy = memo.get(id(self.target), self.target)
+        return types.MethodType(type(copy).forward, copy)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _plain_forward, (self.target,)
+
+
+def _plain_forward(target: nn.Module) -> Any:
+    return types.MethodType(type(target).forward, target)
+
+
+def _floating_scalar_paths(outputs: list[Any]) -> list[str]:
+    """Paths (as gather names them) of floating 0-dim tensors in the first output whose values differ by replica."""
+    paths = []
+    for path, tensor in iter_tensors(outputs[0], "output"):
+        if tensor.dim() == 0 and tensor.is_floating_point():
+            values = [_at(o, path) for o in outputs]
+            if not all(v is tensor for v in values[1:]):
+                paths.append(path)
+    return paths
+
+
+def _at(output: Any, path: str) -> Any:
+    """The value of ``output`` at a path as ``iter_tensors`` names it (``output['loss']``, ``output.x``)."""
+    for candidate, tensor in iter_tensors(output, "output"):
+        if candidate == path:
+            return tensor
+    return None

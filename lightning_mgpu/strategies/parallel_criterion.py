@@ -1,39 +1,54 @@
 """``strategy="parallel_criterion"``: every device runs the whole ``*_step`` (forward **and** loss) on its shard.
 
-Only one scalar loss per device reaches the root, where the losses are averaged with weights that make the result
-equal to one device on the whole batch (sample counts by default; a step can return its own weights, see
-:mod:`lightning_mgpu.strategies.step_outputs`). Outputs never pile up on the root device, which is what makes
-``nn.DataParallel`` run out of memory on GPU 0 first.
+Only one scalar loss per device reaches the root, where the losses are combined into the whole batch's loss: weighted
+by sample counts for per-sample means, summed for sums, weighted by valid tokens for token means — found out on the
+first training step unless the strategy or the step says so (:mod:`.loss_normalization`). Outputs never pile up on
+the root device, which is what makes ``nn.DataParallel`` run out of memory on GPU 0 first.
 """
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import torch
-from lightning.pytorch import Trainer
-from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import Tensor, nn
+from typing_extensions import override
 
+from lightning_mgpu.parallel.gather import gather
 from lightning_mgpu.parallel.parallel_apply import ExecutionMode
-from lightning_mgpu.parallel.reduce import LOSS_REDUCTIONS, LossReduction
-from lightning_mgpu.parallel.scatter_gather import scatter
-from lightning_mgpu.strategies.single_process import SingleProcessParallelStrategy
-from lightning_mgpu.strategies.step_outputs import all_or_none, gather_step_outputs, reduce_training_outputs
+from lightning_mgpu.parallel.scatter_gather import NothingToSplitError, scatter, unsplittable_error
+from lightning_mgpu.strategies.loss_normalization import SAMPLES, Detection, LossNormalization, detect
+from lightning_mgpu.strategies.single_process import SingleProcessParallel
+from lightning_mgpu.strategies.step_outputs import (
+    LOSS_TERMS_KEY,
+    LOSS_WEIGHT_KEY,
+    all_or_none,
+    implied_loss_weights,
+    reduce_training_outputs,
+)
 
 
-class ParallelCriterionStrategy(SingleProcessParallelStrategy):
-    """Data parallelism in one process with the loss computed on every device.
+class ParallelCriterion(SingleProcessParallel):
+    """One process, N devices: forward and loss on every device, shard losses combined exactly on the root.
 
     Args:
-        loss_reduction: ``"weighted"`` (default): losses weighted by sample count or the step's own weights, equal to
-            one device on the whole batch; ``"mean"``: plain mean over replicas (Lightning 1.x ``dp``); ``"sum"``.
+        loss_reduction: how each device's loss is normalised, which decides how the losses are combined.
+            ``"auto"`` (default): found out on the first training step with a side-effect-free experiment on a
+            small sub-batch, and printed once (a warning says what to set when it cannot be established);
+            ``"samples"``: a per-sample mean, weighted by sample counts; ``"sum"``: summed; ``"tokens:<key>"`` /
+            ``"shifted_tokens:<key>"``: a mean over the tokens of ``batch[<key>]`` that are not -100 (shifted: as
+            causal LMs shift labels), weighted by each shard's count; ``"replica_mean"``: equal weights (Lightning
+            1.x ``dp``; not one device's result on uneven shards). Any explicit value turns the detection off, and a
+            step that returns ``loss_weight`` or ``loss_terms`` is weighted by them whatever this says.
         dim: the batch dimension to split along.
         execution_mode: ``"auto"`` (threads on distinct GPUs, else sequential), ``"threads"`` or ``"sequential"``.
 
-    The ``*_step`` methods run on replicas, so they must not rebind attributes of the module (such changes are lost
-    with the replica); ``self.log`` and torchmetrics attributes are handled and give single-device values. Manual
-    optimization is refused: every replica would step the optimizer. Use ``strategy="dp"`` for it.
+    Steps run on lasting replicas of the LightningModule: ``self.log`` and torchmetrics attributes give one device's
+    values; attributes rebound on the module between steps reach every replica; an attribute rebound *inside* a step
+    stays on that replica. Manual optimization is refused at every device count: every replica would step the
+    optimizer. Use ``strategy="dp"`` for it.
     """
 
     strategy_name = "parallel_criterion"
@@ -44,54 +59,108 @@ class ParallelCriterionStrategy(SingleProcessParallelStrategy):
         parallel_devices: list[torch.device] | None = None,
         checkpoint_io: Any = None,
         precision_plugin: Any = None,
-        loss_reduction: LossReduction = "weighted",
+        loss_reduction: str = "auto",
         dim: int = 0,
         execution_mode: ExecutionMode = "auto",
     ) -> None:
         super().__init__(accelerator, parallel_devices, checkpoint_io, precision_plugin, dim, execution_mode)
-        if loss_reduction not in LOSS_REDUCTIONS:
-            raise ValueError(f"loss_reduction must be one of {LOSS_REDUCTIONS}, got {loss_reduction!r}.")
-        self.loss_reduction: LossReduction = loss_reduction
+        self.normalization = LossNormalization.parse(loss_reduction)
+        self.loss_reduction = loss_reduction
+        self._detection: Detection | None = None
 
-    def setup(self, trainer: Trainer) -> None:
-        if trainer.state.fn == TrainerFn.FITTING and not trainer.lightning_module.automatic_optimization:
-            raise MisconfigurationException(
-                "strategy='parallel_criterion' does not support manual optimization: training_step runs on every "
-                "device, so each replica would step the optimizer. Use strategy='dp' (the step runs once, on the root "
-                "device) or strategy='ddp'."
+    @override
+    def setup(self, trainer: Any) -> None:
+        if trainer.state.fn == "fit" and not trainer.lightning_module.automatic_optimization:
+            raise self.namespace.misconfiguration(
+                "strategy='parallel_criterion' does not support manual optimization, whatever the device count: "
+                "training_step runs on every device, so each replica would step the optimizer. Use strategy='dp' "
+                "(the step runs once, on the root device) or strategy='ddp'."
             )
         super().setup(trainer)
 
-    def _parallel_step(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], list[int]]:
-        module = self.lightning_module
-        batch, rest = args[0], args[1:]
-        chunks, sizes = scatter(batch, self.parallel_devices, self.dim)
-        devices = self.parallel_devices[: len(sizes)]
-
-        def call(index: int, replica: Any) -> Any:
-            return getattr(replica, hook)(chunks[index], *rest, **kwargs)
-
-        return self._run_replicas(module, devices, sizes, call), sizes
-
-    def _single_device(self) -> bool:
-        return len(self.parallel_devices) == 1
-
+    # --- the step ----------------------------------------------------------------------------------------------------
     def _run_step(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        module = self.lightning_module  # type: ignore[attr-defined]
         with self._step_context(hook):
-            if len(self.parallel_devices) == 1:
-                return getattr(self.lightning_module, hook)(*args, **kwargs)
-            outputs, sizes = self._parallel_step(hook, args, kwargs)
+            chunks, sizes = self._split(args)
+            if chunks is None:
+                outputs = [getattr(module, hook)(*args, **kwargs)]
+            else:
+                rest = args[1:]
+                if hook == "training_step" and self.normalization is None and len(sizes) > 1:
+                    self._detect(args[0], rest, kwargs)
+
+                def call(index: int, replica: nn.Module) -> Any:
+                    return getattr(replica, hook)(chunks[index], *rest, **kwargs)
+
+                rule = self.normalization if hook == "training_step" else None
+                outputs = self._run_replicated(
+                    module, sizes, call, lambda outs: implied_loss_weights(outs, rule, chunks, sizes)
+                )
         if all_or_none(outputs, hook):
             return None
         if hook == "training_step":
-            return reduce_training_outputs(outputs, sizes, self.root_device, self.loss_reduction, self.dim)
-        return gather_step_outputs(outputs, sizes, self.root_device, self.dim)
+            rule = self.normalization or SAMPLES
+            return reduce_training_outputs(outputs, sizes, self.root_device, rule, chunks or [None], self.dim)
+        if chunks is None:
+            return outputs[0]
+        return gather(outputs, self.root_device, self.dim, sizes=sizes)
 
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        if cls.strategy_name not in strategy_registry:
-            strategy_registry.register(
-                cls.strategy_name,
-                cls,
-                description="One process, N devices: forward and loss on every device, weighted losses reduced on root",
+    def _split(self, args: tuple[Any, ...]) -> tuple[list[Any] | None, list[int]]:
+        """The batch's shards and sizes; ``(None, [1])`` when the step runs once, on the root (one device, or a
+        batch without a batch dimension, as ``nn.DataParallel`` runs a module whose inputs hold no tensor)."""
+        if len(self.parallel_devices) == 1 or not args:  # type: ignore[attr-defined]
+            return None, [1]
+        try:
+            chunks, sizes = scatter(args[0], self.parallel_devices, self.dim)  # type: ignore[attr-defined]
+        except NothingToSplitError as err:
+            unsplittable = unsplittable_error(args[0], err)
+            if unsplittable is not None:
+                raise unsplittable from None
+            return None, [1]
+        return chunks, sizes
+
+    # --- finding out the loss normalisation --------------------------------------------------------------------------
+    def _detect(self, batch: Any, rest: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        module = self.lightning_module  # type: ignore[attr-defined]
+        replicas = self._replicas_of(module)
+
+        def losses_of(chunks: list[Any]) -> list[Tensor] | None:
+            with self._side_effect_free(replicas, len(chunks)) as live:
+                outputs = [r.training_step(c, *rest, **kwargs) for r, c in zip(live, chunks, strict=True)]
+            losses = []
+            for output in outputs:
+                if isinstance(output, Mapping) and (LOSS_WEIGHT_KEY in output or LOSS_TERMS_KEY in output):
+                    return None  # the step weights its own loss
+                loss = output.get("loss") if isinstance(output, Mapping) else output
+                if not isinstance(loss, Tensor) or loss.numel() != 1:
+                    return None
+                losses.append(loss)
+            return losses
+
+        detection = detect(batch, self.dim, losses_of)
+        self._detection = detection
+        if detection.normalization is not None:
+            self.normalization = detection.normalization
+            self._log(
+                f"parallel_criterion: the training loss is {self.normalization.describe()}; the devices' losses are "
+                f"combined accordingly (found out on the first batch; set loss_reduction="
+                f"{self.normalization.spec()!r} to skip the check, or another value to override it)."
             )
+            return
+        if detection.reason == "the step does not return a plain loss":
+            self.normalization = SAMPLES  # loss_weight / loss_terms weight every step themselves
+            return
+        self.normalization = SAMPLES
+        warnings.warn(
+            "parallel_criterion could not establish how the training loss is normalised "
+            f"({detection.reason}), so the devices' losses are weighted by sample count, which equals one device "
+            "only for a per-sample mean.\n"
+            + (detection.report() + "\n" if detection.predictions else "")
+            + "Say it in one line: return {'loss': loss, 'loss_weight': n} with the count your loss averages over "
+            "(or 'loss_terms' for a sum of differently normalised terms), or pass "
+            "ParallelCriterionStrategy(loss_reduction='samples' | 'sum' | 'tokens:<labels key>' | "
+            "'shifted_tokens:<labels key>').",
+            UserWarning,
+            stacklevel=2,
+        )

@@ -122,7 +122,10 @@ def _merge_values(
         if all(b is not None for b in explicit):
             w = torch.tensor([float(b) for b in explicit], dtype=dtype, device=device)
             merged_options["batch_size"] = int(sum(float(b) for b in explicit))
-        elif all(b is not None for b in implied):  # loss weights, often device tensors: no host sync
+        elif all(isinstance(b, str) for b in implied):  # a sum loss: one device logs the whole batch's sum
+            merged_options["batch_size"] = sum(sample_counts[index] for index, _ in entries)
+            return stacked.sum(), merged_options
+        elif all(b is not None and not isinstance(b, str) for b in implied):  # loss weights: no host sync
             w = torch.stack([torch.as_tensor(b).to(device=device, dtype=dtype).reshape(()) for b in implied])
         else:
             counts = [sample_counts[index] for index, _ in entries]

@@ -66,7 +66,7 @@ class MetricReplicas:
         self._contributions: dict[int, int] = {}  # id(root metric) -> replica states folded in since its reset
 
     def install(self, root: nn.Module, replicas: Sequence[nn.Module], devices: Sequence[torch.device]) -> None:
-        """Put a clone of each root metric, on the replica's device, into every replica."""
+        """Put a clone of each root metric, on the replica's device, into every replica (once per replica build)."""
         self._active = []
         for path, metric in _outermost_metrics(root):
             clones = []
@@ -96,7 +96,6 @@ class MetricReplicas:
         for _, clones in self._active:
             for clone in clones:
                 clone.reset()
-        self._active = []
 
     def owner_of(self, value: Any) -> Metric | None:
         """The root metric a replica's clone stands for."""
@@ -142,7 +141,6 @@ class MetricReplicas:
             metric._computed = None
             for clone in updated:
                 clone.reset()
-        self._active = []
 
     def _batch_value(self, metric: Metric, batch_state: dict[str, Any]) -> Any:
         scratch = self._scratch.get(id(metric))

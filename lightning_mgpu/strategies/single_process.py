@@ -1,89 +1,54 @@
-"""Shared base of the single-process multi-device strategies: one process drives every device.
+"""What the single-process multi-device strategies share, for either Lightning namespace.
 
-Ranks are 0 and ``world_size`` is 1, so Lightning injects no ``DistributedSampler`` and ``sync_dist`` is a no-op; the
-master weights and the optimizer state live on the root device (``parallel_devices[0]``). The LightningModule is
-stored unwrapped, so checkpoints carry no ``module.`` prefix and move freely between strategies and device counts.
+One process drives every device: ranks are 0 and ``world_size`` is 1, so Lightning injects no ``DistributedSampler``
+and ``sync_dist`` is a no-op; the master weights and the optimizer state live on the root device
+(``parallel_devices[0]``). The LightningModule is stored unwrapped, so checkpoints carry no ``module.`` prefix and move
+freely between strategies and device counts.
 
-This class also owns the replica lifecycle the two strategies share: replicate the module for the devices a batch
-uses, give each replica its device, a ``log`` recorder and per-device metric clones, run them, then merge logs and
-metrics back on the root from the main thread.
+:class:`SingleProcessParallel` is a mixin: each Lightning namespace gets thin classes that put it before its own
+``ParallelStrategy`` (:mod:`.lightning_pytorch`, :mod:`.pytorch_lightning`). It owns the lasting replicas of the
+modules a step runs replicated (:class:`~.lightning_replicas.LightningReplicas`), ``sync_batchnorm`` and the checks
+shared by both strategies.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any
+import logging
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from typing import Any, ClassVar
 
 import torch
-from lightning.fabric.utilities.device_dtype_mixin import _DeviceDtypeModuleMixin
-from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
+from typing_extensions import override
 
-from lightning_mgpu.parallel.parallel_apply import EXECUTION_MODES, ExecutionMode, parallel_apply
-from lightning_mgpu.parallel.replicate import replicate
-from lightning_mgpu.parallel.scatter_gather import iter_tensors
-from lightning_mgpu.strategies.replica_logging import LogRecorder, merge_and_log
-from lightning_mgpu.strategies.replica_metrics import MetricReplicas
-from lightning_mgpu.strategies.step_outputs import loss_weights_by_tensor
+from lightning_mgpu.parallel import sync_batchnorm
+from lightning_mgpu.parallel.parallel_apply import EXECUTION_MODES, ExecutionMode
+from lightning_mgpu.strategies.lightning_replicas import LightningReplicas
+from lightning_mgpu.strategies.namespace import LightningNamespace
 
-
-@dataclass
-class StepTransfer:
-    """Bytes one step sends between the root and the other replicas, as on distinct devices.
-
-    ``outputs``: what replicas other than the root send it (``dp``: the gathered outputs; ``parallel_criterion``:
-    losses and step outputs). ``parameters``: parameters and buffers broadcast to those replicas. ``gradients``: their
-    gradients reduced back onto the root (training only). With virtual devices nothing crosses a bus, but the figures
-    are what distinct devices would move. Parameter and gradient bytes are computed when read, not on every step.
-    """
-
-    outputs: int = 0
-    replicas: int = 1
-    _replications: list[tuple[nn.Module, int, bool]] = field(default_factory=list, repr=False)
-
-    def add(self, module: nn.Module, outputs: Sequence[Any]) -> None:
-        """Record one replicated call of ``module`` that returned ``outputs`` (one per replica)."""
-        self.outputs += sum(_nbytes(o) for o in outputs[1:])
-        self._replications.append((module, len(outputs) - 1, torch.is_grad_enabled()))
-        self.replicas = max(self.replicas, len(outputs))
-
-    @property
-    def parameters(self) -> int:
-        return sum(
-            others * sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
-            for module, others, _ in self._replications
-        )
-
-    @property
-    def gradients(self) -> int:
-        return sum(
-            others * sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
-            for module, others, with_grad in self._replications
-            if with_grad
-        )
-
-    @property
-    def total(self) -> int:
-        return self.outputs + self.parameters + self.gradients
+#: Called after every replicated call with the replicated module and the replicas' outputs (benchmarks count the
+#: bytes a step moves with it); ``None`` costs nothing.
+ReplicatedCallObserver = Callable[[nn.Module, Sequence[Any]], None]
 
 
 def _public_list_lengths(module: nn.Module) -> dict[str, int]:
     return {name: len(value) for name, value in vars(module).items() if isinstance(value, list) and name[0] != "_"}
 
 
-def _nbytes(obj: Any) -> int:
-    return sum(t.numel() * t.element_size() for _, t in iter_tensors(obj))
+class SingleProcessParallel:
+    """Shared implementation of ``parallel_criterion`` and ``dp``; mixed in before a Lightning ``ParallelStrategy``.
 
+    Args:
+        dim: the batch dimension to split along.
+        execution_mode: ``"auto"`` (threads on distinct GPUs, else one replica after another), ``"threads"`` or
+            ``"sequential"``. Compiled modules always run one replica after another (Dynamo is not thread-safe);
+            ``sync_batchnorm`` needs threads (the replicas meet inside every BatchNorm layer).
+    """
 
-class SingleProcessParallelStrategy(ParallelStrategy):
-    """Base for strategies that run replicas of the model on several devices from one process."""
-
-    strategy_name: str = ""
+    strategy_name: ClassVar[str] = ""
+    namespace: ClassVar[LightningNamespace]
 
     def __init__(
         self,
@@ -94,7 +59,7 @@ class SingleProcessParallelStrategy(ParallelStrategy):
         dim: int = 0,
         execution_mode: ExecutionMode = "auto",
     ) -> None:
-        super().__init__(
+        super().__init__(  # type: ignore[call-arg]
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=None,
@@ -103,112 +68,165 @@ class SingleProcessParallelStrategy(ParallelStrategy):
         )
         if execution_mode not in EXECUTION_MODES:
             raise ValueError(f"execution_mode must be one of {EXECUTION_MODES}, got {execution_mode!r}.")
+        if not isinstance(dim, int) or isinstance(dim, bool):
+            raise TypeError(f"dim must be an int (the batch dimension), got {dim!r}.")
         self.dim = dim
         self.execution_mode: ExecutionMode = execution_mode
-        self._metric_replicas = MetricReplicas()
+        self.replicated_call_observer: ReplicatedCallObserver | None = None
+        self._replicas: dict[int, LightningReplicas] = {}
+        self._converted_batchnorm = False
+        self._announced: set[str] = set()
         self._warned_lists: set[str] = set()
-        self.step_transfer = StepTransfer()
+
+    # --- one Trainer per instance ------------------------------------------------------------------------------------
+    # Lightning's connector reads `strategy._accelerator` when a Trainer receives a strategy instance; once a Trainer
+    # has configured this instance, a second Trainer would share (and fight over) its accelerator, precision and
+    # devices. Say so, instead of Lightning's "accelerator set through both strategy class and accelerator flag".
+    @property  # type: ignore[override]
+    def accelerator(self) -> Any:
+        return self.__dict__.get("_mgpu_accelerator")
+
+    @accelerator.setter
+    def accelerator(self, accelerator: Any) -> None:  # called by the Trainer that takes this instance
+        self.__dict__["_mgpu_accelerator"] = accelerator
+        self.__dict__["_mgpu_configured"] = True
+
+    @property
+    def _accelerator(self) -> Any:
+        if self.__dict__.get("_mgpu_configured"):
+            raise self.namespace.misconfiguration(
+                f"This {type(self).__name__} instance already belongs to another Trainer: a strategy instance holds "
+                "one Trainer's accelerator, precision plugin and devices. Create a new instance for each Trainer, "
+                f"or pass strategy={self.strategy_name!r}."
+            )
+        return self.__dict__.get("_mgpu_accelerator")
+
+    @_accelerator.setter
+    def _accelerator(self, accelerator: Any) -> None:  # Strategy.__init__
+        self.__dict__["_mgpu_accelerator"] = accelerator
 
     # --- one process: constant ranks, collectives are identities -----------------------------------------------------
     @property
+    @override
     def global_rank(self) -> int:
         return 0
 
     @property
+    @override
     def local_rank(self) -> int:
         return 0
 
     @property
+    @override
     def node_rank(self) -> int:
         return 0
 
     @property
+    @override
     def world_size(self) -> int:
         return 1
 
     @property
     def is_distributed(self) -> bool:
+        """False: Lightning then adds no DistributedSampler and makes ``self.log(sync_dist=True)`` a no-op."""
         return False
 
     @property
+    @override
     def root_device(self) -> torch.device:
-        if not self.parallel_devices:
+        devices = self.parallel_devices  # type: ignore[attr-defined]
+        if not devices:
             raise RuntimeError(f"{type(self).__name__} has no devices yet; it gets them when the Trainer is built.")
-        return self.parallel_devices[0]
+        return devices[0]
 
     @property
+    @override
     def distributed_sampler_kwargs(self) -> None:
         return None
 
+    @override
     def model_to_device(self) -> None:
-        assert self.model is not None
-        self.model.to(self.root_device)
+        assert self.model is not None  # type: ignore[attr-defined]
+        self.model.to(self.root_device)  # type: ignore[attr-defined]
 
+    @override
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         return tensor
 
+    @override
     def barrier(self, name: str | None = None) -> None:
         pass
 
+    @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         return obj
 
+    @override
     def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
         return tensor
 
+    @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         return decision
 
-    # --- set-up checks -----------------------------------------------------------------------------------------------
-    def setup(self, trainer: Trainer) -> None:
-        if self._layer_sync is not None:
-            raise MisconfigurationException(
-                f"sync_batchnorm=True cannot work with strategy={self.strategy_name!r}: SyncBatchNorm needs one "
-                "process per device. Remove it, or use strategy='ddp' to synchronise BatchNorm statistics."
-            )
-        super().setup(trainer)
+    # --- set-up and teardown -----------------------------------------------------------------------------------------
+    @override
+    def setup(self, trainer: Any) -> None:
+        if self._layer_sync is not None and not self._converted_batchnorm:  # type: ignore[attr-defined]
+            # Before the optimizers exist; the converted layers keep the same Parameter objects anyway.
+            sync_batchnorm.convert_sync_batchnorm(trainer.lightning_module)
+            self._converted_batchnorm = True
+        super().setup(trainer)  # type: ignore[misc]
 
+    @override
     def teardown(self) -> None:
-        self._metric_replicas.clear()
-        super().teardown()
+        for replicas in self._replicas.values():
+            replicas.release()
+        self._replicas.clear()
+        module = self.lightning_module  # type: ignore[attr-defined]
+        if self._converted_batchnorm and module is not None:
+            sync_batchnorm.revert_sync_batchnorm(module)  # the user's module leaves with the classes it came with
+            self._converted_batchnorm = False
+        super().teardown()  # type: ignore[misc]
 
-    # --- replica lifecycle -------------------------------------------------------------------------------------------
-    def _make_replicas(self, module: nn.Module, devices: Sequence[torch.device]) -> tuple[list[nn.Module], list]:
-        """Replicas of ``module`` with their device set, a log recorder each and per-device metric clones."""
-        replicas = replicate(module, devices, detach=not torch.is_grad_enabled())
-        recorders = []
-        for replica, device in zip(replicas, devices, strict=True):
-            replica.__dict__.pop("forward", None)  # a patched forward (dp) must not be copied into replicas
-            recorder = LogRecorder()
-            for sub in replica.modules():
-                if isinstance(sub, LightningModule):
-                    sub.log = recorder.log  # instance attribute: shadows LightningModule.log on this replica only
-                if device != self.root_device and isinstance(sub, _DeviceDtypeModuleMixin):
-                    sub._device = device
-            recorders.append(recorder)
-        self._metric_replicas.install(module, replicas, devices)
-        return replicas, recorders
+    # --- replicated calls --------------------------------------------------------------------------------------------
+    def _replicas_of(self, module: nn.Module) -> LightningReplicas:
+        devices = list(self.parallel_devices)  # type: ignore[attr-defined]
+        replicas = self._replicas.get(id(module))
+        if replicas is None or replicas.module is not module or replicas.devices != devices:
+            replicas = self._replicas[id(module)] = LightningReplicas(module, devices, self.namespace)
+        return replicas
 
-    def _run_replicas(
+    def _mode_for(self, replicas: LightningReplicas, count: int) -> ExecutionMode:
+        """Threads or one after another for this call: compiled code needs one thread, SyncBatchNorm needs many."""
+        mode, reason = replicas.replica_set.execution_mode(self.execution_mode, count)
+        if reason is not None:
+            self._announce(reason, f"{reason}.")
+        return mode
+
+    def _announce(self, key: str, message: str) -> None:
+        if key not in self._announced:
+            self._announced.add(key)
+            warnings.warn(f"{self.strategy_name}: {message}", UserWarning, stacklevel=3)
+
+    def _run_replicated(
         self,
         module: nn.Module,
-        devices: Sequence[torch.device],
         sample_counts: Sequence[int],
         call: Callable[[int, nn.Module], Any],
+        implied_weights: Callable[[list[Any]], list[dict[int, Any]]] | None = None,
     ) -> list[Any]:
-        """Run ``call(i, replica_i)`` for every device, then merge logs and metrics into ``self.lightning_module``."""
-        replicas, recorders = self._make_replicas(module, devices)
+        """Run ``call(i, replica_i)`` on the first ``len(sample_counts)`` devices; merge logs and metrics into the
+        LightningModule. ``implied_weights(outputs)`` maps, per replica, ``id(loss tensor)`` to the weight (or
+        ``"sum"``) that a logged copy of that loss merges with, so a logged loss equals the optimized one."""
+        replicas = self._replicas_of(module)
         list_lengths = _public_list_lengths(module)
-        try:
-            outputs = parallel_apply(
-                [lambda i=i, r=r: call(i, r) for i, r in enumerate(replicas)], devices, self.execution_mode
-            )
-        except BaseException:
-            self._metric_replicas.discard()
-            raise
-        self._merge_replica_state(recorders, sample_counts, [loss_weights_by_tensor(o) for o in outputs])
-        self.step_transfer.add(module, outputs)
-        self._warn_on_grown_lists(module, list_lengths, len(replicas))
+        outputs = replicas.run(len(sample_counts), call, self._mode_for(replicas, len(sample_counts)))
+        implied = implied_weights(outputs) if implied_weights is not None else [{} for _ in outputs]
+        replicas.merge_into(self.lightning_module, sample_counts, implied)  # type: ignore[attr-defined]
+        if self.replicated_call_observer is not None:
+            self.replicated_call_observer(module, outputs)
+        self._warn_on_grown_lists(module, list_lengths, len(outputs))
         return outputs
 
     def _warn_on_grown_lists(self, module: nn.Module, before: dict[str, int], n_replicas: int) -> None:
@@ -216,52 +234,92 @@ class SingleProcessParallelStrategy(ParallelStrategy):
         for name, length in _public_list_lengths(module).items():
             if length > before.get(name, length) and name not in self._warned_lists:
                 self._warned_lists.add(name)
-                rank_zero_warn(
+                warnings.warn(
                     f"`{type(module).__name__}.{name}` grew during a step that ran on {n_replicas} replicas: each "
                     "appended its own shard's value, so the list holds one entry per device per step, in no fixed "
                     "order under threads. Collect step outputs in `on_train_batch_end` / `on_validation_batch_end` "
-                    "(they receive the gathered outputs, once, on the root) or use a torchmetrics metric."
+                    "(they receive the gathered outputs, once, on the root) or use a torchmetrics metric.",
+                    UserWarning,
+                    stacklevel=2,
                 )
 
-    def _merge_replica_state(
-        self, recorders: Sequence[LogRecorder], sample_counts: Sequence[int], implied_weights: Sequence[dict[int, Any]]
-    ) -> None:
-        in_training = self.lightning_module._current_fx_name == "training_step"
-        step_metrics = {
-            id(owner)
-            for rec in recorders
-            for call in rec.calls
-            if (owner := self._metric_replicas.owner_of(call.value)) is not None
-            and (in_training if call.options.get("on_step") is None else call.options["on_step"])
-        }
-        self._metric_replicas.merge(step_metrics)
-        merge_and_log(self.lightning_module, recorders, sample_counts, self._metric_replicas.owner_of, implied_weights)
+    @contextmanager
+    def _side_effect_free(self, replicas: Any, count: int) -> Iterator[list[nn.Module]]:
+        """Replicas for an experiment that leaves nothing behind: eval mode (no dropout, no BatchNorm statistics
+        update), no autograd, no autocast (mixed precision would blur the comparison), random state restored, logs
+        and metric updates discarded, attributes the step rebinds and items it appends to the LightningModule's lists
+        undone."""
+        module = self.lightning_module  # type: ignore[attr-defined]
+        lists = {name: value for name, value in vars(module).items() if isinstance(value, list) and name[0] != "_"}
+        lengths = {name: len(value) for name, value in lists.items()}
+        with ExitStack() as stack:
+            stack.enter_context(torch.no_grad())
+            live = replicas.replica_set.prepare(count)
+            for device_type in ("cpu", "cuda"):
+                stack.enter_context(torch.autocast(device_type, enabled=False))
+            devices = [d for d in replicas.devices[:count] if d.type == "cuda"]
+            stack.enter_context(torch.random.fork_rng(devices=sorted({d.index for d in devices}), enabled=True))
+            flags = [[m.training for m in replica.modules()] for replica in live]
+            for replica in live:
+                replica.train(False)
+            try:
+                yield live
+            finally:
+                for replica, saved in zip(live, flags, strict=True):
+                    for m, flag in zip(replica.modules(), saved, strict=True):
+                        m.training = flag
+                replicas.replica_set.restore_attributes()
+                replicas.discard()
+                for name, items in lists.items():
+                    del items[lengths[name] :]
 
-    # --- the four step hooks Lightning calls on the strategy ------------------------------------------------------
+    def _log(self, message: str) -> None:
+        logging.getLogger(self.namespace.name).info(message)
+
+    # --- the four step hooks Lightning calls on the strategy ----------------------------------------------------------
     def _run_step(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run ``hook`` (e.g. ``"training_step"``) the way this strategy spreads it over devices."""
         raise NotImplementedError
 
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._run_step("training_step", args, kwargs)
 
+    @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._run_step("validation_step", args, kwargs)
 
+    @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._run_step("test_step", args, kwargs)
 
+    @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._run_step("predict_step", args, kwargs)
 
     @contextmanager
-    def _step_context(self, hook: str):
-        ctx = {
-            "training_step": self.precision_plugin.train_step_context,
-            "validation_step": self.precision_plugin.val_step_context,
-            "test_step": self.precision_plugin.test_step_context,
-            "predict_step": self.precision_plugin.predict_step_context,
-        }[hook]
-        self.step_transfer = StepTransfer()
-        with ctx():
+    def _step_context(self, hook: str) -> Iterator[None]:
+        plugin = self.precision_plugin  # type: ignore[attr-defined]
+        contexts = {
+            "training_step": plugin.train_step_context,
+            "validation_step": plugin.val_step_context,
+            "test_step": plugin.test_step_context,
+            "predict_step": plugin.predict_step_context,
+        }
+        with contexts[hook]():
             yield
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Add this class to ``strategy_registry`` under its names (idempotent)."""
+        for name in cls.registered_names():
+            if name not in strategy_registry:
+                strategy_registry.register(name, cls, description=cls.description())
+
+    @classmethod
+    def registered_names(cls) -> tuple[str, ...]:
+        return (cls.strategy_name,)
+
+    @classmethod
+    def description(cls) -> str:
+        return (cls.__doc__ or cls.strategy_name).strip().splitlines()[0]

@@ -58,15 +58,23 @@ def test_equal_weighting_would_differ(reference):
     """The 'mean' option (Lightning 1.x dp) is not single-device training when shards are unequal: 10 over 4."""
     base, results = reference
     module = clone(base)
-    _fit(module, lightning_mgpu.ParallelCriterionStrategy(loss_reduction="mean"), 4, 10)
+    _fit(module, lightning_mgpu.ParallelCriterionStrategy(loss_reduction="replica_mean"), 4, 10)
     assert (flat_params(module) - results[10][0]).abs().max() > 1e-6
 
 
-def test_threads_mode_equals_sequential(reference):
+@pytest.mark.parametrize("strategy_cls", ["ParallelCriterionStrategy", "DataParallelStrategy"])
+def test_threads_mode_equals_sequential_mode_bitwise(reference, strategy_cls):
+    """Same replicas, same shards: running them in threads must not change a bit (gradients are summed in replica
+    order, whatever order the threads finish in), and both equal one device."""
     base, results = reference
-    module = clone(base)
-    _fit(module, lightning_mgpu.ParallelCriterionStrategy(execution_mode="threads"), 3, 10)
-    torch.testing.assert_close(flat_params(module), results[10][0], rtol=0, atol=1e-10)
+    runs = {}
+    for mode in ("threads", "sequential"):
+        module = clone(base)
+        t = _fit(module, getattr(lightning_mgpu, strategy_cls)(execution_mode=mode), 3, 10)
+        runs[mode] = (flat_params(module), metrics(t))
+    assert torch.equal(runs["threads"][0], runs["sequential"][0])
+    assert runs["threads"][1] == runs["sequential"][1]
+    torch.testing.assert_close(runs["threads"][0], results[10][0], rtol=0, atol=1e-10)
 
 
 def test_float32_within_1e5():

@@ -32,18 +32,11 @@ def test_registered_names_and_idempotent_registration():
 @pytest.mark.parametrize("strategy", ["parallel_criterion", "dp"])
 def test_trainer_is_single_process_with_n_devices(strategy):
     t = trainer(strategy, 4)
-    assert isinstance(t.strategy, lightning_mgpu.strategies.SingleProcessParallelStrategy)
+    assert isinstance(t.strategy, lightning_mgpu.strategies.single_process.SingleProcessParallel)
     assert t.world_size == 1 and t.num_devices == 4 and t.global_rank == 0
     assert t.strategy.parallel_devices == [torch.device("cpu")] * 4
     assert t.strategy.root_device == torch.device("cpu")
     assert not t._accelerator_connector.is_distributed
-
-
-@pytest.mark.parametrize("strategy", ["parallel_criterion", "dp"])
-def test_sync_batchnorm_is_refused(strategy):
-    t = trainer(strategy, 2, max_steps=1, sync_batchnorm=True)
-    with pytest.raises(MisconfigurationException, match=r"sync_batchnorm=True cannot work.*strategy='ddp'"):
-        t.fit(seeded(Classifier), loader(10))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised on a machine without a GPU")
@@ -92,7 +85,7 @@ def test_unsplittable_batch_names_the_key_path(strategy):
 
 
 def test_dp_output_device_and_parallel_modules():
-    strategy = lightning_mgpu.DataParallelStrategy(output_device=1, parallel_modules=["net"])
+    strategy = lightning_mgpu.DataParallelStrategy(output_device="cpu", parallel_modules=["net"])
     t = trainer(strategy, 2, max_steps=2)
     t.fit(seeded(Classifier), loader(10))
     assert strategy.output_device == torch.device("cpu")
@@ -106,8 +99,10 @@ def test_dp_output_device_and_parallel_modules():
 
 
 def test_invalid_options_are_refused():
-    with pytest.raises(ValueError, match="loss_reduction must be one of"):
+    with pytest.raises(ValueError, match="loss_reduction must be one of 'auto', 'samples'"):
         lightning_mgpu.ParallelCriterionStrategy(loss_reduction="median")
+    with pytest.raises(TypeError, match=r"parallel_modules must be a list of submodule names.*\['net'\]"):
+        lightning_mgpu.DataParallelStrategy(parallel_modules="net")
     with pytest.raises(ValueError, match="execution_mode must be one of"):
         lightning_mgpu.DataParallelStrategy(execution_mode="processes")
 

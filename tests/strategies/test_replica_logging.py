@@ -106,7 +106,7 @@ def test_metric_with_unreduced_states_equals_one_device(devices: int, module_cls
     name = "val_pearson" if module_cls is Correlation else "val_mrr"
     assert metrics(multi)[name] == pytest.approx(metrics(single)[name], abs=1e-10)
     assert 0 < abs(metrics(single)[name]) < 1
-    assert not multi.strategy._metric_replicas._clones  # released at teardown (they live on the other devices)
+    assert not multi.strategy._replicas  # replicas and metric clones released at teardown (they live on other devices)
 
 
 def test_mean_reduced_state_is_the_equal_weight_mean_over_every_replica_batch():
@@ -149,11 +149,14 @@ def test_a_failed_step_leaves_no_metric_state_behind():
     assert metrics(strategy_trainer)["val_acc"] == pytest.approx(metrics(reference)["val_acc"], abs=1e-12)
 
 
-def test_dp_output_device_index_is_an_index_into_the_strategys_devices():
-    strategy = lightning_mgpu.DataParallelStrategy(
-        output_device=1, parallel_devices=[torch.device("cuda", 2), torch.device("cuda", 3)]
-    )
-    assert strategy.output_device == torch.device("cuda", 3)
+def test_dp_output_device_int_is_a_cuda_index_as_everywhere_else():
+    """One meaning for output_device=1: cuda:1, as in nn.DataParallel, DataParallelModel and Lightning's devices."""
+    if torch.cuda.is_available():
+        assert lightning_mgpu.DataParallelStrategy(output_device=0).output_device == torch.device("cuda", 0)
+    else:
+        with pytest.raises(ValueError, match="Device cuda:1 was requested but CUDA is not available"):
+            lightning_mgpu.DataParallelStrategy(output_device=1)
+    assert lightning_mgpu.DataParallelStrategy(output_device="cpu").output_device == torch.device("cpu")
 
 
 class AppendsOutputs(Classifier):

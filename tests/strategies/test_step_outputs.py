@@ -189,39 +189,37 @@ def test_outputs_are_concatenated_along_dim_and_unmergeable_ones_come_back_per_r
     assert got["confusion"].shape == (3, 6)
     torch.testing.assert_close(got["confusion"][:, :3] + got["confusion"][:, 3:], ref["confusion"])
     torch.testing.assert_close(torch.cat(list(got["selected"])), ref["selected"])  # not mergeable on dim 1
-    assert isinstance(got["selected"], lightning_mgpu.strategies.step_outputs.ReplicaValues)
+    assert isinstance(got["selected"], lightning_mgpu.ReplicaValues)
     with pytest.raises(AttributeError, match=r"differs between the 2 replicas .* has no attribute 'shape'"):
         _ = got["selected"].shape
 
 
 def test_fixed_structures_and_per_sample_sequences_are_told_apart_with_even_shards():
     """Two samples per replica: a 2-tuple (preds, loss) is a structure, a 2-list of scores or records is per-sample."""
-    from lightning_mgpu.strategies.step_outputs import gather_step_outputs
-
     cpu, counts = torch.device("cpu"), [2, 2]
     preds = [torch.arange(6.0).view(2, 3), torch.arange(6.0, 12.0).view(2, 3)]
     losses = [torch.tensor(1.0), torch.tensor(3.0)]
-    merged = gather_step_outputs([(preds[0], losses[0]), (preds[1], losses[1])], counts, cpu)
+    merged = _gather([(preds[0], losses[0]), (preds[1], losses[1])], counts, cpu)
     assert isinstance(merged, tuple) and len(merged) == 2
     assert torch.equal(merged[0], torch.cat(preds)) and float(merged[1]) == 2.0
-    assert gather_step_outputs([(1.0, 0.5), (3.0, 1.0)], counts, cpu) == (2.0, 0.75)  # (loss, acc): averaged
-    assert gather_step_outputs([[0.1, 0.2], [0.3, 0.4]], counts, cpu) == [0.1, 0.2, 0.3, 0.4]  # per-sample scores
-    records = gather_step_outputs([[{"id": 0}, {"id": 1}], [{"id": 2}, {"id": 3}]], counts, cpu)
+    assert _gather([(1.0, 0.5), (3.0, 1.0)], counts, cpu) == (2.0, 0.75)  # (loss, acc): averaged
+    assert _gather([[0.1, 0.2], [0.3, 0.4]], counts, cpu) == [0.1, 0.2, 0.3, 0.4]  # per-sample scores
+    records = _gather([[{"id": 0}, {"id": 1}], [{"id": 2}, {"id": 3}]], counts, cpu)
     assert [r["id"] for r in records] == [0, 1, 2, 3]
     tokens = [torch.tensor([5, 6, 7]), torch.tensor([8])]  # preds[mask]: per token, not per sample
-    assert gather_step_outputs(tokens, counts, cpu).tolist() == [5, 6, 7, 8]
+    assert _gather(tokens, counts, cpu).tolist() == [5, 6, 7, 8]
 
 
 def test_lists_of_scalars_are_per_sample_and_dicts_of_batched_tensors_are_structures():
-    from lightning_mgpu.strategies.step_outputs import gather_step_outputs
-
     cpu, counts = torch.device("cpu"), [2, 2]
-    scores = gather_step_outputs(
-        [[torch.tensor(1.0), torch.tensor(2.0)], [torch.tensor(3.0), torch.tensor(4.0)]], counts, cpu
-    )
+    scores = _gather([[torch.tensor(1.0), torch.tensor(2.0)], [torch.tensor(3.0), torch.tensor(4.0)]], counts, cpu)
     assert [float(x) for x in scores] == [1.0, 2.0, 3.0, 4.0]  # list(scores) from predict_step
     layers = [[{"logits": torch.zeros(2, 5)}, {"logits": torch.ones(2, 5)}] for _ in range(2)]  # one dict per layer
-    merged = gather_step_outputs(layers, counts, cpu)
+    merged = _gather(layers, counts, cpu)
     assert len(merged) == 2 and merged[0]["logits"].shape == (4, 5) and float(merged[1]["logits"].sum()) == 20.0
-    marked = gather_step_outputs([lightning_mgpu.PerSample([1]), lightning_mgpu.PerSample([2, 3])], [2, 2], cpu)
+    marked = _gather([lightning_mgpu.PerSample([1]), lightning_mgpu.PerSample([2, 3])], [2, 2], cpu)
     assert marked == [1, 2, 3] and isinstance(marked, lightning_mgpu.PerSample)  # marked: concatenated as given
+
+
+def _gather(outputs: list, counts: list[int], device: torch.device) -> Any:
+    return lightning_mgpu.gather(outputs, device, sizes=counts)

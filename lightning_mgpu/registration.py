@@ -1,0 +1,112 @@
+"""Register the strategies with every installed Lightning namespace, without importing one the project does not use.
+
+``lightning.pytorch`` and ``pytorch_lightning`` are separate copies of Lightning: separate ``StrategyRegistry``
+objects and separate class hierarchies, so each needs its own thin strategy classes
+(:mod:`lightning_mgpu.strategies.lightning_pytorch`, :mod:`lightning_mgpu.strategies.pytorch_lightning`) registered
+in its own registry. ``import lightning_mgpu`` calls :func:`register_on_import`:
+
+* a namespace that is already imported gets its strategies at once;
+* for the others, an import hook registers them right after the namespace's package finishes importing — before any
+  ``Trainer`` of that namespace can exist. A project that never imports a namespace never pays for it, and the pure
+  PyTorch core (``from lightning_mgpu import DataParallelModel``) imports no Lightning at all.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import sys
+import threading
+import warnings
+from types import ModuleType
+from typing import Any
+
+#: Lightning namespace -> the module of this package that defines its strategy classes.
+FLAVOURS = {
+    "lightning.pytorch": "lightning_mgpu.strategies.lightning_pytorch",
+    "pytorch_lightning": "lightning_mgpu.strategies.pytorch_lightning",
+}
+
+_LOCK = threading.Lock()
+_pending: set[str] = set()
+
+
+def register_strategies(namespace: str | None = None) -> list[str]:
+    """Register ``parallel_criterion``, ``dp`` and ``data_parallel`` now (idempotent).
+
+    ``namespace``: ``"lightning.pytorch"`` or ``"pytorch_lightning"`` (imported if needed); default every namespace
+    that is already imported. Returns the namespaces registered.
+    """
+    names = [namespace] if namespace is not None else [n for n in FLAVOURS if n in sys.modules]
+    for name in names:
+        if name not in FLAVOURS:
+            raise ValueError(f"Unknown Lightning namespace {name!r}: use one of {sorted(FLAVOURS)}.")
+        importlib.import_module(FLAVOURS[name]).register()
+    return names
+
+
+def register_on_import() -> None:
+    """Register with the namespaces imported so far, and with the others as soon as they are imported."""
+    with _LOCK:
+        for name in FLAVOURS:
+            if name in sys.modules and not _is_initializing(sys.modules[name]):
+                register_strategies(name)
+            else:
+                _pending.add(name)
+        if _pending and not any(isinstance(f, _RegisterAfterImport) for f in sys.meta_path):
+            sys.meta_path.insert(0, _RegisterAfterImport())
+
+
+def _is_initializing(module: ModuleType) -> bool:
+    spec = getattr(module, "__spec__", None)
+    return bool(getattr(spec, "_initializing", False))
+
+
+def _registered_after_import(name: str) -> None:
+    try:
+        register_strategies(name)
+    except Exception as err:  # never break the user's `import lightning`
+        warnings.warn(
+            f"lightning_mgpu could not register its strategies with {name}: {err!r}. Call "
+            f"lightning_mgpu.register_strategies({name!r}) to see the full error.",
+            stacklevel=2,
+        )
+
+
+class _RegisterAfterImport(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: wraps the real loader of a pending namespace so that registration follows its import."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in _pending:
+            return None
+        spec = None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        if spec is None or spec.loader is None:
+            return None
+        _pending.discard(fullname)
+        if not _pending:
+            sys.meta_path[:] = [f for f in sys.meta_path if f is not self]
+        spec.loader = _ThenRegister(spec.loader, fullname)
+        return spec
+
+
+class _ThenRegister(importlib.abc.Loader):
+    def __init__(self, loader: importlib.abc.Loader, name: str) -> None:
+        self._loader = loader
+        self._name = name
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._loader.exec_module(module)
+        _registered_after_import(self._name)
+
+    def __getattr__(self, name: str) -> Any:  # get_resource_reader, is_package... of the real loader
+        return getattr(self._loader, name)

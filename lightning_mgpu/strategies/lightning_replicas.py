@@ -1,0 +1,99 @@
+"""Lasting replicas of a module that runs inside a LightningModule's step, with what Lightning needs per replica.
+
+A :class:`~lightning_mgpu.parallel.ReplicaSet` copies the module once; on every (re)build this class gives each
+replica:
+
+* a ``log`` recorder on every LightningModule in it: replicas share the trainer's result collection, so a replica
+  calling the real ``self.log`` would race with the others and log one shard's value as the batch's;
+* its own device on Lightning's device mixin, so ``self.device`` inside a step is the replica's device;
+* its own clone of every torchmetrics metric, on its device (a metric's ``update`` is bound to the original object).
+
+After the replicas ran, :meth:`merge_into` logs each recorded name once on the root module and folds the metric clones
+into the root metrics, from the main thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torchmetrics import Metric
+
+from lightning_mgpu.parallel.parallel_apply import ExecutionMode, parallel_apply
+from lightning_mgpu.parallel.replicas import ReplicaSet
+from lightning_mgpu.strategies.namespace import LightningNamespace
+from lightning_mgpu.strategies.replica_logging import LogRecorder, merge_and_log
+from lightning_mgpu.strategies.replica_metrics import MetricReplicas
+
+_PER_REPLICA = ("log", "_device", "forward")
+
+
+def _is_metric(module: nn.Module) -> bool:
+    return isinstance(module, Metric)
+
+
+class LightningReplicas:
+    """Replicas of ``module`` on ``devices`` for steps of a LightningModule of ``namespace``."""
+
+    def __init__(self, module: nn.Module, devices: Sequence[torch.device], namespace: LightningNamespace) -> None:
+        self.module = module
+        self.devices = list(devices)
+        self._namespace = namespace
+        self.recorders = [LogRecorder() for _ in self.devices]
+        self.metrics = MetricReplicas()
+        self.replica_set = ReplicaSet(
+            module, self.devices, on_build=self._install, overrides=_PER_REPLICA, shared=_is_metric
+        )
+
+    def _install(self, replicas: list[nn.Module]) -> None:
+        root_device = self.devices[0]
+        for replica, device, recorder in zip(replicas, self.devices, self.recorders, strict=True):
+            replica.__dict__.pop("forward", None)  # dp's parallel forward belongs to the original only
+            for sub in replica.modules():
+                if isinstance(sub, self._namespace.lightning_module):
+                    sub.log = recorder.log  # shadows LightningModule.log on this replica only
+                if device != root_device and isinstance(sub, self._namespace.device_dtype_mixin):
+                    sub._device = device
+        self.metrics.install(self.module, replicas, self.devices)
+
+    @property
+    def compiled(self) -> bool:
+        return self.replica_set.compiled
+
+    def run(self, count: int, call: Callable[[int, nn.Module], Any], mode: ExecutionMode) -> list[Any]:
+        """``call(i, replica_i)`` for the first ``count`` replicas; a failed step leaves no recorded state behind."""
+        replicas = self.replica_set.prepare(count)
+        try:
+            return parallel_apply(
+                [lambda i=i, r=r: call(i, r) for i, r in enumerate(replicas)], self.devices[:count], mode
+            )
+        except BaseException:
+            self.discard()
+            raise
+
+    def discard(self) -> None:
+        """Forget what the step in progress recorded (it failed)."""
+        self.metrics.discard()
+        for recorder in self.recorders:
+            recorder.calls.clear()
+
+    def merge_into(self, root: Any, sample_counts: Sequence[int], implied: Sequence[dict[int, Any]]) -> None:
+        """Log every recorded name once on ``root`` and fold the metric clones into the root metrics (``implied``: per
+        replica, the weights of logged losses, see ``SingleProcessParallel._run_replicated``)."""
+        recorders = self.recorders[: len(sample_counts)]
+        in_training = root._current_fx_name == "training_step"
+        step_metrics = {
+            id(owner)
+            for recorder in recorders
+            for logged in recorder.calls
+            if (owner := self.metrics.owner_of(logged.value)) is not None
+            and (in_training if logged.options.get("on_step") is None else logged.options["on_step"])
+        }
+        self.metrics.merge(step_metrics)
+        merge_and_log(root, recorders, sample_counts, self.metrics.owner_of, implied)
+
+    def release(self) -> None:
+        self.metrics.clear()
+        self.replica_set.release()
