@@ -42,7 +42,11 @@ def register_strategies(namespace: str | None = None) -> list[str]:
     for name in names:
         if name not in FLAVOURS:
             raise ValueError(f"Unknown Lightning namespace {name!r}: use one of {sorted(FLAVOURS)}.")
-        importlib.import_module(FLAVOURS[name]).register()
+        # Importing the flavour module registers its classes. When it is the module being imported right now (its
+        # own import of the namespace triggered this), it registers them itself once its classes exist.
+        flavour = importlib.import_module(FLAVOURS[name])
+        if hasattr(flavour, "register"):
+            flavour.register()
     return names
 
 

@@ -7,8 +7,9 @@ Works on distinct CUDA devices, on one device repeated ("virtual devices") and o
 from lightning_mgpu.parallel.devices import resolve_devices
 from lightning_mgpu.parallel.gather import ReplicaValues, gather
 from lightning_mgpu.parallel.modules import DataParallelCriterion, DataParallelModel
-from lightning_mgpu.parallel.parallel_apply import PeerFailedError, RendezvousError, ThreadState, parallel_apply
+from lightning_mgpu.parallel.parallel_apply import parallel_apply
 from lightning_mgpu.parallel.reduce import reduce_losses
+from lightning_mgpu.parallel.replica_group import PeerFailedError, RendezvousError
 from lightning_mgpu.parallel.replicas import ReplicaSet, replicate
 from lightning_mgpu.parallel.scatter_gather import (
     BatchSplitError,
@@ -26,6 +27,7 @@ from lightning_mgpu.parallel.sync_batchnorm import (
     revert_sync_batchnorm,
     uses_sync_batchnorm,
 )
+from lightning_mgpu.parallel.thread_state import ThreadState
 
 __all__ = [
     "BatchSplitError",

@@ -171,9 +171,10 @@ class _Gatherer:
         if not all(isinstance(o, Mapping) for o in outputs):
             raise _mismatch(outputs, path, "a mapping")
         keys = list(first.keys())
-        for key in {k for o in outputs for k in o} - set(keys) | {k for k in keys if any(k not in o for o in outputs)}:
+        for key in dict.fromkeys(k for o in outputs for k in o):  # every key, in order of first appearance
             missing = [i for i, o in enumerate(outputs) if key not in o]
-            raise _partial(f"{path}[{key!r}]", "no value", missing, len(outputs), what="key")
+            if missing:
+                raise _partial(f"{path}[{key!r}]", "no value", missing, len(outputs), what="key")
         return rebuild(first, {k: self.gather([o[k] for o in outputs], f"{path}[{k!r}]") for k in keys})
 
     def _sequence(self, outputs: list[Any], path: str) -> Any:

@@ -1,19 +1,9 @@
-"""Run one callable per replica, in threads or one after another, with the caller's thread-local torch state.
-
-A new thread inherits none of: grad mode, inference mode, autocast (enabled *and* dtype, per device type), the
-current CUDA device and stream. They are captured in the caller and replayed in every worker; torch's own
-``parallel_apply`` drops the autocast dtype, so a bf16 run would silently autocast to fp16 there. Process-global
-state (the default dtype) is left alone: set it once in the caller.
+"""Run one callable per replica, in threads or one after another, each with the caller's thread-local torch state
+(:mod:`.thread_state`) and as a member of one replica group (:mod:`.replica_group`).
 
 When every device is a CPU, threads only fight torch's intra-op thread pool (measured 2-7x slower on 2 cores), and
 when every replica is on one GPU ("virtual devices") they only contend for it (measured on an H100, N=2: 6.35 ms with
 threads vs 4.69 ms sequential), so the default mode runs the replicas sequentially in both cases.
-
-**Replica groups.** Each call forms a :class:`ReplicaGroup`; every worker runs with a thread-local
-:class:`ReplicaContext` (its group and index, see :func:`current_replica`). Layers that must see the whole batch (the
-single-process ``SyncBatchNorm``) meet their peers through :meth:`ReplicaGroup.rendezvous`. A replica that finishes or
-raises *departs*, which wakes every replica waiting for it, so a replica that skips a sync point fails its peers with
-a clear error instead of hanging them.
 
 **Failures.** A failing replica's *own* exception object reaches the caller (type, args, attributes and traceback
 frames intact), after every other replica has finished: never while user code still runs in other threads. It
@@ -26,263 +16,29 @@ only stopped because another one failed) is raised; the note lists the others.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 import threading
-import time
 import traceback
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 import torch
 
 from lightning_mgpu.parallel.devices import DeviceLike, all_cpu, to_device
+from lightning_mgpu.parallel.replica_group import PeerFailedError, ReplicaGroup, as_replica
+from lightning_mgpu.parallel.thread_state import ThreadState
 
 T = TypeVar("T")
 ExecutionMode = Literal["auto", "threads", "sequential"]
 EXECUTION_MODES = ("auto", "threads", "sequential")
 
-_AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")
 _POOL_LOCK = threading.Lock()
 _POOL: ThreadPoolExecutor | None = None
 _POOL_WORKERS = 64
-
-RENDEZVOUS_TIMEOUT_S = float(os.environ.get("LIGHTNING_MGPU_RENDEZVOUS_TIMEOUT_S", 1800))
-"""Last-resort bound (seconds) on one wait at a rendezvous, from the environment variable of the same name (default 30
-minutes). Departures and mismatches are detected without it; it only ends waits on a replica that neither arrives nor
-leaves (e.g. one blocked on something outside the group)."""
-
-
-class RendezvousError(RuntimeError):
-    """The replicas of one call cannot meet at a sync point: one skipped it, they reached sync points in different
-    orders, the call runs its replicas sequentially, or a wait outlived :data:`RENDEZVOUS_TIMEOUT_S`."""
-
-
-class PeerFailedError(RendezvousError):
-    """Raised in a replica that stopped waiting because another replica of the same call failed (or the caller was
-    interrupted). A secondary error: ``parallel_apply`` re-raises the other replica's exception instead."""
-
-
-@dataclass(frozen=True)
-class ThreadState:
-    """The thread-local torch state a worker must replay to behave like its caller."""
-
-    grad_enabled: bool
-    inference_mode: bool
-    autocast: dict[str, tuple[bool, torch.dtype]] = field(default_factory=dict)
-    autocast_cache: bool = True
-    cuda_streams: dict[int, torch.cuda.Stream] = field(default_factory=dict)
-
-    @classmethod
-    def capture(cls, devices: Sequence[torch.device] = ()) -> ThreadState:
-        autocast = {}
-        for device_type in _AUTOCAST_DEVICE_TYPES:
-            if torch.is_autocast_enabled(device_type):
-                autocast[device_type] = (True, torch.get_autocast_dtype(device_type))
-        streams = {}
-        for device in devices:
-            if device.type == "cuda" and device.index not in streams:
-                streams[device.index] = torch.cuda.current_stream(device)
-        return cls(
-            grad_enabled=torch.is_grad_enabled(),
-            inference_mode=torch.is_inference_mode_enabled(),
-            autocast=autocast,
-            autocast_cache=torch.is_autocast_cache_enabled(),
-            cuda_streams=streams,
-        )
-
-    @contextmanager
-    def replay(self, device: torch.device | None = None):
-        """Enter this state (and ``device``'s CUDA device and captured stream) in the current thread."""
-        with ExitStack() as stack:
-            if self.inference_mode:
-                stack.enter_context(torch.inference_mode())
-            else:
-                stack.enter_context(torch.set_grad_enabled(self.grad_enabled))
-            if device is not None and device.type == "cuda":
-                stack.enter_context(torch.cuda.device(device))
-                stream = self.cuda_streams.get(device.index)
-                if stream is not None:
-                    stack.enter_context(torch.cuda.stream(stream))
-            for device_type, (enabled, dtype) in self.autocast.items():
-                stack.enter_context(
-                    torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=self.autocast_cache)
-                )
-            yield
-
-
-# --- replica groups and rendezvous --------------------------------------------------------------------------------
-class _Site:
-    """One sync point (e.g. the k-th call of one SyncBatchNorm layer) where every replica of a group must arrive."""
-
-    __slots__ = ("arrived", "failed_in", "label", "results")
-
-    def __init__(self, label: str) -> None:
-        self.label = label
-        self.arrived: dict[int, Any] = {}
-        self.results: list[Any] | None = None
-        self.failed_in: int | None = None  # the replica whose combine step raised
-
-    @property
-    def open(self) -> bool:
-        return self.results is None and self.failed_in is None
-
-
-class ReplicaGroup:
-    """The replicas of one :func:`parallel_apply` call, as seen from inside them.
-
-    ``size`` replicas on ``devices``; ``sequential`` when they run one after another (no rendezvous is possible then).
-    """
-
-    def __init__(self, devices: Sequence[torch.device], sequential: bool) -> None:
-        self.devices = tuple(devices)
-        self.size = len(self.devices)
-        self.sequential = sequential
-        self._cond = threading.Condition()
-        self._departed: dict[int, BaseException | None] = {}  # index -> its exception, None when it finished
-        self._waiting: dict[int, _Site] = {}
-        self._sites: dict[Hashable, _Site] = {}
-        self._interrupted: BaseException | None = None
-
-    def rendezvous(
-        self,
-        index: int,
-        site: Hashable,
-        value: Any,
-        combine: Callable[[list[Any]], Sequence[Any]],
-        label: str,
-        hint: str,
-    ) -> Any:
-        """Meet the other replicas at ``site``; return ``combine(values in replica order)[index]``.
-
-        The last replica to arrive runs ``combine`` once for all (so one computation, e.g. one autograd node, spans
-        the replicas); the others wait. Never hangs on a departed replica: a replica waiting for one that finished
-        (without arriving) or that every other live replica waits elsewhere raises :class:`RendezvousError` naming
-        ``label``, followed by ``hint`` (what the user should do); a replica waiting for one that raised raises
-        :class:`PeerFailedError`.
-        """
-        deadline = time.monotonic() + RENDEZVOUS_TIMEOUT_S
-        with self._cond:
-            state = self._sites.get(site)
-            if state is None:
-                state = self._sites[site] = _Site(label)
-            state.arrived[index] = value
-            if len(state.arrived) == self.size:
-                del self._sites[site]
-                values = [state.arrived[i] for i in range(self.size)]
-                state.arrived.clear()  # results are all waiters need now: drop the references
-                try:
-                    state.results = list(combine(values))
-                except BaseException:
-                    state.failed_in = index
-                    raise
-                finally:
-                    self._cond.notify_all()
-                return state.results[index]
-            self._waiting[index] = state
-            try:
-                while state.results is None:
-                    failure = self._diagnose(state, hint)
-                    if failure is not None:
-                        self._cond.notify_all()  # the others re-check: this replica leaves
-                        raise failure
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0 or not self._cond.wait(remaining):
-                        if state.results is not None:
-                            break
-                        missing = [i for i in range(self.size) if i not in state.arrived]
-                        raise RendezvousError(
-                            f"{label}: replica {index} waited {RENDEZVOUS_TIMEOUT_S:.0f} s for replica(s) {missing}, "
-                            "which neither arrived nor finished (a replica blocked outside this group?). If one "
-                            "legitimately needs longer, raise the environment variable "
-                            "LIGHTNING_MGPU_RENDEZVOUS_TIMEOUT_S."
-                        )
-                return state.results[index]
-            finally:
-                del self._waiting[index]
-
-    def _diagnose(self, state: _Site, hint: str) -> RendezvousError | None:
-        """Why ``state`` can never complete, or None while it still can. Called with the lock held."""
-        if state.failed_in is not None:
-            return PeerFailedError(
-                f"{state.label}: replica {state.failed_in} failed while combining the replicas' values here; its "
-                "error is the one to read."
-            )
-        if self._interrupted is not None:
-            return PeerFailedError(f"{state.label}: stopped waiting because the caller was interrupted.")
-        waiters = sorted(state.arrived)
-        missing = [i for i in range(self.size) if i not in state.arrived]
-        raised = [i for i in missing if self._departed.get(i) is not None]
-        if raised:
-            first = self._departed[raised[0]]
-            return PeerFailedError(
-                f"{state.label}: replica(s) {waiters} stopped waiting because replica(s) {raised} raised "
-                f"{type(first).__name__} before reaching this point; that error is the one to read."
-            )
-        finished = [i for i in missing if i in self._departed]
-        if finished:
-            return RendezvousError(
-                f"{state.label}: replica(s) {waiters} waited here for replica(s) {finished}, which finished without "
-                f"reaching it. {hint}"
-            )
-        live = [i for i in range(self.size) if i not in self._departed]
-        stuck = {i: site for i, site in self._waiting.items() if site.open}
-        if all(i in stuck for i in live) and len({id(site) for site in stuck.values()}) > 1:
-            where = "; ".join(f"replica {i} waits at {stuck[i].label}" for i in live)
-            return RendezvousError(f"The replicas wait at different sync points and can never meet: {where}. {hint}")
-        return None
-
-    def depart(self, index: int, error: BaseException | None) -> None:
-        """Record that replica ``index`` finished (``error=None``) or raised ``error``; wake its waiting peers."""
-        with self._cond:
-            self._departed[index] = error
-            self._cond.notify_all()
-
-    def interrupt(self, reason: BaseException) -> None:
-        """The caller was interrupted: replicas waiting at (or reaching) a sync point stop with PeerFailedError."""
-        with self._cond:
-            self._interrupted = reason
-            self._cond.notify_all()
-
-
-@dataclass
-class ReplicaContext:
-    """What a replica knows about itself while it runs: its group, its index, and per-site call counters."""
-
-    group: ReplicaGroup
-    index: int
-    calls: dict[Hashable, int] = field(default_factory=dict)
-
-    @property
-    def device(self) -> torch.device:
-        return self.group.devices[self.index]
-
-    def next_call(self, key: Hashable) -> int:
-        """1 for this replica's first call with ``key``, 2 for its second...: pairs the k-th calls of all replicas."""
-        count = self.calls.get(key, 0) + 1
-        self.calls[key] = count
-        return count
-
-
-_LOCAL = threading.local()
-
-
-def current_replica() -> ReplicaContext | None:
-    """The replica the current thread runs as, inside a :func:`parallel_apply` call; None outside one."""
-    return getattr(_LOCAL, "replica", None)
-
-
-@contextmanager
-def _as_replica(group: ReplicaGroup, index: int):
-    previous = getattr(_LOCAL, "replica", None)
-    _LOCAL.replica = ReplicaContext(group, index)
-    try:
-        yield
-    finally:
-        _LOCAL.replica = previous
 
 
 # --- the thread pool ----------------------------------------------------------------------------------------------
@@ -325,10 +81,15 @@ def _annotate(
     for name, value in (("replica_index", index), ("replica_device", device)):
         with contextlib.suppress(Exception):  # a read-only attribute or __slots__: the note still carries both
             setattr(err, name, value)
-    with contextlib.suppress(Exception):  # e.g. a __notes__ that is not a list: the attributes still say it all
+    add_note(err, note)
+
+
+def add_note(err: BaseException, note: str) -> None:
+    """PEP 678 ``err.add_note(note)``, also on Python 3.10 (where tools read ``__notes__`` but tracebacks skip it)."""
+    with contextlib.suppress(Exception):  # e.g. a __notes__ that is not a list: the exception itself is unchanged
         if sys.version_info >= (3, 11):
             err.add_note(note)
-        else:  # PEP 678 by hand: the traceback module of 3.10 does not print notes, but tools read them
+        else:
             notes = getattr(err, "__notes__", None)
             err.__notes__ = [*notes, note] if isinstance(notes, list) else [note]
 
@@ -350,6 +111,26 @@ def _raise_first_failure(failed: Sequence[tuple[int, BaseException]], devices: S
 
 
 # --- parallel_apply -----------------------------------------------------------------------------------------------
+@functools.cache
+def replica_frame(index: int) -> Callable[[Callable[[], T]], T]:
+    """Calls a function through a frame named ``replica_<index>``.
+
+    Tracebacks of the forward pass then say which replica ran the code, in particular the forward traceback that
+    ``torch.autograd.set_detect_anomaly(True)`` attaches to an error raised in backward, where autograd itself keeps no
+    record of the replica. Free otherwise: one extra Python call per replica.
+    """
+
+    def call(function: Callable[[], T]) -> T:
+        return function()
+
+    name = f"replica_{index}"
+    code = call.__code__.replace(co_name=name)
+    if sys.version_info >= (3, 11):
+        code = code.replace(co_qualname=name)
+    call.__code__ = code
+    return call
+
+
 def resolve_mode(mode: ExecutionMode, devices: Sequence[torch.device]) -> Literal["threads", "sequential"]:
     if mode not in EXECUTION_MODES:
         raise ValueError(f"Unknown execution mode {mode!r}: choose one of {EXECUTION_MODES}.")
@@ -383,8 +164,8 @@ def parallel_apply(
 
     def run(index: int) -> _Outcome:
         try:
-            with _as_replica(group, index), state.replay(targets[index]):
-                outcome = _Outcome(value=functions[index]())
+            with as_replica(group, index), state.replay(targets[index]):
+                outcome = _Outcome(value=replica_frame(index)(functions[index]))
         except BaseException as err:  # KeyboardInterrupt too: the caller re-raises it once every replica stopped
             outcome = _Outcome(error=err)
         group.depart(index, outcome.error)

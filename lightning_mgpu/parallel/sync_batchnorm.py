@@ -47,7 +47,7 @@ from torch.autograd.function import Function, FunctionCtx, once_differentiable
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 
-from lightning_mgpu.parallel.parallel_apply import RendezvousError, ReplicaContext, current_replica
+from lightning_mgpu.parallel.replica_group import RendezvousError, ReplicaContext, current_replica
 
 __all__ = ["SyncBatchNorm", "convert_sync_batchnorm", "revert_sync_batchnorm", "uses_sync_batchnorm"]
 

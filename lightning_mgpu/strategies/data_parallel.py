@@ -25,7 +25,7 @@ from typing_extensions import override
 
 from lightning_mgpu.parallel.devices import DeviceLike, to_device
 from lightning_mgpu.parallel.gather import gather
-from lightning_mgpu.parallel.parallel_apply import ExecutionMode, parallel_apply
+from lightning_mgpu.parallel.parallel_apply import ExecutionMode
 from lightning_mgpu.parallel.scatter_gather import (
     NothingToSplitError,
     args_batch_size,
@@ -204,12 +204,7 @@ class DataParallel(SingleProcessParallel):
         replicas = self._replicas_of(target)
 
         def values_of(chunks: list[Any]) -> list[Tensor] | None:
-            with self._side_effect_free(replicas, len(chunks)) as live:
-                outs = parallel_apply(
-                    [lambda r=r, c=c: r(*c[0], **c[1]) for r, c in zip(live, chunks, strict=True)],
-                    replicas.devices[: len(chunks)],
-                    "sequential",
-                )
+            outs = self._run_side_effect_free(replicas, chunks, lambda r, c: r(*c[0], **c[1]))
             values = [_at(out, path) for out in outs]
             return values if all(isinstance(v, Tensor) and v.numel() == 1 for v in values) else None
 

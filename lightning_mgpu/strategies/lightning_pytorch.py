@@ -29,3 +29,6 @@ def register() -> None:
     """Add ``parallel_criterion``, ``dp`` and ``data_parallel`` to ``lightning.pytorch``'s registry (idempotent)."""
     for strategy in (ParallelCriterionStrategy, DataParallelStrategy):
         strategy.register_strategies(StrategyRegistry)
+
+
+register()  # on import, so the classes are usable by name as soon as they exist

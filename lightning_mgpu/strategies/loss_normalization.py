@@ -155,12 +155,17 @@ def detect(batch: Any, dim: int, losses_of: Callable[[list[Any]], list[Tensor] |
         if tensor.dim() > dim + 1:
             rules.append(LossNormalization("tokens", path, shifted=True))
     attempts = [_mask_first_sample(sub, labels, dim), sub] if any(t.dim() > dim + 1 for _, t in labels) else [sub]
+    reference = shards = None
     for attempt, candidate in enumerate(attempts):
-        split = _best_split(candidate, k, dim, rules)
-        chunks = _split(candidate, split, dim)
         try:
             reference = losses_of([candidate])
-            shards = losses_of(chunks)
+            if reference is None:
+                return Detection(None, reason="the step does not return a plain loss")
+            for split in _splits_by_preference(candidate, k, dim, rules):  # a shard may have nothing to average
+                chunks = _split(candidate, split, dim)
+                shards = losses_of(chunks)
+                if shards is None or all(math.isfinite(float(s.detach())) for s in shards):
+                    break
         except Exception as err:
             if attempt + 1 < len(attempts):
                 continue  # the step may not accept masked labels (e.g. labels that index an embedding)
@@ -211,21 +216,17 @@ def _same_weights(a: LossNormalization, b: LossNormalization, chunks: list[Any],
     return _normalized_weights(a, chunks, sizes) == _normalized_weights(b, chunks, sizes)
 
 
-def _best_split(sub: Any, k: int, dim: int, rules: list[LossNormalization]) -> list[int]:
-    """The split of the sub-batch into two shards whose weights tell the rules apart best."""
-    best, best_gap = [1, k - 1], -1.0
+def _splits_by_preference(sub: Any, k: int, dim: int, rules: list[LossNormalization]) -> list[list[int]]:
+    """Splits of the sub-batch into two shards, those whose weights tell the rules apart best first."""
+    scored = []
     for first in range(1, k):
         split = [first, k - first]
         chunks = _split(sub, split, dim)
         weights = [_normalized_weights(r, chunks, split) for r in rules]
         numeric = [w[0] for w in weights if isinstance(w, tuple)]
         gaps = [abs(a - b) for i, a in enumerate(numeric) for b in numeric[i + 1 :] if a != b]
-        gap = min(gaps) if gaps else 0.0
-        distinct = len(set(weights))
-        score = distinct + gap
-        if score > best_gap:
-            best, best_gap = split, score
-    return best
+        scored.append((len(set(weights)) + (min(gaps) if gaps else 0.0), -first, split))
+    return [split for *_, split in sorted(scored, reverse=True)]
 
 
 def _head(batch: Any, k: int, size: int, dim: int) -> Any:

@@ -126,8 +126,7 @@ class ParallelCriterion(SingleProcessParallel):
         replicas = self._replicas_of(module)
 
         def losses_of(chunks: list[Any]) -> list[Tensor] | None:
-            with self._side_effect_free(replicas, len(chunks)) as live:
-                outputs = [r.training_step(c, *rest, **kwargs) for r, c in zip(live, chunks, strict=True)]
+            outputs = self._run_side_effect_free(replicas, chunks, lambda r, c: r.training_step(c, *rest, **kwargs))
             losses = []
             for output in outputs:
                 if isinstance(output, Mapping) and (LOSS_WEIGHT_KEY in output or LOSS_TERMS_KEY in output):

@@ -7,7 +7,15 @@ metric with the metric's own ``dist_reduce_fx`` (the same rule DDP uses to combi
 The root metric's step value (``_forward_cache``, what ``self.log(name, metric)`` shows per step) is computed from
 the merged batch state, so logged values equal single-device ones.
 
-Metrics must be submodules of the LightningModule (attributes, ``nn.ModuleDict``, ``MetricCollection``...).
+Metrics must be submodules of the LightningModule (attributes, ``nn.ModuleDict``, ``MetricCollection``...). A metric
+whose state is neither a tensor nor a list of tensors cannot be merged and is refused with an error naming it.
+
+Why not ``Metric.merge_state``: it refuses metrics with ``full_state_update=True`` (``PearsonCorrCoef``,
+``MaxMetric``...), puts the incoming state *before* the metric's own, so concatenated states would hold the batches in
+reverse order, and leaves the bookkeeping (the update count, the cached ``compute`` result, the step value Lightning
+logs) untouched. So states are read through the public ``metric_state`` and combined here with each state's own
+reduction, as DDP combines ranks; the three bookkeeping fields, which torchmetrics exposes no setter for, are written
+in one place (:func:`_mark_folded`).
 """
 
 from __future__ import annotations
@@ -51,8 +59,29 @@ def _combine(values: Sequence[Any], reduce_fx: Any, device: torch.device) -> Any
     return reduce_fx(torch.stack(stacked))
 
 
-def _states(metric: Metric) -> dict[str, Any]:
-    return {attr: getattr(metric, attr) for attr in metric._reductions}
+def _reductions(metric: Metric) -> dict[str, Any]:
+    """Each state's ``dist_reduce_fx`` (torchmetrics keeps them in a private dict; read only)."""
+    return metric._reductions
+
+
+def _mark_folded(metric: Metric, step_value: Any = None) -> None:
+    """Record on ``metric`` that states were folded into it, as its own ``update``/``forward`` would: one more
+    update, no stale ``compute()`` result, and (when logged per step) the batch's value that Lightning reads."""
+    metric._update_count += 1
+    metric._computed = None
+    if step_value is not None:
+        metric._forward_cache = step_value
+
+
+def _check_mergeable(metric: Metric) -> None:
+    for attr, value in metric.metric_state.items():
+        if not isinstance(value, (Tensor, list)):
+            raise TypeError(
+                f"The torchmetrics metric {type(metric).__name__} keeps its state {attr!r} as a "
+                f"{type(value).__name__}, which cannot be merged across replicas (only tensors and lists of tensors "
+                "can). Update it outside the replicated step (e.g. in on_train_batch_end from the gathered outputs), "
+                "or use strategy='dp' or 'ddp'."
+            )
 
 
 class MetricReplicas:
@@ -107,21 +136,23 @@ class MetricReplicas:
         ``compute_step_value``: ids of root metrics whose per-step value is needed (logged with ``on_step``).
         """
         for metric, clones in self._active:
-            updated = [c for c in clones if c._update_count > 0]
+            updated = [c for c in clones if c.update_count > 0]
             if not updated:
                 continue
+            _check_mergeable(updated[0])
             device = _metric_device(metric)
+            reductions = _reductions(metric)
             batch_state = {
-                attr: _combine([getattr(c, attr) for c in updated], metric._reductions[attr], device)
-                for attr in metric._reductions
+                attr: _combine([c.metric_state[attr] for c in updated], reductions[attr], device) for attr in reductions
             }
+            step_value = None
             if compute_step_value and id(metric) in compute_step_value:
-                metric._forward_cache = self._batch_value(metric, batch_state)
-            fresh = metric._update_count == 0
+                step_value = self._batch_value(metric, batch_state)
+            fresh = metric.update_count == 0
             folded = 0 if fresh else self._contributions.get(id(metric), 1)
             for attr, value in batch_state.items():
                 current = getattr(metric, attr)
-                reduce_fx = metric._reductions[attr]
+                reduce_fx = reductions[attr]
                 if fresh and not isinstance(current, list):
                     setattr(metric, attr, value)
                 elif isinstance(current, list):  # list states (retrieval, SSIM, mAP...): every element, in order
@@ -137,8 +168,7 @@ class MetricReplicas:
                 else:
                     setattr(metric, attr, _combine([current, value], reduce_fx, device))
             self._contributions[id(metric)] = folded + len(updated)
-            metric._update_count += 1
-            metric._computed = None
+            _mark_folded(metric, step_value)
             for clone in updated:
                 clone.reset()
 
@@ -150,12 +180,12 @@ class MetricReplicas:
         scratch.reset()
         for attr, value in batch_state.items():
             setattr(scratch, attr, value)
-        scratch._update_count = 1
+        _mark_folded(scratch)
         return scratch.compute()
 
 
 def _metric_device(metric: Metric) -> torch.device:
-    for value in _states(metric).values():
+    for value in metric.metric_state.values():
         if isinstance(value, Tensor):
             return value.device
     return metric.device

@@ -24,7 +24,8 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_mgpu.parallel import sync_batchnorm
-from lightning_mgpu.parallel.parallel_apply import EXECUTION_MODES, ExecutionMode
+from lightning_mgpu.parallel.parallel_apply import EXECUTION_MODES, ExecutionMode, add_note, parallel_apply
+from lightning_mgpu.parallel.scatter_gather import move_to
 from lightning_mgpu.strategies.lightning_replicas import LightningReplicas
 from lightning_mgpu.strategies.namespace import LightningNamespace
 
@@ -76,6 +77,7 @@ class SingleProcessParallel:
         self._replicas: dict[int, LightningReplicas] = {}
         self._converted_batchnorm = False
         self._announced: set[str] = set()
+        self._replicated_on: list[torch.device] = []
         self._warned_lists: set[str] = set()
 
     # --- one Trainer per instance ------------------------------------------------------------------------------------
@@ -189,6 +191,22 @@ class SingleProcessParallel:
             self._converted_batchnorm = False
         super().teardown()  # type: ignore[misc]
 
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        try:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)  # type: ignore[misc]
+        except Exception as err:
+            devices = self._replicated_on
+            if devices:
+                add_note(
+                    err,
+                    f"Raised in the backward pass of a step that ran replicated on {len(devices)} devices "
+                    f"({', '.join(map(str, devices))}). Autograd keeps no record of which replica created the failing "
+                    "operation; with Trainer(detect_anomaly=True), the forward traceback that anomaly detection prints "
+                    "names it in a frame `replica_<index>`.",
+                )
+            raise
+
     # --- replicated calls --------------------------------------------------------------------------------------------
     def _replicas_of(self, module: nn.Module) -> LightningReplicas:
         devices = list(self.parallel_devices)  # type: ignore[attr-defined]
@@ -220,6 +238,7 @@ class SingleProcessParallel:
         LightningModule. ``implied_weights(outputs)`` maps, per replica, ``id(loss tensor)`` to the weight (or
         ``"sum"``) that a logged copy of that loss merges with, so a logged loss equals the optimized one."""
         replicas = self._replicas_of(module)
+        self._replicated_on = replicas.devices[: len(sample_counts)]
         list_lengths = _public_list_lengths(module)
         outputs = replicas.run(len(sample_counts), call, self._mode_for(replicas, len(sample_counts)))
         implied = implied_weights(outputs) if implied_weights is not None else [{} for _ in outputs]
@@ -273,6 +292,19 @@ class SingleProcessParallel:
                 for name, items in lists.items():
                     del items[lengths[name] :]
 
+    def _run_side_effect_free(
+        self, replicas: LightningReplicas, chunks: list[Any], call: Callable[[nn.Module, Any], Any]
+    ) -> list[Any]:
+        """``call(replica_i, chunk_i)`` for an experiment (see :meth:`_side_effect_free`), each replica on its device
+        with its chunk moved there, one after another."""
+        devices = replicas.devices[: len(chunks)]
+        with self._side_effect_free(replicas, len(chunks)) as live:
+            return parallel_apply(
+                [lambda r=r, c=c, d=d: call(r, move_to(c, d)) for r, c, d in zip(live, chunks, devices, strict=True)],
+                devices,
+                "sequential",
+            )
+
     def _log(self, message: str) -> None:
         logging.getLogger(self.namespace.name).info(message)
 
@@ -306,6 +338,7 @@ class SingleProcessParallel:
             "test_step": plugin.test_step_context,
             "predict_step": plugin.predict_step_context,
         }
+        self._replicated_on = []
         with contexts[hook]():
             yield
 

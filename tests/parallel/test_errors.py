@@ -141,7 +141,7 @@ def test_gather_and_parallel_apply_errors():
         gather([], "cpu")
     with pytest.raises(ValueError, match=r"Cannot gather output\['b'\]"):
         gather([{"b": torch.zeros(1)}, {"b": [1]}], "cpu")
-    with pytest.raises(ValueError, match=r"Cannot gather output\['b'\]: replica\(s\) \[0\] returned no value"):
+    with pytest.raises(ValueError, match=r"Cannot gather output\['a'\]: replica\(s\) \[1\] returned no value"):
         gather([{"a": torch.zeros(1)}, {"b": torch.zeros(1)}], "cpu")
     with pytest.raises(ValueError, match="2 functions for 3 devices"):
         parallel_apply([lambda: 1, lambda: 2], ["cpu"] * 3)

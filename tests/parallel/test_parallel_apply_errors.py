@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lightning_mgpu.parallel import parallel_apply
-from lightning_mgpu.parallel.parallel_apply import PeerFailedError
+from lightning_mgpu.parallel.replica_group import PeerFailedError
 
 MODES = ["threads", "sequential"]
 

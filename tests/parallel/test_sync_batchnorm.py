@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from lightning_mgpu.parallel import DataParallelModel, parallel_apply, replicate
-from lightning_mgpu.parallel.parallel_apply import PeerFailedError, RendezvousError
+from lightning_mgpu.parallel.replica_group import PeerFailedError, RendezvousError
 from lightning_mgpu.parallel.sync_batchnorm import (
     SyncBatchNorm,
     convert_sync_batchnorm,

@@ -1,0 +1,206 @@
+"""Replica groups: the replicas of one ``parallel_apply`` call, and the rendezvous where they meet.
+
+Each call forms a :class:`ReplicaGroup`; every worker runs with a thread-local :class:`ReplicaContext` (its group and
+index, see :func:`current_replica`). Layers that must see the whole batch (the single-process ``SyncBatchNorm``) meet
+their peers through :meth:`ReplicaGroup.rendezvous`. A replica that finishes or raises *departs*, which wakes every
+replica waiting for it, so a replica that skips a sync point fails its peers with a clear error instead of hanging
+them.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+RENDEZVOUS_TIMEOUT_S = float(os.environ.get("LIGHTNING_MGPU_RENDEZVOUS_TIMEOUT_S", 1800))
+"""Last-resort bound (seconds) on one wait at a rendezvous, from the environment variable of the same name (default 30
+minutes). Departures and mismatches are detected without it; it only ends waits on a replica that neither arrives nor
+leaves (e.g. one blocked on something outside the group)."""
+
+
+class RendezvousError(RuntimeError):
+    """The replicas of one call cannot meet at a sync point: one skipped it, they reached sync points in different
+    orders, the call runs its replicas sequentially, or a wait outlived :data:`RENDEZVOUS_TIMEOUT_S`."""
+
+
+class PeerFailedError(RendezvousError):
+    """Raised in a replica that stopped waiting because another replica of the same call failed (or the caller was
+    interrupted). A secondary error: ``parallel_apply`` re-raises the other replica's exception instead."""
+
+
+class _Site:
+    """One sync point (e.g. the k-th call of one SyncBatchNorm layer) where every replica of a group must arrive."""
+
+    __slots__ = ("arrived", "failed_in", "label", "results")
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.arrived: dict[int, Any] = {}
+        self.results: list[Any] | None = None
+        self.failed_in: int | None = None  # the replica whose combine step raised
+
+    @property
+    def open(self) -> bool:
+        return self.results is None and self.failed_in is None
+
+
+class ReplicaGroup:
+    """The replicas of one :func:`parallel_apply` call, as seen from inside them.
+
+    ``size`` replicas on ``devices``; ``sequential`` when they run one after another (no rendezvous is possible then).
+    """
+
+    def __init__(self, devices: Sequence[torch.device], sequential: bool) -> None:
+        self.devices = tuple(devices)
+        self.size = len(self.devices)
+        self.sequential = sequential
+        self._cond = threading.Condition()
+        self._departed: dict[int, BaseException | None] = {}  # index -> its exception, None when it finished
+        self._waiting: dict[int, _Site] = {}
+        self._sites: dict[Hashable, _Site] = {}
+        self._interrupted: BaseException | None = None
+
+    def rendezvous(
+        self,
+        index: int,
+        site: Hashable,
+        value: Any,
+        combine: Callable[[list[Any]], Sequence[Any]],
+        label: str,
+        hint: str,
+    ) -> Any:
+        """Meet the other replicas at ``site``; return ``combine(values in replica order)[index]``.
+
+        The last replica to arrive runs ``combine`` once for all (so one computation, e.g. one autograd node, spans
+        the replicas); the others wait. Never hangs on a departed replica: a replica waiting for one that finished
+        (without arriving) or that every other live replica waits elsewhere raises :class:`RendezvousError` naming
+        ``label``, followed by ``hint`` (what the user should do); a replica waiting for one that raised raises
+        :class:`PeerFailedError`.
+        """
+        deadline = time.monotonic() + RENDEZVOUS_TIMEOUT_S
+        with self._cond:
+            state = self._sites.get(site)
+            if state is None:
+                state = self._sites[site] = _Site(label)
+            state.arrived[index] = value
+            if len(state.arrived) == self.size:
+                del self._sites[site]
+                values = [state.arrived[i] for i in range(self.size)]
+                state.arrived.clear()  # results are all waiters need now: drop the references
+                try:
+                    state.results = list(combine(values))
+                except BaseException:
+                    state.failed_in = index
+                    raise
+                finally:
+                    self._cond.notify_all()
+                return state.results[index]
+            self._waiting[index] = state
+            try:
+                while state.results is None:
+                    failure = self._diagnose(state, hint)
+                    if failure is not None:
+                        self._cond.notify_all()  # the others re-check: this replica leaves
+                        raise failure
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0 or not self._cond.wait(remaining):
+                        if state.results is not None:
+                            break
+                        missing = [i for i in range(self.size) if i not in state.arrived]
+                        raise RendezvousError(
+                            f"{label}: replica {index} waited {RENDEZVOUS_TIMEOUT_S:.0f} s for replica(s) {missing}, "
+                            "which neither arrived nor finished (a replica blocked outside this group?). If one "
+                            "legitimately needs longer, raise the environment variable "
+                            "LIGHTNING_MGPU_RENDEZVOUS_TIMEOUT_S."
+                        )
+                return state.results[index]
+            finally:
+                del self._waiting[index]
+
+    def _diagnose(self, state: _Site, hint: str) -> RendezvousError | None:
+        """Why ``state`` can never complete, or None while it still can. Called with the lock held."""
+        if state.failed_in is not None:
+            return PeerFailedError(
+                f"{state.label}: replica {state.failed_in} failed while combining the replicas' values here; its "
+                "error is the one to read."
+            )
+        if self._interrupted is not None:
+            return PeerFailedError(f"{state.label}: stopped waiting because the caller was interrupted.")
+        waiters = sorted(state.arrived)
+        missing = [i for i in range(self.size) if i not in state.arrived]
+        raised = [i for i in missing if self._departed.get(i) is not None]
+        if raised:
+            first = self._departed[raised[0]]
+            return PeerFailedError(
+                f"{state.label}: replica(s) {waiters} stopped waiting because replica(s) {raised} raised "
+                f"{type(first).__name__} before reaching this point; that error is the one to read."
+            )
+        finished = [i for i in missing if i in self._departed]
+        if finished:
+            return RendezvousError(
+                f"{state.label}: replica(s) {waiters} waited here for replica(s) {finished}, which finished without "
+                f"reaching it. {hint}"
+            )
+        live = [i for i in range(self.size) if i not in self._departed]
+        stuck = {i: site for i, site in self._waiting.items() if site.open}
+        if all(i in stuck for i in live) and len({id(site) for site in stuck.values()}) > 1:
+            where = "; ".join(f"replica {i} waits at {stuck[i].label}" for i in live)
+            return RendezvousError(f"The replicas wait at different sync points and can never meet: {where}. {hint}")
+        return None
+
+    def depart(self, index: int, error: BaseException | None) -> None:
+        """Record that replica ``index`` finished (``error=None``) or raised ``error``; wake its waiting peers."""
+        with self._cond:
+            self._departed[index] = error
+            self._cond.notify_all()
+
+    def interrupt(self, reason: BaseException) -> None:
+        """The caller was interrupted: replicas waiting at (or reaching) a sync point stop with PeerFailedError."""
+        with self._cond:
+            self._interrupted = reason
+            self._cond.notify_all()
+
+
+@dataclass
+class ReplicaContext:
+    """What a replica knows about itself while it runs: its group, its index, and per-site call counters."""
+
+    group: ReplicaGroup
+    index: int
+    calls: dict[Hashable, int] = field(default_factory=dict)
+
+    @property
+    def device(self) -> torch.device:
+        return self.group.devices[self.index]
+
+    def next_call(self, key: Hashable) -> int:
+        """1 for this replica's first call with ``key``, 2 for its second...: pairs the k-th calls of all replicas."""
+        count = self.calls.get(key, 0) + 1
+        self.calls[key] = count
+        return count
+
+
+_LOCAL = threading.local()
+
+
+def current_replica() -> ReplicaContext | None:
+    """The replica the current thread runs as, inside a :func:`parallel_apply` call; None outside one."""
+    return getattr(_LOCAL, "replica", None)
+
+
+@contextmanager
+def as_replica(group: ReplicaGroup, index: int) -> Iterator[None]:
+    """Run the enclosed code as member ``index`` of ``group`` (what :func:`current_replica` returns)."""
+    previous = getattr(_LOCAL, "replica", None)
+    _LOCAL.replica = ReplicaContext(group, index)
+    try:
+        yield
+    finally:
+        _LOCAL.replica = previous
