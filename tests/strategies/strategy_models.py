@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import copy
+import functools
+import importlib
+from types import SimpleNamespace
 from typing import Any
 
-import lightning.pytorch as L
 import torch
 import torchmetrics
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_mgpu  # noqa: F401  (registers the strategies, as a user's project does)
 
 N_FEATURES = 6
 N_CLASSES = 3
@@ -26,49 +30,62 @@ def loader(batch_size: int, n: int = 40, seed: int = 0, dtype: torch.dtype = tor
     return DataLoader(make_data(n, seed, dtype), batch_size=batch_size, shuffle=False)
 
 
-class Classifier(L.LightningModule):
-    """An MLP classifier (no dropout, no BatchNorm) that logs in every way the tests check."""
+NAMESPACES = ("lightning.pytorch", "pytorch_lightning")
 
-    def __init__(self, lr: float = 0.3, output: str = "tensor", hidden: int = 16) -> None:
-        super().__init__()
-        self.save_hyperparameters()
-        self.net = nn.Sequential(nn.Linear(N_FEATURES, hidden), nn.Tanh(), nn.Linear(hidden, N_CLASSES))
-        self.train_acc = torchmetrics.classification.MulticlassAccuracy(N_CLASSES, average="micro")
-        self.val_acc = torchmetrics.classification.MulticlassAccuracy(N_CLASSES, average="macro")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
+@functools.cache
+def models(namespace: str = "lightning.pytorch") -> SimpleNamespace:
+    """The test models, built on ``namespace``'s LightningModule (``lightning.pytorch`` or ``pytorch_lightning``)."""
+    L = importlib.import_module(namespace)
 
-    def training_step(self, batch: Any, batch_idx: int) -> Any:
-        x, y = batch
-        logits = self(x)
-        loss = nn.functional.cross_entropy(logits, y)
-        self.train_acc(logits, y)
-        self.log("train_loss", loss, on_step=True, on_epoch=True, prog_bar=True)
-        self.log("train_acc", self.train_acc, on_step=True, on_epoch=True)
-        self.log_dict({"max_logit": logits.max(), "max_target": y.max().double()}, reduce_fx="max", on_step=True)
-        self.log("min_logit", logits.min(), reduce_fx="min", on_step=True)
-        self.log("n_seen", float(len(y)), reduce_fx="sum", on_step=True, on_epoch=False)
-        if self.hparams.output == "dict":
-            return {"loss": loss, "preds": logits.argmax(-1), "mean_logit": logits.mean()}
-        return loss
+    class Classifier(L.LightningModule):
+        """An MLP classifier (no dropout, no BatchNorm) that logs in every way the tests check."""
 
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        x, y = batch
-        logits = self(x)
-        self.val_acc.update(logits, y)
-        self.log("val_loss", nn.functional.cross_entropy(logits, y))
-        self.log("val_acc", self.val_acc)
+        def __init__(self, lr: float = 0.3, output: str = "tensor", hidden: int = 16) -> None:
+            super().__init__()
+            self.save_hyperparameters()
+            self.net = nn.Sequential(nn.Linear(N_FEATURES, hidden), nn.Tanh(), nn.Linear(hidden, N_CLASSES))
+            self.train_acc = torchmetrics.classification.MulticlassAccuracy(N_CLASSES, average="micro")
+            self.val_acc = torchmetrics.classification.MulticlassAccuracy(N_CLASSES, average="macro")
 
-    def test_step(self, batch: Any, batch_idx: int) -> None:
-        x, y = batch
-        self.log("test_loss", nn.functional.cross_entropy(self(x), y))
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.net(x)
 
-    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        return self(batch[0]).softmax(-1)
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            x, y = batch
+            logits = self(x)
+            loss = nn.functional.cross_entropy(logits, y)
+            self.train_acc(logits, y)
+            self.log("train_loss", loss, on_step=True, on_epoch=True, prog_bar=True)
+            self.log("train_acc", self.train_acc, on_step=True, on_epoch=True)
+            self.log_dict({"max_logit": logits.max(), "max_target": y.max().double()}, reduce_fx="max", on_step=True)
+            self.log("min_logit", logits.min(), reduce_fx="min", on_step=True)
+            self.log("n_seen", float(len(y)), reduce_fx="sum", on_step=True, on_epoch=False)
+            if self.hparams.output == "dict":
+                return {"loss": loss, "preds": logits.argmax(-1), "mean_logit": logits.mean()}
+            return loss
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            x, y = batch
+            logits = self(x)
+            self.val_acc.update(logits, y)
+            self.log("val_loss", nn.functional.cross_entropy(logits, y))
+            self.log("val_acc", self.val_acc)
+
+        def test_step(self, batch: Any, batch_idx: int) -> None:
+            x, y = batch
+            self.log("test_loss", nn.functional.cross_entropy(self(x), y))
+
+        def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return self(batch[0]).softmax(-1)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+
+    return SimpleNamespace(L=L, Classifier=Classifier)
+
+
+Classifier = models().Classifier
 
 
 def seeded(module_cls: type = Classifier, seed: int = 0, dtype: torch.dtype = torch.float64, **kwargs: Any) -> Any:
@@ -76,11 +93,11 @@ def seeded(module_cls: type = Classifier, seed: int = 0, dtype: torch.dtype = to
     return module_cls(**kwargs).to(dtype)
 
 
-def clone(module: L.LightningModule) -> L.LightningModule:
+def clone(module: Any) -> Any:
     return copy.deepcopy(module)
 
 
-def trainer(strategy: Any = "auto", devices: int = 1, **kwargs: Any) -> L.Trainer:
+def trainer(strategy: Any = "auto", devices: int = 1, namespace: str = "lightning.pytorch", **kwargs: Any) -> Any:
     defaults: dict[str, Any] = dict(
         accelerator="cpu",
         logger=False,
@@ -90,12 +107,12 @@ def trainer(strategy: Any = "auto", devices: int = 1, **kwargs: Any) -> L.Traine
         num_sanity_val_steps=0,
     )
     defaults.update(kwargs)
-    return L.Trainer(strategy=strategy, devices=devices, **defaults)
+    return models(namespace).L.Trainer(strategy=strategy, devices=devices, **defaults)
 
 
 def flat_params(module: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().flatten() for p in module.parameters()])
 
 
-def metrics(t: L.Trainer) -> dict[str, float]:
+def metrics(t: Any) -> dict[str, float]:
     return {k: float(v) for k, v in t.callback_metrics.items()}

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from strategy_models import Classifier, clone, flat_params, loader, metrics, seeded, trainer
+from strategy_models import NAMESPACES, Classifier, clone, flat_params, loader, metrics, models, seeded, trainer
 
 import lightning_mgpu
 
 STEPS = 5
 
 
-def _fit(module, strategy, devices, batch_size, **trainer_kwargs):
+def _fit(module, strategy, devices, batch_size, namespace="lightning.pytorch", **trainer_kwargs):
     t = trainer(
         strategy,
         devices,
+        namespace,
         max_steps=STEPS,
         limit_val_batches=2,
         val_check_interval=STEPS,
@@ -37,14 +38,16 @@ def reference():
     return base, results
 
 
+@pytest.mark.parametrize("namespace", NAMESPACES)
 @pytest.mark.parametrize("strategy", ["parallel_criterion", "dp"])
 @pytest.mark.parametrize("devices", [2, 3, 4])
 @pytest.mark.parametrize("batch_size", [10, 3])
-def test_parameters_and_logged_metrics_equal_single_device(reference, strategy, devices, batch_size):
-    base, results = reference
+def test_parameters_and_logged_metrics_equal_single_device(reference, strategy, devices, batch_size, namespace):
+    """Under both Lightning namespaces (``import lightning.pytorch as L`` and ``import pytorch_lightning as pl``)."""
+    _, results = reference
     expected_params, expected_metrics, expected_bar = results[batch_size]
-    module = clone(base)
-    t = _fit(module, strategy, devices, batch_size)
+    module = seeded(models(namespace).Classifier)  # the same initial weights as the reference's
+    t = _fit(module, strategy, devices, batch_size, namespace)
     assert t.global_step == STEPS
     torch.testing.assert_close(flat_params(module), expected_params, rtol=0, atol=1e-10)
     got = metrics(t)

@@ -1,0 +1,136 @@
+"""Replicas built once per run and reused: what changes on the module between steps still reaches them, and
+compiled networks train under both strategies."""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import pytest
+import torch
+from strategy_models import Classifier, clone, flat_params, loader, metrics, seeded, trainer
+from torch import nn
+
+STRATEGIES = ["parallel_criterion", "dp"]
+
+
+class Scheduled(Classifier):
+    """Changes itself between epochs the ways users do: a rebound attribute, unfreezing, a swapped submodule."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.temperature = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x) / self.temperature
+
+    def on_train_epoch_start(self) -> None:
+        epoch = self.current_epoch
+        self.temperature = 1.0 + epoch  # a scheduler-like attribute change
+        self.net[0].weight.requires_grad_(epoch != 1)  # frozen in epoch 1, unfrozen after
+        if epoch == 2:
+            self.net[1] = nn.ReLU()  # a module replaced between epochs: replicas rebuild
+
+
+def _fit(module: Any, strategy: str, devices: int, **kwargs: Any) -> Any:
+    t = trainer(strategy, devices, max_epochs=3, limit_val_batches=2, **kwargs)
+    t.fit(module, loader(10), loader(10, seed=1))
+    return t
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_changes_between_steps_reach_the_replicas(strategy):
+    base = seeded(Scheduled)
+    single, multi = clone(base), clone(base)
+    reference = _fit(single, "auto", 1)
+    got = _fit(multi, strategy, 3)
+    torch.testing.assert_close(flat_params(multi), flat_params(single), rtol=0, atol=1e-10)
+    assert metrics(got) == pytest.approx(metrics(reference), abs=1e-10)
+    replicas = got.strategy.__dict__.get("_replicas")
+    assert replicas == {}  # released at teardown
+
+
+class CountsBuilds(Classifier):
+    builds: list[int]
+
+    def on_train_end(self) -> None:
+        strategy = self.trainer.strategy
+        self.builds = [r.replica_set.builds for r in strategy._replicas.values()]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_replicas_are_built_once_per_run_not_per_step(strategy):
+    module = seeded(CountsBuilds)
+    _fit(module, strategy, 3)
+    # One build for the whole run: 3 epochs of training and validation (train()/eval() only rebinds attributes,
+    # which are copied to the replicas).
+    assert module.builds == [1]
+
+
+def test_fit_validate_fit_equals_one_device():
+    base = seeded(Classifier)
+    single, multi = clone(base), clone(base)
+    for module, strategy, devices in ((single, "auto", 1), (multi, "parallel_criterion", 3)):
+        trainer(strategy, devices, max_steps=3).fit(module, loader(10))
+        trainer(strategy, devices).validate(module, loader(7), verbose=False)
+        trainer(strategy, devices, max_steps=6).fit(module, loader(10))
+    torch.testing.assert_close(flat_params(multi), flat_params(single), rtol=0, atol=1e-10)
+
+
+def test_no_growth_in_objects_over_steps():
+    module = seeded(Classifier)
+
+    class Count:
+        def __init__(self) -> None:
+            self.counts: list[int] = []
+
+    counter = Count()
+
+    from lightning.pytorch.callbacks import Callback
+
+    class Objects(Callback):
+        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+            if trainer.global_step in (20, 120):
+                gc.collect()
+                counter.counts.append(len(gc.get_objects()))
+
+    trainer("parallel_criterion", 3, max_steps=120, callbacks=[Objects()]).fit(module, loader(4, n=400))
+    early, late = counter.counts
+    assert late - early < 200, counter.counts  # steady state: no per-step growth (100 steps apart)
+
+
+class Compiled(Classifier):
+    def __init__(self, backend: str) -> None:
+        super().__init__()
+        self.net = Net()
+        self.net.compile(backend=backend)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+class Eager(Classifier):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = Net()
+
+
+@pytest.mark.parametrize(("strategy", "backend"), [("parallel_criterion", "inductor"), ("dp", "aot_eager")])
+def test_compiled_network_trains_as_the_eager_one_device_run(strategy, backend):
+    """``net.compile()`` under both strategies: each lasting replica runs compiled code bound to its own tensors."""
+    torch.manual_seed(0)
+    eager = Eager().float()
+    compiled = Compiled(backend).float()
+    compiled.load_state_dict(eager.state_dict())
+    kwargs = dict(max_steps=4, limit_val_batches=0)
+    trainer("auto", 1, **kwargs).fit(eager, loader(10, dtype=torch.float32))
+    trainer(strategy, 3, **kwargs).fit(compiled, loader(10, dtype=torch.float32))
+    torch.testing.assert_close(flat_params(compiled), flat_params(eager), rtol=1e-5, atol=1e-5)
+    assert compiled.net._compiled_call_impl is not None  # still compiled, state-dict keys unchanged
+    assert set(compiled.state_dict()) == set(eager.state_dict())
