@@ -33,7 +33,9 @@ from lightning_mgpu.parallel.scatter_gather import (
     scatter_args,
     unsplittable_error,
 )
+from lightning_mgpu.strategies.experiments import run_side_effect_free
 from lightning_mgpu.strategies.loss_normalization import SAMPLES, LossNormalization, detect
+from lightning_mgpu.strategies.namespace import Accelerator, CheckpointIO, PrecisionPlugin
 from lightning_mgpu.strategies.single_process import SingleProcessParallel
 
 
@@ -54,10 +56,10 @@ class DataParallel(SingleProcessParallel):
 
     def __init__(
         self,
-        accelerator: Any = None,
+        accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
-        checkpoint_io: Any = None,
-        precision_plugin: Any = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: PrecisionPlugin | None = None,
         output_device: DeviceLike | None = None,
         parallel_modules: Sequence[str] = ("",),
         dim: int = 0,
@@ -203,16 +205,20 @@ class DataParallel(SingleProcessParallel):
     def _detect_scalar(self, target: nn.Module, path: str, whole: tuple[Any, ...]) -> LossNormalization:
         replicas = self._replicas_of(target)
 
-        def values_of(chunks: list[Any]) -> list[Tensor] | None:
-            outs = self._run_side_effect_free(replicas, chunks, lambda r, c: r(*c[0], **c[1]))
+        def values_of(chunks: list[Any], seed: int | None) -> list[Tensor] | None:
+            # After the step's replicated forward: its replicas are in use by a live autograd graph, keep them as is.
+            outs = run_side_effect_free(
+                self.lightning_module, replicas, chunks, lambda r, c: r(*c[0], **c[1]), prepare=False, seed=seed
+            )
             values = [_at(out, path) for out in outs]
             return values if all(isinstance(v, Tensor) and v.numel() == 1 for v in values) else None
 
         detection = detect(whole, self.dim, values_of)
         if detection.normalization is not None:
+            rule = detection.normalization.describe(detection.labels)
             self._log(
-                f"dp: {path} of {type(target).__name__}.forward is {detection.normalization.describe()}; the "
-                "replicas' values are combined accordingly (found out on the first call)."
+                f"dp: {path} of {type(target).__name__}.forward is {rule}; the replicas' values are combined "
+                "accordingly (found out on the first call)."
             )
             return detection.normalization
         warnings.warn(

@@ -36,14 +36,18 @@ from lightning_mgpu.parallel.scatter_gather import (
 Kind = Literal["samples", "sum", "replica_mean", "tokens"]
 KINDS = ("samples", "sum", "replica_mean", "tokens", "shifted_tokens")
 IGNORE_INDEX = -100
-#: Relative difference under which a hypothesis reproduces the sub-batch loss (the experiment runs in float32 or
-#: float64 with autocast off, where shard and whole-batch losses agree to ~1e-6).
-TOLERANCE = 1e-4
-#: Other hypotheses must miss by this many times the tolerance for the winner to count as clearly established.
-SEPARATION = 10.0
+#: A rule reproduces the sub-batch loss when it misses by at most this many machine epsilons of the loss's dtype
+#: (relative; the experiment runs without autocast, where shard and whole-batch losses agree to rounding).
+PRECISION_ULPS = 64
+#: Every rule that weights the shards differently must miss by this many times more than the adopted one.
+SEPARATION = 100.0
+#: For a random step: the tolerance is this many times the change of its loss under another seed.
+NOISE_MARGIN = 4.0
+NOISE_SEED = 1_000_003
 SUB_BATCH = 8
 
 Path = tuple[Any, ...]
+LossesOf = Callable[[list[Any], "int | None"], "list[Tensor] | None"]
 
 
 @dataclass(frozen=True)
@@ -83,13 +87,16 @@ class LossNormalization:
             return self.kind
         return f"{'shifted_tokens' if self.shifted else 'tokens'}:{'.'.join(map(str, self.key))}"
 
-    def describe(self) -> str:
+    def describe(self, labels: Tensor | None = None) -> str:
+        """In words; ``labels`` (the tensor at ``key``) tells one label per sample from rows of tokens."""
         if self.kind == "samples":
             return "a mean over samples (weighted by each device's sample count)"
         if self.kind == "sum":
             return "a sum (summed over devices)"
         if self.kind == "replica_mean":
             return "an equal-weight mean over devices"
+        if labels is not None and labels.dim() <= 1:
+            return f"a mean over the samples whose label {_show(self.key)} is not {self.ignore_index} (ignored labels)"
         shift = ", shifted by one position as causal LMs do" if self.shifted else ""
         return f"a mean over the tokens of {_show(self.key)} that are not {self.ignore_index}{shift}"
 
@@ -121,6 +128,7 @@ class Detection:
     predicted, for the message."""
 
     normalization: LossNormalization | None
+    labels: Tensor | None = None
     reference: float = math.nan
     predictions: dict[LossNormalization, float] = field(default_factory=dict)
     sub_batch: int = 0
@@ -134,11 +142,17 @@ class Detection:
         return "\n".join(lines)
 
 
-def detect(batch: Any, dim: int, losses_of: Callable[[list[Any]], list[Tensor] | None]) -> Detection:
+def detect(batch: Any, dim: int, losses_of: LossesOf) -> Detection:
     """Find how ``losses_of``'s losses are normalised, from the first samples of ``batch``.
 
-    ``losses_of(chunks)`` runs the step on each chunk (chunk ``i`` on replica ``i``) without side effects and returns
-    one scalar loss per chunk, or ``None`` when the step does not return a plain loss (then nothing is decided).
+    ``losses_of(chunks, seed)`` runs the step on each chunk (chunk ``i`` on replica ``i``) without side effects and
+    returns one scalar loss per chunk, or ``None`` when the step does not return a plain loss (then nothing is
+    decided); with a ``seed`` its random draws are reseeded (to measure how random the step is).
+
+    The closest rule is adopted when it reproduces the sub-batch's loss to the precision of the loss's dtype (or of the
+    step's own randomness) and every rule that weights the shards differently misses by a hundred times more. Rules
+    that weight these shards identically are told apart by masking part of the labels (see :func:`_mask_first_sample`);
+    if they still tie, the first in order of preference is taken: on this batch they are the same rule.
     """
     try:
         size = batch_size_of(batch, dim)
@@ -149,47 +163,72 @@ def detect(batch: Any, dim: int, losses_of: Callable[[list[Any]], list[Tensor] |
     k = min(size, SUB_BATCH)
     sub = _head(batch, k, size, dim)
     labels = _label_candidates(sub, dim)
-    rules = [SAMPLES, LossNormalization("sum"), LossNormalization("replica_mean")]
+    rules = [SAMPLES, LossNormalization("sum")]
     for path, tensor in labels:
         rules.append(LossNormalization("tokens", path))
         if tensor.dim() > dim + 1:
             rules.append(LossNormalization("tokens", path, shifted=True))
-    attempts = [_mask_first_sample(sub, labels, dim), sub] if any(t.dim() > dim + 1 for _, t in labels) else [sub]
-    reference = shards = None
+    attempts = [_mask_first_sample(sub, labels, dim), sub] if labels else [sub]
+    run: tuple[Any, list[int], list[Any], Tensor, list[Tensor]] | None = None
     for attempt, candidate in enumerate(attempts):
         try:
-            reference = losses_of([candidate])
-            if reference is None:
-                return Detection(None, reason="the step does not return a plain loss")
-            for split in _splits_by_preference(candidate, k, dim, rules):  # a shard may have nothing to average
-                chunks = _split(candidate, split, dim)
-                shards = losses_of(chunks)
-                if shards is None or all(math.isfinite(float(s.detach())) for s in shards):
-                    break
+            run = _experiment(candidate, k, dim, rules, losses_of)
         except Exception as err:
             if attempt + 1 < len(attempts):
-                continue  # the step may not accept masked labels (e.g. labels that index an embedding)
+                continue  # the step may not accept masked labels (labels that index an embedding, a metric...)
             return Detection(None, sub_batch=k, reason=f"the step failed on a sub-batch ({type(err).__name__}: {err})")
         break
-    if reference is None or shards is None:
+    if run is None:
         return Detection(None, reason="the step does not return a plain loss")
-    whole = float(reference[0].detach().double())
+    candidate, split, chunks, reference, shards = run
+    whole = float(reference.detach().double())
     values = [float(s.detach().double()) for s in shards]
     predictions = {rule: _predict(rule, values, chunks, split) for rule in rules}
-    detection = Detection(None, whole, predictions, k)
-    scale = max(abs(whole), 1e-12)
-    errors = {rule: abs(value - whole) / scale for rule, value in predictions.items()}
-    matching = [rule for rule in rules if errors[rule] <= TOLERANCE]
-    if not matching:
+    detection = Detection(None, None, whole, predictions, k)
+    scale = max(abs(whole), 1e-30)
+    errors = {r: abs(v - whole) / scale if math.isfinite(v) else math.inf for r, v in predictions.items()}
+    eps = torch.finfo(reference.dtype if reference.is_floating_point() else torch.float32).eps
+    best = min(rules, key=lambda rule: errors[rule])  # ties: the first in order of preference
+    floor = PRECISION_ULPS * eps
+    noise = 0.0
+    if errors[best] > floor:  # a step that draws random numbers: allow for how much its loss moves with the seed
+        again = losses_of([candidate], NOISE_SEED)
+        if again is not None:
+            noise = abs(float(again[0].detach().double()) - whole) / scale
+            floor = max(floor, NOISE_MARGIN * noise)
+    if errors[best] > floor:
         detection.reason = "no rule reproduces the sub-batch loss"
+        if noise > 0:
+            detection.reason += f"; the step is random: its loss moves by {noise:.2g} (relative) with the seed"
         return detection
-    best = matching[0]  # rules are listed in order of preference
-    others = [r for r in rules if r not in matching and not _same_weights(r, best, chunks, split)]
-    if any(errors[r] <= SEPARATION * TOLERANCE for r in others):
+    rivals = [r for r in rules if not _same_weights(r, best, chunks, split)]
+    # Rivals must miss by far more than the winner; for a random step, by far more than its randomness.
+    apart = SEPARATION * max(errors[best], eps) if noise == 0 else NOISE_MARGIN * floor
+    if any(errors[r] < apart for r in rivals):
         detection.reason = "the rules are not clearly apart on this batch"
         return detection
     detection.normalization = best
+    detection.labels = _lookup(candidate, best.key) if best.kind == "tokens" else None
     return detection
+
+
+def _experiment(
+    candidate: Any, k: int, dim: int, rules: list[LossNormalization], losses_of: LossesOf
+) -> tuple[Any, list[int], list[Any], Tensor, list[Tensor]] | None:
+    """The sub-batch's loss on one replica, then on two shards of it (the first split whose shards are all finite)."""
+    reference = losses_of([candidate], None)
+    if reference is None:
+        return None
+    shards: list[Tensor] | None = None
+    for split in _splits_by_preference(candidate, k, dim, rules):  # a shard may have nothing to average (NaN)
+        chunks = _split(candidate, split, dim)
+        shards = losses_of(chunks, None)
+        if shards is None:
+            return None
+        if all(math.isfinite(float(s.detach())) for s in shards):
+            break
+    assert shards is not None
+    return candidate, split, chunks, reference[0], shards
 
 
 def _predict(rule: LossNormalization, values: list[float], chunks: list[Any], sizes: list[int]) -> float:
@@ -225,7 +264,9 @@ def _splits_by_preference(sub: Any, k: int, dim: int, rules: list[LossNormalizat
         weights = [_normalized_weights(r, chunks, split) for r in rules]
         numeric = [w[0] for w in weights if isinstance(w, tuple)]
         gaps = [abs(a - b) for i, a in enumerate(numeric) for b in numeric[i + 1 :] if a != b]
-        scored.append((len(set(weights)) + (min(gaps) if gaps else 0.0), -first, split))
+        # A shard that some rule gives no weight makes rules coincide (its loss may be 0 or NaN): avoid it.
+        empty = any(0.0 in w for w in weights if isinstance(w, tuple))
+        scored.append((not empty, len(set(weights)) + (min(gaps) if gaps else 0.0), -first, split))
     return [split for *_, split in sorted(scored, reverse=True)]
 
 
@@ -289,16 +330,16 @@ def _replace(batch: Any, path: Path, value: Tensor) -> Any:
 
 
 def _mask_first_sample(batch: Any, labels: list[tuple[Path, Tensor]], dim: int) -> Any:
-    """The sub-batch with the second half of the first sample's label rows ignored, so that token counts are not
-    proportional to sample counts and shifted counts differ from unshifted ones (both runs of the experiment see
-    this same batch)."""
+    """The sub-batch with part of the first sample's labels ignored (the second half of its rows, or its one label),
+    so that token counts are not proportional to sample counts and shifted counts differ from unshifted ones. Both runs
+    of the experiment see this same batch, so the comparison stays valid."""
     for path, tensor in labels:
-        if tensor.dim() <= dim + 1:
-            continue
         masked = tensor.clone()
         row = masked.select(dim, 0)
-        length = row.shape[-1]
-        row[..., length // 2 :] = IGNORE_INDEX
+        if row.dim() == 0:
+            row.fill_(IGNORE_INDEX)
+        else:
+            row[..., row.shape[-1] // 2 :] = IGNORE_INDEX
         batch = _replace(batch, path, masked)
     return batch
 

@@ -8,6 +8,14 @@ copies of the same code, so an ``isinstance`` check or an exception type must co
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, TypeAlias
+
+#: Lightning plugins of the Trainer's namespace that a strategy takes in its constructor: an ``Accelerator``, a
+#: ``CheckpointIO`` and a ``Precision`` plugin of ``lightning.pytorch`` or of ``pytorch_lightning``. One class serves
+#: both namespaces, so their types cannot be named here; the Trainer fills them in, pass one only to override it.
+Accelerator: TypeAlias = Any
+CheckpointIO: TypeAlias = Any
+PrecisionPlugin: TypeAlias = Any
 
 
 @dataclass(frozen=True)

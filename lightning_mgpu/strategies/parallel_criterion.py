@@ -19,7 +19,9 @@ from typing_extensions import override
 from lightning_mgpu.parallel.gather import gather
 from lightning_mgpu.parallel.parallel_apply import ExecutionMode
 from lightning_mgpu.parallel.scatter_gather import NothingToSplitError, scatter, unsplittable_error
+from lightning_mgpu.strategies.experiments import run_side_effect_free
 from lightning_mgpu.strategies.loss_normalization import SAMPLES, Detection, LossNormalization, detect
+from lightning_mgpu.strategies.namespace import Accelerator, CheckpointIO, PrecisionPlugin
 from lightning_mgpu.strategies.single_process import SingleProcessParallel
 from lightning_mgpu.strategies.step_outputs import (
     LOSS_TERMS_KEY,
@@ -55,10 +57,10 @@ class ParallelCriterion(SingleProcessParallel):
 
     def __init__(
         self,
-        accelerator: Any = None,
+        accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
-        checkpoint_io: Any = None,
-        precision_plugin: Any = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: PrecisionPlugin | None = None,
         loss_reduction: str = "auto",
         dim: int = 0,
         execution_mode: ExecutionMode = "auto",
@@ -87,8 +89,9 @@ class ParallelCriterion(SingleProcessParallel):
                 outputs = [getattr(module, hook)(*args, **kwargs)]
             else:
                 rest = args[1:]
+                detection = None
                 if hook == "training_step" and self.normalization is None and len(sizes) > 1:
-                    self._detect(args[0], rest, kwargs)
+                    detection = self._detect(args[0], rest, kwargs)
 
                 def call(index: int, replica: nn.Module) -> Any:
                     return getattr(replica, hook)(chunks[index], *rest, **kwargs)
@@ -97,6 +100,8 @@ class ParallelCriterion(SingleProcessParallel):
                 outputs = self._run_replicated(
                     module, sizes, call, lambda outs: implied_loss_weights(outs, rule, chunks, sizes)
                 )
+                if detection is not None:  # said once the step ran: a step that fails says so by itself
+                    self._report(detection)
         if all_or_none(outputs, hook):
             return None
         if hook == "training_step":
@@ -121,12 +126,14 @@ class ParallelCriterion(SingleProcessParallel):
         return chunks, sizes
 
     # --- finding out the loss normalisation --------------------------------------------------------------------------
-    def _detect(self, batch: Any, rest: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def _detect(self, batch: Any, rest: tuple[Any, ...], kwargs: dict[str, Any]) -> Detection:
         module = self.lightning_module  # type: ignore[attr-defined]
         replicas = self._replicas_of(module)
 
-        def losses_of(chunks: list[Any]) -> list[Tensor] | None:
-            outputs = self._run_side_effect_free(replicas, chunks, lambda r, c: r.training_step(c, *rest, **kwargs))
+        def losses_of(chunks: list[Any], seed: int | None) -> list[Tensor] | None:
+            outputs = run_side_effect_free(
+                module, replicas, chunks, lambda r, c: r.training_step(c, *rest, **kwargs), seed=seed
+            )
             losses = []
             for output in outputs:
                 if isinstance(output, Mapping) and (LOSS_WEIGHT_KEY in output or LOSS_TERMS_KEY in output):
@@ -139,18 +146,22 @@ class ParallelCriterion(SingleProcessParallel):
 
         detection = detect(batch, self.dim, losses_of)
         self._detection = detection
+        self.normalization = detection.normalization or SAMPLES
+        return detection
+
+    def _report(self, detection: Detection) -> None:
+        """Print the rule found, or warn with what was measured and the one-line fixes (nothing for a step that
+        weights its own loss)."""
         if detection.normalization is not None:
-            self.normalization = detection.normalization
+            rule = self.normalization.describe(detection.labels)
             self._log(
-                f"parallel_criterion: the training loss is {self.normalization.describe()}; the devices' losses are "
+                f"parallel_criterion: the training loss is {rule}; the devices' losses are "
                 f"combined accordingly (found out on the first batch; set loss_reduction="
                 f"{self.normalization.spec()!r} to skip the check, or another value to override it)."
             )
             return
         if detection.reason == "the step does not return a plain loss":
-            self.normalization = SAMPLES  # loss_weight / loss_terms weight every step themselves
-            return
-        self.normalization = SAMPLES
+            return  # loss_weight / loss_terms weight every step themselves
         warnings.warn(
             "parallel_criterion could not establish how the training loss is normalised "
             f"({detection.reason}), so the devices' losses are weighted by sample count, which equals one device "

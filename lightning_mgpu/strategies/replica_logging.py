@@ -26,6 +26,8 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric
 
+from lightning_mgpu.strategies.step_outputs import LossTermsTotal, tensor_key
+
 _MEAN = ("mean", "avg", torch.mean)
 _SUM = ("sum", torch.sum, sum)
 _MAX = ("max", torch.max, max)
@@ -74,7 +76,8 @@ def merge_and_log(
     """Merge the replicas' recorded ``log`` calls and log each name once on ``root`` (a LightningModule).
 
     ``metric_owner(value)`` maps a replica's metric clone to the root metric it stands for (``None`` if ``value`` is
-    not one). ``implied_weights[i]`` maps ``id(tensor)`` to the weight replica ``i`` returned for that loss tensor.
+    not one). ``implied_weights[i]`` maps :func:`tensor_key` of a loss tensor to the weight replica ``i`` returned for
+    it (``"sum"`` for a sum loss, a :class:`LossTermsTotal` for the total of ``loss_terms``).
     """
     by_name: dict[str, list[tuple[int, LogCall]]] = {}
     for index, recorder in enumerate(recorders):
@@ -118,13 +121,18 @@ def _merge_values(
     merged_options = dict(options)
     if kind == "mean":
         explicit = [call.options.get("batch_size") for _, call in entries]
-        implied = [(implied_weights[index] if implied_weights else {}).get(id(call.value)) for index, call in entries]
+        implied = [
+            (implied_weights[index] if implied_weights else {}).get(tensor_key(call.value)) for index, call in entries
+        ]
         if all(b is not None for b in explicit):
             w = torch.tensor([float(b) for b in explicit], dtype=dtype, device=device)
             merged_options["batch_size"] = int(sum(float(b) for b in explicit))
         elif all(isinstance(b, str) for b in implied):  # a sum loss: one device logs the whole batch's sum
             merged_options["batch_size"] = sum(sample_counts[index] for index, _ in entries)
             return stacked.sum(), merged_options
+        elif all(isinstance(b, LossTermsTotal) for b in implied):  # the total of loss_terms: each term weighted
+            merged_options["batch_size"] = sum(sample_counts[index] for index, _ in entries)
+            return LossTermsTotal.merge(implied, device, dtype), merged_options
         elif all(b is not None and not isinstance(b, str) for b in implied):  # loss weights: no host sync
             w = torch.stack([torch.as_tensor(b).to(device=device, dtype=dtype).reshape(()) for b in implied])
         else:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from typing import Any, ClassVar
 
 import torch
@@ -24,10 +24,9 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_mgpu.parallel import sync_batchnorm
-from lightning_mgpu.parallel.parallel_apply import EXECUTION_MODES, ExecutionMode, add_note, parallel_apply
-from lightning_mgpu.parallel.scatter_gather import move_to
+from lightning_mgpu.parallel.parallel_apply import EXECUTION_MODES, ExecutionMode, add_note
 from lightning_mgpu.strategies.lightning_replicas import LightningReplicas
-from lightning_mgpu.strategies.namespace import LightningNamespace
+from lightning_mgpu.strategies.namespace import Accelerator, CheckpointIO, LightningNamespace, PrecisionPlugin
 
 #: Called after every replicated call with the replicated module and the replicas' outputs (benchmarks count the
 #: bytes a step moves with it); ``None`` costs nothing.
@@ -53,10 +52,10 @@ class SingleProcessParallel:
 
     def __init__(
         self,
-        accelerator: Any = None,
+        accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
-        checkpoint_io: Any = None,
-        precision_plugin: Any = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: PrecisionPlugin | None = None,
         dim: int = 0,
         execution_mode: ExecutionMode = "auto",
     ) -> None:
@@ -261,49 +260,6 @@ class SingleProcessParallel:
                     UserWarning,
                     stacklevel=2,
                 )
-
-    @contextmanager
-    def _side_effect_free(self, replicas: Any, count: int) -> Iterator[list[nn.Module]]:
-        """Replicas for an experiment that leaves nothing behind: eval mode (no dropout, no BatchNorm statistics
-        update), no autograd, no autocast (mixed precision would blur the comparison), random state restored, logs
-        and metric updates discarded, attributes the step rebinds and items it appends to the LightningModule's lists
-        undone."""
-        module = self.lightning_module  # type: ignore[attr-defined]
-        lists = {name: value for name, value in vars(module).items() if isinstance(value, list) and name[0] != "_"}
-        lengths = {name: len(value) for name, value in lists.items()}
-        with ExitStack() as stack:
-            stack.enter_context(torch.no_grad())
-            live = replicas.replica_set.prepare(count)
-            for device_type in ("cpu", "cuda"):
-                stack.enter_context(torch.autocast(device_type, enabled=False))
-            devices = [d for d in replicas.devices[:count] if d.type == "cuda"]
-            stack.enter_context(torch.random.fork_rng(devices=sorted({d.index for d in devices}), enabled=True))
-            flags = [[m.training for m in replica.modules()] for replica in live]
-            for replica in live:
-                replica.train(False)
-            try:
-                yield live
-            finally:
-                for replica, saved in zip(live, flags, strict=True):
-                    for m, flag in zip(replica.modules(), saved, strict=True):
-                        m.training = flag
-                replicas.replica_set.restore_attributes()
-                replicas.discard()
-                for name, items in lists.items():
-                    del items[lengths[name] :]
-
-    def _run_side_effect_free(
-        self, replicas: LightningReplicas, chunks: list[Any], call: Callable[[nn.Module, Any], Any]
-    ) -> list[Any]:
-        """``call(replica_i, chunk_i)`` for an experiment (see :meth:`_side_effect_free`), each replica on its device
-        with its chunk moved there, one after another."""
-        devices = replicas.devices[: len(chunks)]
-        with self._side_effect_free(replicas, len(chunks)) as live:
-            return parallel_apply(
-                [lambda r=r, c=c, d=d: call(r, move_to(c, d)) for r, c, d in zip(live, chunks, devices, strict=True)],
-                devices,
-                "sequential",
-            )
 
     def _log(self, message: str) -> None:
         logging.getLogger(self.namespace.name).info(message)

@@ -15,6 +15,7 @@ gathered on the root by the one rule set of :mod:`lightning_mgpu.parallel.gather
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,6 +26,30 @@ from lightning_mgpu.parallel.reduce import as_float_weights, reduce_losses
 
 LOSS_WEIGHT_KEY = "loss_weight"
 LOSS_TERMS_KEY = "loss_terms"
+
+
+def tensor_key(value: Any) -> tuple[int, int, tuple[int, ...]] | None:
+    """What identifies a logged loss: its storage, offset and shape, so ``loss.detach()`` (a new tensor object on the
+    same storage) is recognised as the loss."""
+    if not isinstance(value, Tensor) or value.layout != torch.strided:
+        return None
+    return value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape)
+
+
+@dataclass(frozen=True)
+class LossTermsTotal:
+    """A replica's logged total loss made of ``loss_terms``: ``(term loss, weight)`` pairs, merged term by term."""
+
+    terms: tuple[tuple[Tensor, Any], ...]
+
+    @staticmethod
+    def merge(totals: Sequence[LossTermsTotal], device: torch.device, dtype: torch.dtype) -> Tensor:
+        merged = torch.zeros((), device=device, dtype=dtype)
+        for position in range(len(totals[0].terms)):
+            values = torch.stack([t.terms[position][0].detach().to(device, dtype).reshape(()) for t in totals])
+            w = torch.stack([torch.as_tensor(t.terms[position][1]).to(device, dtype).reshape(()) for t in totals])
+            merged = merged + (torch.where(w > 0, values, torch.zeros_like(values)) * w).sum() / w.sum()
+        return merged
 
 
 def all_or_none(outputs: Sequence[Any], hook: str) -> bool:
@@ -43,35 +68,40 @@ def all_or_none(outputs: Sequence[Any], hook: str) -> bool:
 
 def implied_loss_weights(
     outputs: Sequence[Any], rule: Any, chunks: Sequence[Any] | None, sample_counts: Sequence[int]
-) -> list[dict[int, Any]]:
-    """Per replica, ``{id(loss tensor): weight}`` for the losses a training step returned.
+) -> list[dict[Any, Any]]:
+    """Per replica, ``{tensor_key(loss): weight}`` for the losses a training step returned.
 
-    A value logged without ``batch_size=`` that *is* one of these tensors (``self.log("train_loss", loss)``) is merged
-    across replicas with the same weights as the loss, so the logged number is the optimized one: the step's
-    ``loss_weight`` or ``loss_terms`` weights, else the weights of ``rule`` (a :class:`LossNormalization`; ``"sum"``
-    for a sum). ``rule`` is ``None`` outside training steps.
+    A value logged without ``batch_size=`` that *is* one of these losses (``self.log("train_loss", loss)``, or its
+    ``.detach()``) is merged across replicas as the loss is, so the logged number is the optimized one: with the
+    step's ``loss_weight``; for ``loss_terms``, each term with its weights and the total as the sum of the merged
+    terms; else with ``rule`` (a :class:`LossNormalization`; ``"sum"`` for a sum). ``rule`` is ``None`` outside
+    training steps.
     """
     rule_weights: list[Any] | None = None
     if rule is not None and chunks is not None:
-        rule_weights = ["sum"] * len(outputs) if rule.kind == "sum" else None
-        if rule.kind == "replica_mean":
+        if rule.kind == "sum":
+            rule_weights = ["sum"] * len(outputs)
+        elif rule.kind == "replica_mean":
             rule_weights = [1] * len(outputs)
-        elif rule.kind in ("samples", "tokens"):
+        else:
             rule_weights = rule.weights(chunks, sample_counts)
-    implied: list[dict[int, Any]] = []
+    implied: list[dict[Any, Any]] = []
     for index, output in enumerate(outputs):
-        weights: dict[int, Any] = {}
-        loss = output.get("loss") if isinstance(output, Mapping) else output
-        explicit = isinstance(output, Mapping) and (LOSS_WEIGHT_KEY in output or LOSS_TERMS_KEY in output)
-        if isinstance(output, Mapping) and LOSS_WEIGHT_KEY in output and isinstance(loss, Tensor):
-            weights[id(loss)] = output[LOSS_WEIGHT_KEY]
-        terms = output.get(LOSS_TERMS_KEY) if isinstance(output, Mapping) else None
+        weights: dict[Any, Any] = {}
+        mapping = output if isinstance(output, Mapping) else {"loss": output}
+        loss = mapping.get("loss")
+        terms = mapping.get(LOSS_TERMS_KEY)
         if isinstance(terms, Mapping):
-            for term in terms.values():
-                if isinstance(term, (tuple, list)) and len(term) == 2 and isinstance(term[0], Tensor):
-                    weights[id(term[0])] = term[1]
-        if not explicit and rule_weights is not None and isinstance(loss, Tensor):
-            weights[id(loss)] = rule_weights[index]
+            pairs = [t for t in terms.values() if isinstance(t, (tuple, list)) and len(t) == 2]
+            for term, weight in pairs:
+                weights[tensor_key(term)] = weight
+            if isinstance(loss, Tensor):
+                weights[tensor_key(loss)] = LossTermsTotal(tuple((t, w) for t, w in pairs))
+        elif LOSS_WEIGHT_KEY in mapping:
+            weights[tensor_key(loss)] = mapping[LOSS_WEIGHT_KEY]
+        elif rule_weights is not None and isinstance(loss, Tensor):
+            weights[tensor_key(loss)] = rule_weights[index]
+        weights.pop(None, None)
         implied.append(weights)
     return implied
 
