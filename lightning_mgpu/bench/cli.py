@@ -11,7 +11,15 @@ model's K bytes of gradients on a link of ``--link-gbps``.
         --strategies single dp parallel_criterion -- --data.init_args.source=synthetic
 
 Arguments after ``--`` go to LightningCLI (e.g. ``--data.init_args.batch_size=64``). Exit status: 0 when at least
-one strategy trained (failed strategies are rows of the report), 1 when none did, 2 for a usage error.
+one strategy trained (failed strategies are rows of the report), 1 when none did or when a module of the
+``[recipes]`` extra is missing (``jsonargparse``, ``matplotlib``, or one the config's classes import: the message says
+how to install it), 2 for a usage error.
+
+Every strategy, ``ddp`` included, trains with the same settings: the config's trainer settings, and the benchmark's
+own for what it controls (see :mod:`lightning_mgpu.bench.worker`), among them no progress bar, in every row. A
+progress bar is display, not training: its refreshes cost host time in the timed steps, differently per strategy,
+and under ``ddp`` it is drawn by rank 0 only. That users' runs with the progress bar on finish under every strategy
+(the ``ddp`` one once hung at an epoch end) is checked by ``tests/cli/test_recipe_matrix.py``, not here.
 """
 
 from __future__ import annotations
@@ -25,6 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from lightning_mgpu.cli import check_recipes_extra, exit_on_missing_extra, put_cwd_on_sys_path
 
 DEFAULT_STRATEGIES = ("single", "dp", "parallel_criterion", "ddp")
 DEFAULT_LINK_GBPS = 126.0  # PCIe 3.0 x16, one direction (15.75 GB/s): the article's era of multi-GPU boxes
@@ -137,7 +147,17 @@ def main(argv: list[str] | None = None) -> int:
     missing = [c for c in args.config if not Path(c).is_file()]
     if missing:
         parser.error(f"config file(s) not found: {', '.join(missing)}")
+    command = "lightning-mgpu-bench"
+    with exit_on_missing_extra(command):
+        # Checked here, before any worker starts: every worker would fail the same way. Class paths resolve from the
+        # current directory, as in the workers (``python -m`` puts it on their path).
+        put_cwd_on_sys_path()
+        check_recipes_extra(command, [a for c in args.config for a in ("--config", c)], ("jsonargparse", "matplotlib"))
+        return _run(args, argv, cli_args, parser)
 
+
+def _run(args: argparse.Namespace, argv: list[str], cli_args: list[str], parser: argparse.ArgumentParser) -> int:
+    """Run every strategy's worker, then write the report (see :func:`main`)."""
     import torch
 
     from lightning_mgpu.bench.chart import write_chart

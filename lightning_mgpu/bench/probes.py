@@ -18,6 +18,8 @@ import lightning.pytorch as L
 import torch
 from lightning.fabric.utilities.throughput import measure_flops
 from lightning.pytorch.loggers import Logger
+from lightning_utilities.core.apply_func import apply_to_collection
+from typing_extensions import override
 
 from lightning_mgpu.callbacks.device_memory import distinct_devices, strategy_devices
 from lightning_mgpu.parallel.scatter_gather import batch_size_of, scatter
@@ -80,22 +82,63 @@ class StepTimer(L.Callback):
         self.times.append(time.perf_counter() - self._start)
 
 
+def _tensor_bytes(obj: Any) -> int:
+    """Bytes of every tensor in ``obj`` (any nesting of lists, tuples, dicts, dataclasses)."""
+    sizes: list[int] = []
+    apply_to_collection(obj, torch.Tensor, lambda t: sizes.append(t.numel() * t.element_size()))
+    return sum(sizes)
+
+
 class TransferProbe(L.Callback):
-    """The last training step's ``strategy.step_transfer`` (bytes to/from the root device), if the strategy has one."""
+    """Bytes each training step would move between the root device and the others, under the single-process
+    strategies (figures for distinct devices, whether or not the replicas share one).
+
+    Counted from the strategy's ``replicated_call_observer``, which it calls after every replicated call with the
+    module and the replicas' outputs: ``outputs``, what the other replicas send the root (``dp``: the gathered outputs;
+    ``parallel_criterion``: losses and step outputs); ``parameters``, the parameters and buffers the root sends each
+    of them; ``gradients``, what they send back (when the call ran with autograd). ``last`` holds the last training
+    step's figures; it stays ``None`` for strategies without the observer (one device, ``ddp``).
+    """
 
     def __init__(self) -> None:
         self.last: dict[str, int] | None = None
+        self._step: dict[str, int] | None = None
 
-    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        transfer = getattr(trainer.strategy, "step_transfer", None)
-        if transfer is not None:
-            self.last = {
-                "outputs": int(transfer.outputs),
-                "parameters": int(transfer.parameters),
-                "gradients": int(transfer.gradients),
-                "total": int(transfer.total),
-                "replicas": int(transfer.replicas),
-            }
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if hasattr(trainer.strategy, "replicated_call_observer"):
+            trainer.strategy.replicated_call_observer = self._observe
+
+    @override
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if getattr(trainer.strategy, "replicated_call_observer", None) == self._observe:
+            trainer.strategy.replicated_call_observer = None
+
+    @override
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._step = {"outputs": 0, "parameters": 0, "gradients": 0, "replicas": 1}
+
+    def _observe(self, module: torch.nn.Module, outputs: Sequence[Any]) -> None:
+        step = self._step
+        if step is None:  # a replicated call outside a training step (validation, sanity check)
+            return
+        others = len(outputs) - 1
+        state = sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
+        grads = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+        step["outputs"] += sum(_tensor_bytes(o) for o in outputs[1:])
+        step["parameters"] += others * state
+        step["gradients"] += others * grads if torch.is_grad_enabled() else 0
+        step["replicas"] = max(step["replicas"], len(outputs))
+
+    @override
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        step, self._step = self._step, None
+        if step is not None and step["replicas"] > 1:
+            self.last = {**step, "total": step["outputs"] + step["parameters"] + step["gradients"]}
 
 
 class BatchProbe(L.Callback):

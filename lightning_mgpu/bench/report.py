@@ -197,9 +197,14 @@ def markdown(report: dict[str, Any]) -> str:
         "Notes: samples/s and tokens/s are Lightning's `ThroughputMonitor` over the timed steps (data loading "
         "included); the median step is forward + loss + backward + optimizer step, synchronised on every device; "
         "the epoch estimate is that median times the batches per epoch. Memory is the peak over the training steps "
-        '(`DeviceMemoryMonitor`). "to/from root" is `strategy.step_transfer`: the bytes a step would move between '
-        "the root and the other devices were they distinct (for `ddp`, the ring all-reduce formula). FLOP/s come from "
-        "`measure_flops` on a 2-sample step scaled to the batch, unless the module defines `flops_per_batch`.",
+        '(`DeviceMemoryMonitor`). "to/from root" is counted from the strategy\'s replicated calls: the bytes a step '
+        "would move between the root and the other devices were they distinct (for `ddp`, the ring all-reduce "
+        "formula). FLOP/s come from "
+        "`measure_flops` on a 2-sample step scaled to the batch, unless the module defines `flops_per_batch`. "
+        "Every strategy, `ddp` included, trains with the same settings: the config's trainer settings, with the "
+        "progress bar, checkpointing, model summary, validation and loggers off in every row (their display and I/O "
+        "would be timed, at a cost that differs between strategies). That runs with the progress bar on, as users "
+        "have it, finish under every strategy is tested for each recipe (`tests/cli/test_recipe_matrix.py`).",
         "",
     ]
     failed = [r for r in rows if r.get("status") != "ok"]

@@ -27,6 +27,7 @@ import torch
 from lightning_mgpu.bench.comm import ring_allreduce_bytes
 from lightning_mgpu.bench.devices import plan_devices
 from lightning_mgpu.bench.strategies import StrategySetup, strategy_setup
+from lightning_mgpu.cli import MissingExtraError, missing_extra_module
 
 # Trainer arguments the benchmark decides; every other trainer setting of the config is kept.
 CONTROLLED = frozenset(
@@ -155,7 +156,7 @@ def _transfer(setup: StrategySetup, probe: Any, grad_bytes: int) -> dict[str, An
             "source": "ring all-reduce of the gradients, 2(N-1)K/N bytes per device (formula, not measured)",
         }
     if probe.last is not None:
-        return {**probe.last, "source": "strategy.step_transfer (last step; what distinct devices would move)"}
+        return {**probe.last, "source": "the strategy's replicated calls (last step; what distinct devices would move)"}
     return {"outputs": 0, "parameters": 0, "gradients": 0, "total": 0, "replicas": 1, "source": "one device"}
 
 
@@ -258,7 +259,10 @@ def run(args: argparse.Namespace, cli_args: list[str]) -> dict[str, Any]:
 
 def _failure(args: argparse.Namespace, err: BaseException) -> dict[str, Any]:
     message = f"{type(err).__name__}: {err}".strip()
-    if isinstance(err, SystemExit):  # LightningCLI's parser printed its reason to the log, then exited
+    missing = missing_extra_module(err)
+    if missing is not None:
+        message = str(MissingExtraError(missing, "the benchmark's worker"))
+    elif isinstance(err, SystemExit):  # LightningCLI's parser printed its reason to the log, then exited
         message = f"LightningCLI rejected the configuration (exit status {err.code}): see the log's last lines"
     oom = isinstance(err, torch.cuda.OutOfMemoryError) or "out of memory" in message.lower()
     memory = None

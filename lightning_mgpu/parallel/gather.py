@@ -261,11 +261,12 @@ def _concatenable(outputs: Sequence[Any], dim: int) -> bool:
 
 
 def _partial(path: str, value: str, replicas: list[int], total: int, what: str = "value") -> ValueError:
+    """``replicas`` returned ``value`` (None, or no value) at ``path``; the others returned something."""
     others = [i for i in range(total) if i not in replicas]
     return ValueError(
-        f"Cannot gather {path}: replica(s) {replicas} returned {value} there but replica(s) {others} did not. A "
-        f"{what} present on some replicas only cannot be merged into one device's output (it would be dropped). "
-        "Return it from every replica (e.g. a zero, or an empty tensor with the batch dimension), or from none."
+        f"Cannot gather {path}: replica(s) {replicas} returned {value} there, replica(s) {others} a value. A {what} "
+        "present on some replicas only cannot be merged into one device's output (it would be dropped). Return it "
+        "from every replica (e.g. a zero, or an empty tensor with the batch dimension), or from none."
     )
 
 

@@ -34,6 +34,7 @@ from lightning_mgpu.parallel.scatter_gather import (
     BatchSplitError,
     NothingToSplitError,
     args_batch_size,
+    argument_roots,
     batch_size_of,
     iter_tensors,
     move_to,
@@ -95,8 +96,8 @@ class DataParallelModel(nn.Module):
             return [self.module(*inputs, **kwargs)]
         try:
             args_chunks, kwargs_chunks, sizes = scatter_args(inputs, kwargs, self.device_ids, self.dim)
-        except NothingToSplitError as err:
-            unsplittable = unsplittable_error((inputs, kwargs), err)
+        except NothingToSplitError:
+            unsplittable = unsplittable_error(argument_roots(inputs, kwargs))
             if unsplittable is not None:
                 raise unsplittable from None
             self.last_split_sizes = ()  # no batch dimension: one run on the root, as nn.DataParallel does

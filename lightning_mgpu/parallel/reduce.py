@@ -50,6 +50,17 @@ def as_float_weights(weights: Sequence[Weight], what: str = "loss weight") -> li
     return floats
 
 
+def check_some_weight(weights: list[float]) -> list[float]:
+    """``weights``, unless every one is 0 (no valid target in the whole batch): the weighted mean is then undefined,
+    at any device count."""
+    if not any(w > 0 for w in weights):
+        raise ValueError(
+            "Every replica has loss weight 0 (e.g. no valid target in the whole batch): the weighted mean is "
+            "undefined. Skip such a batch (return None from training_step) or give it a weight."
+        )
+    return weights
+
+
 def _scalar_on(loss: Tensor, device: torch.device, index: int) -> Tensor:
     if not isinstance(loss, Tensor):
         raise TypeError(f"The loss of replica {index} is a {type(loss).__name__}, expected a scalar tensor.")
@@ -90,12 +101,8 @@ def reduce_losses(
         return torch.stack(scalars).mean()
     if len(weights) != len(losses):
         raise ValueError(f"Got {len(weights)} weights for {len(losses)} losses.")
-    values = as_float_weights(weights)
+    values = check_some_weight(as_float_weights(weights))
     kept = [(s, w) for s, w in zip(scalars, values, strict=True) if w > 0]
-    if not kept:
-        raise ValueError(
-            "Every replica has loss weight 0 (e.g. no valid target in the whole batch): the weighted mean is undefined."
-        )
     stacked = torch.stack([s for s, _ in kept])
     weight_tensor = torch.tensor([w for _, w in kept], dtype=stacked.dtype, device=root)
     return (stacked * weight_tensor).sum() / weight_tensor.sum()

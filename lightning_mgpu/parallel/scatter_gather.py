@@ -201,10 +201,13 @@ def args_batch_size(
     args: Sequence[Any], kwargs: Mapping[str, Any], dim: int = 0, names: tuple[str, str] = ("args", "kwargs")
 ) -> int:
     """:func:`batch_size_of` for call arguments; error messages name e.g. ``args[0]['mask']``."""
-    return _infer_from_roots(_args_roots(args, kwargs, names), dim, "no tensor argument")
+    return _infer_from_roots(argument_roots(args, kwargs, names), dim, "no tensor argument")
 
 
-def _args_roots(args: Sequence[Any], kwargs: Mapping[str, Any], names: tuple[str, str]) -> list[tuple[str, Any]]:
+def argument_roots(
+    args: Sequence[Any], kwargs: Mapping[str, Any], names: tuple[str, str] = ("args", "kwargs")
+) -> list[tuple[str, Any]]:
+    """``(name, value)`` for each argument of a call, named as error messages print them (``args[0]``)."""
     return [
         *((f"{names[0]}[{i}]", a) for i, a in enumerate(args)),
         *((f"{names[1]}[{k!r}]", v) for k, v in kwargs.items()),
@@ -359,7 +362,7 @@ def scatter_args(
     :func:`scatter`.
     """
     targets = [to_device(d) for d in devices]
-    batch_size = _resolve_batch_size(_args_roots(args, kwargs, names), dim, "no tensor argument", batch_size)
+    batch_size = _resolve_batch_size(argument_roots(args, kwargs, names), dim, "no tensor argument", batch_size)
     sizes = _chunk_sizes(batch_size, len(targets), sizes)
     # Each argument is scattered as its own root, so error messages name it (``args[0]['mask']``).
     arg_chunks = [_scatter_sizes(a, targets, dim, batch_size, sizes) for a in args]
@@ -377,19 +380,21 @@ def move_to(obj: Any, device: DeviceLike) -> Any:
     return _map_structure(obj, lambda leaf: leaf.to(target) if isinstance(leaf, Tensor) else leaf, None)
 
 
-def unsplittable_error(batch: Any, cause: NothingToSplitError) -> BatchSplitError | None:
-    """For a batch without a batch dimension: an error when it holds a sequence of strings, which looks like one item
-    per sample that nothing tells the size of (mark it :class:`PerSample`); ``None`` when it holds only values that
-    every replica takes whole (``dict(x=1)``), which callers then run once, unsplit, as ``nn.DataParallel`` does."""
-    sequences = list(_string_sequences(batch, "batch"))
-    if not sequences:
-        return None
-    where, length = sequences[0]
-    return BatchSplitError(
-        f"Cannot split the batch: it holds no tensor with a batch dimension, only {where}, a sequence of {length} "
-        "strings, and nothing says that it holds one item per sample. Wrap it in lightning_mgpu.PerSample(...) in "
-        "your collate_fn (or before the call) so that it is split by item across the devices."
-    )
+def unsplittable_error(roots: Sequence[tuple[str, Any]]) -> BatchSplitError | None:
+    """For a batch or call arguments (``roots``: ``(name, value)`` pairs, see :func:`argument_roots`) without a batch
+    dimension: an error when one holds a sequence of strings, which looks like
+    one item per sample that nothing tells the size of (mark it :class:`PerSample`); ``None`` when they hold only
+    values that every replica takes whole (``x=1``, a ``"mode"`` string), which callers then run once, unsplit, as
+    ``nn.DataParallel`` does with a module's inputs that hold no tensor."""
+    for where, value in roots:
+        for path, length in _string_sequences(value, where):
+            return BatchSplitError(
+                f"Cannot split the batch: it holds no tensor with a batch dimension, only {path}, a sequence of "
+                f"{length} strings, and nothing says that it holds one item per sample. Wrap it in "
+                "lightning_mgpu.PerSample(...) in your collate_fn (or before the call) so that it is split by item "
+                "across the devices."
+            )
+    return None
 
 
 def _string_sequences(obj: Any, path: str) -> Iterator[tuple[str, int]]:

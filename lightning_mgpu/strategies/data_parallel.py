@@ -29,6 +29,7 @@ from lightning_mgpu.parallel.parallel_apply import ExecutionMode
 from lightning_mgpu.parallel.scatter_gather import (
     NothingToSplitError,
     args_batch_size,
+    argument_roots,
     iter_tensors,
     scatter_args,
     unsplittable_error,
@@ -47,7 +48,7 @@ class DataParallel(SingleProcessParallel):
             CUDA device index, as for ``nn.DataParallel`` and ``DataParallelModel`` (and Lightning's
             ``devices=[2, 3]``); a string (``"cuda:3"``) or ``torch.device`` works too.
         parallel_modules: names of the submodules whose ``forward`` runs replicated (e.g. ``["backbone"]``); default
-            ``[""]``: the LightningModule's own ``forward``, i.e. every ``self(...)`` call in a step.
+            (or ``None``) ``[""]``: the LightningModule's own ``forward``, i.e. every ``self(...)`` call in a step.
         dim: the batch dimension of inputs and outputs.
         execution_mode: ``"auto"`` (threads on distinct GPUs, else sequential), ``"threads"`` or ``"sequential"``.
     """
@@ -61,7 +62,7 @@ class DataParallel(SingleProcessParallel):
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: PrecisionPlugin | None = None,
         output_device: DeviceLike | None = None,
-        parallel_modules: Sequence[str] = ("",),
+        parallel_modules: Sequence[str] | None = ("",),
         dim: int = 0,
         execution_mode: ExecutionMode = "auto",
     ) -> None:
@@ -69,11 +70,19 @@ class DataParallel(SingleProcessParallel):
         if output_device is not None:
             to_device(output_device)  # a clear error now, not at the first step
         self._output_device = output_device
-        if isinstance(parallel_modules, str) or not all(isinstance(n, str) for n in parallel_modules):
+        if parallel_modules is None:
+            parallel_modules = ("",)
+        if isinstance(parallel_modules, str):
             raise TypeError(
-                f"parallel_modules must be a list of submodule names, got {parallel_modules!r}: write "
+                f"parallel_modules must be a list of submodule names, got the string {parallel_modules!r}: write "
                 f"parallel_modules=[{parallel_modules!r}] for one module ('' is the LightningModule itself)."
             )
+        for position, name in enumerate(parallel_modules):
+            if not isinstance(name, str):
+                raise TypeError(
+                    f"parallel_modules must hold submodule names (strings, '' for the LightningModule itself), but "
+                    f"item {position} is {name!r} ({type(name).__name__})."
+                )
         self.parallel_modules = list(parallel_modules)
         if not self.parallel_modules:
             raise ValueError("parallel_modules is empty: name at least one submodule ('' is the LightningModule).")
@@ -160,8 +169,8 @@ class DataParallel(SingleProcessParallel):
         self._forward_calls += 1
         try:
             batch_size = args_batch_size(inputs, kwargs, self.dim)
-        except NothingToSplitError as err:
-            unsplittable = unsplittable_error((inputs, kwargs), err)
+        except NothingToSplitError:
+            unsplittable = unsplittable_error(argument_roots(inputs, kwargs))
             if unsplittable is not None:
                 raise unsplittable from None
             return original(*inputs, **kwargs)  # nothing to split: run once, on the root

@@ -118,8 +118,8 @@ class ParallelCriterion(SingleProcessParallel):
             return None, [1]
         try:
             chunks, sizes = scatter(args[0], self.parallel_devices, self.dim)  # type: ignore[attr-defined]
-        except NothingToSplitError as err:
-            unsplittable = unsplittable_error(args[0], err)
+        except NothingToSplitError:
+            unsplittable = unsplittable_error([("batch", args[0])])
             if unsplittable is not None:
                 raise unsplittable from None
             return None, [1]

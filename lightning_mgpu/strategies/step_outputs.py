@@ -6,7 +6,8 @@ Training steps may return, besides ``"loss"``, two documented keys that say how 
   number of non-ignored tokens of a token-level loss.
 * ``"loss_terms"``: ``{name: (term_loss, weight)}`` for a loss made of terms with different normalisers, e.g.
   ``{"mlm": (mlm_loss, n_masked_tokens), "nsp": (nsp_loss, batch_size)}``. Each term is reduced with its own weights
-  and the root loss is their sum (the replica's ``"loss"`` must equal the sum of its terms; one device uses it).
+  and the loss is their sum, at every device count (the step's ``"loss"`` should be that sum: Lightning's own
+  single-device strategy, which knows nothing of terms, trains on it).
 
 Both keys are consumed here, on every device count, and do not appear in the step's outputs. Other outputs are
 gathered on the root by the one rule set of :mod:`lightning_mgpu.parallel.gather`.
@@ -22,7 +23,7 @@ import torch
 from torch import Tensor
 
 from lightning_mgpu.parallel.gather import gather
-from lightning_mgpu.parallel.reduce import as_float_weights, reduce_losses
+from lightning_mgpu.parallel.reduce import as_float_weights, check_some_weight, reduce_losses
 
 LOSS_WEIGHT_KEY = "loss_weight"
 LOSS_TERMS_KEY = "loss_terms"
@@ -129,16 +130,15 @@ def reduce_training_outputs(
             f"`training_step` returned a {type(first).__name__}; return a loss tensor, a dict with 'loss', or None."
         )
     if LOSS_TERMS_KEY in first:
+        # The terms define the loss at every device count (one device too), so the device count never changes it.
         loss = _reduce_terms(outputs, root)
-        if single:
-            loss = first.get("loss", loss)
     else:
         if "loss" not in first:
             raise ValueError("`training_step` returned a dict without a 'loss' key (or 'loss_terms').")
         losses = [o["loss"] for o in outputs]
         if LOSS_WEIGHT_KEY in first:
             weights = [o.get(LOSS_WEIGHT_KEY) for o in outputs]
-            as_float_weights(weights, "loss_weight")
+            check_some_weight(as_float_weights(weights, "loss_weight"))
             loss = losses[0] if single else reduce_losses(losses, weights, root, "weighted")
         else:
             loss = losses[0] if single else rule.reduce(losses, rule.weights(chunks, sample_counts), root)
@@ -162,7 +162,7 @@ def _reduce_terms(outputs: Sequence[Mapping[str, Any]], root: torch.device) -> T
                 raise TypeError(f"{LOSS_TERMS_KEY}[{name!r}] must be a (loss, weight) pair, got {type(term).__name__}.")
             losses.append(term[0])
             weights.append(term[1])
-        as_float_weights(weights, f"{LOSS_TERMS_KEY}[{name!r}] weight")
-        reduced = reduce_losses(losses, weights, root, "weighted")
+        check_some_weight(as_float_weights(weights, f"{LOSS_TERMS_KEY}[{name!r}] weight"))
+        reduced = losses[0] if len(losses) == 1 else reduce_losses(losses, weights, root, "weighted")
         total = reduced if total is None else total + reduced
     return total  # type: ignore[return-value]
