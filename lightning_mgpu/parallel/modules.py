@@ -110,7 +110,7 @@ class DataParallelModel(nn.Module):
         mode, reason = replica_set.execution_mode(self.execution_mode, len(used))
         if reason is not None:
             warnings.warn(f"DataParallelModel: {reason}.", UserWarning, stacklevel=2)
-        replicas = replica_set.prepare(len(used))
+        replicas = replica_set.prepare(len(used), mode)
         calls = [
             (lambda r=r, a=a, k=k: r(*a, **k)) for r, a, k in zip(replicas, args_chunks, kwargs_chunks, strict=True)
         ]
@@ -319,17 +319,18 @@ class DataParallelCriterion(nn.Module):
         for i, (output, chunk, kw) in enumerate(zip(outputs, target_chunks, kwargs_chunks, strict=True)):
             _check_aligned(output, (chunk, kw), i, self.dim)
 
+        # A compiled criterion runs one replica after another: Dynamo is not thread-safe.
+        mode: ExecutionMode = "sequential" if is_compiled(criterion) else self.execution_mode
         if isinstance(criterion, nn.Module) and _has_tensors(criterion):
             check_module_on(criterion, self.device_ids[0], what="criterion")
-            replicas: Sequence[Any] = self._replicas.of(criterion, devices).prepare()
+            replicas: Sequence[Any] = self._replicas.of(criterion, devices).prepare(len(devices), mode)
         else:
             replicas = [criterion] * len(outputs)  # stateless: calling one object from several threads is safe
         calls = [
             (lambda c=c, o=o, t=t, k=k: c(*_as_args(o), *t, **k))
             for c, o, t, k in zip(replicas, outputs, target_chunks, kwargs_chunks, strict=True)
         ]
-        # A compiled criterion runs one replica after another: Dynamo is not thread-safe.
-        losses = parallel_apply(calls, devices, "sequential" if is_compiled(criterion) else self.execution_mode)
+        losses = parallel_apply(calls, devices, mode)
         root = self.device_ids[0]
         reduction = _criterion_option(criterion, kwargs, "reduction", "mean")
         if reduction == "none":

@@ -90,6 +90,7 @@ class ReplicaSet:
         with torch.inference_mode(False), torch.no_grad():  # copies must be normal tensors, whatever the caller's mode
             for i, device in enumerate(self.devices):
                 self._build_replica(i, device, position, param_index)
+        self._sharing = [True] * len(self.devices)  # copies start out holding the original parameters
         self._snapshot()
         self.builds += 1
         if self._on_build is not None:
@@ -152,6 +153,12 @@ class ReplicaSet:
     def _snapshot(self) -> None:
         shared = self._shared
         self._watch = [_watch_entry(m) if shared is None or not shared(m) else _UNWATCHED for m in self._originals]
+        self._flatten_watch()
+
+    def _flatten_watch(self) -> None:
+        """Every watched dict in one list, their copies in another: one ``==`` checks them all."""
+        self._live = [d for entry in self._watch if entry[0] is not None for d in entry[:4]]
+        self._saved = [d for entry in self._watch if entry[0] is not None for d in entry[4:]]
 
     @property
     def replicas(self) -> list[nn.Module]:
@@ -186,8 +193,15 @@ class ReplicaSet:
         return requested, None
 
     # --- every step --------------------------------------------------------------------------------------------------
-    def prepare(self, n: int | None = None) -> list[nn.Module]:
-        """The first ``n`` replicas (default all), synced with the original for a step in the current grad mode."""
+    def prepare(self, n: int | None = None, execution_mode: ExecutionMode = "threads") -> list[nn.Module]:
+        """The first ``n`` replicas (default all), synced with the original for a step in the current grad mode, to
+        be run in ``execution_mode``.
+
+        When the replicas run one after another (``execution_mode`` resolves to sequential) and all of them sit on
+        the parameters' device (CPUs, one GPU repeated), they hold the original parameters themselves: no per-step
+        work, and autograd sums their gradients in an order fixed by the sequential run. Otherwise each step links
+        them to the originals through one node that sums gradients in replica order, whatever order threads finish in.
+        """
         n = len(self.devices) if n is None else n
         if not 1 <= n <= len(self.devices):
             raise ValueError(f"Asked for {n} replicas of a set of {len(self.devices)}.")
@@ -196,15 +210,38 @@ class ReplicaSet:
             for own, sources in self._buffer_copies[:n]:
                 if own:
                     torch._foreach_copy_(own, sources)
-        self._assign_parameters(n)
+        devices = self.devices[:n]
+        if resolve_mode(execution_mode, devices) == "sequential" and all(d == self._root for d in devices):
+            self._share_parameters(n)
+        else:
+            self._assign_parameters(n)
         return self.replicas[:n]
+
+    def _share_parameters(self, n: int) -> None:
+        """Point the first ``n`` replicas at the original parameters (once: they stay until linked tensors replace
+        them)."""
+        for i in range(n):
+            if self._sharing[i]:
+                continue
+            for store, name, j in self._param_slots[i]:
+                store[name] = self._params[j]
+            self._refresh_rnns(i)
+            self._sharing[i] = True
+
+    def _refresh_rnns(self, i: int) -> None:
+        for rnn in self._rnns[i]:
+            # RNNs run on a cached list of their weights, which must hold this replica's tensors.
+            rnn._flat_weights = [getattr(rnn, wn, None) for wn in rnn._flat_weights_names]
 
     def _sync_structure(self) -> None:
         """Rebuild on a structural change; copy attributes rebound on the originals to every replica.
 
-        One pass of identity comparisons (dicts compare their values by identity first, at C speed): the common case,
-        nothing changed, costs well under a microsecond per module.
+        One comparison of the list of every watched dict with the list of their copies, at C speed (dicts compare
+        their values by identity first): the common case, nothing changed, costs a fraction of a microsecond per
+        module. Only when it fails, a pass per module finds what changed.
         """
+        if _same(self._live, self._saved):
+            return
         for k, (attrs, params, buffers, children, *saved) in enumerate(self._watch):
             if attrs is None:  # a shared submodule: every replica holds the original
                 continue
@@ -230,6 +267,7 @@ class ReplicaSet:
             for key in removed:
                 replica_dict.pop(key, None)
         self._watch[k] = _watch_entry(self._originals[k])
+        self._flatten_watch()
 
     def restore_attributes(self) -> None:
         """Undo attributes rebound on the replicas (by a step they ran): each replica's modules get the original's
@@ -273,14 +311,13 @@ class ReplicaSet:
             tensors = per_replica[i]
             for store, name, j in self._param_slots[i]:
                 store[name] = tensors[j]
-            for rnn in self._rnns[i]:
-                # RNNs run on a cached list of their weights, which must hold this replica's tensors.
-                rnn._flat_weights = [getattr(rnn, wn, None) for wn in rnn._flat_weights_names]
+            self._refresh_rnns(i)
+            self._sharing[i] = False
 
     def release(self) -> None:
         """Drop every replica and copy (frees their memory on the other devices)."""
         self._copies, self._param_slots, self._buffer_copies, self._rnns = [], [], [], []
-        self._originals, self._params, self._watch = [], [], []
+        self._originals, self._params, self._watch, self._live, self._saved = [], [], [], [], []
 
 
 class _Layout:
@@ -416,7 +453,7 @@ def _watch_entry(module: nn.Module) -> tuple[dict[str, Any], ...]:
     return (*live, *(dict(d) for d in live))
 
 
-def _same(current: dict[str, Any], saved: dict[str, Any]) -> bool:
+def _same(current: Any, saved: Any) -> bool:
     """Whether a dict still holds what ``saved`` copied from it. Values compare by identity first (C speed); a value
     whose ``==`` cannot answer (a tensor rebound to another tensor) counts as changed."""
     try:

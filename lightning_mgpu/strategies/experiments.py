@@ -39,7 +39,7 @@ def side_effect_free(
     python_state, numpy_state = random.getstate(), np.random.get_state()
     with ExitStack() as stack:
         stack.enter_context(torch.no_grad())
-        live = replicas.replica_set.prepare(count) if prepare else replicas.replica_set.replicas[:count]
+        live = replicas.replica_set.prepare(count, "sequential") if prepare else replicas.replica_set.replicas[:count]
         for device_type in ("cpu", "cuda"):
             stack.enter_context(torch.autocast(device_type, enabled=False))
         stack.enter_context(_full_precision_matmuls())

@@ -64,7 +64,7 @@ class LightningReplicas:
 
     def run(self, count: int, call: Callable[[int, nn.Module], Any], mode: ExecutionMode) -> list[Any]:
         """``call(i, replica_i)`` for the first ``count`` replicas; a failed step leaves no recorded state behind."""
-        replicas = self.replica_set.prepare(count)
+        replicas = self.replica_set.prepare(count, mode)
         try:
             return parallel_apply(
                 [lambda i=i, r=r: call(i, r) for i, r in enumerate(replicas)], self.devices[:count], mode
