@@ -13,8 +13,9 @@ Parts (``--parts``, default all):
    ``--replicas`` replicas, for both heads; each run in a fresh subprocess. Reported: the root device's peak
    (CUDA: ``max_memory_allocated(root)``; CPU: the process's peak RSS minus its RSS before ``fit``) and the bytes each
    strategy moves to the root device per step, computed from output sizes (``dp`` gathers the replicas' model
-   outputs; ``parallel_criterion`` moves scalar losses), beside the strategy's own ``step_transfer`` counter. With
-   fewer GPUs than replicas, the replicas share GPU 0 (virtual devices): then the "root" peak holds every replica.
+   outputs; ``parallel_criterion`` moves scalar losses), beside what the benchmark's ``TransferProbe`` counts from
+   the strategy's replicated calls. With fewer GPUs than replicas, the replicas share GPU 0 (virtual devices): then
+   the "root" peak holds every replica.
 3. ``throughput``: training tokens/s (forward, backward, AdamW) of this recipe's model against ``transformers``'
    ``BertForPreTraining`` (full logits) on the same config and precision: the median of interleaved rounds, plus the
    GPU's kernel time per step from ``torch.profiler`` (the speed-up the head gives when the GPU, not the CPU launching
@@ -258,10 +259,14 @@ def strategy_memory(strategy: str, head: str, args: argparse.Namespace) -> dict[
                "parallel_criterion": lightning_mgpu.ParallelCriterionStrategy}
         strategy_obj = cls[strategy](parallel_devices=devices)
         trainer_devices = "auto"
+    from lightning_mgpu.bench.probes import TransferProbe
+
+    transfer_probe = TransferProbe()
     trainer = pl.Trainer(
         accelerator="gpu" if device.type == "cuda" else "cpu",
         devices=trainer_devices,
         strategy=strategy_obj,
+        callbacks=[transfer_probe],
         max_steps=args.steps,
         precision=args.precision,
         logger=False,
@@ -308,11 +313,8 @@ def strategy_memory(strategy: str, head: str, args: argparse.Namespace) -> dict[
     else:
         transfer["computed_output_bytes"] = 0
         transfer["computed_from"] = "one device: nothing moves"
-    counter = getattr(trainer.strategy, "step_transfer", None)
-    if counter is not None:
-        transfer["strategy_counter"] = {
-            "outputs": counter.outputs, "parameters": counter.parameters, "gradients": counter.gradients,
-        }
+    if transfer_probe.last is not None:  # the strategy's replicated calls, counted by the benchmark's probe
+        transfer["strategy_counter"] = {k: transfer_probe.last[k] for k in ("outputs", "parameters", "gradients")}
     return {
         "strategy": strategy,
         "head": head,
