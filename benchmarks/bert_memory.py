@@ -247,16 +247,24 @@ def strategy_memory(strategy: str, head: str, args: argparse.Namespace) -> dict[
     loader = DataLoader(Batches(), batch_size=None, shuffle=False)
     torch.manual_seed(0)
     module = BertPretrainingModule(
-        vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads,
-        intermediate_size=4 * args.hidden, full_logits=head == "full", schedule="constant", warmup_steps=0,
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        num_layers=args.layers,
+        num_heads=args.heads,
+        intermediate_size=4 * args.hidden,
+        full_logits=head == "full",
+        schedule="constant",
+        warmup_steps=0,
         learning_rate=1e-4,
     )
     if strategy == "single":
         strategy_obj: Any = "auto"
         trainer_devices: Any = [root.index] if root.type == "cuda" else 1
     else:
-        cls = {"dp": lightning_mgpu.DataParallelStrategy,
-               "parallel_criterion": lightning_mgpu.ParallelCriterionStrategy}
+        cls = {
+            "dp": lightning_mgpu.DataParallelStrategy,
+            "parallel_criterion": lightning_mgpu.ParallelCriterionStrategy,
+        }
         strategy_obj = cls[strategy](parallel_devices=devices)
         trainer_devices = "auto"
     from lightning_mgpu.bench.probes import TransferProbe
@@ -362,13 +370,19 @@ def build_training_step(kind: str, batch_size: int, args: argparse.Namespace) ->
     device = torch.device(args.device)
     torch.manual_seed(0)
     if kind == "hf-full":
-        config = BertConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
-                            num_attention_heads=args.heads, intermediate_size=4 * args.hidden)
+        config = BertConfig(
+            vocab_size=args.vocab,
+            hidden_size=args.hidden,
+            num_hidden_layers=args.layers,
+            num_attention_heads=args.heads,
+            intermediate_size=4 * args.hidden,
+        )
         config._attn_implementation = "sdpa"
         model: torch.nn.Module = BertForPreTraining(config)
     else:
-        model = BertPretrainingModel(args.vocab, args.hidden, args.layers, args.heads, 4 * args.hidden,
-                                     full_logits=kind == "ours-full")
+        model = BertPretrainingModel(
+            args.vocab, args.hidden, args.layers, args.heads, 4 * args.hidden, full_logits=kind == "ours-full"
+        )
     model.to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "16-mixed")
@@ -377,9 +391,13 @@ def build_training_step(kind: str, batch_size: int, args: argparse.Namespace) ->
     def step(b: dict[str, torch.Tensor]) -> None:
         with autocast(device, args.precision):
             if kind == "hf-full":
-                loss = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
-                             token_type_ids=b["token_type_ids"], labels=b["labels"],
-                             next_sentence_label=b["next_sentence_label"]).loss
+                loss = model(
+                    input_ids=b["input_ids"],
+                    attention_mask=b["attention_mask"],
+                    token_type_ids=b["token_type_ids"],
+                    labels=b["labels"],
+                    next_sentence_label=b["next_sentence_label"],
+                ).loss
             else:
                 out = model(b["input_ids"], b["attention_mask"], b["token_type_ids"], labels=b["labels"])
                 loss = pretraining_loss(out, b["next_sentence_label"])["loss"]
@@ -507,27 +525,40 @@ def markdown(results: dict[str, Any]) -> str:
     ]
     head = results.get("head")
     if head:
-        lines += ["## 1. MLM loss (head + cross-entropy, forward + backward): peak memory", "",
-                  "| head | logits rows | logits | peak | time (s) |", "|---|---|---|---|---|"]
+        lines += [
+            "## 1. MLM loss (head + cross-entropy, forward + backward): peak memory",
+            "",
+            "| head | logits rows | logits | peak | time (s) |",
+            "|---|---|---|---|---|",
+        ]
         for variant in ("masked", "full"):
             r = head[variant]
             if "error" in r:
                 lines.append(f"| {variant} | error: {r['error'][:200]} | | | |")
                 continue
-            lines.append(f"| {variant} | {r['logits_rows']:,} | {_mib(r['logits_bytes'])} MiB | "
-                         f"{_mib(r['peak_bytes'])} MiB | {r['seconds']:.2f} |")
+            lines.append(
+                f"| {variant} | {r['logits_rows']:,} | {_mib(r['logits_bytes'])} MiB | "
+                f"{_mib(r['peak_bytes'])} MiB | {r['seconds']:.2f} |"
+            )
         if "ratio_masked_over_full" in head:
-            lines += ["", f"Masked-only / full peak: **{head['ratio_masked_over_full']:.3f}** "
-                      f"(target {head['target']});"
-                      f" |loss difference| {head['loss_abs_diff']:.2e}. Method: {head['masked']['method']}.", ""]
+            lines += [
+                "",
+                f"Masked-only / full peak: **{head['ratio_masked_over_full']:.3f}** "
+                f"(target {head['target']});"
+                f" |loss difference| {head['loss_abs_diff']:.2e}. Method: {head['masked']['method']}.",
+                "",
+            ]
     strategies = results.get("strategies")
     if strategies:
         lines += ["## 2. Root-device peak memory per strategy (whole model, Lightning steps)", ""]
         if "skipped" in strategies:
             lines += [f"Skipped: {strategies['skipped']}", ""]
         else:
-            lines += ["| strategy | head | replicas | root peak | moved to root per step (computed) | "
-                      "strategy counter: outputs | s |", "|---|---|---|---|---|---|---|"]
+            lines += [
+                "| strategy | head | replicas | root peak | moved to root per step (computed) | "
+                "strategy counter: outputs | s |",
+                "|---|---|---|---|---|---|---|",
+            ]
             for r in strategies["runs"]:
                 if "error" in r:
                     lines.append(f"| error | {r['error'][:300]} | | | | | |")
@@ -536,32 +567,47 @@ def markdown(results: dict[str, Any]) -> str:
                 counter = t.get("strategy_counter", {}).get("outputs")
                 counter_text = f"{counter:,} B" if isinstance(counter, int) else "n/a"
                 virtual = " (virtual)" if r["virtual_devices"] else ""
-                lines.append(f"| {r['strategy']} | {r['head']} | {r['replicas']}{virtual} | "
-                             f"{_mib(r['root_peak_bytes'])} MiB | {t['computed_output_bytes']:,} B | {counter_text} | "
-                             f"{r['seconds']:.1f} |")
+                lines.append(
+                    f"| {r['strategy']} | {r['head']} | {r['replicas']}{virtual} | "
+                    f"{_mib(r['root_peak_bytes'])} MiB | {t['computed_output_bytes']:,} B | {counter_text} | "
+                    f"{r['seconds']:.1f} |"
+                )
             method = next((r["method"] for r in strategies["runs"] if "method" in r), "")
-            lines += ["", f"Method: {method}. 'virtual': the replicas share one device, so the root's peak holds "
-                      "every replica's activations too.", ""]
+            lines += [
+                "",
+                f"Method: {method}. 'virtual': the replicas share one device, so the root's peak holds "
+                "every replica's activations too.",
+                "",
+            ]
     throughput_part = results.get("throughput")
     if throughput_part:
         lines += ["## 3. Training throughput vs transformers' BertForPreTraining (full logits)", ""]
         if "skipped" in throughput_part:
             lines += [f"Skipped: {throughput_part['skipped']}", ""]
         else:
-            lines += ["| model | batch | tokens/s | ms/step | speed-up vs hf-full | GPU kernel ms/step | "
-                      "kernel-time speed-up | peak |", "|---|---|---|---|---|---|---|---|"]
+            lines += [
+                "| model | batch | tokens/s | ms/step | speed-up vs hf-full | GPU kernel ms/step | "
+                "kernel-time speed-up | peak |",
+                "|---|---|---|---|---|---|---|---|",
+            ]
             for r in throughput_part["runs"]:
                 peak = _mib(r["peak_bytes"]) + " MiB" if "peak_bytes" in r else "n/a"
                 kernel = r.get("gpu_kernel_ms_per_step")
                 kernel_text = f"{kernel:.2f}" if kernel else "n/a"
                 kernel_speedup = r.get("kernel_speedup_vs_hf_full")
                 kernel_speedup_text = f"{kernel_speedup:.2f}x" if kernel_speedup else "n/a"
-                lines.append(f"| {r['model']} | {r['batch']} | {r['tokens_per_s']:,.0f} | {r['ms_per_step']:.2f} | "
-                             f"{r['speedup_vs_hf_full']:.2f}x | {kernel_text} | {kernel_speedup_text} | {peak} |")
-            lines += ["", f"Target: {throughput_part['target']}. ms/step is wall time (what training sees); GPU "
-                      "kernel ms/step sums the kernels' durations (torch.profiler), i.e. the GPU's busy time. Where "
-                      "wall time exceeds kernel time by far, the step is bound by the CPU launching kernels (the "
-                      "same encoder code for both models), which hides the head's savings.", ""]
+                lines.append(
+                    f"| {r['model']} | {r['batch']} | {r['tokens_per_s']:,.0f} | {r['ms_per_step']:.2f} | "
+                    f"{r['speedup_vs_hf_full']:.2f}x | {kernel_text} | {kernel_speedup_text} | {peak} |"
+                )
+            lines += [
+                "",
+                f"Target: {throughput_part['target']}. ms/step is wall time (what training sees); GPU "
+                "kernel ms/step sums the kernels' durations (torch.profiler), i.e. the GPU's busy time. Where "
+                "wall time exceeds kernel time by far, the step is bound by the CPU launching kernels (the "
+                "same encoder code for both models), which hides the head's savings.",
+                "",
+            ]
     return "\n".join(lines) + "\n"
 
 
@@ -575,8 +621,12 @@ def summary(results: dict[str, Any]) -> str:
     for r in results.get("strategies", {}).get("runs", []):
         if "error" not in r:
             rows.append((f"root peak {r['strategy']} ({r['head']} head)", f"{_mib(r['root_peak_bytes'])} MiB"))
-            rows.append((f"to root/step {r['strategy']} ({r['head']} head)",
-                         f"{r['transfer_to_root_per_step']['computed_output_bytes']:,} B"))
+            rows.append(
+                (
+                    f"to root/step {r['strategy']} ({r['head']} head)",
+                    f"{r['transfer_to_root_per_step']['computed_output_bytes']:,} B",
+                )
+            )
         else:
             rows.append(("strategy run", "error (see JSON)"))
     if "skipped" in results.get("strategies", {}):
@@ -585,8 +635,12 @@ def summary(results: dict[str, Any]) -> str:
     for r in tp.get("runs", []):
         kernel = r.get("kernel_speedup_vs_hf_full")
         kernel_text = f"; GPU kernel time {kernel:.2f}x" if kernel else ""
-        rows.append((f"tokens/s {r['model']} (batch {r['batch']})",
-                     f"{r['tokens_per_s']:,.0f} ({r['speedup_vs_hf_full']:.2f}x hf{kernel_text})"))
+        rows.append(
+            (
+                f"tokens/s {r['model']} (batch {r['batch']})",
+                f"{r['tokens_per_s']:,.0f} ({r['speedup_vs_hf_full']:.2f}x hf{kernel_text})",
+            )
+        )
     if "skipped" in tp:
         rows.append(("throughput", tp["skipped"]))
     width = max(len(a) for a, _ in rows)
@@ -608,18 +662,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--mask-prob", type=float, default=0.15)
-    p.add_argument("--precision", default=None, help="32-true | bf16-mixed | 16-mixed (default: bf16-mixed on cuda, "
-                                                      "32-true on cpu)")
+    p.add_argument(
+        "--precision",
+        default=None,
+        help="32-true | bf16-mixed | 16-mixed (default: bf16-mixed on cuda, 32-true on cpu)",
+    )
     p.add_argument("--steps", type=int, default=3, help="Lightning training steps per strategy run (part 2)")
     p.add_argument("--replicas", type=int, default=2)
-    p.add_argument("--strategies", type=_csv(str), default=["dp", "parallel_criterion"],
-                   help="comma-separated, from dp, parallel_criterion, single")
+    p.add_argument(
+        "--strategies",
+        type=_csv(str),
+        default=["dp", "parallel_criterion"],
+        help="comma-separated, from dp, parallel_criterion, single",
+    )
     p.add_argument("--strategy-heads", type=_csv(str), default=["full", "masked"])
     p.add_argument("--timed-steps", type=int, default=20, help="timed training steps per model and round (part 3)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds; the median is reported")
     p.add_argument("--warmup-steps", type=int, default=5)
-    p.add_argument("--throughput-batches", type=_csv(int), default=None,
-                   help="batch sizes for part 3 (default: --batch and 4x --batch)")
+    p.add_argument(
+        "--throughput-batches",
+        type=_csv(int),
+        default=None,
+        help="batch sizes for part 3 (default: --batch and 4x --batch)",
+    )
     p.add_argument("--cpu-throughput", action="store_true", help="run part 3 on the CPU anyway (slow)")
     p.add_argument("--parts", type=_csv(str), default=["head", "strategies", "throughput"])
     p.add_argument("--tag", default=None, help="results file suffix (default: the device type)")
@@ -642,10 +707,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _shared_argv(args: argparse.Namespace) -> list[str]:
     return [
-        "--device", args.device, "--batch", str(args.batch), "--seq", str(args.seq), "--vocab", str(args.vocab),
-        "--hidden", str(args.hidden), "--layers", str(args.layers), "--heads", str(args.heads),
-        "--mask-prob", str(args.mask_prob), "--precision", args.precision, "--steps", str(args.steps),
-        "--replicas", str(args.replicas),
+        "--device",
+        args.device,
+        "--batch",
+        str(args.batch),
+        "--seq",
+        str(args.seq),
+        "--vocab",
+        str(args.vocab),
+        "--hidden",
+        str(args.hidden),
+        "--layers",
+        str(args.layers),
+        "--heads",
+        str(args.heads),
+        "--mask-prob",
+        str(args.mask_prob),
+        "--precision",
+        args.precision,
+        "--steps",
+        str(args.steps),
+        "--replicas",
+        str(args.replicas),
     ]
 
 
@@ -661,15 +744,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return {}
 
     start = time.perf_counter()
-    command = "python " + shlex.join([os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]]) if argv is None else (
-        "python benchmarks/bert_memory.py " + shlex.join(argv))
+    command = (
+        "python " + shlex.join([os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])
+        if argv is None
+        else ("python benchmarks/bert_memory.py " + shlex.join(argv))
+    )
     results: dict[str, Any] = {
         "device_type": args.device,
         "device": _device_name(args.device),
         "versions": _versions(),
         "command": command,
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-                   if k not in ("worker", "variant")},
+        "config": {
+            k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("worker", "variant")
+        },
     }
     parts = {"head": run_head_part, "strategies": run_strategies_part, "throughput": run_throughput_part}
     results["part_seconds"] = {}

@@ -123,8 +123,9 @@ def _reset_peak(device: torch.device) -> None:
 # Plain PyTorch
 
 
-def run_plain(args: argparse.Namespace, pool: list[tuple[torch.Tensor, torch.Tensor]],
-              device: torch.device) -> dict[str, Any]:
+def run_plain(
+    args: argparse.Namespace, pool: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device
+) -> dict[str, Any]:
     """The hand-written loop: augment, forward + loss under autocast, backward, SGD step, scheduler step."""
     torch.manual_seed(0)
     model = build_pyramidnet(args.model, channel_multiple=args.channel_multiple).to(device)
@@ -135,7 +136,8 @@ def run_plain(args: argparse.Namespace, pool: list[tuple[torch.Tensor, torch.Ten
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4)
     timer = WindowTimer(device, args.warmup, args.window, args.windows, args.batch_size)
     scheduler = torch.optim.lr_scheduler.MultiStepLR(
-        optimizer, milestones=[timer.total_steps // 2, 3 * timer.total_steps // 4], gamma=0.1)
+        optimizer, milestones=[timer.total_steps // 2, 3 * timer.total_steps // 4], gamma=0.1
+    )
     scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "16-mixed")
     model.train()
     _reset_peak(device)
@@ -191,21 +193,27 @@ class _TimerCallback(L.Callback):
     def __init__(self, timer: WindowTimer) -> None:
         self.timer = timer
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self.timer.step_done(trainer.global_step)
 
 
-def run_lightning(args: argparse.Namespace, pool: list[tuple[torch.Tensor, torch.Tensor]],
-                  device: torch.device, log: bool = True) -> dict[str, Any]:
+def run_lightning(
+    args: argparse.Namespace, pool: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device, log: bool = True
+) -> dict[str, Any]:
     """The recipe's LightningModule under a single-device Trainer, same data, precision and memory format.
 
     ``log=False`` turns the module's ``self.log`` calls into no-ops (a diagnostic, not the recipe).
     """
     torch.manual_seed(0)
     module_cls = _BenchModule if log else _SilentBenchModule
-    module = module_cls(arch=args.model, channels_last=args.channels_last, channel_multiple=args.channel_multiple,
-                          compile_net=args.compile)
+    module = module_cls(
+        arch=args.model,
+        channels_last=args.channels_last,
+        channel_multiple=args.channel_multiple,
+        compile_net=args.compile,
+    )
     timer = WindowTimer(device, args.warmup, args.window, args.windows, args.batch_size)
     trainer = L.Trainer(
         accelerator=device.type if device.type != "cuda" else "gpu",
@@ -227,8 +235,11 @@ def run_lightning(args: argparse.Namespace, pool: list[tuple[torch.Tensor, torch
     _sync(device)
     assert trainer.global_step == timer.total_steps, trainer.global_step
     final = trainer.callback_metrics.get("train_loss")
-    return {**timer.summary(), "peak_memory_mb": _peak_memory_mb(device),
-            "final_loss": float(final) if final is not None else None}
+    return {
+        **timer.summary(),
+        "peak_memory_mb": _peak_memory_mb(device),
+        "final_loss": float(final) if final is not None else None,
+    }
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -265,70 +276,87 @@ def _markdown(report: dict[str, Any]) -> str:
             r = rnd[name]
             mem = f"{r['peak_memory_mb']:.0f}" if r["peak_memory_mb"] is not None else "n/a"
             windows = ", ".join(f"{w:.0f}" for w in r["images_per_s_windows"])
-            rows.append(f"| {i} | {name} | {r['images_per_s_median']:.1f} | {r['ms_per_step_median']:.2f} | {mem} "
-                        f"| {windows} |")
+            rows.append(
+                f"| {i} | {name} | {r['images_per_s_median']:.1f} | {r['ms_per_step_median']:.2f} | {mem} | {windows} |"
+            )
         rows.append(f"| {i} | **lightning / plain** | **{rnd['ratio_lightning_over_plain']:.3f}** | | | |")
         rows.append(f"| {i} | lightning_no_log / plain | {rnd['ratio_no_log_over_plain']:.3f} | | | |")
     ratios = ", ".join(f"{r['ratio_lightning_over_plain']:.3f}" for r in report["rounds"])
-    return "\n".join([
-        "# PyramidNet training throughput: Lightning recipe vs plain PyTorch",
-        "",
-        f"- device: {report['device']}",
-        f"- model: `{cfg['model']}` ({cfg['parameters']:,} parameters), batch {cfg['batch_size']}, "
-        f"precision {cfg['precision']}, channels_last {cfg['channels_last']}, compile {cfg['compile']}, "
-        f"channel_multiple {cfg['channel_multiple']}",
-        f"- one discarded run of each loop, then {cfg['rounds']} rounds, each loop running first in turn; per run "
-        f"{cfg['warmup']} warm-up steps, then {cfg['windows']} windows of {cfg['window']} steps, median window",
-        "- versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items() if v),
-        f"- command: `{report['command']}`",
-        f"- date: {report['date']}, wall {report['wall_seconds']} s",
-        *([f"- note: {report['note']}"] if report["note"] else []),
-        "",
-        "| round | loop | images/s (median window) | ms/step | peak memory (MiB) | images/s per window |",
-        "| ---: | --- | ---: | ---: | ---: | --- |",
-        *rows,
-        "",
-        f"Median over rounds: plain **{res['plain']['images_per_s_median']:.1f}** images/s, lightning "
-        f"**{res['lightning']['images_per_s_median']:.1f}** images/s, lightning without `self.log` "
-        f"{res['lightning_no_log']['images_per_s_median']:.1f} images/s.",
-        "",
-        f"**Lightning / plain throughput ratio (median of paired rounds): {report['ratio_lightning_over_plain']:.3f}** "
-        f"(rounds: {ratios}); without `self.log`: {report['ratio_no_log_over_plain']:.3f}.",
-        "",
-        "Same device-resident uint8 batches, on-device augmentation, optimizer and precision in every loop; the "
-        "Lightning side also updates the recipe's torchmetrics accuracy and logs its loss and lr as the recipe does. "
-        "`lightning_no_log` is the same module with `self.log` made a no-op: a diagnostic that splits Lightning's "
-        "per-step host overhead into its loop and its logging, not a configuration to train with.",
-        "",
-    ])
+    return "\n".join(
+        [
+            "# PyramidNet training throughput: Lightning recipe vs plain PyTorch",
+            "",
+            f"- device: {report['device']}",
+            f"- model: `{cfg['model']}` ({cfg['parameters']:,} parameters), batch {cfg['batch_size']}, "
+            f"precision {cfg['precision']}, channels_last {cfg['channels_last']}, compile {cfg['compile']}, "
+            f"channel_multiple {cfg['channel_multiple']}",
+            f"- one discarded run of each loop, then {cfg['rounds']} rounds, each loop running first in turn; per run "
+            f"{cfg['warmup']} warm-up steps, then {cfg['windows']} windows of {cfg['window']} steps, median window",
+            "- versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items() if v),
+            f"- command: `{report['command']}`",
+            f"- date: {report['date']}, wall {report['wall_seconds']} s",
+            *([f"- note: {report['note']}"] if report["note"] else []),
+            "",
+            "| round | loop | images/s (median window) | ms/step | peak memory (MiB) | images/s per window |",
+            "| ---: | --- | ---: | ---: | ---: | --- |",
+            *rows,
+            "",
+            f"Median over rounds: plain **{res['plain']['images_per_s_median']:.1f}** images/s, lightning "
+            f"**{res['lightning']['images_per_s_median']:.1f}** images/s, lightning without `self.log` "
+            f"{res['lightning_no_log']['images_per_s_median']:.1f} images/s.",
+            "",
+            "**Lightning / plain throughput ratio (median of paired rounds): "
+            f"{report['ratio_lightning_over_plain']:.3f}** "
+            f"(rounds: {ratios}); without `self.log`: {report['ratio_no_log_over_plain']:.3f}.",
+            "",
+            "Same device-resident uint8 batches, on-device augmentation, optimizer and precision in every loop; the "
+            "Lightning side also updates the recipe's torchmetrics accuracy and logs its loss and lr as the recipe "
+            "does. "
+            "`lightning_no_log` is the same module with `self.log` made a no-op: a diagnostic that splits Lightning's "
+            "per-step host overhead into its loop and its logging, not a configuration to train with.",
+            "",
+        ]
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                        help="cpu, cuda or cuda:N")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--model", default=None, help="a build_pyramidnet name (default: seed on cuda, tiny on cpu)")
     parser.add_argument("--batch-size", type=int, default=None, help="default: 256 on cuda, 32 on cpu")
-    parser.add_argument("--precision", choices=PRECISIONS, default="bf16-mixed",
-                        help="autocast precision of both loops")
+    parser.add_argument(
+        "--precision", choices=PRECISIONS, default="bf16-mixed", help="autocast precision of both loops"
+    )
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 15 on cuda, 5 on cpu)")
-    parser.add_argument("--window", type=int, default=None,
-                        help="steps per timed window (default 20 on cuda, 10 on cpu)")
+    parser.add_argument(
+        "--window", type=int, default=None, help="steps per timed window (default 20 on cuda, 10 on cpu)"
+    )
     parser.add_argument("--windows", type=int, default=5, help="timed windows per run; the median is reported")
-    parser.add_argument("--rounds", type=int, default=None,
-                        help="rounds of every loop (each first in turn); the median paired ratio is reported "
-                             "(default 3 on cuda, 6 on cpu)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="rounds of every loop (each first in turn); the median paired ratio is reported "
+        "(default 3 on cuda, 6 on cpu)",
+    )
     parser.add_argument("--pool-batches", type=int, default=8, help="distinct device-resident batches cycled through")
-    parser.add_argument("--no-channels-last", dest="channels_last", action="store_false",
-                        help="keep NCHW instead of channels_last")
+    parser.add_argument(
+        "--no-channels-last", dest="channels_last", action="store_false", help="keep NCHW instead of channels_last"
+    )
     parser.add_argument("--compile", action="store_true", help="torch.compile the PyramidNet in both loops")
-    parser.add_argument("--channel-multiple", type=int, default=1,
-                        help="round unit widths up to this multiple (8: tensor-core aligned; not the paper's model)")
+    parser.add_argument(
+        "--channel-multiple",
+        type=int,
+        default=1,
+        help="round unit widths up to this multiple (8: tensor-core aligned; not the paper's model)",
+    )
     parser.add_argument("--note", default="", help="free text stored with the results (e.g. machine conditions)")
     parser.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
-    parser.add_argument("--out-name", default=None,
-                        help="file stem (default pyramidnet_throughput_<device type>[_compile])")
+    parser.add_argument(
+        "--out-name", default=None, help="file stem (default pyramidnet_throughput_<device type>[_compile])"
+    )
     args = parser.parse_args(argv)
     on_cuda = args.device.startswith("cuda")
     args.model = args.model or ("seed" if on_cuda else "tiny")
@@ -366,7 +394,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     names = list(runners)
     rounds: list[dict[str, Any]] = []
     for i in range(args.rounds):
-        order = names[i % len(names):] + names[: i % len(names)]  # each loop runs first in turn
+        order = names[i % len(names) :] + names[: i % len(names)]  # each loop runs first in turn
         rnd: dict[str, Any] = {"order": order}
         for name in order:
             rnd[name] = runners[name](args, pool, device)
@@ -374,26 +402,43 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         rnd["ratio_lightning_over_plain"] = rnd["lightning"]["images_per_s_median"] / plain_rate
         rnd["ratio_no_log_over_plain"] = rnd["lightning_no_log"]["images_per_s_median"] / plain_rate
         rounds.append(rnd)
-    summary = {name: {"images_per_s_median": statistics.median(r[name]["images_per_s_median"] for r in rounds)}
-               for name in runners}
+    summary = {
+        name: {"images_per_s_median": statistics.median(r[name]["images_per_s_median"] for r in rounds)}
+        for name in runners
+    }
     ratio = statistics.median(r["ratio_lightning_over_plain"] for r in rounds)
     ratio_no_log = statistics.median(r["ratio_no_log_over_plain"] for r in rounds)
     with torch.device("meta"):
         n_params = count_parameters(build_pyramidnet(args.model, channel_multiple=args.channel_multiple))
     env = [f"{k}={shlex.quote(os.environ[k])}" for k in ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES") if k in os.environ]
-    command = " ".join([*env, "python", shlex.quote(os.path.relpath(__file__, Path.cwd())),
-                        *map(shlex.quote, argv if argv is not None else sys.argv[1:])])
+    command = " ".join(
+        [
+            *env,
+            "python",
+            shlex.quote(os.path.relpath(__file__, Path.cwd())),
+            *map(shlex.quote, argv if argv is not None else sys.argv[1:]),
+        ]
+    )
     report: dict[str, Any] = {
         "benchmark": "pyramidnet_throughput",
         "command": command,
         "device": _device_name(device),
         "device_type": device.type,
         "versions": _versions(),
-        "config": {"model": args.model, "parameters": n_params, "batch_size": args.batch_size,
-                   "precision": args.precision, "channels_last": args.channels_last, "compile": args.compile,
-                   "channel_multiple": args.channel_multiple,
-                   "warmup": args.warmup, "window": args.window, "windows": args.windows, "rounds": args.rounds,
-                   "pool_batches": args.pool_batches},
+        "config": {
+            "model": args.model,
+            "parameters": n_params,
+            "batch_size": args.batch_size,
+            "precision": args.precision,
+            "channels_last": args.channels_last,
+            "compile": args.compile,
+            "channel_multiple": args.channel_multiple,
+            "warmup": args.warmup,
+            "window": args.window,
+            "windows": args.windows,
+            "rounds": args.rounds,
+            "pool_batches": args.pool_batches,
+        },
         "rounds": rounds,
         "results": summary,
         "ratio_lightning_over_plain": ratio,
@@ -402,8 +447,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "note": args.note,
     }
-    stem = args.out_name or (f"pyramidnet_throughput_{device.type}" + ("_compile" if args.compile else "")
-                             + (f"_aligned{args.channel_multiple}" if args.channel_multiple > 1 else ""))
+    stem = args.out_name or (
+        f"pyramidnet_throughput_{device.type}"
+        + ("_compile" if args.compile else "")
+        + (f"_aligned{args.channel_multiple}" if args.channel_multiple > 1 else "")
+    )
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
     (args.out_dir / f"{stem}.md").write_text(_markdown(report))

@@ -231,11 +231,12 @@ class SingleProcessParallel:
         module: nn.Module,
         sample_counts: Sequence[int],
         call: Callable[[int, nn.Module], Any],
-        implied_weights: Callable[[list[Any]], list[dict[int, Any]]] | None = None,
+        implied_weights: Callable[[list[Any]], list[dict[Any, Any]]] | None = None,
     ) -> list[Any]:
         """Run ``call(i, replica_i)`` on the first ``len(sample_counts)`` devices; merge logs and metrics into the
-        LightningModule. ``implied_weights(outputs)`` maps, per replica, ``id(loss tensor)`` to the weight (or
-        ``"sum"``) that a logged copy of that loss merges with, so a logged loss equals the optimized one."""
+        LightningModule. ``implied_weights(outputs)`` maps, per replica, the ``tensor_key`` of a returned loss to the
+        weight (``"sum"``, a ``LossTermsTotal``) a logged copy of that loss merges with, so a logged loss equals the
+        optimized one (see ``step_outputs.implied_loss_weights``)."""
         replicas = self._replicas_of(module)
         self._replicated_on = replicas.devices[: len(sample_counts)]
         list_lengths = _public_list_lengths(module)

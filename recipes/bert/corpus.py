@@ -163,9 +163,7 @@ def synthetic_documents(
         for _ in range(rng.randint(min_sentences, max_sentences)):
             obj = (subject + stride) % words_per_topic
             adjective = adjectives[rng.randrange(words_per_topic)] if rng.random() < noise else adjectives[subject]
-            sentences.append(
-                template.format(adj=adjective, noun=nouns[subject], verb=verbs[subject], obj=nouns[obj])
-            )
+            sentences.append(template.format(adj=adjective, noun=nouns[subject], verb=verbs[subject], obj=nouns[obj]))
             subject = obj
         documents.append(sentences)
     return documents

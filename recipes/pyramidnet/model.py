@@ -227,7 +227,10 @@ class PyramidNetConfig:
 
 PYRAMIDNET_CONFIGS: dict[str, PyramidNetConfig] = {
     "seed": PyramidNetConfig(
-        110, 270, units_per_stage=17, reported_params=24_253_410,
+        110,
+        270,
+        units_per_stage=17,
+        reported_params=24_253_410,
         note="the seed article's model: basic units, alpha 270, 17 units per stage with the widening rate of 18 "
         "(off by one against the paper's PyramidNet-110); exactly 24,253,410 parameters",
     ),

@@ -42,7 +42,16 @@ __all__ = [
 ]
 
 CIFAR10_CLASSES: tuple[str, ...] = (
-    "airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck",
+    "airplane",
+    "automobile",
+    "bird",
+    "cat",
+    "deer",
+    "dog",
+    "frog",
+    "horse",
+    "ship",
+    "truck",
 )
 PYTHON_TRAIN_FILES: tuple[str, ...] = tuple(f"data_batch_{i}" for i in range(1, 6))
 PYTHON_FILES: tuple[str, ...] = (*PYTHON_TRAIN_FILES, "test_batch", "batches.meta")
@@ -88,8 +97,9 @@ def is_local_source(source: str) -> bool:
     return Path(source).expanduser().exists() or source.startswith(("/", "./", "../", "~", "."))
 
 
-def load_cifar10(source: str, cache_dir: str | None = None, synthetic_sizes: tuple[int, int] = (5000, 1000),
-                 seed: int = 0) -> CIFARSplits:
+def load_cifar10(
+    source: str, cache_dir: str | None = None, synthetic_sizes: tuple[int, int] = (5000, 1000), seed: int = 0
+) -> CIFARSplits:
     """Load CIFAR-10 from ``source``: ``"synthetic"``, a local path (see module doc) or a Hub dataset name."""
     if source == "synthetic":
         return make_synthetic(*synthetic_sizes, seed=seed)
@@ -124,8 +134,9 @@ def _unpickle(file: Path) -> dict[bytes, Any]:
         with file.open("rb") as f:
             obj = pickle.load(f, encoding="bytes")
     except Exception as err:  # any unpickling failure means the file is not a CIFAR batch
-        raise ValueError(f"{str(file)!r} is not a CIFAR-10 python batch (unpickling failed: {err}); "
-                         f"{LAYOUTS_HELP}") from err
+        raise ValueError(
+            f"{str(file)!r} is not a CIFAR-10 python batch (unpickling failed: {err}); {LAYOUTS_HELP}"
+        ) from err
     if not isinstance(obj, dict):
         raise ValueError(f"{str(file)!r} holds a {type(obj).__name__}, expected a dict; {LAYOUTS_HELP}")
     return obj
@@ -153,8 +164,9 @@ def load_python_batches(folder: str | Path) -> CIFARSplits:
     folder = Path(folder)
     missing = [f for f in PYTHON_FILES if not (folder / f).is_file()]
     if missing:
-        raise FileNotFoundError(f"CIFAR-10 python folder {str(folder)!r} is missing {', '.join(missing)}; "
-                                f"{LAYOUTS_HELP}")
+        raise FileNotFoundError(
+            f"CIFAR-10 python folder {str(folder)!r} is missing {', '.join(missing)}; {LAYOUTS_HELP}"
+        )
     train = [_python_batch(folder / f) for f in PYTHON_TRAIN_FILES]
     test_images, test_labels = _python_batch(folder / "test_batch")
     meta = _unpickle(folder / "batches.meta")
@@ -180,8 +192,10 @@ def _decode_table(table: Any, where: str) -> tuple[torch.Tensor, torch.Tensor]:
     img_col = next((c for c in _IMAGE_COLUMNS if c in names), None)
     label_col = next((c for c in _LABEL_COLUMNS if c in names), None)
     if img_col is None or label_col is None:
-        raise ValueError(f"{where}: columns {names}, expected an image column {_IMAGE_COLUMNS} and a label column "
-                         f"{_LABEL_COLUMNS}; {LAYOUTS_HELP}")
+        raise ValueError(
+            f"{where}: columns {names}, expected an image column {_IMAGE_COLUMNS} and a label column "
+            f"{_LABEL_COLUMNS}; {LAYOUTS_HELP}"
+        )
     column = table.column(img_col).combine_chunks()
     if hasattr(column.type, "get_field_index") and column.type.get_field_index("bytes") >= 0:
         encoded = column.field("bytes").to_pylist()
@@ -190,8 +204,10 @@ def _decode_table(table: Any, where: str) -> tuple[torch.Tensor, torch.Tensor]:
     images = np.empty((len(encoded), 32, 32, 3), dtype=np.uint8)
     for i, blob in enumerate(encoded):
         if not isinstance(blob, bytes | bytearray):
-            raise ValueError(f"{where}: row {i} of column {img_col!r} holds {type(blob).__name__}, expected encoded "
-                             f"image bytes; {LAYOUTS_HELP}")
+            raise ValueError(
+                f"{where}: row {i} of column {img_col!r} holds {type(blob).__name__}, expected encoded "
+                f"image bytes; {LAYOUTS_HELP}"
+            )
         with Image.open(io.BytesIO(blob)) as im:
             arr = np.asarray(im.convert("RGB"))
         if arr.shape != (32, 32, 3):
@@ -226,8 +242,10 @@ def load_saved_dataset(folder: str | Path) -> CIFARSplits:
     except Exception as err:
         raise ValueError(f"could not read the saved dataset at {str(folder)!r}: {err}; {LAYOUTS_HELP}") from err
     if not isinstance(dsd, datasets.DatasetDict):
-        raise ValueError(f"{str(folder)!r} holds a single Dataset, expected a DatasetDict with 'train' and 'test' "
-                         f"splits; {LAYOUTS_HELP}")
+        raise ValueError(
+            f"{str(folder)!r} holds a single Dataset, expected a DatasetDict with 'train' and 'test' "
+            f"splits; {LAYOUTS_HELP}"
+        )
     return _splits_from_dataset_dict(dsd, repr(str(folder)))
 
 
@@ -255,9 +273,11 @@ def load_parquet(folder: str | Path) -> CIFARSplits:
     for split in ("train", "test"):
         chosen = [f for f in files if parquet_split(f, folder) == split]
         if not chosen:
-            raise FileNotFoundError(f"no {split}*.parquet file or parquet file in a {split}/ folder below "
-                                    f"{str(folder)!r} (found {[str(f.relative_to(folder)) for f in files]}); "
-                                    f"{LAYOUTS_HELP}")
+            raise FileNotFoundError(
+                f"no {split}*.parquet file or parquet file in a {split}/ folder below "
+                f"{str(folder)!r} (found {[str(f.relative_to(folder)) for f in files]}); "
+                f"{LAYOUTS_HELP}"
+            )
         try:
             table = pa.concat_tables([pq.read_table(f) for f in chosen])
         except Exception as err:
@@ -295,8 +315,9 @@ def _smooth_patterns(count: int, size: int, generator: torch.Generator) -> torch
     return fine / fine.abs().amax(dim=(1, 2, 3), keepdim=True)
 
 
-def _synthetic_split(templates: torch.Tensor, size: int, generator: torch.Generator) -> tuple[torch.Tensor,
-                                                                                               torch.Tensor]:
+def _synthetic_split(
+    templates: torch.Tensor, size: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     num_classes, _, big, _ = templates.shape
     labels = torch.arange(size) % num_classes
     labels = labels[torch.randperm(size, generator=generator)]

@@ -30,13 +30,38 @@ def comparison(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("bench")
     stderr = io.StringIO()
     with contextlib.redirect_stderr(stderr):
-        code = main([
-            "-c", TINY, "--accelerator", "cpu", "--devices", "2", "--steps", "2", "--warmup", "1",
-            "--strategies", "single", "dp", "parallel_criterion", "ddp", "no_such_strategy",
-            "--out", str(out), "--name", "report", "--log-dir", str(out / "logs"),
-        ])
-    return {"code": code, "out": out, "stderr": stderr.getvalue(),
-            "report": json.loads((out / "report.json").read_text())}
+        code = main(
+            [
+                "-c",
+                TINY,
+                "--accelerator",
+                "cpu",
+                "--devices",
+                "2",
+                "--steps",
+                "2",
+                "--warmup",
+                "1",
+                "--strategies",
+                "single",
+                "dp",
+                "parallel_criterion",
+                "ddp",
+                "no_such_strategy",
+                "--out",
+                str(out),
+                "--name",
+                "report",
+                "--log-dir",
+                str(out / "logs"),
+            ]
+        )
+    return {
+        "code": code,
+        "out": out,
+        "stderr": stderr.getvalue(),
+        "report": json.loads((out / "report.json").read_text()),
+    }
 
 
 def test_every_strategy_is_a_row_and_a_missing_one_does_not_lose_the_others(comparison: dict) -> None:
@@ -95,7 +120,11 @@ def test_report_says_devices_are_virtual(comparison: dict) -> None:
     assert "## Results — VIRTUAL devices: 2 replicas on 1 physical device(s), not a multi-GPU result" in markdown
     table = [line for line in markdown.splitlines() if line.startswith("| `")]
     assert [line.split(" | ")[0] for line in table] == [
-        "| `single`", "| `dp`", "| `parallel_criterion`", "| `ddp`", "| `no_such_strategy`"
+        "| `single`",
+        "| `dp`",
+        "| `parallel_criterion`",
+        "| `ddp`",
+        "| `no_such_strategy`",
     ]
     assert all(line.split(" | ")[1] == "ok" for line in table[:4])
     assert table[4].split(" | ")[1].startswith("**FAILED**: ValueError")
@@ -117,8 +146,24 @@ def test_progress_is_one_line_per_strategy(comparison: dict) -> None:
 
 
 def test_a_strategy_that_hangs_is_stopped_and_reported(tmp_path: Path) -> None:
-    code = main(["-c", TINY, "--accelerator", "cpu", "--devices", "2", "--strategies", "single", "--timeout", "0.5",
-                 "--out", str(tmp_path), "--name", "r"])
+    code = main(
+        [
+            "-c",
+            TINY,
+            "--accelerator",
+            "cpu",
+            "--devices",
+            "2",
+            "--strategies",
+            "single",
+            "--timeout",
+            "0.5",
+            "--out",
+            str(tmp_path),
+            "--name",
+            "r",
+        ]
+    )
     assert code == 1  # nothing trained
     (row,) = json.loads((tmp_path / "r.json").read_text())["results"]
     assert row["status"] == "timeout" and "timed out after 0.5 s" in row["error"]
@@ -127,8 +172,11 @@ def test_a_strategy_that_hangs_is_stopped_and_reported(tmp_path: Path) -> None:
 
 
 def test_usage_errors_exit_2(tmp_path: Path) -> None:
-    for argv in (["-c", "missing.yaml"], ["-c", TINY, "--steps", "1"], ["-c", TINY, "--accelerator", "gpu",
-                                                                     "--devices", "0"]):
+    for argv in (
+        ["-c", "missing.yaml"],
+        ["-c", TINY, "--steps", "1"],
+        ["-c", TINY, "--accelerator", "gpu", "--devices", "0"],
+    ):
         with pytest.raises(SystemExit) as exit_info:
             main([*argv, "--out", str(tmp_path)])
         assert exit_info.value.code == 2

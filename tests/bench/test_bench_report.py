@@ -46,12 +46,26 @@ def test_formatting() -> None:
 
 def ok_row(strategy: str, kind: str, peaks: dict[str, float], imbalance: float | None) -> dict:
     return {
-        "strategy": strategy, "status": "ok", "kind": kind, "devices": ["cuda:0", "cuda:1"],
-        "device_names": ["NVIDIA H100 80GB HBM3"], "samples_per_s": 1000.0, "tokens_per_s": None,
-        "median_step_s": 0.25, "epoch_estimate_s": 16.0, "samples_per_step": 768, "precision": "bf16-mixed",
-        "flops_per_s": 3e14, "memory": {"peak_mib": peaks, "imbalance": imbalance},
-        "transfer_bytes_per_step": {"outputs": 30720, "parameters": 10**8, "gradients": 97_013_640,
-                                    "total": 10**8 + 97_013_640 + 30720, "replicas": 2},
+        "strategy": strategy,
+        "status": "ok",
+        "kind": kind,
+        "devices": ["cuda:0", "cuda:1"],
+        "device_names": ["NVIDIA H100 80GB HBM3"],
+        "samples_per_s": 1000.0,
+        "tokens_per_s": None,
+        "median_step_s": 0.25,
+        "epoch_estimate_s": 16.0,
+        "samples_per_step": 768,
+        "precision": "bf16-mixed",
+        "flops_per_s": 3e14,
+        "memory": {"peak_mib": peaks, "imbalance": imbalance},
+        "transfer_bytes_per_step": {
+            "outputs": 30720,
+            "parameters": 10**8,
+            "gradients": 97_013_640,
+            "total": 10**8 + 97_013_640 + 30720,
+            "replicas": 2,
+        },
         "model": {"parameters": 24_253_410, "parameter_bytes": 97_013_640, "gradient_bytes": 97_013_640},
     }
 
@@ -60,12 +74,25 @@ def test_markdown_for_distinct_gpus_with_an_oom_row() -> None:
     plan = plan_devices("gpu", 2, cuda_count=2)
     rows = [
         ok_row("dp", "single-process", {"cuda:0": 30000.0, "cuda:1": 12000.0}, 2.5),
-        {"strategy": "single", "status": "oom", "error": "OutOfMemoryError: CUDA out of memory.\nmore",
-         "log_tail": "x"},
+        {
+            "strategy": "single",
+            "status": "oom",
+            "error": "OutOfMemoryError: CUDA out of memory.\nmore",
+            "log_tail": "x",
+        },
     ]
-    settings = {"command": "python -m lightning_mgpu.bench -c seed.yaml", "created": "now", "environment": "env",
-                "configs": ["configs/pyramidnet/seed.yaml"], "cli_args": [], "strategies": ["dp", "single"],
-                "steps": 20, "warmup": 3, "link_gbps": 100.0, "ddp_batch": "global"}
+    settings = {
+        "command": "python -m lightning_mgpu.bench -c seed.yaml",
+        "created": "now",
+        "environment": "env",
+        "configs": ["configs/pyramidnet/seed.yaml"],
+        "cli_args": [],
+        "strategies": ["dp", "single"],
+        "steps": 20,
+        "warmup": 3,
+        "link_gbps": 100.0,
+        "ddp_batch": "global",
+    }
     report = build_report(rows, plan, settings)
     assert report["virtual_devices"] is False
     assert report["devices"]["names"] == ["NVIDIA H100 80GB HBM3"]

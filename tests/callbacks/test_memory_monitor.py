@@ -177,8 +177,14 @@ def test_cuda_peak_per_device() -> None:
 def test_two_gpus_report_both_devices_and_the_imbalance() -> None:
     monitor = DeviceMemoryMonitor(logging_interval=1)
     strategy = lightning_mgpu.DataParallelStrategy(parallel_devices=[torch.device("cuda", 0), torch.device("cuda", 1)])
-    recorder = fit(HoldsBigTensor(big_at=(1,), big_device="cuda:0"), monitor, batches=2, accelerator="gpu",
-                   devices=1, strategy=strategy)
+    recorder = fit(
+        HoldsBigTensor(big_at=(1,), big_device="cuda:0"),
+        monitor,
+        batches=2,
+        accelerator="gpu",
+        devices=1,
+        strategy=strategy,
+    )
     logged = recorder.steps[1]
     assert {"memory/cuda:0_peak_mib", "memory/cuda:1_peak_mib", "memory/imbalance"} <= set(logged)
     assert logged["memory/imbalance"] == pytest.approx(

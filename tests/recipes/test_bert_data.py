@@ -61,7 +61,10 @@ def test_masking_statistics_over_many_tokens() -> None:
     vocab = 1000
     ids, special = _random_batch(rows=500, width=128, vocab=vocab, seed=0)
     masked, labels = mask_tokens(
-        ids, special, mask_token_id=MASK, replacement_ids=non_special_ids(vocab, SPECIALS),
+        ids,
+        special,
+        mask_token_id=MASK,
+        replacement_ids=non_special_ids(vocab, SPECIALS),
         generator=torch.Generator().manual_seed(1),
     )
     selected = labels != IGNORE_INDEX
@@ -90,8 +93,13 @@ def test_random_replacements_are_never_special() -> None:
     ids = torch.randint(5, vocab, (400, 50), generator=torch.Generator().manual_seed(0))
     special = torch.zeros_like(ids, dtype=torch.bool)
     masked, labels = mask_tokens(
-        ids, special, mask_token_id=MASK, replacement_ids=non_special_ids(vocab, SPECIALS),
-        mask_ratio=0.0, random_ratio=1.0, generator=torch.Generator().manual_seed(1),
+        ids,
+        special,
+        mask_token_id=MASK,
+        replacement_ids=non_special_ids(vocab, SPECIALS),
+        mask_ratio=0.0,
+        random_ratio=1.0,
+        generator=torch.Generator().manual_seed(1),
     )
     replaced = masked[labels != IGNORE_INDEX]
     assert replaced.numel() > 2000
@@ -115,10 +123,22 @@ def test_collator_pads_masks_and_is_dynamic() -> None:
     assert not selected[:, [0]].any() and not (selected & (first["attention_mask"] == 0)).any()
     second = collate(examples)  # a new batch of the same examples gets new masks (dynamic masking)
     assert not torch.equal(first["labels"], second["labels"])
-    fixed = PretrainingCollator(vocab_size=50, pad_token_id=PAD, mask_token_id=MASK, special_ids=SPECIALS,
-                                pad_to_length=8, generator=torch.Generator().manual_seed(3))
-    again = PretrainingCollator(vocab_size=50, pad_token_id=PAD, mask_token_id=MASK, special_ids=SPECIALS,
-                                pad_to_length=8, generator=torch.Generator().manual_seed(3))
+    fixed = PretrainingCollator(
+        vocab_size=50,
+        pad_token_id=PAD,
+        mask_token_id=MASK,
+        special_ids=SPECIALS,
+        pad_to_length=8,
+        generator=torch.Generator().manual_seed(3),
+    )
+    again = PretrainingCollator(
+        vocab_size=50,
+        pad_token_id=PAD,
+        mask_token_id=MASK,
+        special_ids=SPECIALS,
+        pad_to_length=8,
+        generator=torch.Generator().manual_seed(3),
+    )
     a, b = fixed(examples), again(examples)
     assert a["input_ids"].shape == (128, 8)
     assert torch.equal(a["labels"], b["labels"]) and torch.equal(a["input_ids"], b["input_ids"])
@@ -126,12 +146,16 @@ def test_collator_pads_masks_and_is_dynamic() -> None:
 
 def test_seeded_collator_masks_each_example_from_its_index() -> None:
     """With a seed, an example's mask depends on (seed, index) only: not on its batch, position or padding."""
-    def example(index: int, length: int = 40) -> dict:
-        return {"input_ids": [CLS, *range(10, 10 + length), SEP], "token_type_ids": [0] * (length + 2),
-                "next_sentence_label": 0, "index": index}
 
-    collate = PretrainingCollator(vocab_size=100, pad_token_id=PAD, mask_token_id=MASK, special_ids=SPECIALS,
-                                  seed=7)
+    def example(index: int, length: int = 40) -> dict:
+        return {
+            "input_ids": [CLS, *range(10, 10 + length), SEP],
+            "token_type_ids": [0] * (length + 2),
+            "next_sentence_label": 0,
+            "index": index,
+        }
+
+    collate = PretrainingCollator(vocab_size=100, pad_token_id=PAD, mask_token_id=MASK, special_ids=SPECIALS, seed=7)
     first = collate([example(i) for i in range(32)])
     # Identical token ids, distinct indices: distinct masks.
     assert len({tuple(row.tolist()) for row in first["labels"]}) == 32
@@ -140,14 +164,19 @@ def test_seeded_collator_masks_each_example_from_its_index() -> None:
     assert torch.equal(again["labels"][1, :42], first["labels"][5])
     assert torch.equal(again["input_ids"][1, :42], first["input_ids"][5])
     assert (again["labels"][1, 42:] == IGNORE_INDEX).all()
-    other_seed = PretrainingCollator(vocab_size=100, pad_token_id=PAD, mask_token_id=MASK, special_ids=SPECIALS,
-                                     seed=8)
+    other_seed = PretrainingCollator(vocab_size=100, pad_token_id=PAD, mask_token_id=MASK, special_ids=SPECIALS, seed=8)
     assert not torch.equal(other_seed([example(5)])["labels"][0], first["labels"][5])
     with pytest.raises(ValueError, match="index"):
         collate([{k: v for k, v in example(0).items() if k != "index"}])
     with pytest.raises(ValueError, match="not both"):
-        PretrainingCollator(vocab_size=100, pad_token_id=PAD, mask_token_id=MASK, special_ids=SPECIALS, seed=1,
-                            generator=torch.Generator())
+        PretrainingCollator(
+            vocab_size=100,
+            pad_token_id=PAD,
+            mask_token_id=MASK,
+            special_ids=SPECIALS,
+            seed=1,
+            generator=torch.Generator(),
+        )
 
 
 # ------------------------------------------------------------------------------------------------------ NSP pairs
@@ -284,15 +313,35 @@ def test_train_wordpiece_rejects_tiny_vocab() -> None:
 # ------------------------------------------------------------------------------------------------------ datamodule
 def test_datamodule_pairs_follow_documents(tmp_path: Path) -> None:
     """Every example is [CLS] A [SEP] B [SEP]; B is A's successor (label 0) or a sentence of another document."""
-    words = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot",
-             "golf", "hotel", "india", "juliet", "kilo", "lima"]
+    words = [
+        "alpha",
+        "bravo",
+        "charlie",
+        "delta",
+        "echo",
+        "foxtrot",
+        "golf",
+        "hotel",
+        "india",
+        "juliet",
+        "kilo",
+        "lima",
+    ]
     documents = [
         [f"{words[d % 12]} {words[(d // 12) % 12]} {words[i]} {words[(i + d) % 12]}" for i in range(2 + d % 5)]
         for d in range(60)
     ]
     corpus = write_documents(documents, tmp_path / "corpus.txt")
-    dm = BertPretrainingDataModule(corpus=str(corpus), work_dir=str(tmp_path / "work"), tokenizer_vocab_size=100,
-                                   min_frequency=1, max_seq_length=32, batch_size=16, val_fraction=0.1, seed=5)
+    dm = BertPretrainingDataModule(
+        corpus=str(corpus),
+        work_dir=str(tmp_path / "work"),
+        tokenizer_vocab_size=100,
+        min_frequency=1,
+        max_seq_length=32,
+        batch_size=16,
+        val_fraction=0.1,
+        seed=5,
+    )
     dm.prepare_data()
     dm.setup("fit")
     assert dm.vocab_size <= 100 and dm.special_token_ids.all == SPECIALS
@@ -311,8 +360,8 @@ def test_datamodule_pairs_follow_documents(tmp_path: Path) -> None:
             seps = [j for j, t in enumerate(ids) if t == SEP]
             assert ids[0] == CLS and len(seps) == 2 and seps[1] == len(ids) - 1
             assert item["token_type_ids"] == [0] * (seps[0] + 1) + [1] * (len(ids) - seps[0] - 1)
-            (doc_a, i_a), = where[tuple(ids[1 : seps[0]])]
-            (doc_b, i_b), = where[tuple(ids[seps[0] + 1 : -1])]
+            ((doc_a, i_a),) = where[tuple(ids[1 : seps[0]])]
+            ((doc_b, i_b),) = where[tuple(ids[seps[0] + 1 : -1])]
             if item["next_sentence_label"] == IS_NEXT:
                 assert (doc_b, i_b) == (doc_a, i_a + 1)
             else:
@@ -337,8 +386,14 @@ def test_datamodule_pairs_follow_documents(tmp_path: Path) -> None:
 def test_datamodule_truncates_long_pairs(tmp_path: Path) -> None:
     documents = [[" ".join(f"w{d}x{i}x{j}" for j in range(5 + 7 * i)) for i in range(3)] for d in range(4)]
     corpus = write_documents(documents, tmp_path / "long.txt")
-    dm = BertPretrainingDataModule(corpus=str(corpus), work_dir=str(tmp_path / "work"), tokenizer_vocab_size=300,
-                                   min_frequency=1, max_seq_length=16, val_fraction=0.0)
+    dm = BertPretrainingDataModule(
+        corpus=str(corpus),
+        work_dir=str(tmp_path / "work"),
+        tokenizer_vocab_size=300,
+        min_frequency=1,
+        max_seq_length=16,
+        val_fraction=0.0,
+    )
     dm.setup("fit")  # prepare_data runs from setup when the tokenizer is missing
     lengths = [len(dm.train_dataset[k]["input_ids"]) for k in range(len(dm.train_dataset))]
     assert max(lengths) == 16 and all(n <= 16 for n in lengths)
@@ -346,8 +401,9 @@ def test_datamodule_truncates_long_pairs(tmp_path: Path) -> None:
 
 
 def test_synthetic_default_corpus_is_written_once(tmp_path: Path) -> None:
-    dm = BertPretrainingDataModule(work_dir=str(tmp_path), tokenizer_vocab_size=400, synthetic_documents=40,
-                                   max_seq_length=24)
+    dm = BertPretrainingDataModule(
+        work_dir=str(tmp_path), tokenizer_vocab_size=400, synthetic_documents=40, max_seq_length=24
+    )
     dm.prepare_data()
     path = dm.synthetic_corpus_path
     assert path.is_file() and (tmp_path / "wordpiece-400" / "tokenizer.json").is_file()
@@ -369,8 +425,15 @@ def synthetic_work_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _small_datamodule(work_dir: Path, **overrides) -> BertPretrainingDataModule:
-    settings = {"work_dir": str(work_dir), "tokenizer_vocab_size": 300, "synthetic_documents": 200,
-                "max_seq_length": 32, "batch_size": 8, "val_fraction": 0.1, "seed": 3}
+    settings = {
+        "work_dir": str(work_dir),
+        "tokenizer_vocab_size": 300,
+        "synthetic_documents": 200,
+        "max_seq_length": 32,
+        "batch_size": 8,
+        "val_fraction": 0.1,
+        "seed": 3,
+    }
     return BertPretrainingDataModule(**{**settings, **overrides})
 
 
@@ -414,8 +477,10 @@ def test_training_masks_differ_between_workers(synthetic_work_dir: Path) -> None
 # ------------------------------------------------------------------------------------------------------ stale tokenizer
 def _write_corpus(path: Path, words: list[str], documents: int = 12) -> Path:
     """Documents of 4 sentences built from ``words`` (every sentence distinct)."""
-    docs = [[f"{words[d % len(words)]} {words[(d + i) % len(words)]} {words[i]} number{d}x{i} ." for i in range(4)]
-            for d in range(documents)]
+    docs = [
+        [f"{words[d % len(words)]} {words[(d + i) % len(words)]} {words[i]} number{d}x{i} ." for i in range(4)]
+        for d in range(documents)
+    ]
     return write_documents(docs, path)
 
 
@@ -519,11 +584,26 @@ def test_resuming_with_a_fresh_work_dir_restores_the_checkpoint_tokenizer(
 
     def fit(datamodule: BertPretrainingDataModule, steps: int, ckpt_path: Path | None = None) -> pl.Trainer:
         pl.seed_everything(0, verbose=False)
-        model = BertPretrainingModule(vocab_size=300, hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32,
-                                      max_position_embeddings=32, total_steps=10)
-        trainer = pl.Trainer(accelerator="cpu", max_steps=steps, limit_val_batches=1, num_sanity_val_steps=0,
-                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                             enable_model_summary=False, default_root_dir=tmp_path)
+        model = BertPretrainingModule(
+            vocab_size=300,
+            hidden_size=16,
+            num_layers=1,
+            num_heads=2,
+            intermediate_size=32,
+            max_position_embeddings=32,
+            total_steps=10,
+        )
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            max_steps=steps,
+            limit_val_batches=1,
+            num_sanity_val_steps=0,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=tmp_path,
+        )
         trainer.fit(model, datamodule, ckpt_path=ckpt_path)
         return trainer
 

@@ -23,8 +23,28 @@ def _load_benchmark():
 @pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no `val_dataloader`")
 def test_cpu_benchmark_writes_a_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bench = _load_benchmark()
-    args = ["--device", "cpu", "--model", "tiny", "--batch-size", "8", "--warmup", "1", "--window", "2",
-            "--windows", "2", "--rounds", "2", "--pool-batches", "2", "--out-dir", str(tmp_path), "--out-name", "bench"]
+    args = [
+        "--device",
+        "cpu",
+        "--model",
+        "tiny",
+        "--batch-size",
+        "8",
+        "--warmup",
+        "1",
+        "--window",
+        "2",
+        "--windows",
+        "2",
+        "--rounds",
+        "2",
+        "--pool-batches",
+        "2",
+        "--out-dir",
+        str(tmp_path),
+        "--out-name",
+        "bench",
+    ]
     report = bench.main(args)
     saved = json.loads((tmp_path / "bench.json").read_text())
     assert saved["config"]["model"] == "tiny" and saved["config"]["precision"] == "bf16-mixed"
@@ -34,11 +54,13 @@ def test_cpu_benchmark_writes_a_report(tmp_path: Path, capsys: pytest.CaptureFix
     assert [r["order"] for r in rounds] == [loops, loops[1:] + loops[:1]]  # each loop runs first in turn
     for rnd in rounds:
         assert rnd["ratio_no_log_over_plain"] == pytest.approx(
-            rnd["lightning_no_log"]["images_per_s_median"] / rnd["plain"]["images_per_s_median"])
+            rnd["lightning_no_log"]["images_per_s_median"] / rnd["plain"]["images_per_s_median"]
+        )
         for loop in loops:
             assert len(rnd[loop]["images_per_s_windows"]) == 2 and rnd[loop]["images_per_s_median"] > 0
         assert rnd["ratio_lightning_over_plain"] == pytest.approx(
-            rnd["lightning"]["images_per_s_median"] / rnd["plain"]["images_per_s_median"])
+            rnd["lightning"]["images_per_s_median"] / rnd["plain"]["images_per_s_median"]
+        )
     paired = sorted(r["ratio_lightning_over_plain"] for r in rounds)
     assert saved["ratio_lightning_over_plain"] == pytest.approx(sum(paired) / 2)  # median of two rounds
     assert saved["ratio_lightning_over_plain"] == pytest.approx(report["ratio_lightning_over_plain"])
