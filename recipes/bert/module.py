@@ -12,10 +12,18 @@ Strategy compatibility (single device, ``ddp``, and this package's ``dp`` and ``
   single-process strategies' weighted merge of replica logs gives the single-device value. The **total** training loss
   is logged in ``on_train_batch_end`` from ``outputs["loss"]``, which runs on the root with the already-reduced loss
   under every strategy (exact, not sample-weighted).
-- Accuracies are ``torchmetrics`` ``MulticlassAccuracy`` objects logged per epoch; perplexity (exp of the epoch's
-  token-weighted MLM loss) and the epoch validation loss come from ``MeanMetric`` states computed at epoch end. Metric
-  states are synchronised by torchmetrics under DDP; tensors logged per epoch use ``sync_dist=True``.
+- Everything logged per epoch is a ``torchmetrics`` metric (see ``metrics.py``), updated in the steps and logged *as a
+  metric object* from the steps, so Lightning computes, synchronises (under DDP) and resets it at epoch end: the term
+  losses (``MeanMetric`` weighted by masked tokens / sequences), accuracies, perplexity (exp of the epoch's
+  token-weighted MLM loss) and the validation/test loss (MLM mean + NSP mean). Two reasons:
 
+  - No hook computes a metric or issues a collective itself. Under DDP every rank must call the same collectives in
+    the same order, and Lightning's progress bar syncs the epoch values on global rank 0 alone, before the module's
+    epoch-end hooks run (Lightning issues #21264, #19604): a ``compute()`` in ``on_train_epoch_end`` deadlocked the
+    ``ddp`` overlay.
+  - Lightning's own epoch mean of a logged tensor with ``batch_size`` and ``sync_dist=True`` is inflated under DDP
+    when the ranks' summed batch sizes differ (it mean-reduces an integer count, which floors; Lightning #21859), and
+    masked-token counts always differ. The metrics' sums of weights are synchronised exactly.
 Optimiser: AdamW, no weight decay on biases and LayerNorm weights (every parameter with fewer than 2 dims). Schedules:
 ``linear`` (warmup, then linear decay to 0 at the last step), ``noam`` (the seed implementation's
 ``hidden^-0.5 · min(step^-0.5, step · warmup^-1.5)``, which replaces ``learning_rate`` as the seed did) or ``constant``
@@ -34,6 +42,7 @@ from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from recipes.bert.masking import IGNORE_INDEX
+from recipes.bert.metrics import Perplexity, SumOfMeans
 from recipes.bert.model import BertPretrainingModel, BertPretrainingOutput, pretraining_loss
 
 Schedule = Literal["linear", "noam", "constant"]
@@ -125,8 +134,11 @@ class BertPretrainingModule(pl.LightningModule):
         for stage in ("train", "val", "test"):
             setattr(self, f"{stage}_mlm_acc", MulticlassAccuracy(vocab_size, average="micro", validate_args=False))
             setattr(self, f"{stage}_nsp_acc", MulticlassAccuracy(2, average="micro", validate_args=False))
-            setattr(self, f"{stage}_mlm_loss_mean", MeanMetric())
-            setattr(self, f"{stage}_nsp_loss_mean", MeanMetric())
+            setattr(self, f"{stage}_mlm_loss", MeanMetric())
+            setattr(self, f"{stage}_nsp_loss", MeanMetric())
+            setattr(self, f"{stage}_perplexity", Perplexity())
+            if stage != "train":  # train/loss is logged per step and per epoch from the strategy-reduced loss
+                setattr(self, f"{stage}_epoch_loss", SumOfMeans(num_terms=2))
 
     # ------------------------------------------------------------------------------------------------ model
     def forward(
@@ -184,20 +196,39 @@ class BertPretrainingModule(pl.LightningModule):
                 selected = mlm_labels != IGNORE_INDEX
                 mlm_preds, mlm_labels = mlm_preds[selected], mlm_labels[selected]
             getattr(self, f"{stage}_mlm_acc").update(mlm_preds, mlm_labels)
-            getattr(self, f"{stage}_mlm_loss_mean").update(mlm_loss.detach(), weight=n_masked)
+            getattr(self, f"{stage}_mlm_loss").update(mlm_loss.detach(), weight=n_masked)
+            getattr(self, f"{stage}_perplexity").update(mlm_loss.detach(), weight=n_masked)
         getattr(self, f"{stage}_nsp_acc").update(output.nsp_logits.detach().argmax(-1), nsp_labels)
-        getattr(self, f"{stage}_nsp_loss_mean").update(nsp_loss.detach(), weight=n_seq)
+        getattr(self, f"{stage}_nsp_loss").update(nsp_loss.detach(), weight=n_seq)
 
         on_step = stage == "train"
-        # Weighted by the masked-token count (0 for a shard without masked tokens, whose loss is a finite 0).
-        self.log(f"{stage}/mlm_loss", mlm_loss.detach(), batch_size=n_masked, on_step=on_step, on_epoch=True,
-                 sync_dist=True, prog_bar=on_step)
-        self.log(f"{stage}/nsp_loss", nsp_loss.detach(), batch_size=n_seq, on_step=on_step, on_epoch=True,
-                 sync_dist=True)
-        self.log(f"{stage}/mlm_acc", getattr(self, f"{stage}_mlm_acc"), on_step=False, on_epoch=True,
-                 prog_bar=not on_step)
-        self.log(f"{stage}/nsp_acc", getattr(self, f"{stage}_nsp_acc"), on_step=False, on_epoch=True,
-                 prog_bar=not on_step)
+        if on_step:  # this batch's terms, weighted by masked tokens (0 for a shard without any) / sequences
+            self.log(
+                "train/mlm_loss_step",
+                mlm_loss.detach(),
+                batch_size=n_masked,
+                on_step=True,
+                on_epoch=False,
+                sync_dist=True,
+                prog_bar=True,
+            )
+            self.log(
+                "train/nsp_loss_step", nsp_loss.detach(), batch_size=n_seq, on_step=True, on_epoch=False, sync_dist=True
+            )
+        epoch_suffix = "_epoch" if on_step else ""  # the names Lightning gives values logged per step and epoch
+        self.log(f"{stage}/mlm_loss{epoch_suffix}", getattr(self, f"{stage}_mlm_loss"), on_step=False, on_epoch=True)
+        self.log(f"{stage}/nsp_loss{epoch_suffix}", getattr(self, f"{stage}_nsp_loss"), on_step=False, on_epoch=True)
+        self.log(
+            f"{stage}/mlm_acc", getattr(self, f"{stage}_mlm_acc"), on_step=False, on_epoch=True, prog_bar=not on_step
+        )
+        self.log(
+            f"{stage}/nsp_acc", getattr(self, f"{stage}_nsp_acc"), on_step=False, on_epoch=True, prog_bar=not on_step
+        )
+        self.log(f"{stage}/perplexity", getattr(self, f"{stage}_perplexity"), on_step=False, on_epoch=True)
+        if not on_step:
+            epoch_loss: SumOfMeans = getattr(self, f"{stage}_epoch_loss")
+            epoch_loss.update([mlm_loss, nsp_loss], [n_masked, n_seq])
+            self.log(f"{stage}/loss", epoch_loss, on_step=False, on_epoch=True, prog_bar=True)
         return {"loss": losses["loss"], "loss_terms": {"mlm": (mlm_loss, n_masked), "nsp": (nsp_loss, n_seq)}}
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> dict[str, Any]:
@@ -217,33 +248,15 @@ class BertPretrainingModule(pl.LightningModule):
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         if loss is not None:
             loss = loss.detach() * self.trainer.accumulate_grad_batches  # Lightning hands over loss / accumulation
-            self.log("train/loss", loss, batch_size=len(batch["input_ids"]), on_step=True,
-                     on_epoch=True, sync_dist=True, prog_bar=True)
-
-    def _log_epoch_losses(self, stage: str) -> None:
-        """Perplexity = exp(token-weighted mean MLM loss of the epoch); ``{stage}/loss_epoch`` = MLM + NSP means."""
-        mlm_mean: MeanMetric = getattr(self, f"{stage}_mlm_loss_mean")
-        nsp_mean: MeanMetric = getattr(self, f"{stage}_nsp_loss_mean")
-        if mlm_mean.update_count == 0 and nsp_mean.update_count == 0:
-            return
-        mlm, nsp = mlm_mean.compute(), nsp_mean.compute()
-        self.log(f"{stage}/perplexity", torch.exp(mlm), sync_dist=True)
-        if stage != "train":  # train/loss is logged per step and per epoch from the reduced loss
-            self.log(f"{stage}/loss", mlm + nsp, sync_dist=True, prog_bar=True)
-        mlm_mean.reset()
-        nsp_mean.reset()
-
-    def on_train_epoch_end(self) -> None:
-        """Epoch-level training perplexity."""
-        self._log_epoch_losses("train")
-
-    def on_validation_epoch_end(self) -> None:
-        """Validation loss and perplexity of the epoch."""
-        self._log_epoch_losses("val")
-
-    def on_test_epoch_end(self) -> None:
-        """Test loss and perplexity."""
-        self._log_epoch_losses("test")
+            self.log(
+                "train/loss",
+                loss,
+                batch_size=len(batch["input_ids"]),
+                on_step=True,
+                on_epoch=True,
+                sync_dist=True,
+                prog_bar=True,
+            )
 
     # ------------------------------------------------------------------------------------------------ optimiser
     def configure_optimizers(self) -> dict[str, Any]:

@@ -8,8 +8,10 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from torchmetrics import Metric
 
 from recipes.bert.masking import IGNORE_INDEX, PretrainingCollator
+from recipes.bert.metrics import Perplexity, SumOfMeans
 from recipes.bert.model import (
     BertPretrainingModel,
     masked_lm_loss,
@@ -29,10 +31,21 @@ def _batch(batch: int = 6, width: int = 20, seed: int = 0) -> dict[str, torch.Te
         la, lb = torch.randint(2, width // 2 - 1, (2,), generator=g).tolist()
         a = torch.randint(5, VOCAB, (la,), generator=g).tolist()
         b = torch.randint(5, VOCAB, (lb,), generator=g).tolist()
-        examples.append({"input_ids": [2, *a, 3, *b, 3], "token_type_ids": [0] * (la + 2) + [1] * (lb + 1),
-                         "next_sentence_label": int(torch.randint(2, (1,), generator=g))})
-    collate = PretrainingCollator(VOCAB, pad_token_id=0, mask_token_id=4, special_ids=range(5), mlm_probability=0.3,
-                                  generator=torch.Generator().manual_seed(seed + 1))
+        examples.append(
+            {
+                "input_ids": [2, *a, 3, *b, 3],
+                "token_type_ids": [0] * (la + 2) + [1] * (lb + 1),
+                "next_sentence_label": int(torch.randint(2, (1,), generator=g)),
+            }
+        )
+    collate = PretrainingCollator(
+        VOCAB,
+        pad_token_id=0,
+        mask_token_id=4,
+        special_ids=range(5),
+        mlm_probability=0.3,
+        generator=torch.Generator().manual_seed(seed + 1),
+    )
     return collate(examples)
 
 
@@ -171,11 +184,26 @@ def test_synthetic_corpus_is_learnable(tmp_path, one_thread) -> None:
     from recipes.bert.data import BertPretrainingDataModule
 
     torch.manual_seed(0)
-    dm = BertPretrainingDataModule(work_dir=str(tmp_path), tokenizer_vocab_size=1024, synthetic_documents=600,
-                                   synthetic_topics=4, max_seq_length=40, batch_size=32, val_fraction=0.1)
+    dm = BertPretrainingDataModule(
+        work_dir=str(tmp_path),
+        tokenizer_vocab_size=1024,
+        synthetic_documents=600,
+        synthetic_topics=4,
+        max_seq_length=40,
+        batch_size=32,
+        val_fraction=0.1,
+    )
     dm.setup("fit")
-    model = BertPretrainingModel(dm.vocab_size, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
-                                 max_position_embeddings=64, dropout=0.0, attention_dropout=0.0)
+    model = BertPretrainingModel(
+        dm.vocab_size,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        dropout=0.0,
+        attention_dropout=0.0,
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     steps = 0
     while steps < 200:
@@ -201,3 +229,39 @@ def test_synthetic_corpus_is_learnable(tmp_path, one_thread) -> None:
     assert mlm_hits / mlm_total > 0.3  # chance: 1/vocab (measured ~0.45)
     assert nsp_hits / nsp_total > 0.7  # chance: 0.5 (measured ~0.8)
     assert math.isfinite(loss.item())
+
+
+def test_epoch_metrics_are_exact_weighted_means() -> None:
+    losses, weights = [2.0, 4.0, 1.0], [3, 1, 0]
+    perplexity = Perplexity()
+    total = SumOfMeans(num_terms=2)
+    for loss, weight in zip(losses, weights, strict=True):
+        perplexity.update(torch.tensor(loss), weight=weight)
+        # The second term: a placeholder NaN where its weight is 0 (a shard without masked tokens) counts for nothing.
+        total.update([torch.tensor(loss), torch.tensor(float("nan") if weight == 0 else 0.5)], [weight, weight])
+    mean = (2.0 * 3 + 4.0 * 1) / 4
+    torch.testing.assert_close(perplexity.compute(), torch.tensor(math.exp(mean)))
+    torch.testing.assert_close(total.compute(), torch.tensor(mean + 0.5))
+    # Two shards' states merged (as DDP's sync and the single-process strategies' replica merge do) give the same.
+    shards = [SumOfMeans(num_terms=2), SumOfMeans(num_terms=2)]
+    shards[0].update([2.0, 0.5], [3, 3])
+    shards[1].update([4.0, 0.5], [1, 1])
+    shards[0].merge_state(shards[1])
+    torch.testing.assert_close(shards[0].compute(), torch.tensor(mean + 0.5))
+    with pytest.raises(ValueError, match="expected 2 values and weights"):
+        total.update([1.0], [1])
+
+
+def test_epoch_values_are_logged_as_metrics_not_computed_in_hooks() -> None:
+    # Under DDP, a metric computed in an epoch-end hook meets the progress bar's rank-0-only sync and deadlocks: the
+    # module leaves computing (and syncing) every epoch value to Lightning, which does it in one order on all ranks.
+    from lightning.pytorch import LightningModule
+
+    for hook in ("on_train_epoch_end", "on_validation_epoch_end", "on_test_epoch_end"):
+        assert getattr(BertPretrainingModule, hook) is getattr(LightningModule, hook), hook
+    module = BertPretrainingModule(VOCAB, **TINY)
+    logged: dict[str, object] = {}
+    module.log = lambda name, value, **kwargs: logged.__setitem__(name, value)  # type: ignore[method-assign]
+    module.validation_step(_batch(), 0)
+    for name in ("val/mlm_loss", "val/nsp_loss", "val/perplexity", "val/loss", "val/mlm_acc", "val/nsp_acc"):
+        assert isinstance(logged[name], Metric), name
