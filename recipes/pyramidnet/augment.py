@@ -4,6 +4,12 @@ The paper's training augmentation (random 32×32 crop of the image zero-padded b
 and per-channel normalisation, vectorised over the batch: no per-sample Python loop, so on a GPU the loader only
 moves uint8 tensors and the augmentation costs a few small kernels. The data module calls :func:`transform_batch`
 from ``on_after_batch_transfer``; the throughput benchmark calls it from its plain PyTorch loop.
+
+Both augmentations can be turned off on their own: ``padding=0`` (no crop) and ``flip=False`` (no flip, for data where
+a mirror image is another class, such as digits or text). The output dtype is the caller's ``dtype``: the dtype the
+model trains in (float64 under ``64-true``, float16/bfloat16 under ``16-true``/``bf16-true``, float32 otherwise).
+Lightning's precision plugins convert floating-point batches before ``on_after_batch_transfer``, so a uint8 batch
+that is normalised there must be given the model's dtype here.
 """
 
 from __future__ import annotations
@@ -58,10 +64,12 @@ def random_hflip(images: torch.Tensor, p: float = 0.5, generator: torch.Generato
 
 
 @lru_cache(maxsize=16)
-def _stats(device: torch.device, mean: tuple[float, ...], std: tuple[float, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+def _stats(
+    device: torch.device, dtype: torch.dtype, mean: tuple[float, ...], std: tuple[float, ...]
+) -> tuple[torch.Tensor, torch.Tensor]:
     # Cached per device: building them every batch would copy from host memory and stall the CUDA stream.
-    scale = torch.tensor([1.0 / (255.0 * s) for s in std], device=device).view(1, -1, 1, 1)
-    shift = torch.tensor([m / s for m, s in zip(mean, std, strict=True)], device=device).view(1, -1, 1, 1)
+    scale = torch.tensor([1.0 / (255.0 * s) for s in std], dtype=dtype, device=device).view(1, -1, 1, 1)
+    shift = torch.tensor([m / s for m, s in zip(mean, std, strict=True)], dtype=dtype, device=device).view(1, -1, 1, 1)
     return scale, shift
 
 
@@ -69,11 +77,19 @@ def normalize(
     images: torch.Tensor,
     mean: tuple[float, ...] = CIFAR10_MEAN,
     std: tuple[float, ...] = CIFAR10_STD,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """uint8 images in [0, 255] → float32 ``(x / 255 - mean) / std`` per channel."""
-    scale, shift = _stats(images.device, tuple(mean), tuple(std))
-    # One new float32 tensor, scaled and shifted in place (``copy=True``: never write into a float input).
-    return images.to(torch.float32, copy=True).mul_(scale).sub_(shift)
+    """uint8 images in [0, 255] → ``(x / 255 - mean) / std`` per channel, as a ``dtype`` tensor.
+
+    Computed in float32 (float64 for ``dtype=torch.float64``) and then cast, so half-precision outputs are the
+    float32 values rounded once.
+    """
+    if not dtype.is_floating_point:
+        raise TypeError(f"normalised images need a floating-point dtype, got {dtype}")
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    scale, shift = _stats(images.device, compute, tuple(mean), tuple(std))
+    # One new tensor, scaled and shifted in place (``copy=True``: never write into a float input).
+    return images.to(compute, copy=True).mul_(scale).sub_(shift).to(dtype)
 
 
 def transform_batch(
@@ -84,11 +100,14 @@ def transform_batch(
     channels_last: bool = False,
     mean: tuple[float, ...] = CIFAR10_MEAN,
     std: tuple[float, ...] = CIFAR10_STD,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """The recipe's whole input pipeline for a uint8 batch (N, 3, H, W): augment if ``train``, then normalise.
 
-    Evaluation batches (``train=False``) are only normalised. Returns float32, in ``channels_last`` memory format
-    if asked (the layout convolutions prefer under mixed precision on GPUs).
+    Training augmentation: a random crop of the batch zero-padded by ``padding`` (none for 0) and, if ``flip``, a
+    random horizontal flip of half the images; the two are independent switches. Evaluation batches (``train=False``)
+    are only normalised. Returns ``dtype`` (the model's training dtype), in ``channels_last`` memory format if asked
+    (the layout convolutions prefer under mixed precision on GPUs).
     """
     if images.dtype != torch.uint8:
         raise TypeError(f"expected a uint8 image batch, got {images.dtype}")
@@ -106,7 +125,7 @@ def transform_batch(
     if channels_last:
         # Reformat the uint8 batch (a quarter of the float bytes); the elementwise normalisation keeps the layout.
         images = images.contiguous(memory_format=torch.channels_last)
-    out = normalize(images, mean, std)
+    out = normalize(images, mean, std, dtype)
     if channels_last:
         out = out.contiguous(memory_format=torch.channels_last)  # no-op unless the layout was ambiguous
     return out

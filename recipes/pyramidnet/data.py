@@ -2,8 +2,12 @@
 
 The loaders only index uint8 tensors, a whole batch at a time; random crop, flip and normalisation run on the
 device in ``on_after_batch_transfer`` (see ``augment.py``), so on a GPU the accelerator, not the loader, sets the pace.
-Training batches are augmented, validation/test/predict batches only normalised, all in the memory format the
-attached LightningModule asks for (its ``channels_last`` attribute).
+Training batches are augmented (random crop and horizontal flip, each with its own switch: ``crop_padding`` and
+``flip``), validation/test/predict batches only normalised, all in the memory format the attached LightningModule asks
+for (its ``channels_last`` attribute) and in the dtype it trains in (its parameters' dtype: float64 under
+``precision=64-true``, float16/bfloat16 under ``16-true``/``bf16-true``, float32 under ``32-true`` and the mixed
+precisions, whose autocast casts inside the model). Lightning's precision plugins convert a batch's floating-point
+tensors before ``on_after_batch_transfer``, when these batches are still uint8, so the conversion happens here.
 
 The training order is a function of the seed and the epoch only (:class:`ShuffledBatches`): a new order every epoch,
 the same one for the same seed, and a run resumed at epoch ``k`` replays epoch ``k``'s order, not epoch 0's.
@@ -20,6 +24,7 @@ from typing import Any
 import lightning.pytorch as L
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler, SequentialSampler
+from typing_extensions import override
 
 from recipes.pyramidnet.augment import transform_batch
 from recipes.pyramidnet.sources import CIFARSplits, download_hub, is_local_source, load_cifar10
@@ -76,8 +81,14 @@ class ShuffledBatches(Sampler[list[int]]):
     drawn.
     """
 
-    def __init__(self, size: int, batch_size: int, drop_last: bool, seed: int,
-                 epoch_source: Callable[[], int | None] | None = None) -> None:
+    def __init__(
+        self,
+        size: int,
+        batch_size: int,
+        drop_last: bool,
+        seed: int,
+        epoch_source: Callable[[], int | None] | None = None,
+    ) -> None:
         if size < 1 or batch_size < 1:
             raise ValueError(f"size and batch_size must be >= 1, got size={size} batch_size={batch_size}")
         self.size = size
@@ -109,7 +120,7 @@ class ShuffledBatches(Sampler[list[int]]):
     def __iter__(self) -> Iterator[list[int]]:
         order = self.order(self._take_epoch())  # a generator: runs at the first next(), after Lightning's set_epoch
         for i in range(len(self)):
-            yield order[i * self.batch_size:(i + 1) * self.batch_size].tolist()
+            yield order[i * self.batch_size : (i + 1) * self.batch_size].tolist()
 
 
 class CIFAR10DataModule(L.LightningDataModule):
@@ -129,8 +140,10 @@ class CIFAR10DataModule(L.LightningDataModule):
             Under ddp every process needs the same seed (as Lightning's own distributed sampler does): the ranks
             then agree on the split and on the order whose batches they share out.
         num_workers: DataLoader worker processes (0 is right for in-memory tensors).
-        augment: random crop (zero padding ``crop_padding``) and horizontal flip on training batches.
-        crop_padding: zero padding of the random crop, 4 in the paper.
+        augment: augment training batches at all (``False``: training batches are only normalised, like the others).
+        crop_padding: zero padding of the random crop, 4 in the paper; 0 turns the crop off.
+        flip: random horizontal flip of half the training images, as in the paper; ``False`` turns it off alone, for
+            data where a mirror image is another class (digits, text).
         drop_last: drop the last, smaller training batch.
         pin_memory: pin host batches (faster host-to-GPU copies).
         synthetic_train_size: images in the synthetic training set.
@@ -148,6 +161,7 @@ class CIFAR10DataModule(L.LightningDataModule):
         num_workers: int = 0,
         augment: bool = True,
         crop_padding: int = 4,
+        flip: bool = True,
         drop_last: bool = False,
         pin_memory: bool = False,
         synthetic_train_size: int = 5000,
@@ -161,6 +175,8 @@ class CIFAR10DataModule(L.LightningDataModule):
             raise ValueError(f"a fractional val_split must be in [0, 1), got {val_split}")
         if val_split < 0:
             raise ValueError(f"val_split must be >= 0, got {val_split}")
+        if crop_padding < 0:
+            raise ValueError(f"crop_padding must be >= 0 (0 turns the random crop off), got {crop_padding}")
         self.save_hyperparameters()
         self.source = source
         self.batch_size = batch_size
@@ -170,6 +186,7 @@ class CIFAR10DataModule(L.LightningDataModule):
         self.num_workers = num_workers
         self.augment = augment
         self.crop_padding = crop_padding
+        self.flip = flip
         self.drop_last = drop_last
         self.pin_memory = pin_memory
         self.synthetic_sizes = (synthetic_train_size, synthetic_test_size)
@@ -236,8 +253,9 @@ class CIFAR10DataModule(L.LightningDataModule):
             raise RuntimeError("CIFAR10DataModule.setup() must run before asking for a dataloader")
         sampler: Sampler[list[int]]
         if train:
-            sampler = ShuffledBatches(len(dataset), self.batch_size, self.drop_last, self.effective_seed,
-                                      epoch_source=self._trainer_epoch)
+            sampler = ShuffledBatches(
+                len(dataset), self.batch_size, self.drop_last, self.effective_seed, epoch_source=self._trainer_epoch
+            )
         else:
             sampler = BatchSampler(SequentialSampler(dataset), self.eval_batch_size, False)
         return DataLoader(
@@ -261,10 +279,17 @@ class CIFAR10DataModule(L.LightningDataModule):
     def predict_dataloader(self) -> DataLoader:
         return self._loader(self.test_set, train=False)
 
-    def transform(self, images: torch.Tensor, train: bool, channels_last: bool = False) -> torch.Tensor:
-        """uint8 batch → normalised float batch, augmented when ``train`` and ``augment`` (see ``augment.py``)."""
+    def transform(
+        self, images: torch.Tensor, train: bool, channels_last: bool = False, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
+        """uint8 batch → normalised ``dtype`` batch, augmented when ``train`` and ``augment`` (see ``augment.py``)."""
         return transform_batch(
-            images, train=train and self.augment, padding=self.crop_padding, channels_last=channels_last
+            images,
+            train=train and self.augment,
+            padding=self.crop_padding,
+            flip=self.flip,
+            channels_last=channels_last,
+            dtype=dtype,
         )
 
     def model_wants_channels_last(self) -> bool:
@@ -276,8 +301,23 @@ class CIFAR10DataModule(L.LightningDataModule):
         module = self.trainer.lightning_module if self.trainer is not None else None
         return bool(getattr(module, "channels_last", False))
 
+    def model_dtype(self) -> torch.dtype:
+        """The floating-point dtype the attached LightningModule trains in (float32 without one).
+
+        Its parameters' dtype, which the trainer's precision plugin has set (``64-true`` → float64, ``16-true`` →
+        float16, ``bf16-true`` → bfloat16; mixed precisions keep float32 parameters and autocast inside the model).
+        """
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        dtype = getattr(module, "dtype", torch.float32)
+        return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
+
+    @override
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """Augment/normalise the batch on its device, in the model's memory format; augmentation only in training."""
+        """Augment/normalise the batch on its device, in the model's memory format and dtype; augmentation only in
+        training."""
         images, labels = batch
         training = self.trainer is not None and self.trainer.training
-        return self.transform(images, train=training, channels_last=self.model_wants_channels_last()), labels
+        out = self.transform(
+            images, train=training, channels_last=self.model_wants_channels_last(), dtype=self.model_dtype()
+        )
+        return out, labels

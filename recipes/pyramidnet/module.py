@@ -24,6 +24,11 @@ from recipes.pyramidnet.model import PyramidNet, build_pyramidnet
 __all__ = ["PyramidNetModule"]
 
 
+def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in float32 if it is in a narrower float type (fp16/bf16 under autocast), else unchanged."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 class PyramidNetModule(L.LightningModule):
     """Train a PyramidNet on CIFAR-style batches ``(images, labels)`` (images already normalised on the device).
 
@@ -43,8 +48,8 @@ class PyramidNetModule(L.LightningModule):
             batches (``CIFAR10DataModule`` reads the ``channels_last`` attribute and produces them in that layout).
         channel_multiple: round unit widths up to a multiple of this (see ``PyramidNet``; 1 keeps the paper's model).
         compile_net: ``torch.compile`` the PyramidNet in place (``nn.Module.compile``: state-dict keys unchanged,
-            compiled on the first step). For one device or ``ddp``; the single-process multi-device strategies refuse
-            compiled modules, whose compiled code would run the original's tensors in every replica.
+            compiled on the first step). Under every strategy; the single-process multi-device ones run compiled
+            replicas one after another (Dynamo is not thread-safe), so it pays off most on one device or ``ddp``.
     """
 
     def __init__(
@@ -69,8 +74,9 @@ class PyramidNetModule(L.LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.net: PyramidNet = self._build_net(arch, depth, alpha, bottleneck, units_per_stage, num_classes,
-                                               channel_multiple)
+        self.net: PyramidNet = self._build_net(
+            arch, depth, alpha, bottleneck, units_per_stage, num_classes, channel_multiple
+        )
         if channels_last:
             self.net = self.net.to(memory_format=torch.channels_last)
         if compile_net:
@@ -84,18 +90,33 @@ class PyramidNetModule(L.LightningModule):
         self.test_acc = MulticlassAccuracy(num_classes=num_classes, average="micro", validate_args=False)
 
     @staticmethod
-    def _build_net(arch: str | None, depth: int | None, alpha: float | None, bottleneck: bool,
-                   units_per_stage: int | None, num_classes: int, channel_multiple: int) -> PyramidNet:
+    def _build_net(
+        arch: str | None,
+        depth: int | None,
+        alpha: float | None,
+        bottleneck: bool,
+        units_per_stage: int | None,
+        num_classes: int,
+        channel_multiple: int,
+    ) -> PyramidNet:
         explicit = depth is not None or alpha is not None or units_per_stage is not None
         if arch is not None:
             if explicit:
-                raise ValueError("give either arch (a named PyramidNet) or depth/alpha/units_per_stage, not both; "
-                                 "set arch: null to build from explicit arguments")
+                raise ValueError(
+                    "give either arch (a named PyramidNet) or depth/alpha/units_per_stage, not both; "
+                    "set arch: null to build from explicit arguments"
+                )
             return build_pyramidnet(arch, num_classes=num_classes, channel_multiple=channel_multiple)
         if depth is None or alpha is None:
             raise ValueError("arch is None: depth and alpha are required")
-        return PyramidNet(depth, alpha, bottleneck=bottleneck, num_classes=num_classes,
-                          units_per_stage=units_per_stage, channel_multiple=channel_multiple)
+        return PyramidNet(
+            depth,
+            alpha,
+            bottleneck=bottleneck,
+            num_classes=num_classes,
+            units_per_stage=units_per_stage,
+            channel_multiple=channel_multiple,
+        )
 
     @property
     def channels_last(self) -> bool:
@@ -111,8 +132,8 @@ class PyramidNetModule(L.LightningModule):
         if self.channels_last:  # a no-op for CIFAR10DataModule's batches, already in this layout
             images = images.contiguous(memory_format=torch.channels_last)
         logits = self(images)
-        # Loss in float32 whatever the autocast dtype of the logits.
-        loss = self.criterion(logits.float(), labels)
+        # Loss in at least float32 whatever the autocast dtype of the logits (float64 stays float64 under 64-true).
+        loss = self.criterion(_at_least_float32(logits), labels)
         return loss, logits, labels
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
@@ -136,8 +157,9 @@ class PyramidNetModule(L.LightningModule):
     def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         return self._eval_step(batch, "test", self.test_acc)
 
-    def _eval_step(self, batch: tuple[torch.Tensor, torch.Tensor], stage: str, accuracy: MulticlassAccuracy
-                   ) -> torch.Tensor:
+    def _eval_step(
+        self, batch: tuple[torch.Tensor, torch.Tensor], stage: str, accuracy: MulticlassAccuracy
+    ) -> torch.Tensor:
         loss, logits, labels = self._step(batch)
         accuracy.update(logits, labels)
         self.log(f"{stage}_loss", loss, on_epoch=True, sync_dist=True)
@@ -146,7 +168,7 @@ class PyramidNetModule(L.LightningModule):
 
     def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         images = batch[0] if isinstance(batch, tuple | list) else batch
-        return F.softmax(self(images).float(), dim=1)
+        return F.softmax(_at_least_float32(self(images)), dim=1)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         # Logged here, on the root module, not in training_step (which may run on replicas); works without a logger,
@@ -162,8 +184,9 @@ class PyramidNetModule(L.LightningModule):
         when training is bounded by ``max_steps`` or accumulates gradients.
         """
         hp = self.hparams
-        optimizer = torch.optim.SGD(self.parameters(), lr=hp.lr, momentum=hp.momentum, nesterov=hp.nesterov,
-                                    weight_decay=hp.weight_decay)
+        optimizer = torch.optim.SGD(
+            self.parameters(), lr=hp.lr, momentum=hp.momentum, nesterov=hp.nesterov, weight_decay=hp.weight_decay
+        )
         total = max(1, int(self.trainer.estimated_stepping_batches))
         scheduler: torch.optim.lr_scheduler.LRScheduler
         if hp.schedule == "cosine":

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 
+from lightning_mgpu.bench.process_group import run_in_process_group
 from recipes.pyramidnet.augment import (
     CIFAR10_MEAN,
     CIFAR10_STD,
@@ -55,15 +55,22 @@ def _write_python_version(root: Path, per_batch: int = 4, n_test: int = 3) -> tu
         images = _random_images(per_batch, seed=i)
         labels = [(i + j) % 10 for j in range(per_batch)]
         train.append(images)
-        batch = {b"batch_label": f"training batch {i} of 5".encode(), b"labels": labels,
-                 b"data": images.reshape(per_batch, 3072), b"filenames": [b"x.png"] * per_batch}
+        batch = {
+            b"batch_label": f"training batch {i} of 5".encode(),
+            b"labels": labels,
+            b"data": images.reshape(per_batch, 3072),
+            b"filenames": [b"x.png"] * per_batch,
+        }
         (folder / f"data_batch_{i}").write_bytes(pickle.dumps(batch, protocol=2))
     test = _random_images(n_test, seed=99)
-    test_batch = {b"batch_label": b"testing batch 1 of 1", b"labels": [9, 0, 4][:n_test],
-                  b"data": test.reshape(n_test, 3072), b"filenames": [b"y.png"] * n_test}
+    test_batch = {
+        b"batch_label": b"testing batch 1 of 1",
+        b"labels": [9, 0, 4][:n_test],
+        b"data": test.reshape(n_test, 3072),
+        b"filenames": [b"y.png"] * n_test,
+    }
     (folder / "test_batch").write_bytes(pickle.dumps(test_batch, protocol=2))
-    meta = {b"num_cases_per_batch": per_batch, b"label_names": [c.encode() for c in CIFAR10_CLASSES],
-            b"num_vis": 3072}
+    meta = {b"num_cases_per_batch": per_batch, b"label_names": [c.encode() for c in CIFAR10_CLASSES], b"num_vis": 3072}
     (folder / "batches.meta").write_bytes(pickle.dumps(meta, protocol=2))
     return np.concatenate(train), test
 
@@ -141,8 +148,9 @@ def _hf_dataset_dict(n_train: int = 6, n_test: int = 4):
         images = _random_images(n, seed)
         return datasets.Dataset.from_dict(
             {"img": [Image.fromarray(im.transpose(1, 2, 0)) for im in images], "label": [i % 10 for i in range(n)]},
-            features=datasets.Features({"img": datasets.Image(),
-                                        "label": datasets.ClassLabel(names=list(CIFAR10_CLASSES))}),
+            features=datasets.Features(
+                {"img": datasets.Image(), "label": datasets.ClassLabel(names=list(CIFAR10_CLASSES))}
+            ),
         ), images
 
     train, train_images = split(n_train, 1)
@@ -283,8 +291,12 @@ def test_random_crop_takes_a_window_of_the_zero_padded_image() -> None:
     padded = F.pad(images, (2, 2, 2, 2))
     offsets = set()
     for i in range(16):
-        matches = [(dy, dx) for dy in range(5) for dx in range(5)
-                   if torch.equal(crops[i], padded[i, :, dy:dy + 8, dx:dx + 8])]
+        matches = [
+            (dy, dx)
+            for dy in range(5)
+            for dx in range(5)
+            if torch.equal(crops[i], padded[i, :, dy : dy + 8, dx : dx + 8])
+        ]
         assert len(matches) == 1, f"crop {i} is not a window of the padded image"
         offsets.add(matches[0])
     assert len(offsets) > 5  # offsets differ between images
@@ -323,6 +335,52 @@ def test_eval_transform_only_normalises_and_train_transform_augments() -> None:
         transform_batch(images.float(), train=False)
 
 
+def test_flip_off_crops_without_flipping_and_both_off_only_normalises() -> None:
+    images = torch.randint(0, 256, (64, 3, 32, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    # The same random draws as random_crop alone: no flip draw, and no image mirrored.
+    torch.manual_seed(5)
+    no_flip = transform_batch(images, train=True, padding=4, flip=False)
+    torch.manual_seed(5)
+    assert torch.equal(no_flip, normalize(random_crop(images, padding=4)))
+    assert torch.equal(transform_batch(images, train=True, padding=0, flip=False), normalize(images))
+    # The switch matters: with the flip on, some images of the batch are mirrored (same crop offsets).
+    torch.manual_seed(5)
+    flipped = transform_batch(images, train=True, padding=4, flip=True)
+    mirrored = [torch.equal(f, n.flip(2)) and not torch.equal(f, n) for f, n in zip(flipped, no_flip, strict=True)]
+    assert 10 < sum(mirrored) < 54
+
+
+def test_data_module_flip_and_crop_switches() -> None:
+    kwargs = {"source": "synthetic", "batch_size": 64, "synthetic_train_size": 64, "synthetic_test_size": 8}
+    dm = CIFAR10DataModule(**kwargs, flip=False)
+    dm.setup("fit")
+    images, _ = next(iter(dm.train_dataloader()))
+    torch.manual_seed(3)
+    out = dm.transform(images, train=True)
+    torch.manual_seed(3)
+    assert torch.equal(out, normalize(random_crop(images, padding=4)))
+    plain = CIFAR10DataModule(**kwargs, flip=False, crop_padding=0)
+    assert torch.equal(plain.transform(images, train=True), normalize(images))
+    assert CIFAR10DataModule(**kwargs).flip  # the paper's recipe by default
+    with pytest.raises(ValueError, match="crop_padding must be >= 0"):
+        CIFAR10DataModule(**kwargs, crop_padding=-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16])
+def test_transform_outputs_the_requested_dtype(dtype: torch.dtype) -> None:
+    images = torch.randint(0, 256, (4, 3, 32, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    for train in (False, True):
+        out = transform_batch(images, train=train, dtype=dtype, channels_last=True)
+        assert out.dtype == dtype and out.is_contiguous(memory_format=torch.channels_last)
+    reference = normalize(images, dtype=torch.float64)
+    # float64 is computed in float64 (not float32 then widened); half precisions are the float32 values rounded once.
+    expected = reference if dtype == torch.float64 else normalize(images).to(dtype)
+    assert torch.equal(transform_batch(images, train=False, dtype=dtype), expected)
+    assert not torch.equal(normalize(images).double(), reference)  # so the float64 check above can fail
+    with pytest.raises(TypeError, match="floating-point dtype"):
+        normalize(images, dtype=torch.int32)
+
+
 def test_data_module_transforms_batches_by_trainer_state() -> None:
     dm = CIFAR10DataModule(source="synthetic", batch_size=8, synthetic_train_size=32, synthetic_test_size=16)
     dm.setup("fit")
@@ -344,8 +402,9 @@ def test_data_module_transforms_batches_by_trainer_state() -> None:
 @pytest.mark.parametrize(("val_split", "n_val"), [(0.25, 25), (10, 10)])
 def test_validation_split_is_seeded_and_disjoint(val_split: float | int, n_val: int) -> None:
     def build(seed: int) -> CIFAR10DataModule:
-        dm = CIFAR10DataModule(source="synthetic", val_split=val_split, seed=seed,
-                               synthetic_train_size=100, synthetic_test_size=20)
+        dm = CIFAR10DataModule(
+            source="synthetic", val_split=val_split, seed=seed, synthetic_train_size=100, synthetic_test_size=20
+        )
         dm.setup("fit")
         return dm
 
@@ -377,8 +436,9 @@ def test_bad_split_or_batch_arguments() -> None:
 
 
 def test_loaders_yield_whole_uint8_batches() -> None:
-    dm = CIFAR10DataModule(source="synthetic", batch_size=16, eval_batch_size=7,
-                           synthetic_train_size=40, synthetic_test_size=10)
+    dm = CIFAR10DataModule(
+        source="synthetic", batch_size=16, eval_batch_size=7, synthetic_train_size=40, synthetic_test_size=10
+    )
     dm.setup("fit")
     train = list(dm.train_dataloader())
     assert [b[0].shape[0] for b in train] == [16, 16, 8]
@@ -386,8 +446,9 @@ def test_loaders_yield_whole_uint8_batches() -> None:
     seen = torch.cat([b[1] for b in train])
     assert torch.equal(seen.sort().values, dm.train_set.labels.sort().values)  # a permutation of the training set
     assert [b[0].shape[0] for b in dm.val_dataloader()] == [7, 3]
-    dm_drop = CIFAR10DataModule(source="synthetic", batch_size=16, drop_last=True,
-                                synthetic_train_size=40, synthetic_test_size=10)
+    dm_drop = CIFAR10DataModule(
+        source="synthetic", batch_size=16, drop_last=True, synthetic_train_size=40, synthetic_test_size=10
+    )
     dm_drop.setup("fit")
     assert [b[0].shape[0] for b in dm_drop.train_dataloader()] == [16, 16]
 
@@ -442,12 +503,22 @@ def _order(loader: torch.utils.data.DataLoader) -> list[int]:
     return torch.cat([index for _, index in loader]).tolist()
 
 
-def _fit(data: CIFAR10DataModule, epochs: int, root: Path, ckpt_path: Path | None = None,
-         **trainer_kwargs: object) -> tuple[_RecordOrder, L.Trainer]:
+def _fit(
+    data: CIFAR10DataModule, epochs: int, root: Path, ckpt_path: Path | None = None, **trainer_kwargs: object
+) -> tuple[_RecordOrder, L.Trainer]:
     model = _RecordOrder()
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=epochs, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                        default_root_dir=root, **trainer_kwargs)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        default_root_dir=root,
+        **trainer_kwargs,
+    )
     trainer.fit(model, data, ckpt_path=ckpt_path)
     return model, trainer
 
@@ -523,11 +594,13 @@ def test_ddp_ranks_see_disjoint_batches_of_each_epochs_order(tmp_path: Path) -> 
     # loader's sampler in its DistributedSamplerWrapper, which deals out whole batches of the epoch's order.
     script = tmp_path / "ddp_order.py"
     script.write_text(_DDP_SCRIPT.format(test_file=str(Path(__file__)), out=str(tmp_path)))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-           "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        "OMP_NUM_THREADS": "1",
+    }
+    run = run_in_process_group([sys.executable, str(script)], 300, cwd=tmp_path, env=env, log=tmp_path / "output.log")
+    assert run.returncode == 0, run.describe()
     rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     for epoch in ("0", "1"):
         assert not set(rank0[epoch]) & set(rank1[epoch])
