@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from recipes.pyramidnet.model import (
-    PYRAMIDNET_CONFIGS,
     PyramidNet,
     build_pyramidnet,
     count_parameters,
@@ -17,9 +17,9 @@ from recipes.pyramidnet.model import (
 )
 from recipes.pyramidnet.model import _shortcut as shortcut
 
-# name → (count asserted, relative tolerance, final width). Paper counts are rounded to 0.1M in the paper's table
-# (the official code counts slightly more); the seed count is exact. Final widths are the paper's "output dim".
-EXPECTED = {
+# name → (parameters reported by the source, relative tolerance, final width). The paper's table rounds to 0.1M; the
+# seed article's count is exact. Final widths are the paper's "output dim" (16 + alpha, times 4 for bottlenecks).
+REPORTED = {
     "seed": (24_253_410, 0.0, 271),
     "pyramidnet110_a48": (1_700_000, 0.05, 64),
     "pyramidnet110_a84": (3_800_000, 0.05, 100),
@@ -29,25 +29,63 @@ EXPECTED = {
     "pyramidnet236_bottleneck_a220": (26_800_000, 0.05, 944),
     "pyramidnet272_bottleneck_a200": (26_000_000, 0.05, 864),
 }
+# (depth, alpha, bottleneck, units per stage) as the paper and the article describe each model, written out here
+# rather than read from the recipe's table.
+ARCHITECTURES = {
+    "seed": (110, 270, False, 17),
+    "pyramidnet110_a48": (110, 48, False, 18),
+    "pyramidnet110_a84": (110, 84, False, 18),
+    "pyramidnet110_a270": (110, 270, False, 18),
+    "pyramidnet164_bottleneck_a270": (164, 270, True, 18),
+    "pyramidnet200_bottleneck_a240": (200, 240, True, 22),
+    "pyramidnet236_bottleneck_a220": (236, 220, True, 26),
+    "pyramidnet272_bottleneck_a200": (272, 200, True, 30),
+}
 
 
-@pytest.mark.parametrize("name", sorted(EXPECTED))
-def test_parameter_counts_match_the_article_and_the_paper(name: str) -> None:
+def paper_parameter_count(depth: int, alpha: int, bottleneck: bool, units: int, num_classes: int = 10) -> int:
+    """Parameters of an additive PyramidNet, counted from the paper's description alone.
+
+    Unit k (1-based over all 3 stages) is ``round(16 + k * alpha / (3 n))`` wide, n = (depth - 2) / 6 basic or
+    / 9 bottleneck units per stage (exact fractions: the tables' configs have no rounding ties). A basic unit is
+    BN(in) 3x3(in→w) BN(w) 3x3(w→w) BN(w); a bottleneck BN(in) 1x1(in→w) BN(w) 3x3(w→w) BN(w) 1x1(w→4w) BN(4w);
+    shortcuts are parameter-free (zero-padded identities). Plus the 3x3 stem to 16 channels and its BN, the final
+    BN and the linear classifier. Convolutions have no bias; a BN has a weight and a bias per channel.
+    """
+    n = Fraction(depth - 2, 9 if bottleneck else 6)
+    assert n.denominator == 1
+    total = 3 * 3 * 3 * 16 + 2 * 16  # stem conv + BN
+    in_channels = 16
+    for k in range(1, 3 * units + 1):
+        w = round(16 + k * Fraction(alpha) / (3 * n))
+        if bottleneck:
+            total += 2 * in_channels + in_channels * w + 2 * w + 9 * w * w + 2 * w + w * 4 * w + 2 * 4 * w
+            in_channels = 4 * w
+        else:
+            total += 2 * in_channels + 9 * in_channels * w + 2 * w + 9 * w * w + 2 * w
+            in_channels = w
+    return total + 2 * in_channels + in_channels * num_classes + num_classes  # final BN + linear head
+
+
+def test_the_closed_form_count_gives_the_articles_exact_number() -> None:
+    # The article's model has integer widths 21, 26, ..., 271 (rate 5): the count above must give its 24,253,410.
+    assert paper_parameter_count(*ARCHITECTURES["seed"]) == 24_253_410
+
+
+@pytest.mark.parametrize("name", sorted(REPORTED))
+def test_parameter_counts_match_the_papers_architecture(name: str) -> None:
     with torch.device("meta"):
         model = build_pyramidnet(name)
-    expected, tolerance, width = EXPECTED[name]
+    reported, tolerance, width = REPORTED[name]
     n = count_parameters(model)
-    if tolerance == 0:
-        assert n == expected
-    else:
-        assert abs(n - expected) <= tolerance * expected, f"{name}: {n:,} vs paper {expected:,}"
+    assert n == paper_parameter_count(*ARCHITECTURES[name]), f"{name}: {n:,} parameters"
+    assert abs(n - reported) <= tolerance * reported, f"{name}: {n:,} vs the paper's {reported:,}"
     assert model.final_channels == width
-    assert PYRAMIDNET_CONFIGS[name].reported_params == expected
 
 
 def test_every_named_config_is_covered_and_builds() -> None:
     small = {"tiny", "small"}
-    assert set(pyramidnet_names()) == set(EXPECTED) | small
+    assert set(pyramidnet_names()) == set(REPORTED) | small
     for name in small:
         with torch.device("meta"):
             assert count_parameters(build_pyramidnet(name)) < 500_000
@@ -142,6 +180,30 @@ def test_autocast_bfloat16_on_cpu() -> None:
     assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
     out.float().sum().backward()
     assert model.conv1.weight.grad is not None
+
+
+def test_units_add_the_pooled_zero_padded_identity_to_their_residual() -> None:
+    # With the last BN of every unit zeroed, every residual branch outputs 0, so the network must reduce to its
+    # shortcuts: stem, then per downsampling unit a 2x2 average pool, zero channels appended up to the unit's width.
+    torch.manual_seed(0)
+    model = PyramidNet(14, 48).eval()  # 2 units per stage, widths 24..64; stages 2 and 3 downsample
+    units = [unit for stage in (model.stage1, model.stage2, model.stage3) for unit in stage]
+    for unit in units:
+        torch.nn.init.zeros_(unit.bn3.weight)
+    x = torch.randn(3, 3, 32, 32)
+    with torch.no_grad():
+        h = model.bn1(model.conv1(x))
+        for unit in units:
+            if unit.stride == 2:
+                h = F.avg_pool2d(h, kernel_size=2, stride=2)
+            h = torch.cat([h, h.new_zeros(h.shape[0], unit.out_channels - h.shape[1], *h.shape[2:])], dim=1)
+        expected = model.fc(F.relu(model.bn_final(h)).mean(dim=(2, 3)))
+        assert h.shape == (3, 64, 8, 8)
+        torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-6)
+        # ... and with the residual branches on, the output is something else (they are added, not ignored).
+        for unit in units:
+            torch.nn.init.ones_(unit.bn3.weight)
+        assert not torch.allclose(model(x), expected, rtol=1e-3, atol=1e-4)
 
 
 def test_shortcut_pools_and_zero_pads_in_the_input_dtype() -> None:

@@ -1,12 +1,12 @@
-"""The PyramidNet recipe end to end: the quickstart config under every strategy overlay through the CLI, the LR
-schedule, and the GPU configs' settings. Tiny model, 64 synthetic images, two optimizer steps per run."""
+"""The PyramidNet recipe end to end through the CLI: the quickstart learns, memory layouts, dtypes under the true
+precisions, the LR schedule, and the GPU configs' settings. Tiny model, synthetic images, a few optimizer steps.
+
+Every strategy overlay runs as a user runs it (a fresh process, progress bar on) in ``tests/cli/test_recipe_matrix.py``.
+"""
 
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import lightning.pytorch as L
@@ -52,18 +52,28 @@ def _overlay(strategy: str) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("strategy", ["single", "dp", "parallel_criterion"])
-def test_quickstart_trains_two_steps_under_each_single_process_strategy(strategy: str, tmp_path: Path) -> None:
-    cli = main(["fit", "-c", str(QUICKSTART), "-c", _overlay(strategy), *_fast_args(tmp_path)])
+def test_quickstart_learns_on_a_fixed_seed(tmp_path: Path) -> None:
+    # The quickstart as configured (parallel_criterion on 2 CPU devices, its seed, lr and schedule, progress bar on),
+    # shortened to 64 steps on 512 images. Chance is accuracy 0.1 and cross-entropy ln 10 = 2.30; measured: val_acc
+    # 0.50 and train loss 1.42. A model that does not learn (e.g. lr 0) stays at chance.
+    cli = main(
+        [
+            "fit",
+            "-c",
+            str(QUICKSTART),
+            "--trainer.max_epochs=4",
+            f"--trainer.default_root_dir={tmp_path}",
+            "--data.init_args.synthetic_train_size=512",
+            "--data.init_args.synthetic_test_size=256",
+            "--data.init_args.batch_size=32",
+        ]
+    )
     trainer = cli.trainer
-    assert trainer.global_step == 2
-    metrics = trainer.callback_metrics
-    assert math.isfinite(float(metrics["train_loss"]))
-    assert 0.0 <= float(metrics["val_acc"]) <= 1.0 and math.isfinite(float(metrics["val_loss"]))
-    assert math.isclose(float(metrics["lr"]), 0.1 * (1 + math.cos(math.pi / 2)) / 2, rel_tol=1e-6)  # cosine, step 1
-    assert isinstance(cli.model, PyramidNetModule) and isinstance(cli.datamodule, CIFAR10DataModule)
-    if strategy != "single":
-        assert len(trainer.strategy.parallel_devices) == 2
+    assert type(trainer.strategy).__name__ == "ParallelCriterionStrategy" and trainer.num_devices == 2
+    assert trainer.global_step == 64
+    metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
+    assert metrics["val_acc"] > 0.35, metrics
+    assert metrics["train_loss_epoch"] < 1.9 and metrics["val_loss"] < 1.9, metrics
 
 
 class _RecordLayout(L.Callback):
@@ -76,8 +86,9 @@ class _RecordLayout(L.Callback):
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         pl_module.net.register_forward_pre_hook(lambda _, args: self.net_inputs.append(_channels_last(args[0])))
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: object,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: object, batch_idx: int
+    ) -> None:
         self.batches.append(_channels_last(batch[0]))
 
 
@@ -89,10 +100,20 @@ def _channels_last(x: torch.Tensor) -> bool:
 def test_one_layout_setting_with_a_logger(channels_last: bool, tmp_path: Path) -> None:
     # With a logger, Lightning merges the model's and the data module's hparams and refuses a key with two values;
     # the layout is the model's setting alone, and the data module hands over batches in that layout.
-    cli = main(["-c", str(QUICKSTART), "-c", _overlay("single"), *_fast_args(tmp_path),
-                "--trainer.max_steps=1", "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
-                f"--trainer.logger.save_dir={tmp_path}", f"--model.init_args.channels_last={channels_last}"],
-               run=False)
+    cli = main(
+        [
+            "-c",
+            str(QUICKSTART),
+            "-c",
+            _overlay("single"),
+            *_fast_args(tmp_path),
+            "--trainer.max_steps=1",
+            "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
+            f"--trainer.logger.save_dir={tmp_path}",
+            f"--model.init_args.channels_last={channels_last}",
+        ],
+        run=False,
+    )
     recorder = _RecordLayout()
     cli.trainer.callbacks.append(recorder)
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
@@ -103,33 +124,80 @@ def test_one_layout_setting_with_a_logger(channels_last: bool, tmp_path: Path) -
     assert logged["channels_last"] is channels_last and logged["source"] == "synthetic"
 
 
-def test_compiled_net_keeps_its_checkpoint_keys_and_is_refused_by_replicas(tmp_path: Path) -> None:
+def test_compiled_net_keeps_its_checkpoint_keys() -> None:
+    # Compiled in place (nn.Module.compile): checkpoints move between compiled and eager runs. Training compiled
+    # replicas under the single-process strategies is the core's to test (tests/parallel/test_compiled_replicas.py).
     compiled = PyramidNetModule(arch="tiny", compile_net=True)
     assert compiled.net._compiled_call_impl is not None
     assert compiled.state_dict().keys() == PyramidNetModule(arch="tiny").state_dict().keys()  # in place: no _orig_mod
-    with pytest.raises(ValueError, match=r"Cannot replicate submodule 'net': it was compiled with torch\.compile"):
-        main(["fit", "-c", str(QUICKSTART), "-c", _overlay("parallel_criterion"), *_fast_args(tmp_path),
-              "--model.init_args.compile_net=true"])
 
 
-def test_quickstart_trains_two_steps_under_ddp(tmp_path: Path) -> None:
-    # In-process ddp would re-launch pytest's own command line, so the CLI runs in a subprocess (2 gloo processes).
-    cmd = [sys.executable, "-m", "lightning_mgpu", "fit", "-c", str(QUICKSTART), "-c", _overlay("ddp"),
-           *_fast_args(tmp_path)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    summary = [line for line in proc.stdout.splitlines() if line.startswith("PyramidNet quickstart:")]
-    assert len(summary) == 1, proc.stdout[-3000:]  # printed by global rank 0 only
-    assert "val_acc=" in summary[0] and "2 steps" in summary[0]
+class _RecordDtypes(L.Callback):
+    """The dtype of every batch the network sees (training and validation) and of its weights."""
+
+    def __init__(self) -> None:
+        self.inputs: set[torch.dtype] = set()
+        self.weights: set[torch.dtype] = set()
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        pl_module.net.register_forward_pre_hook(lambda _, args: self.inputs.add(args[0].dtype))
+        self.weights = {p.dtype for p in pl_module.parameters()}
+
+
+@pytest.mark.parametrize(
+    ("precision", "dtype"), [("64-true", torch.float64), ("16-true", torch.float16), ("bf16-true", torch.bfloat16)]
+)
+def test_batches_come_in_the_dtype_of_the_true_precisions(precision: str, dtype: torch.dtype, tmp_path: Path) -> None:
+    # Lightning converts a batch's float tensors before on_after_batch_transfer, where the uint8 images become
+    # floats: the data module itself must hand them over in the model's dtype (64-true used to fail with "Input type
+    # (torch.FloatTensor) and weight type (torch.DoubleTensor)").
+    cli = main(
+        ["-c", str(QUICKSTART), "-c", _overlay("single"), *_fast_args(tmp_path), f"--trainer.precision={precision}"],
+        run=False,
+    )
+    recorder = _RecordDtypes()
+    cli.trainer.callbacks.append(recorder)
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    assert cli.trainer.global_step == 2
+    assert recorder.weights == recorder.inputs == {dtype}
+    # The loss is computed in at least float32: widened from half precision, never narrowed from float64.
+    assert cli.trainer.callback_metrics["train_loss"].dtype == torch.promote_types(dtype, torch.float32)
+    assert math.isfinite(float(cli.trainer.callback_metrics["train_loss"]))
+    assert math.isfinite(float(cli.trainer.callback_metrics["val_loss"]))
+
+
+def test_quickstart_trains_in_float64(tmp_path: Path) -> None:
+    # 64-true under the quickstart's own strategy (parallel_criterion, 2 devices): float64 batches reach the replicas.
+    cli = main(
+        [
+            "-c",
+            str(QUICKSTART),
+            *_fast_args(tmp_path),
+            "--trainer.precision=64-true",
+            "--trainer.max_steps=4",
+            "--trainer.val_check_interval=4",
+        ],
+        run=False,
+    )
+    recorder = _RecordDtypes()
+    cli.trainer.callbacks.append(recorder)
+    before = {name: p.detach().clone() for name, p in cli.model.named_parameters()}
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    assert type(cli.trainer.strategy).__name__ == "ParallelCriterionStrategy"
+    assert cli.trainer.global_step == 4 and recorder.inputs == {torch.float64}
+    after = dict(cli.model.named_parameters())
+    assert all(p.dtype == torch.float64 and torch.isfinite(p).all() for p in after.values())
+    assert not torch.equal(after["net.conv1.weight"], before["net.conv1.weight"].double())  # it trained
+    assert math.isfinite(float(cli.trainer.callback_metrics["val_loss"]))
 
 
 class _RecordLR(L.Callback):
     def __init__(self) -> None:
         self.lrs: list[float] = []
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: object,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: object, batch_idx: int
+    ) -> None:
         self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
 
 
@@ -139,9 +207,18 @@ def test_lr_schedule_over_the_estimated_steps(schedule: str, tmp_path: Path) -> 
     recorder = _RecordLR()
     model = PyramidNetModule(arch="tiny", schedule=schedule)
     data = CIFAR10DataModule(source="synthetic", batch_size=8, synthetic_train_size=32, synthetic_test_size=8)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                        callbacks=[recorder], default_root_dir=tmp_path)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[recorder],
+        default_root_dir=tmp_path,
+    )
     trainer.fit(model, data)
     assert trainer.global_step == 8
     if schedule == "multistep":  # ÷10 at 50% and 75% of the 8 steps, as the paper's epochs 150 and 225 of 300
@@ -157,8 +234,10 @@ def test_lr_schedule_over_the_estimated_steps(schedule: str, tmp_path: Path) -> 
 def test_module_architecture_arguments() -> None:
     explicit = PyramidNetModule(arch=None, depth=8, alpha=12, units_per_stage=2)
     assert [len(s) for s in (explicit.net.stage1, explicit.net.stage2, explicit.net.stage3)] == [2, 2, 2]
-    for module in (PyramidNetModule(arch="tiny", channel_multiple=16),
-                   PyramidNetModule(arch=None, depth=8, alpha=12, channel_multiple=16)):
+    for module in (
+        PyramidNetModule(arch="tiny", channel_multiple=16),
+        PyramidNetModule(arch=None, depth=8, alpha=12, channel_multiple=16),
+    ):
         assert module.net.channel_multiple == 16
         assert all(u.out_channels % 16 == 0 for s in (module.net.stage1, module.net.stage2) for u in s)
     with pytest.raises(ValueError, match="either arch"):
@@ -181,13 +260,24 @@ def test_gpu_configs_hold_the_papers_recipe(config: str, arch: str, batch_size: 
     path = ROOT / "configs" / "pyramidnet" / config
     # Instantiate without running, on the CPU; the data source (the Hub) is not touched before fit.
     with torch.device("meta"):
-        cli = main(["-c", str(path), "--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.strategy=auto",
-                    "--trainer.precision=32-true", "--trainer.logger=false", "--trainer.callbacks=[]"], run=False)
+        cli = main(
+            [
+                "-c",
+                str(path),
+                "--trainer.accelerator=cpu",
+                "--trainer.devices=1",
+                "--trainer.strategy=auto",
+                "--trainer.precision=32-true",
+                "--trainer.logger=false",
+                "--trainer.callbacks=[]",
+            ],
+            run=False,
+        )
     hp, data = cli.model.hparams, cli.datamodule
     assert hp.arch == arch and hp.lr == 0.1 and hp.momentum == 0.9 and hp.nesterov and hp.weight_decay == 1e-4
     assert hp.schedule == "multistep" and tuple(hp.milestones) == (0.5, 0.75) and hp.gamma == 0.1
     assert cli.trainer.max_epochs == 300
     assert data.source == "uoft-cs/cifar10" and data.batch_size == batch_size and data.augment
-    assert data.crop_padding == 4 and hp.channels_last and "channels_last" not in data.hparams
+    assert data.crop_padding == 4 and data.flip and hp.channels_last and "channels_last" not in data.hparams
     if params is not None:
         assert count_parameters(cli.model.net) == params
