@@ -4,30 +4,20 @@ registered name and by class_path, and recipe class paths resolved from the curr
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
 import lightning_mgpu
+from lightning_mgpu.bench.process_group import run_in_process_group
 from lightning_mgpu.cli import main, put_cwd_on_sys_path
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = {"class_path": "lightning.pytorch.demos.boring_classes.BoringModel"}
 DATA = {"class_path": "lightning.pytorch.demos.boring_classes.BoringDataModule"}
-TRAINER = {
-    "accelerator": "cpu",
-    "devices": 2,
-    "max_steps": 2,
-    "limit_val_batches": 1,
-    "logger": False,
-    "enable_checkpointing": False,
-    "enable_progress_bar": False,
-    "enable_model_summary": False,
-}
+TRAINER = {"accelerator": "cpu", "devices": 2, "max_steps": 2, "limit_val_batches": 1}  # default callbacks and logger
 
 
 def _write(path: Path, trainer: dict) -> Path:
@@ -42,7 +32,7 @@ def _write(path: Path, trainer: dict) -> Path:
         ("parallel_criterion", lightning_mgpu.ParallelCriterionStrategy),
         ("dp", lightning_mgpu.DataParallelStrategy),
         (
-            {"class_path": "lightning_mgpu.ParallelCriterionStrategy", "init_args": {"loss_reduction": "mean"}},
+            {"class_path": "lightning_mgpu.ParallelCriterionStrategy", "init_args": {"loss_reduction": "samples"}},
             lightning_mgpu.ParallelCriterionStrategy,
         ),
     ],
@@ -52,7 +42,7 @@ def test_yaml_selects_the_strategy(tmp_path, strategy, expected):
     assert isinstance(cli.trainer.strategy, expected)
     assert cli.trainer.num_devices == 2 and cli.trainer.global_step == 2
     if isinstance(strategy, dict):
-        assert cli.trainer.strategy.loss_reduction == "mean"
+        assert cli.trainer.strategy.loss_reduction == "samples"
 
 
 def test_strategy_overlays_compose_with_a_config(tmp_path):
@@ -70,16 +60,12 @@ def test_strategy_overlays_compose_with_a_config(tmp_path):
 
 def test_module_entry_point_runs_in_a_fresh_process(tmp_path):
     cfg = _write(tmp_path / "cfg.yaml", {"strategy": "parallel_criterion"})
-    done = subprocess.run(
-        [sys.executable, "-m", "lightning_mgpu", "fit", "-c", str(cfg)],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = run_in_process_group(
+        [sys.executable, "-m", "lightning_mgpu", "fit", "-c", str(cfg)], 300, cwd=tmp_path, env=env
     )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "`Trainer.fit` stopped: `max_steps=2` reached." in done.stderr + done.stdout
-    assert torch.__version__  # the same interpreter ran it
+    assert done.returncode == 0, done.describe()
+    assert "`Trainer.fit` stopped: `max_steps=2` reached." in done.output, done.describe()
 
 
 # What the installed `lightning-mgpu` script does, minus its own folder on sys.path: no current directory on sys.path
@@ -94,19 +80,28 @@ sys.exit(main())
 
 
 def test_console_script_runs_a_recipe_config_from_the_current_directory(tmp_path):
-    args = ["fit", "-c", "configs/pyramidnet/quickstart.yaml", "-c", "configs/strategies/single.yaml",
-            "--trainer.max_steps=1", "--trainer.limit_val_batches=0", "--trainer.num_sanity_val_steps=0",
-            "--trainer.enable_progress_bar=false", f"--trainer.default_root_dir={tmp_path}",
-            "--data.init_args.synthetic_train_size=32", "--data.init_args.synthetic_test_size=16",
-            "--data.init_args.batch_size=16"]
+    args = [
+        "fit",
+        "-c",
+        "configs/pyramidnet/quickstart.yaml",
+        "-c",
+        "configs/strategies/single.yaml",
+        "--trainer.max_steps=1",
+        "--trainer.limit_val_batches=0",
+        f"--trainer.default_root_dir={tmp_path}",
+        "--data.init_args.synthetic_train_size=32",
+        "--data.init_args.synthetic_test_size=16",
+        "--data.init_args.batch_size=16",
+    ]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    done = subprocess.run([sys.executable, "-c", _CONSOLE_SCRIPT, *args], cwd=REPO, env={**env, "OMP_NUM_THREADS": "1"},
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]  # 1 if main() returned an object to sys.exit
-    assert "No module named 'recipes'" not in done.stderr
-    assert "`Trainer.fit` stopped: `max_steps=1` reached." in done.stderr + done.stdout
-    assert "PyramidNet quickstart:" in done.stdout  # the recipe's FinalReport callback ran
-    assert "LightningCLI object" not in done.stderr
+    done = run_in_process_group(
+        [sys.executable, "-c", _CONSOLE_SCRIPT, *args], 300, cwd=REPO, env={**env, "OMP_NUM_THREADS": "1"}
+    )
+    assert done.returncode == 0, done.describe()  # 1 if main() returned an object to sys.exit
+    assert "No module named 'recipes'" not in done.output
+    assert "`Trainer.fit` stopped: `max_steps=1` reached." in done.output
+    assert "PyramidNet quickstart:" in done.output  # the recipe's FinalReport callback ran
+    assert "LightningCLI object" not in done.output
 
 
 def test_current_directory_goes_on_sys_path_once(tmp_path, monkeypatch):
