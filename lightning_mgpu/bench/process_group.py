@@ -50,15 +50,18 @@ class GroupRun:
         """The last ``lines`` lines of the output."""
         return "\n".join(self.output.splitlines()[-lines:])
 
+    def ending(self) -> str:
+        """How the run ended, in words: timed out (and its group killed), killed by a signal, or its exit status."""
+        if self.returncode is None:
+            return f"timed out after {self.timeout_s:g} s; its process group was killed"
+        if self.returncode < 0:
+            return f"killed by signal {signal_name(-self.returncode)}"
+        return f"exited with status {self.returncode} after {self.wall_s:.1f} s"
+
     def describe(self, lines: int = 40) -> str:
         """One paragraph for a failure message: the command, how it ended, and the output's last lines."""
-        if self.returncode is None:
-            ending = f"timed out after {self.timeout_s:g} s; its process group was killed"
-        elif self.returncode < 0:
-            ending = f"killed by signal {signal_name(-self.returncode)}"
-        else:
-            ending = f"exited with status {self.returncode} after {self.wall_s:.1f} s"
-        return f"{' '.join(self.command)}\n{ending}. Last {lines} lines of its output ({self.log}):\n{self.tail(lines)}"
+        command = " ".join(self.command)
+        return f"{command}\n{self.ending()}. Last {lines} lines of its output ({self.log}):\n{self.tail(lines)}"
 
 
 def signal_name(number: int) -> str:

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lightning_mgpu.bench.process_group import run_in_process_group, signal_name
+from lightning_mgpu.bench.process_group import run_in_process_group
 
 LOG_TAIL_LINES = 20
 
@@ -38,12 +38,7 @@ def run_worker(
         except json.JSONDecodeError:
             row = None
     if row is None:
-        if run.returncode is None:
-            error = f"timed out after {timeout_s:g} s (stopped)"
-        elif run.returncode < 0:
-            error = f"killed by signal {signal_name(-run.returncode)} (out of host memory? see the log)"
-        else:
-            error = f"exited with status {run.returncode} without writing a result"
+        error = run.ending() + (" (out of host memory? see the log)" if (run.returncode or 0) < 0 else "")
         row = {"strategy": strategy, "status": "timeout" if run.timed_out else "failed", "error": error}
     if row.get("status") != "ok":  # what it takes to look into a failure; a success needs none of it
         row.update(log_tail=run.tail(LOG_TAIL_LINES), log=str(log), command=command)

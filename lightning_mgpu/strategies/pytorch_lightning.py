@@ -1,5 +1,4 @@
-"""The strategies for ``pytorch_lightning`` (``import pytorch_lightning as pl``): thin classes over the shared
-implementation in :mod:`.parallel_criterion` and :mod:`.data_parallel`."""
+"""The strategies for ``pytorch_lightning`` (``import pytorch_lightning as pl``); see :mod:`.flavour`."""
 
 from __future__ import annotations
 
@@ -8,27 +7,16 @@ from lightning_fabric.utilities.exceptions import MisconfigurationException
 from pytorch_lightning import LightningModule
 from pytorch_lightning.strategies import ParallelStrategy, StrategyRegistry
 
-from lightning_mgpu.strategies.data_parallel import DataParallel
+from lightning_mgpu.strategies import flavour
 from lightning_mgpu.strategies.namespace import LightningNamespace
-from lightning_mgpu.strategies.parallel_criterion import ParallelCriterion
 
 NAMESPACE = LightningNamespace("pytorch_lightning", LightningModule, MisconfigurationException, _DeviceDtypeModuleMixin)
-
-
-class ParallelCriterionStrategy(ParallelCriterion, ParallelStrategy):
-    __doc__ = ParallelCriterion.__doc__
-    namespace = NAMESPACE
-
-
-class DataParallelStrategy(DataParallel, ParallelStrategy):
-    __doc__ = DataParallel.__doc__
-    namespace = NAMESPACE
+ParallelCriterionStrategy, DataParallelStrategy = flavour.define(NAMESPACE, ParallelStrategy, __name__)
 
 
 def register() -> None:
-    """Add ``parallel_criterion``, ``dp`` and ``data_parallel`` to ``pytorch_lightning``'s registry (idempotent)."""
-    for strategy in (ParallelCriterionStrategy, DataParallelStrategy):
-        strategy.register_strategies(StrategyRegistry)
+    """Add ``parallel_criterion``, ``dp`` and ``data_parallel`` to this namespace's registry (idempotent)."""
+    flavour.register(StrategyRegistry, ParallelCriterionStrategy, DataParallelStrategy)
 
 
 register()  # on import, so the classes are usable by name as soon as they exist

@@ -1,0 +1,32 @@
+"""The thin strategy classes of one Lightning namespace: the shared implementation put before its ``ParallelStrategy``.
+
+Each namespace module (:mod:`.lightning_pytorch`, :mod:`.pytorch_lightning`) calls :func:`define` with its own
+classes, and gets ``ParallelCriterionStrategy`` and ``DataParallelStrategy`` defined in its name, so they import,
+pickle and show in tracebacks as that module's classes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_mgpu.strategies.data_parallel import DataParallel
+from lightning_mgpu.strategies.namespace import LightningNamespace
+from lightning_mgpu.strategies.parallel_criterion import ParallelCriterion
+
+
+def define(namespace: LightningNamespace, parallel_strategy: type, module: str) -> tuple[type, type]:
+    """``(ParallelCriterionStrategy, DataParallelStrategy)`` for ``namespace``, as classes of ``module``."""
+    classes = []
+    for name, implementation in (
+        ("ParallelCriterionStrategy", ParallelCriterion),
+        ("DataParallelStrategy", DataParallel),
+    ):
+        body = {"__module__": module, "__qualname__": name, "__doc__": implementation.__doc__, "namespace": namespace}
+        classes.append(type(name, (implementation, parallel_strategy), body))
+    return classes[0], classes[1]
+
+
+def register(registry: Any, *strategies: type) -> None:
+    """Add each strategy to ``registry`` under its names (idempotent)."""
+    for strategy in strategies:
+        strategy.register_strategies(registry)  # type: ignore[attr-defined]
