@@ -150,9 +150,9 @@ def detect(batch: Any, dim: int, losses_of: LossesOf) -> Detection:
     decided); with a ``seed`` its random draws are reseeded (to measure how random the step is).
 
     The closest rule is adopted when it reproduces the sub-batch's loss to the precision of the loss's dtype (or of the
-    step's own randomness) and every rule that weights the shards differently misses by a hundred times more. Rules
-    that weight these shards identically are told apart by masking part of the labels (see :func:`_mask_first_sample`);
-    if they still tie, the first in order of preference is taken: on this batch they are the same rule.
+    step's own randomness) and every rule that weights the shards differently misses by a hundred times more. Masking
+    part of the labels first (:func:`_mask_first_shard`) makes the rules weight the shards very differently; rules
+    that still tie are the same rule on this batch, and the first in order of preference is taken.
     """
     try:
         size = batch_size_of(batch, dim)
@@ -168,11 +168,14 @@ def detect(batch: Any, dim: int, losses_of: LossesOf) -> Detection:
         rules.append(LossNormalization("tokens", path))
         if tensor.dim() > dim + 1:
             rules.append(LossNormalization("tokens", path, shifted=True))
-    attempts = [_mask_first_sample(sub, labels, dim), sub] if labels else [sub]
+    first = max(1, k // 2 - (1 if k % 2 == 0 and k >= 4 else 0))  # unequal shards: samples and sums differ
+    attempts = (
+        [(_mask_first_shard(sub, labels, dim, first), [first, k - first]), (sub, None)] if labels else [(sub, None)]
+    )
     run: tuple[Any, list[int], list[Any], Tensor, list[Tensor]] | None = None
-    for attempt, candidate in enumerate(attempts):
+    for attempt, (candidate, split) in enumerate(attempts):
         try:
-            run = _experiment(candidate, k, dim, rules, losses_of)
+            run = _experiment(candidate, k, dim, rules, losses_of, split)
         except Exception as err:
             if attempt + 1 < len(attempts):
                 continue  # the step may not accept masked labels (labels that index an embedding, a metric...)
@@ -213,14 +216,21 @@ def detect(batch: Any, dim: int, losses_of: LossesOf) -> Detection:
 
 
 def _experiment(
-    candidate: Any, k: int, dim: int, rules: list[LossNormalization], losses_of: LossesOf
+    candidate: Any,
+    k: int,
+    dim: int,
+    rules: list[LossNormalization],
+    losses_of: LossesOf,
+    preferred: list[int] | None = None,
 ) -> tuple[Any, list[int], list[Any], Tensor, list[Tensor]] | None:
-    """The sub-batch's loss on one replica, then on two shards of it (the first split whose shards are all finite)."""
+    """The sub-batch's loss on one replica, then on two shards of it: ``preferred`` first, then the splits that tell the
+    rules apart best, up to the first whose shard losses are all finite."""
     reference = losses_of([candidate], None)
     if reference is None:
         return None
     shards: list[Tensor] | None = None
-    for split in _splits_by_preference(candidate, k, dim, rules):  # a shard may have nothing to average (NaN)
+    splits = _splits_by_preference(candidate, k, dim, rules)
+    for split in [preferred, *splits] if preferred else splits:  # a shard may have nothing to average (NaN)
         chunks = _split(candidate, split, dim)
         shards = losses_of(chunks, None)
         if shards is None:
@@ -329,17 +339,21 @@ def _replace(batch: Any, path: Path, value: Tensor) -> Any:
     return rebuild(batch, items)
 
 
-def _mask_first_sample(batch: Any, labels: list[tuple[Path, Tensor]], dim: int) -> Any:
-    """The sub-batch with part of the first sample's labels ignored (the second half of its rows, or its one label),
-    so that token counts are not proportional to sample counts and shifted counts differ from unshifted ones. Both runs
-    of the experiment see this same batch, so the comparison stays valid."""
+def _mask_first_shard(batch: Any, labels: list[tuple[Path, Tensor]], dim: int, first: int) -> Any:
+    """The sub-batch with labels ignored so that the rules weight the shards very differently: in each of the first
+    ``first`` samples (the first shard) only the first two labels that count are kept, so token counts are far from
+    proportional to sample counts and a shifted count (1 per row) is half the unshifted one (2); with one label per
+    sample, one sample's label is ignored. Both runs of the experiment see this same batch, so the comparison stays
+    valid; shard losses that differ by chance only then become far apart under the wrong rules."""
     for path, tensor in labels:
         masked = tensor.clone()
-        row = masked.select(dim, 0)
-        if row.dim() == 0:
-            row.fill_(IGNORE_INDEX)
+        rows = masked.narrow(dim, 0, first)
+        if rows.dim() == dim + 1:  # one label per sample
+            target = 0 if first >= 2 else masked.shape[dim] - 1
+            masked.select(dim, target).fill_(IGNORE_INDEX)
         else:
-            row[..., row.shape[-1] // 2 :] = IGNORE_INDEX
+            valid = rows != IGNORE_INDEX
+            rows.masked_fill_(valid & (valid.cumsum(-1) > 2), IGNORE_INDEX)
         batch = _replace(batch, path, masked)
     return batch
 

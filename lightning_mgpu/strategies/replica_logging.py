@@ -124,17 +124,22 @@ def _merge_values(
         implied = [
             (implied_weights[index] if implied_weights else {}).get(tensor_key(call.value)) for index, call in entries
         ]
-        if all(b is not None for b in explicit):
-            w = torch.tensor([float(b) for b in explicit], dtype=dtype, device=device)
-            merged_options["batch_size"] = int(sum(float(b) for b in explicit))
-        elif all(isinstance(b, str) for b in implied):  # a sum loss: one device logs the whole batch's sum
-            merged_options["batch_size"] = sum(sample_counts[index] for index, _ in entries)
+        batch_size = int(sum(float(b) for b in explicit)) if all(b is not None for b in explicit) else None
+        if all(isinstance(b, str) for b in implied):  # a sum loss: one device logs the whole batch's sum
+            merged_options["batch_size"] = batch_size or sum(sample_counts[index] for index, _ in entries)
             return stacked.sum(), merged_options
-        elif all(isinstance(b, LossTermsTotal) for b in implied):  # the total of loss_terms: each term weighted
-            merged_options["batch_size"] = sum(sample_counts[index] for index, _ in entries)
+        if all(isinstance(b, LossTermsTotal) for b in implied):  # the total of loss_terms: each term weighted
+            merged_options["batch_size"] = batch_size or sum(sample_counts[index] for index, _ in entries)
             return LossTermsTotal.merge(implied, device, dtype), merged_options
-        elif all(b is not None and not isinstance(b, str) for b in implied):  # loss weights: no host sync
+        if all(b is not None and not isinstance(b, str) for b in implied):  # the loss's weights: no host sync
+            # A logged copy of the optimized loss merges as the loss does, whatever batch_size= says (that only
+            # weights the step in Lightning's epoch mean).
             w = torch.stack([torch.as_tensor(b).to(device=device, dtype=dtype).reshape(()) for b in implied])
+            if batch_size is not None:
+                merged_options["batch_size"] = batch_size
+        elif batch_size is not None:
+            w = torch.tensor([float(b) for b in explicit], dtype=dtype, device=device)
+            merged_options["batch_size"] = batch_size
         else:
             counts = [sample_counts[index] for index, _ in entries]
             w = torch.tensor([float(n) for n in counts], dtype=dtype, device=device)

@@ -98,10 +98,11 @@ def build_model(task: str, dropout: bool = False, seed: int = 0, dtype: torch.dt
 class PaddedTokens(Dataset):
     """``n`` samples for ``task``, each padded to :data:`SEQ`, with per-sample lengths and label counts that vary."""
 
-    def __init__(self, task: str, n: int, seed: int = 0) -> None:
+    def __init__(self, task: str, n: int, seed: int = 0, natural: bool = False) -> None:
         g = torch.Generator().manual_seed(seed)
         lengths = torch.randint(3, SEQ + 1, (n,), generator=g)
-        lengths[:2] = torch.tensor([SEQ, 4])  # the first shard of every split holds rows of unequal length
+        if not natural:
+            lengths[:2] = torch.tensor([SEQ, 4])  # the first shard of every split holds rows of unequal length
         valid = torch.arange(SEQ)[None, :] < lengths[:, None]
         ids = torch.randint(3, VOCAB, (n, SEQ), generator=g)
         self.items: dict[str, torch.Tensor] = {
@@ -131,9 +132,10 @@ class PaddedTokens(Dataset):
         return {k: v[i] for k, v in self.items.items()}
 
 
-def token_loader(task: str, batch_size: int, steps: int = STEPS, seed: int = 0) -> DataLoader:
-    """Exactly ``steps`` full batches of ``batch_size``."""
-    return DataLoader(PaddedTokens(task, batch_size * steps, seed), batch_size=batch_size, shuffle=False)
+def token_loader(task: str, batch_size: int, steps: int = STEPS, seed: int = 0, natural: bool = False) -> DataLoader:
+    """Exactly ``steps`` full batches of ``batch_size`` (``natural``: lengths as drawn, nothing arranged)."""
+    data = PaddedTokens(task, batch_size * steps, seed, natural)
+    return DataLoader(data, batch_size=batch_size, shuffle=False)
 
 
 def make_hf_module(ns: ModuleType, task: str, style: str = "model", dropout: bool = False, lr: float = 0.5, **kw: Any):

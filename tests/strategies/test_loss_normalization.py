@@ -109,6 +109,35 @@ def test_logged_detached_sum_loss_equals_one_device(root):
     assert got.final["loss_epoch"] == pytest.approx(expected.final["loss_epoch"], abs=1e-10)
 
 
+class LoggedWithBatchSize(L.LightningModule):
+    """A mean over non-ignored labels, logged with ``batch_size=`` the sample count (common for dict batches)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(N_IN, N_OUT)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.net(x), y)
+        self.log("loss", loss, batch_size=len(y), on_step=True, on_epoch=True)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def test_logged_loss_with_batch_size_is_the_optimized_loss(root):
+    """``batch_size=`` weights the step in Lightning's epoch mean; the logged value is still the optimized loss
+    (weighted by non-ignored labels here), not a sample-weighted mean of the shards' losses."""
+    data = lambda: mlp_loader("ce_mean", 10, ignored=slice(1, None, 3))  # noqa: E731
+    make = lambda: seeded(LoggedWithBatchSize)  # noqa: E731
+    expected = one_device("logged-batch-size", make, data, root)
+    got = fit(make(), "parallel_criterion", 3, data(), root)
+    assert_decided(got, "tokens:1")
+    assert_equal_runs(got, expected)
+    assert got.final["loss_epoch"] == pytest.approx(expected.final["loss_epoch"], abs=1e-10)
+
+
 # --- 3. no false alarms on per-sample means --------------------------------------------------------------------------
 def _false_alarm_marks(case: str, devices: int) -> list[Any]:
     # Measured: the 8-sample sub-batch of the 10-sample batches trips the separation check; the 7-sample one does not.

@@ -89,6 +89,19 @@ def test_parallel_criterion_finds_the_normalisation_and_equals_one_device(root, 
     assert_equal_runs(got, expected, atol=TOLERANCE.get(task, 1e-10))
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("task", ["causal_lm", "masked_lm"])
+def test_natural_padding_is_found_and_equals_one_device(root, task, seed):
+    """Padding as drawn, nothing arranged to help the experiment: the shifted token mean of a causal LM (whose loss
+    transformers computes in float32 even for a float64 model) and the MLM token mean are found on 7-sample batches
+    over 3 devices, and training equals one device."""
+    data = lambda: token_loader(task, 7, seed=seed, natural=True)  # noqa: E731
+    expected = fit(make_hf_module(L, task), "auto", 1, data(), root)
+    got = fit(make_hf_module(L, task), "parallel_criterion", 3, data(), root)
+    assert_decided(got, EXPECTED_RULE[task])
+    assert_equal_runs(got, expected, atol=TOLERANCE.get(task, 1e-10))
+
+
 @pytest.mark.parametrize(("task", "seed"), [("masked_lm", 3), ("causal_lm", 1), ("token_classification", 3)])
 def test_token_means_never_diverge_silently(root, task, seed):
     """Other data (seeds where every rule lands within 1e-4 of the sub-batch loss): training equals one device, or
