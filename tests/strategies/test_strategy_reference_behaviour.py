@@ -279,8 +279,10 @@ def test_a_step_leaves_no_cyclic_garbage_and_no_growth(tmp_path, name):
     probe = gc_profile(tmp_path, strategy_for(name), 2)
     # The first steps build replicas and find out the loss normalisation; every later step leaves nothing cyclic.
     assert probe.collected[2:] == [0] * (STEPS - 2 - len(CHECKPOINTS))
-    # And nothing that stays alive: replicas are built once, not once per step.
-    assert probe.live[CHECKPOINTS[1]] == probe.live[CHECKPOINTS[0]]
+    # And nothing that stays alive per step: replicas are built once, not once per step. (A handful of objects may come
+    # and go with Lightning's own bookkeeping between the checkpoints; per-step growth would add at least one a step.)
+    steps = CHECKPOINTS[1] - CHECKPOINTS[0]
+    assert probe.live[CHECKPOINTS[1]] - probe.live[CHECKPOINTS[0]] < steps, probe.live
 
 
 # --- item 3: equal-weight and sum reductions of integer and half-precision losses ---------------------------------
