@@ -83,6 +83,7 @@ class ParallelCriterion(SingleProcessParallel):
     # --- the step ----------------------------------------------------------------------------------------------------
     def _run_step(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         module = self.lightning_module  # type: ignore[attr-defined]
+        weights: list[Any] | None = None
         with self._step_context(hook):
             chunks, sizes = self._split(args)
             if chunks is None:
@@ -97,8 +98,11 @@ class ParallelCriterion(SingleProcessParallel):
                     return getattr(replica, hook)(chunks[index], *rest, **kwargs)
 
                 rule = self.normalization if hook == "training_step" else None
+                # The rule's per-device weights (token counts: device tensors) are computed once per step, for both
+                # the loss and its logged copies.
+                weights = rule.weights(chunks, sizes) if rule is not None else None
                 outputs = self._run_replicated(
-                    module, sizes, call, lambda outs: implied_loss_weights(outs, rule, chunks, sizes)
+                    module, sizes, call, lambda outs: implied_loss_weights(outs, rule, weights)
                 )
                 if detection is not None:  # said once the step ran: a step that fails says so by itself
                     self._report(detection)
@@ -106,7 +110,9 @@ class ParallelCriterion(SingleProcessParallel):
             return None
         if hook == "training_step":
             rule = self.normalization or SAMPLES
-            return reduce_training_outputs(outputs, sizes, self.root_device, rule, chunks or [None], self.dim)
+            if weights is None:  # the step ran once, on the root: a single loss, returned as it is
+                weights = rule.weights(chunks, sizes) if chunks is not None else list(sizes)
+            return reduce_training_outputs(outputs, sizes, self.root_device, rule, weights, self.dim)
         if chunks is None:
             return outputs[0]
         return gather(outputs, self.root_device, self.dim, sizes=sizes)

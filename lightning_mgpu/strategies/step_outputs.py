@@ -67,25 +67,21 @@ def all_or_none(outputs: Sequence[Any], hook: str) -> bool:
     return False
 
 
-def implied_loss_weights(
-    outputs: Sequence[Any], rule: Any, chunks: Sequence[Any] | None, sample_counts: Sequence[int]
-) -> list[dict[Any, Any]]:
+def implied_loss_weights(outputs: Sequence[Any], rule: Any, rule_weights: Sequence[Any] | None) -> list[dict[Any, Any]]:
     """Per replica, ``{tensor_key(loss): weight}`` for the losses a training step returned.
 
     A value logged without ``batch_size=`` that *is* one of these losses (``self.log("train_loss", loss)``, or its
     ``.detach()``) is merged across replicas as the loss is, so the logged number is the optimized one: with the
     step's ``loss_weight``; for ``loss_terms``, each term with its weights and the total as the sum of the merged
-    terms; else with ``rule`` (a :class:`LossNormalization`; ``"sum"`` for a sum). ``rule`` is ``None`` outside
-    training steps.
+    terms; else with ``rule`` (a :class:`LossNormalization`) and its per-replica ``rule_weights`` (``"sum"`` for a
+    sum, equal weights for ``replica_mean``). ``rule`` is ``None`` outside training steps.
     """
-    rule_weights: list[Any] | None = None
-    if rule is not None and chunks is not None:
-        if rule.kind == "sum":
-            rule_weights = ["sum"] * len(outputs)
-        elif rule.kind == "replica_mean":
-            rule_weights = [1] * len(outputs)
-        else:
-            rule_weights = rule.weights(chunks, sample_counts)
+    if rule is None or rule_weights is None:
+        rule_weights = None
+    elif rule.kind == "sum":
+        rule_weights = ["sum"] * len(outputs)
+    elif rule.kind == "replica_mean":
+        rule_weights = [1] * len(outputs)
     implied: list[dict[Any, Any]] = []
     for index, output in enumerate(outputs):
         weights: dict[Any, Any] = {}
@@ -112,19 +108,20 @@ def reduce_training_outputs(
     sample_counts: Sequence[int],
     root: torch.device,
     rule: Any,
-    chunks: Sequence[Any],
+    rule_weights: Sequence[Any],
     dim: int = 0,
 ) -> Any:
     """The training step's result on the root: a combined loss tensor, or ``{"loss": ..., **gathered extras}``.
 
-    ``rule`` (a :class:`~lightning_mgpu.strategies.loss_normalization.LossNormalization`) combines losses the step did
-    not weight itself. With one output (one device, or a batch that runs once) the loss is returned as it is, but
-    ``loss_weight`` / ``loss_terms`` are checked and consumed all the same, so every device count follows one rule.
+    ``rule`` (a :class:`~lightning_mgpu.strategies.loss_normalization.LossNormalization`) combines, with its
+    per-replica ``rule_weights``, the losses the step did not weight itself. With one output (one device, or a batch
+    that runs once) the loss is returned as it is, but ``loss_weight`` / ``loss_terms`` are checked and consumed all
+    the same, so every device count follows one rule.
     """
     single = len(outputs) == 1
     first = outputs[0]
     if isinstance(first, Tensor):
-        return first if single else rule.reduce(list(outputs), rule.weights(chunks, sample_counts), root)
+        return first if single else rule.reduce(list(outputs), rule_weights, root)
     if not isinstance(first, Mapping):
         raise TypeError(
             f"`training_step` returned a {type(first).__name__}; return a loss tensor, a dict with 'loss', or None."
@@ -141,7 +138,7 @@ def reduce_training_outputs(
             check_some_weight(as_float_weights(weights, "loss_weight"))
             loss = losses[0] if single else reduce_losses(losses, weights, root, "weighted")
         else:
-            loss = losses[0] if single else rule.reduce(losses, rule.weights(chunks, sample_counts), root)
+            loss = losses[0] if single else rule.reduce(losses, rule_weights, root)
     extras = [{k: v for k, v in o.items() if k not in ("loss", LOSS_WEIGHT_KEY, LOSS_TERMS_KEY)} for o in outputs]
     return {"loss": loss, **(extras[0] if single else gather(extras, root, dim, sizes=sample_counts))}
 
