@@ -284,7 +284,7 @@ def _map_structure(obj: Any, leaf_fn: Callable[[Any], Any], batch_size: int | No
     return leaf_fn(obj)
 
 
-def scatter(
+def split_batch(
     obj: Any,
     devices: Sequence[DeviceLike],
     dim: int = 0,
@@ -345,7 +345,7 @@ def _scatter_sizes(obj: Any, devices: Sequence[torch.device], dim: int, batch_si
     return [_map_structure(obj, lambda leaf, i=i: split_leaf(leaf)[i], batch_size) for i in range(len(sizes))]
 
 
-def scatter_args(
+def split_arguments(
     args: tuple[Any, ...],
     kwargs: Mapping[str, Any],
     devices: Sequence[DeviceLike],
@@ -359,7 +359,7 @@ def scatter_args(
 
     An error names the offending argument, e.g. ``args[0]['mask']`` or ``kwargs['labels']``. ``batch_size``: the
     result of :func:`args_batch_size` when the caller has it already. ``sizes`` imposes the chunk sizes, as in
-    :func:`scatter`.
+    :func:`split_batch`.
     """
     targets = [to_device(d) for d in devices]
     batch_size = _resolve_batch_size(argument_roots(args, kwargs, names), dim, "no tensor argument", batch_size)
@@ -372,6 +372,19 @@ def scatter_args(
         [{k: chunks[i] for k, chunks in kwarg_chunks.items()} for i in range(len(sizes))],
         sizes,
     )
+
+
+def scatter(inputs: Any, target_devices: Sequence[DeviceLike], dim: int = 0) -> list[Any]:
+    """Split ``inputs`` into one chunk per device, with ``torch.nn.parallel.scatter``'s contract, on any devices.
+
+    Returns the list of chunks (fewer than the devices when the batch is smaller); inputs that hold no tensor with a
+    batch dimension are referenced once per device, as torch does. Chunks are balanced as by
+    :func:`split_batch`, which also returns their sizes.
+    """
+    try:
+        return split_batch(inputs, target_devices, dim)[0]
+    except NothingToSplitError:
+        return [inputs for _ in target_devices]
 
 
 def move_to(obj: Any, device: DeviceLike) -> Any:

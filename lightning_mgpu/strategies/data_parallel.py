@@ -24,14 +24,14 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_mgpu.parallel.devices import DeviceLike, to_device
-from lightning_mgpu.parallel.gather import gather
+from lightning_mgpu.parallel.merge import merge_outputs
 from lightning_mgpu.parallel.parallel_apply import ExecutionMode
 from lightning_mgpu.parallel.scatter_gather import (
     NothingToSplitError,
     args_batch_size,
     argument_roots,
     iter_tensors,
-    scatter_args,
+    split_arguments,
     unsplittable_error,
 )
 from lightning_mgpu.strategies.experiments import run_side_effect_free
@@ -175,7 +175,7 @@ class DataParallel(SingleProcessParallel):
                 raise unsplittable from None
             return original(*inputs, **kwargs)  # nothing to split: run once, on the root
         devices = self.parallel_devices  # type: ignore[attr-defined]
-        args_chunks, kwargs_chunks, sizes = scatter_args(inputs, kwargs, devices, self.dim, batch_size=batch_size)
+        args_chunks, kwargs_chunks, sizes = split_arguments(inputs, kwargs, devices, self.dim, batch_size=batch_size)
         if len(sizes) == 1:
             return original(*args_chunks[0], **kwargs_chunks[0])
 
@@ -185,7 +185,7 @@ class DataParallel(SingleProcessParallel):
         outputs = self._run_replicated(target, sizes, call)
         chunks = list(zip(args_chunks, kwargs_chunks, strict=True))
         weights = self._scalar_weights(target, outputs, chunks, sizes, (inputs, kwargs))
-        return gather(outputs, self.output_device, self.dim, sizes=sizes, weights=weights)
+        return merge_outputs(outputs, self.output_device, self.dim, sizes=sizes, weights=weights)
 
     # --- scalars in forward outputs (a transformers model's .loss) --------------------------------------------------
     def _scalar_weights(

@@ -30,7 +30,7 @@ from lightning_mgpu.parallel.scatter_gather import (
     is_namedtuple,
     iter_tensors,
     rebuild,
-    scatter,
+    split_batch,
 )
 
 Kind = Literal["samples", "sum", "replica_mean", "tokens"]
@@ -286,7 +286,7 @@ def _head(batch: Any, k: int, size: int, dim: int) -> Any:
 
 def _split(batch: Any, sizes: list[int], dim: int) -> list[Any]:
     device = next((t.device for _, t in iter_tensors(batch)), torch.device("cpu"))
-    return scatter(batch, [device] * len(sizes), dim, sizes=sizes)[0]
+    return split_batch(batch, [device] * len(sizes), dim, sizes=sizes)[0]
 
 
 def _label_candidates(batch: Any, dim: int) -> list[tuple[Path, Tensor]]:

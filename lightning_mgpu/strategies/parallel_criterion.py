@@ -16,9 +16,9 @@ import torch
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_mgpu.parallel.gather import gather
+from lightning_mgpu.parallel.merge import merge_outputs
 from lightning_mgpu.parallel.parallel_apply import ExecutionMode
-from lightning_mgpu.parallel.scatter_gather import NothingToSplitError, scatter, unsplittable_error
+from lightning_mgpu.parallel.scatter_gather import NothingToSplitError, split_batch, unsplittable_error
 from lightning_mgpu.strategies.experiments import run_side_effect_free
 from lightning_mgpu.strategies.loss_normalization import SAMPLES, Detection, LossNormalization, detect
 from lightning_mgpu.strategies.namespace import Accelerator, CheckpointIO, PrecisionPlugin
@@ -115,7 +115,7 @@ class ParallelCriterion(SingleProcessParallel):
             return reduce_training_outputs(outputs, sizes, self.root_device, rule, weights, self.dim)
         if chunks is None:
             return outputs[0]
-        return gather(outputs, self.root_device, self.dim, sizes=sizes)
+        return merge_outputs(outputs, self.root_device, self.dim, sizes=sizes)
 
     def _split(self, args: tuple[Any, ...]) -> tuple[list[Any] | None, list[int]]:
         """The batch's shards and sizes; ``(None, [1])`` when the step runs once, on the root (one device, or a
@@ -123,7 +123,7 @@ class ParallelCriterion(SingleProcessParallel):
         if len(self.parallel_devices) == 1 or not args:  # type: ignore[attr-defined]
             return None, [1]
         try:
-            chunks, sizes = scatter(args[0], self.parallel_devices, self.dim)  # type: ignore[attr-defined]
+            chunks, sizes = split_batch(args[0], self.parallel_devices, self.dim)  # type: ignore[attr-defined]
         except NothingToSplitError:
             unsplittable = unsplittable_error([("batch", args[0])])
             if unsplittable is not None:
