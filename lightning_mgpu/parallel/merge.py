@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from lightning_mgpu.parallel.devices import DeviceLike, to_device
+from lightning_mgpu.parallel.reduce import weighted_mean
 from lightning_mgpu.parallel.scatter_gather import (
     BatchSplitError,
     PerSample,
@@ -163,8 +164,7 @@ class _Merger:
             dtype = torch.promote_types(values[0].dtype, torch.float32)
             w = torch.stack([torch.as_tensor(x).to(self.device, dtype).reshape(()) for x in weights])
             stacked = torch.stack([v.to(dtype) for v in values])
-            kept = w > 0  # a replica with nothing to average (e.g. no valid token: a NaN mean) takes no part
-            return torch.where(kept, stacked, torch.zeros_like(stacked)).mul(w).sum() / w.sum()
+            return weighted_mean(stacked, w)
         floats = [float(w) for w in weights]
         total = sum(floats)
         return sum(float(o) * w for o, w in zip(outputs, floats, strict=True) if w > 0) / total

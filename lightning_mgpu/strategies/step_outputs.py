@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from lightning_mgpu.parallel.merge import merge_outputs
-from lightning_mgpu.parallel.reduce import as_float_weights, check_some_weight, reduce_losses
+from lightning_mgpu.parallel.reduce import as_float_weights, check_some_weight, reduce_losses, weighted_mean
 
 LOSS_WEIGHT_KEY = "loss_weight"
 LOSS_TERMS_KEY = "loss_terms"
@@ -49,7 +49,7 @@ class LossTermsTotal:
         for position in range(len(totals[0].terms)):
             values = torch.stack([t.terms[position][0].detach().to(device, dtype).reshape(()) for t in totals])
             w = torch.stack([torch.as_tensor(t.terms[position][1]).to(device, dtype).reshape(()) for t in totals])
-            merged = merged + (torch.where(w > 0, values, torch.zeros_like(values)) * w).sum() / w.sum()
+            merged = merged + weighted_mean(values, w)
         return merged
 
 
