@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from lightning_mgpu.parallel.devices import DeviceLike, to_device
-from lightning_mgpu.parallel.reduce import weighted_mean
+from lightning_mgpu.parallel.reduce import Weight, weighted_mean
 from lightning_mgpu.parallel.scatter_gather import (
     BatchSplitError,
     PerSample,
@@ -44,8 +44,6 @@ from lightning_mgpu.parallel.scatter_gather import (
     move_to,
     rebuild,
 )
-
-Weights = Sequence[float | int | Tensor]
 
 
 class ReplicaValues(list):
@@ -69,7 +67,7 @@ def merge_outputs(
     dim: int = 0,
     *,
     sizes: Sequence[int] | None = None,
-    weights: Mapping[str, Weights | str] | None = None,
+    weights: Mapping[str, Sequence[Weight] | str] | None = None,
 ) -> Any:
     """Merge per-replica ``outputs`` on ``device`` as one device would have returned them (differentiable).
 
@@ -103,7 +101,7 @@ def _read_sizes(outputs: Sequence[Any], dim: int) -> list[int] | None:
 
 class _Merger:
     def __init__(
-        self, device: torch.device, dim: int, sizes: list[int] | None, weights: Mapping[str, Weights | str]
+        self, device: torch.device, dim: int, sizes: list[int] | None, weights: Mapping[str, Sequence[Weight] | str]
     ) -> None:
         self.device = device
         self.dim = dim
