@@ -38,6 +38,7 @@ from lightning_mgpu.parallel.scatter_gather import (
     BatchSplitError,
     PerSample,
     batch_size_of,
+    contains_tensor,
     is_dataclass_instance,
     is_namedtuple,
     iter_tensors,
@@ -180,7 +181,7 @@ class _Merger:
 
     def _sequence(self, outputs: list[Any], path: str) -> Any:
         first = outputs[0]
-        plain_lists = all(isinstance(o, list) for o in outputs) and not any(_holds_tensor(o) for o in outputs)
+        plain_lists = all(isinstance(o, list) for o in outputs) and not any(contains_tensor(o) for o in outputs)
         if plain_lists and self.sizes is None:
             return [x for o in outputs for x in o]  # ids with no tensor beside them to count samples: one list
         if not is_namedtuple(first) and self._per_sample(outputs):
@@ -245,10 +246,6 @@ def _is_scalar(value: Any) -> bool:
     return isinstance(value, (str, bytes, int, float, bool, type(None), np.number)) or (
         isinstance(value, (Tensor, np.ndarray)) and value.ndim == 0
     )
-
-
-def _holds_tensor(obj: Any) -> bool:
-    return any(True for _ in iter_tensors(obj))
 
 
 def _concatenable(outputs: Sequence[Any], dim: int) -> bool:

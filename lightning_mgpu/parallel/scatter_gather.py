@@ -53,7 +53,8 @@ def is_dataclass_instance(obj: Any) -> bool:
     return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
 
 
-def _contains_tensor(obj: Any) -> bool:
+def contains_tensor(obj: Any) -> bool:
+    """Whether ``obj`` holds a tensor anywhere in its structure."""
     return any(True for _ in iter_tensors(obj))
 
 
@@ -66,7 +67,7 @@ def _is_per_sample_list(obj: Any, batch_size: int | None) -> bool:
     if batch_size is None or not isinstance(obj, (list, tuple)) or len(obj) != batch_size:
         return False
     if isinstance(obj, list):
-        return not _contains_tensor(obj)
+        return not contains_tensor(obj)
     return _is_tuple_of_strings(obj)
 
 
@@ -74,29 +75,38 @@ def _is_tuple_of_strings(obj: Any) -> bool:
     return isinstance(obj, tuple) and not is_namedtuple(obj) and all(isinstance(x, str) for x in obj)
 
 
-def iter_tensors(
+def iter_nodes(
     obj: Any, path: str = "batch", per_sample: list[tuple[str, PerSample]] | None = None
-) -> Iterator[tuple[str, Tensor]]:
-    """Yield ``(key path, tensor)`` for every tensor in a nested structure, e.g. ``('batch["mask"]', tensor)``.
+) -> Iterator[tuple[str, Any]]:
+    """Yield ``(key path, node)`` for ``obj`` and everything nested in it, outermost first: the one reading walker.
 
-    With a ``per_sample`` list, :class:`PerSample` lists are appended to it (with their paths) instead of entered.
+    Paths read as error messages print them (``batch["mask"]``, ``batch[0]``, ``output.logits``). Mappings
+    (``ModelOutput`` included), namedtuples, lists, tuples and dataclasses are entered. With a ``per_sample`` list,
+    :class:`PerSample` lists are appended to it (with their paths) instead of yielded and entered.
     """
     if per_sample is not None and isinstance(obj, PerSample):
         per_sample.append((path, obj))
-    elif isinstance(obj, Tensor):
-        yield path, obj
-    elif isinstance(obj, Mapping):
-        for key, value in obj.items():
-            yield from iter_tensors(value, f"{path}[{key!r}]", per_sample)
+        return
+    yield path, obj
+    if isinstance(obj, Mapping):
+        children: Iterable[tuple[str, Any]] = ((f"{path}[{k!r}]", v) for k, v in obj.items())
     elif is_namedtuple(obj):
-        for field in obj._fields:
-            yield from iter_tensors(getattr(obj, field), f"{path}.{field}", per_sample)
+        children = ((f"{path}.{name}", getattr(obj, name)) for name in obj._fields)
     elif isinstance(obj, (list, tuple)):
-        for i, value in enumerate(obj):
-            yield from iter_tensors(value, f"{path}[{i}]", per_sample)
+        children = ((f"{path}[{i}]", v) for i, v in enumerate(obj))
     elif is_dataclass_instance(obj):
-        for field in dataclasses.fields(obj):
-            yield from iter_tensors(getattr(obj, field.name), f"{path}.{field.name}", per_sample)
+        children = ((f"{path}.{f.name}", getattr(obj, f.name)) for f in dataclasses.fields(obj))
+    else:
+        return
+    for child_path, child in children:
+        yield from iter_nodes(child, child_path, per_sample)
+
+
+def iter_tensors(
+    obj: Any, path: str = "batch", per_sample: list[tuple[str, PerSample]] | None = None
+) -> Iterator[tuple[str, Tensor]]:
+    """Yield ``(key path, tensor)`` for every tensor in a nested structure, e.g. ``('batch["mask"]', tensor)``."""
+    return ((p, node) for p, node in iter_nodes(obj, path, per_sample) if isinstance(node, Tensor))
 
 
 def batch_size_of(obj: Any, dim: int = 0, path: str = "batch") -> int:
@@ -165,15 +175,17 @@ def _per_sample_hint(roots: Sequence[tuple[str, Any]], tensors: Sequence[tuple[s
 
 def _item_lists(obj: Any, path: str) -> Iterator[tuple[str, Sequence[Any]]]:
     """Every list or plain tuple of dicts, dataclasses or tensors in ``obj``, outermost first, with its key path."""
-    if isinstance(obj, (list, tuple)) and not is_namedtuple(obj) and obj:
-        kinds = (Mapping, Tensor)
-        if any(all(isinstance(x, k) for x in obj) for k in kinds) or all(is_dataclass_instance(x) for x in obj):
-            yield path, obj
-        for i, value in enumerate(obj):
-            yield from _item_lists(value, f"{path}[{i}]")
-    elif isinstance(obj, Mapping):
-        for key, value in obj.items():
-            yield from _item_lists(value, f"{path}[{key!r}]")
+    for where, node in iter_nodes(obj, path):
+        if _is_plain_sequence(node) and (
+            any(all(isinstance(x, k) for x in node) for k in (Mapping, Tensor))
+            or all(is_dataclass_instance(x) for x in node)
+        ):
+            yield where, node
+
+
+def _is_plain_sequence(obj: Any) -> bool:
+    """A non-empty list or tuple that is not a namedtuple (a fixed structure)."""
+    return isinstance(obj, (list, tuple)) and not is_namedtuple(obj) and bool(obj)
 
 
 def _common_size(tensors: Iterable[tuple[str, Tensor]], dim: int, what: str) -> int:
@@ -411,11 +423,11 @@ def unsplittable_error(roots: Sequence[tuple[str, Any]]) -> BatchSplitError | No
 
 
 def _string_sequences(obj: Any, path: str) -> Iterator[tuple[str, int]]:
-    if isinstance(obj, (list, tuple)) and not is_namedtuple(obj) and obj and all(isinstance(x, str) for x in obj):
-        yield path, len(obj)
-    elif isinstance(obj, Mapping):
-        for key, value in obj.items():
-            yield from _string_sequences(value, f"{path}[{key!r}]")
-    elif isinstance(obj, (list, tuple)):
-        for i, value in enumerate(obj):
-            yield from _string_sequences(value, f"{path}[{i}]")
+    for where, node in iter_nodes(obj, path):
+        if (
+            isinstance(node, (list, tuple))
+            and not is_namedtuple(node)
+            and node
+            and all(isinstance(x, str) for x in node)
+        ):
+            yield where, len(node)
