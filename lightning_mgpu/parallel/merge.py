@@ -117,9 +117,7 @@ class _Merger:
             raise _partial(path, "None", nones, len(outputs))
         first = outputs[0]
         if isinstance(first, PerSample):
-            if not all(isinstance(o, PerSample) for o in outputs):
-                raise _mismatch(outputs, path, "a PerSample list")
-            return PerSample(move_to(item, self.device) for o in outputs for item in o)
+            return self._per_sample_lists(outputs, path)
         if isinstance(first, (Tensor, np.ndarray)):
             return self._arrays(outputs, path)
         if _is_number(first):
@@ -129,11 +127,20 @@ class _Merger:
         if isinstance(first, (list, tuple)):
             return self._sequence(outputs, path)
         if is_dataclass_instance(first):
-            if not all(type(o) is type(first) for o in outputs):
-                raise _mismatch(outputs, path, f"a {type(first).__name__}")
-            names = [f.name for f in dataclasses.fields(first)]
-            return rebuild(first, [self.merge([getattr(o, n) for o in outputs], f"{path}.{n}") for n in names])
+            return self._dataclasses(outputs, path)
         return first if all_equal(outputs) else ReplicaValues(outputs)
+
+    def _per_sample_lists(self, outputs: list[Any], path: str) -> PerSample:
+        if not all(isinstance(o, PerSample) for o in outputs):
+            raise _mismatch(outputs, path, "a PerSample list")
+        return PerSample(move_to(item, self.device) for o in outputs for item in o)
+
+    def _dataclasses(self, outputs: list[Any], path: str) -> Any:
+        first = outputs[0]
+        if not all(type(o) is type(first) for o in outputs):
+            raise _mismatch(outputs, path, f"a {type(first).__name__}")
+        names = [f.name for f in dataclasses.fields(first)]
+        return rebuild(first, [self.merge([getattr(o, n) for o in outputs], f"{path}.{n}") for n in names])
 
     def _arrays(self, outputs: list[Any], path: str) -> Any:
         first = outputs[0]

@@ -269,13 +269,18 @@ def rebuild(template: Any, values: Sequence[Any] | Mapping[str, Any]) -> Any:
         except TypeError:
             return list(values) if isinstance(template, list) else tuple(values)
     if is_dataclass_instance(template):
-        init_fields = {f.name: v for f, v in zip(dataclasses.fields(template), values, strict=True) if f.init}
-        obj = type(template)(**init_fields)
-        for f, v in zip(dataclasses.fields(template), values, strict=True):
-            if not f.init:
-                object.__setattr__(obj, f.name, v)
-        return obj
+        return _rebuild_dataclass(template, values)
     raise TypeError(f"Cannot rebuild a {type(template).__name__}.")
+
+
+def _rebuild_dataclass(template: Any, values: Sequence[Any]) -> Any:
+    """A dataclass like ``template`` with its fields set to ``values`` (``init=False`` fields included)."""
+    fields = list(zip(dataclasses.fields(template), values, strict=True))
+    obj = type(template)(**{f.name: v for f, v in fields if f.init})
+    for f, v in fields:
+        if not f.init:
+            object.__setattr__(obj, f.name, v)
+    return obj
 
 
 def _map_structure(obj: Any, leaf_fn: Callable[[Any], Any], batch_size: int | None) -> Any:
