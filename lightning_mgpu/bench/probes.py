@@ -22,7 +22,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from typing_extensions import override
 
 from lightning_mgpu.callbacks.device_memory import distinct_devices, strategy_devices
-from lightning_mgpu.parallel.scatter_gather import batch_size_of, scatter
+from lightning_mgpu.parallel.scatter_gather import batch_size_of, split_batch
 
 TOKEN_KEYS = ("attention_mask", "input_ids")
 
@@ -166,7 +166,7 @@ def measure_step_flops(module: L.LightningModule, batch: Any, samples: int = 2) 
     size = batch_size_fn(batch)
     take = max(1, min(samples, size))
     device = next((p.device for p in module.parameters()), torch.device("cpu"))
-    head = batch if take == size else scatter(batch, [device, device], sizes=[take, size - take])[0][0]
+    head = batch if take == size else split_batch(batch, [device, device], sizes=[take, size - take])[0][0]
     clone = copy.deepcopy(module)  # ``_trainer`` is dropped by LightningModule.__getstate__
 
     def step() -> Any:
