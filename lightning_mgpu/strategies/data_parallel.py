@@ -44,7 +44,7 @@ from lightning_mgpu.strategies.namespace import Accelerator, CheckpointIO, Preci
 from lightning_mgpu.strategies.single_process import SingleProcessParallel
 
 
-class DataParallel(SingleProcessParallel):
+class DataParallelStrategyBase(SingleProcessParallel):
     """One process, N devices: forward replicated, outputs gathered on ``output_device`` (``nn.DataParallel``).
 
     Args:
@@ -148,6 +148,7 @@ class DataParallel(SingleProcessParallel):
                 ) from err
         return targets
 
+    @override
     def _run_step(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         module = self.lightning_module  # type: ignore[attr-defined]
         self._in_step, self._forward_calls = True, 0
@@ -245,7 +246,7 @@ class ParallelForward:
     Copies and pickles of the module get a plain bound ``forward`` instead, so an EMA copy or a pickled module never
     carries the strategy along."""
 
-    def __init__(self, strategy: DataParallel, target: nn.Module) -> None:
+    def __init__(self, strategy: DataParallelStrategyBase, target: nn.Module) -> None:
         self.strategy = strategy
         self.target = target
 

@@ -37,7 +37,7 @@ from lightning_mgpu.strategies.step_outputs import (
 )
 
 
-class ParallelCriterion(SingleProcessParallel):
+class ParallelCriterionStrategyBase(SingleProcessParallel):
     """One process, N devices: forward and loss on every device, shard losses combined exactly on the root.
 
     Args:
@@ -86,6 +86,7 @@ class ParallelCriterion(SingleProcessParallel):
         super().setup(trainer)
 
     # --- the step ----------------------------------------------------------------------------------------------------
+    @override
     def _run_step(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         module = self.lightning_module  # type: ignore[attr-defined]
         weights: list[Any] | None = None

@@ -83,7 +83,8 @@ class SingleProcessParallel:
     # Lightning's connector reads `strategy._accelerator` when a Trainer receives a strategy instance; once a Trainer
     # has configured this instance, a second Trainer would share (and fight over) its accelerator, precision and
     # devices. Say so, instead of Lightning's "accelerator set through both strategy class and accelerator flag".
-    @property  # type: ignore[override]
+    @property  # type: ignore[override]  # Lightning's is a plain attribute-backed property; this one guards reuse
+    @override
     def accelerator(self) -> Any:
         return self.__dict__.get("_mgpu_accelerator")
 
@@ -128,6 +129,7 @@ class SingleProcessParallel:
         return 1
 
     @property
+    @override
     def is_distributed(self) -> bool:
         """False: Lightning then adds no DistributedSampler and makes ``self.log(sync_dist=True)`` a no-op."""
         return False
