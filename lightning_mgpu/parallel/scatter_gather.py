@@ -18,12 +18,14 @@ import dataclasses
 import itertools
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
 
 from lightning_mgpu.parallel.devices import DeviceLike, to_device
+
+T = TypeVar("T")
 
 
 class BatchSplitError(ValueError):
@@ -408,6 +410,19 @@ def move_to(obj: Any, device: DeviceLike) -> Any:
     """``obj`` with every tensor moved to ``device`` (differentiable), structure preserved."""
     target = to_device(device)
     return _map_structure(obj, lambda leaf: leaf.to(target) if isinstance(leaf, Tensor) else leaf, None)
+
+
+def split_or_run_once(split: Callable[[], T], roots: Sequence[tuple[str, Any]]) -> T | None:
+    """``split()``, or ``None`` when the inputs (``roots``: ``(name, value)`` pairs) hold nothing to split: the caller
+    then runs once, unsplit, as ``nn.DataParallel`` runs a module whose inputs hold no tensor. The one path for that
+    decision, shared by the modules and both strategies."""
+    try:
+        return split()
+    except NothingToSplitError:
+        error = unsplittable_error(roots)
+        if error is not None:
+            raise error from None
+        return None
 
 
 def unsplittable_error(roots: Sequence[tuple[str, Any]]) -> BatchSplitError | None:

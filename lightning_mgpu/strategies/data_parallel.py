@@ -27,12 +27,11 @@ from lightning_mgpu.parallel.devices import DeviceLike, to_device
 from lightning_mgpu.parallel.merge import merge_outputs
 from lightning_mgpu.parallel.parallel_apply import ExecutionMode
 from lightning_mgpu.parallel.scatter_gather import (
-    NothingToSplitError,
     args_batch_size,
     argument_roots,
     iter_tensors,
     split_arguments,
-    unsplittable_error,
+    split_or_run_once,
 )
 from lightning_mgpu.strategies.loss_normalization import (
     SAMPLES,
@@ -179,12 +178,10 @@ class DataParallelStrategyBase(SingleProcessParallel):
         if not self._in_step:
             return original(*inputs, **kwargs)  # outside a step (a callback's self(x)): a plain call
         self._forward_calls += 1
-        try:
-            batch_size = args_batch_size(inputs, kwargs, self.dim)
-        except NothingToSplitError:
-            unsplittable = unsplittable_error(argument_roots(inputs, kwargs))
-            if unsplittable is not None:
-                raise unsplittable from None
+        batch_size = split_or_run_once(
+            lambda: args_batch_size(inputs, kwargs, self.dim), argument_roots(inputs, kwargs)
+        )
+        if batch_size is None:
             return original(*inputs, **kwargs)  # nothing to split: run once, on the root
         devices = self.parallel_devices  # type: ignore[attr-defined]
         args_chunks, kwargs_chunks, sizes = split_arguments(inputs, kwargs, devices, self.dim, batch_size=batch_size)

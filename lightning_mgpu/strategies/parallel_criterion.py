@@ -18,7 +18,7 @@ from typing_extensions import override
 
 from lightning_mgpu.parallel.merge import merge_outputs
 from lightning_mgpu.parallel.parallel_apply import ExecutionMode
-from lightning_mgpu.parallel.scatter_gather import NothingToSplitError, split_batch, unsplittable_error
+from lightning_mgpu.parallel.scatter_gather import split_batch, split_or_run_once
 from lightning_mgpu.strategies.loss_normalization import (
     SAMPLES,
     LossNormalization,
@@ -125,17 +125,12 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
 
     def _split(self, args: tuple[Any, ...]) -> tuple[list[Any] | None, list[int]]:
         """The batch's shards and sizes; ``(None, [1])`` when the step runs once, on the root (one device, or a
-        batch without a batch dimension, as ``nn.DataParallel`` runs a module whose inputs hold no tensor)."""
-        if len(self.parallel_devices) == 1 or not args:  # type: ignore[attr-defined]
+        batch without a batch dimension)."""
+        devices = self.parallel_devices  # type: ignore[attr-defined]
+        if len(devices) == 1 or not args:
             return None, [1]
-        try:
-            chunks, sizes = split_batch(args[0], self.parallel_devices, self.dim)  # type: ignore[attr-defined]
-        except NothingToSplitError:
-            unsplittable = unsplittable_error([("batch", args[0])])
-            if unsplittable is not None:
-                raise unsplittable from None
-            return None, [1]
-        return chunks, sizes
+        split = split_or_run_once(lambda: split_batch(args[0], devices, self.dim), [("batch", args[0])])
+        return split if split is not None else (None, [1])
 
     # --- the loss rule -----------------------------------------------------------------------------------------------
     def _known_rule(self, batch: Any) -> tuple[LossNormalization, str | None]:
