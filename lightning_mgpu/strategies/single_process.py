@@ -28,10 +28,6 @@ from lightning_mgpu.parallel.parallel_apply import EXECUTION_MODES, ExecutionMod
 from lightning_mgpu.strategies.lightning_replicas import LightningReplicas
 from lightning_mgpu.strategies.namespace import Accelerator, CheckpointIO, LightningNamespace, PrecisionPlugin
 
-#: Called after every replicated call with the replicated module and the replicas' outputs (benchmarks count the
-#: bytes a step moves with it); ``None`` costs nothing.
-ReplicatedCallObserver = Callable[[nn.Module, Sequence[Any]], None]
-
 
 def _public_list_lengths(module: nn.Module) -> dict[str, int]:
     return {name: len(value) for name, value in vars(module).items() if isinstance(value, list) and name[0] != "_"}
@@ -72,7 +68,6 @@ class SingleProcessParallel:
             raise TypeError(f"dim must be an int (the batch dimension), got {dim!r}.")
         self.dim = dim
         self.execution_mode: ExecutionMode = execution_mode
-        self.replicated_call_observer: ReplicatedCallObserver | None = None
         self._replicas: dict[int, LightningReplicas] = {}
         self._converted_batchnorm = False
         self._announced: set[str] = set()
@@ -245,8 +240,6 @@ class SingleProcessParallel:
         outputs = replicas.run(len(sample_counts), call, self._mode_for(replicas, len(sample_counts)))
         implied = implied_weights(outputs) if implied_weights is not None else [{} for _ in outputs]
         replicas.merge_into(self.lightning_module, sample_counts, implied)  # type: ignore[attr-defined]
-        if self.replicated_call_observer is not None:
-            self.replicated_call_observer(module, outputs)
         self._warn_on_grown_lists(module, list_lengths, len(outputs))
         return outputs
 
