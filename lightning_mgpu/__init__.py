@@ -33,6 +33,8 @@ from lightning_mgpu.parallel import (
     replicate,
     revert_sync_batchnorm,
     scatter,
+    split_batch,
+    uses_sync_batchnorm,
 )
 from lightning_mgpu.registration import register_on_import, register_strategies
 from lightning_mgpu.strategies.step_outputs import LOSS_TERMS_KEY, LOSS_WEIGHT_KEY
@@ -49,6 +51,11 @@ def __getattr__(name: str) -> Any:
 
         return getattr(lightning_pytorch, name)
     raise AttributeError(f"module 'lightning_mgpu' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """Every public name, the lazily imported strategy classes included (for ``dir()`` and tab completion)."""
+    return sorted({*globals(), *__all__})
 
 
 register_on_import()
@@ -79,4 +86,6 @@ __all__ = [
     "replicate",
     "revert_sync_batchnorm",
     "scatter",
+    "split_batch",
+    "uses_sync_batchnorm",
 ]

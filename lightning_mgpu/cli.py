@@ -14,9 +14,12 @@ imports nothing heavy at the top, so the benchmark's entry point can share these
 
 from __future__ import annotations
 
+import difflib
 import importlib
+import logging
 import os
 import sys
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from itertools import pairwise
@@ -58,13 +61,22 @@ def missing_extra_module(error: BaseException) -> str | None:
     return None
 
 
-def _config_class_paths(args: Sequence[str]) -> Iterator[str]:
-    """Every ``class_path`` string in the YAML files given with ``-c``/``--config`` (unreadable files are skipped:
-    LightningCLI reports those itself)."""
+def _configs(args: Sequence[str]) -> Iterator[Any]:
+    """The YAML documents given with ``-c``/``--config`` (unreadable files are skipped: LightningCLI reports those)."""
     import yaml
 
     files = [b for a, b in pairwise(args) if a in ("-c", "--config")]
     files += [a.split("=", 1)[1] for a in args if a.startswith("--config=")]
+    for file in files:
+        try:
+            with open(file) as f:
+                yield yaml.safe_load(f)
+        except (OSError, yaml.YAMLError):
+            continue
+
+
+def _config_class_paths(args: Sequence[str]) -> Iterator[str]:
+    """Every ``class_path`` string in the configs given with ``-c``/``--config``."""
 
     def walk(node: Any) -> Iterator[str]:
         if isinstance(node, dict):
@@ -76,12 +88,45 @@ def _config_class_paths(args: Sequence[str]) -> Iterator[str]:
             for value in node:
                 yield from walk(value)
 
-    for file in files:
-        try:
-            with open(file) as f:
-                yield from walk(yaml.safe_load(f))
-        except (OSError, yaml.YAMLError):
-            continue
+    for config in _configs(args):
+        yield from walk(config)
+
+
+def _strategy_names(args: Sequence[str]) -> Iterator[str]:
+    """``trainer.strategy`` given as a name, in the configs or on the command line."""
+    for config in _configs(args):
+        trainer = config.get("trainer") if isinstance(config, dict) else None
+        if isinstance(trainer, dict) and isinstance(trainer.get("strategy"), str):
+            yield trainer["strategy"]
+    for a, b in pairwise(["", *args]):
+        if b.startswith("--trainer.strategy="):
+            yield b.split("=", 1)[1]
+        elif a == "--trainer.strategy" and not b.startswith("-"):
+            yield b
+
+
+def check_strategy_names(command: str, args: Sequence[str]) -> None:
+    """Refuse a ``trainer.strategy`` name that ``lightning.pytorch`` does not know, naming the closest registered
+    ones (Lightning's own error lists choices without ours), and a ``pytorch_lightning`` strategy class in this
+    ``lightning.pytorch`` CLI."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    known = [*StrategyRegistry.available_strategies(), "auto"]
+    for name in _strategy_names(args):
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+            hint = f" Did you mean {' or '.join(map(repr, close))}?" if close else ""
+            raise ClassPathError(
+                f"{command}: unknown strategy {name!r}.{hint} This package registers 'parallel_criterion' and 'dp' "
+                "(alias 'data_parallel'); Lightning's own include 'ddp' and 'auto'."
+            )
+    for class_path in _config_class_paths(args):
+        if class_path.startswith("lightning_mgpu.strategies.pytorch_lightning."):
+            name = class_path.rpartition(".")[2]
+            raise ClassPathError(
+                f"{command}: {class_path} is a pytorch_lightning strategy, but this command runs lightning.pytorch's "
+                f"Trainer: use class_path: lightning_mgpu.{name}."
+            )
 
 
 def check_recipes_extra(command: str, args: Sequence[str] = (), modules: Iterable[str] = ("jsonargparse",)) -> None:
@@ -107,19 +152,28 @@ def check_recipes_extra(command: str, args: Sequence[str] = (), modules: Iterabl
             missing = missing_extra_module(err)
             if missing is not None:
                 raise MissingExtraError(missing, command) from err
+            if err.name is not None and module_name.startswith(err.name.partition(".")[0]):
+                raise ClassPathError(
+                    f"{command}: cannot import {module_name!r} (a class_path in the config): no module named "
+                    f"{err.name!r} here. Recipe class paths (recipes.*) import from the current directory: run the "
+                    "command from the root of your lightning-mgpu clone, or put that folder on PYTHONPATH."
+                ) from err
         except Exception:  # any other problem with the class is LightningCLI's to report, with its context
             continue
 
 
+class ClassPathError(RuntimeError):
+    """A config's ``class_path`` names a module that cannot be imported from here; the message says where to run."""
+
+
 @contextmanager
 def exit_on_missing_extra(command: str) -> Iterator[None]:
-    """Turn a missing module of the ``[recipes]`` extra into its one-paragraph message on stderr and exit status 1.
-
-    Anything else propagates unchanged.
+    """Turn a missing module of the ``[recipes]`` extra, or a class path that does not import from here, into its
+    one-paragraph message on stderr and exit status 1. Anything else propagates unchanged.
     """
     try:
         yield
-    except MissingExtraError as err:
+    except (MissingExtraError, ClassPathError) as err:
         print(err, file=sys.stderr)
         raise SystemExit(1) from None
     except Exception as err:
@@ -164,19 +218,44 @@ def main(args: Sequence[str] | None = None, run: bool = True) -> LightningCLI | 
     A missing module of the ``[recipes]`` extra exits with status 1 and a message saying how to install it.
     """
     put_cwd_on_sys_path()
-    with exit_on_missing_extra("lightning-mgpu"):
-        check_recipes_extra("lightning-mgpu", sys.argv[1:] if args is None else args)
+    prog = program_name()
+    given = sys.argv[1:] if args is None else list(args)
+    with exit_on_missing_extra(prog):
+        check_recipes_extra(prog, given)
         from lightning.pytorch.cli import LightningCLI
 
         import lightning_mgpu  # noqa: F401  (registers the strategies with Lightning's StrategyRegistry)
 
+        check_strategy_names(prog, given)
+        quiet_dependencies()
         cli = LightningCLI(
             model_class=None,
             datamodule_class=None,
             subclass_mode_model=True,
             subclass_mode_data=True,
             save_config_kwargs={"overwrite": True},
+            parser_kwargs={"prog": prog},
             args=list(args) if args is not None else None,
             run=run,
         )
     return cli if args is not None else None
+
+
+def program_name() -> str:
+    """How the user ran the command: ``python -m lightning_mgpu`` or the ``lightning-mgpu`` script."""
+    script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    return "python -m lightning_mgpu" if script in ("__main__.py", "-m", "-c", "") else script
+
+
+def quiet_dependencies() -> None:
+    """Drop what dependencies print on every run that no user of this command can act on: Lightning's tips to
+    install its cloud loggers, and a deprecation inside Lightning's own pytree code. For this CLI's process only:
+    the library never filters a user's warnings or logs."""
+    message = r".*isinstance\(treespec, LeafSpec\)`? is deprecated"
+    if not any(f[0] == "ignore" and f[1] is not None and f[1].pattern == message for f in warnings.filters):
+        warnings.filterwarnings("ignore", message=message)
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_drop_tips)  # idempotent
+
+
+def _drop_tips(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("💡 Tip")

@@ -233,7 +233,7 @@ class DataParallelStrategyBase(SingleProcessParallel):
             "--trainer.strategy.init_args.loss_reduction=...), or compute the loss in the step from the gathered "
             "outputs (call the model without labels)"
         )
-        warnings.warn(assumed_samples_notice(f"dp: {where}", fixes), UserWarning, stacklevel=2)
+        warnings.warn(assumed_samples_notice("dp", where, fixes), UserWarning, stacklevel=2)
         return SAMPLES
 
 

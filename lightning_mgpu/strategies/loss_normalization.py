@@ -80,7 +80,7 @@ class LossNormalization:
             return "an equal-weight mean over devices"
         weighted = ", weighted by class" if self.class_weight is not None else ""
         shift = ", shifted by one position as causal LMs do" if self.shifted else ""
-        return f"a mean over the entries of {show(self.key)} that are not {self.ignore_index}{weighted}{shift}"
+        return f"a mean over the labels in {show(self.key)} that are not {self.ignore_index}{weighted}{shift}"
 
     def weights(self, chunks: Sequence[Any], sample_counts: Sequence[int]) -> list[Weight]:
         """Each replica's weight under this rule (``samples`` and ``tokens``; the others have none)."""
@@ -109,11 +109,12 @@ SAMPLES = LossNormalization("samples")
 SUM = LossNormalization("sum")
 
 
-def assumed_samples_notice(what: str, fixes: str) -> str:
+def assumed_samples_notice(strategy: str, what: str, fixes: str) -> str:
     """The one line said once when nothing declares the rule: the assumption, and ``fixes`` that work for it."""
     return (
-        f"{what}: nothing says how it is normalised, so each device's value is weighted by its sample count, which "
-        f"equals one device for a per-sample mean. For a sum or a mean over tokens or non-ignored labels, {fixes}."
+        f"{strategy}: nothing says how {what} is normalised, so each device's value is weighted by its sample count, "
+        f"which equals one device for a per-sample mean. For a sum or a mean over tokens or non-ignored labels, "
+        f"{fixes}."
     )
 
 

@@ -163,5 +163,5 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
             "averages over>} from training_step. A loss that couples samples across the batch (contrastive) needs "
             "self.all_gather(..., sync_grads=True) in the step, or strategy='dp'"
         )
-        notice = assumed_samples_notice("parallel_criterion: the training loss", fixes)
+        notice = assumed_samples_notice("parallel_criterion", "the training loss", fixes)
         warnings.warn(notice, UserWarning, stacklevel=2)

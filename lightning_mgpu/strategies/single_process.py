@@ -24,7 +24,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_mgpu.parallel import sync_batchnorm
-from lightning_mgpu.parallel.parallel_apply import EXECUTION_MODES, ExecutionMode, add_note
+from lightning_mgpu.parallel.parallel_apply import EXECUTION_MODES, ExecutionMode, add_note, resolve_mode
 from lightning_mgpu.strategies.lightning_replicas import LightningReplicas
 from lightning_mgpu.strategies.namespace import Accelerator, CheckpointIO, LightningNamespace, PrecisionPlugin
 
@@ -175,6 +175,29 @@ class SingleProcessParallel:
             sync_batchnorm.convert_sync_batchnorm(trainer.lightning_module)
             self._converted_batchnorm = True
         super().setup(trainer)  # type: ignore[misc]
+        self._say_setup()
+
+    def _say_setup(self) -> None:
+        """One line, beside Lightning's own ("GPU available: ..."): the replicas, their devices and how they run; a
+        warning instead when a multi-device strategy got one device, where nothing is split."""
+        devices = list(self.parallel_devices)  # type: ignore[attr-defined]
+        name = self.strategy_name
+        if len(devices) == 1:
+            warnings.warn(
+                f"{name} is running on one device ({devices[0]}): every step runs unsplit, as without the strategy. "
+                "Pass devices=N for N replicas (Trainer(accelerator='cpu', devices=2) tries 2 virtual CPU devices).",
+                UserWarning,
+                stacklevel=2,
+            )
+            return
+        mode = {"threads": "in threads, one per device", "sequential": "one after another"}[
+            resolve_mode(self.execution_mode, devices)
+        ]
+        chosen = " (execution_mode='auto')" if self.execution_mode == "auto" else ""
+        physical = len({(d.type, d.index) for d in devices})
+        virtual = f"; virtual devices: {physical} physical device(s)" if physical < len(devices) else ""
+        where = ", ".join(str(d) for d in devices)
+        self._log(f"{name}: {len(devices)} replicas on {where}{virtual}; replicas run {mode}{chosen}.")
 
     @override
     def teardown(self) -> None:

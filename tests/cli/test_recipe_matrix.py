@@ -56,6 +56,8 @@ def _fit(recipe: str, overlay: str, cwd: Path, *overrides: str) -> GroupRun:
     run = run_in_process_group(command, TIMEOUT_S, cwd=cwd, env=_env(), log=cwd / "output.log")
     assert not run.timed_out and run.returncode == 0, run.describe()
     assert f"`Trainer.fit` stopped: `max_steps={STEPS}` reached." in run.output, run.describe()
+    # What no user can act on stays out of the CLI's output: Lightning's cloud-logger tips, its own deprecation.
+    assert "Tip:" not in run.output and "LeafSpec" not in run.output, run.describe()
     return run
 
 
@@ -77,8 +79,8 @@ def test_pyramidnet_quickstart(overlay: str, tmp_path: Path) -> None:
         "--data.init_args.synthetic_test_size=64",
         "--data.init_args.batch_size=32",
     )
-    lines = [line for line in run.output.splitlines() if line.strip()]
-    # FinalReport's summary is the last line (after the progress bar's final render), printed once (rank 0).
+    lines = run.output.splitlines()
+    # FinalReport's summary is the last line (`| tail -1` shows it: no blank line after it), printed once (rank 0).
     assert lines[-1].startswith("PyramidNet quickstart: val_acc="), run.describe()
     assert f", {STEPS} steps, " in lines[-1], run.describe()
     assert sum(line.startswith("PyramidNet quickstart:") for line in lines) == 1, run.describe()
@@ -107,6 +109,9 @@ def test_bert_quickstart(overlay: str, bert_work_dir: Path, tmp_path: Path) -> N
         "--trainer.limit_train_batches=4",
         "--trainer.log_every_n_steps=1",
     )
+    summary = run.output.splitlines()[-1]  # the last line, as `| tail -1` shows it
+    assert summary.startswith("BERT quickstart: val/mlm_acc="), run.describe()
+    assert f"{STEPS} steps" in summary and "logs in " in summary and "checkpoints in " in summary, summary
     logs = tmp_path / "lightning_logs" / "bert-quickstart"
     # The default ModelCheckpoint saved the last state: it has trained STEPS optimizer steps.
     checkpoints = sorted(logs.rglob("*.ckpt"))
