@@ -36,6 +36,7 @@ from lightning_mgpu.parallel import (
     split_batch,
     uses_sync_batchnorm,
 )
+from lightning_mgpu.parallel.collectives import local_rows
 from lightning_mgpu.registration import register_on_import, register_strategies
 from lightning_mgpu.strategies.step_outputs import LOSS_TERMS_KEY, LOSS_WEIGHT_KEY
 
@@ -79,6 +80,7 @@ __all__ = [
     "check_loss_reduction",
     "convert_sync_batchnorm",
     "gather",
+    "local_rows",
     "merge_outputs",
     "parallel_apply",
     "reduce_losses",

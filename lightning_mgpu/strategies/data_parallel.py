@@ -115,6 +115,11 @@ class DataParallelStrategyBase(SingleProcessParallel):
         return (cls.strategy_name, "data_parallel")
 
     @property
+    @override
+    def _collectives_hint(self) -> str:
+        return "Under dp the step runs once, on the root, where collectives are identities: call them in the step."
+
+    @property
     def output_device(self) -> torch.device:
         """The device outputs are gathered on."""
         return self.root_device if self._output_device is None else to_device(self._output_device)

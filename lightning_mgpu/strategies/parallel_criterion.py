@@ -27,6 +27,7 @@ from lightning_mgpu.strategies.loss_normalization import (
     uncombinable_loss,
 )
 from lightning_mgpu.strategies.namespace import Accelerator, CheckpointIO, PrecisionPlugin
+from lightning_mgpu.strategies.replica_collectives import collective_call_in_source
 from lightning_mgpu.strategies.single_process import SingleProcessParallel
 from lightning_mgpu.strategies.step_outputs import (
     LOSS_TERMS_KEY,
@@ -49,6 +50,10 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
             ``batch[<key>]`` that are not -100 (shifted: as causal LMs shift labels), weighted by each shard's count;
             ``"replica_mean"``: equal weights (Lightning 1.x ``dp``; not one device's result on uneven shards). A
             step that returns ``loss_weight`` or ``loss_terms`` is weighted by them whatever this says.
+        collectives: whether ``training_step`` (or what it calls on the module) uses ``self.all_gather``,
+            ``strategy.reduce``, ``broadcast``, ``barrier`` or ``reduce_boolean_decision``, which then act across the
+            replicas, so that the replicas run in threads and meet. ``None`` (default): read from the module's source
+            code (never by running it); ``True`` / ``False`` say it.
         dim: the batch dimension to split along.
         execution_mode: ``"auto"`` (threads on distinct GPUs, else sequential), ``"threads"`` or ``"sequential"``.
 
@@ -67,10 +72,12 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: PrecisionPlugin | None = None,
         loss_reduction: str = "auto",
+        collectives: bool | None = None,
         dim: int = 0,
         execution_mode: ExecutionMode = "auto",
     ) -> None:
         super().__init__(accelerator, parallel_devices, checkpoint_io, precision_plugin, dim, execution_mode)
+        self.collectives = collectives
         self.normalization = LossNormalization.parse(loss_reduction)
         self.loss_reduction = loss_reduction
         self._rule_said = False
@@ -131,6 +138,15 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
             return None, [1]
         split = split_or_run_once(lambda: split_batch(args[0], devices, self.dim), [("batch", args[0])])
         return split if split is not None else (None, [1])
+
+    @override
+    def _collectives_reason(self, module: nn.Module) -> str | None:
+        if self.collectives is False:
+            return None
+        if self.collectives:
+            return "collectives=True"
+        found = collective_call_in_source(module)
+        return f"{found} in the module's code" if found is not None else None
 
     # --- the loss rule -----------------------------------------------------------------------------------------------
     def _known_rule(self, batch: Any) -> tuple[LossNormalization, str | None]:

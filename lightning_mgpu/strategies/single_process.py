@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from typing_extensions import override
 
-from lightning_mgpu.parallel import sync_batchnorm
+from lightning_mgpu.parallel import collectives, sync_batchnorm
 from lightning_mgpu.parallel.parallel_apply import EXECUTION_MODES, ExecutionMode, add_note, resolve_mode
 from lightning_mgpu.strategies.lightning_replicas import LightningReplicas
 from lightning_mgpu.strategies.namespace import Accelerator, CheckpointIO, LightningNamespace, PrecisionPlugin
@@ -147,25 +147,34 @@ class SingleProcessParallel:
         assert self.model is not None  # type: ignore[attr-defined]
         self.model.to(self.root_device)  # type: ignore[attr-defined]
 
+    # Inside a replicated step the collectives act across the replicas (parallel/collectives.py); outside one they
+    # are identities: one process, world size 1.
     @override
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-        return tensor
+        return collectives.reduce(tensor, reduce_op, sequential_hint=self._collectives_hint)
 
     @override
     def barrier(self, name: str | None = None) -> None:
-        pass
+        collectives.barrier(sequential_hint=self._collectives_hint)
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return obj
+        return collectives.broadcast(obj, src, sequential_hint=self._collectives_hint)
 
     @override
     def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
-        return tensor
+        return collectives.all_gather(tensor, sync_grads, sequential_hint=self._collectives_hint)
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        return decision
+        return collectives.all_true(decision, all, sequential_hint=self._collectives_hint)
+
+    @property
+    def _collectives_hint(self) -> str:
+        return (
+            f"Pass {type(self).__name__}(collectives=True) (CLI: --trainer.strategy.init_args.collectives=true) so "
+            "that the replicas run in threads and meet."
+        )
 
     # --- set-up and teardown -----------------------------------------------------------------------------------------
     @override
@@ -235,11 +244,26 @@ class SingleProcessParallel:
         return replicas
 
     def _mode_for(self, replicas: LightningReplicas, count: int) -> ExecutionMode:
-        """Threads or one after another for this call: compiled code needs one thread, SyncBatchNorm needs many."""
+        """Threads or one after another for this call: compiled code needs one thread, SyncBatchNorm and collectives
+        in the step need many."""
         mode, reason = replicas.replica_set.execution_mode(self.execution_mode, count)
+        meets = self._collectives_reason(replicas.module) if count > 1 else None
+        if meets is not None and resolve_mode(mode, replicas.devices[:count]) == "sequential":
+            if replicas.replica_set.compiled:
+                raise self.namespace.misconfiguration(
+                    f"{meets}, so the replicas must run at the same time (in threads) to meet, but the model is "
+                    "compiled with torch.compile, whose compiler is not thread-safe, so compiled replicas run one "
+                    "after another. Do not compile the model under this strategy, or use strategy='ddp'."
+                )
+            mode, reason = "threads", f"{meets}: replicas run in threads so that they meet"
         if reason is not None:
             self._announce(reason, f"{reason}.")
         return mode
+
+    def _collectives_reason(self, module: nn.Module) -> str | None:
+        """Why the replicas of ``module`` meet inside a step (collectives), or ``None``; the strategies that run the
+        step replicated say."""
+        return None
 
     def _announce(self, key: str, message: str) -> None:
         if key not in self._announced:

@@ -1,0 +1,155 @@
+"""Collectives across the replicas of one call: ``all_gather``, ``reduce``, ``broadcast``, ``barrier``, ``all_true``.
+
+Inside a replicated call (:func:`~lightning_mgpu.parallel.replica_group.current_replica`) the replicas meet at each
+collective, as the single-process SyncBatchNorm's layers do; the k-th collective of every replica pairs with the k-th
+of the others, and a replica that calls another collective there, skips it or raises fails the others with an error
+naming it, never a hang. Outside a replicated call, or with one replica, each is an identity: one process.
+
+``all_gather`` concatenates the replicas' tensors along dim 0, in replica order, as one device's batch holds them (a
+0-dim tensor gives one value per replica); with ``sync_grads`` the result is differentiable with respect to every
+replica's share, so a loss over the gathered values backpropagates into each replica exactly as on one device.
+"""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor
+
+from lightning_mgpu.parallel.replica_group import RendezvousError, ReplicaContext, current_replica
+
+_HINT = (
+    "Every replica must call the same collectives (all_gather, reduce, broadcast, barrier) in the same order: "
+    "branch on something every replica shares, not on one shard's values or size."
+)
+REDUCE_OPS = ("sum", "mean", "max", "min")
+
+
+def all_gather(tensor: Tensor, sync_grads: bool = False, *, sequential_hint: str = "") -> Tensor:
+    """Every replica's ``tensor``, concatenated along dim 0 in replica order, on this replica's device."""
+    replica = _replica("all_gather", sequential_hint)
+    if replica is None:
+        return tensor
+    value = tensor if sync_grads else tensor.detach()
+    return _meet(replica, "all_gather", value, _gather)
+
+
+def reduce(tensor: Any, reduce_op: Any = "mean", *, sequential_hint: str = "") -> Any:
+    """``tensor`` summed, averaged, or the elementwise max or min over the replicas (differentiable), on this
+    replica's device; anything but a tensor is returned as it is, as Lightning's strategies do."""
+    op = _op_name(reduce_op)
+    replica = _replica("reduce", sequential_hint)
+    if replica is None or not isinstance(tensor, Tensor):
+        return tensor
+    return _meet(replica, f"reduce({op})", tensor, lambda values, devices: _reduce(values, devices, op))
+
+
+def broadcast(obj: Any, src: int = 0, *, sequential_hint: str = "") -> Any:
+    """Replica ``src``'s ``obj`` in every replica (its tensors moved to each replica's device)."""
+    replica = _replica("broadcast", sequential_hint)
+    if replica is None:
+        return obj
+    if not 0 <= src < replica.group.size:
+        raise ValueError(f"broadcast(src={src}): the source must be one of the {replica.group.size} replicas.")
+    return _meet(replica, f"broadcast(src={src})", obj, lambda values, devices: _spread(values[src], devices))
+
+
+def barrier(*, sequential_hint: str = "") -> None:
+    """Wait until every replica reaches this point."""
+    replica = _replica("barrier", sequential_hint)
+    if replica is not None:
+        _meet(replica, "barrier", None, lambda values, devices: [None] * len(values))
+
+
+def all_true(decision: bool, all: bool = True, *, sequential_hint: str = "") -> bool:
+    """Whether every replica decided ``True`` (``all=True``) or any did (``all=False``)."""
+    replica = _replica("reduce_boolean_decision", sequential_hint)
+    if replica is None:
+        return decision
+    combine = (lambda v, d: [builtins.all(v)] * len(v)) if all else (lambda v, d: [any(v)] * len(v))
+    return _meet(replica, f"reduce_boolean_decision(all={all})", bool(decision), combine)
+
+
+def _replica(name: str, sequential_hint: str) -> ReplicaContext | None:
+    replica = current_replica()
+    if replica is None or replica.group.size < 2:
+        return None
+    if replica.group.sequential:
+        raise RendezvousError(
+            f"{name} makes the {replica.group.size} replicas meet, but this call runs them one after another, so "
+            f"they cannot. {sequential_hint or 'Run the call with execution_mode=threads.'}"
+        )
+    return replica
+
+
+def _meet(
+    replica: ReplicaContext,
+    name: str,
+    value: Any,
+    combine: Callable[[list[Any], Sequence[torch.device]], list[Any]],
+) -> Any:
+    call = replica.next_call("collective")
+    label = f"collective {call} of this step"
+
+    def checked(arrivals: list[tuple[str, Any]]) -> list[Any]:
+        names = [n for n, _ in arrivals]
+        if len(set(names)) > 1:
+            calls = ", ".join(f"replica {i}: {n}" for i, n in enumerate(names))
+            raise RendezvousError(f"The replicas called different collectives as {label} ({calls}). {_HINT}")
+        return combine([v for _, v in arrivals], replica.group.devices)
+
+    return replica.group.rendezvous(
+        replica.index, ("collective", call), (name, value), checked, f"{name} ({label})", _HINT
+    )
+
+
+def _gather(values: list[Tensor], devices: Sequence[torch.device]) -> list[Tensor]:
+    if all(v.dim() == 0 for v in values):
+        return [torch.stack([v.to(device) for v in values]) for device in devices]
+    return [torch.cat([v.to(device) for v in values]) for device in devices]
+
+
+def _reduce(values: list[Tensor], devices: Sequence[torch.device], op: str) -> list[Tensor]:
+    out = []
+    for device in devices:
+        stacked = torch.stack([v.to(device) for v in values])
+        if op == "sum":
+            out.append(stacked.sum(0))
+        elif op == "mean":
+            out.append(stacked.mean(0))
+        else:
+            out.append(stacked.amax(0) if op == "max" else stacked.amin(0))
+    return out
+
+
+def _spread(obj: Any, devices: Sequence[torch.device]) -> list[Any]:
+    return [apply_to_collection(obj, Tensor, lambda t, d=device: t.to(d)) for device in devices]
+
+
+def _op_name(reduce_op: Any) -> str:
+    """``"mean"`` for ``"mean"``/``"avg"``/``ReduceOp.AVG``, and so on; an error naming the choices otherwise."""
+    name = str(getattr(reduce_op, "name", reduce_op)).lower().rpartition(".")[2]
+    name = {"avg": "mean", "product": "prod"}.get(name, name)
+    if name not in REDUCE_OPS:
+        raise ValueError(f"reduce_op={reduce_op!r} is not supported across replicas: use one of {REDUCE_OPS}.")
+    return name
+
+
+def local_rows(size: int) -> slice:
+    """The rows of an ``all_gather``-ed batch that this replica (or this process, under DDP) holds: for a loss over
+    one's own rows of a whole-batch matrix. A collective: every replica (every rank) must call it."""
+    replica = _replica("local_rows", "")
+    if replica is not None:
+        sizes = _meet(replica, "local_rows", torch.tensor(size), _gather)
+        offset = int(sizes[: replica.index].sum())
+        return slice(offset, offset + size)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        sizes: list[Any] = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(sizes, size)
+        offset = sum(sizes[: torch.distributed.get_rank()])
+        return slice(offset, offset + size)
+    return slice(0, size)
