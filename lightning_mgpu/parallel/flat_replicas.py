@@ -11,8 +11,9 @@
 Each replica's gradients are views into one flat buffer per dtype (autograd accumulates into them in place). After a
 backward pass :meth:`ReplicaParameters.reduce` adds them onto the originals' gradients: per device in replica order,
 then device after device onto the root, one flat addition each; the originals' ``.grad`` are views into one flat buffer
-per dtype on the root. The order is fixed, so the result never depends on which thread finished first. A parameter
-that no replica's backward reached keeps ``grad`` as it was (``None`` after ``zero_grad``), as on one device.
+per dtype on the root. The order is fixed, so the result never depends on which thread finished first. Whether every
+parameter got a gradient is read from one counter per replica and dtype (each accumulation bumps it once), so the
+per-step host work does not grow with the number of replicas times the number of parameters.
 
 :class:`ReplicaBuffers` holds the copies of the original buffers that replicas ≥ 1 own (replica 0 shares the originals,
 as under ``nn.DataParallel``), one flat buffer per replica and dtype, refreshed with one copy each when the originals
@@ -89,7 +90,8 @@ class ReplicaParameters:
     """Every replica's own leaf parameters and flat gradients for the unique original parameters ``params``.
 
     ``devices[i]`` is replica ``i``'s device; ``root`` the originals' device. :attr:`leaves` ``[i][j]`` is replica
-    ``i``'s parameter for ``params[j]``. Call :meth:`sync` before a step and :meth:`reduce` after its backward.
+    ``i``'s parameter for ``params[j]``. Call :meth:`sync` before a step, :meth:`backward_done` after each backward
+    pass through the replicas and :meth:`reduce` when their gradients belong on the originals.
     """
 
     def __init__(self, params: Sequence[Tensor], devices: Sequence[torch.device], root: torch.device) -> None:
@@ -98,26 +100,26 @@ class ReplicaParameters:
         self.root = root
         self._groups = _Groups(self.params)
         self._others = list(dict.fromkeys(d for d in self.devices if d != root))
+        offsets = self._groups.offsets
         with torch.inference_mode(False), torch.no_grad():
             self._storage = {d: self._groups.flats(d) for d in self._others}  # one per device and dtype
             self._grads = [self._groups.flats(d, zero=True) for d in self.devices]  # one per replica and dtype
             self._root_grads = self._groups.flats(root)
             self.leaves = [self._make_leaves(i, d) for i, d in enumerate(self.devices)]
-            self._grad_aliases = [
-                [alias(self._grads[i][p.dtype], self._groups.offsets[j], p.shape) for j, p in enumerate(self.params)]
-                for i in range(len(self.devices))
-            ]
+            # Views (not aliases): every in-place accumulation into a replica's gradients bumps one counter per dtype.
+            for flats, leaves in zip(self._grads, self.leaves, strict=True):
+                for j, (p, leaf) in enumerate(zip(self.params, leaves, strict=True)):
+                    leaf.grad = flats[p.dtype][offsets[j] : offsets[j] + p.numel()].view(p.shape)
             self._root_views = [
-                alias(self._root_grads[p.dtype], self._groups.offsets[j], p.shape) for j, p in enumerate(self.params)
+                alias(self._root_grads[p.dtype], offsets[j], p.shape) for j, p in enumerate(self.params)
             ]
-        for leaves, grads in zip(self.leaves, self._grad_aliases, strict=True):
-            for leaf, grad in zip(leaves, grads, strict=True):
-                leaf.grad = grad
+        self._first_grads = [leaves[0].grad if leaves else None for leaves in self.leaves]
         self._pointers = list(map(_data_ptr, self.params))
         self._stamp: int | None = None  # the originals' version sum at the last copy to the other devices
         self._trainable: list[bool] = []
         self._set_trainable(list(map(_requires_grad, self.params)))
         self.active = 0  # how many replicas ran since the last reduction
+        self.passes = 0  # backward passes through the replicas since the last reduction
 
     def _make_leaves(self, i: int, device: torch.device) -> list[nn.Parameter]:
         leaves = []
@@ -133,9 +135,7 @@ class ReplicaParameters:
     def stale(self) -> bool:
         """Whether an original parameter's tensor was replaced (``param.data = ...``, a dtype or device change, an
         optimizer that swaps tensors): the leaves alias storage the original no longer uses, so rebuild."""
-        return list(map(_data_ptr, self.params)) != self._pointers or any(
-            p.dtype != leaf.dtype or p.shape != leaf.shape for p, leaf in zip(self.params, self.leaves[0], strict=True)
-        )
+        return list(map(_data_ptr, self.params)) != self._pointers
 
     def _set_trainable(self, trainable: list[bool]) -> None:
         self._trainable = trainable
@@ -147,8 +147,11 @@ class ReplicaParameters:
         self._train_params = [self.params[j] for j in self._train_index]
         self._train_views = [self._root_views[j] for j in self._train_index]
         self._train_view_ids = list(map(id, self._train_views))
-        self._watched = [[aliases[j] for j in self._train_index] for aliases in self._grad_aliases]
-        self._seen = [list(map(_version, watched)) for watched in self._watched]
+        self._seen = self._counters()
+
+    def _counters(self) -> list[int]:
+        """Per replica, how many in-place accumulations its flat gradients have seen (all dtypes)."""
+        return [sum(flat._version for flat in flats.values()) for flats in self._grads]
 
     def sync(self, n: int) -> None:
         """Bring the first ``n`` replicas' parameters up to date with the originals (``requires_grad`` and values)."""
@@ -168,43 +171,54 @@ class ReplicaParameters:
                     self._storage[device][dtype].copy_(staged, non_blocking=True)
         self._stamp = stamp
 
+    def backward_done(self) -> None:
+        """A backward pass through the replicas finished (autograd accumulated into their flat gradients)."""
+        self.passes += 1
+        for i, leaves in enumerate(self.leaves[: self.active]):
+            if leaves and leaves[0].grad is not self._first_grads[i]:
+                raise RuntimeError(
+                    "A backward pass replaced the gradient tensors of replica parameters instead of accumulating into "
+                    "them (create_graph=True does that). Replicas with their own parameters (threads, or devices "
+                    "other than the parameters' own) cannot reduce such gradients: run the replicas with "
+                    "execution_mode='sequential' on the parameters' device, or compute higher-order gradients without "
+                    "create_graph through the replicas."
+                )
+
     def reduce(self) -> None:
         """Add the replicas' gradients onto the originals' ``.grad`` and zero the replicas' flat gradients.
 
         Order: per device, its replicas in replica order; then the devices, root first, each moved to the root with
-        one copy per dtype. A parameter no replica's backward reached keeps its ``grad`` untouched."""
-        count, self.active = self.active, 0
+        one copy per dtype. When every replica's backward reached every trainable parameter (each accumulation bumps
+        its replica's counter once) the gradients are added whole; otherwise a parameter whose summed gradient is
+        exactly zero and whose ``grad`` is ``None`` keeps ``None``, as a parameter no backward reached on one device.
+        """
+        count, passes = self.active, self.passes
+        self.active = self.passes = 0
         if count == 0 or not self._train_index:
             return
-        current = [list(map(_version, watched)) for watched in self._watched[:count]]
-        everywhere = all(map(operator.ne, current[0], self._seen[0]))
-        used: list[bool] | None = None  # None: every trainable parameter got a gradient
-        if not everywhere:
-            used = [False] * len(self._train_index)
-            for now, seen in zip(current, self._seen, strict=False):
-                for k, (a, b) in enumerate(zip(now, seen, strict=True)):
-                    if a != b:
-                        used[k] = True
-            if not any(used):
-                return
-        for i, versions in enumerate(current):
-            self._seen[i] = versions
+        counters = self._counters()
+        expected = passes * len(self._train_index)
+        deltas = [now - seen for now, seen in zip(counters[:count], self._seen, strict=False)]
+        if not any(deltas):
+            return
+        everywhere = passes > 0 and all(delta == expected for delta in deltas)
         with torch.no_grad():
             totals = self._sum(count)
             grads = list(map(_grad, self._train_params))
-            if used is None and list(map(id, grads)) == self._train_view_ids:
+            if everywhere and list(map(id, grads)) == self._train_view_ids:
                 for dtype, total in totals.items():
                     self._root_grads[dtype].add_(total)
-            elif used is None and all(g is None for g in grads):
+            elif everywhere and all(g is None for g in grads):
                 for dtype, total in totals.items():
                     self._root_grads[dtype].copy_(total)
                 for p, view in zip(self._train_params, self._train_views, strict=True):
                     p.grad = view
             else:
-                self._assign_each(totals, grads, used)
+                self._assign_each(totals, grads, everywhere)
             for flats in self._grads[:count]:
                 for flat in flats.values():
                     flat.zero_()
+        self._seen = self._counters()
 
     def _sum(self, count: int) -> dict[torch.dtype, Tensor]:
         per_device: dict[torch.device, dict[torch.dtype, Tensor]] = {}
@@ -222,22 +236,23 @@ class ReplicaParameters:
         assert totals is not None
         return totals
 
-    def _assign_each(
-        self, totals: dict[torch.dtype, Tensor], grads: list[Tensor | None], used: list[bool] | None
-    ) -> None:
-        """The general case, one parameter at a time: some parameters unused, or ``.grad`` set by someone else."""
+    def _assign_each(self, totals: dict[torch.dtype, Tensor], grads: list[Tensor | None], everywhere: bool) -> None:
+        """The general case, one parameter at a time: ``.grad`` set by someone else, or parameters some replica's
+        backward did not reach."""
         offsets = self._groups.offsets
-        for k, (j, p, grad) in enumerate(zip(self._train_index, self._train_params, grads, strict=True)):
-            if used is not None and not used[k]:
-                continue
-            part = totals[p.dtype][offsets[j] : offsets[j] + p.numel()].view(p.shape)
+        parts = [
+            totals[p.dtype][offsets[j] : offsets[j] + p.numel()].view(p.shape)
+            for j, p in zip(self._train_index, self._train_params, strict=True)
+        ]
+        reached = [True] * len(parts) if everywhere else [bool(x) for x in torch.stack([t.any() for t in parts])]
+        for j, p, grad, part, hit in zip(self._train_index, self._train_params, grads, parts, reached, strict=True):
             view = self._root_views[j]
-            if grad is view or grad is None:
-                if grad is None:
+            if grad is None:
+                if hit:
                     view.copy_(part)
                     p.grad = view
-                else:
-                    view.add_(part)
+            elif grad is view:
+                view.add_(part)
             else:
                 grad.add_(part.to(grad.dtype))
 

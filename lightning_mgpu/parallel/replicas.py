@@ -254,6 +254,8 @@ class ReplicaSet:
 
     def _after_backward(self) -> None:
         self._queued = False
+        if self._flat is not None:
+            self._flat.backward_done()
         if not self.defer_reduction:
             self.reduce_gradients()
 
