@@ -203,24 +203,22 @@ class ReplicaParameters:
             return
         everywhere = passes > 0 and all(delta == expected for delta in deltas)
         with torch.no_grad():
-            totals = self._sum(count)
             grads = list(map(_grad, self._train_params))
             if everywhere and list(map(id, grads)) == self._train_view_ids:
-                for dtype, total in totals.items():
-                    self._root_grads[dtype].add_(total)
+                self._sum_into(count, accumulate=True)
             elif everywhere and all(g is None for g in grads):
-                for dtype, total in totals.items():
-                    self._root_grads[dtype].copy_(total)
+                self._sum_into(count, accumulate=False)
                 for p, view in zip(self._train_params, self._train_views, strict=True):
                     p.grad = view
             else:
-                self._assign_each(totals, grads, everywhere)
+                self._assign_each(self._sum(count), grads, everywhere)
             for flats in self._grads[:count]:
                 for flat in flats.values():
                     flat.zero_()
         self._seen = self._counters()
 
-    def _sum(self, count: int) -> dict[torch.dtype, Tensor]:
+    def _device_sums(self, count: int) -> dict[torch.device, dict[torch.dtype, Tensor]]:
+        """Per device, its replicas' flat gradients summed in replica order (in place, into the first one's)."""
         per_device: dict[torch.device, dict[torch.dtype, Tensor]] = {}
         for i in range(count):
             sums = per_device.get(self.devices[i])
@@ -228,10 +226,26 @@ class ReplicaParameters:
                 per_device[self.devices[i]] = dict(self._grads[i])
             else:
                 for dtype, flat in self._grads[i].items():
-                    sums[dtype] = sums[dtype] + flat
-        totals = per_device.pop(self.root, None)
-        for sums in per_device.values():  # device order (dicts keep insertion order)
-            moved = {dtype: flat.to(self.root, non_blocking=True) for dtype, flat in sums.items()}
+                    sums[dtype].add_(flat)
+        return per_device
+
+    def _sum_into(self, count: int, accumulate: bool) -> None:
+        """The root's flat gradients += (or =) every replica's: the root device's replicas in replica order, then each
+        other device's sum, moved to the root, in device order."""
+        for k, sums in enumerate(self._device_sums(count).values()):  # the root device comes first
+            for dtype, flat in sums.items():
+                target = self._root_grads[dtype]
+                if flat.device != self.root:
+                    flat = flat.to(self.root, non_blocking=True)
+                if k == 0 and not accumulate:
+                    target.copy_(flat)
+                else:
+                    target.add_(flat)
+
+    def _sum(self, count: int) -> dict[torch.dtype, Tensor]:
+        totals: dict[torch.dtype, Tensor] | None = None
+        for sums in self._device_sums(count).values():
+            moved = {dtype: flat.to(self.root) for dtype, flat in sums.items()}
             totals = moved if totals is None else {dtype: totals[dtype] + moved[dtype] for dtype in moved}
         assert totals is not None
         return totals
