@@ -2,21 +2,26 @@
 
 Rebuilding replicas on every step (what ``torch.nn.DataParallel`` does) costs host time that grows with the model's
 depth times the number of devices. A :class:`ReplicaSet` builds the module copies once and, each step, does only what
-``DataParallel``'s semantics need:
+``DataParallel``'s semantics need, with a number of tensor operations that does not grow with the model's depth:
 
-* **Parameters** reach the replicas through ONE autograd node per step (:class:`_ReplicaParameters`): on the
-  parameters' own device a replica gets an alias of the original storage (no copy), on other devices a coalesced copy.
-  Its backward sums the replicas' gradients onto the originals in replica order, so the result never depends on
-  thread timing. Parameters that do not require gradients, and every parameter when grad mode is off, are handed to
-  the replicas without a node.
+* **Parameters.** Replicas that run one after another on the parameters' own device hold the original parameters
+  (autograd sums their gradients). Otherwise (threads, other devices) every replica holds its own leaf parameters
+  (:class:`.flat_replicas.ReplicaParameters`): aliases of the originals' storage on the root device, views of one
+  flat buffer per device and dtype elsewhere, refreshed with one copy per device when the originals changed. Their
+  gradients accumulate into one flat buffer per replica and dtype; the backward pass that reaches the replicas'
+  outputs (:meth:`ReplicaSet.watch`) queues one callback that adds them onto the originals' ``.grad`` in a fixed
+  order, so the result never depends on thread timing. While gradients accumulate over several batches
+  (:attr:`ReplicaSet.defer_reduction`) they stay on the replicas and are reduced once.
 * **Buffers** follow ``DataParallel``: replica 0 shares the original buffers (BatchNorm running statistics are updated
-  from chunk 0), the other replicas own copies that are overwritten from the originals, in place, before every step.
+  from chunk 0), the other replicas own copies (one flat buffer per replica and dtype) refreshed from the originals
+  when either side changed. Buffers that require grad reach replicas >= 1 through a differentiable copy.
 * **Everything else** stays in sync by a cheap check: attributes rebound on the original modules between steps (a
   scheduler changing a dropout rate, ``train()``/``eval()``) are copied to the replicas; a structural change (a module,
   parameter or buffer added, removed or replaced) rebuilds the replicas.
 
 Modules compiled with ``torch.compile`` (``module.compile()`` or ``torch.compile(module)``) get replicas that run
-compiled code bound to their own tensors, with the original's compile options (:mod:`.compiled`).
+compiled code bound to their own tensors, with the original's compile options (:mod:`.compiled`). The one-off
+:func:`replicate` links its replicas to the originals through one autograd node instead (:class:`_ReplicaParameters`).
 """
 
 from __future__ import annotations
@@ -77,6 +82,7 @@ class ReplicaSet:
         self._overrides = frozenset(overrides) | _NEVER_SYNCED
         self.builds = 0
         self.defer_reduction = False
+        self._owning = False
         self._queued = False
         self._queue_lock = threading.Lock()
         self._build()
@@ -227,19 +233,21 @@ class ReplicaSet:
         self._buffers.refresh(n)
         devices = self.devices[:n]
         self._queued = False
+        self._owning = False
         if linked:
             self._assign_parameters(n)
         elif resolve_mode(execution_mode, devices) == "sequential" and all(d == self._root for d in devices):
             self._share_parameters(n)
         else:
             self._own_parameters(n)
+            self._owning = True
         return self.replicas[:n]
 
     def watch(self, outputs: Sequence[Any]) -> None:
         """Reduce the replicas' gradients onto the originals after any backward pass that reaches ``outputs`` (the
         replicas' outputs of this step: one hook per output tensor that requires grad)."""
-        if self._flat is None or not torch.is_grad_enabled():
-            return
+        if not self._owning or not torch.is_grad_enabled():
+            return  # replicas that hold the original parameters need no reduction
         for output in outputs:
             for _, tensor in iter_tensors(output):
                 if tensor.requires_grad:
