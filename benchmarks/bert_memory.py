@@ -14,8 +14,8 @@ Parts (``--parts``, default all):
    (CUDA: ``max_memory_allocated(root)``; CPU: the process's peak RSS minus its RSS before ``fit``) and the bytes each
    strategy moves to the root device per step, computed from output sizes (``dp`` gathers the replicas' model
    outputs; ``parallel_criterion`` moves scalar losses), beside what the benchmark's ``TransferProbe`` counts from
-   the strategy's replicated calls. With fewer GPUs than replicas, the replicas share GPU 0 (virtual devices): then
-   the "root" peak holds every replica.
+   the step's outputs and the module's size. With fewer GPUs than replicas, the replicas share GPU 0 (virtual
+   devices): then the "root" peak holds every replica.
 3. ``throughput``: training tokens/s (forward, backward, AdamW) of this recipe's model against ``transformers``'
    ``BertForPreTraining`` (full logits) on the same config and precision: the median of interleaved rounds, plus the
    GPU's kernel time per step from ``torch.profiler`` (the speed-up the head gives when the GPU, not the CPU launching
@@ -267,7 +267,7 @@ def strategy_memory(strategy: str, head: str, args: argparse.Namespace) -> dict[
         }
         strategy_obj = cls[strategy](parallel_devices=devices)
         trainer_devices = "auto"
-    from lightning_mgpu.bench.probes import TransferProbe
+    from benchmarks.compare.probes import TransferProbe
 
     transfer_probe = TransferProbe()
     trainer = pl.Trainer(
@@ -321,7 +321,7 @@ def strategy_memory(strategy: str, head: str, args: argparse.Namespace) -> dict[
     else:
         transfer["computed_output_bytes"] = 0
         transfer["computed_from"] = "one device: nothing moves"
-    if transfer_probe.last is not None:  # the strategy's replicated calls, counted by the benchmark's probe
+    if transfer_probe.last is not None:  # counted by the benchmark's probe from the step
         transfer["strategy_counter"] = {k: transfer_probe.last[k] for k in ("outputs", "parameters", "gradients")}
     return {
         "strategy": strategy,

@@ -13,6 +13,7 @@ classes (imported on first use); ``pytorch_lightning`` projects that pass an ins
 
 from typing import Any
 
+from lightning_mgpu.loss_check import check_loss_reduction
 from lightning_mgpu.parallel import (
     BatchSplitError,
     DataParallelCriterion,
@@ -26,6 +27,7 @@ from lightning_mgpu.parallel import (
     SyncBatchNorm,
     convert_sync_batchnorm,
     gather,
+    merge_outputs,
     parallel_apply,
     reduce_losses,
     replicate,
@@ -67,8 +69,10 @@ __all__ = [
     "ReplicaValues",
     "SyncBatchNorm",
     "__version__",
+    "check_loss_reduction",
     "convert_sync_batchnorm",
     "gather",
+    "merge_outputs",
     "parallel_apply",
     "reduce_losses",
     "register_strategies",

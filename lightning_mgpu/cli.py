@@ -29,8 +29,7 @@ if TYPE_CHECKING:
 RECIPES_EXTRA_MODULES = frozenset(
     {"jsonargparse", "docstring_parser", "typeshed_client", "transformers", "tokenizers", "datasets", "matplotlib"}
 )
-INSTALL_RECIPES_EXTRA = "pip install 'lightning-mgpu[recipes]'"
-INSTALL_RECIPES_EXTRA_FROM_CLONE = "pip install -e '.[recipes]'"
+INSTALL_RECIPES_EXTRA = "pip install -e '.[recipes]'"  # from a clone: the package is not on the index
 
 
 class MissingExtraError(RuntimeError):
@@ -40,9 +39,8 @@ class MissingExtraError(RuntimeError):
         self.module = module
         super().__init__(
             f"{command}: the Python package {module!r} is not installed. It comes with lightning-mgpu's [recipes] "
-            f"extra, which a plain `pip install` of the package leaves out. Install the extra with "
-            f"`{INSTALL_RECIPES_EXTRA}`, or from a clone of the repository with `{INSTALL_RECIPES_EXTRA_FROM_CLONE}`, "
-            "then run the command again."
+            "extra, which a plain `pip install` of the package leaves out. Install the extra from the root of your "
+            f"lightning-mgpu clone with `{INSTALL_RECIPES_EXTRA}`, then run the command again."
         )
 
 

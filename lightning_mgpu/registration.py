@@ -23,7 +23,7 @@ from types import ModuleType
 from typing import Any
 
 #: Lightning namespace -> the module of this package that defines its strategy classes.
-FLAVOURS = {
+STRATEGY_MODULES = {
     "lightning.pytorch": "lightning_mgpu.strategies.lightning_pytorch",
     "pytorch_lightning": "lightning_mgpu.strategies.pytorch_lightning",
 }
@@ -38,22 +38,22 @@ def register_strategies(namespace: str | None = None) -> list[str]:
     ``namespace``: ``"lightning.pytorch"`` or ``"pytorch_lightning"`` (imported if needed); default every namespace
     that is already imported. Returns the namespaces registered.
     """
-    names = [namespace] if namespace is not None else [n for n in FLAVOURS if n in sys.modules]
+    names = [namespace] if namespace is not None else [n for n in STRATEGY_MODULES if n in sys.modules]
     for name in names:
-        if name not in FLAVOURS:
-            raise ValueError(f"Unknown Lightning namespace {name!r}: use one of {sorted(FLAVOURS)}.")
-        # Importing the flavour module registers its classes. When it is the module being imported right now (its
-        # own import of the namespace triggered this), it registers them itself once its classes exist.
-        flavour = importlib.import_module(FLAVOURS[name])
-        if hasattr(flavour, "register"):
-            flavour.register()
+        if name not in STRATEGY_MODULES:
+            raise ValueError(f"Unknown Lightning namespace {name!r}: use one of {sorted(STRATEGY_MODULES)}.")
+        # Importing the namespace's strategy module registers its classes. When it is the module being imported
+        # right now (its own import of the namespace triggered this), it registers them itself once they exist.
+        strategies = importlib.import_module(STRATEGY_MODULES[name])
+        if hasattr(strategies, "register"):
+            strategies.register()
     return names
 
 
 def register_on_import() -> None:
     """Register with the namespaces imported so far, and with the others as soon as they are imported."""
     with _LOCK:
-        for name in FLAVOURS:
+        for name in STRATEGY_MODULES:
             if name in sys.modules and not _is_initializing(sys.modules[name]):
                 register_strategies(name)
             else:

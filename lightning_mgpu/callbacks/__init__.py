@@ -1,7 +1,7 @@
 """Lightning callbacks: per-device memory and balance monitoring.
 
 For samples/s, tokens/s and FLOP/s use Lightning's own ``lightning.pytorch.callbacks.ThroughputMonitor``; the
-benchmark (``python -m lightning_mgpu.bench``) runs both side by side.
+benchmark (``python -m benchmarks.compare``) runs both side by side.
 """
 
 from lightning_mgpu.callbacks.device_memory import (

@@ -1,11 +1,12 @@
 """Pure-PyTorch data-parallel core (never imports Lightning).
 
 Works on distinct CUDA devices, on one device repeated ("virtual devices") and on CPUs, which torch's own
-``torch.nn.parallel`` helpers refuse.
+``torch.nn.parallel`` helpers refuse. ``scatter`` and ``gather`` keep torch's contracts; ``split_batch`` and
+``merge_outputs`` are the batch-aware forms that the modules and strategies use.
 """
 
-from lightning_mgpu.parallel.devices import resolve_devices
-from lightning_mgpu.parallel.gather import ReplicaValues, gather
+from lightning_mgpu.parallel.gather import gather
+from lightning_mgpu.parallel.merge import ReplicaValues, merge_outputs
 from lightning_mgpu.parallel.modules import DataParallelCriterion, DataParallelModel
 from lightning_mgpu.parallel.parallel_apply import parallel_apply
 from lightning_mgpu.parallel.reduce import reduce_losses
@@ -15,11 +16,8 @@ from lightning_mgpu.parallel.scatter_gather import (
     BatchSplitError,
     NothingToSplitError,
     PerSample,
-    batch_size_of,
-    move_to,
     scatter,
-    scatter_args,
-    split_sizes,
+    split_batch,
 )
 from lightning_mgpu.parallel.sync_batchnorm import (
     SyncBatchNorm,
@@ -27,7 +25,6 @@ from lightning_mgpu.parallel.sync_batchnorm import (
     revert_sync_batchnorm,
     uses_sync_batchnorm,
 )
-from lightning_mgpu.parallel.thread_state import ThreadState
 
 __all__ = [
     "BatchSplitError",
@@ -40,18 +37,14 @@ __all__ = [
     "ReplicaSet",
     "ReplicaValues",
     "SyncBatchNorm",
-    "ThreadState",
-    "batch_size_of",
     "convert_sync_batchnorm",
     "gather",
-    "move_to",
+    "merge_outputs",
     "parallel_apply",
     "reduce_losses",
     "replicate",
-    "resolve_devices",
     "revert_sync_batchnorm",
     "scatter",
-    "scatter_args",
-    "split_sizes",
+    "split_batch",
     "uses_sync_batchnorm",
 ]

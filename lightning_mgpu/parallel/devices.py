@@ -15,36 +15,41 @@ DeviceLike = int | str | torch.device
 
 def to_device(device: DeviceLike) -> torch.device:
     """One device from an int (CUDA index), a string (``"cuda:1"``, ``"cpu"``) or a ``torch.device``."""
-    if isinstance(device, bool):
-        raise TypeError(
-            f"Invalid device {device!r}: expected an int index, a string such as 'cuda:0', or a torch.device."
-        )
-    if isinstance(device, int):
+    device = _parse(device)
+    if device.type == "cuda":
+        return _visible_cuda(device)
+    if device.type == "cpu":
+        # Tensors always report `cpu` (no index), and torch.device("cpu:0") != torch.device("cpu").
+        return torch.device("cpu")
+    return device
+
+
+def _parse(device: DeviceLike) -> torch.device:
+    if isinstance(device, int) and not isinstance(device, bool):
         if device < 0:
             raise ValueError(f"Invalid device index {device}: CUDA device indices are >= 0.")
-        device = torch.device("cuda", device)
-    elif isinstance(device, str):
+        return torch.device("cuda", device)
+    if isinstance(device, str):
         try:
-            device = torch.device(device)
+            return torch.device(device)
         except RuntimeError as err:
             raise ValueError(f"Invalid device string {device!r}: use e.g. 'cpu', 'cuda:0' or an int index.") from err
     if not isinstance(device, torch.device):
         raise TypeError(
             f"Invalid device {device!r}: expected an int index, a string such as 'cuda:0', or a torch.device."
         )
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"Device {device} was requested but CUDA is not available on this machine.")
-        index = torch.cuda.current_device() if device.index is None else device.index
-        if index >= torch.cuda.device_count():
-            raise ValueError(
-                f"Device {device} was requested but only {torch.cuda.device_count()} CUDA device(s) are visible."
-            )
-        return torch.device("cuda", index)
-    if device.type == "cpu":
-        # Tensors always report `cpu` (no index), and torch.device("cpu:0") != torch.device("cpu").
-        return torch.device("cpu")
     return device
+
+
+def _visible_cuda(device: torch.device) -> torch.device:
+    if not torch.cuda.is_available():
+        raise ValueError(f"Device {device} was requested but CUDA is not available on this machine.")
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if index >= torch.cuda.device_count():
+        raise ValueError(
+            f"Device {device} was requested but only {torch.cuda.device_count()} CUDA device(s) are visible."
+        )
+    return torch.device("cuda", index)
 
 
 def resolve_devices(

@@ -1,278 +1,51 @@
-"""Combine per-replica outputs into what one device would have returned for the whole batch: one rule set.
+"""``gather`` with ``torch.nn.parallel.gather``'s contract, on any devices (CPU and virtual devices included).
 
-Used for ``DataParallelModel.gather``, the ``dp`` strategy's forward outputs and ``parallel_criterion``'s step outputs.
-Given each replica's output and its sample count, in batch order:
-
-* tensors (and numpy arrays) with a batch dimension are concatenated along ``dim``, as ``nn.DataParallel`` gathers:
-  per-sample values and flattened per-element ones (``preds[mask]``) come back whole; a statistic without a sample
-  dimension (a ``(C, C)`` confusion matrix) comes back stacked along ``dim``, to be summed; arrays whose other
-  dimensions differ come back as :class:`ReplicaValues`;
-* scalars (0-dim tensors, numbers) equal on every replica come back as they are; otherwise they are averaged,
-  weighted by each replica's sample count or by the weights the caller gives for that value (a loss normalised
-  over tokens). Exact for a mean; for a sum or a count return per-sample values instead. ``nn.DataParallel`` stacks
-  them into one value per replica, which a loss cannot use;
-* :class:`PerSample` lists, and lists or tuples with one item per sample (ids, records), are concatenated; other
-  sequences, mappings (``transformers`` ``ModelOutput`` included), dataclasses and namedtuples are gathered field by
-  field;
-* ``None`` on every replica is ``None``; on some only, or a key missing on some replicas, is an error naming the
-  value and the replicas — never a silent drop;
-* anything else equal on every replica is kept; otherwise it comes back as :class:`ReplicaValues`, one value per
-  replica, which fails loudly when used as one device's value.
+Tensors are concatenated along ``dim`` on ``target_device``; 0-dim tensors become a vector with one value per
+replica, with torch's warning; dicts, namedtuples and other sequences are gathered field by field; ``None`` stays
+``None``. The copy to ``target_device`` is differentiable. To merge outputs as one device would have returned them
+for the whole batch (scalars averaged), use :func:`~lightning_mgpu.parallel.merge.merge_outputs`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Mapping, Sequence
+import warnings
+from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from lightning_mgpu.parallel.devices import DeviceLike, to_device
-from lightning_mgpu.parallel.scatter_gather import (
-    BatchSplitError,
-    PerSample,
-    batch_size_of,
-    is_dataclass_instance,
-    is_namedtuple,
-    iter_tensors,
-    move_to,
-    rebuild,
-)
-
-Weights = Sequence[float | int | Tensor]
+from lightning_mgpu.parallel.scatter_gather import is_namedtuple
 
 
-class ReplicaValues(list):
-    """A value that cannot be merged into one device's: one entry per replica, in batch order.
+def gather(outputs: Sequence[Any], target_device: DeviceLike, dim: int = 0) -> Any:
+    """Gather one output per replica on ``target_device``, as ``torch.nn.parallel.gather`` does."""
+    device = to_device(target_device)
 
-    Returned for values that differ between replicas and have no rule to combine them (arrays whose non-batch
-    dimensions differ, objects). Using it as the value one device would have returned fails with an explanation.
-    """
-
-    def __getattr__(self, name: str) -> Any:
-        raise AttributeError(
-            f"this output differs between the {len(self)} replicas and has no rule to merge it into one device's "
-            f"value, so it came back as the list of their values (ReplicaValues), which has no attribute {name!r}. "
-            "Combine them as your statistic needs, or return per-sample values, which are concatenated in batch order."
-        )
-
-
-def gather(
-    outputs: Sequence[Any],
-    device: DeviceLike,
-    dim: int = 0,
-    *,
-    sizes: Sequence[int] | None = None,
-    weights: Mapping[str, Weights | str] | None = None,
-) -> Any:
-    """Gather per-replica ``outputs`` on ``device`` as one device would have returned them (differentiable).
-
-    ``sizes``: each replica's sample count (read from its tensors when omitted). ``weights``: per value path (as
-    error messages print it, e.g. ``"output['loss']"``), the weights to average that scalar with instead of the
-    sample counts, or ``"sum"`` to add the replicas' values.
-    """
-    if isinstance(outputs, (Tensor, Mapping)) or not isinstance(outputs, Sequence) or isinstance(outputs, str):
-        raise TypeError(
-            f"gather() takes the list of per-replica outputs (one entry per device), got a {type(outputs).__name__}. "
-            "Pass e.g. gather([out_0, out_1], device) or the list DataParallelModel returned."
-        )
-    if not outputs:
-        raise ValueError("gather() needs at least one output.")
-    counts = list(sizes) if sizes is not None else _read_sizes(outputs, dim)
-    if counts is not None and len(counts) != len(outputs):
-        raise ValueError(f"gather() got {len(outputs)} outputs but {len(counts)} sizes.")
-    return _Gatherer(to_device(device), dim, counts, weights or {}).gather(list(outputs), "output")
-
-
-def _read_sizes(outputs: Sequence[Any], dim: int) -> list[int] | None:
-    sizes = []
-    for output in outputs:
-        try:
-            sizes.append(batch_size_of(output, dim, "output"))
-        except BatchSplitError:
-            return None
-    return sizes
-
-
-class _Gatherer:
-    def __init__(
-        self, device: torch.device, dim: int, sizes: list[int] | None, weights: Mapping[str, Weights | str]
-    ) -> None:
-        self.device = device
-        self.dim = dim
-        self.sizes = sizes
-        self.weights = weights
-
-    def gather(self, outputs: list[Any], path: str) -> Any:
-        nones = [i for i, o in enumerate(outputs) if o is None]
-        if nones:
-            if len(nones) == len(outputs):
-                return None
-            raise _partial(path, "None", nones, len(outputs))
-        first = outputs[0]
-        if isinstance(first, PerSample):
-            if not all(isinstance(o, PerSample) for o in outputs):
-                raise _mismatch(outputs, path, "a PerSample list")
-            return PerSample(move_to(item, self.device) for o in outputs for item in o)
-        if isinstance(first, (Tensor, np.ndarray)):
-            return self._arrays(outputs, path)
-        if _is_number(first):
-            return self._scalars(outputs, path)
-        if isinstance(first, Mapping):
-            return self._mapping(outputs, path)
-        if isinstance(first, (list, tuple)):
-            return self._sequence(outputs, path)
-        if is_dataclass_instance(first):
-            if not all(type(o) is type(first) for o in outputs):
-                raise _mismatch(outputs, path, f"a {type(first).__name__}")
-            names = [f.name for f in dataclasses.fields(first)]
-            return rebuild(first, [self.gather([getattr(o, n) for o in outputs], f"{path}.{n}") for n in names])
-        return first if all_equal(outputs) else ReplicaValues(outputs)
-
-    def _arrays(self, outputs: list[Any], path: str) -> Any:
-        first = outputs[0]
-        if not all(type(o) is type(first) for o in outputs):
-            raise _mismatch(outputs, path, f"a {type(first).__name__}")
-        if first.ndim == 0:
-            return self._scalars(outputs, path)
-        if not _concatenable(outputs, self.dim):
-            return ReplicaValues(outputs)
+    def gather_map(values: Sequence[Any]) -> Any:
+        first = values[0]
         if isinstance(first, Tensor):
-            return torch.cat([o.to(self.device) for o in outputs], dim=self.dim)
-        return np.concatenate(outputs, axis=self.dim)
+            return _concatenate(values, device, dim)
+        if first is None:
+            return None
+        if isinstance(first, dict):
+            if not all(len(first) == len(d) for d in values):
+                raise ValueError("All dicts must have the same number of keys")
+            return type(first)((k, gather_map([d[k] for d in values])) for k in first)
+        if is_namedtuple(first):
+            return type(first)._make(map(gather_map, zip(*values, strict=True)))
+        return type(first)(map(gather_map, zip(*values, strict=True)))
 
-    def _scalars(self, outputs: list[Any], path: str) -> Any:
-        if all(isinstance(o, bool) for o in outputs) or all_equal(outputs):
-            return outputs[0] if all_equal(outputs) else ReplicaValues(outputs)
-        weights = self.weights.get(path, self.sizes)
-        if weights is None:
-            weights = [1] * len(outputs)
-        tensors = [o for o in outputs if isinstance(o, Tensor)]
-        if isinstance(weights, str):  # "sum": a sum over each replica's samples
-            if tensors:
-                return torch.stack([torch.as_tensor(o).to(self.device).reshape(()) for o in outputs]).sum()
-            return sum(outputs)
-        if tensors:
-            values = [(o if isinstance(o, Tensor) else torch.tensor(o)).to(self.device).reshape(()) for o in outputs]
-            dtype = torch.promote_types(values[0].dtype, torch.float32)
-            w = torch.stack([torch.as_tensor(x).to(self.device, dtype).reshape(()) for x in weights])
-            stacked = torch.stack([v.to(dtype) for v in values])
-            kept = w > 0  # a replica with nothing to average (e.g. no valid token: a NaN mean) takes no part
-            return torch.where(kept, stacked, torch.zeros_like(stacked)).mul(w).sum() / w.sum()
-        floats = [float(w) for w in weights]
-        total = sum(floats)
-        return sum(float(o) * w for o, w in zip(outputs, floats, strict=True) if w > 0) / total
-
-    def _mapping(self, outputs: list[Any], path: str) -> Any:
-        first = outputs[0]
-        if not all(isinstance(o, Mapping) for o in outputs):
-            raise _mismatch(outputs, path, "a mapping")
-        keys = list(first.keys())
-        for key in dict.fromkeys(k for o in outputs for k in o):  # every key, in order of first appearance
-            missing = [i for i, o in enumerate(outputs) if key not in o]
-            if missing:
-                raise _partial(f"{path}[{key!r}]", "no value", missing, len(outputs), what="key")
-        return rebuild(first, {k: self.gather([o[k] for o in outputs], f"{path}[{k!r}]") for k in keys})
-
-    def _sequence(self, outputs: list[Any], path: str) -> Any:
-        first = outputs[0]
-        plain_lists = all(isinstance(o, list) for o in outputs) and not any(_holds_tensor(o) for o in outputs)
-        if plain_lists and self.sizes is None:
-            return [x for o in outputs for x in o]  # ids with no tensor beside them to count samples: one list
-        if not is_namedtuple(first) and self._per_sample(outputs):
-            return type(first)(move_to(x, self.device) for o in outputs for x in o)
-        if all(type(o) is type(first) and len(o) == len(first) for o in outputs):
-            items = [self.gather([o[i] for o in outputs], f"{path}[{i}]") for i in range(len(first))]
-            return rebuild(first, items)
-        if plain_lists:
-            return [x for o in outputs for x in o]  # lists of plain items of any lengths: one list, in batch order
-        return ReplicaValues(outputs)
-
-    def _per_sample(self, outputs: list[Sequence[Any]]) -> bool:
-        """A list or tuple with one item per sample on every replica, rather than a fixed structure (preds, y).
-
-        The lengths must equal the replicas' sample counts; when those differ between replicas, that settles it.
-        When they are equal, the items decide: strings, and in lists also numbers and 0-dim tensors, are per-sample
-        (a tuple of numbers is a structure such as ``(loss, acc)``); dicts and dataclasses are per-sample records
-        unless every tensor in them is batched (one dict per decoder layer, say); tensors are per-sample when ragged.
-        """
-        sizes = self.sizes
-        if sizes is None or any(len(o) != n for o, n in zip(outputs, sizes, strict=True)):
-            return False
-        if len(set(sizes)) > 1:
-            return True
-        n = sizes[0]
-        items = [item for o in outputs for item in o]
-        if all(isinstance(x, str) for x in items):
-            return True
-        if isinstance(outputs[0], list) and all(_is_scalar(x) for x in items):
-            return True
-        if all(isinstance(x, Mapping) for x in items) or all(is_dataclass_instance(x) for x in items):
-            tensors = [t for x in items for _, t in iter_tensors(x)]
-            return not tensors or not all(t.ndim > self.dim and t.shape[self.dim] == n for t in tensors)
-        if all(isinstance(x, (Tensor, np.ndarray)) for x in items):
-            return all(x.ndim > 0 for x in items) and not all(
-                x.ndim > self.dim and x.shape[self.dim] == n for x in items
-            )
-        return False
+    return gather_map(outputs)
 
 
-def all_equal(values: Sequence[Any]) -> bool:
-    """Whether every value equals the first (by identity when ``==`` is element-wise or undefined, as for arrays)."""
-    first = values[0]
-    if isinstance(first, (Tensor, np.ndarray)):
-        if all(v is first for v in values[1:]):
-            return True
-        try:
-            return all(type(v) is type(first) and v.shape == first.shape and bool((v == first).all()) for v in values)
-        except Exception:
-            return False
-    try:
-        return all(bool(v == first) for v in values[1:])
-    except Exception:
-        return all(v is first for v in values[1:])
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float, np.number, bool))
-
-
-def _is_scalar(value: Any) -> bool:
-    return isinstance(value, (str, bytes, int, float, bool, type(None), np.number)) or (
-        isinstance(value, (Tensor, np.ndarray)) and value.ndim == 0
-    )
-
-
-def _holds_tensor(obj: Any) -> bool:
-    return any(True for _ in iter_tensors(obj))
-
-
-def _concatenable(outputs: Sequence[Any], dim: int) -> bool:
-    """Arrays that agree on every dimension but ``dim``."""
-    first = outputs[0]
-    return all(
-        o.ndim == first.ndim > dim
-        and all(a == b for d, (a, b) in enumerate(zip(o.shape, first.shape, strict=True)) if d != dim)
-        for o in outputs
-    )
-
-
-def _partial(path: str, value: str, replicas: list[int], total: int, what: str = "value") -> ValueError:
-    """``replicas`` returned ``value`` (None, or no value) at ``path``; the others returned something."""
-    others = [i for i in range(total) if i not in replicas]
-    return ValueError(
-        f"Cannot gather {path}: replica(s) {replicas} returned {value} there, replica(s) {others} a value. A {what} "
-        "present on some replicas only cannot be merged into one device's output (it would be dropped). Return it "
-        "from every replica (e.g. a zero, or an empty tensor with the batch dimension), or from none."
-    )
-
-
-def _mismatch(outputs: list[Any], path: str, expected: str) -> ValueError:
-    kinds = [type(o).__name__ for o in outputs]
-    return ValueError(
-        f"Cannot gather {path}: replica 0 returned {expected} but the replicas returned {kinds}. Every replica must "
-        "return the same structure."
-    )
+def _concatenate(tensors: Sequence[Tensor], device: torch.device, dim: int) -> Tensor:
+    if all(t.dim() == 0 for t in tensors) and dim == 0:
+        warnings.warn(
+            "Was asked to gather along dimension 0, but all input tensors were scalars; will instead unsqueeze and "
+            "return a vector.",
+            stacklevel=3,
+        )
+        tensors = [t.view(1) for t in tensors]
+    return torch.cat([t.to(device) for t in tensors], dim=dim)

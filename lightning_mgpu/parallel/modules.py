@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from lightning_mgpu.parallel.compiled import is_compiled
 from lightning_mgpu.parallel.devices import DeviceLike, check_module_on, module_device, resolve_devices
-from lightning_mgpu.parallel.gather import gather
+from lightning_mgpu.parallel.merge import merge_outputs
 from lightning_mgpu.parallel.parallel_apply import ExecutionMode, parallel_apply, resolve_mode
 from lightning_mgpu.parallel.reduce import reduce_losses
 from lightning_mgpu.parallel.replicas import ReplicaSet
@@ -38,7 +38,7 @@ from lightning_mgpu.parallel.scatter_gather import (
     batch_size_of,
     iter_tensors,
     move_to,
-    scatter_args,
+    split_arguments,
     unsplittable_error,
 )
 
@@ -95,7 +95,7 @@ class DataParallelModel(nn.Module):
             self.__dict__["last_split_sizes"] = (size,)  # a plain attribute: skip nn.Module.__setattr__'s checks
             return [self.module(*inputs, **kwargs)]
         try:
-            args_chunks, kwargs_chunks, sizes = scatter_args(inputs, kwargs, self.device_ids, self.dim)
+            args_chunks, kwargs_chunks, sizes = split_arguments(inputs, kwargs, self.device_ids, self.dim)
         except NothingToSplitError:
             unsplittable = unsplittable_error(argument_roots(inputs, kwargs))
             if unsplittable is not None:
@@ -125,7 +125,7 @@ class DataParallelModel(nn.Module):
         from fixed ones even when the outputs hold no tensor to read a batch size from.
         """
         sizes = self.last_split_sizes if len(self.last_split_sizes) == len(outputs) else None
-        return gather(outputs, self.output_device, self.dim, sizes=sizes)
+        return merge_outputs(outputs, self.output_device, self.dim, sizes=sizes)
 
 
 class LastingReplicas:
@@ -340,7 +340,7 @@ class DataParallelCriterion(nn.Module):
         root = self.device_ids[0]
         reduction = _criterion_option(criterion, kwargs, "reduction", "mean")
         if reduction == "none":
-            return gather(losses, root, self.dim)
+            return merge_outputs(losses, root, self.dim)
         if reduction == "sum":
             return reduce_losses(losses, device=root, reduction="sum")
         if self.weight_fn is not None:
@@ -389,7 +389,7 @@ class DataParallelCriterion(nn.Module):
                     "same batch size as the inputs given to DataParallelModel."
                 )
             sizes = out_sizes
-        target_chunks, kwarg_chunks, used = scatter_args(
+        target_chunks, kwarg_chunks, used = split_arguments(
             tuple(targets), kwargs, devices, self.dim, batch_size=total, sizes=sizes, names=("targets", "kwargs")
         )
         if len(used) != len(outputs):

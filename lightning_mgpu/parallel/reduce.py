@@ -61,6 +61,16 @@ def check_some_weight(weights: list[float]) -> list[float]:
     return weights
 
 
+def weighted_mean(values: Tensor, weights: Tensor) -> Tensor:
+    """``sum(w_i * v_i) / sum(w_i)`` over 1-D ``values`` and ``weights`` on one device: the one weighted mean.
+
+    An entry with weight 0 takes no part, not even its value: a replica with nothing to average over (a NaN mean of
+    no valid token) cannot poison the result or its gradients. No host sync.
+    """
+    kept = weights > 0
+    return torch.where(kept, values, torch.zeros_like(values)).mul(weights).sum() / weights.sum()
+
+
 def _scalar_on(loss: Tensor, device: torch.device, index: int) -> Tensor:
     if not isinstance(loss, Tensor):
         raise TypeError(f"The loss of replica {index} is a {type(loss).__name__}, expected a scalar tensor.")
@@ -102,7 +112,7 @@ def reduce_losses(
     if len(weights) != len(losses):
         raise ValueError(f"Got {len(weights)} weights for {len(losses)} losses.")
     values = check_some_weight(as_float_weights(weights))
+    # A replica with weight 0 is left out of the graph too: backward through a mean over nothing is NaN.
     kept = [(s, w) for s, w in zip(scalars, values, strict=True) if w > 0]
     stacked = torch.stack([s for s, _ in kept])
-    weight_tensor = torch.tensor([w for _, w in kept], dtype=stacked.dtype, device=root)
-    return (stacked * weight_tensor).sum() / weight_tensor.sum()
+    return weighted_mean(stacked, torch.tensor([w for _, w in kept], dtype=stacked.dtype, device=root))

@@ -18,12 +18,14 @@ import dataclasses
 import itertools
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
 
 from lightning_mgpu.parallel.devices import DeviceLike, to_device
+
+T = TypeVar("T")
 
 
 class BatchSplitError(ValueError):
@@ -53,7 +55,8 @@ def is_dataclass_instance(obj: Any) -> bool:
     return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
 
 
-def _contains_tensor(obj: Any) -> bool:
+def contains_tensor(obj: Any) -> bool:
+    """Whether ``obj`` holds a tensor anywhere in its structure."""
     return any(True for _ in iter_tensors(obj))
 
 
@@ -66,7 +69,7 @@ def _is_per_sample_list(obj: Any, batch_size: int | None) -> bool:
     if batch_size is None or not isinstance(obj, (list, tuple)) or len(obj) != batch_size:
         return False
     if isinstance(obj, list):
-        return not _contains_tensor(obj)
+        return not contains_tensor(obj)
     return _is_tuple_of_strings(obj)
 
 
@@ -74,29 +77,38 @@ def _is_tuple_of_strings(obj: Any) -> bool:
     return isinstance(obj, tuple) and not is_namedtuple(obj) and all(isinstance(x, str) for x in obj)
 
 
-def iter_tensors(
+def iter_nodes(
     obj: Any, path: str = "batch", per_sample: list[tuple[str, PerSample]] | None = None
-) -> Iterator[tuple[str, Tensor]]:
-    """Yield ``(key path, tensor)`` for every tensor in a nested structure, e.g. ``('batch["mask"]', tensor)``.
+) -> Iterator[tuple[str, Any]]:
+    """Yield ``(key path, node)`` for ``obj`` and everything nested in it, outermost first: the one reading walker.
 
-    With a ``per_sample`` list, :class:`PerSample` lists are appended to it (with their paths) instead of entered.
+    Paths read as error messages print them (``batch["mask"]``, ``batch[0]``, ``output.logits``). Mappings
+    (``ModelOutput`` included), namedtuples, lists, tuples and dataclasses are entered. With a ``per_sample`` list,
+    :class:`PerSample` lists are appended to it (with their paths) instead of yielded and entered.
     """
     if per_sample is not None and isinstance(obj, PerSample):
         per_sample.append((path, obj))
-    elif isinstance(obj, Tensor):
-        yield path, obj
-    elif isinstance(obj, Mapping):
-        for key, value in obj.items():
-            yield from iter_tensors(value, f"{path}[{key!r}]", per_sample)
+        return
+    yield path, obj
+    if isinstance(obj, Mapping):
+        children: Iterable[tuple[str, Any]] = ((f"{path}[{k!r}]", v) for k, v in obj.items())
     elif is_namedtuple(obj):
-        for field in obj._fields:
-            yield from iter_tensors(getattr(obj, field), f"{path}.{field}", per_sample)
+        children = ((f"{path}.{name}", getattr(obj, name)) for name in obj._fields)
     elif isinstance(obj, (list, tuple)):
-        for i, value in enumerate(obj):
-            yield from iter_tensors(value, f"{path}[{i}]", per_sample)
+        children = ((f"{path}[{i}]", v) for i, v in enumerate(obj))
     elif is_dataclass_instance(obj):
-        for field in dataclasses.fields(obj):
-            yield from iter_tensors(getattr(obj, field.name), f"{path}.{field.name}", per_sample)
+        children = ((f"{path}.{f.name}", getattr(obj, f.name)) for f in dataclasses.fields(obj))
+    else:
+        return
+    for child_path, child in children:
+        yield from iter_nodes(child, child_path, per_sample)
+
+
+def iter_tensors(
+    obj: Any, path: str = "batch", per_sample: list[tuple[str, PerSample]] | None = None
+) -> Iterator[tuple[str, Tensor]]:
+    """Yield ``(key path, tensor)`` for every tensor in a nested structure, e.g. ``('batch["mask"]', tensor)``."""
+    return ((p, node) for p, node in iter_nodes(obj, path, per_sample) if isinstance(node, Tensor))
 
 
 def batch_size_of(obj: Any, dim: int = 0, path: str = "batch") -> int:
@@ -165,15 +177,17 @@ def _per_sample_hint(roots: Sequence[tuple[str, Any]], tensors: Sequence[tuple[s
 
 def _item_lists(obj: Any, path: str) -> Iterator[tuple[str, Sequence[Any]]]:
     """Every list or plain tuple of dicts, dataclasses or tensors in ``obj``, outermost first, with its key path."""
-    if isinstance(obj, (list, tuple)) and not is_namedtuple(obj) and obj:
-        kinds = (Mapping, Tensor)
-        if any(all(isinstance(x, k) for x in obj) for k in kinds) or all(is_dataclass_instance(x) for x in obj):
-            yield path, obj
-        for i, value in enumerate(obj):
-            yield from _item_lists(value, f"{path}[{i}]")
-    elif isinstance(obj, Mapping):
-        for key, value in obj.items():
-            yield from _item_lists(value, f"{path}[{key!r}]")
+    for where, node in iter_nodes(obj, path):
+        if _is_plain_sequence(node) and (
+            any(all(isinstance(x, k) for x in node) for k in (Mapping, Tensor))
+            or all(is_dataclass_instance(x) for x in node)
+        ):
+            yield where, node
+
+
+def _is_plain_sequence(obj: Any) -> bool:
+    """A non-empty list or tuple that is not a namedtuple (a fixed structure)."""
+    return isinstance(obj, (list, tuple)) and not is_namedtuple(obj) and bool(obj)
 
 
 def _common_size(tensors: Iterable[tuple[str, Tensor]], dim: int, what: str) -> int:
@@ -257,13 +271,18 @@ def rebuild(template: Any, values: Sequence[Any] | Mapping[str, Any]) -> Any:
         except TypeError:
             return list(values) if isinstance(template, list) else tuple(values)
     if is_dataclass_instance(template):
-        init_fields = {f.name: v for f, v in zip(dataclasses.fields(template), values, strict=True) if f.init}
-        obj = type(template)(**init_fields)
-        for f, v in zip(dataclasses.fields(template), values, strict=True):
-            if not f.init:
-                object.__setattr__(obj, f.name, v)
-        return obj
+        return _rebuild_dataclass(template, values)
     raise TypeError(f"Cannot rebuild a {type(template).__name__}.")
+
+
+def _rebuild_dataclass(template: Any, values: Sequence[Any]) -> Any:
+    """A dataclass like ``template`` with its fields set to ``values`` (``init=False`` fields included)."""
+    fields = list(zip(dataclasses.fields(template), values, strict=True))
+    obj = type(template)(**{f.name: v for f, v in fields if f.init})
+    for f, v in fields:
+        if not f.init:
+            object.__setattr__(obj, f.name, v)
+    return obj
 
 
 def _map_structure(obj: Any, leaf_fn: Callable[[Any], Any], batch_size: int | None) -> Any:
@@ -284,7 +303,7 @@ def _map_structure(obj: Any, leaf_fn: Callable[[Any], Any], batch_size: int | No
     return leaf_fn(obj)
 
 
-def scatter(
+def split_batch(
     obj: Any,
     devices: Sequence[DeviceLike],
     dim: int = 0,
@@ -345,7 +364,7 @@ def _scatter_sizes(obj: Any, devices: Sequence[torch.device], dim: int, batch_si
     return [_map_structure(obj, lambda leaf, i=i: split_leaf(leaf)[i], batch_size) for i in range(len(sizes))]
 
 
-def scatter_args(
+def split_arguments(
     args: tuple[Any, ...],
     kwargs: Mapping[str, Any],
     devices: Sequence[DeviceLike],
@@ -359,7 +378,7 @@ def scatter_args(
 
     An error names the offending argument, e.g. ``args[0]['mask']`` or ``kwargs['labels']``. ``batch_size``: the
     result of :func:`args_batch_size` when the caller has it already. ``sizes`` imposes the chunk sizes, as in
-    :func:`scatter`.
+    :func:`split_batch`.
     """
     targets = [to_device(d) for d in devices]
     batch_size = _resolve_batch_size(argument_roots(args, kwargs, names), dim, "no tensor argument", batch_size)
@@ -374,10 +393,36 @@ def scatter_args(
     )
 
 
+def scatter(inputs: Any, target_devices: Sequence[DeviceLike], dim: int = 0) -> list[Any]:
+    """Split ``inputs`` into one chunk per device, with ``torch.nn.parallel.scatter``'s contract, on any devices.
+
+    Returns the list of chunks (fewer than the devices when the batch is smaller); inputs that hold no tensor with a
+    batch dimension are referenced once per device, as torch does. Chunks are balanced as by
+    :func:`split_batch`, which also returns their sizes.
+    """
+    try:
+        return split_batch(inputs, target_devices, dim)[0]
+    except NothingToSplitError:
+        return [inputs for _ in target_devices]
+
+
 def move_to(obj: Any, device: DeviceLike) -> Any:
     """``obj`` with every tensor moved to ``device`` (differentiable), structure preserved."""
     target = to_device(device)
     return _map_structure(obj, lambda leaf: leaf.to(target) if isinstance(leaf, Tensor) else leaf, None)
+
+
+def split_or_run_once(split: Callable[[], T], roots: Sequence[tuple[str, Any]]) -> T | None:
+    """``split()``, or ``None`` when the inputs (``roots``: ``(name, value)`` pairs) hold nothing to split: the caller
+    then runs once, unsplit, as ``nn.DataParallel`` runs a module whose inputs hold no tensor. The one path for that
+    decision, shared by the modules and both strategies."""
+    try:
+        return split()
+    except NothingToSplitError:
+        error = unsplittable_error(roots)
+        if error is not None:
+            raise error from None
+        return None
 
 
 def unsplittable_error(roots: Sequence[tuple[str, Any]]) -> BatchSplitError | None:
@@ -398,11 +443,11 @@ def unsplittable_error(roots: Sequence[tuple[str, Any]]) -> BatchSplitError | No
 
 
 def _string_sequences(obj: Any, path: str) -> Iterator[tuple[str, int]]:
-    if isinstance(obj, (list, tuple)) and not is_namedtuple(obj) and obj and all(isinstance(x, str) for x in obj):
-        yield path, len(obj)
-    elif isinstance(obj, Mapping):
-        for key, value in obj.items():
-            yield from _string_sequences(value, f"{path}[{key!r}]")
-    elif isinstance(obj, (list, tuple)):
-        for i, value in enumerate(obj):
-            yield from _string_sequences(value, f"{path}[{i}]")
+    for where, node in iter_nodes(obj, path):
+        if (
+            isinstance(node, (list, tuple))
+            and not is_namedtuple(node)
+            and node
+            and all(isinstance(x, str) for x in node)
+        ):
+            yield where, len(node)

@@ -6,10 +6,10 @@ runs. This is ``torch.nn.DataParallel``'s data flow: simple, manual optimization
 the loss's activations sit on one device, which is why that device runs out of memory first when outputs are large.
 
 Two things differ from ``nn.DataParallel``, both so that training equals one device: a scalar a forward returns per
-replica (a ``transformers`` model's ``.loss``) is combined into one value with the right weights (found out on the
-first call, as ``parallel_criterion`` does for step losses) instead of being stacked; and a step that never calls a
-replicated forward (``self.model(...)`` instead of ``self(...)``) is reported instead of silently running on one
-device.
+replica (a ``transformers`` model's ``.loss``) is combined into one value by the rule ``loss_reduction`` or the
+module's objects declare (as ``parallel_criterion`` combines step losses) instead of being stacked; and a step that
+never calls a replicated forward (``self.model(...)`` instead of ``self(...)``) is reported instead of silently
+running on one device.
 """
 
 from __future__ import annotations
@@ -20,27 +20,30 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 from typing_extensions import override
 
 from lightning_mgpu.parallel.devices import DeviceLike, to_device
-from lightning_mgpu.parallel.gather import gather
+from lightning_mgpu.parallel.merge import merge_outputs
 from lightning_mgpu.parallel.parallel_apply import ExecutionMode
 from lightning_mgpu.parallel.scatter_gather import (
-    NothingToSplitError,
     args_batch_size,
     argument_roots,
     iter_tensors,
-    scatter_args,
-    unsplittable_error,
+    split_arguments,
+    split_or_run_once,
 )
-from lightning_mgpu.strategies.experiments import run_side_effect_free
-from lightning_mgpu.strategies.loss_normalization import SAMPLES, LossNormalization, detect
+from lightning_mgpu.strategies.loss_normalization import (
+    SAMPLES,
+    LossNormalization,
+    assumed_samples_notice,
+    known_rule,
+)
 from lightning_mgpu.strategies.namespace import Accelerator, CheckpointIO, PrecisionPlugin
 from lightning_mgpu.strategies.single_process import SingleProcessParallel
 
 
-class DataParallel(SingleProcessParallel):
+class DataParallelStrategyBase(SingleProcessParallel):
     """One process, N devices: forward replicated, outputs gathered on ``output_device`` (``nn.DataParallel``).
 
     Args:
@@ -49,6 +52,10 @@ class DataParallel(SingleProcessParallel):
             ``devices=[2, 3]``); a string (``"cuda:3"``) or ``torch.device`` works too.
         parallel_modules: names of the submodules whose ``forward`` runs replicated (e.g. ``["backbone"]``); default
             (or ``None``) ``[""]``: the LightningModule's own ``forward``, i.e. every ``self(...)`` call in a step.
+        loss_reduction: how a scalar that the replicated forward returns (a ``transformers`` model's ``.loss``) is
+            normalised on each replica, as for ``parallel_criterion``; ``<key>`` names a forward argument
+            (``tokens:labels`` for ``labels=``, ``tokens:1`` for the second positional one). ``"auto"`` (default):
+            what the module's objects say, else a per-sample mean, said once with the fix.
         dim: the batch dimension of inputs and outputs.
         execution_mode: ``"auto"`` (threads on distinct GPUs, else sequential), ``"threads"`` or ``"sequential"``.
     """
@@ -63,10 +70,13 @@ class DataParallel(SingleProcessParallel):
         precision_plugin: PrecisionPlugin | None = None,
         output_device: DeviceLike | None = None,
         parallel_modules: Sequence[str] | None = ("",),
+        loss_reduction: str = "auto",
         dim: int = 0,
         execution_mode: ExecutionMode = "auto",
     ) -> None:
         super().__init__(accelerator, parallel_devices, checkpoint_io, precision_plugin, dim, execution_mode)
+        self.normalization = LossNormalization.parse(loss_reduction)
+        self.loss_reduction = loss_reduction
         if output_device is not None:
             to_device(output_device)  # a clear error now, not at the first step
         self._output_device = output_device
@@ -137,6 +147,7 @@ class DataParallel(SingleProcessParallel):
                 ) from err
         return targets
 
+    @override
     def _run_step(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         module = self.lightning_module  # type: ignore[attr-defined]
         self._in_step, self._forward_calls = True, 0
@@ -167,15 +178,13 @@ class DataParallel(SingleProcessParallel):
         if not self._in_step:
             return original(*inputs, **kwargs)  # outside a step (a callback's self(x)): a plain call
         self._forward_calls += 1
-        try:
-            batch_size = args_batch_size(inputs, kwargs, self.dim)
-        except NothingToSplitError:
-            unsplittable = unsplittable_error(argument_roots(inputs, kwargs))
-            if unsplittable is not None:
-                raise unsplittable from None
+        batch_size = split_or_run_once(
+            lambda: args_batch_size(inputs, kwargs, self.dim), argument_roots(inputs, kwargs)
+        )
+        if batch_size is None:
             return original(*inputs, **kwargs)  # nothing to split: run once, on the root
         devices = self.parallel_devices  # type: ignore[attr-defined]
-        args_chunks, kwargs_chunks, sizes = scatter_args(inputs, kwargs, devices, self.dim, batch_size=batch_size)
+        args_chunks, kwargs_chunks, sizes = split_arguments(inputs, kwargs, devices, self.dim, batch_size=batch_size)
         if len(sizes) == 1:
             return original(*args_chunks[0], **kwargs_chunks[0])
 
@@ -183,18 +192,13 @@ class DataParallel(SingleProcessParallel):
             return replica(*args_chunks[index], **kwargs_chunks[index])
 
         outputs = self._run_replicated(target, sizes, call)
-        chunks = list(zip(args_chunks, kwargs_chunks, strict=True))
-        weights = self._scalar_weights(target, outputs, chunks, sizes, (inputs, kwargs))
-        return gather(outputs, self.output_device, self.dim, sizes=sizes, weights=weights)
+        chunks = [_arguments(a, k) for a, k in zip(args_chunks, kwargs_chunks, strict=True)]
+        weights = self._scalar_weights(target, outputs, chunks, sizes, _arguments(inputs, kwargs))
+        return merge_outputs(outputs, self.output_device, self.dim, sizes=sizes, weights=weights)
 
     # --- scalars in forward outputs (a transformers model's .loss) --------------------------------------------------
     def _scalar_weights(
-        self,
-        target: nn.Module,
-        outputs: list[Any],
-        chunks: list[tuple[tuple[Any, ...], dict[str, Any]]],
-        sizes: list[int],
-        whole: tuple[tuple[Any, ...], dict[str, Any]],
+        self, target: nn.Module, outputs: list[Any], chunks: list[dict[Any, Any]], sizes: list[int], whole: Any
     ) -> dict[str, Any]:
         """How to combine each floating scalar of the outputs that differs between replicas: sample counts for a
         per-sample mean, token counts for a token mean, summed for a sum."""
@@ -202,7 +206,7 @@ class DataParallel(SingleProcessParallel):
         for path in _floating_scalar_paths(outputs):
             rule = self._scalar_rules.get(path)
             if rule is None:
-                rule = self._scalar_rules[path] = self._detect_scalar(target, path, whole)
+                rule = self._scalar_rules[path] = self._rule_for(target, path, whole)
             if rule.kind == "sum":
                 weights[path] = "sum"
             elif rule.kind == "replica_mean":
@@ -211,35 +215,25 @@ class DataParallel(SingleProcessParallel):
                 weights[path] = rule.weights(chunks, sizes)
         return weights
 
-    def _detect_scalar(self, target: nn.Module, path: str, whole: tuple[Any, ...]) -> LossNormalization:
-        replicas = self._replicas_of(target)
-
-        def values_of(chunks: list[Any], seed: int | None) -> list[Tensor] | None:
-            # After the step's replicated forward: its replicas are in use by a live autograd graph, keep them as is.
-            outs = run_side_effect_free(
-                self.lightning_module, replicas, chunks, lambda r, c: r(*c[0], **c[1]), prepare=False, seed=seed
-            )
-            values = [_at(out, path) for out in outs]
-            return values if all(isinstance(v, Tensor) and v.numel() == 1 for v in values) else None
-
-        detection = detect(whole, self.dim, values_of)
-        if detection.normalization is not None:
-            rule = detection.normalization.describe(detection.labels)
+    def _rule_for(self, target: nn.Module, path: str, arguments: dict[Any, Any]) -> LossNormalization:
+        """``loss_reduction``, else what ``target``'s objects say (said once), else per-sample (said once)."""
+        if self.normalization is not None:
+            return self.normalization
+        known = known_rule(target, arguments)
+        where = f"{path} of {type(target).__name__}.forward"
+        if known is not None:
+            rule, source = known
             self._log(
-                f"dp: {path} of {type(target).__name__}.forward is {rule}; the replicas' values are combined "
-                "accordingly (found out on the first call)."
+                f"dp: {where} is {rule.describe()}, as {source} says; the replicas' values are combined "
+                f"accordingly (loss_reduction={rule.spec()!r})."
             )
-            return detection.normalization
-        warnings.warn(
-            f"dp: {type(target).__name__}.forward returns a scalar at {path} on each replica, and how it is "
-            f"normalised could not be established ({detection.reason}); the replicas' values are averaged weighted "
-            "by sample count, which equals one device only for a per-sample mean.\n"
-            + (detection.report() + "\n" if detection.predictions else "")
-            + "Compute the loss in the step from the gathered outputs (call the model without labels), or use "
-            "strategy='parallel_criterion' with loss_reduction set.",
-            UserWarning,
-            stacklevel=2,
+            return rule
+        fixes = (
+            "declare it: DataParallelStrategy(loss_reduction='sum' | 'tokens:<labels argument>') (CLI: "
+            "--trainer.strategy.init_args.loss_reduction=...), or compute the loss in the step from the gathered "
+            "outputs (call the model without labels)"
         )
+        warnings.warn(assumed_samples_notice(f"dp: {where}", fixes), UserWarning, stacklevel=2)
         return SAMPLES
 
 
@@ -249,7 +243,7 @@ class ParallelForward:
     Copies and pickles of the module get a plain bound ``forward`` instead, so an EMA copy or a pickled module never
     carries the strategy along."""
 
-    def __init__(self, strategy: DataParallel, target: nn.Module) -> None:
+    def __init__(self, strategy: DataParallelStrategyBase, target: nn.Module) -> None:
         self.strategy = strategy
         self.target = target
 
@@ -285,3 +279,8 @@ def _at(output: Any, path: str) -> Any:
         if candidate == path:
             return tensor
     return None
+
+
+def _arguments(args: Sequence[Any], kwargs: dict[str, Any]) -> dict[Any, Any]:
+    """A forward's arguments as one mapping, as ``loss_reduction`` keys name them: positions and keywords."""
+    return {**dict(enumerate(args)), **kwargs}

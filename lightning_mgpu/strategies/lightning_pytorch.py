@@ -1,4 +1,4 @@
-"""The strategies for ``lightning.pytorch`` (``import lightning.pytorch as L``); see :mod:`.flavour`."""
+"""The strategies for ``lightning.pytorch`` (``import lightning.pytorch as L``); see :mod:`.namespace_strategies`."""
 
 from __future__ import annotations
 
@@ -7,16 +7,16 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 
-from lightning_mgpu.strategies import flavour
+from lightning_mgpu.strategies import namespace_strategies
 from lightning_mgpu.strategies.namespace import LightningNamespace
 
 NAMESPACE = LightningNamespace("lightning.pytorch", LightningModule, MisconfigurationException, _DeviceDtypeModuleMixin)
-ParallelCriterionStrategy, DataParallelStrategy = flavour.define(NAMESPACE, ParallelStrategy, __name__)
+ParallelCriterionStrategy, DataParallelStrategy = namespace_strategies.define(NAMESPACE, ParallelStrategy, __name__)
 
 
 def register() -> None:
     """Add ``parallel_criterion``, ``dp`` and ``data_parallel`` to this namespace's registry (idempotent)."""
-    flavour.register(StrategyRegistry, ParallelCriterionStrategy, DataParallelStrategy)
+    namespace_strategies.register(StrategyRegistry, ParallelCriterionStrategy, DataParallelStrategy)
 
 
 register()  # on import, so the classes are usable by name as soon as they exist

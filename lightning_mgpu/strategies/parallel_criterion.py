@@ -1,9 +1,9 @@
 """``strategy="parallel_criterion"``: every device runs the whole ``*_step`` (forward **and** loss) on its shard.
 
 Only one scalar loss per device reaches the root, where the losses are combined into the whole batch's loss: weighted
-by sample counts for per-sample means, summed for sums, weighted by valid tokens for token means — found out on the
-first training step unless the strategy or the step says so (:mod:`.loss_normalization`). Outputs never pile up on
-the root device, which is what makes ``nn.DataParallel`` run out of memory on GPU 0 first.
+by sample counts for per-sample means, summed for sums, weighted by valid tokens for token means, by the rule that the
+step, the strategy or the module's objects declare (:mod:`.loss_normalization`). Outputs never pile up on the root
+device, which is what makes ``nn.DataParallel`` run out of memory on GPU 0 first.
 """
 
 from __future__ import annotations
@@ -13,14 +13,19 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 from typing_extensions import override
 
-from lightning_mgpu.parallel.gather import gather
+from lightning_mgpu.parallel.merge import merge_outputs
 from lightning_mgpu.parallel.parallel_apply import ExecutionMode
-from lightning_mgpu.parallel.scatter_gather import NothingToSplitError, scatter, unsplittable_error
-from lightning_mgpu.strategies.experiments import run_side_effect_free
-from lightning_mgpu.strategies.loss_normalization import SAMPLES, Detection, LossNormalization, detect
+from lightning_mgpu.parallel.scatter_gather import split_batch, split_or_run_once
+from lightning_mgpu.strategies.loss_normalization import (
+    SAMPLES,
+    LossNormalization,
+    assumed_samples_notice,
+    known_rule,
+    uncombinable_loss,
+)
 from lightning_mgpu.strategies.namespace import Accelerator, CheckpointIO, PrecisionPlugin
 from lightning_mgpu.strategies.single_process import SingleProcessParallel
 from lightning_mgpu.strategies.step_outputs import (
@@ -32,17 +37,17 @@ from lightning_mgpu.strategies.step_outputs import (
 )
 
 
-class ParallelCriterion(SingleProcessParallel):
+class ParallelCriterionStrategyBase(SingleProcessParallel):
     """One process, N devices: forward and loss on every device, shard losses combined exactly on the root.
 
     Args:
         loss_reduction: how each device's loss is normalised, which decides how the losses are combined.
-            ``"auto"`` (default): found out on the first training step with a side-effect-free experiment on a
-            small sub-batch, and printed once (a warning says what to set when it cannot be established);
-            ``"samples"``: a per-sample mean, weighted by sample counts; ``"sum"``: summed; ``"tokens:<key>"`` /
-            ``"shifted_tokens:<key>"``: a mean over the tokens of ``batch[<key>]`` that are not -100 (shifted: as
-            causal LMs shift labels), weighted by each shard's count; ``"replica_mean"``: equal weights (Lightning
-            1.x ``dp``; not one device's result on uneven shards). Any explicit value turns the detection off, and a
+            ``"auto"`` (default): what the module's objects say (a ``transformers`` model's task with the batch's
+            ``labels``, or its loss modules' ``reduction`` / ``ignore_index`` / ``weight``), printed once; else a
+            per-sample mean, said once with the fix. ``"samples"``: a per-sample mean, weighted by sample counts;
+            ``"sum"``: summed; ``"tokens:<key>"`` / ``"shifted_tokens:<key>"``: a mean over the tokens of
+            ``batch[<key>]`` that are not -100 (shifted: as causal LMs shift labels), weighted by each shard's count;
+            ``"replica_mean"``: equal weights (Lightning 1.x ``dp``; not one device's result on uneven shards). A
             step that returns ``loss_weight`` or ``loss_terms`` is weighted by them whatever this says.
         dim: the batch dimension to split along.
         execution_mode: ``"auto"`` (threads on distinct GPUs, else sequential), ``"threads"`` or ``"sequential"``.
@@ -68,7 +73,7 @@ class ParallelCriterion(SingleProcessParallel):
         super().__init__(accelerator, parallel_devices, checkpoint_io, precision_plugin, dim, execution_mode)
         self.normalization = LossNormalization.parse(loss_reduction)
         self.loss_reduction = loss_reduction
-        self._detection: Detection | None = None
+        self._rule_said = False
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -81,6 +86,7 @@ class ParallelCriterion(SingleProcessParallel):
         super().setup(trainer)
 
     # --- the step ----------------------------------------------------------------------------------------------------
+    @override
     def _run_step(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         module = self.lightning_module  # type: ignore[attr-defined]
         weights: list[Any] | None = None
@@ -90,9 +96,9 @@ class ParallelCriterion(SingleProcessParallel):
                 outputs = [getattr(module, hook)(*args, **kwargs)]
             else:
                 rest = args[1:]
-                detection = None
-                if hook == "training_step" and self.normalization is None and len(sizes) > 1:
-                    detection = self._detect(args[0], rest, kwargs)
+                source = None
+                if hook == "training_step" and self.normalization is None:
+                    self.normalization, source = self._known_rule(args[0])
 
                 def call(index: int, replica: nn.Module) -> Any:
                     return getattr(replica, hook)(chunks[index], *rest, **kwargs)
@@ -104,8 +110,8 @@ class ParallelCriterion(SingleProcessParallel):
                 outputs = self._run_replicated(
                     module, sizes, call, lambda outs: implied_loss_weights(outs, rule, weights)
                 )
-                if detection is not None:  # said once the step ran: a step that fails says so by itself
-                    self._report(detection)
+                if hook == "training_step":  # said once the step ran: a step that fails says so by itself
+                    self._say_rule(outputs, source)
         if all_or_none(outputs, hook):
             return None
         if hook == "training_step":
@@ -115,68 +121,47 @@ class ParallelCriterion(SingleProcessParallel):
             return reduce_training_outputs(outputs, sizes, self.root_device, rule, weights, self.dim)
         if chunks is None:
             return outputs[0]
-        return gather(outputs, self.root_device, self.dim, sizes=sizes)
+        return merge_outputs(outputs, self.root_device, self.dim, sizes=sizes)
 
     def _split(self, args: tuple[Any, ...]) -> tuple[list[Any] | None, list[int]]:
         """The batch's shards and sizes; ``(None, [1])`` when the step runs once, on the root (one device, or a
-        batch without a batch dimension, as ``nn.DataParallel`` runs a module whose inputs hold no tensor)."""
-        if len(self.parallel_devices) == 1 or not args:  # type: ignore[attr-defined]
+        batch without a batch dimension)."""
+        devices = self.parallel_devices  # type: ignore[attr-defined]
+        if len(devices) == 1 or not args:
             return None, [1]
-        try:
-            chunks, sizes = scatter(args[0], self.parallel_devices, self.dim)  # type: ignore[attr-defined]
-        except NothingToSplitError:
-            unsplittable = unsplittable_error([("batch", args[0])])
-            if unsplittable is not None:
-                raise unsplittable from None
-            return None, [1]
-        return chunks, sizes
+        split = split_or_run_once(lambda: split_batch(args[0], devices, self.dim), [("batch", args[0])])
+        return split if split is not None else (None, [1])
 
-    # --- finding out the loss normalisation --------------------------------------------------------------------------
-    def _detect(self, batch: Any, rest: tuple[Any, ...], kwargs: dict[str, Any]) -> Detection:
-        module = self.lightning_module  # type: ignore[attr-defined]
-        replicas = self._replicas_of(module)
+    # --- the loss rule -----------------------------------------------------------------------------------------------
+    def _known_rule(self, batch: Any) -> tuple[LossNormalization, str | None]:
+        """The rule the module's objects declare and what declared it, else per-sample (``None``: assumed)."""
+        known = known_rule(self.lightning_module, batch)  # type: ignore[attr-defined]
+        return known if known is not None else (SAMPLES, None)
 
-        def losses_of(chunks: list[Any], seed: int | None) -> list[Tensor] | None:
-            outputs = run_side_effect_free(
-                module, replicas, chunks, lambda r, c: r.training_step(c, *rest, **kwargs), seed=seed
-            )
-            losses = []
-            for output in outputs:
-                if isinstance(output, Mapping) and (LOSS_WEIGHT_KEY in output or LOSS_TERMS_KEY in output):
-                    return None  # the step weights its own loss
-                loss = output.get("loss") if isinstance(output, Mapping) else output
-                if not isinstance(loss, Tensor) or loss.numel() != 1:
-                    return None
-                losses.append(loss)
-            return losses
-
-        detection = detect(batch, self.dim, losses_of)
-        self._detection = detection
-        self.normalization = detection.normalization or SAMPLES
-        return detection
-
-    def _report(self, detection: Detection) -> None:
-        """Print the rule found, or warn with what was measured and the one-line fixes (nothing for a step that
-        weights its own loss)."""
-        if detection.normalization is not None:
-            rule = self.normalization.describe(detection.labels)
+    def _say_rule(self, outputs: list[Any], source: str | None) -> None:
+        """Once per run: the rule found and where from, or the assumption with its fixes; nothing when the step
+        weights its own loss (``loss_weight`` / ``loss_terms``) or ``loss_reduction`` was given."""
+        if self._rule_said or self.loss_reduction != "auto":
+            return
+        self._rule_said = True
+        first = outputs[0]
+        if isinstance(first, Mapping) and (LOSS_WEIGHT_KEY in first or LOSS_TERMS_KEY in first):
+            return
+        if source is not None:
             self._log(
-                f"parallel_criterion: the training loss is {rule}; the devices' losses are "
-                f"combined accordingly (found out on the first batch; set loss_reduction="
-                f"{self.normalization.spec()!r} to skip the check, or another value to override it)."
+                f"parallel_criterion: the training loss is {self.normalization.describe()}, as {source} says; the "
+                f"devices' losses are combined accordingly (loss_reduction={self.normalization.spec()!r})."
             )
             return
-        if detection.reason == "the step does not return a plain loss":
-            return  # loss_weight / loss_terms weight every step themselves
-        warnings.warn(
-            "parallel_criterion could not establish how the training loss is normalised "
-            f"({detection.reason}), so the devices' losses are weighted by sample count, which equals one device "
-            "only for a per-sample mean.\n"
-            + (detection.report() + "\n" if detection.predictions else "")
-            + "Say it in one line: return {'loss': loss, 'loss_weight': n} with the count your loss averages over "
-            "(or 'loss_terms' for a sum of differently normalised terms), or pass "
-            "ParallelCriterionStrategy(loss_reduction='samples' | 'sum' | 'tokens:<labels key>' | "
-            "'shifted_tokens:<labels key>').",
-            UserWarning,
-            stacklevel=2,
+        uncombinable = uncombinable_loss(self.lightning_module)  # type: ignore[attr-defined]
+        if uncombinable is not None:
+            warnings.warn(f"parallel_criterion: {uncombinable}.", UserWarning, stacklevel=2)
+            return
+        fixes = (
+            "declare it: ParallelCriterionStrategy(loss_reduction='sum' | 'tokens:<labels key>') (CLI: "
+            "--trainer.strategy.init_args.loss_reduction=...), or return {'loss': loss, 'loss_weight': <count it "
+            "averages over>} from training_step. A loss that couples samples across the batch (contrastive) needs "
+            "self.all_gather(..., sync_grads=True) in the step, or strategy='dp'"
         )
+        notice = assumed_samples_notice("parallel_criterion: the training loss", fixes)
+        warnings.warn(notice, UserWarning, stacklevel=2)

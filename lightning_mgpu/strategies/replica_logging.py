@@ -1,9 +1,9 @@
 """``self.log`` from replicas: record per replica, merge once on the root module.
 
 Replicas share the trainer's result collection, so a replica calling the real ``LightningModule.log`` would race
-with the others and log one shard's value as if it were the batch's (measured: a logged training loss of 0.0038 for
-a true 1.14). Each replica's ``log`` is replaced by a recorder; after the replicas have run, values are merged per
-name according to ``reduce_fx`` and logged once, from the main thread, on the root module:
+with the others and log one shard's value as if it were the batch's. Each replica's ``log`` is replaced by a
+recorder; after the replicas have run, values are merged per name according to ``reduce_fx`` and logged once, from
+the main thread, on the root module:
 
 * ``"mean"``: weighted by each replica's ``batch_size=`` argument when given (then logged with their sum as the
   batch size); else, for a value that is the loss the step returned with ``loss_weight`` (or a ``loss_terms`` term),
@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric
 
+from lightning_mgpu.parallel.reduce import weighted_mean
 from lightning_mgpu.strategies.step_outputs import LossTermsTotal, tensor_key
 
 _MEAN = ("mean", "avg", torch.mean)
@@ -146,9 +147,7 @@ def _merge_values(
             # The step's weight in the epoch mean: its sample count, which Lightning would otherwise read from the
             # first tensor of the batch (the channel count of a PerSample list of images, say).
             merged_options["batch_size"] = sum(counts)
-        # A replica with nothing to average over (weight 0) contributes nothing, not its NaN; no host sync either.
-        contributions = torch.where(w > 0, stacked, torch.zeros_like(stacked)) * w
-        merged = contributions.sum() / w.sum()
+        merged = weighted_mean(stacked, w)
     elif kind == "sum":
         merged = stacked.sum()
     elif kind == "max":

@@ -28,10 +28,6 @@ from lightning_mgpu.parallel.parallel_apply import EXECUTION_MODES, ExecutionMod
 from lightning_mgpu.strategies.lightning_replicas import LightningReplicas
 from lightning_mgpu.strategies.namespace import Accelerator, CheckpointIO, LightningNamespace, PrecisionPlugin
 
-#: Called after every replicated call with the replicated module and the replicas' outputs (benchmarks count the
-#: bytes a step moves with it); ``None`` costs nothing.
-ReplicatedCallObserver = Callable[[nn.Module, Sequence[Any]], None]
-
 
 def _public_list_lengths(module: nn.Module) -> dict[str, int]:
     return {name: len(value) for name, value in vars(module).items() if isinstance(value, list) and name[0] != "_"}
@@ -72,7 +68,6 @@ class SingleProcessParallel:
             raise TypeError(f"dim must be an int (the batch dimension), got {dim!r}.")
         self.dim = dim
         self.execution_mode: ExecutionMode = execution_mode
-        self.replicated_call_observer: ReplicatedCallObserver | None = None
         self._replicas: dict[int, LightningReplicas] = {}
         self._converted_batchnorm = False
         self._announced: set[str] = set()
@@ -83,7 +78,8 @@ class SingleProcessParallel:
     # Lightning's connector reads `strategy._accelerator` when a Trainer receives a strategy instance; once a Trainer
     # has configured this instance, a second Trainer would share (and fight over) its accelerator, precision and
     # devices. Say so, instead of Lightning's "accelerator set through both strategy class and accelerator flag".
-    @property  # type: ignore[override]
+    @property  # type: ignore[override]  # Lightning's is a plain attribute-backed property; this one guards reuse
+    @override
     def accelerator(self) -> Any:
         return self.__dict__.get("_mgpu_accelerator")
 
@@ -128,6 +124,7 @@ class SingleProcessParallel:
         return 1
 
     @property
+    @override
     def is_distributed(self) -> bool:
         """False: Lightning then adds no DistributedSampler and makes ``self.log(sync_dist=True)`` a no-op."""
         return False
@@ -254,8 +251,6 @@ class SingleProcessParallel:
         outputs = replicas.run(len(sample_counts), call, self._mode_for(replicas, len(sample_counts)))
         implied = implied_weights(outputs) if implied_weights is not None else [{} for _ in outputs]
         replicas.merge_into(self.lightning_module, sample_counts, implied)  # type: ignore[attr-defined]
-        if self.replicated_call_observer is not None:
-            self.replicated_call_observer(module, outputs)
         self._warn_on_grown_lists(module, list_lengths, len(outputs))
         return outputs
 

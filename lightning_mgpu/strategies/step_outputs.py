@@ -10,7 +10,7 @@ Training steps may return, besides ``"loss"``, two documented keys that say how 
   single-device strategy, which knows nothing of terms, trains on it).
 
 Both keys are consumed here, on every device count, and do not appear in the step's outputs. Other outputs are
-gathered on the root by the one rule set of :mod:`lightning_mgpu.parallel.gather`.
+gathered on the root by the one rule set of :mod:`lightning_mgpu.parallel.merge`.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_mgpu.parallel.gather import gather
-from lightning_mgpu.parallel.reduce import as_float_weights, check_some_weight, reduce_losses
+from lightning_mgpu.parallel.merge import merge_outputs
+from lightning_mgpu.parallel.reduce import as_float_weights, check_some_weight, reduce_losses, weighted_mean
 
 LOSS_WEIGHT_KEY = "loss_weight"
 LOSS_TERMS_KEY = "loss_terms"
@@ -49,7 +49,7 @@ class LossTermsTotal:
         for position in range(len(totals[0].terms)):
             values = torch.stack([t.terms[position][0].detach().to(device, dtype).reshape(()) for t in totals])
             w = torch.stack([torch.as_tensor(t.terms[position][1]).to(device, dtype).reshape(()) for t in totals])
-            merged = merged + (torch.where(w > 0, values, torch.zeros_like(values)) * w).sum() / w.sum()
+            merged = merged + weighted_mean(values, w)
         return merged
 
 
@@ -140,7 +140,7 @@ def reduce_training_outputs(
         else:
             loss = losses[0] if single else rule.reduce(losses, rule_weights, root)
     extras = [{k: v for k, v in o.items() if k not in ("loss", LOSS_WEIGHT_KEY, LOSS_TERMS_KEY)} for o in outputs]
-    return {"loss": loss, **(extras[0] if single else gather(extras, root, dim, sizes=sample_counts))}
+    return {"loss": loss, **(extras[0] if single else merge_outputs(extras, root, dim, sizes=sample_counts))}
 
 
 def _reduce_terms(outputs: Sequence[Mapping[str, Any]], root: torch.device) -> Tensor:

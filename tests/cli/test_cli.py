@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 import lightning_mgpu
-from lightning_mgpu.bench.process_group import run_in_process_group
+from benchmarks.compare.process_group import run_in_process_group
 from lightning_mgpu.cli import main, put_cwd_on_sys_path
 
 REPO = Path(__file__).resolve().parents[2]

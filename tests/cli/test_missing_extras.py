@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-from lightning_mgpu.bench.process_group import run_in_process_group
+from benchmarks.compare.process_group import run_in_process_group
 
 REPO = Path(__file__).resolve().parents[2]
 EXTRA = ("jsonargparse", "transformers", "tokenizers", "datasets", "matplotlib")
@@ -48,12 +48,11 @@ sys.meta_path[sys.meta_path.index(importlib.machinery.PathFinder)] = PathFinderW
 def call(entry_point):
     if entry_point == "import lightning_mgpu":
         import lightning_mgpu
-        return sorted(m for m in sys.modules if m.partition(".")[0] in hidden or m.startswith("lightning_mgpu.bench"))
-    if entry_point in ("lightning-mgpu", "lightning-mgpu-bench"):
-        # What the installed scripts do: no current directory on sys.path, then sys.exit(main()).
+        return sorted(m for m in sys.modules if m.partition(".")[0] in hidden or m.startswith("benchmarks.compare"))
+    if entry_point == "lightning-mgpu":
+        # What the installed script does: no current directory on sys.path, then sys.exit(main()).
         sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != os.getcwd()]
-        module = "lightning_mgpu.cli" if entry_point == "lightning-mgpu" else "lightning_mgpu.bench"
-        sys.exit(importlib.import_module(module).main())
+        sys.exit(importlib.import_module("lightning_mgpu.cli").main())
     runpy.run_module(entry_point.removeprefix("python -m "), run_name="__main__", alter_sys=True)
 
 results = []
@@ -83,7 +82,8 @@ def _assert_one_clear_paragraph(result: dict, missing: str) -> None:
     assert result["code"] == 1, result
     assert "Traceback" not in message and len(message.splitlines()) == 1, message  # one paragraph, nothing else
     assert f"the Python package {missing!r} is not installed" in message, message
-    assert "pip install 'lightning-mgpu[recipes]'" in message and "pip install -e '.[recipes]'" in message
+    assert "pip install -e '.[recipes]'" in message, message  # what works from a clone
+    assert "pip install 'lightning-mgpu[recipes]'" not in message, message  # not on the package index: cannot work
 
 
 def test_without_any_of_the_extra(tmp_path: Path) -> None:
@@ -92,7 +92,7 @@ def test_without_any_of_the_extra(tmp_path: Path) -> None:
         [
             ("import lightning_mgpu", []),
             ("python -m lightning_mgpu", ["fit", "-c", "configs/pyramidnet/quickstart.yaml"]),
-            ("lightning-mgpu-bench", ["-c", "configs/bench/tiny.yaml"]),
+            ("python -m benchmarks.compare", ["-c", "configs/bench/tiny.yaml"]),
         ],
         tmp_path,
     )
@@ -109,7 +109,7 @@ def test_with_jsonargparse_but_without_the_recipes_or_matplotlib(tmp_path: Path)
         [
             # The BERT recipe's classes import transformers: found out before LightningCLI parses the config.
             ("lightning-mgpu", ["fit", "-c", "configs/bert/quickstart.yaml"]),
-            ("python -m lightning_mgpu.bench", ["-c", "configs/bench/tiny.yaml"]),
+            ("python -m benchmarks.compare", ["-c", "configs/bench/tiny.yaml"]),
         ],
         tmp_path,
     )

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_mgpu.bench.process_group import GroupRun, run_in_process_group
+from benchmarks.compare.process_group import GroupRun, run_in_process_group
 
 REPO = Path(__file__).resolve().parents[2]
 OVERLAYS = ("single", "dp", "parallel_criterion", "ddp")

@@ -8,7 +8,13 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_mgpu.parallel import DataParallelCriterion, DataParallelModel, gather, replicate, scatter
+from lightning_mgpu.parallel import (
+    DataParallelCriterion,
+    DataParallelModel,
+    merge_outputs,
+    replicate,
+    split_batch,
+)
 
 pytestmark = [
     pytest.mark.cuda,
@@ -49,13 +55,13 @@ def test_replicate_scatter_gather(devices):
     replicas = replicate(model, devices)
     assert [next(r.parameters()).device for r in replicas] == [torch.device(d) for d in devices]
     x = torch.randn(9, 3, 16, 16, device="cuda:0")
-    chunks, sizes = scatter({"x": x, "names": list("abcdefghi")}, devices)
+    chunks, sizes = split_batch({"x": x, "names": list("abcdefghi")}, devices)
     assert sizes == [len(t) for t in torch.arange(9).tensor_split(len(devices))]
     assert [c["x"].device for c in chunks] == [torch.device(d) for d in devices]
-    back = gather(chunks, "cuda:0")
+    back = merge_outputs(chunks, "cuda:0")
     assert torch.equal(back["x"], x) and back["names"] == list("abcdefghi")
     outputs = [r(c["x"]) for r, c in zip(replicas, chunks, strict=True)]
-    assert (gather(outputs, "cuda:0") - model(x)).abs().max().item() < 1e-5
+    assert (merge_outputs(outputs, "cuda:0") - model(x)).abs().max().item() < 1e-5
 
 
 @pytest.mark.parametrize("mode", ["threads", "sequential"])

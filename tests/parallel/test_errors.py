@@ -10,14 +10,13 @@ from lightning_mgpu.parallel import (
     BatchSplitError,
     DataParallelCriterion,
     DataParallelModel,
-    batch_size_of,
-    gather,
+    merge_outputs,
     parallel_apply,
     reduce_losses,
-    resolve_devices,
-    scatter,
-    split_sizes,
+    split_batch,
 )
+from lightning_mgpu.parallel.devices import resolve_devices
+from lightning_mgpu.parallel.scatter_gather import batch_size_of, split_sizes
 
 CPU2 = ["cpu"] * 2
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without CUDA")
@@ -29,13 +28,13 @@ def test_empty_batch():
     with pytest.raises(BatchSplitError, match="empty batch"):
         split_sizes(0, 4)
     with pytest.raises(BatchSplitError, match="no tensor"):
-        scatter({"names": ["a", "b"]}, CPU2)
+        split_batch({"names": ["a", "b"]}, CPU2)
 
 
 def test_batch_sizes_disagree_names_the_key_path():
     batch = {"x": torch.zeros(4, 3), "mask": torch.zeros(3)}
     with pytest.raises(BatchSplitError, match=r"batch\['x'\] has size 4 but batch\['mask'\] has size 3"):
-        scatter(batch, CPU2)
+        split_batch(batch, CPU2)
     with pytest.raises(BatchSplitError, match=r"args\[0\]\['mask'\] has size 3"):
         DataParallelModel(nn.Identity(), CPU2)(batch)
     with pytest.raises(BatchSplitError, match=r"args\[0\] has size 4 but kwargs\['mask'\] has size 5"):
@@ -138,13 +137,13 @@ def test_reduce_losses_errors():
 
 def test_gather_and_parallel_apply_errors():
     with pytest.raises(ValueError, match="at least one output"):
-        gather([], "cpu")
-    with pytest.raises(ValueError, match=r"Cannot gather output\['b'\]"):
-        gather([{"b": torch.zeros(1)}, {"b": [1]}], "cpu")
+        merge_outputs([], "cpu")
+    with pytest.raises(ValueError, match=r"Cannot merge output\['b'\]"):
+        merge_outputs([{"b": torch.zeros(1)}, {"b": [1]}], "cpu")
     with pytest.raises(
         ValueError,
-        match=r"Cannot gather output\['a'\]: replica\(s\) \[1\] returned no value there, replica\(s\) \[0\] a value",
+        match=r"Cannot merge output\['a'\]: replica\(s\) \[1\] returned no value there, replica\(s\) \[0\] a value",
     ):
-        gather([{"a": torch.zeros(1)}, {"b": torch.zeros(1)}], "cpu")
+        merge_outputs([{"a": torch.zeros(1)}, {"b": torch.zeros(1)}], "cpu")
     with pytest.raises(ValueError, match="2 functions for 3 devices"):
         parallel_apply([lambda: 1, lambda: 2], ["cpu"] * 3)

@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_mgpu.parallel import DataParallelCriterion, DataParallelModel, split_sizes
+from lightning_mgpu.parallel import DataParallelCriterion, DataParallelModel
+from lightning_mgpu.parallel.scatter_gather import split_sizes
 
 TOL = 1e-10
 MODES = ("threads", "sequential")

@@ -11,10 +11,10 @@ from lightning_mgpu.parallel import (
     DataParallelCriterion,
     DataParallelModel,
     PerSample,
-    batch_size_of,
-    gather,
-    scatter,
+    merge_outputs,
+    split_batch,
 )
+from lightning_mgpu.parallel.scatter_gather import batch_size_of
 
 CPU2 = ["cpu"] * 2
 
@@ -34,14 +34,14 @@ def test_per_sample_lists_split_by_item_and_gather_back():
     images, targets = detection_batch(5)
     batch = {"images": images, "targets": targets, "names": [f"img{i}" for i in range(5)]}
     assert batch_size_of(batch) == 5
-    chunks, sizes = scatter(batch, CPU2)
+    chunks, sizes = split_batch(batch, CPU2)
     assert sizes == [3, 2]
     assert [len(c["targets"]) for c in chunks] == [3, 2] and chunks[1]["names"] == ["img3", "img4"]
     assert all(isinstance(c["targets"], PerSample) for c in chunks)
     for chunk, start in zip(chunks, (0, 3), strict=True):
         for k, target in enumerate(chunk["targets"]):
             assert torch.equal(target["boxes"], targets[start + k]["boxes"])
-    back = gather(chunks, "cpu")
+    back = merge_outputs(chunks, "cpu")
     assert torch.equal(back["images"], images) and back["names"] == batch["names"]
     assert all(torch.equal(b["boxes"], t["boxes"]) for b, t in zip(back["targets"], targets, strict=True))
 
@@ -49,7 +49,7 @@ def test_per_sample_lists_split_by_item_and_gather_back():
 def test_unmarked_per_sample_lists_fail_with_advice_only_where_it_applies():
     images, targets = detection_batch(5)
     with pytest.raises(BatchSplitError, match=r"batch\[1\] is a list of 5 dicts, as many as the batch: .*PerSample"):
-        scatter((images, list(targets)), CPU2)
+        split_batch((images, list(targets)), CPU2)
     unrelated = [
         [torch.zeros(4, 5), torch.zeros(16)],  # default_collate's [x, y] with sizes that disagree
         [{"x": torch.zeros(8, 3)}, {"x": torch.zeros(4, 3)}],  # two loaders' batches
@@ -57,7 +57,7 @@ def test_unmarked_per_sample_lists_fail_with_advice_only_where_it_applies():
     ]
     for batch in unrelated:
         with pytest.raises(BatchSplitError) as err:
-            scatter(batch, CPU2)
+            split_batch(batch, CPU2)
         assert "PerSample" not in str(err.value)  # marking any of these lists would split it wrongly
 
 
@@ -65,7 +65,7 @@ def test_marked_lists_win_even_when_every_image_has_as_many_boxes_as_the_batch()
     """Two images with two boxes each: read as tensors, every size agrees on 2; marked, targets stay whole."""
     images = torch.randn(2, 3, 8, 8)
     targets = PerSample({"boxes": torch.full((2, 4), float(i))} for i in range(2))
-    chunks, sizes = scatter((images, targets), CPU2)
+    chunks, sizes = split_batch((images, targets), CPU2)
     assert sizes == [1, 1]
     for i, (chunk_images, chunk_targets) in enumerate(chunks):
         assert chunk_images.shape == (1, 3, 8, 8) and len(chunk_targets) == 1
@@ -76,7 +76,7 @@ def test_marked_lists_win_even_when_every_image_has_as_many_boxes_as_the_batch()
 def test_lists_of_images_of_different_sizes_split_by_image(n: int):
     images = PerSample(torch.randn(3, 8 + i, 8) for i in range(n))
     targets = PerSample({"boxes": torch.rand(3, 4)} for _ in range(n))  # 3 boxes, 3 channels: nothing to confuse
-    chunks, sizes = scatter((images, targets), CPU2)
+    chunks, sizes = split_batch((images, targets), CPU2)
     assert sizes == {1: [1], 2: [1, 1], 3: [2, 1]}[n]
     assert [img.shape for chunk in chunks for img in chunk[0]] == [img.shape for img in images]
     assert sum(len(chunk[1]) for chunk in chunks) == n
@@ -85,15 +85,15 @@ def test_lists_of_images_of_different_sizes_split_by_image(n: int):
 def test_marked_lists_must_agree_with_the_batch():
     images, targets = detection_batch(5)
     with pytest.raises(BatchSplitError, match=r"batch\[1\] is a PerSample of 4 items but batch\[0\] has size 5"):
-        scatter((images, PerSample(targets[:4])), CPU2)
+        split_batch((images, PerSample(targets[:4])), CPU2)
     with pytest.raises(BatchSplitError, match=r"PerSample of 5 items but batch\[1\] has 3"):
-        scatter((targets, PerSample(targets[:3])), CPU2)
+        split_batch((targets, PerSample(targets[:3])), CPU2)
     with pytest.raises(BatchSplitError, match="empty PerSample"):
-        scatter(PerSample(), CPU2)
+        split_batch(PerSample(), CPU2)
 
 
 def test_per_sample_lists_without_tensors_keep_their_type():
-    chunks, _ = scatter((torch.zeros(4, 2), PerSample(["a", "b", "c", "d"])), CPU2)
+    chunks, _ = split_batch((torch.zeros(4, 2), PerSample(["a", "b", "c", "d"])), CPU2)
     assert [type(c[1]) for c in chunks] == [PerSample, PerSample] and chunks[1][1] == ["c", "d"]
 
 
@@ -119,7 +119,7 @@ def test_criterion_splits_targets_without_tensors_like_the_outputs():
 
 def test_several_loaders_batches_are_read_as_a_structure():
     """Lightning passes ``[batch_a, batch_b]`` for two training loaders: each is split by its rows."""
-    chunks, _ = scatter([{"x": torch.arange(4)}, {"x": torch.arange(4, 8)}], CPU2)
+    chunks, _ = split_batch([{"x": torch.arange(4)}, {"x": torch.arange(4, 8)}], CPU2)
     assert [[c[0]["x"].tolist(), c[1]["x"].tolist()] for c in chunks] == [[[0, 1], [4, 5]], [[2, 3], [6, 7]]]
 
 
@@ -174,7 +174,7 @@ def test_criterion_with_per_sample_targets_only():
 
 
 def test_move_to_moves_the_tensors_inside_per_sample_lists():
-    from lightning_mgpu.parallel import move_to
+    from lightning_mgpu.parallel.scatter_gather import move_to
 
     moved = move_to((PerSample([{"boxes": torch.zeros(2, 4)}]), torch.zeros(1)), "meta")
     assert isinstance(moved[0], PerSample) and moved[0][0]["boxes"].device.type == "meta"

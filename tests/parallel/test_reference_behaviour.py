@@ -26,7 +26,14 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from lightning_mgpu import BatchSplitError, DataParallelCriterion, DataParallelModel, PerSample, gather, reduce_losses
+from lightning_mgpu import (
+    BatchSplitError,
+    DataParallelCriterion,
+    DataParallelModel,
+    PerSample,
+    merge_outputs,
+    reduce_losses,
+)
 
 MODES = ["threads", "sequential"]
 F64 = torch.float64
@@ -323,7 +330,7 @@ Pair = namedtuple("Pair", ["logits", "aux"])
 
 
 def _partial_error(path: str, absent_on: list[int]) -> str:
-    return rf"Cannot gather {path}: replica\(s\) {re.escape(str(absent_on))} returned (None|no value) there"
+    return rf"Cannot merge {path}: replica\(s\) {re.escape(str(absent_on))} returned (None|no value) there"
 
 
 NONE_ON_SOME = [
@@ -345,16 +352,16 @@ NONE_ON_SOME = [
 @pytest.mark.parametrize(("outputs", "path", "absent_on"), NONE_ON_SOME)
 def test_values_on_some_replicas_only_are_an_error_naming_the_value_and_the_replicas(outputs, path, absent_on):
     with pytest.raises(ValueError, match=_partial_error(path, absent_on)):
-        gather(outputs, "cpu")
+        merge_outputs(outputs, "cpu")
 
 
 def test_model_output_with_an_optional_field_on_some_replicas_only():
     """transformers' ModelOutput leaves None fields out of its keys, so None on some replicas is a missing key."""
     outputs_module = pytest.importorskip("transformers.modeling_outputs")
     output = outputs_module.BaseModelOutput
-    with pytest.raises(ValueError, match=r"Cannot gather output\['attentions'\]: replica\(s\) \[0\]"):
-        gather([output(last_hidden_state=T), output(last_hidden_state=T, attentions=(T,))], "cpu")
-    merged = gather([output(last_hidden_state=T), output(last_hidden_state=T + 1)], "cpu")
+    with pytest.raises(ValueError, match=r"Cannot merge output\['attentions'\]: replica\(s\) \[0\]"):
+        merge_outputs([output(last_hidden_state=T), output(last_hidden_state=T, attentions=(T,))], "cpu")
+    merged = merge_outputs([output(last_hidden_state=T), output(last_hidden_state=T + 1)], "cpu")
     assert type(merged) is output and merged.attentions is None
     assert torch.equal(merged.last_hidden_state, torch.cat([T, T + 1]))
 
@@ -369,7 +376,7 @@ def test_model_output_with_an_optional_field_on_some_replicas_only():
     ],
 )
 def test_none_on_every_replica_stays_none(outputs, expected):
-    merged = gather(outputs, "cpu")
+    merged = merge_outputs(outputs, "cpu")
     if expected is None:
         assert merged is None
     elif isinstance(expected, Out):
@@ -382,9 +389,9 @@ def test_none_on_every_replica_stays_none(outputs, expected):
 
 def test_none_items_of_per_sample_lists_are_kept_in_order():
     """None as one sample's value (a record without a label) is data, not a missing value: never dropped."""
-    assert gather([["a", None], [None]], "cpu", sizes=[2, 1]) == ["a", None, None]
-    assert gather([[None, 1], [2, None]], "cpu", sizes=[2, 2]) == [None, 1, 2, None]
-    merged = gather([PerSample([T, None]), PerSample([None])], "cpu")
+    assert merge_outputs([["a", None], [None]], "cpu", sizes=[2, 1]) == ["a", None, None]
+    assert merge_outputs([[None, 1], [2, None]], "cpu", sizes=[2, 2]) == [None, 1, 2, None]
+    merged = merge_outputs([PerSample([T, None]), PerSample([None])], "cpu")
     assert isinstance(merged, PerSample) and len(merged) == 3 and merged[1] is None and merged[2] is None
 
 
@@ -409,7 +416,7 @@ class AuxOnSomeChunks(nn.Module):
 def test_DataParallelModel_gather_names_values_present_on_some_replicas_only(mode, missing):
     model = dpm(AuxOnSomeChunks(missing), 2, mode)
     outputs = finishes_within(30, lambda: model(torch.tensor([1.0, 2.0, -3.0, 4.0], dtype=F64)))
-    with pytest.raises(ValueError, match=r"Cannot gather output\['aux'\]: replica\(s\) \[0\]"):
+    with pytest.raises(ValueError, match=r"Cannot merge output\['aux'\]: replica\(s\) \[0\]"):
         model.gather(outputs)
 
 
@@ -555,9 +562,10 @@ def test_DataParallelCriterion_raises_the_replicas_own_exception_with_its_fields
     "outputs",
     [pytest.param(T, id="tensor"), pytest.param({"x": T}, id="dict"), pytest.param("out", id="str")],
 )
-def test_gather_of_something_else_than_the_list_of_outputs_says_what_to_pass(outputs):
-    with pytest.raises(TypeError, match=r"gather\(\) takes the list of per-replica outputs .*got a \w+\. Pass e\.g\."):
-        gather(outputs, "cpu")
+def test_merge_of_something_else_than_the_list_of_outputs_says_what_to_pass(outputs):
+    expected = r"merge_outputs\(\) takes the list of per-replica outputs .*got a \w+\. Pass e\.g\."
+    with pytest.raises(TypeError, match=expected):
+        merge_outputs(outputs, "cpu")
 
 
 @pytest.mark.parametrize("returned", [None, "3", torch.ones(2), True])

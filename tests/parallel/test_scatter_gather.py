@@ -10,16 +10,8 @@ import torch
 from torch import nn
 
 import lightning_mgpu
-from lightning_mgpu.parallel import (
-    DataParallelCriterion,
-    DataParallelModel,
-    batch_size_of,
-    gather,
-    move_to,
-    scatter,
-    scatter_args,
-    split_sizes,
-)
+from lightning_mgpu.parallel import DataParallelCriterion, DataParallelModel, merge_outputs, split_batch
+from lightning_mgpu.parallel.scatter_gather import batch_size_of, move_to, split_arguments, split_sizes
 
 CPU4 = ["cpu"] * 4
 Pair = namedtuple("Pair", ["left", "right"])
@@ -86,7 +78,7 @@ def nested_batch(n: int = 10):
 
 def test_scatter_every_structure():
     batch = nested_batch(10)
-    chunks, sizes = scatter(batch, CPU4)
+    chunks, sizes = split_batch(batch, CPU4)
     assert sizes == [3, 3, 2, 2]
     start = 0
     for chunk, size in zip(chunks, sizes, strict=True):
@@ -109,68 +101,68 @@ def test_scatter_every_structure():
 def test_gather_reverses_scatter_exactly():
     batch = nested_batch(10)
     for n in (1, 2, 3, 4):
-        chunks, _ = scatter(batch, ["cpu"] * n)
-        assert_same(gather(chunks, "cpu"), batch)
+        chunks, _ = split_batch(batch, ["cpu"] * n)
+        assert_same(merge_outputs(chunks, "cpu"), batch)
     small = nested_batch(3)  # fewer samples than devices: 3 chunks
-    chunks, sizes = scatter(small, CPU4)
+    chunks, sizes = split_batch(small, CPU4)
     assert sizes == [1, 1, 1]
-    assert_same(gather(chunks, "cpu"), small)
+    assert_same(merge_outputs(chunks, "cpu"), small)
 
 
 def test_zero_dim_tensors_are_replicated_and_averaged_back_by_sample_count():
     scale = torch.tensor(2.5)
-    chunks, _ = scatter({"x": torch.arange(10.0), "scale": scale}, CPU4)
+    chunks, _ = split_batch({"x": torch.arange(10.0), "scale": scale}, CPU4)
     assert all(c["scale"].dim() == 0 and c["scale"].item() == 2.5 for c in chunks)
     # A 0-dim output (e.g. a per-replica mean loss) becomes one value, weighted by each replica's sample count.
-    assert torch.equal(gather([torch.tensor(1.0), torch.tensor(2.0)], "cpu"), torch.tensor(1.5))
-    assert gather([torch.tensor(1.0), torch.tensor(2.0)], "cpu", sizes=[3, 1]).item() == pytest.approx(1.25)
-    assert gather([{"n": torch.tensor(4.0)}, {"n": torch.tensor(4.0)}], "cpu")["n"].item() == 4.0  # equal: as is
+    assert torch.equal(merge_outputs([torch.tensor(1.0), torch.tensor(2.0)], "cpu"), torch.tensor(1.5))
+    assert merge_outputs([torch.tensor(1.0), torch.tensor(2.0)], "cpu", sizes=[3, 1]).item() == pytest.approx(1.25)
+    assert merge_outputs([{"n": torch.tensor(4.0)}, {"n": torch.tensor(4.0)}], "cpu")["n"].item() == 4.0  # equal: as is
 
 
 def test_non_tensor_values_passed_whole_and_gathered():
     marker = object()
-    chunks, _ = scatter((torch.zeros(6, 2), marker, "text", 4, ["a", "b"]), ["cpu"] * 3)
+    chunks, _ = split_batch((torch.zeros(6, 2), marker, "text", 4, ["a", "b"]), ["cpu"] * 3)
     assert all(c[1] is marker and c[2] == "text" and c[3] == 4 and c[4] == ["a", "b"] for c in chunks)
     # Different numbers are averaged by sample count (here 1 each); other values come back one per replica.
-    assert gather([{"x": torch.zeros(1), "k": 1}, {"x": torch.zeros(1), "k": 2}], "cpu")["k"] == 1.5
-    merged = gather([{"x": torch.zeros(1), "k": "a"}, {"x": torch.zeros(1), "k": "b"}], "cpu")["k"]
+    assert merge_outputs([{"x": torch.zeros(1), "k": 1}, {"x": torch.zeros(1), "k": 2}], "cpu")["k"] == 1.5
+    merged = merge_outputs([{"x": torch.zeros(1), "k": "a"}, {"x": torch.zeros(1), "k": "b"}], "cpu")["k"]
     assert isinstance(merged, lightning_mgpu.ReplicaValues) and list(merged) == ["a", "b"]
     # Lists of plain items with no tensor beside them are concatenated.
-    assert gather([["a", "b"], ["c"]], "cpu") == ["a", "b", "c"]
+    assert merge_outputs([["a", "b"], ["c"]], "cpu") == ["a", "b", "c"]
 
 
 def test_tuples_of_per_sample_items_split_with_the_batch():
     """``images, ids = zip(*samples)`` collates ids into a tuple: it must travel with its samples."""
     ids = tuple(f"id{i}" for i in range(5))
-    chunks, sizes = scatter((torch.arange(5), ids), ["cpu"] * 2)
+    chunks, sizes = split_batch((torch.arange(5), ids), ["cpu"] * 2)
     assert sizes == [3, 2] and [c[1] for c in chunks] == [("id0", "id1", "id2"), ("id3", "id4")]
-    gathered = gather(chunks, "cpu")  # the tensors beside the tuple give each replica's sample count
+    gathered = merge_outputs(chunks, "cpu")  # the tensors beside the tuple give each replica's sample count
     assert torch.equal(gathered[0], torch.arange(5)) and gathered[1] == ids
     shape = Pair(32, 32)  # a namedtuple is a structure even when its length equals the batch size
-    chunks, _ = scatter((torch.zeros(2, 3), shape, (7, 7)), ["cpu"] * 2)
+    chunks, _ = split_batch((torch.zeros(2, 3), shape, (7, 7)), ["cpu"] * 2)
     assert all(c[1] == shape and type(c[1]) is Pair for c in chunks)
     assert [c[2] for c in chunks] == [(7, 7), (7, 7)]  # numbers in a tuple are an option (a size), not per-sample
-    chunks, _ = scatter((torch.zeros(2, 3), torch.Size([4, 4])), ["cpu"] * 2)
+    chunks, _ = split_batch((torch.zeros(2, 3), torch.Size([4, 4])), ["cpu"] * 2)
     assert all(c[1] == torch.Size([4, 4]) for c in chunks)
 
 
 def test_scatter_along_another_dim():
     x = torch.arange(24.0).reshape(2, 12)
-    chunks, sizes = scatter({"x": x, "bias": torch.ones(3)}, CPU4, dim=1)
+    chunks, sizes = split_batch({"x": x, "bias": torch.ones(3)}, CPU4, dim=1)
     assert sizes == [3, 3, 3, 3] and chunks[0]["x"].shape == (2, 3)
     assert torch.equal(chunks[0]["bias"], torch.ones(3))  # 1-dim: no dim 1, replicated
-    assert torch.equal(gather([c["x"] for c in chunks], "cpu", dim=1), x)
+    assert torch.equal(merge_outputs([c["x"] for c in chunks], "cpu", dim=1), x)
 
 
 def test_scatter_is_differentiable():
     x = torch.randn(10, 3, requires_grad=True)
-    chunks, _ = scatter(x, CPU4)
+    chunks, _ = split_batch(x, CPU4)
     torch.cat([c * (i + 1) for i, c in enumerate(chunks)]).sum().backward()
     assert torch.equal(x.grad[:, 0], torch.tensor([1.0] * 3 + [2.0] * 3 + [3.0] * 2 + [4.0] * 2))
 
 
 def test_scatter_args_and_move_to():
-    args, kwargs, sizes = scatter_args((torch.arange(5),), {"mask": torch.ones(5), "flag": True}, ["cpu"] * 2)
+    args, kwargs, sizes = split_arguments((torch.arange(5),), {"mask": torch.ones(5), "flag": True}, ["cpu"] * 2)
     assert sizes == [3, 2]
     assert [a[0].tolist() for a in args] == [[0, 1, 2], [3, 4]]
     assert all(k["flag"] is True and k["mask"].shape[0] == s for k, s in zip(kwargs, sizes, strict=True))
@@ -265,6 +257,6 @@ def test_transformers_model_output():
         assert (p_ref.grad - p.grad).abs().max().item() < 1e-10
 
     # A ModelOutput as input is split like any mapping.
-    chunks, _ = scatter(SequenceClassifierOutput(logits=x), CPU4)
+    chunks, _ = split_batch(SequenceClassifierOutput(logits=x), CPU4)
     assert all(type(c) is SequenceClassifierOutput for c in chunks)
-    assert_same(gather(chunks, "cpu"), SequenceClassifierOutput(logits=x))
+    assert_same(merge_outputs(chunks, "cpu"), SequenceClassifierOutput(logits=x))

@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_mgpu.parallel import DataParallelModel, ThreadState, parallel_apply
+from lightning_mgpu.parallel import DataParallelModel, parallel_apply
+from lightning_mgpu.parallel.thread_state import ThreadState
 
 N = 3
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 
-from lightning_mgpu.bench.process_group import run_in_process_group
+from benchmarks.compare.process_group import run_in_process_group
 from recipes.pyramidnet.augment import (
     CIFAR10_MEAN,
     CIFAR10_STD,

@@ -32,7 +32,7 @@ N_LABELS = 3
 IGNORE = -100
 PAD = 0
 
-#: ``loss_reduction`` each task's ``.loss`` corresponds to: what the detection must find.
+#: ``loss_reduction`` each task's ``.loss`` corresponds to: what static knowledge of the model must say.
 EXPECTED_RULE = {
     "masked_lm": "tokens:labels",
     "causal_lm": "shifted_tokens:labels",
@@ -40,6 +40,13 @@ EXPECTED_RULE = {
     "sequence_classification": "tokens:labels",  # one label per sample; -100 labels are ignored by the loss
 }
 TASKS = tuple(EXPECTED_RULE)
+#: Heads a new user tries that the tasks above do not cover: seq2seq (decoder labels), RoBERTa, DistilBERT.
+MORE_HEADS = {
+    "t5": "tokens:labels",
+    "bart": "tokens:labels",
+    "roberta_masked_lm": "tokens:labels",
+    "distilbert_sequence_classification": "tokens:labels",
+}
 
 
 # --- transformers models --------------------------------------------------------------------------------------------
@@ -80,6 +87,45 @@ def _gpt2_config(dropout: bool) -> Any:
     )
 
 
+def _t5_config() -> Any:
+    from transformers import T5Config
+
+    return T5Config(
+        vocab_size=VOCAB, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2, dropout_rate=0.0,
+        decoder_start_token_id=PAD, pad_token_id=PAD, eos_token_id=1,
+    )  # fmt: skip
+
+
+def _bart_config() -> Any:
+    from transformers import BartConfig
+
+    return BartConfig(
+        vocab_size=VOCAB, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=2 * SEQ,
+        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, pad_token_id=PAD, bos_token_id=1,
+        eos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=None,
+    )  # fmt: skip
+
+
+def _roberta_config() -> Any:
+    from transformers import RobertaConfig
+
+    return RobertaConfig(
+        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+        max_position_embeddings=2 * SEQ + 2, pad_token_id=1, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, attn_implementation="eager",
+    )  # fmt: skip
+
+
+def _distilbert_config() -> Any:
+    from transformers import DistilBertConfig
+
+    return DistilBertConfig(
+        vocab_size=VOCAB, dim=16, n_layers=1, n_heads=2, hidden_dim=32, max_position_embeddings=2 * SEQ,
+        num_labels=N_LABELS, dropout=0.0, attention_dropout=0.0, seq_classif_dropout=0.0, pad_token_id=PAD,
+    )  # fmt: skip
+
+
 def build_model(task: str, dropout: bool = False, seed: int = 0, dtype: torch.dtype = torch.float64) -> nn.Module:
     """A freshly initialised tiny model for ``task`` (seeded; float64 unless ``dtype`` says otherwise)."""
     import transformers
@@ -90,6 +136,12 @@ def build_model(task: str, dropout: bool = False, seed: int = 0, dtype: torch.dt
         "token_classification": lambda: transformers.BertForTokenClassification(_bert_config(dropout)),
         "sequence_classification": lambda: transformers.BertForSequenceClassification(_bert_config(dropout)),
         "pretraining": lambda: transformers.BertForPreTraining(_bert_config(dropout)),
+        "t5": lambda: transformers.T5ForConditionalGeneration(_t5_config()),
+        "bart": lambda: transformers.BartForConditionalGeneration(_bart_config()),
+        "roberta_masked_lm": lambda: transformers.RobertaForMaskedLM(_roberta_config()),
+        "distilbert_sequence_classification": lambda: transformers.DistilBertForSequenceClassification(
+            _distilbert_config()
+        ),
     }
     torch.manual_seed(seed)
     return builders[task]().to(dtype)
@@ -109,7 +161,7 @@ class PaddedTokens(Dataset):
             "input_ids": torch.where(valid, ids, PAD),
             "attention_mask": valid.long(),
         }
-        if task in ("masked_lm", "pretraining"):
+        if task in ("masked_lm", "pretraining", "roberta_masked_lm"):
             chosen = (torch.rand(n, SEQ, generator=g) < 0.3) & valid
             chosen[:, 0] = True  # at least one label per sample; counts still vary
             self.items["labels"] = torch.where(chosen, ids, IGNORE)
@@ -122,6 +174,15 @@ class PaddedTokens(Dataset):
             self.items["labels"] = torch.where(valid, torch.randint(0, N_LABELS, (n, SEQ), generator=g), IGNORE)
         elif task == "sequence_classification":
             self.items["labels"] = torch.randint(0, N_LABELS, (n,), generator=g)
+        elif task == "distilbert_sequence_classification":  # some samples unlabelled (-100): ignored by the loss
+            labels = torch.randint(0, N_LABELS, (n,), generator=g)
+            self.items["labels"] = torch.where(torch.rand(n, generator=g) < 0.3, IGNORE, labels)
+        elif task in ("t5", "bart"):  # decoder targets of per-sample lengths, padded with -100
+            target_lengths = torch.randint(1, SEQ // 2 + 1, (n,), generator=g)
+            target = torch.randint(3, VOCAB, (n, SEQ // 2), generator=g)
+            self.items["labels"] = torch.where(
+                torch.arange(SEQ // 2)[None, :] < target_lengths[:, None], target, IGNORE
+            )
         else:
             raise ValueError(task)
 
@@ -252,7 +313,7 @@ class Run:
         return [w for w in self.warnings if "ran on one device" in w]
 
     def decisions(self) -> list[str]:
-        return [m for m in self.info if "found out on the first" in m]
+        return [m for m in self.info if "combined accordingly" in m]
 
 
 class _ListHandler(logging.Handler):

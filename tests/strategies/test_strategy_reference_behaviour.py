@@ -409,7 +409,7 @@ def test_step_outputs_on_some_replicas_only_are_an_error_naming_the_key_and_repl
         num_sanity_val_steps=0,
         enable_checkpointing=False,
     )
-    with pytest.raises(ValueError, match=rf"Cannot gather {path}: replica\(s\) \[{absent_on}\] returned"):
+    with pytest.raises(ValueError, match=rf"Cannot merge {path}: replica\(s\) \[{absent_on}\] returned"):
         if hook == "training_step":
             trainer.fit(module, loader(4))
         elif hook == "validation_step":
@@ -488,7 +488,7 @@ class PartialForward(Classifier):
 )
 def test_dp_forward_outputs_on_some_replicas_only_are_an_error_naming_them(tmp_path, case, path):
     trainer = make_trainer("dp", 2, tmp_path, max_steps=1, enable_checkpointing=False)
-    with pytest.raises(ValueError, match=rf"Cannot gather {path}"):
+    with pytest.raises(ValueError, match=rf"Cannot merge {path}"):
         trainer.fit(seeded(PartialForward, case=case), loader(4))
 
 

@@ -9,17 +9,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_mgpu.strategies.data_parallel import DataParallel
+from lightning_mgpu.strategies.data_parallel import DataParallelStrategyBase
 from lightning_mgpu.strategies.namespace import LightningNamespace
-from lightning_mgpu.strategies.parallel_criterion import ParallelCriterion
+from lightning_mgpu.strategies.parallel_criterion import ParallelCriterionStrategyBase
 
 
 def define(namespace: LightningNamespace, parallel_strategy: type, module: str) -> tuple[type, type]:
     """``(ParallelCriterionStrategy, DataParallelStrategy)`` for ``namespace``, as classes of ``module``."""
     classes = []
     for name, implementation in (
-        ("ParallelCriterionStrategy", ParallelCriterion),
-        ("DataParallelStrategy", DataParallel),
+        ("ParallelCriterionStrategy", ParallelCriterionStrategyBase),
+        ("DataParallelStrategy", DataParallelStrategyBase),
     ):
         body = {"__module__": module, "__qualname__": name, "__doc__": implementation.__doc__, "namespace": namespace}
         classes.append(type(name, (implementation, parallel_strategy), body))

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_mgpu.bench.comm import communication_model, parameter_server_bytes, ring_allreduce_bytes
-from lightning_mgpu.bench.devices import plan_devices
-from lightning_mgpu.bench.report import build_report, human_bytes, markdown, si
+from benchmarks.compare.comm import communication_model, parameter_server_bytes, ring_allreduce_bytes
+from benchmarks.compare.devices import plan_devices
+from benchmarks.compare.report import build_report, human_bytes, markdown, si
 
 
 def test_device_plans() -> None:
@@ -82,7 +82,7 @@ def test_markdown_for_distinct_gpus_with_an_oom_row() -> None:
         },
     ]
     settings = {
-        "command": "python -m lightning_mgpu.bench -c seed.yaml",
+        "command": "python -m benchmarks.compare -c seed.yaml",
         "created": "now",
         "environment": "env",
         "configs": ["configs/pyramidnet/seed.yaml"],

@@ -8,8 +8,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from lightning_mgpu.bench.comm import communication_model
-from lightning_mgpu.bench.devices import DevicePlan
+from benchmarks.compare.comm import communication_model
+from benchmarks.compare.devices import DevicePlan
 
 
 def human_bytes(value: float | None) -> str:
@@ -197,9 +197,9 @@ def markdown(report: dict[str, Any]) -> str:
         "Notes: samples/s and tokens/s are Lightning's `ThroughputMonitor` over the timed steps (data loading "
         "included); the median step is forward + loss + backward + optimizer step, synchronised on every device; "
         "the epoch estimate is that median times the batches per epoch. Memory is the peak over the training steps "
-        '(`DeviceMemoryMonitor`). "to/from root" is counted from the strategy\'s replicated calls: the bytes a step '
-        "would move between the root and the other devices were they distinct (for `ddp`, the ring all-reduce "
-        "formula). FLOP/s come from "
+        "(`DeviceMemoryMonitor`). \"to/from root\" is counted from each step's outputs and the module's size: the "
+        "bytes a step would move between the root and the other devices were they distinct (for `ddp`, the ring "
+        "all-reduce formula). FLOP/s come from "
         "`measure_flops` on a 2-sample step scaled to the batch, unless the module defines `flops_per_batch`. "
         "Every strategy, `ddp` included, trains with the same settings: the config's trainer settings, with the "
         "progress bar, checkpointing, model summary, validation and loggers off in every row (their display and I/O "

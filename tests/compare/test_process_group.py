@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from lightning_mgpu.bench.process_group import group_alive, run_in_process_group
+from benchmarks.compare.process_group import group_alive, run_in_process_group
 
 # Starts a child, which stays in its process group (as DDP's launcher starts rank 1), writes both pids, prints, then
 # hangs ignoring SIGTERM, as a rank stuck in a collective did.

@@ -1,4 +1,4 @@
-"""``python -m lightning_mgpu.bench`` end to end on the CPU: every strategy in its own process, one report."""
+"""``python -m benchmarks.compare`` end to end on the CPU: every strategy in its own process, one report."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_mgpu.bench import main
+from benchmarks.compare import main
 
 TINY = "configs/bench/tiny.yaml"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

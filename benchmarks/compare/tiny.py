@@ -1,6 +1,6 @@
 """A tiny classifier on random data: the benchmark's smoke-test recipe (``configs/bench/tiny.yaml``).
 
-Seconds per strategy on a CPU, so the benchmark's tests and a first try of ``python -m lightning_mgpu.bench`` finish
+Seconds per strategy on a CPU, so the benchmark's tests and a first try of ``python -m benchmarks.compare`` finish
 quickly. It is written like a recipe module: the loss is computed outside ``forward`` (so ``dp`` replicates only the
 network) and steps change no state but logs.
 """

@@ -1,6 +1,6 @@
-"""One strategy, one fresh process: ``python -m lightning_mgpu.bench.worker --strategy dp --result r.json -c cfg.yaml``.
+"""One strategy, one fresh process: ``python -m benchmarks.compare.worker --strategy dp --result r.json -c cfg.yaml``.
 
-The parent (``python -m lightning_mgpu.bench``) starts this once per strategy, so each strategy's peak memory is its
+The parent (``python -m benchmarks.compare``) starts this once per strategy, so each strategy's peak memory is its
 own and a crash or an out-of-memory error costs only its own row. It builds the recipe's model and datamodule from
 the LightningCLI config (the config's trainer settings such as ``precision`` or ``accumulate_grad_batches`` are
 kept; devices, strategy, callbacks, loggers, validation and step counts are the benchmark's), trains ``--steps``
@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from lightning_mgpu.bench.comm import ring_allreduce_bytes
-from lightning_mgpu.bench.devices import plan_devices
-from lightning_mgpu.bench.strategies import StrategySetup, strategy_setup
+from benchmarks.compare.comm import ring_allreduce_bytes
+from benchmarks.compare.devices import plan_devices
+from benchmarks.compare.strategies import StrategySetup, strategy_setup
 from lightning_mgpu.cli import MissingExtraError, missing_extra_module
 
 # Trainer arguments the benchmark decides; every other trainer setting of the config is kept.
@@ -69,7 +69,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     if "--" in argv:
         split = argv.index("--")
         argv, cli_args = argv[:split], argv[split + 1 :]
-    parser = argparse.ArgumentParser(prog="python -m lightning_mgpu.bench.worker", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.compare.worker", description=__doc__)
     parser.add_argument("-c", "--config", action="append", default=[], help="LightningCLI YAML (repeatable)")
     parser.add_argument("--strategy", required=True)
     parser.add_argument("--accelerator", default="cpu")
@@ -156,7 +156,10 @@ def _transfer(setup: StrategySetup, probe: Any, grad_bytes: int) -> dict[str, An
             "source": "ring all-reduce of the gradients, 2(N-1)K/N bytes per device (formula, not measured)",
         }
     if probe.last is not None:
-        return {**probe.last, "source": "the strategy's replicated calls (last step; what distinct devices would move)"}
+        return {
+            **probe.last,
+            "source": "the last training step, from its outputs and the module size (what distinct devices would move)",
+        }
     return {"outputs": 0, "parameters": 0, "gradients": 0, "total": 0, "replicas": 1, "source": "one device"}
 
 
@@ -165,7 +168,7 @@ def run(args: argparse.Namespace, cli_args: list[str]) -> dict[str, Any]:
     import lightning.pytorch as L
     from lightning.pytorch.callbacks import ThroughputMonitor
 
-    from lightning_mgpu.bench import probes
+    from benchmarks.compare import probes
     from lightning_mgpu.callbacks import DeviceMemoryMonitor
 
     plan = plan_devices(args.accelerator, args.devices, torch.cuda.device_count())

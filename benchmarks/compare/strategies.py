@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from lightning_mgpu.bench.devices import DevicePlan
+from benchmarks.compare.devices import DevicePlan
 
 SINGLE_PROCESS = {
     "parallel_criterion": "ParallelCriterionStrategy",

@@ -22,7 +22,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from typing_extensions import override
 
 from lightning_mgpu.callbacks.device_memory import distinct_devices, strategy_devices
-from lightning_mgpu.parallel.scatter_gather import batch_size_of, scatter
+from lightning_mgpu.parallel.scatter_gather import batch_size_of, split_batch
 
 TOKEN_KEYS = ("attention_mask", "input_ids")
 
@@ -89,56 +89,77 @@ def _tensor_bytes(obj: Any) -> int:
     return sum(sizes)
 
 
-class TransferProbe(L.Callback):
-    """Bytes each training step would move between the root device and the others, under the single-process
-    strategies (figures for distinct devices, whether or not the replicas share one).
+def _sent_by_other_replicas(merged: Any, others: int, share: float) -> int:
+    """Bytes the other replicas sent for a merged output: each its own copy of a 0-dim value (a loss), and ``share``
+    of every tensor with a batch dimension."""
+    sizes: list[float] = []
+    apply_to_collection(
+        merged, torch.Tensor, lambda t: sizes.append(t.element_size() * (others if t.dim() == 0 else t.numel() * share))
+    )
+    return round(sum(sizes))
 
-    Counted from the strategy's ``replicated_call_observer``, which it calls after every replicated call with the
-    module and the replicas' outputs: ``outputs``, what the other replicas send the root (``dp``: the gathered outputs;
-    ``parallel_criterion``: losses and step outputs); ``parameters``, the parameters and buffers the root sends each
-    of them; ``gradients``, what they send back (when the call ran with autograd). ``last`` holds the last training
-    step's figures; it stays ``None`` for strategies without the observer (one device, ``ddp``).
+
+class TransferProbe(L.Callback):
+    """Bytes each training step would move between the root device and the others under the single-process
+    strategies (figures for distinct devices, whether or not the replicas share one), from public hooks only.
+
+    With N replicas of which the root holds the first shard: ``parameters``, the module's parameters and buffers the
+    root sends each other replica; ``gradients``, what they send back; ``outputs``, what the other replicas send the
+    root: under ``dp`` the share of the replicated forward's (gathered) outputs that the other shards make up, under
+    ``parallel_criterion`` that share of the step's merged outputs (losses and extras). ``last`` holds the last
+    training step's figures; it stays ``None`` for one device and for multi-process strategies.
     """
 
     def __init__(self) -> None:
         self.last: dict[str, int] | None = None
-        self._step: dict[str, int] | None = None
+        self._forward_bytes = 0
+        self._hook: Any = None
+        self._root: torch.nn.Module | None = None
 
     @override
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if hasattr(trainer.strategy, "replicated_call_observer"):
-            trainer.strategy.replicated_call_observer = self._observe
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # The root module's own calls only (replicas share its hooks): a dp step's self(...) returns the outputs
+        # gathered from every replica.
+        self._root = pl_module
+        self._hook = pl_module.register_forward_hook(self._count_forward)
 
     @override
-    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if getattr(trainer.strategy, "replicated_call_observer", None) == self._observe:
-            trainer.strategy.replicated_call_observer = None
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    def _count_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if module is self._root:
+            self._forward_bytes += _sent_by_other_replicas(output, 0, 1.0)
 
     @override
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self._step = {"outputs": 0, "parameters": 0, "gradients": 0, "replicas": 1}
-
-    def _observe(self, module: torch.nn.Module, outputs: Sequence[Any]) -> None:
-        step = self._step
-        if step is None:  # a replicated call outside a training step (validation, sanity check)
-            return
-        others = len(outputs) - 1
-        state = sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
-        grads = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
-        step["outputs"] += sum(_tensor_bytes(o) for o in outputs[1:])
-        step["parameters"] += others * state
-        step["gradients"] += others * grads if torch.is_grad_enabled() else 0
-        step["replicas"] = max(step["replicas"], len(outputs))
+        self._forward_bytes = 0
 
     @override
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        step, self._step = self._step, None
-        if step is not None and step["replicas"] > 1:
-            self.last = {**step, "total": step["outputs"] + step["parameters"] + step["gradients"]}
+        devices = getattr(trainer.strategy, "parallel_devices", None) or []
+        if trainer.world_size > 1 or len(devices) < 2:
+            return
+        samples = batch_size_fn(batch)
+        replicas = min(len(devices), samples)
+        if replicas < 2:
+            return
+        others = replicas - 1
+        share = 1 - -(-samples // replicas) / samples  # what the shards after the root's first one make up
+        if trainer.strategy.strategy_name == "dp":
+            sent = round(self._forward_bytes * share)
+        else:
+            sent = _sent_by_other_replicas(outputs, others, share)
+        state = sum(t.numel() * t.element_size() for t in (*pl_module.parameters(), *pl_module.buffers()))
+        grads = sum(p.numel() * p.element_size() for p in pl_module.parameters() if p.requires_grad)
+        step = {"outputs": sent, "parameters": others * state, "gradients": others * grads}
+        self.last = {**step, "replicas": replicas, "total": sum(step.values())}
 
 
 class BatchProbe(L.Callback):
@@ -166,7 +187,7 @@ def measure_step_flops(module: L.LightningModule, batch: Any, samples: int = 2) 
     size = batch_size_fn(batch)
     take = max(1, min(samples, size))
     device = next((p.device for p in module.parameters()), torch.device("cpu"))
-    head = batch if take == size else scatter(batch, [device, device], sizes=[take, size - take])[0][0]
+    head = batch if take == size else split_batch(batch, [device, device], sizes=[take, size - take])[0][0]
     clone = copy.deepcopy(module)  # ``_trainer`` is dropped by LightningModule.__getstate__
 
     def step() -> Any:

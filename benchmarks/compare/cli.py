@@ -1,4 +1,4 @@
-"""``python -m lightning_mgpu.bench``: train a recipe config under each strategy and compare them.
+"""``python -m benchmarks.compare``: train a recipe config under each strategy and compare them.
 
 For every strategy in ``--strategies`` a fresh worker process trains ``--steps`` batches of the config's model and
 data on ``--devices`` replicas and measures throughput, step time, peak memory per device, the imbalance between
@@ -6,8 +6,8 @@ devices and the bytes each step moves to and from the root device. The report (J
 beside the article's communication model: parameter server 2(N−1)K/b against ring all-reduce 2(N−1)K/(N·b) for the
 model's K bytes of gradients on a link of ``--link-gbps``.
 
-    python -m lightning_mgpu.bench -c configs/pyramidnet/quickstart.yaml --accelerator cpu --devices 2 --steps 10
-    python -m lightning_mgpu.bench -c configs/pyramidnet/seed.yaml --accelerator gpu --devices 2 --steps 20 \\
+    python -m benchmarks.compare -c configs/pyramidnet/quickstart.yaml --accelerator cpu --devices 2 --steps 10
+    python -m benchmarks.compare -c configs/pyramidnet/seed.yaml --accelerator gpu --devices 2 --steps 20 \\
         --strategies single dp parallel_criterion -- --data.init_args.source=synthetic
 
 Arguments after ``--`` go to LightningCLI (e.g. ``--data.init_args.batch_size=64``). Exit status: 0 when at least
@@ -16,10 +16,10 @@ one strategy trained (failed strategies are rows of the report), 1 when none did
 how to install it), 2 for a usage error.
 
 Every strategy, ``ddp`` included, trains with the same settings: the config's trainer settings, and the benchmark's
-own for what it controls (see :mod:`lightning_mgpu.bench.worker`), among them no progress bar, in every row. A
+own for what it controls (see :mod:`benchmarks.compare.worker`), among them no progress bar, in every row. A
 progress bar is display, not training: its refreshes cost host time in the timed steps, differently per strategy,
 and under ``ddp`` it is drawn by rank 0 only. That users' runs with the progress bar on finish under every strategy
-(the ``ddp`` one once hung at an epoch end) is checked by ``tests/cli/test_recipe_matrix.py``, not here.
+is checked by ``tests/cli/test_recipe_matrix.py``, not here.
 """
 
 from __future__ import annotations
@@ -37,13 +37,25 @@ from typing import Any
 from lightning_mgpu.cli import check_recipes_extra, exit_on_missing_extra, put_cwd_on_sys_path
 
 DEFAULT_STRATEGIES = ("single", "dp", "parallel_criterion", "ddp")
+DEFAULT_OUT = Path("lightning_logs/strategy_comparison")
+DESCRIPTION = """Train a recipe config under each strategy, each in a fresh process, and compare throughput, step time,
+peak memory per device, the imbalance between devices and the bytes each step moves to the root device, beside the
+parameter-server and ring all-reduce communication model. Writes JSON, markdown and a PNG chart to --out.
+
+examples (from the root of a lightning-mgpu clone):
+  python -m benchmarks.compare -c configs/pyramidnet/quickstart.yaml --accelerator cpu --devices 2 --steps 10
+  python -m benchmarks.compare -c configs/pyramidnet/seed.yaml --accelerator gpu --devices 2 --steps 20 \\
+      --strategies single dp parallel_criterion -- --data.init_args.source=synthetic
+
+Arguments after -- go to LightningCLI. Exit status: 0 when at least one strategy trained (failed ones are rows of
+the report), 1 when none did or a module of the [recipes] extra is missing, 2 for a usage error."""
 DEFAULT_LINK_GBPS = 126.0  # PCIe 3.0 x16, one direction (15.75 GB/s): the article's era of multi-GPU boxes
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m lightning_mgpu.bench",
-        description=__doc__,
+        prog="python -m benchmarks.compare",
+        description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
@@ -90,7 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch CPU threads per process (sets OMP_NUM_THREADS for the workers; default: torch's "
         "own choice, and under ddp on the CPU Lightning's cores / processes)",
     )
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="report folder")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=DEFAULT_OUT,
+        help=f"report folder (default {DEFAULT_OUT}; the committed results live in benchmarks/results)",
+    )
     parser.add_argument("--name", default=None, help="report file stem (default strategy_comparison_<accelerator>)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per strategy before it is stopped")
     parser.add_argument("--log-dir", type=Path, default=None, help="worker logs (default: a temporary folder)")
@@ -142,12 +159,19 @@ def main(argv: list[str] | None = None) -> int:
         argv, cli_args = argv[:split], argv[split + 1 :]
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.steps < 2 or not 0 <= args.warmup < args.steps:
-        parser.error(f"need --steps >= 2 and 0 <= --warmup < --steps, got {args.steps} and {args.warmup}")
+    if args.steps < 2:
+        parser.error(f"need --steps >= 2 (one step or more is timed after the warm-up), got {args.steps}")
+    if not 0 <= args.warmup < args.steps:
+        given = "" if any(a.startswith("--warmup") for a in argv) else " (the default)"
+        parser.error(
+            f"--warmup {args.warmup}{given} leaves no timed step out of --steps {args.steps}: the first --warmup "
+            f"steps are left out of the timings. Pass --warmup {args.steps - 1} or less, or --steps "
+            f"{args.warmup + 1} or more."
+        )
     missing = [c for c in args.config if not Path(c).is_file()]
     if missing:
         parser.error(f"config file(s) not found: {', '.join(missing)}")
-    command = "lightning-mgpu-bench"
+    command = "python -m benchmarks.compare"
     with exit_on_missing_extra(command):
         # Checked here, before any worker starts: every worker would fail the same way. Class paths resolve from the
         # current directory, as in the workers (``python -m`` puts it on their path).
@@ -160,10 +184,10 @@ def _run(args: argparse.Namespace, argv: list[str], cli_args: list[str], parser:
     """Run every strategy's worker, then write the report (see :func:`main`)."""
     import torch
 
-    from lightning_mgpu.bench.chart import write_chart
-    from lightning_mgpu.bench.devices import plan_devices
-    from lightning_mgpu.bench.report import build_report, write_report
-    from lightning_mgpu.bench.runner import run_worker
+    from benchmarks.compare.chart import write_chart
+    from benchmarks.compare.devices import plan_devices
+    from benchmarks.compare.report import build_report, write_report
+    from benchmarks.compare.runner import run_worker
 
     try:
         plan = plan_devices(args.accelerator, args.devices, torch.cuda.device_count())
@@ -204,7 +228,7 @@ def _run(args: argparse.Namespace, argv: list[str], cli_args: list[str], parser:
         print(_progress(index, len(args.strategies), row), file=sys.stderr, flush=True)
 
     settings = {
-        "command": "python -m lightning_mgpu.bench " + shlex.join(argv + (["--", *cli_args] if cli_args else [])),
+        "command": "python -m benchmarks.compare " + shlex.join(argv + (["--", *cli_args] if cli_args else [])),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "environment": _environment(),
         "configs": list(args.config),

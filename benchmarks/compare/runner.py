@@ -1,6 +1,6 @@
 """Run one strategy's worker in a fresh process and turn whatever happens into one result row.
 
-The worker runs in its own process group (:mod:`lightning_mgpu.bench.process_group`), so a timeout stops it together
+The worker runs in its own process group (:mod:`benchmarks.compare.process_group`), so a timeout stops it together
 with the rank processes DDP's launcher started, and the next strategy starts only once every one of them has exited
 (their memory and CPU time would otherwise leak into the next measurement). Its output goes to a log file whose tail
 is kept in the row when it fails.
@@ -13,14 +13,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lightning_mgpu.bench.process_group import run_in_process_group
+from benchmarks.compare.process_group import run_in_process_group
 
 LOG_TAIL_LINES = 20
 
 
 def worker_command(strategy: str, result: Path, options: list[str], cli_args: list[str]) -> list[str]:
     """The command line of one strategy's worker (``cli_args`` go to LightningCLI after ``--``)."""
-    command = [sys.executable, "-m", "lightning_mgpu.bench.worker", "--strategy", strategy, "--result", str(result)]
+    command = [sys.executable, "-m", "benchmarks.compare.worker", "--strategy", strategy, "--result", str(result)]
     return command + options + (["--", *cli_args] if cli_args else [])
 
 

@@ -1,0 +1,185 @@
+"""Opt-in diagnostic: which ``loss_reduction`` makes ``parallel_criterion`` reproduce one device for a module's step.
+
+Training never runs this. It runs the module's ``training_step`` on purpose, several times: once on the whole
+batch and once per shard, on a deep copy of the module in train mode, on the device you name. Each candidate rule
+combines the shards' losses; the one that reproduces the whole batch's loss is the rule to declare. Nothing in the
+batch is masked or rewritten.
+
+From Python: ``print(lightning_mgpu.check_loss_reduction(module, batch))``. From a LightningCLI config:
+``python -m lightning_mgpu.loss_check -c config.yaml [--devices 2] [--device cpu] [LightningCLI overrides]`` (the first
+training batch of the config's datamodule).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_mgpu.parallel.devices import DeviceLike, to_device
+from lightning_mgpu.parallel.scatter_gather import move_to, split_batch
+from lightning_mgpu.strategies.loss_normalization import SAMPLES, SUM, LossNormalization, known_rule
+from lightning_mgpu.strategies.step_outputs import LOSS_TERMS_KEY, LOSS_WEIGHT_KEY
+
+#: A rule reproduces the whole batch's loss when it misses by at most this much, relative (float32 rounding).
+RELATIVE_TOLERANCE = 1e-5
+
+
+@dataclass
+class LossCheck:
+    """The outcome: the whole batch's loss, each candidate rule's combination of the shards' losses, and how much the
+    loss moves under another random seed (0 for a deterministic step)."""
+
+    whole: float
+    predictions: dict[str, float] = field(default_factory=dict)
+    noise: float = 0.0
+    declared: str | None = None
+
+    def errors(self) -> dict[str, float]:
+        return {spec: abs(value - self.whole) for spec, value in self.predictions.items()}
+
+    @property
+    def rule(self) -> str | None:
+        """The ``loss_reduction`` to declare: the candidate that reproduces the whole batch, if any does."""
+        tolerance = max(RELATIVE_TOLERANCE * abs(self.whole), 4 * self.noise)
+        errors = self.errors()
+        fits = [spec for spec, error in sorted(errors.items(), key=lambda item: item[1]) if error <= tolerance]
+        return fits[0] if fits else None
+
+    def __str__(self) -> str:
+        lines = [f"the whole batch's loss on one device: {self.whole:.8g}"]
+        if self.noise:
+            lines.append(f"  (the step is random: its loss moves by {self.noise:.3g} under another seed)")
+        for spec, error in sorted(self.errors().items(), key=lambda item: item[1]):
+            lines.append(
+                f"  loss_reduction={spec!r}: the shards' losses combine to {self.predictions[spec]:.8g} "
+                f"(off by {error:.3g})"
+            )
+        if self.declared is not None:
+            lines.append(f"the step declares its own weights ({self.declared}): parallel_criterion uses them")
+        elif self.rule is not None:
+            lines.append(f"declare ParallelCriterionStrategy(loss_reduction={self.rule!r})")
+        else:
+            lines.append(
+                "no rule reproduces one device: the step couples samples across the batch (BatchNorm in train mode: "
+                "Trainer(sync_batchnorm=True); a contrastive loss: self.all_gather(..., sync_grads=True) or "
+                "strategy='dp'), or adds terms normalised differently (return 'loss_terms')"
+            )
+        return "\n".join(lines)
+
+
+def check_loss_reduction(
+    module: nn.Module,
+    batch: Any,
+    *,
+    devices: int = 2,
+    device: DeviceLike = "cpu",
+    batch_idx: int = 0,
+    dim: int = 0,
+    seed: int = 0,
+) -> LossCheck:
+    """Run ``module.training_step`` on ``batch`` whole and split over ``devices`` shards (all on ``device``, from a
+    deep copy in train mode), and report which rule combines the shards' losses into the whole batch's."""
+    target = to_device(device)
+    replica = copy.deepcopy(module).to(target).train()
+    batch = move_to(batch, target)
+
+    def loss_of(part: Any, draw_seed: int = seed) -> tuple[float, str | None]:
+        torch.manual_seed(draw_seed)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # self.log without a Trainer
+            output = replica.training_step(part, batch_idx)
+        declared = next(
+            (k for k in (LOSS_WEIGHT_KEY, LOSS_TERMS_KEY) if isinstance(output, Mapping) and k in output), None
+        )
+        loss = output["loss"] if isinstance(output, Mapping) else output
+        if not isinstance(loss, Tensor) or loss.numel() != 1:
+            raise TypeError(f"training_step returned {type(loss).__name__}, not a scalar loss: nothing to combine.")
+        return float(loss.detach()), declared
+
+    whole, declared = loss_of(batch)
+    noise = abs(loss_of(batch, seed + 1)[0] - whole)
+    chunks, sizes = split_batch(batch, [target] * devices, dim)
+    shard_losses = [loss_of(chunk)[0] for chunk in chunks]
+    result = LossCheck(whole, noise=noise, declared=declared)
+    for rule in _candidates(module, batch, dim):
+        result.predictions[rule.spec()] = _combine(rule, shard_losses, chunks, sizes)
+    return result
+
+
+def _candidates(module: nn.Module, batch: Any, dim: int) -> list[LossNormalization]:
+    rules = [SAMPLES, SUM, LossNormalization("replica_mean")]
+    known = known_rule(module, batch)
+    if known is not None:
+        rules.append(known[0])
+    for path in _integer_label_paths(batch, dim):
+        rules += [LossNormalization("tokens", path), LossNormalization("tokens", path, shifted=True)]
+    return list(dict.fromkeys(rules))
+
+
+def _integer_label_paths(batch: Any, dim: int) -> list[tuple[Any, ...]]:
+    """Keys of the batch's integer tensors with a batch dimension, but the first input: possible labels."""
+    items = (
+        batch.items() if isinstance(batch, Mapping) else enumerate(batch) if isinstance(batch, (list, tuple)) else []
+    )
+    return [
+        (key,)
+        for key, value in items
+        if isinstance(value, Tensor)
+        and not (value.is_floating_point() or value.dtype == torch.bool)
+        and value.dim() > dim
+        and key != 0
+    ]
+
+
+def _combine(rule: LossNormalization, losses: Sequence[float], chunks: list[Any], sizes: list[int]) -> float:
+    if rule.kind == "sum":
+        return math.fsum(losses)
+    if rule.kind == "replica_mean":
+        return math.fsum(losses) / len(losses)
+    weights = [float(w) for w in rule.weights(chunks, sizes)]
+    kept = [(loss, w) for loss, w in zip(losses, weights, strict=True) if w > 0]
+    return math.fsum(loss * w for loss, w in kept) / math.fsum(w for _, w in kept)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m lightning_mgpu.loss_check -c config.yaml``: the check on the config's first training batch."""
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_mgpu.loss_check",
+        description="Run a LightningCLI config's training_step on its first training batch, whole and split, and say "
+        "which loss_reduction makes parallel_criterion equal one device. Runs the step several times.",
+    )
+    parser.add_argument("-c", "--config", action="append", required=True, help="a LightningCLI YAML config")
+    parser.add_argument("--devices", type=int, default=2, help="how many shards to split the batch into")
+    parser.add_argument("--device", default="cpu", help="where to run the copies (e.g. cuda:0)")
+    args, overrides = parser.parse_known_args(argv)
+    from lightning_mgpu.cli import main as cli_main
+
+    cli = cli_main([*(arg for config in args.config for arg in ("-c", config)), *overrides], run=False)
+    datamodule = cli.datamodule
+    datamodule.prepare_data()
+    datamodule.setup("fit")
+    batch = _as_the_step_sees_it(cli.model, datamodule, next(iter(datamodule.train_dataloader())))
+    print(check_loss_reduction(cli.model, batch, devices=args.devices, device=args.device))
+
+
+def _as_the_step_sees_it(model: Any, datamodule: Any, batch: Any) -> Any:
+    """``batch`` through the batch-transfer hooks, as Lightning runs them: the datamodule's where it overrides one,
+    else the module's (normalisation on the device, for example)."""
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    for hook in ("on_before_batch_transfer", "on_after_batch_transfer"):
+        owner = datamodule if is_overridden(hook, datamodule) else model
+        batch = getattr(owner, hook)(batch, 0)
+    return batch
+
+
+if __name__ == "__main__":
+    main()

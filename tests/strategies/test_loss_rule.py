@@ -1,0 +1,95 @@
+"""Unit tests of the loss rule (:mod:`lightning_mgpu.strategies.loss_normalization`): what each rule counts, and what
+static knowledge says for each model and loss module, without training anything."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_models import build_model
+from torch import nn
+
+from lightning_mgpu.strategies.loss_normalization import LossNormalization, known_rule, uncombinable_loss
+
+LABELS = torch.tensor([[5, 6, -100, -100], [7, -100, 8, 9]])
+
+
+def test_a_token_count_skips_ignored_labels():
+    assert LossNormalization.parse("tokens:labels").count({"labels": LABELS}).item() == 5
+
+
+def test_a_shifted_count_leaves_out_the_first_position_of_each_row():
+    # causal LMs predict token t+1 from t: row 0 counts 6 (1 valid after the first), row 1 counts 8, 9 (2)
+    assert LossNormalization.parse("shifted_tokens:labels").count({"labels": LABELS}).item() == 3
+
+
+def test_class_weights_weight_the_count_and_positions_name_tuple_items():
+    rule = LossNormalization("tokens", (1,), ignore_index=-1, class_weight=(0.5, 2.0, 4.0))
+    batch = (torch.zeros(4, 2), torch.tensor([0, 2, -1, 2]))
+    assert rule.count(batch).item() == pytest.approx(0.5 + 4.0 + 4.0)
+
+
+@pytest.mark.parametrize("spec", ["samples", "sum", "replica_mean", "tokens:labels", "shifted_tokens:a.0"])
+def test_parse_and_spec_round_trip(spec):
+    assert LossNormalization.parse(spec).spec() == spec
+
+
+def test_parse_refuses_what_it_cannot_read():
+    with pytest.raises(ValueError, match="loss_reduction must be one of"):
+        LossNormalization.parse("tokens")
+    assert LossNormalization.parse("auto") is None
+
+
+@pytest.mark.parametrize(
+    ("task", "labels", "expected"),
+    [
+        ("masked_lm", LABELS, "tokens:labels"),
+        ("causal_lm", LABELS, "shifted_tokens:labels"),
+        ("token_classification", LABELS, "tokens:labels"),
+        ("sequence_classification", torch.tensor([1, -100]), "tokens:labels"),
+        ("sequence_classification", torch.tensor([[0.0, 1.0, 0.0]]), "samples"),  # multi-label: BCE over all outputs
+        ("t5", LABELS, "tokens:labels"),  # decoder targets: not shifted
+        ("bart", LABELS, "tokens:labels"),
+        ("roberta_masked_lm", LABELS, "tokens:labels"),
+    ],
+)
+def test_transformers_models_say_their_rule(task, labels, expected):
+    module = nn.ModuleDict({"model": build_model(task, dtype=torch.float32)})
+    rule, source = known_rule(module, {"input_ids": torch.zeros(2, 4, dtype=torch.long), "labels": labels})
+    assert rule.spec() == expected
+    assert type(module["model"]).__name__ in source
+
+
+def test_without_labels_in_the_batch_a_model_says_nothing():
+    module = nn.ModuleDict({"model": build_model("masked_lm", dtype=torch.float32)})
+    assert known_rule(module, {"input_ids": torch.zeros(2, 4, dtype=torch.long)}) is None
+
+
+def test_pretraining_has_no_rule_and_a_message_naming_loss_terms():
+    module = nn.ModuleDict({"model": build_model("pretraining", dtype=torch.float32)})
+    assert known_rule(module, {"labels": LABELS}) is None
+    assert "loss_terms" in uncombinable_loss(module)
+
+
+@pytest.mark.parametrize(
+    ("criterion", "expected"),
+    [
+        (nn.CrossEntropyLoss(), "tokens:1"),
+        (nn.NLLLoss(ignore_index=-1), "tokens:1"),
+        (nn.CrossEntropyLoss(reduction="sum"), "sum"),
+        (nn.MSELoss(), "samples"),
+        (nn.BCEWithLogitsLoss(reduction="sum"), "sum"),
+    ],
+)
+def test_loss_modules_say_their_rule(criterion, expected):
+    module = nn.ModuleDict({"net": nn.Linear(2, 3), "criterion": criterion})
+    rule, _ = known_rule(module, (torch.zeros(4, 2), torch.tensor([0, 1, 2, 0])))
+    assert rule.spec() == expected
+    if isinstance(criterion, nn.NLLLoss):
+        assert rule.ignore_index == -1
+
+
+def test_disagreeing_or_unreduced_loss_modules_say_nothing():
+    batch = (torch.zeros(4, 2), torch.tensor([0, 1, 2, 0]))
+    both = nn.ModuleDict({"a": nn.CrossEntropyLoss(), "b": nn.MSELoss(reduction="sum")})
+    assert known_rule(both, batch) is None
+    assert known_rule(nn.ModuleDict({"a": nn.CrossEntropyLoss(reduction="none")}), batch) is None

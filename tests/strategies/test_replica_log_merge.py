@@ -1,0 +1,70 @@
+"""Unit tests of the merge of replicas' ``self.log`` calls: each rule pinned on its own component."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_mgpu.strategies.replica_logging import LogRecorder, merge_and_log
+
+
+class Root:
+    """Stands in for the root LightningModule: keeps what would reach Lightning's ``log``."""
+
+    def __init__(self) -> None:
+        self.logged: dict[str, tuple[Any, dict[str, Any]]] = {}
+
+    def log(self, name: str, value: Any, **options: Any) -> None:
+        self.logged[name] = (value, options)
+
+
+def _merge(values: list[float], counts: list[int], **options: Any) -> tuple[float, dict[str, Any]]:
+    recorders = [LogRecorder() for _ in values]
+    for recorder, value in zip(recorders, values, strict=True):
+        recorder.log("x", torch.tensor(value, dtype=torch.float64), **options)
+    root = Root()
+    merge_and_log(root, recorders, counts, lambda _: None)
+    value, merged = root.logged["x"]
+    return value.item(), merged
+
+
+def test_a_logged_mean_is_weighted_by_each_replicas_sample_count():
+    value, options = _merge([1.0, 4.0], counts=[3, 1])
+    assert value == pytest.approx((3 * 1.0 + 1 * 4.0) / 4, rel=0, abs=1e-15)
+    assert options["batch_size"] == 4  # the step's sample count weights it in Lightning's epoch mean
+
+
+def test_batch_size_given_to_log_weights_the_mean_instead_of_sample_counts():
+    recorders = [LogRecorder(), LogRecorder()]
+    recorders[0].log("x", torch.tensor(1.0, dtype=torch.float64), batch_size=1)
+    recorders[1].log("x", torch.tensor(4.0, dtype=torch.float64), batch_size=3)
+    root = Root()
+    merge_and_log(root, recorders, [3, 1], lambda _: None)
+    value, options = root.logged["x"]
+    assert value.item() == pytest.approx((1 * 1.0 + 3 * 4.0) / 4, rel=0, abs=1e-15)
+    assert options["batch_size"] == 4
+
+
+def test_a_replica_with_weight_zero_takes_no_part_in_the_mean():
+    recorders = [LogRecorder(), LogRecorder()]
+    recorders[0].log("x", torch.tensor(2.0), batch_size=5)
+    recorders[1].log("x", torch.tensor(float("nan")), batch_size=0)
+    root = Root()
+    merge_and_log(root, recorders, [3, 2], lambda _: None)
+    assert root.logged["x"][0].item() == 2.0
+
+
+@pytest.mark.parametrize(("reduce_fx", "expected"), [("sum", 5.0), ("max", 4.0), ("min", 1.0)])
+def test_sum_max_min_reduce_over_replicas(reduce_fx: str, expected: float):
+    value, _ = _merge([1.0, 4.0], counts=[3, 1], reduce_fx=reduce_fx)
+    assert value == expected
+
+
+def test_replicas_that_log_a_name_differently_are_refused():
+    recorders = [LogRecorder(), LogRecorder()]
+    recorders[0].log("x", torch.tensor(1.0), prog_bar=True)
+    recorders[1].log("x", torch.tensor(1.0), prog_bar=False)
+    with pytest.raises(ValueError, match="Replicas logged 'x' with different options"):
+        merge_and_log(Root(), recorders, [1, 1], lambda _: None)
