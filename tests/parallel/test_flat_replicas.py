@@ -405,3 +405,28 @@ def test_compiled_replicas_on_other_devices_use_their_own_leaves():
     reference(x).sum().backward()
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-10)
+
+
+class ScaledLoss(nn.Module):
+    """A criterion with a learnable parameter: its replicas reduce their gradients like the model's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(1.5, dtype=torch.float64))
+        self.reduction = "mean"
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.scale * nn.functional.cross_entropy(logits, target)
+
+
+def test_a_criterion_with_parameters_reduces_its_gradients_in_threads_mode():
+    x, y = batch()
+    model, reference_model = mlp(), mlp()
+    criterion, reference_criterion = ScaledLoss(), ScaledLoss()
+    net = DataParallelModel(model, CPU3, execution_mode="threads")
+    loss_fn = DataParallelCriterion(criterion, CPU3, execution_mode="threads")
+    loss_fn(net(x), y).backward()
+    reference_criterion(reference_model(x), y).backward()
+    torch.testing.assert_close(criterion.scale.grad, reference_criterion.scale.grad, rtol=0, atol=1e-10)
+    for p, q in zip(model.parameters(), reference_model.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-10)
