@@ -82,8 +82,19 @@ class _Groups:
         return {dtype: make(total, dtype=dtype, device=device) for dtype, total in self.totals.items()}
 
 
-def _flatten(tensors: Sequence[Tensor]) -> Tensor:
-    return torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.empty(0)
+class _Flattened:
+    """``tensors`` of one dtype as one flat tensor, with the flat views of contiguous ones made once (a per-step
+    ``reshape`` of every tensor would cost host time per tensor)."""
+
+    def __init__(self, tensors: Sequence[Tensor]) -> None:
+        self.tensors = list(tensors)
+        self._views = [t.view(-1) if t.is_contiguous() else None for t in self.tensors]
+        self._all_views = all(v is not None for v in self._views)
+
+    def __call__(self) -> Tensor:
+        if self._all_views:
+            return torch.cat(self._views)  # type: ignore[arg-type]
+        return torch.cat([t.reshape(-1) if v is None else v for t, v in zip(self.tensors, self._views, strict=True)])
 
 
 class ReplicaParameters:
@@ -114,6 +125,9 @@ class ReplicaParameters:
                 alias(self._root_grads[p.dtype], offsets[j], p.shape) for j, p in enumerate(self.params)
             ]
         self._first_grads = [leaves[0].grad if leaves else None for leaves in self.leaves]
+        self._flattened = {
+            dtype: _Flattened([self.params[j] for j in indices]) for dtype, indices in self._groups.indices.items()
+        }
         self._pointers = list(map(_data_ptr, self.params))
         self._stamp: int | None = None  # the originals' version sum at the last copy to the other devices
         self._trainable: list[bool] = []
@@ -165,8 +179,8 @@ class ReplicaParameters:
         if stamp == self._stamp:
             return
         with torch.no_grad():
-            for dtype, indices in self._groups.indices.items():
-                staged = _flatten([self.params[j] for j in indices])
+            for dtype, flattened in self._flattened.items():
+                staged = flattened()
                 for device in self._others:
                     self._storage[device][dtype].copy_(staged, non_blocking=True)
         self._stamp = stamp
@@ -303,6 +317,9 @@ class ReplicaBuffers:
                     store[name] = copy
                 self._flats.append(flats)
                 self._copies.append(copies)
+        self._flattened = {
+            dtype: _Flattened([self.sources[k] for k in indices]) for dtype, indices in self._groups.indices.items()
+        }
         self._stamp: int | None = None
         self._marks = self._replica_marks()
         self._linked = [False] * len(self.slots)
@@ -327,10 +344,7 @@ class ReplicaBuffers:
                     continue
                 if self._full[i]:
                     if staged is None:
-                        staged = {
-                            dtype: _flatten([self.sources[k] for k in indices])
-                            for dtype, indices in self._groups.indices.items()
-                        }
+                        staged = {dtype: flattened() for dtype, flattened in self._flattened.items()}
                     for dtype, flat in self._flats[i].items():
                         flat.copy_(staged[dtype], non_blocking=True)
                 else:
