@@ -1,9 +1,10 @@
-"""Host cost of replication per step (issue 13 §3): lasting replicas against per-step ``replicate()``, on CPU.
+"""Host cost of replication per step, on CPU: one code version against another (``--old-tree``).
 
-Four measurements, on virtual CPU devices (``["cpu"] * N``), one intra-op thread:
+Five measurements, on virtual CPU devices (``["cpu"] * N``), one intra-op thread (default: parts 1, 2, 4, 5):
 
 1. **Step overhead on a deep, thin model** (300 × Linear(8, 8) / BatchNorm1d(8) / Tanh: 900 modules, negligible
-   compute): a ``DataParallelModel`` + ``DataParallelCriterion`` training step (zero_grad, forward, loss, backward, SGD
+   compute), in sequential mode and, next to it, in threads mode (the path distinct GPUs take): a
+   ``DataParallelModel`` + ``DataParallelCriterion`` training step (zero_grad, forward, loss, backward, SGD
    step) divided by the replicas' own work, the same model run plainly on the N shards one after another (forward,
    loss, backward each) plus one optimizer step. Rounds alternate the variants in a rotating order; each round gives
    one paired ratio, and the figure is the median over rounds.
@@ -15,6 +16,8 @@ Four measurements, on virtual CPU devices (``["cpu"] * N``), one intra-op thread
    backward.
 4. **Per-step growth** (lasting replicas only): live objects (``gc.get_objects()``), ``tracemalloc`` current memory
    and RSS over 200 steps of (1).
+5. **Sync + gradient reduction host time** for the two PyramidNets on the meta device (no data: host work only):
+   ``prepare(N)`` in threads mode plus the reduction of the replicas' gradients onto the originals.
 
 Steps and replications are timed in wall-clock and in process CPU time (on a shared machine CPU time is the less
 load-sensitive of the two); the garbage collector stays on, and the full collections it runs are counted. Each code
@@ -24,8 +27,7 @@ times both workers back to back in a rotating order, so before/after pairs come 
 load::
 
     python benchmarks/replica_overhead.py
-    git worktree add /tmp/mgpu_old a03ef68
-    python benchmarks/replica_overhead.py --old-tree /tmp/mgpu_old
+    python benchmarks/replica_overhead.py --old-tree /work/main      # any tree of an older version
 
 The worker adapts to either API (``ReplicaSet`` or per-step ``replicate``; ``execution_mode=`` or ``mode=``), so
 ``PYTHONPATH=/tmp/mgpu_old python benchmarks/replica_overhead.py --worker`` is the old code under the same protocol.
