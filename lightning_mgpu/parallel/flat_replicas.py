@@ -33,7 +33,7 @@ from torch import Tensor, nn
 _version = operator.attrgetter("_version")
 _requires_grad = operator.attrgetter("requires_grad")
 _grad = operator.attrgetter("grad")
-_data_ptr = operator.methodcaller("data_ptr")
+_data_ptr = Tensor.data_ptr
 _Slot = tuple[dict[str, Any], str, int]  # (a replica module's _parameters or _buffers, name, index of the original)
 
 
@@ -218,12 +218,12 @@ class ReplicaParameters:
         everywhere = passes > 0 and all(delta == expected for delta in deltas)
         with torch.no_grad():
             grads = list(map(_grad, self._train_params))
-            if everywhere and list(map(id, grads)) == self._train_view_ids:
-                self._sum_into(count, accumulate=True)
-            elif everywhere and all(g is None for g in grads):
+            if everywhere and grads.count(None) == len(grads):  # after zero_grad(set_to_none=True)
                 self._sum_into(count, accumulate=False)
                 for p, view in zip(self._train_params, self._train_views, strict=True):
                     p.grad = view
+            elif everywhere and list(map(id, grads)) == self._train_view_ids:
+                self._sum_into(count, accumulate=True)
             else:
                 self._assign_each(self._sum(count), grads, everywhere)
             for flats in self._grads[:count]:
