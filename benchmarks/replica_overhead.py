@@ -1,9 +1,10 @@
-"""Host cost of replication per step (issue 13 §3): lasting replicas against per-step ``replicate()``, on CPU.
+"""Host cost of replication per step, on CPU: one code version against another (``--old-tree``).
 
-Four measurements, on virtual CPU devices (``["cpu"] * N``), one intra-op thread:
+Five measurements, on virtual CPU devices (``["cpu"] * N``), one intra-op thread (default: parts 1, 2, 4, 5):
 
 1. **Step overhead on a deep, thin model** (300 × Linear(8, 8) / BatchNorm1d(8) / Tanh: 900 modules, negligible
-   compute): a ``DataParallelModel`` + ``DataParallelCriterion`` training step (zero_grad, forward, loss, backward, SGD
+   compute), in sequential mode and, next to it, in threads mode (the path distinct GPUs take): a
+   ``DataParallelModel`` + ``DataParallelCriterion`` training step (zero_grad, forward, loss, backward, SGD
    step) divided by the replicas' own work, the same model run plainly on the N shards one after another (forward,
    loss, backward each) plus one optimizer step. Rounds alternate the variants in a rotating order; each round gives
    one paired ratio, and the figure is the median over rounds.
@@ -15,6 +16,8 @@ Four measurements, on virtual CPU devices (``["cpu"] * N``), one intra-op thread
    backward.
 4. **Per-step growth** (lasting replicas only): live objects (``gc.get_objects()``), ``tracemalloc`` current memory
    and RSS over 200 steps of (1).
+5. **Sync + gradient reduction host time** for the two PyramidNets on the meta device (no data: host work only):
+   ``prepare(N)`` in threads mode plus the reduction of the replicas' gradients onto the originals.
 
 Steps and replications are timed in wall-clock and in process CPU time (on a shared machine CPU time is the less
 load-sensitive of the two); the garbage collector stays on, and the full collections it runs are counted. Each code
@@ -24,8 +27,7 @@ times both workers back to back in a rotating order, so before/after pairs come 
 load::
 
     python benchmarks/replica_overhead.py
-    git worktree add /tmp/mgpu_old a03ef68
-    python benchmarks/replica_overhead.py --old-tree /tmp/mgpu_old
+    python benchmarks/replica_overhead.py --old-tree /work/main      # any tree of an older version
 
 The worker adapts to either API (``ReplicaSet`` or per-step ``replicate``; ``execution_mode=`` or ``mode=``), so
 ``PYTHONPATH=/tmp/mgpu_old python benchmarks/replica_overhead.py --worker`` is the old code under the same protocol.
@@ -272,6 +274,64 @@ class Worker:
             seconds = (time.perf_counter() - start) / calls
             cpu_seconds = (time.process_time() - cpu) / calls
         return {"seconds": seconds, "cpu_seconds": cpu_seconds, "gc_gen2": gc.get_stats()[2]["collections"] - gen2}
+
+    # --- (5) per-step sync + gradient reduction, host time only (meta device) -------------------------------------
+    def sync_reduce(self, model: str, n: int, calls: int) -> dict[str, Any]:
+        """Median µs of one step's sync (``prepare(n)`` in threads mode) and gradient reduction, on the meta device.
+
+        Meta tensors carry no data: every operation costs its host work only (dispatch, Python), which is what a
+        GPU's launching thread pays. The replicas' accumulation and the optimizer's ``zero_grad(set_to_none=True)``
+        happen outside the timed region. The old code's reduction is the backward of its per-step parameter node.
+        """
+        import copy
+
+        from recipes.pyramidnet import model as pyramidnet
+
+        torch = self.torch
+        net = copy.deepcopy(self.models.get(model) or pyramidnet.build_pyramidnet(model)).to("meta")
+        params = list(net.parameters())
+        replica_set = self.parallel.ReplicaSet(net, ["meta"] * n)
+        flat_api = hasattr(replica_set, "reduce_gradients")
+        sync, reduce = [], []
+        for _ in range(calls + 2):
+            for p in params:
+                p.grad = None
+            if flat_api:
+                t0 = time.perf_counter()
+                replica_set.prepare(n, "threads")
+                t1 = time.perf_counter()
+                with torch.no_grad():
+                    for leaves in replica_set._flat.leaves[:n]:
+                        for leaf in leaves:
+                            leaf.grad.add_(0)  # what autograd's in-place accumulation does
+                t2 = time.perf_counter()
+                replica_set._after_backward()  # the callback the backward pass queues
+                t3 = time.perf_counter()
+            else:
+                from lightning_mgpu.parallel import replicas as internals
+
+                t0 = time.perf_counter()
+                replica_set.prepare(n, "threads")
+                t1 = time.perf_counter()
+                layout = internals._Layout([torch.device("meta")] * n, torch.device("meta"))
+                ctx = type("Ctx", (), {"layout": layout, "count": len(params)})()
+                grads = [torch.empty_like(p) for p in params] * n
+                t2 = time.perf_counter()
+                reduced = internals._ReplicaParameters.backward(ctx, *grads)
+                for p, g in zip(params, reduced[1:], strict=True):  # what autograd's AccumulateGrad does
+                    p.grad = g
+                t3 = time.perf_counter()
+            sync.append(t1 - t0)
+            reduce.append(t3 - t2)
+        sync, reduce = sync[2:], reduce[2:]
+        total = [a + b for a, b in zip(sync, reduce, strict=True)]
+        return {
+            "sync_us": statistics.median(sync) * 1e6,
+            "reduce_us": statistics.median(reduce) * 1e6,
+            "total_us": statistics.median(total) * 1e6,
+            "parameter_tensors": len(params),
+            "api": "flat buffers" if flat_api else "per-step node",
+        }
 
     # --- (3) where prepare() spends its time -----------------------------------------------------------------------
     def breakdown(self, thin_depth: int, thin_norm: str, replicas: list[int], repeats: int) -> dict[str, Any]:
@@ -592,6 +652,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if 2 in args.parts or 3 in args.parts:
             report["replicate"] = replicate_benchmark(args, workers, labels, report)
             report["gc_cost"]["after part 2"] = {label: w.call("gc_cost") for label, w in workers.items()}
+        if 5 in args.parts:
+            report["sync_reduce"] = sync_reduce_benchmark(args, workers, labels, report)
         if 3 in args.parts:
             t = time.perf_counter()
             report["breakdown"] = workers["after"].call(
@@ -729,6 +791,58 @@ def thin_benchmark(
         },
         "results": results,
     }
+
+
+def sync_reduce_benchmark(
+    args: argparse.Namespace, workers: dict[str, WorkerProcess], labels: list[str], report: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """(5): per-step sync + reduction host time, each code version in its own worker, rounds alternating."""
+    t = time.perf_counter()
+    rows = []
+    for model in args.models:
+        for n in args.replicas:
+            samples: dict[str, list[dict[str, Any]]] = {label: [] for label in labels}
+            for r in range(args.rep_rounds):
+                for label in rotated(labels, r):
+                    samples[label].append(workers[label].call("sync_reduce", model=model, n=n, calls=5))
+            row: dict[str, Any] = {"model": model, "replicas": n}
+            for label in labels:
+                blocks = samples[label]
+                row[label] = {
+                    key: statistics.median(b[key] for b in blocks) for key in ("sync_us", "reduce_us", "total_us")
+                }
+                row[label]["api"] = blocks[0]["api"]
+                row[label]["parameter_tensors"] = blocks[0]["parameter_tensors"]
+            rows.append(row)
+    report["durations_s"]["sync_reduce"] = time.perf_counter() - t
+    return rows
+
+
+def sync_reduce_markdown(rows: list[dict[str, Any]]) -> list[str]:
+    labels = [label for label in ("before", "after") if label in rows[0]]
+    lines = [
+        "",
+        "## Per-step sync + gradient reduction, host time (meta device)",
+        "",
+        "`prepare(N)` in threads mode plus the reduction of the replicas' gradients onto the originals, on the meta "
+        "device (no data: host work only, what a GPU's launching thread pays). **before**: the per-step node "
+        "(`_ReplicaParameters` forward in `prepare`, its backward plus AccumulateGrad's `.grad` stores); **after**: "
+        "flat buffers (`prepare`'s checks, the backward callback's reduction). Medians over rounds, µs; the "
+        "optimizer's `zero_grad(set_to_none=True)` precedes each step, so the root's `.grad` views are reassigned. "
+        "Target: < 1000 µs for PyramidNet-272 at N = 8.",
+        "",
+        "| model | N | parameter tensors | "
+        + " | ".join(f"{label} sync | {label} reduce | {label} total" for label in labels)
+        + " |",
+        "|---|---|---|" + "---|---|---|" * len(labels),
+    ]
+    for row in rows:
+        cells = [row["model"], str(row["replicas"]), str(row[labels[-1]]["parameter_tensors"])]
+        for label in labels:
+            v = row[label]
+            cells += [f"{v['sync_us']:.0f}", f"{v['reduce_us']:.0f}", f"{v['total_us']:.0f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def replicate_benchmark(
@@ -969,6 +1083,8 @@ def markdown(report: dict[str, Any]) -> str:
             for n, b in s.get("first_build", {}).items():
                 lines.append(f"| {model} | {n} | {b['build_ms']:.1f} | {b['first_prepare_ms']:.2f} |")
 
+    if report.get("sync_reduce"):
+        lines += sync_reduce_markdown(report["sync_reduce"])
     breakdown = report.get("breakdown")
     if breakdown:
         lines += [
@@ -1090,7 +1206,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--old-tree", type=Path, default=None, help="a tree of the old code, timed in a second worker")
-    parser.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3, 4], choices=[1, 2, 3, 4])
+    parser.add_argument("--parts", type=int, nargs="+", default=[1, 2, 4, 5], choices=[1, 2, 3, 4, 5])
     parser.add_argument("--replicas", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--depth", type=int, default=300, help="(Linear, norm, Tanh) blocks of the thin model")
     parser.add_argument("--norm", choices=["batchnorm", "layernorm"], default="batchnorm")

@@ -114,7 +114,9 @@ class DataParallelModel(nn.Module):
         calls = [
             (lambda r=r, a=a, k=k: r(*a, **k)) for r, a, k in zip(replicas, args_chunks, kwargs_chunks, strict=True)
         ]
-        return parallel_apply(calls, used, mode)
+        outputs = parallel_apply(calls, used, mode)
+        replica_set.watch(outputs)  # the backward pass through them reduces the replicas' gradients
+        return outputs
 
     def gather(self, outputs: Sequence[Any]) -> Any:
         """Concatenate per-device outputs on ``output_device`` (for metrics, logging, visualisation).
@@ -321,9 +323,11 @@ class DataParallelCriterion(nn.Module):
 
         # A compiled criterion runs one replica after another: Dynamo is not thread-safe.
         mode: ExecutionMode = "sequential" if is_compiled(criterion) else self.execution_mode
+        replica_set: ReplicaSet | None = None
         if isinstance(criterion, nn.Module) and _has_tensors(criterion):
             check_module_on(criterion, self.device_ids[0], what="criterion")
-            replicas: Sequence[Any] = self._replicas.of(criterion, devices).prepare(len(devices), mode)
+            replica_set = self._replicas.of(criterion, devices)
+            replicas: Sequence[Any] = replica_set.prepare(len(devices), mode)
         else:
             replicas = [criterion] * len(outputs)  # stateless: calling one object from several threads is safe
         calls = [
@@ -331,6 +335,8 @@ class DataParallelCriterion(nn.Module):
             for c, o, t, k in zip(replicas, outputs, target_chunks, kwargs_chunks, strict=True)
         ]
         losses = parallel_apply(calls, devices, mode)
+        if replica_set is not None:
+            replica_set.watch(losses)
         root = self.device_ids[0]
         reduction = _criterion_option(criterion, kwargs, "reduction", "mean")
         if reduction == "none":

@@ -164,7 +164,7 @@ def parallel_apply(
 
     def run(index: int) -> _Outcome:
         try:
-            with as_replica(group, index), state.replay(targets[index]):
+            with as_replica(group, index), group.turn(index), state.replay(targets[index]):
                 outcome = _Outcome(value=replica_frame(index)(functions[index]))
         except BaseException as err:  # KeyboardInterrupt too: the caller re-raises it once every replica stopped
             outcome = _Outcome(error=err)

@@ -25,6 +25,15 @@ minutes). Departures and mismatches are detected without it; it only ends waits 
 leaves (e.g. one blocked on something outside the group)."""
 
 
+TAKE_TURNS = os.environ.get("LIGHTNING_MGPU_TAKE_TURNS", "1") != "0"
+"""Whether replicas in threads take turns running Python (environment variable ``LIGHTNING_MGPU_TAKE_TURNS``, default
+on; ``0`` lets every replica's thread compete for the GIL at every torch call)."""
+
+TURN_PATIENCE_S = float(os.environ.get("LIGHTNING_MGPU_TURN_PATIENCE_S", 2))
+"""How long (seconds) a replica waits for its turn before it runs anyway, next to the replica holding the turn (from
+the environment variable of the same name): taking turns is an optimisation, never a condition for progress."""
+
+
 class RendezvousError(RuntimeError):
     """The replicas of one call cannot meet at a sync point: one skipped it, they reached sync points in different
     orders, the call runs its replicas sequentially, or a wait outlived :data:`RENDEZVOUS_TIMEOUT_S`."""
@@ -57,15 +66,40 @@ class ReplicaGroup:
     ``size`` replicas on ``devices``; ``sequential`` when they run one after another (no rendezvous is possible then).
     """
 
-    def __init__(self, devices: Sequence[torch.device], sequential: bool) -> None:
+    def __init__(self, devices: Sequence[torch.device], sequential: bool, take_turns: bool = TAKE_TURNS) -> None:
         self.devices = tuple(devices)
         self.size = len(self.devices)
         self.sequential = sequential
+        # Replicas in threads take turns: one runs Python at a time and hands over when it finishes or waits at a
+        # sync point. The GIL runs one thread's Python at a time anyway; without turns it changes hands at every
+        # torch call, and those hand-overs cost as much as the calls on a launch-bound step.
+        self._turn = threading.Lock() if take_turns and not sequential else None
+        self._turn_holder: int | None = None
         self._cond = threading.Condition()
         self._departed: dict[int, BaseException | None] = {}  # index -> its exception, None when it finished
         self._waiting: dict[int, _Site] = {}
         self._sites: dict[Hashable, _Site] = {}
         self._interrupted: BaseException | None = None
+
+    @contextmanager
+    def turn(self, index: int) -> Iterator[None]:
+        """Run the enclosed code (replica ``index``'s work) in its turn (see :data:`TURN_PATIENCE_S`)."""
+        self._take_turn(index)
+        try:
+            yield
+        finally:
+            self._give_turn(index)
+
+    def _take_turn(self, index: int) -> None:
+        if self._turn is not None and self._turn.acquire(timeout=TURN_PATIENCE_S):
+            self._turn_holder = index
+
+    def _give_turn(self, index: int) -> bool:
+        if self._turn is None or self._turn_holder != index:
+            return False
+        self._turn_holder = None
+        self._turn.release()
+        return True
 
     def rendezvous(
         self,
@@ -75,6 +109,27 @@ class ReplicaGroup:
         combine: Callable[[list[Any]], Sequence[Any]],
         label: str,
         hint: str,
+    ) -> Any:
+        """Meet the other replicas at ``site``; return ``combine(values in replica order)[index]``.
+
+        A replica that waits here hands its turn over while it waits (see :meth:`turn`) and takes it back after.
+        """
+        waited: list[bool] = []
+        try:
+            return self._meet(index, site, value, combine, label, hint, waited)
+        finally:
+            if waited:
+                self._take_turn(index)
+
+    def _meet(
+        self,
+        index: int,
+        site: Hashable,
+        value: Any,
+        combine: Callable[[list[Any]], Sequence[Any]],
+        label: str,
+        hint: str,
+        waited: list[bool],
     ) -> Any:
         """Meet the other replicas at ``site``; return ``combine(values in replica order)[index]``.
 
@@ -103,6 +158,8 @@ class ReplicaGroup:
                     self._cond.notify_all()
                 return state.results[index]
             self._waiting[index] = state
+            if self._give_turn(index):
+                waited.append(True)
             try:
                 while state.results is None:
                     failure = self._diagnose(state, hint)

@@ -2,25 +2,31 @@
 
 Rebuilding replicas on every step (what ``torch.nn.DataParallel`` does) costs host time that grows with the model's
 depth times the number of devices. A :class:`ReplicaSet` builds the module copies once and, each step, does only what
-``DataParallel``'s semantics need:
+``DataParallel``'s semantics need, with a number of tensor operations that does not grow with the model's depth:
 
-* **Parameters** reach the replicas through ONE autograd node per step (:class:`_ReplicaParameters`): on the
-  parameters' own device a replica gets an alias of the original storage (no copy), on other devices a coalesced copy.
-  Its backward sums the replicas' gradients onto the originals in replica order, so the result never depends on
-  thread timing. Parameters that do not require gradients, and every parameter when grad mode is off, are handed to
-  the replicas without a node.
+* **Parameters.** Replicas that run one after another on the parameters' own device hold the original parameters
+  (autograd sums their gradients). Otherwise (threads, other devices) every replica holds its own leaf parameters
+  (:class:`.flat_replicas.ReplicaParameters`): aliases of the originals' storage on the root device, views of one
+  flat buffer per device and dtype elsewhere, refreshed with one copy per device when the originals changed. Their
+  gradients accumulate into one flat buffer per replica and dtype; the backward pass that reaches the replicas'
+  outputs (:meth:`ReplicaSet.watch`) queues one callback that adds them onto the originals' ``.grad`` in a fixed
+  order, so the result never depends on thread timing. While gradients accumulate over several batches
+  (:attr:`ReplicaSet.defer_reduction`) they stay on the replicas and are reduced once.
 * **Buffers** follow ``DataParallel``: replica 0 shares the original buffers (BatchNorm running statistics are updated
-  from chunk 0), the other replicas own copies that are overwritten from the originals, in place, before every step.
+  from chunk 0), the other replicas own copies (one flat buffer per replica and dtype) refreshed from the originals
+  when either side changed. Buffers that require grad reach replicas >= 1 through a differentiable copy.
 * **Everything else** stays in sync by a cheap check: attributes rebound on the original modules between steps (a
   scheduler changing a dropout rate, ``train()``/``eval()``) are copied to the replicas; a structural change (a module,
   parameter or buffer added, removed or replaced) rebuilds the replicas.
 
 Modules compiled with ``torch.compile`` (``module.compile()`` or ``torch.compile(module)``) get replicas that run
-compiled code bound to their own tensors, with the original's compile options (:mod:`.compiled`).
+compiled code bound to their own tensors, with the original's compile options (:mod:`.compiled`). The one-off
+:func:`replicate` links its replicas to the originals through one autograd node instead (:class:`_ReplicaParameters`).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,7 +35,9 @@ from torch import Tensor, nn
 
 from lightning_mgpu.parallel.compiled import compiled_call, is_compiled, is_optimized_module, optimized_module_replica
 from lightning_mgpu.parallel.devices import DeviceLike, distinct_cuda, to_device
+from lightning_mgpu.parallel.flat_replicas import ReplicaBuffers, ReplicaParameters, sparse_gradient_modules
 from lightning_mgpu.parallel.parallel_apply import ExecutionMode, resolve_mode
+from lightning_mgpu.parallel.scatter_gather import iter_tensors
 from lightning_mgpu.parallel.sync_batchnorm import uses_sync_batchnorm
 
 _STRUCTURE = ("_parameters", "_buffers", "_modules")
@@ -44,7 +52,7 @@ def replicate(module: nn.Module, devices: Sequence[DeviceLike], detach: bool = F
     :class:`ReplicaSet` instead, which builds the copies once.
     """
     with torch.set_grad_enabled(torch.is_grad_enabled() and not detach):
-        return ReplicaSet(module, devices).prepare()
+        return ReplicaSet(module, devices).prepare(linked=True)
 
 
 class ReplicaSet:
@@ -73,6 +81,10 @@ class ReplicaSet:
         self._on_build = on_build
         self._overrides = frozenset(overrides) | _NEVER_SYNCED
         self.builds = 0
+        self.defer_reduction = False
+        self._owning = False
+        self._queued = False
+        self._queue_lock = threading.Lock()
         self._build()
 
     # --- build -------------------------------------------------------------------------------------------------------
@@ -82,14 +94,18 @@ class ReplicaSet:
         self._params = _unique(p for m in self._originals for p in m._parameters.values() if p is not None)
         param_index = {id(p): j for j, p in enumerate(self._params)}
         self._root = self._params[0].device if self._params else self.devices[0]
+        buffers = _unique(b for m in self._originals for b in m._buffers.values() if b is not None)
+        buffer_index = {id(b): k for k, b in enumerate(buffers)}
         self._copies: list[list[nn.Module]] = []
         self._param_slots: list[list[tuple[dict[str, Any], str, int]]] = []
-        self._buffer_copies: list[tuple[list[Tensor], list[Tensor]]] = []  # (replica's own copies, originals)
+        self._buffer_slots: list[list[tuple[dict[str, Any], str, int]]] = []
         self._rnns: list[list[nn.RNNBase]] = []
         self.compiled = any(is_compiled(m) for m in self._originals)
         with torch.inference_mode(False), torch.no_grad():  # copies must be normal tensors, whatever the caller's mode
             for i, device in enumerate(self.devices):
-                self._build_replica(i, device, position, param_index)
+                self._build_replica(i, device, position, param_index, buffer_index)
+        self._buffers = ReplicaBuffers(buffers, self._buffer_slots, self.devices)
+        self._flat: ReplicaParameters | None = None  # built on the first step that needs the replicas' own leaves
         self._sharing = [True] * len(self.devices)  # copies start out holding the original parameters
         self._snapshot()
         self.builds += 1
@@ -97,7 +113,12 @@ class ReplicaSet:
             self._on_build(self.replicas)
 
     def _build_replica(
-        self, i: int, device: torch.device, position: dict[int, int], param_index: dict[int, int]
+        self,
+        i: int,
+        device: torch.device,
+        position: dict[int, int],
+        param_index: dict[int, int],
+        buffer_index: dict[int, int],
     ) -> None:
         originals = self._originals
         shared = self._shared
@@ -113,7 +134,9 @@ class ReplicaSet:
         for k in range(len(originals) - 1, -1, -1):
             if copies[k] is None:
                 copies[k] = optimized_module_replica(originals[k], self._children(k, copies, position))
-        slots, own, sources, rnns = [], [], [], []
+        slots: list[tuple[dict[str, Any], str, int]] = []
+        buffer_slots: list[tuple[dict[str, Any], str, int]] = []
+        rnns: list[nn.RNNBase] = []
         for k, (original, copy) in enumerate(zip(originals, copies, strict=True)):
             assert copy is not None
             if copy is original or is_optimized_module(original):
@@ -129,17 +152,14 @@ class ReplicaSet:
                 if i == 0 and buffer.device == device:
                     copy._buffers[name] = buffer  # replica 0 shares the originals (DataParallel's semantics)
                 else:
-                    replica_buffer = buffer.detach().to(device, copy=True)
-                    copy._buffers[name] = replica_buffer
-                    own.append(replica_buffer)
-                    sources.append(buffer)
+                    buffer_slots.append((copy._buffers, name, buffer_index[id(buffer)]))
             if original.__dict__.get("_compiled_call_impl") is not None:
                 copy._compiled_call_impl = compiled_call(original, copy)
             if isinstance(copy, nn.RNNBase):
                 rnns.append(copy)
         self._copies.append(copies)  # type: ignore[arg-type]
         self._param_slots.append(slots)
-        self._buffer_copies.append((own, sources))
+        self._buffer_slots.append(buffer_slots)
         self._rnns.append(rnns)
 
     def _children(
@@ -193,32 +213,95 @@ class ReplicaSet:
         return requested, None
 
     # --- every step --------------------------------------------------------------------------------------------------
-    def prepare(self, n: int | None = None, execution_mode: ExecutionMode = "threads") -> list[nn.Module]:
+    def prepare(
+        self, n: int | None = None, execution_mode: ExecutionMode = "threads", linked: bool = False
+    ) -> list[nn.Module]:
         """The first ``n`` replicas (default all), synced with the original for a step in the current grad mode, to
         be run in ``execution_mode``.
 
         When the replicas run one after another (``execution_mode`` resolves to sequential) and all of them sit on
         the parameters' device (CPUs, one GPU repeated), they hold the original parameters themselves: no per-step
-        work, and autograd sums their gradients in an order fixed by the sequential run. Otherwise each step links
-        them to the originals through one node that sums gradients in replica order, whatever order threads finish in.
+        work, and autograd sums their gradients in an order fixed by the sequential run. Otherwise they hold their own
+        leaf parameters (:class:`.ReplicaParameters`): pass the replicas' outputs to :meth:`watch`, and the backward
+        pass that reaches them adds the replicas' gradients onto the originals once it is done. ``linked=True`` (the
+        one-off :func:`replicate`) instead links the replicas' parameters to the originals through one autograd node.
         """
         n = len(self.devices) if n is None else n
         if not 1 <= n <= len(self.devices):
             raise ValueError(f"Asked for {n} replicas of a set of {len(self.devices)}.")
         self._sync_structure()
-        with torch.no_grad():
-            for own, sources in self._buffer_copies[:n]:
-                if own:
-                    torch._foreach_copy_(own, sources)
+        self._buffers.refresh(n)
         devices = self.devices[:n]
-        if resolve_mode(execution_mode, devices) == "sequential" and all(d == self._root for d in devices):
+        self._queued = False
+        self._owning = False
+        if linked:
+            self._assign_parameters(n)
+        elif resolve_mode(execution_mode, devices) == "sequential" and all(d == self._root for d in devices):
             self._share_parameters(n)
         else:
-            self._assign_parameters(n)
+            self._own_parameters(n)
+            self._owning = True
         return self.replicas[:n]
 
+    def watch(self, outputs: Sequence[Any]) -> None:
+        """Reduce the replicas' gradients onto the originals after any backward pass that reaches ``outputs`` (the
+        replicas' outputs of this step: one hook per output tensor that requires grad)."""
+        if not self._owning or not torch.is_grad_enabled():
+            return  # replicas that hold the original parameters need no reduction
+        for output in outputs:
+            for _, tensor in iter_tensors(output):
+                if tensor.requires_grad:
+                    tensor.register_hook(self._on_gradient)
+
+    def _on_gradient(self, grad: Tensor) -> None:
+        with self._queue_lock:
+            if self._queued:
+                return
+            self._queued = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
+
+    def _after_backward(self) -> None:
+        self._queued = False
+        if self._flat is not None:
+            self._flat.backward_done()
+        if not self.defer_reduction:
+            self.reduce_gradients()
+
+    def reduce_gradients(self) -> None:
+        """Add the replicas' gradients accumulated since the last reduction onto the originals' ``.grad`` (runs by
+        itself at the end of every backward pass unless :attr:`defer_reduction` is set, e.g. while accumulating)."""
+        if self._flat is not None:
+            self._flat.reduce()
+
+    def _own_parameters(self, n: int) -> None:
+        """Point the first ``n`` replicas at their own leaf parameters, synced with the originals."""
+        flat = self._flat
+        if flat is None or flat.stale:
+            if flat is not None:
+                flat.reduce()  # what the replicas accumulated still belongs to the originals
+            if torch.is_grad_enabled():
+                sparse = sparse_gradient_modules(self._originals)
+                if sparse:
+                    raise RuntimeError(
+                        f"The model has modules with sparse gradients ({', '.join(sorted(set(sparse)))} with "
+                        "sparse=True), which replicas with their own parameters cannot reduce in flat buffers. Use "
+                        "sparse=False, or run the replicas on one device with execution_mode='sequential' (they then "
+                        "share the original parameters and autograd accumulates their sparse gradients)."
+                    )
+            flat = self._flat = ReplicaParameters(self._params, self.devices, self._root)
+            self._sharing = [True] * len(self.devices)
+        flat.sync(n)
+        for i in range(n):
+            if not self._sharing[i]:
+                continue
+            leaves = flat.leaves[i]
+            for store, name, j in self._param_slots[i]:
+                store[name] = leaves[j]
+            self._refresh_rnns(i)
+            self._sharing[i] = False
+
     def _share_parameters(self, n: int) -> None:
-        """Point the first ``n`` replicas at the original parameters (once: they stay until linked tensors replace
+        """Point the first ``n`` replicas at the original parameters (once: they stay until other tensors replace
         them)."""
         for i in range(n):
             if self._sharing[i]:
@@ -249,6 +332,7 @@ class ReplicaSet:
             if same_structure and _same(attrs, saved[0]):
                 continue
             if not same_structure or _compile_changed(attrs, saved[0]):
+                self.reduce_gradients()  # what the old replicas accumulated still belongs to the originals
                 self._build()
                 return
             self._copy_attributes(k, saved[0])
@@ -290,6 +374,7 @@ class ReplicaSet:
                 )
 
     def _assign_parameters(self, n: int) -> None:
+        """Link the first ``n`` replicas' parameters to the originals through one autograd node (one-off replicas)."""
         params = self._params
         count = len(params)
         layout = _Layout(self.devices[:n], self._root)
@@ -316,8 +401,10 @@ class ReplicaSet:
 
     def release(self) -> None:
         """Drop every replica and copy (frees their memory on the other devices)."""
-        self._copies, self._param_slots, self._buffer_copies, self._rnns = [], [], [], []
+        self._copies, self._param_slots, self._buffer_slots, self._rnns = [], [], [], []
         self._originals, self._params, self._watch, self._live, self._saved = [], [], [], [], []
+        self._flat = None
+        self._buffers = ReplicaBuffers([], [], [])
 
 
 class _Layout:

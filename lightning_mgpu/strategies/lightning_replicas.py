@@ -66,12 +66,14 @@ class LightningReplicas:
         """``call(i, replica_i)`` for the first ``count`` replicas; a failed step leaves no recorded state behind."""
         replicas = self.replica_set.prepare(count, mode)
         try:
-            return parallel_apply(
+            outputs = parallel_apply(
                 [lambda i=i, r=r: call(i, r) for i, r in enumerate(replicas)], self.devices[:count], mode
             )
         except BaseException:
             self.discard()
             raise
+        self.replica_set.watch(outputs)  # the backward pass through them reduces the replicas' gradients
+        return outputs
 
     def discard(self) -> None:
         """Forget what the step in progress recorded (it failed)."""

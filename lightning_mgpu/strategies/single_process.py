@@ -243,6 +243,15 @@ class SingleProcessParallel:
             replicas = self._replicas[id(module)] = LightningReplicas(module, devices, self.namespace)
         return replicas
 
+    def _accumulating(self) -> bool:
+        """Whether the training step in progress accumulates gradients without an optimizer step after it."""
+        module = self.lightning_module  # type: ignore[attr-defined]
+        if module is None or module._current_fx_name != "training_step" or not module.automatic_optimization:
+            return False
+        epoch_loop = getattr(getattr(module._trainer, "fit_loop", None), "epoch_loop", None)
+        should_accumulate = getattr(epoch_loop, "_should_accumulate", None)
+        return bool(should_accumulate()) if callable(should_accumulate) else False
+
     def _mode_for(self, replicas: LightningReplicas, count: int) -> ExecutionMode:
         """Threads or one after another for this call: compiled code needs one thread, SyncBatchNorm and collectives
         in the step need many."""
@@ -283,6 +292,8 @@ class SingleProcessParallel:
         optimized one (see ``step_outputs.implied_loss_weights``)."""
         replicas = self._replicas_of(module)
         self._replicated_on = replicas.devices[: len(sample_counts)]
+        # Accumulating gradients: replicas keep theirs until the backward pass before the optimizer step reduces all.
+        replicas.replica_set.defer_reduction = self._accumulating()
         list_lengths = _public_list_lengths(module)
         outputs = replicas.run(len(sample_counts), call, self._mode_for(replicas, len(sample_counts)))
         implied = implied_weights(outputs) if implied_weights is not None else [{} for _ in outputs]

@@ -141,3 +141,44 @@ def test_caller_stream_is_used_by_workers():
     torch.cuda.current_stream().wait_stream(side)
     assert all(s == side for s in streams)
     assert torch.equal(result, x * 2)
+
+
+@pytest.mark.parametrize("devices", list(DEVICE_SETS.values()), ids=list(DEVICE_SETS))
+@pytest.mark.parametrize("accumulate", [1, 3])
+def test_flat_buffer_replicas_in_threads_train_as_one_device(devices, accumulate):
+    """Own-leaf replicas (threads): one copy per device after each step, one reduction per device onto cuda:0."""
+
+    def run(parallel: bool) -> nn.Module:
+        model = cnn().cuda().double()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        net = DataParallelModel(model, devices, execution_mode="threads") if parallel else model
+        loss_fn = DataParallelCriterion(nn.CrossEntropyLoss(), devices, execution_mode="threads")
+        for step in range(3):
+            for micro in range(accumulate):
+                g = torch.Generator(device="cuda:0").manual_seed(10 * step + micro)
+                x = torch.randn(8, 3, 16, 16, device="cuda:0", dtype=torch.float64, generator=g)
+                y = torch.randint(0, 5, (8,), device="cuda:0", generator=g)
+                out = net(x)
+                loss = loss_fn(out, y) if parallel else nn.functional.cross_entropy(out, y)
+                (loss / accumulate).backward()
+            opt.step()
+            opt.zero_grad()
+        return model
+
+    for p, q in zip(run(True).parameters(), run(False).parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-10)
+
+
+@two_gpus
+def test_replicas_on_the_second_gpu_see_the_optimizer_step_and_the_roots_buffers():
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).cuda()
+    net = DataParallelModel(model, ["cuda:0", "cuda:1"], execution_mode="threads")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        out = net(torch.randn(8, 4, device="cuda:0"))
+        sum(o.sum() for o in out).backward()
+        opt.step()
+        opt.zero_grad()
+    replica = net._replicas.of(model, net.device_ids).prepare(2, "threads")[1]
+    torch.testing.assert_close(replica[0].weight.cpu(), model[0].weight.cpu(), rtol=0, atol=0)
+    torch.testing.assert_close(replica[1].running_mean.cpu(), model[1].running_mean.cpu(), rtol=0, atol=0)

@@ -50,6 +50,66 @@ def test_changes_between_steps_reach_the_replicas(strategy):
     assert replicas == {}  # released at teardown
 
 
+def _threads(strategy: str) -> Any:
+    import lightning_mgpu
+
+    cls = (
+        lightning_mgpu.ParallelCriterionStrategy
+        if strategy == "parallel_criterion"
+        else lightning_mgpu.DataParallelStrategy
+    )
+    return cls(execution_mode="threads")
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_threads_mode_with_flat_buffers_follows_changes_between_steps(strategy):
+    """Replicas with their own leaf parameters (threads): attribute changes, frozen then unfrozen, a rebuild."""
+    base = seeded(Scheduled)
+    single, multi = clone(base), clone(base)
+    reference = _fit(single, "auto", 1)
+    got = _fit(multi, _threads(strategy), 3)
+    torch.testing.assert_close(flat_params(multi), flat_params(single), rtol=0, atol=1e-10)
+    assert metrics(got) == pytest.approx(metrics(reference), abs=1e-10)
+
+
+class CountsReductions(Classifier):
+    """Records how many gradient reductions reached the root before each optimizer step."""
+
+    def on_fit_start(self) -> None:
+        self.reductions: list[int] = []
+        self._seen = 0
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        done = _REDUCTIONS[0]
+        self.reductions.append(done - self._seen)
+        self._seen = done
+
+
+_REDUCTIONS = [0]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_gradient_accumulation_reduces_once_per_optimizer_step_and_equals_one_device(strategy, monkeypatch):
+    from lightning_mgpu.parallel import flat_replicas
+
+    original = flat_replicas.ReplicaParameters.reduce
+
+    def counted(self: Any) -> None:
+        if self.active:
+            _REDUCTIONS[0] += 1
+        original(self)
+
+    monkeypatch.setattr(flat_replicas.ReplicaParameters, "reduce", counted)
+    _REDUCTIONS[0] = 0
+    base = seeded(CountsReductions)
+    single, multi = clone(base), clone(base)
+    kwargs = dict(max_epochs=2, limit_val_batches=0, accumulate_grad_batches=3)
+    trainer("auto", 1, **kwargs).fit(single, loader(4, n=28))  # 7 batches: steps after 3, 6 and the last one
+    trainer(_threads(strategy), 3, **kwargs).fit(multi, loader(4, n=28))
+    torch.testing.assert_close(flat_params(multi), flat_params(single), rtol=0, atol=1e-10)
+    assert multi.reductions == [1] * 6
+
+
 class CountsBuilds(Classifier):
     builds: list[int]
 

@@ -1,0 +1,370 @@
+"""Replica tensors held in flat buffers: a step syncs and reduces them with O(N) tensor operations, whatever the depth.
+
+:class:`ReplicaParameters` gives every replica its own leaf parameters, built once per run:
+
+* on the root device (the original parameters' device) a replica's parameter is an alias of the original's storage
+  (no copy, no per-step work);
+* on any other device, every replica on that device aliases one flat buffer per dtype, refreshed from the originals
+  with one copy per device when the originals changed (an optimizer step, a ``load_state_dict``), not before every
+  forward.
+
+Each replica's gradients are views into one flat buffer per dtype (autograd accumulates into them in place). After a
+backward pass :meth:`ReplicaParameters.reduce` adds them onto the originals' gradients: per device in replica order,
+then device after device onto the root, one flat addition each; the originals' ``.grad`` are views into one flat buffer
+per dtype on the root. The order is fixed, so the result never depends on which thread finished first. Whether every
+parameter got a gradient is read from one counter per replica and dtype (each accumulation bumps it once), so the
+per-step host work does not grow with the number of replicas times the number of parameters.
+
+:class:`ReplicaBuffers` holds the copies of the original buffers that replicas ≥ 1 own (replica 0 shares the originals,
+as under ``nn.DataParallel``), one flat buffer per replica and dtype, refreshed with one copy each when the originals
+or the copy changed. Buffers that require grad reach replicas ≥ 1 through a differentiable copy instead, so they get
+their gradient as under ``nn.DataParallel``.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+_version = operator.attrgetter("_version")
+_requires_grad = operator.attrgetter("requires_grad")
+_grad = operator.attrgetter("grad")
+_data_ptr = Tensor.data_ptr
+_Slot = tuple[dict[str, Any], str, int]  # (a replica module's _parameters or _buffers, name, index of the original)
+
+
+def alias(base: Tensor, offset: int, shape: torch.Size, stride: Sequence[int] | None = None) -> Tensor:
+    """A tensor over ``base``'s storage from element ``offset`` (relative to ``base``), with its own version counter
+    (``set_``, not a view: autograd's in-place accumulation into one alias is then visible on that alias alone)."""
+    stride = _contiguous_strides(shape) if stride is None else stride
+    with torch.no_grad():
+        return torch.empty(0, dtype=base.dtype, device=base.device).set_(
+            base.untyped_storage(), base.storage_offset() + offset, shape, stride
+        )
+
+
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def sparse_gradient_modules(modules: Sequence[nn.Module]) -> list[str]:
+    """Names of the modules whose parameters get sparse gradients (``nn.Embedding(sparse=True)``...)."""
+    return [
+        type(m).__name__
+        for m in modules
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and getattr(m, "sparse", False)
+    ]
+
+
+class _Groups:
+    """Tensors grouped by dtype, with each tensor's offset in its group's flat buffer."""
+
+    def __init__(self, tensors: Sequence[Tensor]) -> None:
+        self.indices: dict[torch.dtype, list[int]] = {}
+        self.offsets: list[int] = [0] * len(tensors)
+        self.totals: dict[torch.dtype, int] = {}
+        for j, t in enumerate(tensors):
+            group = self.indices.setdefault(t.dtype, [])
+            group.append(j)
+            self.offsets[j] = self.totals.get(t.dtype, 0)
+            self.totals[t.dtype] = self.offsets[j] + t.numel()
+
+    def flats(self, device: torch.device, zero: bool = False) -> dict[torch.dtype, Tensor]:
+        make = torch.zeros if zero else torch.empty
+        return {dtype: make(total, dtype=dtype, device=device) for dtype, total in self.totals.items()}
+
+
+class _Flattened:
+    """``tensors`` of one dtype as one flat tensor, with the flat views of contiguous ones made once (a per-step
+    ``reshape`` of every tensor would cost host time per tensor)."""
+
+    def __init__(self, tensors: Sequence[Tensor]) -> None:
+        self.tensors = list(tensors)
+        self._views = [t.view(-1) if t.is_contiguous() else None for t in self.tensors]
+        self._all_views = all(v is not None for v in self._views)
+
+    def __call__(self) -> Tensor:
+        if self._all_views:
+            return torch.cat(self._views)  # type: ignore[arg-type]
+        return torch.cat([t.reshape(-1) if v is None else v for t, v in zip(self.tensors, self._views, strict=True)])
+
+
+class ReplicaParameters:
+    """Every replica's own leaf parameters and flat gradients for the unique original parameters ``params``.
+
+    ``devices[i]`` is replica ``i``'s device; ``root`` the originals' device. :attr:`leaves` ``[i][j]`` is replica
+    ``i``'s parameter for ``params[j]``. Call :meth:`sync` before a step, :meth:`backward_done` after each backward
+    pass through the replicas and :meth:`reduce` when their gradients belong on the originals.
+    """
+
+    def __init__(self, params: Sequence[Tensor], devices: Sequence[torch.device], root: torch.device) -> None:
+        self.params = list(params)
+        self.devices = list(devices)
+        self.root = root
+        self._groups = _Groups(self.params)
+        self._others = list(dict.fromkeys(d for d in self.devices if d != root))
+        offsets = self._groups.offsets
+        with torch.inference_mode(False), torch.no_grad():
+            self._storage = {d: self._groups.flats(d) for d in self._others}  # one per device and dtype
+            self._grads = [self._groups.flats(d, zero=True) for d in self.devices]  # one per replica and dtype
+            self._root_grads = self._groups.flats(root)
+            self.leaves = [self._make_leaves(i, d) for i, d in enumerate(self.devices)]
+            # Views (not aliases): every in-place accumulation into a replica's gradients bumps one counter per dtype.
+            for flats, leaves in zip(self._grads, self.leaves, strict=True):
+                for j, (p, leaf) in enumerate(zip(self.params, leaves, strict=True)):
+                    leaf.grad = flats[p.dtype][offsets[j] : offsets[j] + p.numel()].view(p.shape)
+            self._root_views = [
+                alias(self._root_grads[p.dtype], offsets[j], p.shape) for j, p in enumerate(self.params)
+            ]
+        self._first_grads = [leaves[0].grad if leaves else None for leaves in self.leaves]
+        self._flattened = {
+            dtype: _Flattened([self.params[j] for j in indices]) for dtype, indices in self._groups.indices.items()
+        }
+        self._pointers = list(map(_data_ptr, self.params))
+        self._stamp: int | None = None  # the originals' version sum at the last copy to the other devices
+        self._trainable: list[bool] = []
+        self._set_trainable(list(map(_requires_grad, self.params)))
+        self.active = 0  # how many replicas ran since the last reduction
+        self.passes = 0  # backward passes through the replicas since the last reduction
+
+    def _make_leaves(self, i: int, device: torch.device) -> list[nn.Parameter]:
+        leaves = []
+        for j, p in enumerate(self.params):
+            if device == self.root:  # the original's own storage, shared
+                data = alias(p, 0, p.shape, p.stride())
+            else:
+                data = alias(self._storage[device][p.dtype], self._groups.offsets[j], p.shape)
+            leaves.append(nn.Parameter(data, requires_grad=p.requires_grad))
+        return leaves
+
+    @property
+    def stale(self) -> bool:
+        """Whether an original parameter's tensor was replaced (``param.data = ...``, a dtype or device change, an
+        optimizer that swaps tensors): the leaves alias storage the original no longer uses, so rebuild."""
+        return list(map(_data_ptr, self.params)) != self._pointers
+
+    def _set_trainable(self, trainable: list[bool]) -> None:
+        self._trainable = trainable
+        for leaves in self.leaves:
+            for leaf, flag in zip(leaves, trainable, strict=True):
+                if leaf.requires_grad != flag:
+                    leaf.requires_grad_(flag)
+        self._train_index = [j for j, flag in enumerate(trainable) if flag]
+        self._train_params = [self.params[j] for j in self._train_index]
+        self._train_views = [self._root_views[j] for j in self._train_index]
+        self._train_view_ids = list(map(id, self._train_views))
+        self._seen = self._counters()
+
+    def _counters(self) -> list[int]:
+        """Per replica, how many in-place accumulations its flat gradients have seen (all dtypes)."""
+        return [sum(flat._version for flat in flats.values()) for flats in self._grads]
+
+    def sync(self, n: int) -> None:
+        """Bring the first ``n`` replicas' parameters up to date with the originals (``requires_grad`` and values)."""
+        trainable = list(map(_requires_grad, self.params))
+        if trainable != self._trainable:
+            self._set_trainable(trainable)
+        self.active = max(self.active, n)
+        if not self._others:
+            return  # every replica aliases the originals
+        stamp = sum(map(_version, self.params))
+        if stamp == self._stamp:
+            return
+        with torch.no_grad():
+            for dtype, flattened in self._flattened.items():
+                staged = flattened()
+                for device in self._others:
+                    self._storage[device][dtype].copy_(staged, non_blocking=True)
+        self._stamp = stamp
+
+    def backward_done(self) -> None:
+        """A backward pass through the replicas finished (autograd accumulated into their flat gradients)."""
+        self.passes += 1
+        for i, leaves in enumerate(self.leaves[: self.active]):
+            if leaves and leaves[0].grad is not self._first_grads[i]:
+                raise RuntimeError(
+                    "A backward pass replaced the gradient tensors of replica parameters instead of accumulating into "
+                    "them (create_graph=True does that). Replicas with their own parameters (threads, or devices "
+                    "other than the parameters' own) cannot reduce such gradients: run the replicas with "
+                    "execution_mode='sequential' on the parameters' device, or compute higher-order gradients without "
+                    "create_graph through the replicas."
+                )
+
+    def reduce(self) -> None:
+        """Add the replicas' gradients onto the originals' ``.grad`` and zero the replicas' flat gradients.
+
+        Order: per device, its replicas in replica order; then the devices, root first, each moved to the root with
+        one copy per dtype. When every replica's backward reached every trainable parameter (each accumulation bumps
+        its replica's counter once) the gradients are added whole; otherwise a parameter whose summed gradient is
+        exactly zero and whose ``grad`` is ``None`` keeps ``None``, as a parameter no backward reached on one device.
+        """
+        count, passes = self.active, self.passes
+        self.active = self.passes = 0
+        if count == 0 or not self._train_index:
+            return
+        counters = self._counters()
+        expected = passes * len(self._train_index)
+        deltas = [now - seen for now, seen in zip(counters[:count], self._seen, strict=False)]
+        if not any(deltas):
+            return
+        everywhere = passes > 0 and all(delta == expected for delta in deltas)
+        with torch.no_grad():
+            grads = list(map(_grad, self._train_params))
+            if everywhere and grads.count(None) == len(grads):  # after zero_grad(set_to_none=True)
+                self._sum_into(count, accumulate=False)
+                for p, view in zip(self._train_params, self._train_views, strict=True):
+                    p.grad = view
+            elif everywhere and list(map(id, grads)) == self._train_view_ids:
+                self._sum_into(count, accumulate=True)
+            else:
+                self._assign_each(self._sum(count), grads, everywhere)
+            for flats in self._grads[:count]:
+                for flat in flats.values():
+                    flat.zero_()
+        self._seen = self._counters()
+
+    def _device_sums(self, count: int) -> dict[torch.device, dict[torch.dtype, Tensor]]:
+        """Per device, its replicas' flat gradients summed in replica order (in place, into the first one's)."""
+        per_device: dict[torch.device, dict[torch.dtype, Tensor]] = {}
+        for i in range(count):
+            sums = per_device.get(self.devices[i])
+            if sums is None:
+                per_device[self.devices[i]] = dict(self._grads[i])
+            else:
+                for dtype, flat in self._grads[i].items():
+                    sums[dtype].add_(flat)
+        return per_device
+
+    def _sum_into(self, count: int, accumulate: bool) -> None:
+        """The root's flat gradients += (or =) every replica's: the root device's replicas in replica order, then each
+        other device's sum, moved to the root, in device order."""
+        for k, sums in enumerate(self._device_sums(count).values()):  # the root device comes first
+            for dtype, flat in sums.items():
+                target = self._root_grads[dtype]
+                if flat.device != self.root:
+                    flat = flat.to(self.root, non_blocking=True)
+                if k == 0 and not accumulate:
+                    target.copy_(flat)
+                else:
+                    target.add_(flat)
+
+    def _sum(self, count: int) -> dict[torch.dtype, Tensor]:
+        totals: dict[torch.dtype, Tensor] | None = None
+        for sums in self._device_sums(count).values():
+            moved = {dtype: flat.to(self.root) for dtype, flat in sums.items()}
+            totals = moved if totals is None else {dtype: totals[dtype] + moved[dtype] for dtype in moved}
+        assert totals is not None
+        return totals
+
+    def _assign_each(self, totals: dict[torch.dtype, Tensor], grads: list[Tensor | None], everywhere: bool) -> None:
+        """The general case, one parameter at a time: ``.grad`` set by someone else, or parameters some replica's
+        backward did not reach."""
+        offsets = self._groups.offsets
+        parts = [
+            totals[p.dtype][offsets[j] : offsets[j] + p.numel()].view(p.shape)
+            for j, p in zip(self._train_index, self._train_params, strict=True)
+        ]
+        reached = [True] * len(parts) if everywhere else [bool(x) for x in torch.stack([t.any() for t in parts])]
+        for j, p, grad, part, hit in zip(self._train_index, self._train_params, grads, parts, reached, strict=True):
+            view = self._root_views[j]
+            if grad is None:
+                if hit:
+                    view.copy_(part)
+                    p.grad = view
+            elif grad is view:
+                view.add_(part)
+            else:
+                grad.add_(part.to(grad.dtype))
+
+
+class ReplicaBuffers:
+    """The buffers replicas own: copies of the originals, one flat buffer per replica and dtype.
+
+    ``slots[i]`` lists replica ``i``'s buffer entries ``(its _buffers dict, name, index into sources)``; replica 0's
+    entries for buffers on its device are left out by the caller (it shares the originals).
+    """
+
+    def __init__(self, sources: Sequence[Tensor], slots: Sequence[Sequence[_Slot]], devices: Sequence[torch.device]):
+        self.sources = list(sources)
+        self.slots = [list(s) for s in slots]
+        self.devices = list(devices)
+        self._groups = _Groups(self.sources)
+        self._full = [sorted(k for _, _, k in s) == list(range(len(self.sources))) for s in self.slots]
+        self._flats: list[dict[torch.dtype, Tensor]] = []
+        self._copies: list[list[Tensor | None]] = []
+        with torch.inference_mode(False), torch.no_grad():
+            for i, replica_slots in enumerate(self.slots):
+                flats = self._groups.flats(self.devices[i]) if self._full[i] else {}
+                copies: list[Tensor | None] = [None] * len(self.sources)
+                for store, name, k in replica_slots:
+                    b = self.sources[k]
+                    if self._full[i]:
+                        copy = flats[b.dtype][self._groups.offsets[k] : self._groups.offsets[k] + b.numel()].view(
+                            b.shape
+                        )
+                        copy.copy_(b)
+                    else:
+                        copy = b.detach().to(self.devices[i], copy=True)
+                    copies[k] = copy
+                    store[name] = copy
+                self._flats.append(flats)
+                self._copies.append(copies)
+        self._flattened = {
+            dtype: _Flattened([self.sources[k] for k in indices]) for dtype, indices in self._groups.indices.items()
+        }
+        self._stamp: int | None = None
+        self._marks = self._replica_marks()
+        self._linked = [False] * len(self.slots)
+
+    def _replica_marks(self) -> list[int]:
+        return [sum(f._version for f in flats.values()) for flats in self._flats]
+
+    def refresh(self, n: int) -> None:
+        """Give the first ``n`` replicas the originals' buffer values (when the originals or the copies changed since
+        the last refresh), and autograd-linked copies of buffers that require grad while grad mode is on."""
+        if not self.sources:
+            return
+        link = torch.is_grad_enabled() and any(map(_requires_grad, self.sources))
+        stamp = sum(map(_version, self.sources))
+        marks = self._replica_marks()
+        with torch.no_grad():
+            staged: dict[torch.dtype, Tensor] | None = None
+            for i in range(min(n, len(self.slots))):
+                if self._linked[i] and not link:
+                    self._unlink(i)
+                if self._full[i] and stamp == self._stamp and marks[i] == self._marks[i]:
+                    continue
+                if self._full[i]:
+                    if staged is None:
+                        staged = {dtype: flattened() for dtype, flattened in self._flattened.items()}
+                    for dtype, flat in self._flats[i].items():
+                        flat.copy_(staged[dtype], non_blocking=True)
+                else:
+                    for _, _, k in self.slots[i]:
+                        self._copies[i][k].copy_(self.sources[k])  # type: ignore[union-attr]
+        if link:
+            for i in range(min(n, len(self.slots))):
+                self._link(i)
+        self._stamp = stamp
+        self._marks = self._replica_marks()
+
+    def _link(self, i: int) -> None:
+        device = self.devices[i]
+        for store, name, k in self.slots[i]:
+            source = self.sources[k]
+            if source.requires_grad:
+                store[name] = source.to(device, copy=True)  # differentiable: gradients reach the original
+        self._linked[i] = True
+
+    def _unlink(self, i: int) -> None:
+        for store, name, k in self.slots[i]:
+            store[name] = self._copies[i][k]
+        self._linked[i] = False

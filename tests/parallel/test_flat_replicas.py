@@ -1,0 +1,432 @@
+"""Lasting replicas whose parameters, gradients and buffers live in flat buffers (threads mode, other devices).
+
+Units pin each invariant of the per-step sync (:mod:`lightning_mgpu.parallel.flat_replicas`); the module-level tests
+check equality with one device in every case the flat layout must handle. ``cpu:0`` is a device distinct from ``cpu``
+for these classes (tensors land on the same memory), which exercises the copy-to-other-devices path without a GPU.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_mgpu.parallel import DataParallelCriterion, DataParallelModel, ReplicaSet
+from lightning_mgpu.parallel.flat_replicas import ReplicaBuffers, ReplicaParameters
+
+CPU = torch.device("cpu")
+OTHER = torch.device("cpu", 0)  # compares unequal to CPU: the "other device" path
+CPU3 = ["cpu"] * 3
+
+
+def mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+
+
+def batch(n: int = 12, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 4, dtype=torch.float64, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+def train(model: nn.Module, devices: list[str] | None, steps: int = 3, accumulate: int = 1, **options) -> nn.Module:
+    """SGD with momentum (zero_grad(set_to_none=True), as Lightning does) on one device or under the wrappers."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+    if devices is None:
+        net, criterion = model, nn.CrossEntropyLoss()
+    else:
+        net = DataParallelModel(model, devices, execution_mode="threads", **options)
+        criterion = DataParallelCriterion(nn.CrossEntropyLoss(), devices, execution_mode="threads")
+    for step in range(steps):
+        for micro in range(accumulate):
+            x, y = batch(seed=10 * step + micro)
+            (criterion(net(x), y) / accumulate).backward()
+        opt.step()
+        opt.zero_grad()
+    return model
+
+
+def assert_same_parameters(a: nn.Module, b: nn.Module, tol: float = 1e-10) -> None:
+    for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=tol, msg=name)
+
+
+# --- units: ReplicaParameters ---------------------------------------------------------------------------------------
+def test_leaves_on_the_root_device_alias_the_originals_and_others_copy_once_per_change():
+    params = [nn.Parameter(torch.randn(3, 2)), nn.Parameter(torch.randn(4))]
+    flat = ReplicaParameters(params, [CPU, OTHER, OTHER], CPU)
+    assert all(leaf.data_ptr() == p.data_ptr() for leaf, p in zip(flat.leaves[0], params, strict=True))
+    assert flat.leaves[1][0].data_ptr() == flat.leaves[2][0].data_ptr() != params[0].data_ptr()  # one copy per device
+    flat.sync(3)
+    assert all(torch.equal(leaf, p) for leaf, p in zip(flat.leaves[2], params, strict=True))
+    with torch.no_grad():
+        params[1].add_(1.0)  # an optimizer step
+    flat.sync(3)
+    assert torch.equal(flat.leaves[1][1], params[1])
+    with torch.no_grad():
+        flat.leaves[1][1].zero_()  # not a change of the originals: no copy
+    flat.sync(3)
+    assert not torch.equal(flat.leaves[1][1], params[1])
+
+
+def _backward(flat: ReplicaParameters, per_replica_scale: list[float], used: list[int] | None = None) -> None:
+    for i, scale in enumerate(per_replica_scale):
+        leaves = flat.leaves[i]
+        chosen = range(len(leaves)) if used is None else used
+        sum(leaves[j].sum() * scale for j in chosen).backward()
+
+
+@pytest.mark.parametrize("devices", [[CPU, CPU, CPU], [CPU, OTHER, OTHER]])
+def test_reduce_adds_every_replica_and_zeroes_them(devices):
+    params = [nn.Parameter(torch.zeros(2, 2)), nn.Parameter(torch.zeros(3))]
+    flat = ReplicaParameters(params, devices, CPU)
+    flat.sync(3)
+    _backward(flat, [1.0, 2.0, 4.0])
+    flat.reduce()
+    assert all(torch.equal(p.grad, torch.full_like(p, 7.0)) for p in params)
+    _backward(flat, [1.0, 1.0, 1.0])  # accumulates onto the existing .grad, as autograd does
+    flat.sync(3)
+    flat.reduce()
+    assert all(torch.equal(p.grad, torch.full_like(p, 10.0)) for p in params)
+    for p in params:
+        p.grad = None  # zero_grad(set_to_none=True)
+    flat.sync(3)
+    _backward(flat, [1.0, 0.0, 0.0])
+    flat.reduce()
+    assert all(torch.equal(p.grad, torch.ones_like(p)) for p in params)  # the replicas' buffers were zeroed
+
+
+def test_a_parameter_no_replica_reached_keeps_grad_none_and_one_reached_by_one_replica_gets_it():
+    params = [nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))]
+    flat = ReplicaParameters(params, [CPU, CPU], CPU)
+    flat.sync(2)
+    flat.leaves[0][0].sum().backward()
+    flat.leaves[1][1].sum().backward()  # only replica 1 uses parameter 1 (data-dependent branches, experts)
+    flat.reduce()
+    assert torch.equal(params[0].grad, torch.ones(2)) and torch.equal(params[1].grad, torch.ones(2))
+    assert params[2].grad is None  # as on one device: weight decay and momentum skip it
+
+
+def test_frozen_then_unfrozen_parameters_follow_the_originals():
+    params = [nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))]
+    flat = ReplicaParameters(params, [CPU, OTHER], CPU)
+    params[1].requires_grad_(False)
+    flat.sync(2)
+    assert not flat.leaves[1][1].requires_grad and flat.leaves[1][0].requires_grad
+    _backward(flat, [1.0, 1.0], used=[0])
+    flat.reduce()
+    assert params[1].grad is None and torch.equal(params[0].grad, torch.full((2,), 2.0))
+    params[1].requires_grad_(True)
+    flat.sync(2)
+    assert all(leaves[1].requires_grad for leaves in flat.leaves)
+    _backward(flat, [1.0, 1.0])
+    flat.reduce()
+    assert torch.equal(params[1].grad, torch.full((2,), 2.0))
+
+
+def test_mixed_dtypes_get_one_flat_buffer_each():
+    params = [nn.Parameter(torch.zeros(2, dtype=torch.float64)), nn.Parameter(torch.zeros(3, dtype=torch.float32))]
+    flat = ReplicaParameters(params, [CPU, OTHER], CPU)
+    flat.sync(2)
+    assert [leaf.dtype for leaf in flat.leaves[1]] == [torch.float64, torch.float32]
+    _backward(flat, [1.0, 2.0])
+    flat.reduce()
+    assert params[0].grad.dtype == torch.float64 and torch.equal(params[1].grad, torch.full((3,), 3.0))
+
+
+def test_replaced_parameter_tensors_make_the_leaves_stale():
+    params = [nn.Parameter(torch.zeros(2))]
+    flat = ReplicaParameters(params, [CPU, CPU], CPU)
+    assert not flat.stale
+    params[0].data = torch.ones(2)  # an optimizer (or .to(), .double()) that swaps the tensor
+    assert flat.stale
+
+
+# --- units: ReplicaBuffers ------------------------------------------------------------------------------------------
+def _buffers(n: int = 3) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]], ReplicaBuffers]:
+    sources = [torch.zeros(3), torch.zeros((), dtype=torch.long)]
+    stores: list[dict[str, torch.Tensor]] = [{} for _ in range(n)]
+    slots = [[] if i == 0 else [(stores[i], "mean", 0), (stores[i], "count", 1)] for i in range(n)]
+    return sources, stores, ReplicaBuffers(sources, slots, [CPU] * n)
+
+
+def test_replicas_see_the_roots_buffers_after_every_step():
+    sources, stores, buffers = _buffers()
+    for step in range(3):
+        buffers.refresh(3)
+        for store in stores[1:]:
+            assert torch.equal(store["mean"], sources[0]) and torch.equal(store["count"], sources[1]), step
+            store["mean"].add_(100.0)  # replica >= 1 updates its own running statistics in its forward
+            store["count"].add_(1)
+        sources[0].add_(1.0)  # replica 0 (the original) updates the root's
+        sources[1].add_(1)
+
+
+def test_a_replica_whose_copy_changed_is_refreshed_even_when_the_root_did_not_change():
+    sources, stores, buffers = _buffers()
+    buffers.refresh(3)
+    stores[2]["mean"].fill_(5.0)
+    buffers.refresh(3)
+    assert torch.equal(stores[2]["mean"], sources[0])
+
+
+def test_replica_buffers_are_views_of_one_flat_buffer_per_dtype():
+    _, stores, buffers = _buffers()
+    buffers.refresh(3)
+    means = [store["mean"] for store in stores[1:]]
+    assert means[0]._base is not None and means[0].data_ptr() != means[1].data_ptr()
+
+
+def test_buffers_requiring_grad_reach_replicas_through_autograd_and_back_to_plain_copies():
+    sources, stores, buffers = _buffers()
+    sources[0].requires_grad_(True)
+    buffers.refresh(3)
+    assert stores[1]["mean"].grad_fn is not None
+    (stores[1]["mean"].sum() * 2 + stores[2]["mean"].sum()).backward()
+    assert torch.equal(sources[0].grad, torch.full((3,), 3.0))
+    with torch.no_grad():
+        buffers.refresh(3)
+    assert stores[1]["mean"].grad_fn is None
+
+
+# --- DataParallelModel / DataParallelCriterion, threads mode ---------------------------------------------------------
+def test_threads_mode_equals_one_device_and_is_bitwise_reproducible():
+    reference = train(mlp(), None)
+    first = train(mlp(), CPU3)
+    assert_same_parameters(first, reference)
+    second = train(mlp(), CPU3)
+    for p, q in zip(first.parameters(), second.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_gradient_accumulation_equals_one_device():
+    assert_same_parameters(train(mlp(), CPU3, accumulate=3), train(mlp(), None, accumulate=3))
+
+
+def test_deferred_reduction_reduces_once_for_all_accumulated_backward_passes():
+    model = mlp()
+    net = DataParallelModel(model, CPU3, execution_mode="threads")
+    replica_set = net._replicas.of(model, net.device_ids)
+    replica_set.defer_reduction = True
+    for seed in range(3):
+        x, _ = batch(seed=seed)
+        sum(o.sum() for o in net(x)).backward()
+    assert all(p.grad is None for p in model.parameters())
+    replica_set.reduce_gradients()
+    reference = mlp()
+    for seed in range(3):
+        reference(batch(seed=seed)[0]).sum().backward()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-10)
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(5, 4)
+        self.mid = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 5, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mid(self.emb(x)))).mean(1)[:, :3]
+
+
+def test_tied_weights_equal_one_device():
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return Tied().double()
+
+    def run(devices: list[str] | None) -> nn.Module:
+        model = make()
+        net = model if devices is None else DataParallelModel(model, devices, execution_mode="threads")
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            x = torch.randint(0, 5, (6, 2), generator=torch.Generator().manual_seed(step))
+            out = net(x)
+            loss = (out**2).sum() if devices is None else sum((o**2).sum() for o in out)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        return model
+
+    tied = run(CPU3)
+    assert tied.head.weight is tied.emb.weight
+    assert_same_parameters(tied, run(None))
+
+
+def test_frozen_then_unfrozen_layer_equals_one_device():
+    def run(devices: list[str] | None) -> nn.Module:
+        model = mlp()
+        model[0].weight.requires_grad_(False)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        net = model if devices is None else DataParallelModel(model, devices, execution_mode="threads")
+        for step in range(4):
+            if step == 2:
+                model[0].weight.requires_grad_(True)
+            x, y = batch(seed=step)
+            out = net(x)
+            loss = (
+                nn.functional.cross_entropy(out, y)
+                if devices is None
+                else DataParallelCriterion(nn.CrossEntropyLoss(), devices)(out, y)
+            )
+            loss.backward()
+            if step < 2:
+                assert model[0].weight.grad is None
+            opt.step()
+            opt.zero_grad()
+        return model
+
+    assert_same_parameters(run(CPU3), run(None))
+
+
+class Mixed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4).double()
+        self.b = nn.Linear(4, 3).float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)).float()).double()
+
+
+def test_mixed_dtypes_equal_one_device():
+    def run(devices: list[str] | None) -> nn.Module:
+        torch.manual_seed(0)
+        model = Mixed()
+        net = model if devices is None else DataParallelModel(model, devices, execution_mode="threads")
+        x, _ = batch()
+        out = net(x)
+        ((out**2).sum() if devices is None else sum((o**2).sum() for o in out)).backward()
+        return model
+
+    a, b = run(CPU3), run(None)
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_sparse_gradients_are_refused_with_what_to_do():
+    model = nn.Sequential(nn.Embedding(10, 3, sparse=True))
+    net = DataParallelModel(model, CPU3, execution_mode="threads")
+    with pytest.raises(RuntimeError, match=r"sparse gradients \(Embedding.*sparse=False.*sequential"):
+        net(torch.arange(6))
+    # sequential replicas on one device share the originals: sparse gradients work as on one device
+    out = DataParallelModel(model, CPU3, execution_mode="sequential")(torch.arange(6).view(6, 1))
+    sum(o.sum() for o in out).backward()
+    assert model[0].weight.grad.is_sparse
+
+
+def test_buffers_requiring_grad_get_their_gradient_as_under_data_parallel():
+    """torch's test_data_parallel_buffers_requiring_grad, on virtual devices in threads mode."""
+
+    class TestModule(nn.Module):
+        def __init__(self, t: torch.Tensor) -> None:
+            super().__init__()
+            self.register_buffer("t_rg", t)
+            self.register_buffer("t_not_rg", t.clone().detach())
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.t_rg + self.t_not_rg
+
+    m = TestModule(torch.randn(100, dtype=torch.double, requires_grad=True))
+    assert m.t_rg.requires_grad
+    net = DataParallelModel(m, ["cpu"] * 2, execution_mode="threads")
+    inp = torch.randn(2, 100, dtype=torch.double)
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        return net.gather(net(inp))
+
+    assert torch.autograd.gradcheck(fn, (m.t_rg,))
+
+
+def test_an_optimizer_that_replaces_parameter_tensors_is_followed():
+    def run(devices: list[str] | None) -> nn.Module:
+        model = mlp()
+        net = model if devices is None else DataParallelModel(model, devices, execution_mode="threads")
+        for step in range(3):
+            x, _ = batch(seed=step)
+            out = net(x)
+            ((out**2).sum() if devices is None else sum((o**2).sum() for o in out)).backward()
+            for p in model.parameters():  # out of place: new tensors every step
+                p.data = p.data - 0.1 * p.grad
+                p.grad = None
+        return model
+
+    assert_same_parameters(run(CPU3), run(None))
+
+
+def test_state_dict_holds_no_flat_buffer_and_loads_back():
+    model = train(mlp(), CPU3)
+    assert set(model.state_dict()) == set(mlp().state_dict())
+    fresh = mlp(seed=5)
+    fresh.load_state_dict(model.state_dict())
+    assert_same_parameters(fresh, model, tol=0)
+
+
+def test_loading_a_state_dict_between_steps_reaches_the_replicas():
+    model = mlp()
+    net = DataParallelModel(model, ["cpu", OTHER, OTHER], execution_mode="threads")
+    x, _ = batch()
+    net(x)
+    model.load_state_dict(mlp(seed=3).state_dict())
+    outputs = net(x)
+    torch.testing.assert_close(torch.cat(outputs), mlp(seed=3)(x), rtol=0, atol=1e-12)
+
+
+def test_no_per_step_growth_in_objects():
+    model = mlp()
+    net = DataParallelModel(model, CPU3, execution_mode="threads")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    counts = []
+    for step in range(60):
+        x, _ = batch(seed=step)
+        sum(o.sum() for o in net(x)).backward()
+        opt.step()
+        opt.zero_grad()
+        if step in (10, 59):
+            gc.collect()
+            counts.append(len(gc.get_objects()))
+    assert counts[1] - counts[0] < 50, counts
+
+
+def test_compiled_replicas_on_other_devices_use_their_own_leaves():
+    model = mlp()
+    model.compile(backend="eager")
+    reference = copy.deepcopy(mlp())
+    replica_set = ReplicaSet(model, ["cpu", OTHER])
+    x, _ = batch(4)
+    outputs = [r(x[2 * i : 2 * i + 2]) for i, r in enumerate(replica_set.prepare(2, "sequential"))]
+    replica_set.watch(outputs)
+    sum(o.sum() for o in outputs).backward()
+    reference(x).sum().backward()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-10)
+
+
+class ScaledLoss(nn.Module):
+    """A criterion with a learnable parameter: its replicas reduce their gradients like the model's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(1.5, dtype=torch.float64))
+        self.reduction = "mean"
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.scale * nn.functional.cross_entropy(logits, target)
+
+
+def test_a_criterion_with_parameters_reduces_its_gradients_in_threads_mode():
+    x, y = batch()
+    model, reference_model = mlp(), mlp()
+    criterion, reference_criterion = ScaledLoss(), ScaledLoss()
+    net = DataParallelModel(model, CPU3, execution_mode="threads")
+    loss_fn = DataParallelCriterion(criterion, CPU3, execution_mode="threads")
+    loss_fn(net(x), y).backward()
+    reference_criterion(reference_model(x), y).backward()
+    torch.testing.assert_close(criterion.scale.grad, reference_criterion.scale.grad, rtol=0, atol=1e-10)
+    for p, q in zip(model.parameters(), reference_model.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-10)
