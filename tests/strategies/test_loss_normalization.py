@@ -41,7 +41,7 @@ def one_device(key: Any, make: Any, data: Any, root: Any) -> Run:
 
 
 def notices(run: Run) -> list[str]:
-    return [w for w in run.warnings if "nothing says how it is normalised" in w]
+    return [w for w in run.warnings if "nothing says how the training loss is normalised" in w]
 
 
 def assert_decided(run: Run, spec: str) -> None:
