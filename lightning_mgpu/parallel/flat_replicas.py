@@ -336,25 +336,29 @@ class ReplicaBuffers:
         stamp = sum(map(_version, self.sources))
         marks = self._replica_marks()
         with torch.no_grad():
-            staged: dict[torch.dtype, Tensor] | None = None
+            staged: dict[torch.dtype, Tensor] = {}
             for i in range(min(n, len(self.slots))):
                 if self._linked[i] and not link:
                     self._unlink(i)
-                if self._full[i] and stamp == self._stamp and marks[i] == self._marks[i]:
-                    continue
-                if self._full[i]:
-                    if staged is None:
-                        staged = {dtype: flattened() for dtype, flattened in self._flattened.items()}
-                    for dtype, flat in self._flats[i].items():
-                        flat.copy_(staged[dtype], non_blocking=True)
-                else:
-                    for _, _, k in self.slots[i]:
-                        self._copies[i][k].copy_(self.sources[k])  # type: ignore[union-attr]
+                if not (self._full[i] and stamp == self._stamp and marks[i] == self._marks[i]):
+                    self._copy_into(i, staged)
         if link:
             for i in range(min(n, len(self.slots))):
                 self._link(i)
         self._stamp = stamp
         self._marks = self._replica_marks()
+
+    def _copy_into(self, i: int, staged: dict[torch.dtype, Tensor]) -> None:
+        """Replica ``i``'s buffers from the originals: one copy per dtype from the flattened originals (``staged``,
+        flattened once per refresh and shared by the replicas), or one per buffer before its flat buffer is full."""
+        if not self._full[i]:
+            for _, _, k in self.slots[i]:
+                self._copies[i][k].copy_(self.sources[k])  # type: ignore[union-attr]
+            return
+        if not staged:
+            staged.update({dtype: flattened() for dtype, flattened in self._flattened.items()})
+        for dtype, flat in self._flats[i].items():
+            flat.copy_(staged[dtype], non_blocking=True)
 
     def _link(self, i: int) -> None:
         device = self.devices[i]

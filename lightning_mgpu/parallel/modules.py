@@ -290,6 +290,29 @@ class DataParallelCriterion(nn.Module):
         return _criterion_option(self.criterion, {}, "reduction", "mean")
 
     def forward(self, outputs: Sequence[Any], *targets: Any, **kwargs: Any) -> Tensor:
+        self._check_outputs(outputs)
+        criterion = self.criterion
+        if len(outputs) == 1:
+            # A plain call on the one output: the result is exactly the criterion's, whatever its reduction.
+            device = _output_device(outputs[0], self.device_ids[0])
+            if not _scan(targets, kwargs, device, self.dim)[0]:
+                targets, kwargs = move_to((targets, kwargs), device)
+            return criterion(*_as_args(outputs[0]), *targets, **kwargs)
+
+        devices = [_output_device(o, d) for o, d in zip(outputs, self.device_ids, strict=False)]
+        target_chunks, kwargs_chunks = self._split_targets(outputs, targets, kwargs, devices)
+        for i, (output, chunk, kw) in enumerate(zip(outputs, target_chunks, kwargs_chunks, strict=True)):
+            _check_aligned(output, (chunk, kw), i, self.dim)
+        losses = self._losses(outputs, target_chunks, kwargs_chunks, devices)
+        root = self.device_ids[0]
+        reduction = _criterion_option(criterion, kwargs, "reduction", "mean")
+        if reduction == "none":
+            return merge_outputs(losses, root, self.dim)
+        if reduction == "sum":
+            return reduce_losses(losses, device=root, reduction="sum")
+        return reduce_losses(losses, self._weights(outputs, target_chunks, kwargs_chunks), device=root)
+
+    def _check_outputs(self, outputs: Sequence[Any]) -> None:
         if not isinstance(outputs, list):
             hint = (
                 " A tuple is taken as one model output (e.g. (anchor, positive, negative)), never as per-device "
@@ -308,19 +331,16 @@ class DataParallelCriterion(nn.Module):
                 f"Got outputs from {len(outputs)} devices but the criterion has {len(self.device_ids)} device_ids; "
                 "use the same device_ids for DataParallelModel and DataParallelCriterion."
             )
+
+    def _losses(
+        self,
+        outputs: Sequence[Any],
+        target_chunks: Sequence[Any],
+        kwargs_chunks: Sequence[Any],
+        devices: Sequence[torch.device],
+    ) -> list[Tensor]:
+        """Each device's loss on its output and targets, from lasting replicas of a criterion that holds tensors."""
         criterion = self.criterion
-        if len(outputs) == 1:
-            # A plain call on the one output: the result is exactly the criterion's, whatever its reduction.
-            device = _output_device(outputs[0], self.device_ids[0])
-            if not _scan(targets, kwargs, device, self.dim)[0]:
-                targets, kwargs = move_to((targets, kwargs), device)
-            return criterion(*_as_args(outputs[0]), *targets, **kwargs)
-
-        devices = [_output_device(o, d) for o, d in zip(outputs, self.device_ids, strict=False)]
-        target_chunks, kwargs_chunks = self._split_targets(outputs, targets, kwargs, devices)
-        for i, (output, chunk, kw) in enumerate(zip(outputs, target_chunks, kwargs_chunks, strict=True)):
-            _check_aligned(output, (chunk, kw), i, self.dim)
-
         # A compiled criterion runs one replica after another: Dynamo is not thread-safe.
         mode: ExecutionMode = "sequential" if is_compiled(criterion) else self.execution_mode
         replica_set: ReplicaSet | None = None
@@ -337,26 +357,23 @@ class DataParallelCriterion(nn.Module):
         losses = parallel_apply(calls, devices, mode)
         if replica_set is not None:
             replica_set.watch(losses)
-        root = self.device_ids[0]
-        reduction = _criterion_option(criterion, kwargs, "reduction", "mean")
-        if reduction == "none":
-            return merge_outputs(losses, root, self.dim)
-        if reduction == "sum":
-            return reduce_losses(losses, device=root, reduction="sum")
-        if self.weight_fn is not None:
-            weights = [self.weight_fn(o, t) for o, t in zip(outputs, target_chunks, strict=True)]
-            for index, weight in enumerate(weights):
-                if not isinstance(weight, (int, float, Tensor)) or isinstance(weight, bool):
-                    raise TypeError(
-                        f"weight_fn returned {weight!r} for replica {index}; it must return a number or a one-element "
-                        "tensor: how many items that replica's mean loss averages over (e.g. non-ignored targets)."
-                    )
-        else:
-            weights = [
-                _count_weight(criterion, o, t, k, self.dim)
+        return losses
+
+    def _weights(self, outputs: Sequence[Any], target_chunks: Sequence[Any], kwargs_chunks: Sequence[Any]) -> list[Any]:
+        """How many items each device's mean loss averages over: ``weight_fn``'s count, else the criterion's."""
+        if self.weight_fn is None:
+            return [
+                _count_weight(self.criterion, o, t, k, self.dim)
                 for o, t, k in zip(outputs, target_chunks, kwargs_chunks, strict=True)
             ]
-        return reduce_losses(losses, weights, device=root, reduction="weighted")
+        weights = [self.weight_fn(o, t) for o, t in zip(outputs, target_chunks, strict=True)]
+        for index, weight in enumerate(weights):
+            if not isinstance(weight, (int, float, Tensor)) or isinstance(weight, bool):
+                raise TypeError(
+                    f"weight_fn returned {weight!r} for replica {index}; it must return a number or a one-element "
+                    "tensor: how many items that replica's mean loss averages over (e.g. non-ignored targets)."
+                )
+        return weights
 
     def _split_targets(
         self, outputs: list[Any], targets: tuple[Any, ...], kwargs: dict[str, Any], devices: list[torch.device]

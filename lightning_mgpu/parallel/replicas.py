@@ -121,19 +121,7 @@ class ReplicaSet:
         buffer_index: dict[int, int],
     ) -> None:
         originals = self._originals
-        shared = self._shared
-        copies: list[nn.Module | None] = [
-            m
-            if shared is not None and shared(m)
-            else None
-            if is_optimized_module(m)
-            else m._replicate_for_data_parallel()
-            for m in originals
-        ]
-        # torch.compile(module) wrappers are built around their wrapped module's copy; innermost first.
-        for k in range(len(originals) - 1, -1, -1):
-            if copies[k] is None:
-                copies[k] = optimized_module_replica(originals[k], self._children(k, copies, position))
+        copies = self._module_copies(position)
         slots: list[tuple[dict[str, Any], str, int]] = []
         buffer_slots: list[tuple[dict[str, Any], str, int]] = []
         rnns: list[nn.RNNBase] = []
@@ -161,6 +149,23 @@ class ReplicaSet:
         self._param_slots.append(slots)
         self._buffer_slots.append(buffer_slots)
         self._rnns.append(rnns)
+
+    def _module_copies(self, position: dict[int, int]) -> list[nn.Module | None]:
+        """One replica's modules: shared ones as they are, shallow copies of the others, and ``torch.compile``
+        wrappers built around their wrapped module's copy (innermost first)."""
+        shared = self._shared
+        copies: list[nn.Module | None] = [
+            m
+            if shared is not None and shared(m)
+            else None
+            if is_optimized_module(m)
+            else m._replicate_for_data_parallel()
+            for m in self._originals
+        ]
+        for k in range(len(self._originals) - 1, -1, -1):
+            if copies[k] is None:
+                copies[k] = optimized_module_replica(self._originals[k], self._children(k, copies, position))
+        return copies
 
     def _children(
         self, k: int, copies: list[nn.Module | None], position: dict[int, int]
