@@ -8,10 +8,10 @@ Works on distinct CUDA devices, on one device repeated ("virtual devices") and o
 from lightning_mgpu.parallel.gather import gather
 from lightning_mgpu.parallel.merge import ReplicaValues, merge_outputs
 from lightning_mgpu.parallel.modules import DataParallelCriterion, DataParallelModel
-from lightning_mgpu.parallel.parallel_apply import parallel_apply
 from lightning_mgpu.parallel.reduce import reduce_losses
 from lightning_mgpu.parallel.replica_group import PeerFailedError, RendezvousError
 from lightning_mgpu.parallel.replicas import ReplicaSet, replicate
+from lightning_mgpu.parallel.run_replicas import run_replicas
 from lightning_mgpu.parallel.scatter_gather import (
     BatchSplitError,
     NothingToSplitError,
@@ -40,10 +40,10 @@ __all__ = [
     "convert_sync_batchnorm",
     "gather",
     "merge_outputs",
-    "parallel_apply",
     "reduce_losses",
     "replicate",
     "revert_sync_batchnorm",
+    "run_replicas",
     "scatter",
     "split_batch",
     "uses_sync_batchnorm",

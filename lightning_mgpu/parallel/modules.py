@@ -27,9 +27,9 @@ from torch import Tensor, nn
 from lightning_mgpu.parallel.compiled import is_compiled
 from lightning_mgpu.parallel.devices import DeviceLike, check_module_on, module_device, resolve_devices
 from lightning_mgpu.parallel.merge import merge_outputs
-from lightning_mgpu.parallel.parallel_apply import ExecutionMode, parallel_apply, resolve_mode
 from lightning_mgpu.parallel.reduce import reduce_losses
 from lightning_mgpu.parallel.replicas import ReplicaSet
+from lightning_mgpu.parallel.run_replicas import ExecutionMode, resolve_mode, run_replicas
 from lightning_mgpu.parallel.scatter_gather import (
     BatchSplitError,
     NothingToSplitError,
@@ -114,7 +114,7 @@ class DataParallelModel(nn.Module):
         calls = [
             (lambda r=r, a=a, k=k: r(*a, **k)) for r, a, k in zip(replicas, args_chunks, kwargs_chunks, strict=True)
         ]
-        outputs = parallel_apply(calls, used, mode)
+        outputs = run_replicas(calls, used, mode)
         replica_set.watch(outputs)  # the backward pass through them reduces the replicas' gradients
         return outputs
 
@@ -354,7 +354,7 @@ class DataParallelCriterion(nn.Module):
             (lambda c=c, o=o, t=t, k=k: c(*_as_args(o), *t, **k))
             for c, o, t, k in zip(replicas, outputs, target_chunks, kwargs_chunks, strict=True)
         ]
-        losses = parallel_apply(calls, devices, mode)
+        losses = run_replicas(calls, devices, mode)
         if replica_set is not None:
             replica_set.watch(losses)
         return losses

@@ -1,4 +1,4 @@
-"""Replica groups: the replicas of one ``parallel_apply`` call, and the rendezvous where they meet.
+"""Replica groups: the replicas of one ``run_replicas`` call, and the rendezvous where they meet.
 
 Each call forms a :class:`ReplicaGroup`; every worker runs with a thread-local :class:`ReplicaContext` (its group and
 index, see :func:`current_replica`). Layers that must see the whole batch (the single-process ``SyncBatchNorm``) meet
@@ -41,7 +41,7 @@ class RendezvousError(RuntimeError):
 
 class PeerFailedError(RendezvousError):
     """Raised in a replica that stopped waiting because another replica of the same call failed (or the caller was
-    interrupted). A secondary error: ``parallel_apply`` re-raises the other replica's exception instead."""
+    interrupted). A secondary error: ``run_replicas`` re-raises the other replica's exception instead."""
 
 
 class _Site:
@@ -61,7 +61,7 @@ class _Site:
 
 
 class ReplicaGroup:
-    """The replicas of one :func:`parallel_apply` call, as seen from inside them.
+    """The replicas of one :func:`~.run_replicas.run_replicas` call, as seen from inside them.
 
     ``size`` replicas on ``devices``; ``sequential`` when they run one after another (no rendezvous is possible then).
     """
@@ -248,7 +248,7 @@ _LOCAL = threading.local()
 
 
 def current_replica() -> ReplicaContext | None:
-    """The replica the current thread runs as, inside a :func:`parallel_apply` call; None outside one."""
+    """The replica the current thread runs as, inside a :func:`~.run_replicas.run_replicas` call; None outside one."""
     return getattr(_LOCAL, "replica", None)
 
 

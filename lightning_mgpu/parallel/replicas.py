@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from lightning_mgpu.parallel.compiled import compiled_call, is_compiled, is_optimized_module, optimized_module_replica
 from lightning_mgpu.parallel.devices import DeviceLike, distinct_cuda, to_device
 from lightning_mgpu.parallel.flat_replicas import ReplicaBuffers, ReplicaParameters, sparse_gradient_modules
-from lightning_mgpu.parallel.parallel_apply import ExecutionMode, resolve_mode
+from lightning_mgpu.parallel.run_replicas import ExecutionMode, resolve_mode
 from lightning_mgpu.parallel.scatter_gather import iter_tensors
 from lightning_mgpu.parallel.sync_batchnorm import uses_sync_batchnorm
 

@@ -5,7 +5,7 @@ so a BatchNorm model drifts from one-device training. :class:`SyncBatchNorm` mak
 statistics of the *whole* batch, weighted by each shard's size (so uneven shards, 4/3/3, are exact), with exact
 gradients, and keeps the running statistics one device would keep.
 
-How: the replicas of one :func:`~lightning_mgpu.parallel.parallel_apply` call form a group. In training mode each
+How: the replicas of one :func:`~.run_replicas.run_replicas` call form a group. In training mode each
 replica computes its shard's statistics, then meets the others at the layer (a rendezvous in forward; the k-th call of
 a layer in one replica pairs with the k-th call in the others). The last one to arrive runs *one* autograd node over
 every replica's input: it combines the statistics in replica order (deterministic), normalises every shard on its
@@ -28,7 +28,7 @@ Requirements and limits:
 * Every replica must call the sync layers the same number of times in the same order. A replica that skips a layer,
   reaches them in another order, or raises never hangs the others: they fail with an error naming the layer (its
   dotted name, recorded by :func:`convert_sync_batchnorm` and :func:`uses_sync_batchnorm`) and the replicas concerned,
-  and ``parallel_apply`` re-raises the root cause.
+  and ``run_replicas`` re-raises the root cause.
 * The replicas' outputs must be backpropagated in one ``backward`` call (as a reduced loss is), and double backward
   through the layer is not supported. Activation checkpointing that recomputes a sync layer in backward recomputes it
   without its peers (as a plain BatchNorm): do not checkpoint segments that contain sync layers.
@@ -156,7 +156,7 @@ def _synced_forward(layer: SyncBatchNorm, input: Tensor, replica: ReplicaContext
             f"{label} computes its statistics over the whole batch across the {group.size} replicas, but this call "
             "runs its replicas one after another (execution_mode='sequential'), so they cannot meet. Run it with "
             "execution_mode='threads' (DataParallelModel and DataParallelCriterion switch to threads by themselves, "
-            "and so do the lightning_mgpu strategies; parallel_apply(..., execution_mode='threads')), or put the "
+            "and so do the lightning_mgpu strategies; run_replicas(..., execution_mode='threads')), or put the "
             "layer in eval mode."
         )
     if input.size(1) != layer.num_features:

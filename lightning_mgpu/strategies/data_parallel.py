@@ -25,7 +25,7 @@ from typing_extensions import override
 
 from lightning_mgpu.parallel.devices import DeviceLike, to_device
 from lightning_mgpu.parallel.merge import merge_outputs
-from lightning_mgpu.parallel.parallel_apply import ExecutionMode
+from lightning_mgpu.parallel.run_replicas import ExecutionMode
 from lightning_mgpu.parallel.scatter_gather import (
     args_batch_size,
     argument_roots,

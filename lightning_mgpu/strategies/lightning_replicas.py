@@ -21,8 +21,8 @@ import torch
 from torch import nn
 from torchmetrics import Metric
 
-from lightning_mgpu.parallel.parallel_apply import ExecutionMode, parallel_apply
 from lightning_mgpu.parallel.replicas import ReplicaSet
+from lightning_mgpu.parallel.run_replicas import ExecutionMode, run_replicas
 from lightning_mgpu.strategies.namespace import LightningNamespace
 from lightning_mgpu.strategies.replica_logging import LogRecorder, merge_and_log
 from lightning_mgpu.strategies.replica_metrics import MetricReplicas
@@ -66,7 +66,7 @@ class LightningReplicas:
         """``call(i, replica_i)`` for the first ``count`` replicas; a failed step leaves no recorded state behind."""
         replicas = self.replica_set.prepare(count, mode)
         try:
-            outputs = parallel_apply(
+            outputs = run_replicas(
                 [lambda i=i, r=r: call(i, r) for i, r in enumerate(replicas)], self.devices[:count], mode
             )
         except BaseException:

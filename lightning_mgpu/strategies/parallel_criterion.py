@@ -17,7 +17,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_mgpu.parallel.merge import merge_outputs
-from lightning_mgpu.parallel.parallel_apply import ExecutionMode
+from lightning_mgpu.parallel.run_replicas import ExecutionMode
 from lightning_mgpu.parallel.scatter_gather import split_batch, split_or_run_once
 from lightning_mgpu.strategies.loss_normalization import (
     SAMPLES,

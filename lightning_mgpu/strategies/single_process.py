@@ -24,7 +24,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_mgpu.parallel import collectives, sync_batchnorm
-from lightning_mgpu.parallel.parallel_apply import EXECUTION_MODES, ExecutionMode, add_note, resolve_mode
+from lightning_mgpu.parallel.run_replicas import EXECUTION_MODES, ExecutionMode, add_note, resolve_mode
 from lightning_mgpu.strategies.lightning_replicas import LightningReplicas
 from lightning_mgpu.strategies.namespace import Accelerator, CheckpointIO, LightningNamespace, PrecisionPlugin
 

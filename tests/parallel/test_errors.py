@@ -11,8 +11,8 @@ from lightning_mgpu.parallel import (
     DataParallelCriterion,
     DataParallelModel,
     merge_outputs,
-    parallel_apply,
     reduce_losses,
+    run_replicas,
     split_batch,
 )
 from lightning_mgpu.parallel.devices import resolve_devices
@@ -135,7 +135,7 @@ def test_reduce_losses_errors():
         reduce_losses([])
 
 
-def test_gather_and_parallel_apply_errors():
+def test_merge_and_run_replicas_errors():
     with pytest.raises(ValueError, match="at least one output"):
         merge_outputs([], "cpu")
     with pytest.raises(ValueError, match=r"Cannot merge output\['b'\]"):
@@ -146,4 +146,4 @@ def test_gather_and_parallel_apply_errors():
     ):
         merge_outputs([{"a": torch.zeros(1)}, {"b": torch.zeros(1)}], "cpu")
     with pytest.raises(ValueError, match="2 functions for 3 devices"):
-        parallel_apply([lambda: 1, lambda: 2], ["cpu"] * 3)
+        run_replicas([lambda: 1, lambda: 2], ["cpu"] * 3)

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from lightning_mgpu.parallel import parallel_apply, replica_group
+from lightning_mgpu.parallel import replica_group, run_replicas
 from lightning_mgpu.parallel.replica_group import current_replica
 
 CPU4 = ["cpu"] * 4
@@ -23,7 +23,7 @@ def test_replicas_in_threads_run_one_at_a_time():
         trace.append((i, "end"))
         return total
 
-    parallel_apply([lambda i=i: work(i) for i in range(4)], CPU4, "threads")
+    run_replicas([lambda i=i: work(i) for i in range(4)], CPU4, "threads")
     assert all(trace[k][0] == trace[k + 1][0] for k in range(0, len(trace), 2)), trace  # start, end of one replica
 
 
@@ -33,7 +33,7 @@ def test_a_replica_waiting_at_a_rendezvous_hands_its_turn_over():
         assert replica is not None
         return replica.group.rendezvous(i, "site", i, lambda values: [values] * len(values), "test", "")
 
-    results = parallel_apply([lambda i=i: work(i) for i in range(4)], CPU4, "threads")
+    results = run_replicas([lambda i=i: work(i) for i in range(4)], CPU4, "threads")
     assert results == [[0, 1, 2, 3]] * 4
 
 
@@ -41,5 +41,5 @@ def test_a_replica_blocked_outside_the_group_does_not_hang_the_others(monkeypatc
     monkeypatch.setattr(replica_group, "TURN_PATIENCE_S", 0.05)
     barrier = threading.Barrier(2, timeout=10)  # the user's own sync, which knows nothing of turns
 
-    results = parallel_apply([lambda: barrier.wait() >= 0, lambda: barrier.wait() >= 0], ["cpu"] * 2, "threads")
+    results = run_replicas([lambda: barrier.wait() >= 0, lambda: barrier.wait() >= 0], ["cpu"] * 2, "threads")
     assert results == [True, True]

@@ -129,7 +129,7 @@ def test_one_device_is_a_plain_call(monkeypatch):
         raise AssertionError("one device must not replicate")
 
     monkeypatch.setattr(modules_module, "ReplicaSet", no_replicas)
-    monkeypatch.setattr(modules_module, "parallel_apply", no_replicas)
+    monkeypatch.setattr(modules_module, "run_replicas", no_replicas)
     model = bn_net()
     seen = []
     model.register_forward_hook(lambda module, args, out: seen.append((module, args[0])))

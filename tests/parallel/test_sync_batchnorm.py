@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_mgpu.parallel import DataParallelModel, parallel_apply, replicate
+from lightning_mgpu.parallel import DataParallelModel, replicate, run_replicas
 from lightning_mgpu.parallel.replica_group import PeerFailedError, RendezvousError
 from lightning_mgpu.parallel.sync_batchnorm import (
     SyncBatchNorm,
@@ -62,7 +62,7 @@ def run_replicated(
 ) -> torch.Tensor:
     replicas = replicate(layer, devices)
     chunks = x.split(sizes)
-    outputs = parallel_apply([functools.partial(r, c) for r, c in zip(replicas, chunks, strict=True)], devices, mode)
+    outputs = run_replicas([functools.partial(r, c) for r, c in zip(replicas, chunks, strict=True)], devices, mode)
     return torch.cat(outputs)
 
 
@@ -184,9 +184,7 @@ def test_one_layer_object_serving_every_replica():
     upstream = torch.randn_like(x)
     expected = reference(x_ref)
     (expected * upstream).sum().backward()
-    got = torch.cat(
-        parallel_apply([functools.partial(sync, c) for c in x_sync.split([4, 3, 3])], ["cpu"] * 3, "threads")
-    )
+    got = torch.cat(run_replicas([functools.partial(sync, c) for c in x_sync.split([4, 3, 3])], ["cpu"] * 3, "threads"))
     (got * upstream).sum().backward()
     torch.testing.assert_close(got, expected, **TOL)
     torch.testing.assert_close(x_sync.grad, x_ref.grad, **TOL)
@@ -288,7 +286,7 @@ def run_two_blocks(model: nn.Module, flags: list[dict[str, bool]], mode: str = "
     replicas = replicate(model, devices)
     chunks = torch.randn(3 * len(flags), 2, 5, 4).chunk(len(flags))
     calls = [functools.partial(r, c, **f) for r, c, f in zip(replicas, chunks, flags, strict=True)]
-    return parallel_apply(calls, devices, mode)
+    return run_replicas(calls, devices, mode)
 
 
 def test_replica_that_skips_a_layer_fails_fast_naming_it():
@@ -478,7 +476,7 @@ def test_cuda_equals_one_batchnorm(split, momentum, dtype):
         replicas = replicate(sync, devices)
         chunks = [c.to(d) for c, d in zip(x_sync.split(sizes), devices, strict=True)]
         calls = [functools.partial(r, c) for r, c in zip(replicas, chunks, strict=True)]
-        got = torch.cat([o.to("cuda:0") for o in parallel_apply(calls, devices, execution_mode="threads")])
+        got = torch.cat([o.to("cuda:0") for o in run_replicas(calls, devices, execution_mode="threads")])
         (got * upstream).sum().backward()
         torch.testing.assert_close(got, expected, **tol)
         torch.testing.assert_close(x_sync.grad, x_ref.grad, **tol)
@@ -508,7 +506,7 @@ def test_cuda_layer_never_blocks_the_host(momentum, channels_last):
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        outputs = parallel_apply([functools.partial(sync, c) for c in chunks], ["cuda:0"] * 3, execution_mode="threads")
+        outputs = run_replicas([functools.partial(sync, c) for c in chunks], ["cuda:0"] * 3, execution_mode="threads")
         got = torch.cat(outputs)
         (got * upstream).sum().backward()
     finally:

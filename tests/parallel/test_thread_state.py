@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_mgpu.parallel import DataParallelModel, parallel_apply
+from lightning_mgpu.parallel import DataParallelModel, run_replicas
 from lightning_mgpu.parallel.thread_state import ThreadState
 
 N = 3
@@ -150,7 +150,7 @@ def test_key_error_message_stays_readable():
         return {}["missing"]
 
     with pytest.raises(KeyError, match="Caught KeyError in replica 1") as info:  # pytest matches notes too
-        parallel_apply([lambda: 1, fails], ["cpu"] * 2, execution_mode="threads")
+        run_replicas([lambda: 1, fails], ["cpu"] * 2, execution_mode="threads")
     assert str(info.value) == "'missing'"
     assert "\n" in info.value.__notes__[0]  # real line breaks, not an escaped repr
 
@@ -164,11 +164,11 @@ def test_exception_without_message_constructor_is_raised_as_is():
         raise Picky(3, "x")
 
     with pytest.raises(Picky, match="Caught Picky in replica 0") as info:
-        parallel_apply([fails, lambda: 1], ["cpu"] * 2, execution_mode="threads")
+        run_replicas([fails, lambda: 1], ["cpu"] * 2, execution_mode="threads")
     assert info.value.args == (3, "x")
 
 
-def test_parallel_apply_keeps_order_and_waits_for_all():
+def test_run_replicas_keeps_order_and_waits_for_all():
     done = []
 
     def slow(i):
@@ -178,7 +178,7 @@ def test_parallel_apply_keeps_order_and_waits_for_all():
 
         return run
 
-    assert parallel_apply([slow(i) for i in range(5)], ["cpu"] * 5, execution_mode="threads") == [0, 10, 20, 30, 40]
+    assert run_replicas([slow(i) for i in range(5)], ["cpu"] * 5, execution_mode="threads") == [0, 10, 20, 30, 40]
     assert sorted(done) == list(range(5))
     done.clear()
 
@@ -186,12 +186,12 @@ def test_parallel_apply_keeps_order_and_waits_for_all():
         raise RuntimeError("first fails")
 
     with pytest.raises(RuntimeError, match="replica 0"):
-        parallel_apply([boom, slow(1), slow(2)], ["cpu"] * 3, execution_mode="threads")
+        run_replicas([boom, slow(1), slow(2)], ["cpu"] * 3, execution_mode="threads")
     assert sorted(done) == [1, 2]  # the others still ran to completion before the error was raised
 
 
 def _threads_mode_in_child(queue) -> None:
-    queue.put(parallel_apply([lambda: 1, lambda: 2, lambda: 3], ["cpu"] * 3, execution_mode="threads"))
+    queue.put(run_replicas([lambda: 1, lambda: 2, lambda: 3], ["cpu"] * 3, execution_mode="threads"))
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
@@ -199,7 +199,7 @@ def _threads_mode_in_child(queue) -> None:
 def test_threads_mode_works_in_a_forked_child():
     """The pool's threads do not survive fork(): a child must not wait for them (it used to deadlock)."""
     # Two replicas that overlap leave two idle pool threads behind in this process.
-    parallel_apply([lambda: 0, lambda: time.sleep(0.1), lambda: time.sleep(0.1)], ["cpu"] * 3, execution_mode="threads")
+    run_replicas([lambda: 0, lambda: time.sleep(0.1), lambda: time.sleep(0.1)], ["cpu"] * 3, execution_mode="threads")
     ctx = multiprocessing.get_context("fork")
     queue = ctx.Queue()
     child = ctx.Process(target=_threads_mode_in_child, args=(queue,))

@@ -1,4 +1,4 @@
-"""parallel_apply re-raises a failing replica's own exception, annotated, and only once every replica has stopped."""
+"""run_replicas re-raises a failing replica's own exception, annotated, and only once every replica has stopped."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import traceback
 import pytest
 import torch
 
-from lightning_mgpu.parallel import parallel_apply
+from lightning_mgpu.parallel import run_replicas
 from lightning_mgpu.parallel.replica_group import PeerFailedError
 
 MODES = ["threads", "sequential"]
@@ -40,7 +40,7 @@ def ok(value=1):
 def test_the_original_exception_object_reaches_the_caller(mode):
     err = FileNotFoundError(2, "nope", "/data/x.bin")
     with pytest.raises(FileNotFoundError) as info:
-        parallel_apply([ok(), raising(err)], ["cpu"] * 2, execution_mode=mode)
+        run_replicas([ok(), raising(err)], ["cpu"] * 2, execution_mode=mode)
     assert info.value is err
     assert (err.errno, err.strerror, err.filename, err.args) == (2, "nope", "/data/x.bin", (2, "nope"))
     assert err.replica_index == 1 and err.replica_device == torch.device("cpu")
@@ -52,7 +52,7 @@ def test_custom_exception_fields_and_frames_are_kept(mode):
         raise Quota("ada", 3)
 
     with pytest.raises(Quota) as info:
-        parallel_apply([check_quota, ok()], ["cpu"] * 2, execution_mode=mode)
+        run_replicas([check_quota, ok()], ["cpu"] * 2, execution_mode=mode)
     assert (info.value.user, info.value.limit, str(info.value)) == ("ada", 3, "ada is over quota")
     frames = [frame.name for frame in traceback.extract_tb(info.value.__traceback__)]
     assert "check_quota" in frames  # the replica's own frames, not only the re-raise site
@@ -65,7 +65,7 @@ def test_note_uses_torch_wording(mode):
         raise ValueError("bad chunk")
 
     with pytest.raises(ValueError) as info:
-        parallel_apply([ok(), ok(), explode], ["cpu"] * 3, execution_mode=mode)
+        run_replicas([ok(), ok(), explode], ["cpu"] * 3, execution_mode=mode)
     assert str(info.value) == "bad chunk"  # the message itself is untouched
     (note,) = info.value.__notes__
     assert note.startswith(
@@ -79,7 +79,7 @@ def test_key_error_keeps_its_message():
         return {}["missing"]
 
     with pytest.raises(KeyError) as info:
-        parallel_apply([ok(), fails], ["cpu"] * 2, execution_mode="threads")
+        run_replicas([ok(), fails], ["cpu"] * 2, execution_mode="threads")
     assert str(info.value) == "'missing'" and info.value.args == ("missing",)
     assert info.value.__notes__[0].startswith("Caught KeyError in replica 1 on device cpu.")
 
@@ -87,7 +87,7 @@ def test_key_error_keeps_its_message():
 def test_several_failures_raise_the_first_and_name_the_others():
     first, second = RuntimeError("first"), TypeError("second")
     with pytest.raises(RuntimeError) as info:
-        parallel_apply([ok(), raising(first), raising(second)], ["cpu"] * 3, execution_mode="threads")
+        run_replicas([ok(), raising(first), raising(second)], ["cpu"] * 3, execution_mode="threads")
     assert info.value is first
     assert "Other replicas of this call failed too: replica 2: TypeError: second" in info.value.__notes__[0]
 
@@ -95,7 +95,7 @@ def test_several_failures_raise_the_first_and_name_the_others():
 def test_a_primary_failure_wins_over_peers_that_only_stopped_because_of_it():
     secondary, primary = PeerFailedError("gave up waiting for replica 2"), OSError("disk full")
     with pytest.raises(OSError) as info:
-        parallel_apply([raising(secondary), ok(), raising(primary)], ["cpu"] * 3, execution_mode="threads")
+        run_replicas([raising(secondary), ok(), raising(primary)], ["cpu"] * 3, execution_mode="threads")
     assert info.value is primary and info.value.replica_index == 2
     assert "replica 0: PeerFailedError: gave up waiting for replica 2" in info.value.__notes__[0]
 
@@ -120,7 +120,7 @@ def test_base_exception_waits_for_the_other_replicas(interrupted, error):
     functions = [ok(), ok(), slow]
     functions[interrupted] = interrupt
     with pytest.raises(error) as info:
-        parallel_apply(functions, ["cpu"] * 3, execution_mode="threads")
+        run_replicas(functions, ["cpu"] * 3, execution_mode="threads")
     assert finished == [True]
     assert info.value.replica_index == interrupted
     assert info.value.__notes__[0].startswith(f"Caught {error.__name__} in replica {interrupted} on device cpu.")
@@ -139,7 +139,7 @@ def test_sequential_mode_stops_at_the_first_failure():
         return run
 
     with pytest.raises(KeyboardInterrupt) as info:
-        parallel_apply([record(i) for i in range(3)], ["cpu"] * 3, execution_mode="sequential")
+        run_replicas([record(i) for i in range(3)], ["cpu"] * 3, execution_mode="sequential")
     assert ran == [0, 1] and info.value.replica_index == 1
 
 
@@ -153,7 +153,7 @@ def test_exception_with_read_only_attributes_still_gets_its_note():
             super().__setattr__(name, value)
 
     with pytest.raises(Frozen) as info:
-        parallel_apply([raising(Frozen("x")), ok()], ["cpu"] * 2, execution_mode="threads")
+        run_replicas([raising(Frozen("x")), ok()], ["cpu"] * 2, execution_mode="threads")
     assert not hasattr(info.value, "replica_index")
     assert info.value.__notes__[0].startswith("Caught Frozen in replica 0 on device cpu.")
 
@@ -178,5 +178,5 @@ def test_ctrl_c_in_the_waiting_caller_still_waits_for_the_replicas():
 
     assert threading.current_thread() is threading.main_thread()
     with pytest.raises(KeyboardInterrupt):
-        parallel_apply([first, second], ["cpu"] * 2, execution_mode="threads")
+        run_replicas([first, second], ["cpu"] * 2, execution_mode="threads")
     assert finished == [True]

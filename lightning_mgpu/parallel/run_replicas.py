@@ -1,9 +1,10 @@
 """Run one callable per replica, in threads or one after another, each with the caller's thread-local torch state
 (:mod:`.thread_state`) and as a member of one replica group (:mod:`.replica_group`).
 
-When every device is a CPU, threads only fight torch's intra-op thread pool (measured 2-7x slower on 2 cores), and
-when every replica is on one GPU ("virtual devices") they only contend for it (measured on an H100, N=2: 6.35 ms with
-threads vs 4.69 ms sequential), so the default mode runs the replicas sequentially in both cases.
+Named apart from ``torch.nn.parallel.parallel_apply``, whose signature and contract differ. When every device is a
+CPU, threads only fight torch's intra-op thread pool, and when every replica is on one GPU ("virtual devices") they
+only contend for it (figures in ``benchmarks/results/``), so the default mode runs the replicas one after another in
+both cases.
 
 **Failures.** A failing replica's *own* exception object reaches the caller (type, args, attributes and traceback
 frames intact), after every other replica has finished: never while user code still runs in other threads. It
@@ -110,7 +111,7 @@ def _raise_first_failure(failed: Sequence[tuple[int, BaseException]], devices: S
     raise err
 
 
-# --- parallel_apply -----------------------------------------------------------------------------------------------
+# --- run_replicas -------------------------------------------------------------------------------------------------
 @functools.cache
 def replica_frame(index: int) -> Callable[[Callable[[], T]], T]:
     """Calls a function through a frame named ``replica_<index>``.
@@ -140,7 +141,7 @@ def resolve_mode(mode: ExecutionMode, devices: Sequence[torch.device]) -> Litera
     return mode
 
 
-def parallel_apply(
+def run_replicas(
     functions: Sequence[Callable[[], T]], devices: Sequence[DeviceLike], execution_mode: ExecutionMode = "auto"
 ) -> list[T]:
     """Call ``functions[i]()`` for replica ``i`` on ``devices[i]``; return the results in replica order.
@@ -155,7 +156,7 @@ def parallel_apply(
     """
     targets = [to_device(d) for d in devices]
     if len(functions) != len(targets):
-        raise ValueError(f"parallel_apply got {len(functions)} functions for {len(targets)} devices.")
+        raise ValueError(f"run_replicas got {len(functions)} functions for {len(targets)} devices.")
     if not functions:
         return []
     state = ThreadState.capture(targets)
