@@ -28,7 +28,7 @@ from lightning_mgpu.parallel.compiled import is_compiled
 from lightning_mgpu.parallel.devices import DeviceLike, check_module_on, module_device, resolve_devices
 from lightning_mgpu.parallel.merge import merge_outputs
 from lightning_mgpu.parallel.reduce import reduce_losses
-from lightning_mgpu.parallel.replicas import ReplicaSet
+from lightning_mgpu.parallel.replicas import ReplicaCache, ReplicaSet
 from lightning_mgpu.parallel.run_replicas import ExecutionMode, resolve_mode, run_replicas
 from lightning_mgpu.parallel.scatter_gather import (
     BatchSplitError,
@@ -39,7 +39,7 @@ from lightning_mgpu.parallel.scatter_gather import (
     iter_tensors,
     move_to,
     split_arguments,
-    unsplittable_error,
+    split_or_run_once,
 )
 
 WeightFn = Callable[[Any, tuple[Any, ...]], float | int | Tensor]
@@ -82,7 +82,7 @@ class DataParallelModel(nn.Module):
         resolve_mode(execution_mode, self.device_ids)  # checks the value
         self.execution_mode: ExecutionMode = execution_mode
         self.last_split_sizes: tuple[int, ...] = ()
-        self._replicas = LastingReplicas()
+        self._replicas: ReplicaCache[ReplicaSet] = ReplicaCache(ReplicaSet)
         check_module_on(module, self.device_ids[0])
 
     def forward(self, *inputs: Any, **kwargs: Any) -> list[Any]:
@@ -94,14 +94,13 @@ class DataParallelModel(nn.Module):
                 inputs, kwargs = move_to((inputs, kwargs), root)
             self.__dict__["last_split_sizes"] = (size,)  # a plain attribute: skip nn.Module.__setattr__'s checks
             return [self.module(*inputs, **kwargs)]
-        try:
-            args_chunks, kwargs_chunks, sizes = split_arguments(inputs, kwargs, self.device_ids, self.dim)
-        except NothingToSplitError:
-            unsplittable = unsplittable_error(argument_roots(inputs, kwargs))
-            if unsplittable is not None:
-                raise unsplittable from None
+        split = split_or_run_once(
+            lambda: split_arguments(inputs, kwargs, self.device_ids, self.dim), argument_roots(inputs, kwargs)
+        )
+        if split is None:
             self.last_split_sizes = ()  # no batch dimension: one run on the root, as nn.DataParallel does
             return [self.module(*move_to(inputs, self.device_ids[0]), **move_to(kwargs, self.device_ids[0]))]
+        args_chunks, kwargs_chunks, sizes = split
         self.last_split_sizes = tuple(sizes)
         if len(sizes) == 1:  # a batch of one sample: all of it on the root, no replica needed
             return [self.module(*args_chunks[0], **kwargs_chunks[0])]
@@ -126,31 +125,6 @@ class DataParallelModel(nn.Module):
         """
         sizes = self.last_split_sizes if len(self.last_split_sizes) == len(outputs) else None
         return merge_outputs(outputs, self.output_device, self.dim, sizes=sizes)
-
-
-class LastingReplicas:
-    """The :class:`ReplicaSet` of a wrapper's module, kept across calls and rebuilt when the module or devices change.
-
-    Never copied or pickled with the wrapper (replicas hold autograd links to the last step): a copy starts empty.
-    """
-
-    def __init__(self) -> None:
-        self._set: ReplicaSet | None = None
-
-    def of(self, module: nn.Module, devices: Sequence[torch.device]) -> ReplicaSet:
-        current = self._set
-        if current is None or current.module is not module or current.devices != list(devices):
-            current = self._set = ReplicaSet(module, devices)
-        return current
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> LastingReplicas:
-        return LastingReplicas()
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self._set = None
 
 
 def _safe_batch_size(obj: Any, dim: int) -> int:
@@ -282,7 +256,7 @@ class DataParallelCriterion(nn.Module):
         resolve_mode(execution_mode, self.device_ids)  # checks the value
         self.execution_mode: ExecutionMode = execution_mode
         self.weight_fn = weight_fn
-        self._replicas = LastingReplicas()
+        self._replicas: ReplicaCache[ReplicaSet] = ReplicaCache(ReplicaSet)
 
     @property
     def reduction(self) -> str:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -557,3 +557,43 @@ def _same(current: Any, saved: Any) -> bool:
 def _compile_changed(current: dict[str, Any], saved: dict[str, Any]) -> bool:
     """Compiled (or un-compiled) since the build: replicas need their own compiled code, so a rebuild."""
     return current.get("_compiled_call_impl") is not saved.get("_compiled_call_impl")
+
+
+R = TypeVar("R")
+
+
+class ReplicaCache(Generic[R]):
+    """Lasting replicas per module, kept across calls and rebuilt when the module object or the devices change: the
+    one cache behind ``DataParallelModel``, ``DataParallelCriterion`` and both strategies (``build(module, devices)``
+    makes an entry: a :class:`ReplicaSet`, or the strategies' wrapper around one).
+
+    Never copied or pickled with its owner (replicas hold autograd links to the last step): a copy starts empty.
+    """
+
+    def __init__(self, build: Callable[[nn.Module, list[torch.device]], R]) -> None:
+        self._build = build
+        self._entries: dict[int, R] = {}
+
+    def of(self, module: nn.Module, devices: Sequence[torch.device]) -> R:
+        devices = list(devices)
+        entry = self._entries.get(id(module))
+        if entry is None or entry.module is not module or list(entry.devices) != devices:  # type: ignore[attr-defined]
+            entry = self._entries[id(module)] = self._build(module, devices)
+        return entry
+
+    def values(self) -> list[R]:
+        return list(self._entries.values())
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def pop_all(self) -> list[R]:
+        """Every entry, removed from the cache (to release them)."""
+        entries, self._entries = list(self._entries.values()), {}
+        return entries
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ReplicaCache[R]:
+        return ReplicaCache(self._build)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"_build": self._build, "_entries": {}}

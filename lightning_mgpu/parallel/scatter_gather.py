@@ -419,13 +419,13 @@ def split_or_run_once(split: Callable[[], T], roots: Sequence[tuple[str, Any]]) 
     try:
         return split()
     except NothingToSplitError:
-        error = unsplittable_error(roots)
+        error = _unsplittable_error(roots)
         if error is not None:
             raise error from None
         return None
 
 
-def unsplittable_error(roots: Sequence[tuple[str, Any]]) -> BatchSplitError | None:
+def _unsplittable_error(roots: Sequence[tuple[str, Any]]) -> BatchSplitError | None:
     """For a batch or call arguments (``roots``: ``(name, value)`` pairs, see :func:`argument_roots`) without a batch
     dimension: an error when one holds a sequence of strings, which looks like
     one item per sample that nothing tells the size of (mark it :class:`PerSample`); ``None`` when they hold only

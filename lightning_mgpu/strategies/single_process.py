@@ -24,6 +24,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_mgpu.parallel import collectives, sync_batchnorm
+from lightning_mgpu.parallel.replicas import ReplicaCache
 from lightning_mgpu.parallel.run_replicas import EXECUTION_MODES, ExecutionMode, add_note, resolve_mode
 from lightning_mgpu.strategies.lightning_replicas import LightningReplicas
 from lightning_mgpu.strategies.namespace import Accelerator, CheckpointIO, LightningNamespace, PrecisionPlugin
@@ -68,7 +69,7 @@ class SingleProcessParallel:
             raise TypeError(f"dim must be an int (the batch dimension), got {dim!r}.")
         self.dim = dim
         self.execution_mode: ExecutionMode = execution_mode
-        self._replicas: dict[int, LightningReplicas] = {}
+        self._replicas: ReplicaCache[LightningReplicas] = ReplicaCache(self._build_replicas)
         self._converted_batchnorm = False
         self._announced: set[str] = set()
         self._replicated_on: list[torch.device] = []
@@ -210,9 +211,8 @@ class SingleProcessParallel:
 
     @override
     def teardown(self) -> None:
-        for replicas in self._replicas.values():
+        for replicas in self._replicas.pop_all():
             replicas.release()
-        self._replicas.clear()
         module = self.lightning_module  # type: ignore[attr-defined]
         if self._converted_batchnorm and module is not None:
             sync_batchnorm.revert_sync_batchnorm(module)  # the user's module leaves with the classes it came with
@@ -237,11 +237,10 @@ class SingleProcessParallel:
 
     # --- replicated calls --------------------------------------------------------------------------------------------
     def _replicas_of(self, module: nn.Module) -> LightningReplicas:
-        devices = list(self.parallel_devices)  # type: ignore[attr-defined]
-        replicas = self._replicas.get(id(module))
-        if replicas is None or replicas.module is not module or replicas.devices != devices:
-            replicas = self._replicas[id(module)] = LightningReplicas(module, devices, self.namespace)
-        return replicas
+        return self._replicas.of(module, self.parallel_devices)  # type: ignore[attr-defined]
+
+    def _build_replicas(self, module: nn.Module, devices: list[torch.device]) -> LightningReplicas:
+        return LightningReplicas(module, devices, self.namespace)
 
     def _accumulating(self) -> bool:
         """Whether the training step in progress accumulates gradients without an optimizer step after it."""
