@@ -128,7 +128,7 @@ class DataParallelStrategyBase(SingleProcessParallel):
     @override
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
-        if len(self.parallel_devices) > 1:  # type: ignore[attr-defined]
+        if len(self.parallel_devices) > 1:
             for target in self._targets():
                 target.forward = ParallelForward(self, target)  # an instance attribute: never in state dicts
                 self._wrapped.append(target)
@@ -141,7 +141,7 @@ class DataParallelStrategyBase(SingleProcessParallel):
         super().teardown()
 
     def _targets(self) -> list[nn.Module]:
-        module = self.lightning_module  # type: ignore[attr-defined]
+        module = self.lightning_module
         targets = []
         for name in self.parallel_modules:
             try:
@@ -154,7 +154,7 @@ class DataParallelStrategyBase(SingleProcessParallel):
 
     @override
     def _run_step(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        module = self.lightning_module  # type: ignore[attr-defined]
+        module = self.lightning_module
         self._in_step, self._forward_calls = True, 0
         try:
             with self._step_context(hook):
@@ -188,7 +188,7 @@ class DataParallelStrategyBase(SingleProcessParallel):
         )
         if batch_size is None:
             return original(*inputs, **kwargs)  # nothing to split: run once, on the root
-        devices = self.parallel_devices  # type: ignore[attr-defined]
+        devices = self.parallel_devices
         args_chunks, kwargs_chunks, sizes = split_arguments(inputs, kwargs, devices, self.dim, batch_size=batch_size)
         if len(sizes) == 1:
             return original(*args_chunks[0], **kwargs_chunks[0])

@@ -29,4 +29,4 @@ def define(namespace: LightningNamespace, parallel_strategy: type, module: str) 
 def register(registry: Any, *strategies: type) -> None:
     """Add each strategy to ``registry`` under its names (idempotent)."""
     for strategy in strategies:
-        strategy.register_strategies(registry)  # type: ignore[attr-defined]
+        strategy.register_strategies(registry)  # type: ignore[attr-defined]  # classes made by define() above

@@ -95,7 +95,7 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
     # --- the step ----------------------------------------------------------------------------------------------------
     @override
     def _run_step(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        module = self.lightning_module  # type: ignore[attr-defined]
+        module = self.lightning_module
         weights: list[Any] | None = None
         with self._step_context(hook):
             chunks, sizes = self._split(args)
@@ -133,7 +133,7 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
     def _split(self, args: tuple[Any, ...]) -> tuple[list[Any] | None, list[int]]:
         """The batch's shards and sizes; ``(None, [1])`` when the step runs once, on the root (one device, or a
         batch without a batch dimension)."""
-        devices = self.parallel_devices  # type: ignore[attr-defined]
+        devices = self.parallel_devices
         if len(devices) == 1 or not args:
             return None, [1]
         split = split_or_run_once(lambda: split_batch(args[0], devices, self.dim), [("batch", args[0])])
@@ -151,7 +151,7 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
     # --- the loss rule -----------------------------------------------------------------------------------------------
     def _known_rule(self, batch: Any) -> tuple[LossNormalization, str | None]:
         """The rule the module's objects declare and what declared it, else per-sample (``None``: assumed)."""
-        known = known_rule(self.lightning_module, batch)  # type: ignore[attr-defined]
+        known = known_rule(self.lightning_module, batch)
         return known if known is not None else (SAMPLES, None)
 
     def _say_rule(self, outputs: list[Any], source: str | None) -> None:
@@ -169,7 +169,7 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
                 f"devices' losses are combined accordingly (loss_reduction={self.normalization.spec()!r})."
             )
             return
-        uncombinable = uncombinable_loss(self.lightning_module)  # type: ignore[attr-defined]
+        uncombinable = uncombinable_loss(self.lightning_module)
         if uncombinable is not None:
             warnings.warn(f"parallel_criterion: {uncombinable}.", UserWarning, stacklevel=2)
             return

@@ -17,7 +17,7 @@ import logging
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
@@ -46,6 +46,12 @@ class SingleProcessParallel:
 
     strategy_name: ClassVar[str] = ""
     namespace: ClassVar[LightningNamespace]
+    if TYPE_CHECKING:  # provided by the Lightning ParallelStrategy this class is mixed into
+        lightning_module: Any
+        model: Any
+        parallel_devices: list[torch.device]
+        precision_plugin: Any
+        _layer_sync: Any
 
     def __init__(
         self,
@@ -56,7 +62,7 @@ class SingleProcessParallel:
         dim: int = 0,
         execution_mode: ExecutionMode = "auto",
     ) -> None:
-        super().__init__(  # type: ignore[call-arg]
+        super().__init__(  # type: ignore[call-arg]  # a mixin: ParallelStrategy is next in the MRO
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=None,
@@ -133,7 +139,7 @@ class SingleProcessParallel:
     @property
     @override
     def root_device(self) -> torch.device:
-        devices = self.parallel_devices  # type: ignore[attr-defined]
+        devices = self.parallel_devices
         if not devices:
             raise RuntimeError(f"{type(self).__name__} has no devices yet; it gets them when the Trainer is built.")
         return devices[0]
@@ -145,8 +151,8 @@ class SingleProcessParallel:
 
     @override
     def model_to_device(self) -> None:
-        assert self.model is not None  # type: ignore[attr-defined]
-        self.model.to(self.root_device)  # type: ignore[attr-defined]
+        assert self.model is not None
+        self.model.to(self.root_device)
 
     # Inside a replicated step the collectives act across the replicas (parallel/collectives.py); outside one they
     # are identities: one process, world size 1.
@@ -180,17 +186,17 @@ class SingleProcessParallel:
     # --- set-up and teardown -----------------------------------------------------------------------------------------
     @override
     def setup(self, trainer: Any) -> None:
-        if self._layer_sync is not None and not self._converted_batchnorm:  # type: ignore[attr-defined]
+        if self._layer_sync is not None and not self._converted_batchnorm:
             # Before the optimizers exist; the converted layers keep the same Parameter objects anyway.
             sync_batchnorm.convert_sync_batchnorm(trainer.lightning_module)
             self._converted_batchnorm = True
-        super().setup(trainer)  # type: ignore[misc]
+        super().setup(trainer)  # type: ignore[misc]  # a mixin: ParallelStrategy is next in the MRO
         self._say_setup()
 
     def _say_setup(self) -> None:
         """One line, beside Lightning's own ("GPU available: ..."): the replicas, their devices and how they run; a
         warning instead when a multi-device strategy got one device, where nothing is split."""
-        devices = list(self.parallel_devices)  # type: ignore[attr-defined]
+        devices = list(self.parallel_devices)
         name = self.strategy_name
         if len(devices) == 1:
             warnings.warn(
@@ -213,16 +219,16 @@ class SingleProcessParallel:
     def teardown(self) -> None:
         for replicas in self._replicas.pop_all():
             replicas.release()
-        module = self.lightning_module  # type: ignore[attr-defined]
+        module = self.lightning_module
         if self._converted_batchnorm and module is not None:
             sync_batchnorm.revert_sync_batchnorm(module)  # the user's module leaves with the classes it came with
             self._converted_batchnorm = False
-        super().teardown()  # type: ignore[misc]
+        super().teardown()  # type: ignore[misc]  # a mixin: ParallelStrategy is next in the MRO
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         try:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)  # type: ignore[misc]
+            return super().backward(closure_loss, optimizer, *args, **kwargs)  # type: ignore[misc]  # mixin
         except Exception as err:
             devices = self._replicated_on
             if devices:
@@ -237,14 +243,14 @@ class SingleProcessParallel:
 
     # --- replicated calls --------------------------------------------------------------------------------------------
     def _replicas_of(self, module: nn.Module) -> LightningReplicas:
-        return self._replicas.of(module, self.parallel_devices)  # type: ignore[attr-defined]
+        return self._replicas.of(module, self.parallel_devices)
 
     def _build_replicas(self, module: nn.Module, devices: list[torch.device]) -> LightningReplicas:
         return LightningReplicas(module, devices, self.namespace)
 
     def _accumulating(self) -> bool:
         """Whether the training step in progress accumulates gradients without an optimizer step after it."""
-        module = self.lightning_module  # type: ignore[attr-defined]
+        module = self.lightning_module
         if module is None or module._current_fx_name != "training_step" or not module.automatic_optimization:
             return False
         epoch_loop = getattr(getattr(module._trainer, "fit_loop", None), "epoch_loop", None)
@@ -296,7 +302,7 @@ class SingleProcessParallel:
         list_lengths = _public_list_lengths(module)
         outputs = replicas.run(len(sample_counts), call, self._mode_for(replicas, len(sample_counts)))
         implied = implied_weights(outputs) if implied_weights is not None else [{} for _ in outputs]
-        replicas.merge_into(self.lightning_module, sample_counts, implied)  # type: ignore[attr-defined]
+        replicas.merge_into(self.lightning_module, sample_counts, implied)
         self._warn_on_grown_lists(module, list_lengths, len(outputs))
         return outputs
 
@@ -340,7 +346,7 @@ class SingleProcessParallel:
 
     @contextmanager
     def _step_context(self, hook: str) -> Iterator[None]:
-        plugin = self.precision_plugin  # type: ignore[attr-defined]
+        plugin = self.precision_plugin
         contexts = {
             "training_step": plugin.train_step_context,
             "validation_step": plugin.val_step_context,

@@ -162,4 +162,4 @@ def _reduce_terms(outputs: Sequence[Mapping[str, Any]], root: torch.device) -> T
         check_some_weight(as_float_weights(weights, f"{LOSS_TERMS_KEY}[{name!r}] weight"))
         reduced = losses[0] if len(losses) == 1 else reduce_losses(losses, weights, root, "weighted")
         total = reduced if total is None else total + reduced
-    return total  # type: ignore[return-value]
+    return total  # type: ignore[return-value]  # not None: loss_terms holds at least one term (checked above)
