@@ -100,7 +100,7 @@ class DeviceMemoryMonitor(L.Callback):
 
     The figures go to the loggers directly, as Lightning's ``LearningRateMonitor`` does, and not through ``self.log``:
     a value ``self.log``-ged from ``on_train_batch_end`` on some batches only is sent again, stale, with every later
-    batch's logs (measured with Lightning 2.6: logged on batches 3 and 6, written on batches 3, 4, 5, 6 and 7).
+    batch's logs.
 
     Cost: on batches where it does not log, the hook is one integer test (no device synchronisation, no statistics
     call); when it logs, it reads host-side allocator counters (no CUDA synchronisation) or two ``/proc`` files.
