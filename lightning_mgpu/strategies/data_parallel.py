@@ -224,7 +224,7 @@ class DataParallelStrategyBase(SingleProcessParallel):
         """``loss_reduction``, else what ``target``'s objects say (said once), else per-sample (said once)."""
         if self.normalization is not None:
             return self.normalization
-        known = known_rule(target, arguments)
+        known = known_rule(target, arguments, method="forward")
         where = f"{path} of {type(target).__name__}.forward"
         if known is not None:
             rule, source = known

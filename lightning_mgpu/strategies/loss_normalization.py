@@ -15,6 +15,9 @@ Nothing here runs user code; :mod:`lightning_mgpu.loss_check` runs the step on p
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -118,13 +121,14 @@ def assumed_samples_notice(strategy: str, what: str, fixes: str) -> str:
     )
 
 
-def known_rule(module: nn.Module, batch: Any) -> tuple[LossNormalization, str] | None:
+def known_rule(module: nn.Module, batch: Any, method: str = "training_step") -> tuple[LossNormalization, str] | None:
     """The rule that the objects in ``module`` say, with what said it, or ``None``: never runs anything.
 
     A ``transformers`` model (the outermost one, when there is exactly one) with ``labels`` in the batch says it by
-    its task; else the loss modules ``module`` holds, when they all agree.
+    its task; else the loss modules ``module`` holds that its ``method`` (or a method it calls) names, when they all
+    agree: a loss module kept for validation only does not decide the training loss.
     """
-    return _transformers_rule(module, batch) or _criterion_rule(module, batch)
+    return _transformers_rule(module, batch) or _criterion_rule(module, batch, method)
 
 
 def uncombinable_loss(module: nn.Module) -> str | None:
@@ -181,14 +185,33 @@ def _outermost_transformers_models(module: nn.Module) -> list[nn.Module]:
     return found
 
 
-def _criterion_rule(module: nn.Module, batch: Any) -> tuple[LossNormalization, str] | None:
-    criteria = [m for m in module.modules() if isinstance(m, nn.modules.loss._Loss)]
+def _criterion_rule(module: nn.Module, batch: Any, method: str) -> tuple[LossNormalization, str] | None:
+    source = _method_source(module, method)
+    criteria = [
+        m
+        for name, m in module.named_modules()
+        if isinstance(m, nn.modules.loss._Loss) and (source is None or f"self.{name.split('.')[0]}" in source)
+    ]
     rules = {_rule_of(c, batch) for c in criteria}
     if len(rules) != 1 or None in rules:
         return None
     (rule,) = rules
     names = sorted({type(c).__name__ for c in criteria})
     return rule, " and ".join(names) + f" (reduction={criteria[0].reduction!r})"
+
+
+def _method_source(module: nn.Module, method: str) -> str | None:
+    """The source of ``module``'s ``method`` and of the methods of ``module`` it calls (one level), or ``None`` when
+    it cannot be read (then every loss module counts)."""
+    try:
+        source = inspect.getsource(getattr(type(module), method))
+    except (AttributeError, OSError, TypeError):
+        return None
+    called = set(re.findall(r"self\.(\w+)\(", source)) - {method}
+    for name in called:
+        with contextlib.suppress(AttributeError, OSError, TypeError):
+            source += inspect.getsource(getattr(type(module), name))
+    return source
 
 
 def _rule_of(criterion: nn.Module, batch: Any) -> LossNormalization | None:

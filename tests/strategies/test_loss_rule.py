@@ -93,3 +93,36 @@ def test_disagreeing_or_unreduced_loss_modules_say_nothing():
     both = nn.ModuleDict({"a": nn.CrossEntropyLoss(), "b": nn.MSELoss(reduction="sum")})
     assert known_rule(both, batch) is None
     assert known_rule(nn.ModuleDict({"a": nn.CrossEntropyLoss(reduction="none")}), batch) is None
+
+
+class ValidationOnlyCriterion(nn.Module):
+    """Holds a summing loss for validation; trains with a per-sample mean written in the step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(2, 3)
+        self.val_criterion = nn.CrossEntropyLoss(reduction="sum")
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        return self.val_criterion(self.net(x), y)
+
+
+class TrainingCriterionInAHelper(ValidationOnlyCriterion):
+    def training_step(self, batch, batch_idx):
+        return self.shared_step(batch)
+
+    def shared_step(self, batch):
+        x, y = batch
+        return self.val_criterion(self.net(x), y)
+
+
+def test_a_loss_module_the_training_step_never_names_decides_nothing():
+    batch = (torch.zeros(4, 2), torch.tensor([0, 1, 2, 0]))
+    assert known_rule(ValidationOnlyCriterion(), batch) is None
+    rule, _ = known_rule(TrainingCriterionInAHelper(), batch)  # named in a method the step calls
+    assert rule.spec() == "sum"
