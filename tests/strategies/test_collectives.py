@@ -126,7 +126,7 @@ DDP_SCRIPT = textwrap.dedent(
     sys.path.insert(0, {tests!r})
     import lightning.pytorch as L
     from test_collectives import fit, make_clip
-    trainer, params = fit(make_clip(), "ddp", 2)
+    trainer, params = fit(make_clip(variant="rows"), "ddp", 2)  # local_rows under DDP: this rank's rows
     if trainer.is_global_zero:
         print("DDP_OK", float(trainer.callback_metrics["loss_epoch"]))
     """
