@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_mgpu.parallel.devices import DeviceLike, to_device
-from lightning_mgpu.parallel.scatter_gather import move_to, split_batch
+from lightning_mgpu.parallel.scatter_gather import batch_size_of, move_to, split_batch
 from lightning_mgpu.strategies.loss_normalization import SAMPLES, SUM, LossNormalization, known_rule
 from lightning_mgpu.strategies.step_outputs import LOSS_TERMS_KEY, LOSS_WEIGHT_KEY
 
@@ -45,12 +45,15 @@ class LossCheck:
     def errors(self) -> dict[str, float]:
         return {spec: abs(value - self.whole) for spec, value in self.predictions.items()}
 
+    def fits(self) -> list[str]:
+        """Every candidate that reproduces the whole batch's loss, closest first."""
+        tolerance = max(RELATIVE_TOLERANCE * abs(self.whole), 4 * self.noise)
+        return [spec for spec, error in sorted(self.errors().items(), key=lambda item: item[1]) if error <= tolerance]
+
     @property
     def rule(self) -> str | None:
         """The ``loss_reduction`` to declare: the candidate that reproduces the whole batch, if any does."""
-        tolerance = max(RELATIVE_TOLERANCE * abs(self.whole), 4 * self.noise)
-        errors = self.errors()
-        fits = [spec for spec, error in sorted(errors.items(), key=lambda item: item[1]) if error <= tolerance]
+        fits = self.fits()
         return fits[0] if fits else None
 
     def __str__(self) -> str:
@@ -64,6 +67,11 @@ class LossCheck:
             )
         if self.declared is not None:
             lines.append(f"the step declares its own weights ({self.declared}): parallel_criterion uses them")
+        elif len(self.fits()) > 1:
+            lines.append(
+                f"these rules coincide on this batch: {', '.join(map(repr, self.fits()))} (e.g. no ignored label): "
+                "declare the one your loss averages over, or check a batch that tells them apart"
+            )
         elif self.rule is not None:
             lines.append(f"declare ParallelCriterionStrategy(loss_reduction={self.rule!r})")
         else:
@@ -85,8 +93,9 @@ def check_loss_reduction(
     dim: int = 0,
     seed: int = 0,
 ) -> LossCheck:
-    """Run ``module.training_step`` on ``batch`` whole and split over ``devices`` shards (all on ``device``, from a
-    deep copy in train mode), and report which rule combines the shards' losses into the whole batch's."""
+    """Run ``module.training_step`` on ``batch`` whole and split into ``devices`` shards of unequal sizes (all on
+    ``device``, from a deep copy in train mode), and report which rule combines the shards' losses into the whole
+    batch's."""
     target = to_device(device)
     replica = copy.deepcopy(module).to(target).train()
     batch = move_to(batch, target)
@@ -106,12 +115,19 @@ def check_loss_reduction(
 
     whole, declared = loss_of(batch)
     noise = abs(loss_of(batch, seed + 1)[0] - whole)
-    chunks, sizes = split_batch(batch, [target] * devices, dim)
+    chunks, sizes = split_batch(batch, [target] * devices, dim, sizes=_uneven_sizes(batch_size_of(batch, dim), devices))
     shard_losses = [loss_of(chunk)[0] for chunk in chunks]
     result = LossCheck(whole, noise=noise, declared=declared)
     for rule in _candidates(module, batch, dim):
         result.predictions[rule.spec()] = _combine(rule, shard_losses, chunks, sizes)
     return result
+
+
+def _uneven_sizes(size: int, devices: int) -> list[int]:
+    """Shards of unequal sizes (the first the largest), so that sample and equal weights tell apart."""
+    devices = max(1, min(devices, size))
+    small = max(1, size // (2 * devices))
+    return [size - small * (devices - 1), *([small] * (devices - 1))]
 
 
 def _candidates(module: nn.Module, batch: Any, dim: int) -> list[LossNormalization]:
