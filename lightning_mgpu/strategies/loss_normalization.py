@@ -241,6 +241,12 @@ def _labels_key(batch: Any) -> Path | None:
     return None
 
 
+def labels_spec(batch: Any) -> str:
+    """How ``loss_reduction`` names this batch's labels (``labels``, ``1``), or ``<labels key>`` when unclear."""
+    key = _labels_key(batch)
+    return ".".join(map(str, key)) if key is not None else "<labels key>"
+
+
 def lookup(batch: Any, path: Path) -> Tensor:
     """The tensor at ``path`` (dict keys and positions) in ``batch``."""
     value = batch

@@ -24,6 +24,7 @@ from lightning_mgpu.strategies.loss_normalization import (
     LossNormalization,
     assumed_samples_notice,
     known_rule,
+    labels_spec,
     uncombinable_loss,
 )
 from lightning_mgpu.strategies.namespace import Accelerator, CheckpointIO, PrecisionPlugin
@@ -118,7 +119,7 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
                     module, sizes, call, lambda outs: implied_loss_weights(outs, rule, weights)
                 )
                 if hook == "training_step":  # said once the step ran: a step that fails says so by itself
-                    self._say_rule(outputs, source)
+                    self._say_rule(outputs, source, args[0])
         if all_or_none(outputs, hook):
             return None
         if hook == "training_step":
@@ -154,7 +155,7 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         known = known_rule(self.lightning_module, batch)
         return known if known is not None else (SAMPLES, None)
 
-    def _say_rule(self, outputs: list[Any], source: str | None) -> None:
+    def _say_rule(self, outputs: list[Any], source: str | None, batch: Any) -> None:
         """Once per run: the rule found and where from, or the assumption with its fixes; nothing when the step
         weights its own loss (``loss_weight`` / ``loss_terms``) or ``loss_reduction`` was given."""
         if self._rule_said or self.loss_reduction != "auto":
@@ -174,7 +175,7 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
             warnings.warn(f"parallel_criterion: {uncombinable}.", UserWarning, stacklevel=2)
             return
         fixes = (
-            "declare it: ParallelCriterionStrategy(loss_reduction='sum' | 'tokens:<labels key>') (CLI: "
+            f"declare it: ParallelCriterionStrategy(loss_reduction='sum' | 'tokens:{labels_spec(batch)}') (CLI: "
             "--trainer.strategy.init_args.loss_reduction=...), or return {'loss': loss, 'loss_weight': <count it "
             "averages over>} from training_step. A loss that couples samples across the batch (contrastive) needs "
             "self.all_gather(..., sync_grads=True) in the step, or strategy='dp'"
