@@ -41,6 +41,7 @@ class LossCheck:
     predictions: dict[str, float] = field(default_factory=dict)
     noise: float = 0.0
     declared: str | None = None
+    known: str | None = None  # the rule the strategy finds by itself, and from what
 
     def errors(self) -> dict[str, float]:
         return {spec: abs(value - self.whole) for spec, value in self.predictions.items()}
@@ -67,6 +68,8 @@ class LossCheck:
             )
         if self.declared is not None:
             lines.append(f"the step declares its own weights ({self.declared}): parallel_criterion uses them")
+        elif self.known is not None and self.rule is not None and self.known.split(" ")[0] in self.fits():
+            lines.append(f"parallel_criterion finds {self.known} by itself: nothing to declare")
         elif len(self.fits()) > 1:
             lines.append(
                 f"these rules coincide on this batch: {', '.join(map(repr, self.fits()))} (e.g. no ignored label): "
@@ -117,7 +120,10 @@ def check_loss_reduction(
     noise = abs(loss_of(batch, seed + 1)[0] - whole)
     chunks, sizes = split_batch(batch, [target] * devices, dim, sizes=_uneven_sizes(batch_size_of(batch, dim), devices))
     shard_losses = [loss_of(chunk)[0] for chunk in chunks]
+    known = known_rule(module, batch)
     result = LossCheck(whole, noise=noise, declared=declared)
+    if known is not None:
+        result.known = f"{known[0].spec()} (from {known[1]})"
     for rule in _candidates(module, batch, dim):
         result.predictions[rule.spec()] = _combine(rule, shard_losses, chunks, sizes)
     return result
@@ -135,18 +141,20 @@ def _candidates(module: nn.Module, batch: Any, dim: int) -> list[LossNormalizati
     known = known_rule(module, batch)
     if known is not None:
         rules.append(known[0])
-    for path in _integer_label_paths(batch, dim):
-        rules += [LossNormalization("tokens", path), LossNormalization("tokens", path, shifted=True)]
+    for path, labels in _integer_label_paths(batch, dim):
+        rules.append(LossNormalization("tokens", path))
+        if labels.dim() > dim + 1:  # rows of tokens: a causal LM's shift is possible
+            rules.append(LossNormalization("tokens", path, shifted=True))
     return list(dict.fromkeys(rules))
 
 
-def _integer_label_paths(batch: Any, dim: int) -> list[tuple[Any, ...]]:
+def _integer_label_paths(batch: Any, dim: int) -> list[tuple[tuple[Any, ...], Tensor]]:
     """Keys of the batch's integer tensors with a batch dimension, but the first input: possible labels."""
     items = (
         batch.items() if isinstance(batch, Mapping) else enumerate(batch) if isinstance(batch, (list, tuple)) else []
     )
     return [
-        (key,)
+        ((key,), value)
         for key, value in items
         if isinstance(value, Tensor)
         and not (value.is_floating_point() or value.dtype == torch.bool)

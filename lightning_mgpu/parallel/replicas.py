@@ -55,6 +55,11 @@ def replicate(module: nn.Module, devices: Sequence[DeviceLike], detach: bool = F
         return ReplicaSet(module, devices).prepare(linked=True)
 
 
+SYNC_BATCHNORM_THREADS = (
+    "SyncBatchNorm layers make the replicas meet inside every BatchNorm layer: replicas run in threads"
+)
+
+
 class ReplicaSet:
     """Lasting replicas of ``module``, one per device of ``devices`` (devices may repeat: "virtual devices").
 
@@ -213,7 +218,7 @@ class ReplicaSet:
             ) if switched else None
         if sync:
             switched = resolve_mode(requested, devices) == "sequential"
-            reason = "SyncBatchNorm layers make the replicas meet inside every BatchNorm layer: replicas run in threads"
+            reason = SYNC_BATCHNORM_THREADS
             return "threads", reason if switched else None
         return requested, None
 

@@ -190,7 +190,8 @@ def _criterion_rule(module: nn.Module, batch: Any, method: str) -> tuple[LossNor
     criteria = [
         m
         for name, m in module.named_modules()
-        if isinstance(m, nn.modules.loss._Loss) and (source is None or f"self.{name.split('.')[0]}" in source)
+        if isinstance(m, nn.modules.loss._Loss)
+        and (source is None or re.search(rf"\b\w+\.{re.escape(name.split('.')[0])}\b", source))
     ]
     rules = {_rule_of(c, batch) for c in criteria}
     if len(rules) != 1 or None in rules:
@@ -207,7 +208,7 @@ def _method_source(module: nn.Module, method: str) -> str | None:
         source = inspect.getsource(getattr(type(module), method))
     except (AttributeError, OSError, TypeError):
         return None
-    called = set(re.findall(r"self\.(\w+)\(", source)) - {method}
+    called = set(re.findall(r"\b\w+\.(\w+)\(", source)) - {method}
     for name in called:
         with contextlib.suppress(AttributeError, OSError, TypeError):
             source += inspect.getsource(getattr(type(module), name))

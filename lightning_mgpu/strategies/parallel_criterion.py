@@ -174,11 +174,17 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         if uncombinable is not None:
             warnings.warn(f"parallel_criterion: {uncombinable}.", UserWarning, stacklevel=2)
             return
+        coupled = (
+            " (with all_gather: exact for a mean over this device's rows of the gathered batch, or a whole-batch loss "
+            "every device computes alike)"
+            if self._collectives_reason(self.lightning_module) is not None
+            else ". A loss that couples samples across the batch (contrastive) needs self.all_gather(..., "
+            "sync_grads=True) in the step, or strategy='dp'"
+        )
         fixes = (
             f"declare it: ParallelCriterionStrategy(loss_reduction='sum' | 'tokens:{labels_spec(batch)}') (CLI: "
             "--trainer.strategy.init_args.loss_reduction=...), or return {'loss': loss, 'loss_weight': <count it "
-            "averages over>} from training_step. A loss that couples samples across the batch (contrastive) needs "
-            "self.all_gather(..., sync_grads=True) in the step, or strategy='dp'"
+            f"averages over>}} from training_step{coupled}"
         )
         notice = assumed_samples_notice("parallel_criterion", "the training loss", fixes)
         warnings.warn(notice, UserWarning, stacklevel=2)

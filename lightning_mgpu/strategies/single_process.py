@@ -24,7 +24,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_mgpu.parallel import collectives, sync_batchnorm
-from lightning_mgpu.parallel.replicas import ReplicaCache
+from lightning_mgpu.parallel.replicas import SYNC_BATCHNORM_THREADS, ReplicaCache
 from lightning_mgpu.parallel.run_replicas import EXECUTION_MODES, ExecutionMode, add_note, resolve_mode
 from lightning_mgpu.strategies.lightning_replicas import LightningReplicas
 from lightning_mgpu.strategies.namespace import Accelerator, CheckpointIO, LightningNamespace, PrecisionPlugin
@@ -210,6 +210,9 @@ class SingleProcessParallel:
             resolve_mode(self.execution_mode, devices)
         ]
         chosen = " (execution_mode='auto')" if self.execution_mode == "auto" else ""
+        meets = self._meeting_reason()
+        if meets is not None and mode == "one after another":  # the first step then says why, once
+            mode, chosen = "in threads, one per device", f" ({meets.partition(':')[0]})"
         physical = len({(d.type, d.index) for d in devices})
         virtual = f"; virtual devices: {physical} physical device(s)" if physical < len(devices) else ""
         where = ", ".join(str(d) for d in devices)
@@ -273,6 +276,14 @@ class SingleProcessParallel:
         if reason is not None:
             self._announce(reason, f"{reason}.")
         return mode
+
+    def _meeting_reason(self) -> str | None:
+        """What the first-step announcement of threads will say, when set-up can tell already (sync_batchnorm, or
+        collectives in the module's code); ``None`` otherwise."""
+        meets = self._collectives_reason(self.lightning_module)
+        if meets is not None:
+            return f"{meets}: replicas run in threads so that they meet"
+        return SYNC_BATCHNORM_THREADS if self._layer_sync is not None else None
 
     def _collectives_reason(self, module: nn.Module) -> str | None:
         """Why the replicas of ``module`` meet inside a step (collectives), or ``None``; the strategies that run the
