@@ -1,43 +1,22 @@
 """Single-process SyncBatchNorm: BatchNorm statistics over the whole batch, across the replicas of one call.
 
-Under ``DataParallelModel`` and the single-process strategies each replica runs its BatchNorm layers on its own shard,
-so a BatchNorm model drifts from one-device training. :class:`SyncBatchNorm` makes every replica normalise with the
-statistics of the *whole* batch, weighted by each shard's size (so uneven shards, 4/3/3, are exact), with exact
-gradients, and keeps the running statistics one device would keep.
+Each replica computes its shard's statistics and meets the others at the layer (the k-th call of a layer in one
+replica pairs with the k-th call in the others). The last to arrive runs one autograd node over every replica's input:
+statistics combined in replica order, weighted by shard size (exact for uneven shards), running statistics updated on
+replica 0 (the module's own buffers). Its backward combines the gradient sums the same way, so backward needs no
+rendezvous. CUDA uses torch's batch-norm primitives without host synchronisation; other devices use plain tensor ops.
 
-How: the replicas of one :func:`~.run_replicas.run_replicas` call form a group. In training mode each
-replica computes its shard's statistics, then meets the others at the layer (a rendezvous in forward; the k-th call of
-a layer in one replica pairs with the k-th call in the others). The last one to arrive runs *one* autograd node over
-every replica's input: it combines the statistics in replica order (deterministic), normalises every shard on its
-device and updates the running statistics of replica 0, whose buffers are the module's own. Its backward combines the
-gradient sums of all replicas the same way, so the autograd engine computes exact gradients without any rendezvous in
-backward. On CUDA the node uses torch's batch-norm primitives (``torch.batch_norm_stats``,
-``..._gather_stats_with_counts``, ``..._elemt``, ``..._backward_reduce``, ``..._backward_elemt``: the kernels of
-``torch.nn.SyncBatchNorm``) and does no host synchronisation; elsewhere (the CPU has no such kernels) it uses plain
-tensor ops. Statistics are float32 at least (half and bfloat16 inputs, autocast), float64 for float64 inputs; outputs
-have the input's dtype, as BatchNorm's.
-
-Outside a replicated call (one device, a plain call), in a call with one replica, or in eval mode with running
-statistics, the layer is exactly ``BatchNorm``. Its state dict has BatchNorm's keys.
-
-Requirements and limits:
-
-* The replicas must run concurrently (``execution_mode="threads"``): a sync layer reached in a call that runs its
-  replicas one after another raises at once. :func:`uses_sync_batchnorm` tells whether a model needs threads in its
-  current mode.
-* Every replica must call the sync layers the same number of times in the same order. A replica that skips a layer,
-  reaches them in another order, or raises never hangs the others: they fail with an error naming the layer (its
-  dotted name, recorded by :func:`convert_sync_batchnorm` and :func:`uses_sync_batchnorm`) and the replicas concerned,
-  and ``run_replicas`` re-raises the root cause.
-* The replicas' outputs must be backpropagated in one ``backward`` call (as a reduced loss is), and double backward
-  through the layer is not supported. Activation checkpointing that recomputes a sync layer in backward recomputes it
-  without its peers (as a plain BatchNorm): do not checkpoint segments that contain sync layers.
+Outside a replicated call, with one replica, or in eval mode with running statistics, the layer is ``BatchNorm``.
+Limits: the replicas must run in threads; every replica calls the sync layers the same number of times in the same
+order (a replica that does not makes the others fail with an error naming the layer, never hang); the outputs are
+backpropagated in one ``backward`` (no double backward, no checkpointed segments holding sync layers).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +25,7 @@ from torch import Tensor, nn
 from torch.autograd.function import Function, FunctionCtx, once_differentiable
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
+from typing_extensions import override
 
 from lightning_mgpu.parallel.replica_group import RendezvousError, ReplicaContext, current_replica
 
@@ -64,17 +44,14 @@ _INPUT_DIMS: tuple[tuple[type[_BatchNorm], tuple[int, ...]], ...] = (
 )
 
 
+@dataclass(eq=False)
 class _LayerKey:
     """Identity of one sync layer, shared with its replicas: it lives in the layer's ``__dict__``, which replication
-    (``Module._replicate_for_data_parallel``) copies shallowly, so replicas hold this very object and find each other
-    by it, while ``copy.deepcopy`` makes a new one (a deep copy is another layer). Also records the layer's dotted
-    name (for error messages) and the BatchNorm class it was converted from (for :func:`revert_sync_batchnorm`)."""
+    copies shallowly (replicas hold this very object and find each other by it) and ``copy.deepcopy`` does not (a deep
+    copy is another layer). Records the dotted name (for errors) and the class converted from (for reverting)."""
 
-    __slots__ = ("name", "original_class")
-
-    def __init__(self, name: str | None = None, original_class: type[_BatchNorm] | None = None) -> None:
-        self.name = name
-        self.original_class = original_class
+    name: str | None = None
+    original_class: type[_BatchNorm] | None = None
 
 
 class SyncBatchNorm(_BatchNorm):
@@ -142,7 +119,7 @@ class _Part:
     stats: tuple[Tensor, Tensor] | None  # this shard's statistics (kernel-specific), None for an empty shard
     count: int  # values per channel in this shard
     stream: torch.cuda.Stream | None
-    kernels: type[_Kernels]
+    kernels: type[_PlainKernels]
     layer: SyncBatchNorm | None  # replica 0 only: its buffers are the module's own
 
 
@@ -163,7 +140,7 @@ def _synced_forward(layer: SyncBatchNorm, input: Tensor, replica: ReplicaContext
         raise ValueError(f"{label} expects {layer.num_features} channels (dim 1) but got input of shape {input.shape}.")
     x = _contiguous(input)
     count = x.numel() // x.size(1)
-    kernels: type[_Kernels] = _CudaKernels if x.is_cuda else _PlainKernels
+    kernels: type[_PlainKernels] = _CudaKernels if x.is_cuda else _PlainKernels
     stats = None
     if count:
         with torch.no_grad():
@@ -245,7 +222,7 @@ class _Running:
 class _Plan:
     """Everything the joint node needs besides its tensor inputs."""
 
-    kernels: type[_Kernels]
+    kernels: type[_PlainKernels]
     counts: tuple[int, ...]
     stats: tuple[tuple[Tensor, Tensor] | None, ...]
     streams: tuple[torch.cuda.Stream | None, ...]
@@ -283,15 +260,15 @@ class _JointBatchNorm(Function):
                 outputs.append(kernels.normalize(xs[i], weights[i], biases[i], mean_i, invstd_i, plan.eps))
             else:
                 outputs.append(torch.empty_like(xs[i]))
-        ctx.plan = _BackwardPlan(kernels, plan.counts, plan.streams)
+        ctx.plan = dataclasses.replace(plan, stats=(), running=None)  # no references kept past the forward
         ctx.save_for_backward(*xs, *weights, *stats)
         return tuple(outputs)
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
-        plan: _BackwardPlan = ctx.plan
-        n, kernels = len(plan.counts), plan.kernels
+        plan: _Plan = ctx.plan
+        n, kernels = plan.size, plan.kernels
         saved = ctx.saved_tensors
         xs, weights, stats = saved[:n], saved[n : 2 * n], saved[2 * n :]
         needs = ctx.needs_input_grad[1:]
@@ -300,7 +277,7 @@ class _JointBatchNorm(Function):
         grad_w: list[Tensor | None] = [None] * n
         grad_b: list[Tensor | None] = [None] * n
         input_grad = any(needs_x)
-        active = [i for i in range(n) if plan.counts[i]]
+        active = plan.active
         with _streams(plan.streams):
             dys = [_contiguous(g) for g in grads]
             sums = {}
@@ -332,13 +309,6 @@ class _JointBatchNorm(Function):
                         dys[i], xs[i], mean, invstd, weights[i], sum_dy, sum_dy_xmu, total
                     )
         return (None, *grad_x, *grad_w, *grad_b)
-
-
-@dataclass(frozen=True)
-class _BackwardPlan:
-    kernels: type[_Kernels]
-    counts: tuple[int, ...]
-    streams: tuple[torch.cuda.Stream | None, ...]
 
 
 def _spread(tensor: Tensor, devices: Sequence[torch.device]) -> list[Tensor]:
@@ -384,43 +354,58 @@ def _dims(x: Tensor) -> list[int]:
     return [0, *range(2, x.dim())]
 
 
-class _Kernels:
-    """Per-device steps of the joint node. ``local_stats`` returns a kernel-specific pair the same class combines."""
+def _upcast(x: Tensor) -> Tensor:
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+class _PlainKernels:
+    """The joint node's per-device steps in plain tensor ops, for devices without torch's batch-norm primitives (the
+    CPU); statistics in float32 at least. ``local_stats`` returns a pair that only the same class combines."""
 
     @staticmethod
     def local_stats(x: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-        raise NotImplementedError
+        var, mean = torch.var_mean(_upcast(x), _dims(x), correction=0)
+        return mean, var
 
     @staticmethod
     def joint_stats(
-        stats: Sequence[tuple[Tensor, Tensor]],
-        counts: Sequence[int],
-        root: torch.device,
-        eps: float,
-        running: _Running | None,
+        stats: Sequence[tuple[Tensor, Tensor]], counts: Sequence[int], root: torch.device, eps: float, running: Any
     ) -> tuple[Tensor, Tensor]:
         """Mean and inverse std of the whole batch on ``root``; updates ``running``."""
-        raise NotImplementedError
+        means = torch.stack([mean.to(root) for mean, _ in stats])
+        variances = torch.stack([var.to(root) for _, var in stats])
+        total = sum(counts)
+        weights = torch.tensor([c / total for c in counts], dtype=means.dtype, device=root).unsqueeze(1)
+        mean = (weights * means).sum(0)
+        var = (weights * (variances + (means - mean).square())).sum(0)  # within-shard + between-shard variance
+        if running is not None:
+            running.update(mean, var, total)
+        return mean, torch.rsqrt(var + eps)
 
     @staticmethod
     def normalize(
         x: Tensor, weight: Tensor | None, bias: Tensor | None, mean: Tensor, invstd: Tensor, eps: float
     ) -> Tensor:
-        raise NotImplementedError
+        shape = _shape(x)
+        scale = invstd if weight is None else invstd * weight.to(invstd.dtype)
+        y = (_upcast(x) - mean.view(shape)) * scale.view(shape)
+        if bias is not None:
+            y = y + bias.to(y.dtype).view(shape)
+        return y.to(x.dtype)
 
     @staticmethod
     def backward_reduce(
-        dy: Tensor,
-        x: Tensor,
-        mean: Tensor,
-        invstd: Tensor,
-        weight: Tensor | None,
-        input_g: bool,
-        weight_g: bool,
-        bias_g: bool,
+        dy: Tensor, x: Tensor, mean: Tensor, invstd: Tensor, weight: Tensor | None, *needs: bool
     ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
         """This shard's ``sum(dy)``, ``sum(dy * (x - mean))`` per channel, and its weight and bias gradients."""
-        raise NotImplementedError
+        dims = _dims(x)
+        dy32 = dy.to(mean.dtype)
+        sum_dy = dy32.sum(dims)
+        sum_dy_xmu = (dy32 * (_upcast(x) - mean.view(_shape(x)))).sum(dims)
+        _, weight_g, bias_g = needs
+        grad_weight = (sum_dy_xmu * invstd).to(weight.dtype) if weight_g and weight is not None else None
+        grad_bias = sum_dy.to(weight.dtype) if bias_g and weight is not None else None
+        return sum_dy, sum_dy_xmu, grad_weight, grad_bias
 
     @staticmethod
     def backward_elemt(
@@ -434,18 +419,25 @@ class _Kernels:
         total: int,
     ) -> Tensor:
         """The input gradient, given the sums over the whole batch (``total`` values per channel)."""
-        raise NotImplementedError
+        shape = _shape(x)
+        scale = invstd if weight is None else invstd * weight.to(invstd.dtype)
+        xmu = _upcast(x) - mean.view(shape)
+        mean_dy, mean_dy_xmu = (sum_dy / total).view(shape), (sum_dy_xmu / total).view(shape)
+        grad = dy.to(mean.dtype) - mean_dy - xmu * invstd.square().view(shape) * mean_dy_xmu
+        return (grad * scale.view(shape)).to(x.dtype)
 
 
-class _CudaKernels(_Kernels):
+class _CudaKernels(_PlainKernels):
     """torch's batch-norm primitives (those of ``torch.nn.SyncBatchNorm``): fused kernels, statistics in the
     accumulation type (float32 for half/bfloat16), no host synchronisation."""
 
     @staticmethod
+    @override
     def local_stats(x: Tensor, eps: float) -> tuple[Tensor, Tensor]:
         return torch.batch_norm_stats(x, eps)  # mean, invstd
 
     @staticmethod
+    @override
     def joint_stats(stats, counts, root, eps, running):
         means = torch.stack([mean.to(root, non_blocking=True) for mean, _ in stats])
         invstds = torch.stack([invstd.to(root, non_blocking=True) for _, invstd in stats])
@@ -467,14 +459,17 @@ class _CudaKernels(_Kernels):
         return mean, invstd
 
     @staticmethod
+    @override
     def normalize(x, weight, bias, mean, invstd, eps):
         return torch.batch_norm_elemt(x, weight, bias, mean, invstd, eps)
 
     @staticmethod
-    def backward_reduce(dy, x, mean, invstd, weight, input_g, weight_g, bias_g):
-        return torch.batch_norm_backward_reduce(dy, x, mean, invstd, weight, input_g, weight_g, bias_g)
+    @override
+    def backward_reduce(dy, x, mean, invstd, weight, *needs):
+        return torch.batch_norm_backward_reduce(dy, x, mean, invstd, weight, *needs)
 
     @staticmethod
+    @override
     def backward_elemt(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, total):
         if weight is not None and weight.dtype != mean.dtype:
             weight = weight.to(mean.dtype)
@@ -483,118 +478,64 @@ class _CudaKernels(_Kernels):
         return torch.batch_norm_backward_elemt(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, count)
 
 
-class _PlainKernels(_Kernels):
-    """Plain tensor ops, for devices without the primitives (the CPU). Statistics in float32 at least."""
-
-    @staticmethod
-    def local_stats(x: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-        var, mean = torch.var_mean(_upcast(x), _dims(x), correction=0)
-        return mean, var
-
-    @staticmethod
-    def joint_stats(stats, counts, root, eps, running):
-        means = torch.stack([mean.to(root) for mean, _ in stats])
-        variances = torch.stack([var.to(root) for _, var in stats])
-        total = sum(counts)
-        weights = torch.tensor([c / total for c in counts], dtype=means.dtype, device=root).unsqueeze(1)
-        mean = (weights * means).sum(0)
-        var = (weights * (variances + (means - mean).square())).sum(0)  # within-shard + between-shard variance
-        if running is not None:
-            running.update(mean, var, total)
-        return mean, torch.rsqrt(var + eps)
-
-    @staticmethod
-    def normalize(x, weight, bias, mean, invstd, eps):
-        shape = _shape(x)
-        scale = invstd if weight is None else invstd * weight.to(invstd.dtype)
-        y = (_upcast(x) - mean.view(shape)) * scale.view(shape)
-        if bias is not None:
-            y = y + bias.to(y.dtype).view(shape)
-        return y.to(x.dtype)
-
-    @staticmethod
-    def backward_reduce(dy, x, mean, invstd, weight, input_g, weight_g, bias_g):
-        dims = _dims(x)
-        dy32 = dy.to(mean.dtype)
-        sum_dy = dy32.sum(dims)
-        sum_dy_xmu = (dy32 * (_upcast(x) - mean.view(_shape(x)))).sum(dims)
-        grad_weight = (sum_dy_xmu * invstd).to(weight.dtype) if weight_g and weight is not None else None
-        grad_bias = sum_dy.to(weight.dtype) if bias_g and weight is not None else None
-        return sum_dy, sum_dy_xmu, grad_weight, grad_bias
-
-    @staticmethod
-    def backward_elemt(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, total):
-        shape = _shape(x)
-        scale = invstd if weight is None else invstd * weight.to(invstd.dtype)
-        xmu = _upcast(x) - mean.view(shape)
-        mean_dy, mean_dy_xmu = (sum_dy / total).view(shape), (sum_dy_xmu / total).view(shape)
-        grad = dy.to(mean.dtype) - mean_dy - xmu * invstd.square().view(shape) * mean_dy_xmu
-        return (grad * scale.view(shape)).to(x.dtype)
-
-
-def _upcast(x: Tensor) -> Tensor:
-    return x if x.dtype in (torch.float32, torch.float64) else x.float()
-
-
 # --- conversion ---------------------------------------------------------------------------------------------------
 def convert_sync_batchnorm(module: nn.Module) -> nn.Module:
-    """Replace every BatchNorm in ``module`` (``nn.BatchNorm1d/2d/3d``, ``nn.SyncBatchNorm``, any ``_BatchNorm``) by a
-    :class:`SyncBatchNorm`; return the converted module (a new object only when ``module`` itself is a BatchNorm).
+    """Replace every BatchNorm in ``module`` (any ``_BatchNorm``) by a :class:`SyncBatchNorm`; return the converted
+    module (a new object only when ``module`` itself is a BatchNorm): one process's
+    ``torch.nn.SyncBatchNorm.convert_sync_batchnorm``. Each new layer holds the same Parameter and buffer objects
+    (optimizers stay valid), flags, hooks and attributes, and records its dotted name and class for
+    :func:`revert_sync_batchnorm`. State dicts keep BatchNorm's keys."""
 
-    The analogue of ``torch.nn.SyncBatchNorm.convert_sync_batchnorm`` for one process. Each new layer holds the *same*
-    Parameter and buffer objects (optimizers stay valid, ``requires_grad`` is kept), the training flag, hooks and other
-    attributes of the layer it replaces, and records its dotted name and class so :func:`revert_sync_batchnorm` can
-    restore it. A layer used at several places stays one layer. State dicts keep BatchNorm's keys, so checkpoints load
-    into the unconverted model and back.
-    """
-    done: dict[int, nn.Module] = {}
-
-    def convert(sub: nn.Module, name: str) -> nn.Module:
-        if id(sub) in done:
-            return done[id(sub)]
-        if isinstance(sub, _BatchNorm) and not isinstance(sub, SyncBatchNorm):
-            new = _retype(sub, SyncBatchNorm, name)
-            new._sync_key = _LayerKey(name, type(sub))
-        else:
-            new = sub
-            if isinstance(sub, SyncBatchNorm) and _key_of(sub).name is None:
-                _key_of(sub).name = name
-            for child_name, child in list(sub._modules.items()):
-                if child is not None:
-                    sub._modules[child_name] = convert(child, f"{name}.{child_name}" if name else child_name)
-        done[id(sub)] = new
+    def convert(sub: nn.Module, name: str) -> nn.Module | None:
+        if isinstance(sub, SyncBatchNorm) and _key_of(sub).name is None:
+            _key_of(sub).name = name
+        if not isinstance(sub, _BatchNorm) or isinstance(sub, SyncBatchNorm):
+            return None
+        new = _retype(sub, SyncBatchNorm, name)
+        new._sync_key = _LayerKey(name, type(sub))
         return new
 
-    return convert(module, "")
+    return _replace_layers(module, convert)
 
 
 def revert_sync_batchnorm(module: nn.Module, default: type[_BatchNorm] | None = None) -> nn.Module:
     """Turn every :class:`SyncBatchNorm` in ``module`` back into the BatchNorm class it was converted from (``default``
     for layers built as SyncBatchNorm directly), keeping the same Parameter and buffer objects; return the module."""
-    done: dict[int, nn.Module] = {}
 
-    def revert(sub: nn.Module, name: str) -> nn.Module:
-        if id(sub) in done:
-            return done[id(sub)]
-        if isinstance(sub, SyncBatchNorm):
-            cls = _key_of(sub).original_class or default
-            if cls is None:
-                raise ValueError(
-                    f"SyncBatchNorm layer {name or '<the root module>'!r} was built directly, not by "
-                    "convert_sync_batchnorm, so the BatchNorm class to restore is unknown: pass e.g. "
-                    "revert_sync_batchnorm(model, default=nn.BatchNorm2d)."
-                )
-            new = _retype(sub, cls, name)
-            new.__dict__.pop("_sync_key", None)
-        else:
-            new = sub
-            for child_name, child in list(sub._modules.items()):
-                if child is not None:
-                    sub._modules[child_name] = revert(child, f"{name}.{child_name}" if name else child_name)
-        done[id(sub)] = new
+    def revert(sub: nn.Module, name: str) -> nn.Module | None:
+        if not isinstance(sub, SyncBatchNorm):
+            return None
+        cls = _key_of(sub).original_class or default
+        if cls is None:
+            raise ValueError(
+                f"SyncBatchNorm layer {name or '<the root module>'!r} was built directly, not by "
+                "convert_sync_batchnorm, so the BatchNorm class to restore is unknown: pass e.g. "
+                "revert_sync_batchnorm(model, default=nn.BatchNorm2d)."
+            )
+        new = _retype(sub, cls, name)
+        new.__dict__.pop("_sync_key", None)
         return new
 
-    return revert(module, "")
+    return _replace_layers(module, revert)
+
+
+def _replace_layers(module: nn.Module, replace: Callable[[nn.Module, str], nn.Module | None]) -> nn.Module:
+    """``module`` with each submodule for which ``replace(sub, dotted_name)`` returns a layer swapped for it (children
+    of swapped layers are not visited). A module used at several places is replaced once, by one new object."""
+    done: dict[int, nn.Module] = {}
+
+    def visit(sub: nn.Module, name: str) -> nn.Module:
+        if id(sub) not in done:
+            new = replace(sub, name)
+            if new is None:
+                new = sub
+                for child_name, child in list(sub._modules.items()):
+                    if child is not None:
+                        sub._modules[child_name] = visit(child, f"{name}.{child_name}" if name else child_name)
+            done[id(sub)] = new
+        return done[id(sub)]
+
+    return visit(module, "")
 
 
 def _retype(layer: _BatchNorm, cls: type[_BatchNorm], name: str) -> Any:
