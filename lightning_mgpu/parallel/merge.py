@@ -1,25 +1,11 @@
-"""Merge per-replica outputs into what one device would have returned for the whole batch: one rule set.
+"""Merge per-replica outputs into what one device would have returned for the whole batch.
 
-Used for ``DataParallelModel.gather``, the ``dp`` strategy's forward outputs and ``parallel_criterion``'s step outputs.
-Unlike torch's ``gather`` (:mod:`.gather`), which stacks 0-dim tensors into one value per replica, it averages
-scalars as one device's whole-batch mean would be.
-Given each replica's output and its sample count, in batch order:
-
-* tensors (and numpy arrays) with a batch dimension are concatenated along ``dim``, as ``nn.DataParallel`` gathers:
-  per-sample values and flattened per-element ones (``preds[mask]``) come back whole; a statistic without a sample
-  dimension (a ``(C, C)`` confusion matrix) comes back stacked along ``dim``, to be summed; arrays whose other
-  dimensions differ come back as :class:`ReplicaValues`;
-* scalars (0-dim tensors, numbers) equal on every replica come back as they are; otherwise they are averaged,
-  weighted by each replica's sample count or by the weights the caller gives for that value (a loss normalised
-  over tokens). Exact for a mean; for a sum or a count return per-sample values instead. ``nn.DataParallel`` stacks
-  them into one value per replica, which a loss cannot use;
-* :class:`PerSample` lists, and lists or tuples with one item per sample (ids, records), are concatenated; other
-  sequences, mappings (``transformers`` ``ModelOutput`` included), dataclasses and namedtuples are gathered field by
-  field;
-* ``None`` on every replica is ``None``; on some only, or a key missing on some replicas, is an error naming the
-  value and the replicas — never a silent drop;
-* anything else equal on every replica is kept; otherwise it comes back as :class:`ReplicaValues`, one value per
-  replica, which fails loudly when used as one device's value.
+The one rule set for ``DataParallelModel.gather``, ``dp``'s forward outputs and ``parallel_criterion``'s step outputs.
+Given each replica's output and sample count, in batch order: arrays with a batch dimension are concatenated along
+``dim``; scalars equal on every replica are kept, others averaged, weighted by sample counts or by the caller's
+weights (torch's ``gather`` stacks them instead: :mod:`.gather`); per-sample lists are concatenated; containers are
+merged field by field; anything else equal on every replica is kept, otherwise returned as :class:`ReplicaValues`.
+``None`` or a key on some replicas only is an error naming the value and the replicas, never a silent drop.
 """
 
 from __future__ import annotations
@@ -48,11 +34,8 @@ from lightning_mgpu.parallel.scatter_gather import (
 
 
 class ReplicaValues(list):
-    """A value that cannot be merged into one device's: one entry per replica, in batch order.
-
-    Returned for values that differ between replicas and have no rule to combine them (arrays whose non-batch
-    dimensions differ, objects). Using it as the value one device would have returned fails with an explanation.
-    """
+    """A value that differs between replicas and has no rule to merge it (objects, arrays whose non-batch dimensions
+    differ): one entry per replica, in batch order. Using it as one device's value fails with an explanation."""
 
     def __getattr__(self, name: str) -> Any:
         raise AttributeError(
@@ -201,13 +184,9 @@ class _Merger:
         return ReplicaValues(outputs)
 
     def _per_sample(self, outputs: list[Sequence[Any]]) -> bool:
-        """A list or tuple with one item per sample on every replica, rather than a fixed structure (preds, y).
-
-        The lengths must equal the replicas' sample counts; when those differ between replicas, that settles it.
-        When they are equal, the items decide: strings, and in lists also numbers and 0-dim tensors, are per-sample
-        (a tuple of numbers is a structure such as ``(loss, acc)``); dicts and dataclasses are per-sample records
-        unless every tensor in them is batched (one dict per decoder layer, say); tensors are per-sample when ragged.
-        """
+        """A list or tuple with one item per sample on every replica, not a fixed structure such as ``(preds, y)``:
+        lengths equal to sample counts that differ between replicas settle it; else strings (and in lists, numbers)
+        are per-sample, records are unless every tensor in them is batched, tensors are when ragged."""
         sizes = self.sizes
         if sizes is None or any(len(o) != n for o, n in zip(outputs, sizes, strict=True)):
             return False

@@ -59,11 +59,9 @@ class DataParallelModel(nn.Module):
             Compiled modules run one replica after another (Dynamo is not thread-safe); training with
             :class:`SyncBatchNorm` layers runs them in threads (the replicas meet inside each layer).
 
-    Any output type works: tensor, tuple, list, dict, dataclass, ``transformers`` ``ModelOutput``. With one device (or
-    a batch of one sample) the module is called directly (no replica; inputs are moved to the device only if some are
-    elsewhere). Inputs with no batch dimension (no inputs at all, or plain values) run once on ``device_ids[0]``, as
-    ``nn.DataParallel`` runs a module without inputs. Replicas are built once and reused across calls (rebuilt when
-    the module's structure changes). After each call, :attr:`last_split_sizes` holds each replica's sample count.
+    Any output type works. With one device, or a batch of one sample, the module is called directly; inputs with no
+    batch dimension run once on ``device_ids[0]``, as under ``nn.DataParallel``. Replicas last across calls (rebuilt
+    when the module's structure changes). :attr:`last_split_sizes` holds each replica's sample count of the last call.
     """
 
     def __init__(
@@ -118,11 +116,8 @@ class DataParallelModel(nn.Module):
         return outputs
 
     def gather(self, outputs: Sequence[Any]) -> Any:
-        """Concatenate per-device outputs on ``output_device`` (for metrics, logging, visualisation).
-
-        Outputs of the last call are gathered with its split sizes, which tell per-sample lists of plain items (ids)
-        from fixed ones even when the outputs hold no tensor to read a batch size from.
-        """
+        """Concatenate per-device outputs on ``output_device`` (for metrics, logging), with the last call's split
+        sizes, which tell per-sample lists of plain items (ids) from fixed ones."""
         sizes = self.last_split_sizes if len(self.last_split_sizes) == len(outputs) else None
         return merge_outputs(outputs, self.output_device, self.dim, sizes=sizes)
 
@@ -192,14 +187,9 @@ def _criterion_option(criterion: Any, kwargs: dict[str, Any], name: str, default
 def _count_weight(
     criterion: Any, output: Any, targets: tuple[Any, ...], kwargs: dict[str, Any], dim: int
 ) -> float | Tensor:
-    """How many items this replica's mean loss averages over, so the weighted mean equals the whole-batch mean.
-
-    Class-index targets of a criterion with ``ignore_index`` (CrossEntropyLoss, NLLLoss, ``F.cross_entropy``,
-    ``F.nll_loss``, partials of them) count non-ignored targets, each weighted by its class ``weight`` when the
-    criterion has one (that is torch's own normaliser). Anything else
-    counts samples along ``dim``; with a fixed per-sample shape this is proportional to the element count that
-    element-wise losses (MSE, BCE...) average over.
-    """
+    """How many items this replica's mean loss averages over, so the weighted mean equals the whole-batch mean: the
+    non-ignored class-index targets, weighted by the class ``weight`` if any (torch's own normaliser), for criteria
+    with ``ignore_index``; else samples along ``dim`` (proportional to what element-wise losses average over)."""
     target = targets[0] if targets else kwargs.get("target")
     ignore_index = _criterion_option(criterion, kwargs, "ignore_index", None)
     if isinstance(target, Tensor) and isinstance(ignore_index, int) and not target.is_floating_point():
@@ -225,17 +215,13 @@ def _count_weight(
 class DataParallelCriterion(nn.Module):
     """Compute ``criterion`` on every device from :class:`DataParallelModel`'s per-device outputs.
 
-    Call it as ``criterion(outputs, *targets, **kwargs)`` with the *whole* targets: they are split exactly as the
-    outputs are (by each output's batch size along ``dim``, or as the inputs were when that cannot be read) and
-    moved to each output's device. Targets without a batch dimension (or none at all) go whole to every replica.
-    A plain-tuple output is unpacked into positional arguments (so ``(anchor, positive, negative)`` feeds a
-    ``TripletMarginLoss``); other outputs are passed as one argument. With a single output (one device, or a batch
-    of one sample) the criterion is simply called on it.
+    Call it as ``criterion(outputs, *targets, **kwargs)`` with the whole targets: they are split as the outputs are
+    and moved to each output's device; targets without a batch dimension go whole to every replica. A plain-tuple
+    output is unpacked into positional arguments (``(anchor, positive, negative)`` for ``TripletMarginLoss``).
 
-    The per-device losses are reduced on the root device (``device_ids[0]``) according to ``criterion.reduction``:
-    ``"mean"`` (default): weighted by per-device counts (:func:`_count_weight`), equal to the whole-batch value;
-    ``"sum"``: summed; ``"none"``: per-sample losses concatenated on the root. ``weight_fn(output, targets)``
-    overrides the count for criteria whose normaliser is something else.
+    The losses are reduced on ``device_ids[0]`` by ``criterion.reduction``: ``"mean"`` weighted by per-device counts
+    (equal to the whole-batch value; ``weight_fn(output, targets)`` gives another count), ``"sum"`` summed, ``"none"``
+    concatenated.
     """
 
     def __init__(
@@ -352,10 +338,8 @@ class DataParallelCriterion(nn.Module):
     def _split_targets(
         self, outputs: list[Any], targets: tuple[Any, ...], kwargs: dict[str, Any], devices: list[torch.device]
     ) -> tuple[list[tuple[Any, ...]], list[dict[str, Any]]]:
-        """Targets chunked exactly as the outputs are: by the outputs' own batch sizes when every output has one.
-
-        Options of ``F.cross_entropy`` / ``F.nll_loss`` passed as keywords (the per-class ``weight``...) go whole.
-        """
+        """Targets chunked exactly as the outputs are (by their own batch sizes when every output has one); options
+        of ``F.cross_entropy`` / ``F.nll_loss`` passed as keywords (the class ``weight``...) go whole."""
         options = _function_defaults(self.criterion)
         whole = {k: v for k, v in kwargs.items() if k in options}
         if whole:

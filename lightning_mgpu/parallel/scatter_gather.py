@@ -1,15 +1,10 @@
-"""Split a batch into per-device chunks (the inverse, gathering outputs back, is :mod:`.gather`).
+"""Split a batch into per-device chunks (gathering outputs back is :mod:`.gather` and :mod:`.merge`).
 
-Batches are nested tuples, lists, dicts (any ``Mapping``, including ``transformers`` ``ModelOutput``), namedtuples and
-dataclasses of tensors. Tensors are split along ``dim`` with ``torch.tensor_split`` (10 over 4 gives 3, 3, 2, 2, better
-balanced than ``torch.chunk``'s 3, 3, 3, 1). A list of non-tensor items whose length equals the batch size (strings,
-ids) is split the same way; any other non-tensor, and 0-dim tensors, go whole to every replica. A batch smaller than
-the number of devices uses fewer replicas.
-
-Lists of per-sample items that hold tensors (detection targets ``[{"boxes": (n_i, 4)}, ...]``, images of different
-sizes) cannot be told from fixed structures by their shape alone: a list of 2 dicts of batched tensors, or every
-image having exactly B boxes, read either way. Mark them: :class:`PerSample` ``(items)`` is split by item. Unmarked,
-such a list is read as a structure, and when that makes the batch sizes disagree the error says to mark it.
+Batches are nested mappings (``ModelOutput`` included), lists, tuples, namedtuples and dataclasses. Tensors are split
+along ``dim`` with ``torch.tensor_split`` (10 over 4 gives 3, 3, 2, 2); a list of plain items as long as the batch
+(strings, ids) is split the same way; anything else, 0-dim tensors included, goes whole to every replica. Lists of
+per-sample items holding tensors (detection targets) cannot be told from structures by shape: mark them
+:class:`PerSample`.
 """
 
 from __future__ import annotations
@@ -61,20 +56,15 @@ def contains_tensor(obj: Any) -> bool:
 
 
 def _is_per_sample_list(obj: Any, batch_size: int | None) -> bool:
-    """A list or tuple of plain items (e.g. ids) with one item per sample: split like a tensor.
-
-    A tuple counts only when it holds strings: ``ids, images = zip(*samples)`` in a collate function makes a tuple of
-    ids, while a tuple of numbers is more often an option such as ``size=(16, 16)`` or a ``torch.Size``.
-    """
+    """A list of plain items (e.g. ids), or a tuple of strings (``ids, images = zip(*samples)``), with one item per
+    sample: split like a tensor. Tuples of numbers are more often options such as ``size=(16, 16)``."""
     if batch_size is None or not isinstance(obj, (list, tuple)) or len(obj) != batch_size:
         return False
-    if isinstance(obj, list):
-        return not contains_tensor(obj)
-    return _is_tuple_of_strings(obj)
+    return not contains_tensor(obj) if isinstance(obj, list) else _is_string_sequence(obj)
 
 
-def _is_tuple_of_strings(obj: Any) -> bool:
-    return isinstance(obj, tuple) and not is_namedtuple(obj) and all(isinstance(x, str) for x in obj)
+def _is_string_sequence(obj: Any) -> bool:
+    return _is_plain_sequence(obj) and all(isinstance(x, str) for x in obj)
 
 
 def iter_nodes(
@@ -112,16 +102,9 @@ def iter_tensors(
 
 
 def batch_size_of(obj: Any, dim: int = 0, path: str = "batch") -> int:
-    """The size along ``dim`` shared by every tensor that has that dim (0-dim tensors are ignored), or the length of
-    the batch's :class:`PerSample` lists.
-
-    Raises :class:`BatchSplitError` naming both key paths when two disagree, and when there is no tensor.
-    """
-    return _infer_batch_size(obj, dim, path, type(obj).__name__)
-
-
-def _infer_batch_size(obj: Any, dim: int, path: str, what: str) -> int:
-    return _infer_from_roots([(path, obj)], dim, what)
+    """The size along ``dim`` shared by every tensor that has that dim, or the length of the batch's
+    :class:`PerSample` lists; a :class:`BatchSplitError` naming both key paths when two disagree, or with no tensor."""
+    return _infer_from_roots([(path, obj)], dim, type(obj).__name__)
 
 
 def _infer_from_roots(roots: Sequence[tuple[str, Any]], dim: int, what: str) -> int:
@@ -149,7 +132,7 @@ def _infer_from_roots(roots: Sequence[tuple[str, Any]], dim: int, what: str) -> 
         return _common_size(tensors, dim, what)
     except NothingToSplitError:
         raise
-    except BatchSplitError as err:
+    except BatchSplitError as err:  # disagreeing sizes
         hint = _per_sample_hint(roots, tensors, dim)
         if hint is None:
             raise
@@ -413,9 +396,8 @@ def move_to(obj: Any, device: DeviceLike) -> Any:
 
 
 def split_or_run_once(split: Callable[[], T], roots: Sequence[tuple[str, Any]]) -> T | None:
-    """``split()``, or ``None`` when the inputs (``roots``: ``(name, value)`` pairs) hold nothing to split: the caller
-    then runs once, unsplit, as ``nn.DataParallel`` runs a module whose inputs hold no tensor. The one path for that
-    decision, shared by the modules and both strategies."""
+    """``split()``, or ``None`` when the inputs (``(name, value)`` pairs) hold nothing to split: the caller then runs
+    once, unsplit, as ``nn.DataParallel`` does. Shared by the modules and both strategies."""
     try:
         return split()
     except NothingToSplitError:
@@ -426,28 +408,15 @@ def split_or_run_once(split: Callable[[], T], roots: Sequence[tuple[str, Any]]) 
 
 
 def _unsplittable_error(roots: Sequence[tuple[str, Any]]) -> BatchSplitError | None:
-    """For a batch or call arguments (``roots``: ``(name, value)`` pairs, see :func:`argument_roots`) without a batch
-    dimension: an error when one holds a sequence of strings, which looks like
-    one item per sample that nothing tells the size of (mark it :class:`PerSample`); ``None`` when they hold only
-    values that every replica takes whole (``x=1``, a ``"mode"`` string), which callers then run once, unsplit, as
-    ``nn.DataParallel`` does with a module's inputs that hold no tensor."""
+    """Inputs without a batch dimension run once, unsplit, unless they hold a sequence of strings: that looks like one
+    item per sample whose count nothing tells, so it asks for :class:`PerSample`."""
     for where, value in roots:
-        for path, length in _string_sequences(value, where):
-            return BatchSplitError(
-                f"Cannot split the batch: it holds no tensor with a batch dimension, only {path}, a sequence of "
-                f"{length} strings, and nothing says that it holds one item per sample. Wrap it in "
-                "lightning_mgpu.PerSample(...) in your collate_fn (or before the call) so that it is split by item "
-                "across the devices."
-            )
+        for path, node in iter_nodes(value, where):
+            if _is_string_sequence(node):
+                return BatchSplitError(
+                    f"Cannot split the batch: it holds no tensor with a batch dimension, only {path}, a sequence of "
+                    f"{len(node)} strings, and nothing says that it holds one item per sample. Wrap it in "
+                    "lightning_mgpu.PerSample(...) in your collate_fn (or before the call) so that it is split by "
+                    "item across the devices."
+                )
     return None
-
-
-def _string_sequences(obj: Any, path: str) -> Iterator[tuple[str, int]]:
-    for where, node in iter_nodes(obj, path):
-        if (
-            isinstance(node, (list, tuple))
-            and not is_namedtuple(node)
-            and node
-            and all(isinstance(x, str) for x in node)
-        ):
-            yield where, len(node)
