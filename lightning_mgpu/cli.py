@@ -1,15 +1,9 @@
 """``python -m lightning_mgpu`` and the ``lightning-mgpu`` console script: LightningCLI with this package's strategies.
 
-Any LightningModule and LightningDataModule can be named by ``class_path`` in a YAML config, so recipe configs read
-``trainer.strategy: parallel_criterion`` (or ``dp``) without the user importing anything first. Class paths resolve
-from the current directory under both entry points (``class_path: recipes.pyramidnet.module.PyramidNetModule`` from
-a clone's root), as ``python -m`` does by itself.
-
-The command-line tools need the ``[recipes]`` extra (``jsonargparse`` for LightningCLI, ``transformers``,
-``tokenizers`` and ``datasets`` for the recipes, ``matplotlib`` for the benchmark's chart), which a plain
-``pip install`` of the package leaves out. When a module of the extra is missing, they say which one and how to
-install the extra, and exit with status 1, instead of a traceback (:func:`exit_on_missing_extra`). The module
-imports nothing heavy at the top, so the benchmark's entry point can share these checks.
+Models and datamodules are named by ``class_path`` in YAML configs, resolved from the current directory under both
+entry points, as ``python -m`` does. A missing module of the ``[recipes]`` extra (``jsonargparse``, ``transformers``,
+...), a class path that does not import from here, or a misspelled strategy is one message and exit status 1, not a
+traceback. Nothing heavy is imported at the top.
 """
 
 from __future__ import annotations
@@ -130,12 +124,9 @@ def check_strategy_names(command: str, args: Sequence[str]) -> None:
 
 
 def check_recipes_extra(command: str, args: Sequence[str] = (), modules: Iterable[str] = ("jsonargparse",)) -> None:
-    """Raise :class:`MissingExtraError` if ``modules``, or a module that a config's ``class_path`` imports, is missing.
-
-    Importing the configs' classes here, before LightningCLI parses anything, turns a missing ``transformers`` into
-    one clear message instead of a parser error about the class path. ``jsonargparse`` is checked with its
-    ``[signatures]`` extra, which LightningCLI needs.
-    """
+    """Raise :class:`MissingExtraError` if ``modules`` (``jsonargparse`` with its ``[signatures]`` extra), or a module
+    that a config's ``class_path`` imports, is missing: imported before LightningCLI parses anything, a missing
+    ``transformers`` is one clear message instead of a parser error about the class path."""
     from lightning_utilities.core.imports import RequirementCache
 
     for module in modules:
@@ -169,8 +160,7 @@ class ClassPathError(RuntimeError):
 @contextmanager
 def exit_on_missing_extra(command: str) -> Iterator[None]:
     """Turn a missing module of the ``[recipes]`` extra, or a class path that does not import from here, into its
-    one-paragraph message on stderr and exit status 1. Anything else propagates unchanged.
-    """
+    message on stderr and exit status 1. Anything else propagates unchanged."""
     try:
         yield
     except (MissingExtraError, ClassPathError) as err:
@@ -185,12 +175,8 @@ def exit_on_missing_extra(command: str) -> Iterator[None]:
 
 
 def put_cwd_on_sys_path() -> bool:
-    """Put the current directory first on ``sys.path``, as ``python -m`` does; ``True`` if it was added.
-
-    A console script's ``sys.path`` starts with the script's own folder (``.venv/bin``), not the current directory,
-    so ``class_path: recipes...`` would fail with ``No module named 'recipes'``. Nothing changes when the directory
-    is already there, by any spelling (``''``, relative or absolute), or when it no longer exists.
-    """
+    """Put the current directory first on ``sys.path``, as ``python -m`` does (a console script's path starts with
+    ``.venv/bin``, so ``class_path: recipes...`` would not import); ``True`` if it was added."""
     try:
         cwd = os.getcwd()
     except OSError:  # the working directory was deleted: nothing to import from
@@ -210,13 +196,9 @@ def main(args: Sequence[str], run: bool = True) -> LightningCLI: ...
 
 
 def main(args: Sequence[str] | None = None, run: bool = True) -> LightningCLI | None:
-    """Run LightningCLI over any model/datamodule given by ``class_path``.
-
-    ``args`` replaces ``sys.argv[1:]`` (tests drive the CLI in-process this way) and the ``LightningCLI`` is returned;
-    ``run=False`` only instantiates. From the command line (``args=None``) it returns ``None``: the console script
-    ends with ``sys.exit(main())``, which would print a returned object and exit with status 1 after a successful run.
-    A missing module of the ``[recipes]`` extra exits with status 1 and a message saying how to install it.
-    """
+    """Run LightningCLI over any model/datamodule given by ``class_path``. With ``args`` (in place of
+    ``sys.argv[1:]``) the ``LightningCLI`` is returned; from the command line ``None``, since the console script's
+    ``sys.exit(main())`` would print a returned object and exit with status 1."""
     put_cwd_on_sys_path()
     prog = program_name()
     given = sys.argv[1:] if args is None else list(args)
@@ -248,9 +230,8 @@ def program_name() -> str:
 
 
 def quiet_dependencies() -> None:
-    """Drop what dependencies print on every run that no user of this command can act on: Lightning's tips to
-    install its cloud loggers, and a deprecation inside Lightning's own pytree code. For this CLI's process only:
-    the library never filters a user's warnings or logs."""
+    """Drop what dependencies print on every run that no user can act on (Lightning's logger tips, a deprecation in
+    its own pytree code): for this CLI's process only; the library never filters a user's warnings or logs."""
     message = r".*isinstance\(treespec, LeafSpec\)`? is deprecated"
     if not any(f[0] == "ignore" and f[1] is not None and f[1].pattern == message for f in warnings.filters):
         warnings.filterwarnings("ignore", message=message)

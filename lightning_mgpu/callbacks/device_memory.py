@@ -1,8 +1,7 @@
 """``DeviceMemoryMonitor``: peak memory of every device a strategy uses, and how unevenly it is spread.
 
-``nn.DataParallel`` piles the outputs, the loss and the optimizer state onto the root device, so the root runs out of
-memory long before the others. This callback makes that visible in the logs: every ``logging_interval`` training
-batches it logs each device's peak memory and the ratio of the largest to the smallest peak.
+``nn.DataParallel`` piles outputs, loss and optimizer state onto the root device, which runs out of memory first; this
+callback makes that visible in the logs.
 """
 
 from __future__ import annotations
@@ -13,6 +12,7 @@ from typing import Any
 import lightning.pytorch as L
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from typing_extensions import override
 
 from lightning_mgpu.callbacks.process_memory import MIB, current_rss_bytes, peak_rss_bytes, reset_peak_rss
 
@@ -42,13 +42,9 @@ def strategy_devices(trainer: L.Trainer) -> list[torch.device]:
 
 
 def read_device_memory(devices: Sequence[torch.device]) -> dict[str, float]:
-    """Peak memory of each device in MiB, keyed ``"<device>_peak_mib"``, plus a companion figure per device.
-
-    CUDA: the caching allocator's peak allocated bytes (``torch.cuda.max_memory_allocated``) and peak reserved bytes
-    (``<device>_reserved_peak_mib``, closer to what ``nvidia-smi`` shows, minus the CUDA context). These are host-side
-    counters: reading them does not synchronise the device. CPU: this process's peak RSS and current RSS
-    (``cpu_rss_mib``). Other device types have no statistics and are skipped.
-    """
+    """Peak memory of each device in MiB, keyed ``"<device>_peak_mib"``: on CUDA the allocator's peak allocated and
+    reserved bytes (host-side counters, no synchronisation), on the CPU the process's peak and current RSS
+    (``cpu_rss_mib``). Other device types are skipped."""
     values: dict[str, float] = {}
     for device in devices:
         if device.type == "cuda":
@@ -75,35 +71,18 @@ def reset_device_peaks(devices: Sequence[torch.device]) -> None:
 class DeviceMemoryMonitor(L.Callback):
     """Log the peak memory of every device the strategy uses, and ``memory/imbalance`` (largest / smallest peak).
 
-    Every ``logging_interval`` training batches (counted over the whole fit, at ``on_train_batch_end``) it sends to
-    every logger, and puts in ``trainer.callback_metrics`` (so ``ModelCheckpoint``/``EarlyStopping`` can monitor them):
-
-    * ``memory/cuda:<i>_peak_mib`` and ``memory/cuda:<i>_reserved_peak_mib`` for every CUDA device of the strategy:
-      ``trainer.strategy.parallel_devices`` under single-process strategies (``parallel_criterion``, ``dp``), not only
-      the root; the CUDA caching allocator's peak allocated / reserved memory;
-    * on the CPU, ``memory/cpu_peak_mib`` (this process's peak RSS) and ``memory/cpu_rss_mib`` (current RSS);
-    * ``memory/imbalance``, largest / smallest peak, when there are at least two devices to compare.
-
-    Under multi-process strategies (``ddp``) every process measures its own device and the figures are gathered at each
-    logging step (one small ``all_gather``, only then), named ``memory/rank<r>_<device>_peak_mib``: they are per
-    process, so the imbalance compares the replicas even when processes share a GPU.
-
-    **Virtual devices** (one device listed several times, e.g. ``parallel_devices=[cuda:0, cuda:0]`` or ``"cpu"``
-    replicas) are reported once: their replicas share one allocator, so the figure is their sum and an imbalance
-    between them cannot be measured. ``memory/imbalance`` is then not logged, and ``virtual`` is ``True``.
+    Every ``logging_interval`` training batches it sends to the loggers, and puts in ``trainer.callback_metrics``:
+    ``memory/<device>_peak_mib`` for every device of the strategy (all of ``parallel_devices`` under ``dp`` and
+    ``parallel_criterion``; on CUDA also ``_reserved_peak_mib``; on the CPU the process's RSS) and ``memory/imbalance``.
+    Under ``ddp`` the processes' figures are gathered at each logging step, named ``memory/rank<r>_<device>_peak_mib``.
+    A device listed several times (virtual devices) is reported once, its replicas' sum: no imbalance is logged then,
+    and ``virtual`` is ``True``. Figures go to the loggers directly, as ``LearningRateMonitor`` does: ``self.log`` from
+    ``on_train_batch_end`` on some batches only would resend stale values. Between logs the hook is one integer test.
 
     Args:
-        logging_interval: log every this many training batches, independently of ``Trainer(log_every_n_steps)``;
-            ``None`` or ``0`` turns the monitor off.
-        reset_peak: start a new peak after each log, so each logged value is the peak of its interval (on the CPU
-            this needs Linux's ``/proc/self/clear_refs``; elsewhere the CPU peak runs from the process's start).
-
-    The figures go to the loggers directly, as Lightning's ``LearningRateMonitor`` does, and not through ``self.log``:
-    a value ``self.log``-ged from ``on_train_batch_end`` on some batches only is sent again, stale, with every later
-    batch's logs.
-
-    Cost: on batches where it does not log, the hook is one integer test (no device synchronisation, no statistics
-    call); when it logs, it reads host-side allocator counters (no CUDA synchronisation) or two ``/proc`` files.
+        logging_interval: log every this many training batches; ``None`` or ``0`` turns the monitor off.
+        reset_peak: start a new peak after each log, so each value is its interval's peak (on the CPU this needs
+            Linux's ``/proc/self/clear_refs``; elsewhere the CPU peak runs from the process's start).
     """
 
     def __init__(self, logging_interval: int | None = 50, reset_peak: bool = False) -> None:
@@ -122,6 +101,7 @@ class DeviceMemoryMonitor(L.Callback):
         """Whether the monitor logs at all (``logging_interval`` > 0)."""
         return self.logging_interval > 0
 
+    @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         """Find the devices this process drives: all of a single-process strategy's, or the rank's own."""
         self._distributed = trainer.world_size > 1
@@ -135,6 +115,7 @@ class DeviceMemoryMonitor(L.Callback):
                 "logged, since replicas on one device share its memory."
             )
 
+    @override
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
