@@ -1,13 +1,9 @@
-"""Replicas of ``torch.compile``d modules: compiled code bound to each replica's own tensors.
+"""Replicas of ``torch.compile``d modules: the original's compilation, same options, bound to each replica.
 
-A compiled module's code is bound to the original object: ``module.compile()`` stores ``torch.compile(
-module._call_impl)`` (a bound method) on the instance, and ``torch.compile(module)`` wraps it in an
-``OptimizedModule`` whose ``forward`` is bound to the wrapped original. A shallow replica would therefore run the
-original's parameters and buffers. Here each replica gets the same compilation, with the original's options, bound to
-itself. Dynamo is not thread-safe (pytorch #118260), so callers run compiled replicas one after another.
-
-Reading the options back uses torch internals (the compile context closed over by ``module.compile()``'s wrapper,
-``OptimizedModule.dynamo_ctx``); :class:`CompiledReplicaError` says so clearly if a future torch changes them.
+Compiled code is bound to the original object (``module.compile()`` compiles the bound ``_call_impl``;
+``torch.compile(module)``'s ``OptimizedModule`` wraps the original), so a shallow replica would run the original's
+tensors. Reading the options back uses torch internals; :class:`CompiledReplicaError` says so if a torch changes them.
+Dynamo is not thread-safe, so callers run compiled replicas one after another.
 """
 
 from __future__ import annotations

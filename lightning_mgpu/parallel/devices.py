@@ -55,12 +55,8 @@ def _visible_cuda(device: torch.device) -> torch.device:
 def resolve_devices(
     device_ids: Sequence[DeviceLike] | None, fallback: torch.device | None = None
 ) -> list[torch.device]:
-    """Validate ``device_ids`` and return them as ``torch.device`` objects.
-
-    ``None`` means every visible CUDA device, or ``[fallback]`` (typically the module's device) when CUDA is absent.
-    All devices must be of one type: a replica on the CPU beside replicas on GPUs would make the slowest device pace
-    every step, which is never what a user wants.
-    """
+    """Validate ``device_ids`` as ``torch.device`` objects of one type (a CPU replica would pace GPU ones). ``None``
+    means every visible CUDA device, or ``[fallback]`` (the module's device) without CUDA."""
     if device_ids is None:
         if torch.cuda.is_available():
             return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]

@@ -326,14 +326,7 @@ class DataParallelCriterion(nn.Module):
                 _count_weight(self.criterion, o, t, k, self.dim)
                 for o, t, k in zip(outputs, target_chunks, kwargs_chunks, strict=True)
             ]
-        weights = [self.weight_fn(o, t) for o, t in zip(outputs, target_chunks, strict=True)]
-        for index, weight in enumerate(weights):
-            if not isinstance(weight, (int, float, Tensor)) or isinstance(weight, bool):
-                raise TypeError(
-                    f"weight_fn returned {weight!r} for replica {index}; it must return a number or a one-element "
-                    "tensor: how many items that replica's mean loss averages over (e.g. non-ignored targets)."
-                )
-        return weights
+        return [self.weight_fn(o, t) for o, t in zip(outputs, target_chunks, strict=True)]  # checked when reduced
 
     def _split_targets(
         self, outputs: list[Any], targets: tuple[Any, ...], kwargs: dict[str, Any], devices: list[torch.device]

@@ -1,8 +1,6 @@
-"""Reduce per-replica scalar losses onto the root device, weighted so the result equals one-device training.
-
-With per-replica mean losses ``l_i`` over ``w_i`` items, the whole-batch mean is ``sum(w_i * l_i) / sum(w_i)``. The
-weights are sample counts by default, or counts the caller knows better (e.g. non-ignored MLM tokens). An equal-weight
-mean (the 2018 DataParallelCriterion, Lightning 1.x ``dp``) is only right when every replica holds as many items.
+"""Reduce per-replica scalar losses onto the root device, weighted so the result equals one-device training: with
+mean losses ``l_i`` over ``w_i`` items (samples, non-ignored tokens), the whole-batch mean is
+``sum(w_i * l_i) / sum(w_i)``; an equal-weight mean is right only when every replica holds as many items.
 """
 
 from __future__ import annotations
@@ -22,10 +20,8 @@ LOSS_REDUCTIONS = ("weighted", "replica_mean", "sum")
 
 
 def as_float_weights(weights: Sequence[Weight], what: str = "loss weight") -> list[float]:
-    """Weights as Python floats (one host sync for tensor weights, which zero-weight detection needs anyway).
-
-    Each must be a number or a one-element tensor, finite and >= 0; anything else is refused, naming the replica.
-    """
+    """Weights as Python floats (one host sync for tensor weights, which zero-weight detection needs anyway); each
+    must be a number or a one-element tensor, finite and >= 0, else an error names the replica."""
     for index, weight in enumerate(weights):
         is_number = isinstance(weight, (int, float)) and not isinstance(weight, bool)
         if not (is_number or (isinstance(weight, Tensor) and weight.numel() == 1)):
@@ -62,11 +58,8 @@ def check_some_weight(weights: list[float]) -> list[float]:
 
 
 def weighted_mean(values: Tensor, weights: Tensor) -> Tensor:
-    """``sum(w_i * v_i) / sum(w_i)`` over 1-D ``values`` and ``weights`` on one device: the one weighted mean.
-
-    An entry with weight 0 takes no part, not even its value: a replica with nothing to average over (a NaN mean of
-    no valid token) cannot poison the result or its gradients. No host sync.
-    """
+    """``sum(w_i * v_i) / sum(w_i)`` over 1-D ``values`` and ``weights`` on one device: the one weighted mean. An
+    entry with weight 0 takes no part, so a NaN mean over no valid token cannot poison the result. No host sync."""
     kept = weights > 0
     return torch.where(kept, values, torch.zeros_like(values)).mul(weights).sum() / weights.sum()
 
@@ -89,14 +82,9 @@ def reduce_losses(
     device: DeviceLike | None = None,
     reduction: LossReduction = "weighted",
 ) -> Tensor:
-    """Combine per-replica scalar losses on ``device`` (default: the first loss's device), keeping autograd.
-
-    ``reduction``: ``"weighted"`` = ``sum(w_i * l_i) / sum(w_i)`` (``weights`` default to 1 each); ``"replica_mean"``
-    = equal weights, whatever each replica holds (Lightning 1.x ``dp``, the 2018 DataParallelCriterion); ``"sum"`` =
-    plain sum. Computed in at least float32 (integer or half-precision losses included). Replicas with weight 0 are
-    left out entirely, so a replica whose loss is NaN because it saw no valid item (e.g. no masked token) cannot
-    poison the result or the gradients.
-    """
+    """Combine per-replica scalar losses on ``device`` (default: the first loss's), differentiably, in float32 at
+    least: ``"weighted"`` = ``sum(w_i * l_i) / sum(w_i)`` (replicas of weight 0 left out, graph included),
+    ``"replica_mean"`` = equal weights (Lightning 1.x ``dp``), ``"sum"`` = plain sum."""
     if reduction not in LOSS_REDUCTIONS:
         raise ValueError(f"Unknown loss reduction {reduction!r}: choose one of {LOSS_REDUCTIONS}.")
     if not losses:
