@@ -1,20 +1,15 @@
 """Opt-in diagnostic: which ``loss_reduction`` makes ``parallel_criterion`` reproduce one device for a module's step.
 
-Training never runs this. It runs the module's ``training_step`` on purpose, several times: once on the whole
-batch and once per shard, on a deep copy of the module in train mode, on the device you name. Each candidate rule
-combines the shards' losses; the one that reproduces the whole batch's loss is the rule to declare. Nothing in the
-batch is masked or rewritten.
-
-From Python: ``print(lightning_mgpu.check_loss_reduction(module, batch))``. From a LightningCLI config:
-``python -m lightning_mgpu.loss_check -c config.yaml [--devices 2] [--device cpu] [LightningCLI overrides]`` (the first
-training batch of the config's datamodule).
+Training never runs this. It runs ``training_step`` on purpose, on a deep copy in train mode: on the whole batch and
+on each of unequal shards (nothing masked or rewritten), and says which rule combines the shards' losses into the
+whole batch's. ``print(lightning_mgpu.check_loss_reduction(module, batch))``, or on a config's first training batch:
+``python -m lightning_mgpu.loss_check -c config.yaml [--devices 2] [--device cpu] [LightningCLI overrides]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import math
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -164,13 +159,9 @@ def _integer_label_paths(batch: Any, dim: int) -> list[tuple[tuple[Any, ...], Te
 
 
 def _combine(rule: LossNormalization, losses: Sequence[float], chunks: list[Any], sizes: list[int]) -> float:
-    if rule.kind == "sum":
-        return math.fsum(losses)
-    if rule.kind == "replica_mean":
-        return math.fsum(losses) / len(losses)
-    weights = [float(w) for w in rule.weights(chunks, sizes)]
-    kept = [(loss, w) for loss, w in zip(losses, weights, strict=True) if w > 0]
-    return math.fsum(loss * w for loss, w in kept) / math.fsum(w for _, w in kept)
+    """The shards' losses combined by ``rule`` exactly as the strategy combines them (in float64)."""
+    values = [torch.tensor(loss, dtype=torch.float64) for loss in losses]
+    return float(rule.reduce(values, rule.weights(chunks, sizes), torch.device("cpu")))
 
 
 def main(argv: Sequence[str] | None = None) -> None:
