@@ -252,7 +252,8 @@ class _JointBatchNorm(Function):
         mean, invstd = kernels.joint_stats(
             [plan.stats[i] for i in active], [plan.counts[i] for i in active], xs[0].device, plan.eps, plan.running
         )
-        stats = _spread(torch.cat([mean, invstd]), [x.device for x in xs])
+        joint = torch.cat([mean, invstd])
+        stats = [joint.to(x.device, non_blocking=True) for x in xs]  # no copy for replicas on its device
         outputs = []
         for i in range(n):
             if plan.counts[i]:
@@ -295,7 +296,7 @@ class _JointBatchNorm(Function):
             if input_grad:
                 root = xs[0].device
                 total_sums = torch.stack([sums[i].to(root, non_blocking=True) for i in active]).sum(0)
-                per_device = _spread(total_sums, [x.device for x in xs])
+                per_device = [total_sums.to(x.device, non_blocking=True) for x in xs]
                 total = sum(plan.counts)
                 for i in range(n):
                     if not needs_x[i]:
@@ -309,17 +310,6 @@ class _JointBatchNorm(Function):
                         dys[i], xs[i], mean, invstd, weights[i], sum_dy, sum_dy_xmu, total
                     )
         return (None, *grad_x, *grad_w, *grad_b)
-
-
-def _spread(tensor: Tensor, devices: Sequence[torch.device]) -> list[Tensor]:
-    """``tensor`` on each of ``devices`` (one copy per distinct device; replicas of one device share it)."""
-    copies = {tensor.device: tensor}
-    spread = []
-    for device in devices:
-        if device not in copies:
-            copies[device] = tensor.to(device, non_blocking=True)
-        spread.append(copies[device])
-    return spread
 
 
 @contextlib.contextmanager
