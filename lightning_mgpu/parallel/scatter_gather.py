@@ -294,16 +294,26 @@ def split_batch(
     *,
     sizes: Sequence[int] | None = None,
 ) -> tuple[list[Any], list[int]]:
-    """Split ``obj`` into one chunk per device, moved to that device.
+    """Split ``obj`` into one chunk per device, each moved to its device (differentiably): ``(chunks, sizes)``, fewer
+    than the devices when the batch is smaller. ``sizes`` imposes the chunk sizes (e.g. to split targets exactly as
+    the model's outputs were split)."""
+    (chunks,), sizes = _split_roots([("batch", obj)], devices, dim, batch_size, sizes, type(obj).__name__)
+    return chunks, sizes
 
-    Returns ``(chunks, sizes)``: ``len(chunks) == len(sizes) <= len(devices)`` (fewer when the batch is smaller than
-    the device count). The copy to each device is differentiable. ``sizes`` imposes the chunk sizes (they must add up
-    to the batch size), e.g. to split targets exactly as the model's outputs were split.
-    """
-    devices = [to_device(d) for d in devices]
-    batch_size = _resolve_batch_size([("batch", obj)], dim, type(obj).__name__, batch_size)
-    sizes = _chunk_sizes(batch_size, len(devices), sizes)
-    return _scatter_sizes(obj, devices, dim, batch_size, sizes), sizes
+
+def _split_roots(
+    roots: Sequence[tuple[str, Any]],
+    devices: Sequence[DeviceLike],
+    dim: int,
+    batch_size: int | None,
+    sizes: Sequence[int] | None,
+    what: str,
+) -> tuple[list[list[Any]], list[int]]:
+    """Each root's chunks (split with one batch size, so error messages name the root) and the chunk sizes."""
+    targets = [to_device(d) for d in devices]
+    batch_size = _resolve_batch_size(roots, dim, what, batch_size)
+    chunk_sizes = _chunk_sizes(batch_size, len(targets), sizes)
+    return [_scatter_sizes(value, targets, dim, batch_size, chunk_sizes) for _, value in roots], chunk_sizes
 
 
 def _chunk_sizes(batch_size: int, num_devices: int, sizes: Sequence[int] | None) -> list[int]:
@@ -357,32 +367,21 @@ def split_arguments(
     sizes: Sequence[int] | None = None,
     names: tuple[str, str] = ("args", "kwargs"),
 ) -> tuple[list[tuple[Any, ...]], list[dict[str, Any]], list[int]]:
-    """Scatter positional and keyword arguments together (they must share one batch size).
-
-    An error names the offending argument, e.g. ``args[0]['mask']`` or ``kwargs['labels']``. ``batch_size``: the
-    result of :func:`args_batch_size` when the caller has it already. ``sizes`` imposes the chunk sizes, as in
-    :func:`split_batch`.
-    """
-    targets = [to_device(d) for d in devices]
-    batch_size = _resolve_batch_size(argument_roots(args, kwargs, names), dim, "no tensor argument", batch_size)
-    sizes = _chunk_sizes(batch_size, len(targets), sizes)
-    # Each argument is scattered as its own root, so error messages name it (``args[0]['mask']``).
-    arg_chunks = [_scatter_sizes(a, targets, dim, batch_size, sizes) for a in args]
-    kwarg_chunks = {k: _scatter_sizes(v, targets, dim, batch_size, sizes) for k, v in kwargs.items()}
+    """:func:`split_batch` for call arguments, which share one batch size: per-device args, kwargs, and the sizes.
+    Errors name the argument (``args[0]['mask']``)."""
+    roots = argument_roots(args, kwargs, names)
+    chunks, sizes = _split_roots(roots, devices, dim, batch_size, sizes, "no tensor argument")
+    arg_chunks, kwarg_chunks = chunks[: len(args)], dict(zip(kwargs, chunks[len(args) :], strict=True))
     return (
-        [tuple(chunks[i] for chunks in arg_chunks) for i in range(len(sizes))],
-        [{k: chunks[i] for k, chunks in kwarg_chunks.items()} for i in range(len(sizes))],
+        [tuple(c[i] for c in arg_chunks) for i in range(len(sizes))],
+        [{k: c[i] for k, c in kwarg_chunks.items()} for i in range(len(sizes))],
         sizes,
     )
 
 
 def scatter(inputs: Any, target_devices: Sequence[DeviceLike], dim: int = 0) -> list[Any]:
-    """Split ``inputs`` into one chunk per device, with ``torch.nn.parallel.scatter``'s contract, on any devices.
-
-    Returns the list of chunks (fewer than the devices when the batch is smaller); inputs that hold no tensor with a
-    batch dimension are referenced once per device, as torch does. Chunks are balanced as by
-    :func:`split_batch`, which also returns their sizes.
-    """
+    """``torch.nn.parallel.scatter``'s contract on any devices: the chunks (balanced as by :func:`split_batch`,
+    which also returns their sizes); inputs without a batch dimension are referenced once per device, as torch does."""
     try:
         return split_batch(inputs, target_devices, dim)[0]
     except NothingToSplitError:
