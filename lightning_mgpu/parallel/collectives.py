@@ -26,7 +26,6 @@ _HINT = (
     "Every replica must call the same collectives (all_gather, reduce, broadcast, barrier) in the same order: "
     "branch on something every replica shares, not on one shard's values or size."
 )
-REDUCE_OPS = ("sum", "mean", "max", "min")
 
 
 def all_gather(tensor: Tensor, sync_grads: bool = False, *, sequential_hint: str = "") -> Tensor:
@@ -113,17 +112,11 @@ def _gather(values: list[Tensor], devices: Sequence[torch.device]) -> list[Tenso
     return [torch.cat([v.to(device) for v in values]) for device in devices]
 
 
+_REDUCTIONS = {"sum": torch.sum, "mean": torch.mean, "max": torch.amax, "min": torch.amin}
+
+
 def _reduce(values: list[Tensor], devices: Sequence[torch.device], op: str) -> list[Tensor]:
-    out = []
-    for device in devices:
-        stacked = torch.stack([v.to(device) for v in values])
-        if op == "sum":
-            out.append(stacked.sum(0))
-        elif op == "mean":
-            out.append(stacked.mean(0))
-        else:
-            out.append(stacked.amax(0) if op == "max" else stacked.amin(0))
-    return out
+    return [_REDUCTIONS[op](torch.stack([v.to(device) for v in values]), 0) for device in devices]
 
 
 def _spread(obj: Any, devices: Sequence[torch.device]) -> list[Any]:
@@ -134,8 +127,8 @@ def _op_name(reduce_op: Any) -> str:
     """``"mean"`` for ``"mean"``/``"avg"``/``ReduceOp.AVG``, and so on; an error naming the choices otherwise."""
     name = str(getattr(reduce_op, "name", reduce_op)).lower().rpartition(".")[2]
     name = {"avg": "mean", "product": "prod"}.get(name, name)
-    if name not in REDUCE_OPS:
-        raise ValueError(f"reduce_op={reduce_op!r} is not supported across replicas: use one of {REDUCE_OPS}.")
+    if name not in tuple(_REDUCTIONS):
+        raise ValueError(f"reduce_op={reduce_op!r} is not supported across replicas: use one of {tuple(_REDUCTIONS)}.")
     return name
 
 
