@@ -71,19 +71,12 @@ def _configs(args: Sequence[str]) -> Iterator[Any]:
 
 def _config_class_paths(args: Sequence[str]) -> Iterator[str]:
     """Every ``class_path`` string in the configs given with ``-c``/``--config``."""
-
-    def walk(node: Any) -> Iterator[str]:
-        if isinstance(node, dict):
-            if isinstance(node.get("class_path"), str):
-                yield node["class_path"]
-            for value in node.values():
-                yield from walk(value)
-        elif isinstance(node, list):
-            for value in node:
-                yield from walk(value)
+    from lightning_mgpu.parallel.scatter_gather import iter_nodes
 
     for config in _configs(args):
-        yield from walk(config)
+        for _, node in iter_nodes(config):
+            if isinstance(node, dict) and isinstance(node.get("class_path"), str):
+                yield node["class_path"]
 
 
 def _strategy_names(args: Sequence[str]) -> Iterator[str]:
