@@ -1,16 +1,9 @@
 """How each device's loss is normalised, which decides how the devices' losses combine into the whole batch's.
 
-A per-sample mean is weighted by sample counts, a sum is summed, and a token mean (``transformers``' ``.loss``: a
-mean over ``labels != -100``, shifted by one position for causal LMs; ``CrossEntropyLoss`` with an ``ignore_index``
-or class weights) is weighted by each shard's count of what it averages over. The rule comes, in this order, from:
-
-1. the step itself: ``loss_weight`` / ``loss_terms`` in what it returns (:mod:`.step_outputs`);
-2. the strategy's ``loss_reduction=`` (:meth:`LossNormalization.parse`);
-3. what objects say without being run (:func:`known_rule`): a ``transformers`` model inside the module, with the
-   batch's ``labels``; else the loss modules the module holds (``reduction``, ``ignore_index``, class ``weight``);
-4. otherwise a per-sample mean, said once in one line with the fix (:func:`assumed_samples_notice`).
-
-Nothing here runs user code; :mod:`lightning_mgpu.loss_check` runs the step on purpose, as an opt-in diagnostic.
+The rule comes, in this order, from the step (``loss_weight`` / ``loss_terms``, :mod:`.step_outputs`), the strategy's
+``loss_reduction=`` (:meth:`LossNormalization.parse`), what the module's objects say without being run
+(:func:`known_rule`: a ``transformers`` model with the batch's ``labels``, else its loss modules), else a per-sample
+mean, said once with the fix (:func:`assumed_samples_notice`). Nothing here runs user code.
 """
 
 from __future__ import annotations
@@ -75,21 +68,20 @@ class LossNormalization:
 
     def describe(self) -> str:
         """The rule in words."""
-        if self.kind == "samples":
-            return "a mean over samples (weighted by each device's sample count)"
-        if self.kind == "sum":
-            return "a sum (summed over devices)"
-        if self.kind == "replica_mean":
-            return "an equal-weight mean over devices"
+        if self.kind != "tokens":
+            return _KIND_WORDS[self.kind]
         weighted = ", weighted by class" if self.class_weight is not None else ""
         shift = ", shifted by one position as causal LMs do" if self.shifted else ""
         return f"a mean over the labels in {show(self.key)} that are not {self.ignore_index}{weighted}{shift}"
 
-    def weights(self, chunks: Sequence[Any], sample_counts: Sequence[int]) -> list[Weight]:
-        """Each replica's weight under this rule (``samples`` and ``tokens``; the others have none)."""
+    def weights(self, chunks: Sequence[Any], sample_counts: Sequence[int]) -> list[Weight | str]:
+        """Each replica's weight under this rule: its sample or label count; ``"sum"`` for a sum, 1 for
+        ``replica_mean``."""
         if self.kind == "tokens":
             return [self.count(chunk) for chunk in chunks]
-        return list(sample_counts)
+        if self.kind == "sum":
+            return ["sum"] * len(sample_counts)
+        return [1] * len(sample_counts) if self.kind == "replica_mean" else list(sample_counts)
 
     def count(self, batch: Any) -> Tensor:
         """What this rule averages over in ``batch``: its labels that count (class-weighted when given)."""
@@ -102,12 +94,18 @@ class LossNormalization:
         weight = torch.tensor(self.class_weight, dtype=torch.float64, device=labels.device)
         return weight[labels[valid]].sum()
 
-    def reduce(self, losses: Sequence[Tensor], weights: Sequence[Weight], root: torch.device) -> Tensor:
+    def reduce(self, losses: Sequence[Tensor], weights: Sequence[Any], root: torch.device) -> Tensor:
+        """The devices' losses combined on ``root``, with :meth:`weights`."""
         if self.kind in ("sum", "replica_mean"):
             return reduce_losses(losses, None, root, self.kind)
         return reduce_losses(losses, weights, root, "weighted")
 
 
+_KIND_WORDS = {
+    "samples": "a mean over samples (weighted by each device's sample count)",
+    "sum": "a sum (summed over devices)",
+    "replica_mean": "an equal-weight mean over devices",
+}
 SAMPLES = LossNormalization("samples")
 SUM = LossNormalization("sum")
 
