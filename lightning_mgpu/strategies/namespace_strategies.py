@@ -1,8 +1,6 @@
 """The thin strategy classes of one Lightning namespace: the shared implementation put before its ``ParallelStrategy``.
 
-Each namespace module (:mod:`.lightning_pytorch`, :mod:`.pytorch_lightning`) calls :func:`define` with its own
-classes, and gets ``ParallelCriterionStrategy`` and ``DataParallelStrategy`` defined in its name, so they import,
-pickle and show in tracebacks as that module's classes.
+Each namespace module calls :func:`define`, so its classes import, pickle and show in tracebacks as its own.
 """
 
 from __future__ import annotations
@@ -29,4 +27,6 @@ def define(namespace: LightningNamespace, parallel_strategy: type, module: str) 
 def register(registry: Any, *strategies: type) -> None:
     """Add each strategy to ``registry`` under its names (idempotent)."""
     for strategy in strategies:
-        strategy.register_strategies(registry)  # type: ignore[attr-defined]  # classes made by define() above
+        for name in (strategy.strategy_name, *strategy.aliases):  # type: ignore[attr-defined]  # made by define()
+            if name not in registry:
+                registry.register(name, strategy, description=strategy.__doc__.strip().splitlines()[0])
