@@ -1,21 +1,9 @@
 """torchmetrics inside replicas: per-device clones whose state is merged into the root metric after each step.
 
-A ``Metric``'s ``update`` is bound to the original object, so a replica calling its (shallow-copied) metric would
-update the root metric from another thread and, on GPUs, with tensors of another device. Instead each replica gets a
-persistent clone of every metric on its own device; after the step, the clones' states are merged into the root
-metric with the metric's own ``dist_reduce_fx`` (the same rule DDP uses to combine ranks) and the clones are reset.
-The root metric's step value (``_forward_cache``, what ``self.log(name, metric)`` shows per step) is computed from
-the merged batch state, so logged values equal single-device ones.
-
-Metrics must be submodules of the LightningModule (attributes, ``nn.ModuleDict``, ``MetricCollection``...). A metric
-whose state is neither a tensor nor a list of tensors cannot be merged and is refused with an error naming it.
-
-Why not ``Metric.merge_state``: it refuses metrics with ``full_state_update=True`` (``PearsonCorrCoef``,
-``MaxMetric``...), puts the incoming state *before* the metric's own, so concatenated states would hold the batches in
-reverse order, and leaves the bookkeeping (the update count, the cached ``compute`` result, the step value Lightning
-logs) untouched. So states are read through the public ``metric_state`` and combined here with each state's own
-reduction, as DDP combines ranks; the three bookkeeping fields, which torchmetrics exposes no setter for, are written
-in one place (:func:`_mark_folded`).
+A metric's ``update`` is bound to the original object, so each replica gets a lasting clone on its own device. After
+the step the clones' states are folded into the root metric with each state's ``dist_reduce_fx``, as DDP combines
+ranks, and the step value Lightning logs is computed from the merged batch state. ``Metric.merge_state`` is not used:
+it refuses ``full_state_update=True`` metrics, puts the incoming state first and leaves the bookkeeping untouched.
 """
 
 from __future__ import annotations
@@ -59,14 +47,9 @@ def _combine(values: Sequence[Any], reduce_fx: Any, device: torch.device) -> Any
     return reduce_fx(torch.stack(stacked))
 
 
-def _reductions(metric: Metric) -> dict[str, Any]:
-    """Each state's ``dist_reduce_fx`` (torchmetrics keeps them in a private dict; read only)."""
-    return metric._reductions
-
-
 def _mark_folded(metric: Metric, step_value: Any = None) -> None:
-    """Record on ``metric`` that states were folded into it, as its own ``update``/``forward`` would: one more
-    update, no stale ``compute()`` result, and (when logged per step) the batch's value that Lightning reads."""
+    """Record on ``metric`` what its own ``update``/``forward`` would: one more update, no stale ``compute()`` result,
+    and (when logged per step) the batch's value that Lightning reads; torchmetrics has no setters for them."""
     metric._update_count += 1
     metric._computed = None
     if step_value is not None:
@@ -141,47 +124,43 @@ class MetricReplicas:
                 continue
             _check_mergeable(updated[0])
             device = _metric_device(metric)
-            reductions = _reductions(metric)
+            reductions = metric._reductions  # each state's dist_reduce_fx (read only)
             batch_state = {
                 attr: _combine([c.metric_state[attr] for c in updated], reductions[attr], device) for attr in reductions
             }
             step_value = None
             if compute_step_value and id(metric) in compute_step_value:
                 step_value = self._batch_value(metric, batch_state)
-            fresh = metric.update_count == 0
-            folded = 0 if fresh else self._contributions.get(id(metric), 1)
+            folded = 0 if metric.update_count == 0 else self._contributions.get(id(metric), 1)
             for attr, value in batch_state.items():
                 current = getattr(metric, attr)
-                reduce_fx = reductions[attr]
-                if fresh and not isinstance(current, list):
-                    setattr(metric, attr, value)
-                elif isinstance(current, list):  # list states (retrieval, SSIM, mAP...): every element, in order
-                    setattr(metric, attr, _combine([current, value], reduce_fx, device))
-                elif reduce_fx is None:
-                    # Unreduced states (e.g. PearsonCorrCoef's) are stacked one row per contributor, as DDP stacks
-                    # ranks; compute() aggregates the rows. Later steps append rows instead of nesting stacks.
-                    setattr(metric, attr, torch.cat([current.to(device), value]))
-                elif reduce_fx is dim_zero_mean:
-                    # DDP takes the equal-weight mean over ranks: over every replica state folded in so far.
-                    n = len(updated)
-                    setattr(metric, attr, (current.to(device) * folded + value * n) / (folded + n))
-                else:
-                    setattr(metric, attr, _combine([current, value], reduce_fx, device))
+                setattr(metric, attr, _folded(current, value, reductions[attr], device, folded, len(updated)))
             self._contributions[id(metric)] = folded + len(updated)
             _mark_folded(metric, step_value)
             for clone in updated:
                 clone.reset()
 
     def _batch_value(self, metric: Metric, batch_state: dict[str, Any]) -> Any:
-        scratch = self._scratch.get(id(metric))
-        if scratch is None:
-            scratch = metric.clone()
-            self._scratch[id(metric)] = scratch
+        if (scratch := self._scratch.get(id(metric))) is None:
+            scratch = self._scratch[id(metric)] = metric.clone()
         scratch.reset()
         for attr, value in batch_state.items():
             setattr(scratch, attr, value)
         _mark_folded(scratch)
         return scratch.compute()
+
+
+def _folded(current: Any, value: Any, reduce_fx: Any, device: torch.device, folded: int, n: int) -> Any:
+    """A state holding ``folded`` replica states (0: fresh) and a batch's ``value`` from ``n`` more, in one."""
+    if isinstance(current, list):  # list states (retrieval, SSIM, mAP...): every element, in order
+        return _combine([current, value], reduce_fx, device)
+    if folded == 0:
+        return value
+    if reduce_fx is None:  # unreduced states (PearsonCorrCoef's): one row per contributor, as DDP stacks ranks
+        return torch.cat([current.to(device), value])
+    if reduce_fx is dim_zero_mean:  # DDP's equal-weight mean over ranks: over every replica state folded in so far
+        return (current.to(device) * folded + value * n) / (folded + n)
+    return _combine([current, value], reduce_fx, device)
 
 
 def _metric_device(metric: Metric) -> torch.device:
