@@ -1,15 +1,8 @@
-"""Lasting replicas of a module that runs inside a LightningModule's step, with what Lightning needs per replica.
+"""Lasting replicas of a module run inside a LightningModule's step, with what Lightning needs per replica.
 
-A :class:`~lightning_mgpu.parallel.ReplicaSet` copies the module once; on every (re)build this class gives each
-replica:
-
-* a ``log`` recorder on every LightningModule in it: replicas share the trainer's result collection, so a replica
-  calling the real ``self.log`` would race with the others and log one shard's value as the batch's;
-* its own device on Lightning's device mixin, so ``self.device`` inside a step is the replica's device;
-* its own clone of every torchmetrics metric, on its device (a metric's ``update`` is bound to the original object).
-
-After the replicas ran, :meth:`merge_into` logs each recorded name once on the root module and folds the metric clones
-into the root metrics, from the main thread.
+Each replica gets a ``log`` recorder on every LightningModule in it (a real ``self.log`` would race the others on the
+trainer's results), its own device on Lightning's device mixin (``self.device`` in a step) and its own clone of every
+torchmetrics metric; :meth:`LightningReplicas.merge_into` merges them back on the root, from the main thread.
 """
 
 from __future__ import annotations
@@ -30,10 +23,6 @@ from lightning_mgpu.strategies.replica_metrics import MetricReplicas
 _PER_REPLICA = ("log", "_device", "forward")
 
 
-def _is_metric(module: nn.Module) -> bool:
-    return isinstance(module, Metric)
-
-
 class LightningReplicas:
     """Replicas of ``module`` on ``devices`` for steps of a LightningModule of ``namespace``."""
 
@@ -44,7 +33,7 @@ class LightningReplicas:
         self.recorders = [LogRecorder() for _ in self.devices]
         self.metrics = MetricReplicas()
         self.replica_set = ReplicaSet(
-            module, self.devices, on_build=self._install, overrides=_PER_REPLICA, shared=_is_metric
+            module, self.devices, on_build=self._install, overrides=_PER_REPLICA, shared=lambda m: isinstance(m, Metric)
         )
 
     def _install(self, replicas: list[nn.Module]) -> None:
@@ -57,10 +46,6 @@ class LightningReplicas:
                 if device != root_device and isinstance(sub, self._namespace.device_dtype_mixin):
                     sub._device = device
         self.metrics.install(self.module, replicas, self.devices)
-
-    @property
-    def compiled(self) -> bool:
-        return self.replica_set.compiled
 
     def run(self, count: int, call: Callable[[int, nn.Module], Any], mode: ExecutionMode) -> list[Any]:
         """``call(i, replica_i)`` for the first ``count`` replicas; a failed step leaves no recorded state behind."""
