@@ -34,8 +34,7 @@ from lightning_mgpu.strategies.loss_normalization import (
     assumed_samples_notice,
     known_rule,
 )
-from lightning_mgpu.strategies.namespace import Accelerator, CheckpointIO, PrecisionPlugin
-from lightning_mgpu.strategies.single_process import SingleProcessParallel
+from lightning_mgpu.strategies.single_process import Accelerator, CheckpointIO, PrecisionPlugin, SingleProcessParallel
 
 
 class DataParallelStrategyBase(SingleProcessParallel):

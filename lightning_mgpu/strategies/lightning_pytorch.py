@@ -10,7 +10,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 
 from lightning_mgpu.strategies import namespace_strategies
-from lightning_mgpu.strategies.namespace import LightningNamespace
+from lightning_mgpu.strategies.single_process import LightningNamespace
 
 NAMESPACE = LightningNamespace("lightning.pytorch", LightningModule, MisconfigurationException, _DeviceDtypeModuleMixin)
 ParallelCriterionStrategy, DataParallelStrategy = namespace_strategies.define(NAMESPACE, ParallelStrategy, __name__)

@@ -8,8 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_mgpu.strategies.data_parallel import DataParallelStrategyBase
-from lightning_mgpu.strategies.namespace import LightningNamespace
 from lightning_mgpu.strategies.parallel_criterion import ParallelCriterionStrategyBase
+from lightning_mgpu.strategies.single_process import LightningNamespace
 
 
 def define(namespace: LightningNamespace, parallel_strategy: type, module: str) -> tuple[type, type]:

@@ -27,8 +27,7 @@ from lightning_mgpu.strategies.loss_normalization import (
     labels_spec,
     uncombinable_loss,
 )
-from lightning_mgpu.strategies.namespace import Accelerator, CheckpointIO, PrecisionPlugin
-from lightning_mgpu.strategies.single_process import SingleProcessParallel
+from lightning_mgpu.strategies.single_process import Accelerator, CheckpointIO, PrecisionPlugin, SingleProcessParallel
 from lightning_mgpu.strategies.step_outputs import (
     LOSS_TERMS_KEY,
     LOSS_WEIGHT_KEY,

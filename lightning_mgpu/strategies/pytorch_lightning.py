@@ -10,7 +10,7 @@ from pytorch_lightning import LightningModule
 from pytorch_lightning.strategies import ParallelStrategy, StrategyRegistry
 
 from lightning_mgpu.strategies import namespace_strategies
-from lightning_mgpu.strategies.namespace import LightningNamespace
+from lightning_mgpu.strategies.single_process import LightningNamespace
 
 NAMESPACE = LightningNamespace("pytorch_lightning", LightningModule, MisconfigurationException, _DeviceDtypeModuleMixin)
 ParallelCriterionStrategy, DataParallelStrategy = namespace_strategies.define(NAMESPACE, ParallelStrategy, __name__)

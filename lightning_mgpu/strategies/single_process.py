@@ -11,8 +11,9 @@ import logging
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias
 
 import torch
 from torch import nn
@@ -22,9 +23,23 @@ from lightning_mgpu.parallel import collectives, sync_batchnorm
 from lightning_mgpu.parallel.replicas import SYNC_BATCHNORM_THREADS, ReplicaCache
 from lightning_mgpu.parallel.run_replicas import EXECUTION_MODES, ExecutionMode, add_note, resolve_mode
 from lightning_mgpu.strategies.lightning_replicas import LightningReplicas
-from lightning_mgpu.strategies.namespace import Accelerator, CheckpointIO, LightningNamespace, PrecisionPlugin
 
-_THREADS = "in threads, one per device"
+#: The Trainer's ``Accelerator``, ``CheckpointIO`` and ``Precision`` plugin, of either Lightning namespace (so not
+#: nameable here); the Trainer fills them in, pass one only to override it.
+Accelerator: TypeAlias = Any
+CheckpointIO: TypeAlias = Any
+PrecisionPlugin: TypeAlias = Any
+
+
+@dataclass(frozen=True)
+class LightningNamespace:
+    """One Lightning namespace (``lightning.pytorch`` or ``pytorch_lightning``, separate copies of Lightning): the
+    classes an ``isinstance`` check or a raised error must take from the namespace of the user's ``Trainer``."""
+
+    name: str
+    lightning_module: type
+    misconfiguration: type[Exception]
+    device_dtype_mixin: type
 
 
 def _public_list_lengths(module: nn.Module) -> dict[str, int]:
@@ -34,11 +49,8 @@ def _public_list_lengths(module: nn.Module) -> dict[str, int]:
 class SingleProcessParallel:
     """Shared implementation of ``parallel_criterion`` and ``dp``; mixed in before a Lightning ``ParallelStrategy``.
 
-    Args:
-        dim: the batch dimension to split along.
-        execution_mode: ``"auto"`` (threads on distinct GPUs, else one replica after another), ``"threads"`` or
-            ``"sequential"``. Compiled modules always run one replica after another (Dynamo is not thread-safe);
-            ``sync_batchnorm`` needs threads (the replicas meet inside every BatchNorm layer).
+    ``execution_mode``: compiled modules always run one replica after another (Dynamo is not thread-safe);
+    ``sync_batchnorm`` and collectives in the step need threads (the replicas meet).
     """
 
     strategy_name: ClassVar[str] = ""
@@ -201,13 +213,15 @@ class SingleProcessParallel:
             return
         threads = resolve_mode(self.execution_mode, devices) == "threads"
         chosen = " (execution_mode='auto')" if self.execution_mode == "auto" else ""
-        meets = self._meeting_reason()
+        meets = self._collectives_reason(self.lightning_module)
+        if meets is None and self._layer_sync is not None:
+            meets = SYNC_BATCHNORM_THREADS.partition(":")[0]
         if meets is not None and not threads:  # the first step then says why, once
-            threads, chosen = True, f" ({meets.partition(':')[0]})"
+            threads, chosen = True, f" ({meets})"
         physical = len({(d.type, d.index) for d in devices})
         virtual = f"; virtual devices: {physical} physical device(s)" if physical < len(devices) else ""
         where = ", ".join(map(str, devices))
-        mode = _THREADS if threads else "one after another"
+        mode = "in threads, one per device" if threads else "one after another"
         self._log(f"{self.strategy_name}: {len(devices)} replicas on {where}{virtual}; replicas run {mode}{chosen}.")
 
     @override
@@ -261,13 +275,6 @@ class SingleProcessParallel:
             self._announced.add(reason)
             warnings.warn(f"{self.strategy_name}: {reason}.", UserWarning, stacklevel=2)
         return mode
-
-    def _meeting_reason(self) -> str | None:
-        """What the first step will say about threads, when set-up can tell already (sync_batchnorm, collectives)."""
-        meets = self._collectives_reason(self.lightning_module)
-        if meets is not None:
-            return f"{meets}: replicas run in threads so that they meet"
-        return SYNC_BATCHNORM_THREADS if self._layer_sync is not None else None
 
     def _collectives_reason(self, module: nn.Module) -> str | None:
         """Why the replicas of ``module`` meet inside a step (collectives), or ``None``."""
