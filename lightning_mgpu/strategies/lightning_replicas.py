@@ -86,7 +86,8 @@ class LightningReplicas:
         merge_and_log(root, recorders, sample_counts, self.metrics.owner_of, implied)
 
     def release(self) -> None:
-        self.metrics.clear()
+        """Free the replicas and metric clones on the other devices (at teardown)."""
+        self.metrics = MetricReplicas()
         self.replica_set.release()
 
 
@@ -167,14 +168,6 @@ class MetricReplicas:
                 _set_submodule(replica, path, clone)
                 clones.append(clone)
             self._active.append((metric, clones))
-
-    def clear(self) -> None:
-        """Drop every clone (at teardown): frees their memory on the other devices, forgets ids that may be reused."""
-        self._clones.clear()
-        self._owner.clear()
-        self._scratch.clear()
-        self._contributions.clear()
-        self._active = []
 
     def discard(self) -> None:
         """Forget the step in progress (it failed): reset its clones so no partial update reaches a later step."""
