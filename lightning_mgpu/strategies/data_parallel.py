@@ -46,10 +46,9 @@ class DataParallelStrategyBase(SingleProcessParallel):
             ``devices=[2, 3]``); a string (``"cuda:3"``) or ``torch.device`` works too.
         parallel_modules: names of the submodules whose ``forward`` runs replicated (e.g. ``["backbone"]``); default
             (or ``None``) ``[""]``: the LightningModule's own ``forward``, i.e. every ``self(...)`` call in a step.
-        loss_reduction: how a scalar that the replicated forward returns (a ``transformers`` model's ``.loss``) is
-            normalised on each replica, as for ``parallel_criterion``; ``<key>`` names a forward argument
-            (``tokens:labels`` for ``labels=``, ``tokens:1`` for the second positional one). ``"auto"`` (default):
-            what the module's objects say, else a per-sample mean, said once with the fix.
+        loss_reduction: as for ``parallel_criterion``, for a scalar the replicated forward returns (a
+            ``transformers`` model's ``.loss``); ``<key>`` names a forward argument (``tokens:labels`` for
+            ``labels=``, ``tokens:1`` for the second positional one).
         dim: the batch dimension of inputs and outputs.
         execution_mode: ``"auto"`` (threads on distinct GPUs, else sequential), ``"threads"`` or ``"sequential"``.
     """

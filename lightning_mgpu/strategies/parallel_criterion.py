@@ -44,18 +44,14 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
     """One process, N devices: forward and loss on every device, shard losses combined exactly on the root.
 
     Args:
-        loss_reduction: how each device's loss is normalised, which decides how the losses are combined.
-            ``"auto"`` (default): what the module's objects say (a ``transformers`` model's task with the batch's
-            ``labels``, or its loss modules' ``reduction`` / ``ignore_index`` / ``weight``), printed once; else a
-            per-sample mean, said once with the fix. ``"samples"``: a per-sample mean, weighted by sample counts;
-            ``"sum"``: summed; ``"tokens:<key>"`` / ``"shifted_tokens:<key>"``: a mean over the tokens of
-            ``batch[<key>]`` that are not -100 (shifted: as causal LMs shift labels), weighted by each shard's count;
-            ``"replica_mean"``: equal weights (Lightning 1.x ``dp``; not one device's result on uneven shards). A
-            step that returns ``loss_weight`` or ``loss_terms`` is weighted by them whatever this says.
-        collectives: whether ``training_step`` (or what it calls on the module) uses ``self.all_gather``,
-            ``strategy.reduce``, ``broadcast``, ``barrier`` or ``reduce_boolean_decision``, which then act across the
-            replicas, so that the replicas run in threads and meet. ``None`` (default): read from the module's source
-            code (never by running it); ``True`` / ``False`` say it.
+        loss_reduction: how each device's loss is normalised, hence how the losses combine: ``"auto"`` (default:
+            what the module's objects say, printed once, else a per-sample mean, said once with the fix),
+            ``"samples"``, ``"sum"``, ``"tokens:<key>"`` / ``"shifted_tokens:<key>"`` (a mean over the labels
+            ``batch[<key>]`` that are not -100, shifted as causal LMs shift them) or ``"replica_mean"`` (equal
+            weights, Lightning 1.x ``dp``). A step's ``loss_weight`` / ``loss_terms`` weigh it whatever this says.
+        collectives: whether the step calls ``self.all_gather``, ``strategy.reduce``, ``broadcast``, ``barrier`` or
+            ``reduce_boolean_decision``, which then act across replicas running in threads. ``None`` (default): read
+            from the module's source code, never by running it.
         dim: the batch dimension to split along.
         execution_mode: ``"auto"`` (threads on distinct GPUs, else sequential), ``"threads"`` or ``"sequential"``.
 
