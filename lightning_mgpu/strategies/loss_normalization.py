@@ -150,19 +150,18 @@ def _transformers_rule(module: nn.Module, batch: Any) -> tuple[LossNormalization
     model, labels = models[0], batch["labels"]
     name = type(model).__name__
     config = model.config
+    tokens = LossNormalization("tokens", ("labels",))
     if getattr(config, "is_encoder_decoder", False) and "ForConditionalGeneration" in name:
-        rule = LossNormalization("tokens", ("labels",))  # decoder targets, aligned with the decoder's outputs
+        rule = tokens  # decoder targets, aligned with the decoder's outputs
     elif name.endswith(("ForCausalLM", "LMHeadModel")) or getattr(model, "loss_type", None) == "ForCausalLM":
         rule = LossNormalization("tokens", ("labels",), shifted=True)
     elif name.endswith(("ForMaskedLM", "ForTokenClassification")):
-        rule = LossNormalization("tokens", ("labels",))
+        rule = tokens
     elif name.endswith(("ForSequenceClassification", "ForImageClassification", "ForAudioClassification")):
+        # Cross-entropy ignores labels of -100; regression or multi-label is a mean over samples x outputs.
         single_label = config.num_labels > 1 and not labels.is_floating_point()
-        problem = getattr(config, "problem_type", None)
-        if single_label and problem in (None, "single_label_classification"):
-            rule = LossNormalization("tokens", ("labels",))  # cross-entropy: labels of -100 are ignored
-        else:
-            rule = SAMPLES  # regression or multi-label: a mean over samples x outputs
+        cross_entropy = single_label and getattr(config, "problem_type", None) in (None, "single_label_classification")
+        rule = tokens if cross_entropy else SAMPLES
     else:
         return None
     return rule, f"{name}'s loss"
