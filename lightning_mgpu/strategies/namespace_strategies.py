@@ -29,4 +29,4 @@ def register(registry: Any, *strategies: type) -> None:
     for strategy in strategies:
         for name in (strategy.strategy_name, *strategy.aliases):  # type: ignore[attr-defined]  # made by define()
             if name not in registry:
-                registry.register(name, strategy, description=strategy.__doc__.strip().splitlines()[0])
+                registry.register(name, strategy, description=(strategy.__doc__ or name).strip().splitlines()[0])

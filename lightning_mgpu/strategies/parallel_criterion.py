@@ -10,6 +10,7 @@ import inspect
 import re
 import warnings
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
 import torch
@@ -94,22 +95,25 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
     def _run_step(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         module = self.lightning_module
         training = hook == "training_step"
+        weights: list[Any] = [1]
         with self._step_context(hook):
             chunks, sizes = self._split(args)
             if chunks is None:
-                outputs, weights = [getattr(module, hook)(*args, **kwargs)], [1]
+                outputs = [getattr(module, hook)(*args, **kwargs)]
             else:
                 source = None
-                if training and self.normalization is None:
-                    known = known_rule(module, args[0])
-                    self.normalization, source = known if known is not None else (SAMPLES, None)
-                # Computed once per step (token counts: device tensors), for the loss and its logged copies.
-                weights = self.normalization.weights(chunks, sizes) if training else None
+                if training:
+                    if self.normalization is None:
+                        known = known_rule(module, args[0])
+                        self.normalization, source = known if known is not None else (SAMPLES, None)
+                    # Computed once per step (token counts: device tensors), for the loss and its logged copies.
+                    weights = self.normalization.weights(chunks, sizes)
 
                 def call(index: int, replica: nn.Module) -> Any:
                     return getattr(replica, hook)(chunks[index], *args[1:], **kwargs)
 
-                outputs = self._run_replicated(module, sizes, call, lambda outs: implied_loss_weights(outs, weights))
+                implied = partial(implied_loss_weights, rule_weights=weights if training else None)
+                outputs = self._run_replicated(module, sizes, call, implied)
                 if training:  # said once the step ran: a step that fails says so by itself
                     self._say_rule(outputs, source, args[0])
         if all_or_none(outputs, hook):
