@@ -120,12 +120,9 @@ def assumed_samples_notice(strategy: str, what: str, fixes: str) -> str:
 
 
 def known_rule(module: nn.Module, batch: Any, method: str = "training_step") -> tuple[LossNormalization, str] | None:
-    """The rule that the objects in ``module`` say, with what said it, or ``None``: never runs anything.
-
-    A ``transformers`` model (the outermost one, when there is exactly one) with ``labels`` in the batch says it by
-    its task; else the loss modules ``module`` holds that its ``method`` (or a method it calls) names, when they all
-    agree: a loss module kept for validation only does not decide the training loss.
-    """
+    """The rule that the objects in ``module`` say, with what said it, or ``None``; never runs anything. The one
+    outermost ``transformers`` model says it by its task (with ``labels`` in the batch); else the loss modules that
+    ``method`` (or a method it calls) names, when they agree: one kept for validation does not decide training."""
     return _transformers_rule(module, batch) or _criterion_rule(module, batch, method)
 
 
