@@ -69,9 +69,8 @@ def merge_and_log(
 ) -> None:
     """Merge the replicas' recorded ``log`` calls and log each name once on ``root`` (a LightningModule).
 
-    ``metric_owner(value)`` maps a replica's metric clone to the root metric it stands for (``None`` if ``value`` is
-    not one). ``implied_weights[i]`` maps :func:`tensor_key` of a loss tensor to the weight replica ``i`` returned for
-    it (``"sum"`` for a sum loss, a :class:`LossTermsTotal` for the total of ``loss_terms``).
+    ``metric_owner`` maps a replica's metric clone to its root metric; ``implied_weights[i]`` maps the
+    :func:`tensor_key` of a loss to replica ``i``'s weight for it (``"sum"``, a :class:`LossTermsTotal`, a count).
     """
     by_name: dict[str, list[tuple[int, LogCall]]] = {}
     for index, recorder in enumerate(recorders):
