@@ -87,12 +87,9 @@ def reduce_training_outputs(
     rule_weights: Sequence[Any],
     dim: int = 0,
 ) -> Any:
-    """The training step's result on the root: a combined loss tensor, or ``{"loss": ..., **gathered extras}``.
-
-    ``rule`` (a :class:`~.loss_normalization.LossNormalization`) combines, with ``rule_weights``, the losses the step
-    did not weight itself. One output (one device, or a batch that runs once) is returned as it is, but
-    ``loss_weight`` / ``loss_terms`` are checked and consumed all the same, so every device count follows one rule.
-    """
+    """The training step's result on the root: a combined loss, or ``{"loss": ..., **gathered extras}``; ``rule``
+    (a ``LossNormalization``) with ``rule_weights`` combines losses the step did not weight itself. One output is
+    returned as it is, but ``loss_weight`` / ``loss_terms`` are checked and consumed at every device count."""
     single = len(outputs) == 1
     first = outputs[0]
     if isinstance(first, Tensor):
