@@ -28,11 +28,9 @@ _pending: set[str] = set()
 
 
 def register_strategies(namespace: str | None = None) -> list[str]:
-    """Register ``parallel_criterion``, ``dp`` and ``data_parallel`` now (idempotent).
-
-    ``namespace``: ``"lightning.pytorch"`` or ``"pytorch_lightning"`` (imported if needed); default every namespace
-    that is already imported. Returns the namespaces registered.
-    """
+    """Register ``parallel_criterion``, ``dp`` and ``data_parallel`` now (idempotent) with ``namespace``
+    (``"lightning.pytorch"`` or ``"pytorch_lightning"``, imported if needed), default every namespace already
+    imported. Returns the namespaces registered."""
     names = [namespace] if namespace is not None else [n for n in STRATEGY_MODULES if n in sys.modules]
     for name in names:
         if name not in STRATEGY_MODULES:
