@@ -1,14 +1,9 @@
 """Register the strategies with every installed Lightning namespace, without importing one the project does not use.
 
-``lightning.pytorch`` and ``pytorch_lightning`` are separate copies of Lightning: separate ``StrategyRegistry``
-objects and separate class hierarchies, so each needs its own thin strategy classes
-(:mod:`lightning_mgpu.strategies.lightning_pytorch`, :mod:`lightning_mgpu.strategies.pytorch_lightning`) registered
-in its own registry. ``import lightning_mgpu`` calls :func:`register_on_import`:
-
-* a namespace that is already imported gets its strategies at once;
-* for the others, an import hook registers them right after the namespace's package finishes importing — before any
-  ``Trainer`` of that namespace can exist. A project that never imports a namespace never pays for it, and the pure
-  PyTorch core (``from lightning_mgpu import DataParallelModel``) imports no Lightning at all.
+``lightning.pytorch`` and ``pytorch_lightning`` each have their own ``StrategyRegistry`` and class hierarchy, hence
+their own thin strategy classes. :func:`register_on_import` registers with a namespace already imported at once, and
+with the others through an import hook, right after their package finishes importing (before any ``Trainer`` can
+exist); the pure PyTorch core imports no Lightning at all.
 """
 
 from __future__ import annotations
@@ -33,17 +28,15 @@ _pending: set[str] = set()
 
 
 def register_strategies(namespace: str | None = None) -> list[str]:
-    """Register ``parallel_criterion``, ``dp`` and ``data_parallel`` now (idempotent).
-
-    ``namespace``: ``"lightning.pytorch"`` or ``"pytorch_lightning"`` (imported if needed); default every namespace
-    that is already imported. Returns the namespaces registered.
-    """
+    """Register ``parallel_criterion``, ``dp`` and ``data_parallel`` now (idempotent) with ``namespace``
+    (``"lightning.pytorch"`` or ``"pytorch_lightning"``, imported if needed), default every namespace already
+    imported. Returns the namespaces registered."""
     names = [namespace] if namespace is not None else [n for n in STRATEGY_MODULES if n in sys.modules]
     for name in names:
         if name not in STRATEGY_MODULES:
             raise ValueError(f"Unknown Lightning namespace {name!r}: use one of {sorted(STRATEGY_MODULES)}.")
-        # Importing the namespace's strategy module registers its classes. When it is the module being imported
-        # right now (its own import of the namespace triggered this), it registers them itself once they exist.
+        # Importing the strategy module registers its classes; if it is being imported right now (its own import of
+        # the namespace triggered this), it has no `register` yet and registers them itself once they exist.
         strategies = importlib.import_module(STRATEGY_MODULES[name])
         if hasattr(strategies, "register"):
             strategies.register()
@@ -54,28 +47,13 @@ def register_on_import() -> None:
     """Register with the namespaces imported so far, and with the others as soon as they are imported."""
     with _LOCK:
         for name in STRATEGY_MODULES:
-            if name in sys.modules and not _is_initializing(sys.modules[name]):
+            spec = getattr(sys.modules.get(name), "__spec__", None)
+            if name in sys.modules and not getattr(spec, "_initializing", False):
                 register_strategies(name)
             else:
                 _pending.add(name)
         if _pending and not any(isinstance(f, _RegisterAfterImport) for f in sys.meta_path):
             sys.meta_path.insert(0, _RegisterAfterImport())
-
-
-def _is_initializing(module: ModuleType) -> bool:
-    spec = getattr(module, "__spec__", None)
-    return bool(getattr(spec, "_initializing", False))
-
-
-def _registered_after_import(name: str) -> None:
-    try:
-        register_strategies(name)
-    except Exception as err:  # never break the user's `import lightning`
-        warnings.warn(
-            f"lightning_mgpu could not register its strategies with {name}: {err!r}. Call "
-            f"lightning_mgpu.register_strategies({name!r}) to see the full error.",
-            stacklevel=2,
-        )
 
 
 class _RegisterAfterImport(importlib.abc.MetaPathFinder):
@@ -110,7 +88,14 @@ class _ThenRegister(importlib.abc.Loader):
 
     def exec_module(self, module: ModuleType) -> None:
         self._loader.exec_module(module)
-        _registered_after_import(self._name)
+        try:
+            register_strategies(self._name)
+        except Exception as err:  # never break the user's `import lightning`
+            warnings.warn(
+                f"lightning_mgpu could not register its strategies with {self._name}: {err!r}. Call "
+                f"lightning_mgpu.register_strategies({self._name!r}) to see the full error.",
+                stacklevel=2,
+            )
 
     def __getattr__(self, name: str) -> Any:  # get_resource_reader, is_package... of the real loader
         return getattr(self._loader, name)

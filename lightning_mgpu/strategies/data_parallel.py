@@ -1,15 +1,9 @@
 """``strategy="dp"``: classic DataParallel, back in Lightning 2.
 
 The ``*_step`` runs once, on the root device, with the whole batch; only the module's ``forward`` (or the named
-submodules' ``forward``) runs replicated, and its outputs are gathered on ``output_device``, where the user's loss then
-runs. This is ``torch.nn.DataParallel``'s data flow: simple, manual optimization works, and the gathered outputs plus
-the loss's activations sit on one device, which is why that device runs out of memory first when outputs are large.
-
-Two things differ from ``nn.DataParallel``, both so that training equals one device: a scalar a forward returns per
-replica (a ``transformers`` model's ``.loss``) is combined into one value by the rule ``loss_reduction`` or the
-module's objects declare (as ``parallel_criterion`` combines step losses) instead of being stacked; and a step that
-never calls a replicated forward (``self.model(...)`` instead of ``self(...)``) is reported instead of silently
-running on one device.
+submodules') runs replicated, and its outputs are gathered on ``output_device``, where the loss then runs. Unlike
+``nn.DataParallel``, a scalar a forward returns per replica (a ``transformers`` model's ``.loss``) is combined by the
+``loss_reduction`` rule instead of stacked, and a step that never calls a replicated forward is reported.
 """
 
 from __future__ import annotations
@@ -17,6 +11,7 @@ from __future__ import annotations
 import types
 import warnings
 from collections.abc import Sequence
+from itertools import permutations
 from typing import Any
 
 import torch
@@ -39,8 +34,7 @@ from lightning_mgpu.strategies.loss_normalization import (
     assumed_samples_notice,
     known_rule,
 )
-from lightning_mgpu.strategies.namespace import Accelerator, CheckpointIO, PrecisionPlugin
-from lightning_mgpu.strategies.single_process import SingleProcessParallel
+from lightning_mgpu.strategies.single_process import Accelerator, CheckpointIO, PrecisionPlugin, SingleProcessParallel
 
 
 class DataParallelStrategyBase(SingleProcessParallel):
@@ -52,15 +46,15 @@ class DataParallelStrategyBase(SingleProcessParallel):
             ``devices=[2, 3]``); a string (``"cuda:3"``) or ``torch.device`` works too.
         parallel_modules: names of the submodules whose ``forward`` runs replicated (e.g. ``["backbone"]``); default
             (or ``None``) ``[""]``: the LightningModule's own ``forward``, i.e. every ``self(...)`` call in a step.
-        loss_reduction: how a scalar that the replicated forward returns (a ``transformers`` model's ``.loss``) is
-            normalised on each replica, as for ``parallel_criterion``; ``<key>`` names a forward argument
-            (``tokens:labels`` for ``labels=``, ``tokens:1`` for the second positional one). ``"auto"`` (default):
-            what the module's objects say, else a per-sample mean, said once with the fix.
+        loss_reduction: as for ``parallel_criterion``, for a scalar the replicated forward returns (a
+            ``transformers`` model's ``.loss``); ``<key>`` names a forward argument (``tokens:labels`` for
+            ``labels=``, ``tokens:1`` for the second positional one).
         dim: the batch dimension of inputs and outputs.
         execution_mode: ``"auto"`` (threads on distinct GPUs, else sequential), ``"threads"`` or ``"sequential"``.
     """
 
     strategy_name = "dp"
+    aliases = ("data_parallel",)
 
     def __init__(
         self,
@@ -80,39 +74,11 @@ class DataParallelStrategyBase(SingleProcessParallel):
         if output_device is not None:
             to_device(output_device)  # a clear error now, not at the first step
         self._output_device = output_device
-        if parallel_modules is None:
-            parallel_modules = ("",)
-        if isinstance(parallel_modules, str):
-            raise TypeError(
-                f"parallel_modules must be a list of submodule names, got the string {parallel_modules!r}: write "
-                f"parallel_modules=[{parallel_modules!r}] for one module ('' is the LightningModule itself)."
-            )
-        for position, name in enumerate(parallel_modules):
-            if not isinstance(name, str):
-                raise TypeError(
-                    f"parallel_modules must hold submodule names (strings, '' for the LightningModule itself), but "
-                    f"item {position} is {name!r} ({type(name).__name__})."
-                )
-        self.parallel_modules = list(parallel_modules)
-        if not self.parallel_modules:
-            raise ValueError("parallel_modules is empty: name at least one submodule ('' is the LightningModule).")
-        for i, outer in enumerate(self.parallel_modules):
-            for j, inner in enumerate(self.parallel_modules):
-                if i != j and (outer == inner or outer == "" or inner.startswith(f"{outer}.")):
-                    raise ValueError(
-                        f"parallel_modules names {outer!r} and {inner!r}, but {inner!r} runs inside {outer!r}: its "
-                        "forward would be replicated again inside each replica. Name only the outermost module."
-                    )
+        self.parallel_modules = _checked_module_names(parallel_modules)
         self._wrapped: list[nn.Module] = []
         self._in_step = False
         self._forward_calls = 0
         self._scalar_rules: dict[str, LossNormalization] = {}
-        self._warned_unreplicated: set[str] = set()
-
-    @classmethod
-    @override
-    def registered_names(cls) -> tuple[str, ...]:
-        return (cls.strategy_name, "data_parallel")
 
     @property
     @override
@@ -129,9 +95,17 @@ class DataParallelStrategyBase(SingleProcessParallel):
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
         if len(self.parallel_devices) > 1:
-            for target in self._targets():
+            module = self.lightning_module
+            for name in self.parallel_modules:
+                try:
+                    self._wrapped.append(module.get_submodule(name))
+                except AttributeError as err:
+                    self._wrapped = []
+                    raise ValueError(
+                        f"parallel_modules names {name!r}, which is not a submodule of {type(module).__name__}."
+                    ) from err
+            for target in self._wrapped:
                 target.forward = ParallelForward(self, target)  # an instance attribute: never in state dicts
-                self._wrapped.append(target)
 
     @override
     def teardown(self) -> None:
@@ -140,43 +114,27 @@ class DataParallelStrategyBase(SingleProcessParallel):
         self._wrapped = []
         super().teardown()
 
-    def _targets(self) -> list[nn.Module]:
-        module = self.lightning_module
-        targets = []
-        for name in self.parallel_modules:
-            try:
-                targets.append(module.get_submodule(name) if name else module)
-            except AttributeError as err:
-                raise ValueError(
-                    f"parallel_modules names {name!r}, which is not a submodule of {type(module).__name__}."
-                ) from err
-        return targets
-
     @override
     def _run_step(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        module = self.lightning_module
         self._in_step, self._forward_calls = True, 0
         try:
             with self._step_context(hook):
-                output = getattr(module, hook)(*args, **kwargs)
+                output = getattr(self.lightning_module, hook)(*args, **kwargs)
         finally:
             self._in_step = False
-        if self._wrapped and self._forward_calls == 0 and hook in ("training_step", "validation_step"):
-            self._warn_unreplicated(hook)
+        unreplicated = self._wrapped and self._forward_calls == 0 and hook in ("training_step", "validation_step")
+        if unreplicated and f"unreplicated:{hook}" not in self._announced:
+            self._announced.add(f"unreplicated:{hook}")
+            names = [n or "self" for n in self.parallel_modules]
+            warnings.warn(
+                f"dp: `{hook}` ran on one device: it never called the replicated forward of {names} (`self(...)` for "
+                "the LightningModule), so nothing ran in parallel. A call such as `self.model(...)` bypasses it: "
+                "call `self(...)` and have `forward` call the model, or pass "
+                "DataParallelStrategy(parallel_modules=['model']).",
+                UserWarning,
+                stacklevel=2,
+            )
         return output
-
-    def _warn_unreplicated(self, hook: str) -> None:
-        if hook in self._warned_unreplicated:
-            return
-        self._warned_unreplicated.add(hook)
-        names = [n or "self" for n in self.parallel_modules]
-        warnings.warn(
-            f"dp: `{hook}` ran on one device: it never called the replicated forward of {names} (`self(...)` for "
-            "the LightningModule), so nothing ran in parallel. A call such as `self.model(...)` bypasses it: call "
-            "`self(...)` and have `forward` call the model, or pass DataParallelStrategy(parallel_modules=['model']).",
-            UserWarning,
-            stacklevel=2,
-        )
 
     def _forward(self, target: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         original = types.MethodType(type(target).forward, target)
@@ -198,27 +156,12 @@ class DataParallelStrategyBase(SingleProcessParallel):
 
         outputs = self._run_replicated(target, sizes, call)
         chunks = [_arguments(a, k) for a, k in zip(args_chunks, kwargs_chunks, strict=True)]
-        weights = self._scalar_weights(target, outputs, chunks, sizes, _arguments(inputs, kwargs))
-        return merge_outputs(outputs, self.output_device, self.dim, sizes=sizes, weights=weights)
-
-    # --- scalars in forward outputs (a transformers model's .loss) --------------------------------------------------
-    def _scalar_weights(
-        self, target: nn.Module, outputs: list[Any], chunks: list[dict[Any, Any]], sizes: list[int], whole: Any
-    ) -> dict[str, Any]:
-        """How to combine each floating scalar of the outputs that differs between replicas: sample counts for a
-        per-sample mean, token counts for a token mean, summed for a sum."""
         weights: dict[str, Any] = {}
-        for path in _floating_scalar_paths(outputs):
-            rule = self._scalar_rules.get(path)
-            if rule is None:
-                rule = self._scalar_rules[path] = self._rule_for(target, path, whole)
-            if rule.kind == "sum":
-                weights[path] = "sum"
-            elif rule.kind == "replica_mean":
-                weights[path] = [1] * len(outputs)
-            else:
-                weights[path] = rule.weights(chunks, sizes)
-        return weights
+        for path in _floating_scalar_paths(outputs):  # a per-replica loss: combined by its rule, not stacked
+            rule = self._scalar_rules.get(path) or self._rule_for(target, path, _arguments(inputs, kwargs))
+            self._scalar_rules[path] = rule
+            weights[path] = "sum" if rule.kind == "sum" else rule.weights(chunks, sizes)
+        return merge_outputs(outputs, self.output_device, self.dim, sizes=sizes, weights=weights)
 
     def _rule_for(self, target: nn.Module, path: str, arguments: dict[Any, Any]) -> LossNormalization:
         """``loss_reduction``, else what ``target``'s objects say (said once), else per-sample (said once)."""
@@ -256,8 +199,7 @@ class ParallelForward:
         return self.strategy._forward(self.target, inputs, kwargs)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
-        copy = memo.get(id(self.target), self.target)
-        return types.MethodType(type(copy).forward, copy)
+        return _plain_forward(memo.get(id(self.target), self.target))
 
     def __reduce__(self) -> tuple[Any, ...]:
         return _plain_forward, (self.target,)
@@ -267,23 +209,39 @@ def _plain_forward(target: nn.Module) -> Any:
     return types.MethodType(type(target).forward, target)
 
 
+def _checked_module_names(names: Sequence[str] | None) -> list[str]:
+    """``parallel_modules`` as a list: strings (``""`` for the LightningModule), at least one, none inside another."""
+    if isinstance(names, str):
+        raise TypeError(
+            f"parallel_modules must be a list of submodule names, got the string {names!r}: write "
+            f"parallel_modules=[{names!r}] for one module ('' is the LightningModule itself)."
+        )
+    names = [""] if names is None else list(names)
+    for position, name in enumerate(names):
+        if not isinstance(name, str):
+            raise TypeError(
+                f"parallel_modules must hold submodule names (strings, '' for the LightningModule itself), but "
+                f"item {position} is {name!r} ({type(name).__name__})."
+            )
+    if not names:
+        raise ValueError("parallel_modules is empty: name at least one submodule ('' is the LightningModule).")
+    for outer, inner in permutations(names, 2):
+        if outer == inner or outer == "" or inner.startswith(f"{outer}."):
+            raise ValueError(
+                f"parallel_modules names {outer!r} and {inner!r}, but {inner!r} runs inside {outer!r}: its "
+                "forward would be replicated again inside each replica. Name only the outermost module."
+            )
+    return names
+
+
 def _floating_scalar_paths(outputs: list[Any]) -> list[str]:
     """Paths (as gather names them) of floating 0-dim tensors in the first output whose values differ by replica."""
-    paths = []
-    for path, tensor in iter_tensors(outputs[0], "output"):
-        if tensor.dim() == 0 and tensor.is_floating_point():
-            values = [_at(o, path) for o in outputs]
-            if not all(v is tensor for v in values[1:]):
-                paths.append(path)
-    return paths
-
-
-def _at(output: Any, path: str) -> Any:
-    """The value of ``output`` at a path as ``iter_tensors`` names it (``output['loss']``, ``output.x``)."""
-    for candidate, tensor in iter_tensors(output, "output"):
-        if candidate == path:
-            return tensor
-    return None
+    first, *others = [dict(iter_tensors(output, "output")) for output in outputs]
+    return [
+        path
+        for path, tensor in first.items()
+        if tensor.dim() == 0 and tensor.is_floating_point() and any(o.get(path) is not tensor for o in others)
+    ]
 
 
 def _arguments(args: Sequence[Any], kwargs: dict[str, Any]) -> dict[Any, Any]:

@@ -1,37 +1,30 @@
-"""Lasting replicas of a module that runs inside a LightningModule's step, with what Lightning needs per replica.
+"""Lasting replicas of a module run inside a LightningModule's step, with what Lightning needs per replica.
 
-A :class:`~lightning_mgpu.parallel.ReplicaSet` copies the module once; on every (re)build this class gives each
-replica:
-
-* a ``log`` recorder on every LightningModule in it: replicas share the trainer's result collection, so a replica
-  calling the real ``self.log`` would race with the others and log one shard's value as the batch's;
-* its own device on Lightning's device mixin, so ``self.device`` inside a step is the replica's device;
-* its own clone of every torchmetrics metric, on its device (a metric's ``update`` is bound to the original object).
-
-After the replicas ran, :meth:`merge_into` logs each recorded name once on the root module and folds the metric clones
-into the root metrics, from the main thread.
+Each replica gets a ``log`` recorder on every LightningModule in it (a real ``self.log`` would race the others on the
+trainer's results), its own device on Lightning's device mixin (``self.device`` in a step) and a lasting clone of
+every torchmetrics metric on its device (a metric's ``update`` is bound to the original object). After the step the
+clones' states fold into the root metric by each state's ``dist_reduce_fx``, as DDP combines ranks; not by
+``Metric.merge_state``, which refuses ``full_state_update=True`` metrics and leaves the bookkeeping untouched.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torchmetrics import Metric
+from torchmetrics.utilities.data import dim_zero_cat, dim_zero_mean
 
 from lightning_mgpu.parallel.replicas import ReplicaSet
 from lightning_mgpu.parallel.run_replicas import ExecutionMode, run_replicas
-from lightning_mgpu.strategies.namespace import LightningNamespace
 from lightning_mgpu.strategies.replica_logging import LogRecorder, merge_and_log
-from lightning_mgpu.strategies.replica_metrics import MetricReplicas
+
+if TYPE_CHECKING:
+    from lightning_mgpu.strategies.single_process import LightningNamespace
 
 _PER_REPLICA = ("log", "_device", "forward")
-
-
-def _is_metric(module: nn.Module) -> bool:
-    return isinstance(module, Metric)
 
 
 class LightningReplicas:
@@ -44,7 +37,7 @@ class LightningReplicas:
         self.recorders = [LogRecorder() for _ in self.devices]
         self.metrics = MetricReplicas()
         self.replica_set = ReplicaSet(
-            module, self.devices, on_build=self._install, overrides=_PER_REPLICA, shared=_is_metric
+            module, self.devices, on_build=self._install, overrides=_PER_REPLICA, shared=lambda m: isinstance(m, Metric)
         )
 
     def _install(self, replicas: list[nn.Module]) -> None:
@@ -57,10 +50,6 @@ class LightningReplicas:
                 if device != root_device and isinstance(sub, self._namespace.device_dtype_mixin):
                     sub._device = device
         self.metrics.install(self.module, replicas, self.devices)
-
-    @property
-    def compiled(self) -> bool:
-        return self.replica_set.compiled
 
     def run(self, count: int, call: Callable[[int, nn.Module], Any], mode: ExecutionMode) -> list[Any]:
         """``call(i, replica_i)`` for the first ``count`` replicas; a failed step leaves no recorded state behind."""
@@ -97,5 +86,151 @@ class LightningReplicas:
         merge_and_log(root, recorders, sample_counts, self.metrics.owner_of, implied)
 
     def release(self) -> None:
-        self.metrics.clear()
+        """Free the replicas and metric clones on the other devices (at teardown)."""
+        self.metrics = MetricReplicas()
         self.replica_set.release()
+
+
+def _outermost_metrics(module: nn.Module, prefix: str = "") -> list[tuple[str, Metric]]:
+    """``(dotted path, metric)`` for every metric not nested inside another metric."""
+    found = []
+    for name, child in module.named_children():
+        path = f"{prefix}{name}"
+        if isinstance(child, Metric):
+            found.append((path, child))
+        else:
+            found.extend(_outermost_metrics(child, f"{path}."))
+    return found
+
+
+def _set_submodule(root: nn.Module, path: str, value: nn.Module) -> None:
+    parent_path, _, name = path.rpartition(".")
+    parent = root.get_submodule(parent_path) if parent_path else root
+    parent._modules[name] = value
+
+
+def _combine(values: Sequence[Any], reduce_fx: Any, device: torch.device) -> Any:
+    """Combine states the way ``Metric._sync_dist`` combines ranks (lists of tensors for "cat" states stay lists)."""
+    if isinstance(values[0], list):
+        return [t.to(device) for v in values for t in v]
+    stacked = [v.to(device) for v in values]
+    if reduce_fx is None:
+        return torch.stack(stacked)
+    if reduce_fx is dim_zero_cat:
+        return torch.cat([s.reshape(1) if s.dim() == 0 else s for s in stacked])
+    return reduce_fx(torch.stack(stacked))
+
+
+def _mark_folded(metric: Metric, step_value: Any = None) -> None:
+    """Record on ``metric`` what its own ``update``/``forward`` would: one more update, no stale ``compute()`` result,
+    and (when logged per step) the batch's value that Lightning reads; torchmetrics has no setters for them."""
+    metric._update_count += 1
+    metric._computed = None
+    if step_value is not None:
+        metric._forward_cache = step_value
+
+
+def _check_mergeable(metric: Metric) -> None:
+    for attr, value in metric.metric_state.items():
+        if not isinstance(value, (Tensor, list)):
+            raise TypeError(
+                f"The torchmetrics metric {type(metric).__name__} keeps its state {attr!r} as a "
+                f"{type(value).__name__}, which cannot be merged across replicas (only tensors and lists of tensors "
+                "can). Update it outside the replicated step (e.g. in on_train_batch_end from the gathered outputs), "
+                "or use strategy='dp' or 'ddp'."
+            )
+
+
+class MetricReplicas:
+    """Owns the per-device metric clones of one LightningModule and merges them back after each step."""
+
+    def __init__(self) -> None:
+        self._clones: dict[tuple[int, int], Metric] = {}  # (id(root metric), replica index) -> clone
+        self._owner: dict[int, Metric] = {}  # id(clone) -> root metric
+        self._scratch: dict[int, Metric] = {}  # id(root metric) -> clone used to compute the batch value
+        self._active: list[tuple[Metric, list[Metric]]] = []
+        self._contributions: dict[int, int] = {}  # id(root metric) -> replica states folded in since its reset
+
+    def install(self, root: nn.Module, replicas: Sequence[nn.Module], devices: Sequence[torch.device]) -> None:
+        """Put a clone of each root metric, on the replica's device, into every replica (once per replica build)."""
+        self._active = []
+        for path, metric in _outermost_metrics(root):
+            clones = []
+            for index, (replica, device) in enumerate(zip(replicas, devices, strict=True)):
+                key = (id(metric), index)
+                clone = self._clones.get(key)
+                if clone is None:
+                    clone = metric.clone()
+                    clone.reset()
+                    self._clones[key] = clone
+                    self._owner[id(clone)] = metric
+                clone.to(device)
+                _set_submodule(replica, path, clone)
+                clones.append(clone)
+            self._active.append((metric, clones))
+
+    def discard(self) -> None:
+        """Forget the step in progress (it failed): reset its clones so no partial update reaches a later step."""
+        for _, clones in self._active:
+            for clone in clones:
+                clone.reset()
+
+    def owner_of(self, value: Any) -> Metric | None:
+        """The root metric a replica's clone stands for."""
+        return self._owner.get(id(value)) if isinstance(value, Metric) else None
+
+    def merge(self, compute_step_value: set[int] | None = None) -> None:
+        """Fold every updated clone's state into its root metric, then reset the clones.
+
+        ``compute_step_value``: ids of root metrics whose per-step value is needed (logged with ``on_step``).
+        """
+        for metric, clones in self._active:
+            updated = [c for c in clones if c.update_count > 0]
+            if not updated:
+                continue
+            _check_mergeable(updated[0])
+            device = _metric_device(metric)
+            reductions = metric._reductions  # each state's dist_reduce_fx (read only)
+            batch_state = {
+                attr: _combine([c.metric_state[attr] for c in updated], reductions[attr], device) for attr in reductions
+            }
+            step_value = None
+            if compute_step_value and id(metric) in compute_step_value:
+                step_value = self._batch_value(metric, batch_state)
+            folded = 0 if metric.update_count == 0 else self._contributions.get(id(metric), 1)
+            for attr, value in batch_state.items():
+                current = getattr(metric, attr)
+                setattr(metric, attr, _folded(current, value, reductions[attr], device, folded, len(updated)))
+            self._contributions[id(metric)] = folded + len(updated)
+            _mark_folded(metric, step_value)
+            for clone in updated:
+                clone.reset()
+
+    def _batch_value(self, metric: Metric, batch_state: dict[str, Any]) -> Any:
+        if (scratch := self._scratch.get(id(metric))) is None:
+            scratch = self._scratch[id(metric)] = metric.clone()
+        scratch.reset()
+        for attr, value in batch_state.items():
+            setattr(scratch, attr, value)
+        _mark_folded(scratch)
+        return scratch.compute()
+
+
+def _folded(current: Any, value: Any, reduce_fx: Any, device: torch.device, folded: int, n: int) -> Any:
+    """A state holding ``folded`` replica states (0: fresh) and a batch's ``value`` from ``n`` more, in one."""
+    if isinstance(current, list):  # list states (retrieval, SSIM, mAP...): every element, in order
+        return _combine([current, value], reduce_fx, device)
+    if folded == 0:
+        return value
+    if reduce_fx is None:  # unreduced states (PearsonCorrCoef's): one row per contributor, as DDP stacks ranks
+        return torch.cat([current.to(device), value])
+    if reduce_fx is dim_zero_mean:  # DDP's equal-weight mean over ranks: over every replica state folded in so far
+        return (current.to(device) * folded + value * n) / (folded + n)
+    return _combine([current, value], reduce_fx, device)
+
+
+def _metric_device(metric: Metric) -> torch.device:
+    for value in metric.metric_state.values():
+        if isinstance(value, Tensor):
+            return value.device
+    return metric.device

@@ -1,16 +1,9 @@
 """How each device's loss is normalised, which decides how the devices' losses combine into the whole batch's.
 
-A per-sample mean is weighted by sample counts, a sum is summed, and a token mean (``transformers``' ``.loss``: a
-mean over ``labels != -100``, shifted by one position for causal LMs; ``CrossEntropyLoss`` with an ``ignore_index``
-or class weights) is weighted by each shard's count of what it averages over. The rule comes, in this order, from:
-
-1. the step itself: ``loss_weight`` / ``loss_terms`` in what it returns (:mod:`.step_outputs`);
-2. the strategy's ``loss_reduction=`` (:meth:`LossNormalization.parse`);
-3. what objects say without being run (:func:`known_rule`): a ``transformers`` model inside the module, with the
-   batch's ``labels``; else the loss modules the module holds (``reduction``, ``ignore_index``, class ``weight``);
-4. otherwise a per-sample mean, said once in one line with the fix (:func:`assumed_samples_notice`).
-
-Nothing here runs user code; :mod:`lightning_mgpu.loss_check` runs the step on purpose, as an opt-in diagnostic.
+The rule comes, in this order, from the step (``loss_weight`` / ``loss_terms``, :mod:`.step_outputs`), the strategy's
+``loss_reduction=`` (:meth:`LossNormalization.parse`), what the module's objects say without being run
+(:func:`known_rule`: a ``transformers`` model with the batch's ``labels``, else its loss modules), else a per-sample
+mean, said once with the fix (:func:`assumed_samples_notice`). Nothing here runs user code.
 """
 
 from __future__ import annotations
@@ -75,21 +68,20 @@ class LossNormalization:
 
     def describe(self) -> str:
         """The rule in words."""
-        if self.kind == "samples":
-            return "a mean over samples (weighted by each device's sample count)"
-        if self.kind == "sum":
-            return "a sum (summed over devices)"
-        if self.kind == "replica_mean":
-            return "an equal-weight mean over devices"
+        if self.kind != "tokens":
+            return _KIND_WORDS[self.kind]
         weighted = ", weighted by class" if self.class_weight is not None else ""
         shift = ", shifted by one position as causal LMs do" if self.shifted else ""
         return f"a mean over the labels in {show(self.key)} that are not {self.ignore_index}{weighted}{shift}"
 
-    def weights(self, chunks: Sequence[Any], sample_counts: Sequence[int]) -> list[Weight]:
-        """Each replica's weight under this rule (``samples`` and ``tokens``; the others have none)."""
+    def weights(self, chunks: Sequence[Any], sample_counts: Sequence[int]) -> list[Weight | str]:
+        """Each replica's weight under this rule: its sample or label count; ``"sum"`` for a sum, 1 for
+        ``replica_mean``."""
         if self.kind == "tokens":
             return [self.count(chunk) for chunk in chunks]
-        return list(sample_counts)
+        if self.kind == "sum":
+            return ["sum"] * len(sample_counts)
+        return [1] * len(sample_counts) if self.kind == "replica_mean" else list(sample_counts)
 
     def count(self, batch: Any) -> Tensor:
         """What this rule averages over in ``batch``: its labels that count (class-weighted when given)."""
@@ -102,12 +94,18 @@ class LossNormalization:
         weight = torch.tensor(self.class_weight, dtype=torch.float64, device=labels.device)
         return weight[labels[valid]].sum()
 
-    def reduce(self, losses: Sequence[Tensor], weights: Sequence[Weight], root: torch.device) -> Tensor:
+    def reduce(self, losses: Sequence[Tensor], weights: Sequence[Any], root: torch.device) -> Tensor:
+        """The devices' losses combined on ``root``, with :meth:`weights`."""
         if self.kind in ("sum", "replica_mean"):
             return reduce_losses(losses, None, root, self.kind)
         return reduce_losses(losses, weights, root, "weighted")
 
 
+_KIND_WORDS = {
+    "samples": "a mean over samples (weighted by each device's sample count)",
+    "sum": "a sum (summed over devices)",
+    "replica_mean": "an equal-weight mean over devices",
+}
 SAMPLES = LossNormalization("samples")
 SUM = LossNormalization("sum")
 
@@ -122,12 +120,9 @@ def assumed_samples_notice(strategy: str, what: str, fixes: str) -> str:
 
 
 def known_rule(module: nn.Module, batch: Any, method: str = "training_step") -> tuple[LossNormalization, str] | None:
-    """The rule that the objects in ``module`` say, with what said it, or ``None``: never runs anything.
-
-    A ``transformers`` model (the outermost one, when there is exactly one) with ``labels`` in the batch says it by
-    its task; else the loss modules ``module`` holds that its ``method`` (or a method it calls) names, when they all
-    agree: a loss module kept for validation only does not decide the training loss.
-    """
+    """The rule that the objects in ``module`` say, with what said it, or ``None``; never runs anything. The one
+    outermost ``transformers`` model says it by its task (with ``labels`` in the batch); else the loss modules that
+    ``method`` (or a method it calls) names, when they agree: one kept for validation does not decide training."""
     return _transformers_rule(module, batch) or _criterion_rule(module, batch, method)
 
 
@@ -152,19 +147,18 @@ def _transformers_rule(module: nn.Module, batch: Any) -> tuple[LossNormalization
     model, labels = models[0], batch["labels"]
     name = type(model).__name__
     config = model.config
+    tokens = LossNormalization("tokens", ("labels",))
     if getattr(config, "is_encoder_decoder", False) and "ForConditionalGeneration" in name:
-        rule = LossNormalization("tokens", ("labels",))  # decoder targets, aligned with the decoder's outputs
+        rule = tokens  # decoder targets, aligned with the decoder's outputs
     elif name.endswith(("ForCausalLM", "LMHeadModel")) or getattr(model, "loss_type", None) == "ForCausalLM":
         rule = LossNormalization("tokens", ("labels",), shifted=True)
     elif name.endswith(("ForMaskedLM", "ForTokenClassification")):
-        rule = LossNormalization("tokens", ("labels",))
+        rule = tokens
     elif name.endswith(("ForSequenceClassification", "ForImageClassification", "ForAudioClassification")):
+        # Cross-entropy ignores labels of -100; regression or multi-label is a mean over samples x outputs.
         single_label = config.num_labels > 1 and not labels.is_floating_point()
-        problem = getattr(config, "problem_type", None)
-        if single_label and problem in (None, "single_label_classification"):
-            rule = LossNormalization("tokens", ("labels",))  # cross-entropy: labels of -100 are ignored
-        else:
-            rule = SAMPLES  # regression or multi-label: a mean over samples x outputs
+        cross_entropy = single_label and getattr(config, "problem_type", None) in (None, "single_label_classification")
+        rule = tokens if cross_entropy else SAMPLES
     else:
         return None
     return rule, f"{name}'s loss"

@@ -1,8 +1,6 @@
 """The thin strategy classes of one Lightning namespace: the shared implementation put before its ``ParallelStrategy``.
 
-Each namespace module (:mod:`.lightning_pytorch`, :mod:`.pytorch_lightning`) calls :func:`define` with its own
-classes, and gets ``ParallelCriterionStrategy`` and ``DataParallelStrategy`` defined in its name, so they import,
-pickle and show in tracebacks as that module's classes.
+Each namespace module calls :func:`define`, so its classes import, pickle and show in tracebacks as its own.
 """
 
 from __future__ import annotations
@@ -10,8 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_mgpu.strategies.data_parallel import DataParallelStrategyBase
-from lightning_mgpu.strategies.namespace import LightningNamespace
 from lightning_mgpu.strategies.parallel_criterion import ParallelCriterionStrategyBase
+from lightning_mgpu.strategies.single_process import LightningNamespace
 
 
 def define(namespace: LightningNamespace, parallel_strategy: type, module: str) -> tuple[type, type]:
@@ -29,4 +27,6 @@ def define(namespace: LightningNamespace, parallel_strategy: type, module: str) 
 def register(registry: Any, *strategies: type) -> None:
     """Add each strategy to ``registry`` under its names (idempotent)."""
     for strategy in strategies:
-        strategy.register_strategies(registry)  # type: ignore[attr-defined]  # classes made by define() above
+        for name in (strategy.strategy_name, *strategy.aliases):  # type: ignore[attr-defined]  # made by define()
+            if name not in registry:
+                registry.register(name, strategy, description=(strategy.__doc__ or name).strip().splitlines()[0])

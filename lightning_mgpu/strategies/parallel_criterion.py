@@ -1,15 +1,16 @@
 """``strategy="parallel_criterion"``: every device runs the whole ``*_step`` (forward **and** loss) on its shard.
 
-Only one scalar loss per device reaches the root, where the losses are combined into the whole batch's loss: weighted
-by sample counts for per-sample means, summed for sums, weighted by valid tokens for token means, by the rule that the
-step, the strategy or the module's objects declare (:mod:`.loss_normalization`). Outputs never pile up on the root
-device, which is what makes ``nn.DataParallel`` run out of memory on GPU 0 first.
+Only one scalar loss per device reaches the root, where the losses are combined into the whole batch's loss by the
+rule of :mod:`.loss_normalization`. Outputs never pile up on the root device, as they do under ``nn.DataParallel``.
 """
 
 from __future__ import annotations
 
+import inspect
+import re
 import warnings
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
 import torch
@@ -27,9 +28,7 @@ from lightning_mgpu.strategies.loss_normalization import (
     labels_spec,
     uncombinable_loss,
 )
-from lightning_mgpu.strategies.namespace import Accelerator, CheckpointIO, PrecisionPlugin
-from lightning_mgpu.strategies.replica_collectives import collective_call_in_source
-from lightning_mgpu.strategies.single_process import SingleProcessParallel
+from lightning_mgpu.strategies.single_process import Accelerator, CheckpointIO, PrecisionPlugin, SingleProcessParallel
 from lightning_mgpu.strategies.step_outputs import (
     LOSS_TERMS_KEY,
     LOSS_WEIGHT_KEY,
@@ -38,23 +37,22 @@ from lightning_mgpu.strategies.step_outputs import (
     reduce_training_outputs,
 )
 
+_COLLECTIVE_CALL = re.compile(r"\.(all_gather|reduce_boolean_decision|barrier|broadcast)\s*\(|strategy\.(reduce)\s*\(")
+_LIBRARIES = ("lightning.", "pytorch_lightning.", "torch.", "torchmetrics.", "builtins")
+
 
 class ParallelCriterionStrategyBase(SingleProcessParallel):
     """One process, N devices: forward and loss on every device, shard losses combined exactly on the root.
 
     Args:
-        loss_reduction: how each device's loss is normalised, which decides how the losses are combined.
-            ``"auto"`` (default): what the module's objects say (a ``transformers`` model's task with the batch's
-            ``labels``, or its loss modules' ``reduction`` / ``ignore_index`` / ``weight``), printed once; else a
-            per-sample mean, said once with the fix. ``"samples"``: a per-sample mean, weighted by sample counts;
-            ``"sum"``: summed; ``"tokens:<key>"`` / ``"shifted_tokens:<key>"``: a mean over the tokens of
-            ``batch[<key>]`` that are not -100 (shifted: as causal LMs shift labels), weighted by each shard's count;
-            ``"replica_mean"``: equal weights (Lightning 1.x ``dp``; not one device's result on uneven shards). A
-            step that returns ``loss_weight`` or ``loss_terms`` is weighted by them whatever this says.
-        collectives: whether ``training_step`` (or what it calls on the module) uses ``self.all_gather``,
-            ``strategy.reduce``, ``broadcast``, ``barrier`` or ``reduce_boolean_decision``, which then act across the
-            replicas, so that the replicas run in threads and meet. ``None`` (default): read from the module's source
-            code (never by running it); ``True`` / ``False`` say it.
+        loss_reduction: how each device's loss is normalised, hence how the losses combine: ``"auto"`` (default:
+            what the module's objects say, printed once, else a per-sample mean, said once with the fix),
+            ``"samples"``, ``"sum"``, ``"tokens:<key>"`` / ``"shifted_tokens:<key>"`` (a mean over the labels
+            ``batch[<key>]`` that are not -100, shifted as causal LMs shift them) or ``"replica_mean"`` (equal
+            weights, Lightning 1.x ``dp``). A step's ``loss_weight`` / ``loss_terms`` weigh it whatever this says.
+        collectives: whether the step calls ``self.all_gather``, ``strategy.reduce``, ``broadcast``, ``barrier`` or
+            ``reduce_boolean_decision``, which then act across replicas running in threads. ``None`` (default): read
+            from the module's source code, never by running it.
         dim: the batch dimension to split along.
         execution_mode: ``"auto"`` (threads on distinct GPUs, else sequential), ``"threads"`` or ``"sequential"``.
 
@@ -81,7 +79,6 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         self.collectives = collectives
         self.normalization = LossNormalization.parse(loss_reduction)
         self.loss_reduction = loss_reduction
-        self._rule_said = False
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -97,39 +94,34 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
     @override
     def _run_step(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         module = self.lightning_module
-        weights: list[Any] | None = None
+        training = hook == "training_step"
+        weights: list[Any] = [1]
         with self._step_context(hook):
             chunks, sizes = self._split(args)
             if chunks is None:
                 outputs = [getattr(module, hook)(*args, **kwargs)]
             else:
-                rest = args[1:]
                 source = None
-                if hook == "training_step" and self.normalization is None:
-                    self.normalization, source = self._known_rule(args[0])
+                if training:
+                    if self.normalization is None:
+                        known = known_rule(module, args[0])
+                        self.normalization, source = known if known is not None else (SAMPLES, None)
+                    # Computed once per step (token counts: device tensors), for the loss and its logged copies.
+                    weights = self.normalization.weights(chunks, sizes)
 
                 def call(index: int, replica: nn.Module) -> Any:
-                    return getattr(replica, hook)(chunks[index], *rest, **kwargs)
+                    return getattr(replica, hook)(chunks[index], *args[1:], **kwargs)
 
-                rule = self.normalization if hook == "training_step" else None
-                # The rule's per-device weights (token counts: device tensors) are computed once per step, for both
-                # the loss and its logged copies.
-                weights = rule.weights(chunks, sizes) if rule is not None else None
-                outputs = self._run_replicated(
-                    module, sizes, call, lambda outs: implied_loss_weights(outs, rule, weights)
-                )
-                if hook == "training_step":  # said once the step ran: a step that fails says so by itself
+                implied = partial(implied_loss_weights, rule_weights=weights if training else None)
+                outputs = self._run_replicated(module, sizes, call, implied)
+                if training:  # said once the step ran: a step that fails says so by itself
                     self._say_rule(outputs, source, args[0])
         if all_or_none(outputs, hook):
             return None
-        if hook == "training_step":
+        if training:
             rule = self.normalization or SAMPLES
-            if weights is None:  # the step ran once, on the root: a single loss, returned as it is
-                weights = rule.weights(chunks, sizes) if chunks is not None else list(sizes)
             return reduce_training_outputs(outputs, sizes, self.root_device, rule, weights, self.dim)
-        if chunks is None:
-            return outputs[0]
-        return merge_outputs(outputs, self.root_device, self.dim, sizes=sizes)
+        return outputs[0] if chunks is None else merge_outputs(outputs, self.root_device, self.dim, sizes=sizes)
 
     def _split(self, args: tuple[Any, ...]) -> tuple[list[Any] | None, list[int]]:
         """The batch's shards and sizes; ``(None, [1])`` when the step runs once, on the root (one device, or a
@@ -146,21 +138,25 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
             return None
         if self.collectives:
             return "collectives=True"
-        found = collective_call_in_source(module)
-        return f"{found} in the module's code" if found is not None else None
+        # Read, never run: running the step to find out would run it twice. Only the module's own classes count.
+        for cls in type(module).__mro__:
+            if cls.__module__.startswith(_LIBRARIES) or cls is object:
+                continue
+            try:
+                match = _COLLECTIVE_CALL.search(inspect.getsource(cls))
+            except (OSError, TypeError):  # no source to read (a class defined in an interactive session)
+                continue
+            if match is not None:
+                return f"{cls.__name__} calls {match.group(1) or match.group(2)} in the module's code"
+        return None
 
     # --- the loss rule -----------------------------------------------------------------------------------------------
-    def _known_rule(self, batch: Any) -> tuple[LossNormalization, str | None]:
-        """The rule the module's objects declare and what declared it, else per-sample (``None``: assumed)."""
-        known = known_rule(self.lightning_module, batch)
-        return known if known is not None else (SAMPLES, None)
-
     def _say_rule(self, outputs: list[Any], source: str | None, batch: Any) -> None:
         """Once per run: the rule found and where from, or the assumption with its fixes; nothing when the step
         weights its own loss (``loss_weight`` / ``loss_terms``) or ``loss_reduction`` was given."""
-        if self._rule_said or self.loss_reduction != "auto":
+        if "rule" in self._announced or self.loss_reduction != "auto":
             return
-        self._rule_said = True
+        self._announced.add("rule")
         first = outputs[0]
         if isinstance(first, Mapping) and (LOSS_WEIGHT_KEY in first or LOSS_TERMS_KEY in first):
             return

@@ -1,19 +1,10 @@
 """``self.log`` from replicas: record per replica, merge once on the root module.
 
-Replicas share the trainer's result collection, so a replica calling the real ``LightningModule.log`` would race
-with the others and log one shard's value as if it were the batch's. Each replica's ``log`` is replaced by a
-recorder; after the replicas have run, values are merged per name according to ``reduce_fx`` and logged once, from
-the main thread, on the root module:
-
-* ``"mean"``: weighted by each replica's ``batch_size=`` argument when given (then logged with their sum as the
-  batch size); else, for a value that is the loss the step returned with ``loss_weight`` (or a ``loss_terms`` term),
-  by that weight; else by the replica's sample count (then logged with the step's sample count as the batch size).
-  Each equals the single-device value of the mean. Replicas with weight 0 (e.g. no valid token in their shard, whose
-  mean is NaN) are left out, as in the loss.
-* ``"sum"``, ``"max"``, ``"min"``: sum, max, min over replicas.
-* a torchmetrics ``Metric``: the root metric, whose state the metric merger has filled from every replica.
-
-Replicas that skip a name do not take part in its merge; every replica that logs a name must use the same options.
+Replicas share the trainer's result collection, so each replica's ``log`` is a recorder; after the replicas ran,
+each name is merged by its ``reduce_fx`` and logged once, from the main thread. A ``"mean"`` is weighted by the
+replicas' ``batch_size=``, else (for a logged copy of the loss) by the loss's own weights, else by sample counts, so
+it equals the single-device value; ``"sum"``, ``"max"`` and ``"min"`` act over replicas; a torchmetrics ``Metric``
+logs the root metric, which the replicas' clones were merged into.
 """
 
 from __future__ import annotations
@@ -29,10 +20,12 @@ from torchmetrics import Metric
 from lightning_mgpu.parallel.reduce import weighted_mean
 from lightning_mgpu.strategies.step_outputs import LossTermsTotal, tensor_key
 
-_MEAN = ("mean", "avg", torch.mean)
-_SUM = ("sum", torch.sum, sum)
-_MAX = ("max", torch.max, max)
-_MIN = ("min", torch.min, min)
+_REDUCE_FX: dict[str, tuple[Any, ...]] = {
+    "mean": ("mean", "avg", torch.mean),
+    "sum": ("sum", torch.sum, sum),
+    "max": ("max", torch.max, max),
+    "min": ("min", torch.min, min),
+}
 _LOG_DEFAULTS: dict[str, Any] = {"reduce_fx": "mean", "batch_size": None, "enable_graph": False}
 
 
@@ -54,7 +47,7 @@ class LogRecorder:
 
 
 def _reduce_kind(reduce_fx: str | Callable[..., Any]) -> str:
-    for kind, aliases in (("mean", _MEAN), ("sum", _SUM), ("max", _MAX), ("min", _MIN)):
+    for kind, aliases in _REDUCE_FX.items():
         if any(reduce_fx is a or (isinstance(reduce_fx, str) and reduce_fx.lower() == a) for a in aliases):
             return kind
     raise ValueError(
@@ -63,8 +56,8 @@ def _reduce_kind(reduce_fx: str | Callable[..., Any]) -> str:
     )
 
 
-def _without(options: dict[str, Any], *keys: str) -> dict[str, Any]:
-    return {k: v for k, v in options.items() if k not in keys}
+def _all_but_batch_size(options: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in {**_LOG_DEFAULTS, **options}.items() if k != "batch_size"}
 
 
 def merge_and_log(
@@ -76,9 +69,8 @@ def merge_and_log(
 ) -> None:
     """Merge the replicas' recorded ``log`` calls and log each name once on ``root`` (a LightningModule).
 
-    ``metric_owner(value)`` maps a replica's metric clone to the root metric it stands for (``None`` if ``value`` is
-    not one). ``implied_weights[i]`` maps :func:`tensor_key` of a loss tensor to the weight replica ``i`` returned for
-    it (``"sum"`` for a sum loss, a :class:`LossTermsTotal` for the total of ``loss_terms``).
+    ``metric_owner`` maps a replica's metric clone to its root metric; ``implied_weights[i]`` maps the
+    :func:`tensor_key` of a loss to replica ``i``'s weight for it (``"sum"``, a :class:`LossTermsTotal`, a count).
     """
     by_name: dict[str, list[tuple[int, LogCall]]] = {}
     for index, recorder in enumerate(recorders):
@@ -86,25 +78,22 @@ def merge_and_log(
             by_name.setdefault(call.name, []).append((index, call))
         recorder.calls.clear()
     for name, entries in by_name.items():
-        options = {**_LOG_DEFAULTS, **entries[0][1].options}
-        for index, call in entries[1:]:
-            other = {**_LOG_DEFAULTS, **call.options}
-            if _without(other, "batch_size") != _without(options, "batch_size"):
+        (first_index, first), *others = entries
+        options = {**_LOG_DEFAULTS, **first.options}
+        for index, call in others:
+            if _all_but_batch_size(call.options) != _all_but_batch_size(first.options):
                 raise ValueError(
-                    f"Replicas logged {name!r} with different options ({_without(options, 'batch_size')} on replica "
-                    f"{entries[0][0]} vs {_without(other, 'batch_size')} on replica {index}); log it the same way."
+                    f"Replicas logged {name!r} with different options ({_all_but_batch_size(first.options)} on "
+                    f"replica {first_index} vs {_all_but_batch_size(call.options)} on replica {index}); log it the "
+                    "same way."
                 )
-        first_value = entries[0][1].value
-        if isinstance(first_value, Metric):
-            owner = metric_owner(first_value)
-            if owner is None:
-                raise ValueError(
-                    f"{name!r}: a replica logged a Metric that is not an attribute of the LightningModule."
-                )
+        if not isinstance(first.value, Metric):
+            value, options = _merge_values(name, entries, sample_counts, options, implied_weights)
+            root.log(name, value, **options)
+        elif (owner := metric_owner(first.value)) is not None:
             root.log(name, owner, **options)
-            continue
-        value, merged_options = _merge_values(name, entries, sample_counts, options, implied_weights)
-        root.log(name, value, **merged_options)
+        else:
+            raise ValueError(f"{name!r}: a replica logged a Metric that is not an attribute of the LightningModule.")
 
 
 def _merge_values(
@@ -119,42 +108,28 @@ def _merge_values(
     device = values[0].device
     dtype = torch.promote_types(values[0].dtype, torch.float32) if values[0].is_floating_point() else torch.float32
     stacked = torch.stack([v.to(device=device, dtype=dtype) for v in values])
-    merged_options = dict(options)
-    if kind == "mean":
-        explicit = [call.options.get("batch_size") for _, call in entries]
-        implied = [
-            (implied_weights[index] if implied_weights else {}).get(tensor_key(call.value)) for index, call in entries
-        ]
-        batch_size = int(sum(float(b) for b in explicit)) if all(b is not None for b in explicit) else None
-        if all(isinstance(b, str) for b in implied):  # a sum loss: one device logs the whole batch's sum
-            merged_options["batch_size"] = batch_size or sum(sample_counts[index] for index, _ in entries)
-            return stacked.sum(), merged_options
-        if all(isinstance(b, LossTermsTotal) for b in implied):  # the total of loss_terms: each term weighted
-            merged_options["batch_size"] = batch_size or sum(sample_counts[index] for index, _ in entries)
-            return LossTermsTotal.merge(implied, device, dtype), merged_options
-        if all(b is not None and not isinstance(b, str) for b in implied):  # the loss's weights: no host sync
-            # A logged copy of the optimized loss merges as the loss does, whatever batch_size= says (that only
-            # weights the step in Lightning's epoch mean).
-            w = torch.stack([torch.as_tensor(b).to(device=device, dtype=dtype).reshape(()) for b in implied])
-            if batch_size is not None:
-                merged_options["batch_size"] = batch_size
-        elif batch_size is not None:
-            w = torch.tensor([float(b) for b in explicit], dtype=dtype, device=device)
-            merged_options["batch_size"] = batch_size
-        else:
-            counts = [sample_counts[index] for index, _ in entries]
-            w = torch.tensor([float(n) for n in counts], dtype=dtype, device=device)
-            # The step's weight in the epoch mean: its sample count, which Lightning would otherwise read from the
-            # first tensor of the batch (the channel count of a PerSample list of images, say).
-            merged_options["batch_size"] = sum(counts)
-        merged = weighted_mean(stacked, w)
-    elif kind == "sum":
-        merged = stacked.sum()
-    elif kind == "max":
-        merged = stacked.max()
+    if kind != "mean":
+        return getattr(stacked, kind)(), options
+    explicit = [call.options.get("batch_size") for _, call in entries]
+    implied = [(implied_weights[i] if implied_weights else {}).get(tensor_key(call.value)) for i, call in entries]
+    counts = [sample_counts[index] for index, _ in entries]
+    batch_size = int(sum(float(b) for b in explicit)) if all(b is not None for b in explicit) else None
+    if all(isinstance(b, str) for b in implied):  # a sum loss: one device logs the whole batch's sum
+        return stacked.sum(), {**options, "batch_size": batch_size or sum(counts)}
+    if all(isinstance(b, LossTermsTotal) for b in implied):  # the total of loss_terms: each term weighted
+        return LossTermsTotal.merge(implied, device, dtype), {**options, "batch_size": batch_size or sum(counts)}
+    if all(b is not None and not isinstance(b, str) for b in implied):
+        # A logged copy of the optimized loss merges as the loss does, whatever batch_size= says (that only weights
+        # the step in Lightning's epoch mean). No host sync.
+        w = torch.stack([torch.as_tensor(b).to(device=device, dtype=dtype).reshape(()) for b in implied])
     else:
-        merged = stacked.min()
-    return merged, merged_options
+        w = torch.tensor(
+            [float(b) for b in (explicit if batch_size is not None else counts)], dtype=dtype, device=device
+        )
+        # Without batch_size=, the step's weight in the epoch mean is its sample count, which Lightning would
+        # otherwise read from the first tensor of the batch (the channel count of a PerSample list of images, say).
+        batch_size = sum(counts) if batch_size is None else batch_size
+    return weighted_mean(stacked, w), options if batch_size is None else {**options, "batch_size": batch_size}
 
 
 def _as_tensor(name: str, value: Any, enable_graph: bool) -> Tensor:

@@ -1,14 +1,8 @@
-"""What the single-process multi-device strategies share, for either Lightning namespace.
+"""What ``parallel_criterion`` and ``dp`` share, for either Lightning namespace.
 
-One process drives every device: ranks are 0 and ``world_size`` is 1, so Lightning injects no ``DistributedSampler``
-and ``sync_dist`` is a no-op; the master weights and the optimizer state live on the root device
-(``parallel_devices[0]``). The LightningModule is stored unwrapped, so checkpoints carry no ``module.`` prefix and move
-freely between strategies and device counts.
-
-:class:`SingleProcessParallel` is a mixin: each Lightning namespace gets thin classes that put it before its own
-``ParallelStrategy`` (:mod:`.lightning_pytorch`, :mod:`.pytorch_lightning`). It owns the lasting replicas of the
-modules a step runs replicated (:class:`~.lightning_replicas.LightningReplicas`), ``sync_batchnorm`` and the checks
-shared by both strategies.
+One process drives every device: ranks are 0 and ``world_size`` is 1, so Lightning adds no ``DistributedSampler``
+and ``sync_dist`` is a no-op. Master weights and optimizer state live on the root device (``parallel_devices[0]``);
+the LightningModule is stored unwrapped, so checkpoints move freely between strategies and device counts.
 """
 
 from __future__ import annotations
@@ -17,7 +11,9 @@ import logging
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, ClassVar
+from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias
 
 import torch
 from torch import nn
@@ -27,7 +23,23 @@ from lightning_mgpu.parallel import collectives, sync_batchnorm
 from lightning_mgpu.parallel.replicas import SYNC_BATCHNORM_THREADS, ReplicaCache
 from lightning_mgpu.parallel.run_replicas import EXECUTION_MODES, ExecutionMode, add_note, resolve_mode
 from lightning_mgpu.strategies.lightning_replicas import LightningReplicas
-from lightning_mgpu.strategies.namespace import Accelerator, CheckpointIO, LightningNamespace, PrecisionPlugin
+
+#: The Trainer's ``Accelerator``, ``CheckpointIO`` and ``Precision`` plugin, of either Lightning namespace (so not
+#: nameable here); the Trainer fills them in, pass one only to override it.
+Accelerator: TypeAlias = Any
+CheckpointIO: TypeAlias = Any
+PrecisionPlugin: TypeAlias = Any
+
+
+@dataclass(frozen=True)
+class LightningNamespace:
+    """One Lightning namespace (``lightning.pytorch`` or ``pytorch_lightning``, separate copies of Lightning): the
+    classes an ``isinstance`` check or a raised error must take from the namespace of the user's ``Trainer``."""
+
+    name: str
+    lightning_module: type
+    misconfiguration: type[Exception]
+    device_dtype_mixin: type
 
 
 def _public_list_lengths(module: nn.Module) -> dict[str, int]:
@@ -37,14 +49,12 @@ def _public_list_lengths(module: nn.Module) -> dict[str, int]:
 class SingleProcessParallel:
     """Shared implementation of ``parallel_criterion`` and ``dp``; mixed in before a Lightning ``ParallelStrategy``.
 
-    Args:
-        dim: the batch dimension to split along.
-        execution_mode: ``"auto"`` (threads on distinct GPUs, else one replica after another), ``"threads"`` or
-            ``"sequential"``. Compiled modules always run one replica after another (Dynamo is not thread-safe);
-            ``sync_batchnorm`` needs threads (the replicas meet inside every BatchNorm layer).
+    ``execution_mode``: compiled modules always run one replica after another (Dynamo is not thread-safe);
+    ``sync_batchnorm`` and collectives in the step need threads (the replicas meet).
     """
 
     strategy_name: ClassVar[str] = ""
+    aliases: ClassVar[tuple[str, ...]] = ()
     namespace: ClassVar[LightningNamespace]
     if TYPE_CHECKING:  # provided by the Lightning ParallelStrategy this class is mixed into
         lightning_module: Any
@@ -75,16 +85,14 @@ class SingleProcessParallel:
             raise TypeError(f"dim must be an int (the batch dimension), got {dim!r}.")
         self.dim = dim
         self.execution_mode: ExecutionMode = execution_mode
-        self._replicas: ReplicaCache[LightningReplicas] = ReplicaCache(self._build_replicas)
+        self._replicas = ReplicaCache(partial(LightningReplicas, namespace=self.namespace))
         self._converted_batchnorm = False
         self._announced: set[str] = set()
         self._replicated_on: list[torch.device] = []
-        self._warned_lists: set[str] = set()
 
     # --- one Trainer per instance ------------------------------------------------------------------------------------
-    # Lightning's connector reads `strategy._accelerator` when a Trainer receives a strategy instance; once a Trainer
-    # has configured this instance, a second Trainer would share (and fight over) its accelerator, precision and
-    # devices. Say so, instead of Lightning's "accelerator set through both strategy class and accelerator flag".
+    # A second Trainer given this instance would share (and fight over) its accelerator, precision and devices: the
+    # connector reads `_accelerator` when it receives an instance, so say so there.
     @property  # type: ignore[override]  # Lightning's is a plain attribute-backed property; this one guards reuse
     @override
     def accelerator(self) -> Any:
@@ -109,7 +117,7 @@ class SingleProcessParallel:
     def _accelerator(self, accelerator: Any) -> None:  # Strategy.__init__
         self.__dict__["_mgpu_accelerator"] = accelerator
 
-    # --- one process: constant ranks, collectives are identities -----------------------------------------------------
+    # --- one process: constant ranks, collectives across the replicas inside a step -----------------------------------
     @property
     @override
     def global_rank(self) -> int:
@@ -139,10 +147,9 @@ class SingleProcessParallel:
     @property
     @override
     def root_device(self) -> torch.device:
-        devices = self.parallel_devices
-        if not devices:
+        if not self.parallel_devices:
             raise RuntimeError(f"{type(self).__name__} has no devices yet; it gets them when the Trainer is built.")
-        return devices[0]
+        return self.parallel_devices[0]
 
     @property
     @override
@@ -154,8 +161,6 @@ class SingleProcessParallel:
         assert self.model is not None
         self.model.to(self.root_device)
 
-    # Inside a replicated step the collectives act across the replicas (parallel/collectives.py); outside one they
-    # are identities: one process, world size 1.
     @override
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         return collectives.reduce(tensor, reduce_op, sequential_hint=self._collectives_hint)
@@ -194,37 +199,37 @@ class SingleProcessParallel:
         self._say_setup()
 
     def _say_setup(self) -> None:
-        """One line, beside Lightning's own ("GPU available: ..."): the replicas, their devices and how they run; a
-        warning instead when a multi-device strategy got one device, where nothing is split."""
+        """One line beside Lightning's own ("GPU available: ..."): the replicas and how they run; a warning instead
+        when the strategy got one device, where nothing is split."""
         devices = list(self.parallel_devices)
-        name = self.strategy_name
         if len(devices) == 1:
             warnings.warn(
-                f"{name} is running on one device ({devices[0]}): every step runs unsplit, as without the strategy. "
-                "Pass devices=N for N replicas (Trainer(accelerator='cpu', devices=2) tries 2 virtual CPU devices).",
+                f"{self.strategy_name} is running on one device ({devices[0]}): every step runs unsplit, as without "
+                "the strategy. Pass devices=N for N replicas (Trainer(accelerator='cpu', devices=2) tries 2 virtual "
+                "CPU devices).",
                 UserWarning,
                 stacklevel=2,
             )
             return
-        mode = {"threads": "in threads, one per device", "sequential": "one after another"}[
-            resolve_mode(self.execution_mode, devices)
-        ]
+        threads = resolve_mode(self.execution_mode, devices) == "threads"
         chosen = " (execution_mode='auto')" if self.execution_mode == "auto" else ""
-        meets = self._meeting_reason()
-        if meets is not None and mode == "one after another":  # the first step then says why, once
-            mode, chosen = "in threads, one per device", f" ({meets.partition(':')[0]})"
+        meets = self._collectives_reason(self.lightning_module)
+        if meets is None and self._layer_sync is not None:
+            meets = SYNC_BATCHNORM_THREADS.partition(":")[0]
+        if meets is not None and not threads:  # the first step then says why, once
+            threads, chosen = True, f" ({meets})"
         physical = len({(d.type, d.index) for d in devices})
         virtual = f"; virtual devices: {physical} physical device(s)" if physical < len(devices) else ""
-        where = ", ".join(str(d) for d in devices)
-        self._log(f"{name}: {len(devices)} replicas on {where}{virtual}; replicas run {mode}{chosen}.")
+        where = ", ".join(map(str, devices))
+        mode = "in threads, one per device" if threads else "one after another"
+        self._log(f"{self.strategy_name}: {len(devices)} replicas on {where}{virtual}; replicas run {mode}{chosen}.")
 
     @override
     def teardown(self) -> None:
         for replicas in self._replicas.pop_all():
             replicas.release()
-        module = self.lightning_module
-        if self._converted_batchnorm and module is not None:
-            sync_batchnorm.revert_sync_batchnorm(module)  # the user's module leaves with the classes it came with
+        if self._converted_batchnorm and self.lightning_module is not None:
+            sync_batchnorm.revert_sync_batchnorm(self.lightning_module)  # the module leaves with its own classes
             self._converted_batchnorm = False
         super().teardown()  # type: ignore[misc]  # a mixin: ParallelStrategy is next in the MRO
 
@@ -233,8 +238,7 @@ class SingleProcessParallel:
         try:
             return super().backward(closure_loss, optimizer, *args, **kwargs)  # type: ignore[misc]  # mixin
         except Exception as err:
-            devices = self._replicated_on
-            if devices:
+            if devices := self._replicated_on:
                 add_note(
                     err,
                     f"Raised in the backward pass of a step that ran replicated on {len(devices)} devices "
@@ -245,12 +249,6 @@ class SingleProcessParallel:
             raise
 
     # --- replicated calls --------------------------------------------------------------------------------------------
-    def _replicas_of(self, module: nn.Module) -> LightningReplicas:
-        return self._replicas.of(module, self.parallel_devices)
-
-    def _build_replicas(self, module: nn.Module, devices: list[torch.device]) -> LightningReplicas:
-        return LightningReplicas(module, devices, self.namespace)
-
     def _accumulating(self) -> bool:
         """Whether the training step in progress accumulates gradients without an optimizer step after it."""
         module = self.lightning_module
@@ -273,27 +271,14 @@ class SingleProcessParallel:
                     "after another. Do not compile the model under this strategy, or use strategy='ddp'."
                 )
             mode, reason = "threads", f"{meets}: replicas run in threads so that they meet"
-        if reason is not None:
-            self._announce(reason, f"{reason}.")
+        if reason is not None and reason not in self._announced:
+            self._announced.add(reason)
+            warnings.warn(f"{self.strategy_name}: {reason}.", UserWarning, stacklevel=2)
         return mode
 
-    def _meeting_reason(self) -> str | None:
-        """What the first-step announcement of threads will say, when set-up can tell already (sync_batchnorm, or
-        collectives in the module's code); ``None`` otherwise."""
-        meets = self._collectives_reason(self.lightning_module)
-        if meets is not None:
-            return f"{meets}: replicas run in threads so that they meet"
-        return SYNC_BATCHNORM_THREADS if self._layer_sync is not None else None
-
     def _collectives_reason(self, module: nn.Module) -> str | None:
-        """Why the replicas of ``module`` meet inside a step (collectives), or ``None``; the strategies that run the
-        step replicated say."""
+        """Why the replicas of ``module`` meet inside a step (collectives), or ``None``."""
         return None
-
-    def _announce(self, key: str, message: str) -> None:
-        if key not in self._announced:
-            self._announced.add(key)
-            warnings.warn(f"{self.strategy_name}: {message}", UserWarning, stacklevel=3)
 
     def _run_replicated(
         self,
@@ -303,33 +288,29 @@ class SingleProcessParallel:
         implied_weights: Callable[[list[Any]], list[dict[Any, Any]]] | None = None,
     ) -> list[Any]:
         """Run ``call(i, replica_i)`` on the first ``len(sample_counts)`` devices; merge logs and metrics into the
-        LightningModule. ``implied_weights(outputs)`` maps, per replica, the ``tensor_key`` of a returned loss to the
-        weight (``"sum"``, a ``LossTermsTotal``) a logged copy of that loss merges with, so a logged loss equals the
-        optimized one (see ``step_outputs.implied_loss_weights``)."""
-        replicas = self._replicas_of(module)
-        self._replicated_on = replicas.devices[: len(sample_counts)]
+        LightningModule. ``implied_weights(outputs)``: per replica, the weights a logged copy of a returned loss merges
+        with, so a logged loss equals the optimized one (``step_outputs.implied_loss_weights``)."""
+        replicas = self._replicas.of(module, self.parallel_devices)
+        count = len(sample_counts)
+        self._replicated_on = replicas.devices[:count]
         # Accumulating gradients: replicas keep theirs until the backward pass before the optimizer step reduces all.
         replicas.replica_set.defer_reduction = self._accumulating()
-        list_lengths = _public_list_lengths(module)
-        outputs = replicas.run(len(sample_counts), call, self._mode_for(replicas, len(sample_counts)))
+        before = _public_list_lengths(module)
+        outputs = replicas.run(count, call, self._mode_for(replicas, count))
         implied = implied_weights(outputs) if implied_weights is not None else [{} for _ in outputs]
         replicas.merge_into(self.lightning_module, sample_counts, implied)
-        self._warn_on_grown_lists(module, list_lengths, len(outputs))
-        return outputs
-
-    def _warn_on_grown_lists(self, module: nn.Module, before: dict[str, int], n_replicas: int) -> None:
-        """Warn (once per attribute) when a replicated step appended to a list attribute of the module."""
         for name, length in _public_list_lengths(module).items():
-            if length > before.get(name, length) and name not in self._warned_lists:
-                self._warned_lists.add(name)
+            if length > before.get(name, length) and f"list:{name}" not in self._announced:
+                self._announced.add(f"list:{name}")
                 warnings.warn(
-                    f"`{type(module).__name__}.{name}` grew during a step that ran on {n_replicas} replicas: each "
+                    f"`{type(module).__name__}.{name}` grew during a step that ran on {count} replicas: each "
                     "appended its own shard's value, so the list holds one entry per device per step, in no fixed "
                     "order under threads. Collect step outputs in `on_train_batch_end` / `on_validation_batch_end` "
                     "(they receive the gathered outputs, once, on the root) or use a torchmetrics metric.",
                     UserWarning,
                     stacklevel=2,
                 )
+        return outputs
 
     def _log(self, message: str) -> None:
         logging.getLogger(self.namespace.name).info(message)
@@ -357,28 +338,8 @@ class SingleProcessParallel:
 
     @contextmanager
     def _step_context(self, hook: str) -> Iterator[None]:
-        plugin = self.precision_plugin
-        contexts = {
-            "training_step": plugin.train_step_context,
-            "validation_step": plugin.val_step_context,
-            "test_step": plugin.test_step_context,
-            "predict_step": plugin.predict_step_context,
-        }
+        """The precision plugin's context for ``hook`` (``train_step_context`` for ``training_step``...)."""
         self._replicated_on = []
-        with contexts[hook]():
+        name = hook.replace("training", "train").replace("validation", "val")
+        with getattr(self.precision_plugin, f"{name}_context")():
             yield
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        """Add this class to ``strategy_registry`` under its names (idempotent)."""
-        for name in cls.registered_names():
-            if name not in strategy_registry:
-                strategy_registry.register(name, cls, description=cls.description())
-
-    @classmethod
-    def registered_names(cls) -> tuple[str, ...]:
-        return (cls.strategy_name,)
-
-    @classmethod
-    def description(cls) -> str:
-        return (cls.__doc__ or cls.strategy_name).strip().splitlines()[0]
