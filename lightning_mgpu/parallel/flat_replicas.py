@@ -150,7 +150,6 @@ class ReplicaParameters:
         self._train_index = [j for j, flag in enumerate(trainable) if flag]
         self._train_params = [self.params[j] for j in self._train_index]
         self._train_views = [self._root_views[j] for j in self._train_index]
-        self._train_view_ids = list(map(id, self._train_views))
         self._seen = self._counters()
 
     def _counters(self) -> list[int]:
@@ -212,12 +211,14 @@ class ReplicaParameters:
         everywhere = passes > 0 and all(delta == expected for delta in deltas)
         with torch.no_grad():
             pointed = self._point_grads() if everywhere else 0
-            grads = [None] * pointed + list(map(_grad, self._train_params[pointed:]))
-            if pointed == len(grads):  # after zero_grad(set_to_none=True)
+            if pointed == len(self._train_params):  # after zero_grad(set_to_none=True)
                 self._sum_into(count, accumulate=False)
-            elif everywhere and list(map(id, grads)) == self._train_view_ids:
-                self._sum_into(count, accumulate=True)
+            elif (
+                everywhere and not pointed and all(map(operator.is_, map(_grad, self._train_params), self._train_views))
+            ):
+                self._sum_into(count, accumulate=True)  # .grad still the views
             else:
+                grads = [None] * pointed + list(map(_grad, self._train_params[pointed:]))
                 self._assign_each(self._sum(count), grads, everywhere)
             torch._foreach_zero_([flat for flats in self._grads[:count] for flat in flats.values()])
         self._seen = self._counters()
