@@ -895,9 +895,13 @@ def replicate_benchmark(
             "models": args.models,
             "rounds": args.rep_rounds,
             "calls_per_block": args.rep_calls,
-            "before": "replicate(model, ['cpu'] * N, detach=not torch.is_grad_enabled()) per step (a03ef68's "
-            "DataParallelModel)",
-            "after": "ReplicaSet(model, ['cpu'] * N) built once, prepare(N) per step",
+            **{
+                label: "ReplicaSet(model, ['cpu'] * N) built once, prepare(N) per step"
+                if report["versions"][label]["api"].startswith("lasting")
+                else "replicate(model, ['cpu'] * N, detach=not torch.is_grad_enabled()) per step (a03ef68's "
+                "DataParallelModel)"
+                for label in labels
+            },
         },
         "setup": setup,
         "rows": rows,
