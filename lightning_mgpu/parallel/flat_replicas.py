@@ -30,7 +30,6 @@ _version = operator.attrgetter("_version")
 _requires_grad = operator.attrgetter("requires_grad")
 _grad = operator.attrgetter("grad")
 _data_ptr = Tensor.data_ptr
-_any_requires_grad = getattr(torch._C, "_any_requires_grad", lambda tensors: any(map(_requires_grad, tensors)))
 _Slot = tuple[dict[str, Any], str, int]  # (a replica module's _parameters or _buffers, name, index of the original)
 
 
@@ -333,7 +332,7 @@ class ReplicaBuffers:
         the last refresh), and autograd-linked copies of buffers that require grad while grad mode is on."""
         if not self.sources:
             return
-        link = torch.is_grad_enabled() and _any_requires_grad(self.sources)
+        link = torch.is_grad_enabled() and any(map(_requires_grad, self.sources))
         stamp = sum(map(_version, self.sources))
         marks = self._replica_marks()
         with torch.no_grad():
