@@ -820,16 +820,20 @@ def sync_reduce_benchmark(
 
 def sync_reduce_markdown(rows: list[dict[str, Any]]) -> list[str]:
     labels = [label for label in ("before", "after") if label in rows[0]]
+    apis = {
+        "per-step node": "the per-step node (`_ReplicaParameters` forward in `prepare`, its backward plus "
+        "AccumulateGrad's `.grad` stores)",
+        "flat buffers": "flat buffers (`prepare`'s checks, the backward callback's reduction)",
+    }
     lines = [
         "",
         "## Per-step sync + gradient reduction, host time (meta device)",
         "",
         "`prepare(N)` in threads mode plus the reduction of the replicas' gradients onto the originals, on the meta "
-        "device (no data: host work only, what a GPU's launching thread pays). **before**: the per-step node "
-        "(`_ReplicaParameters` forward in `prepare`, its backward plus AccumulateGrad's `.grad` stores); **after**: "
-        "flat buffers (`prepare`'s checks, the backward callback's reduction). Medians over rounds, µs; the "
-        "optimizer's `zero_grad(set_to_none=True)` precedes each step, so the root's `.grad` views are reassigned. "
-        "Target: < 1000 µs for PyramidNet-272 at N = 8.",
+        "device (no data: host work only, what a GPU's launching thread pays). "
+        + "; ".join(f"**{label}**: {apis[rows[0][label]['api']]}" for label in labels)
+        + ". Medians over rounds, µs; the optimizer's `zero_grad(set_to_none=True)` precedes each step, so the "
+        "root's `.grad` views are reassigned. Target: < 1000 µs for PyramidNet-272 at N = 8.",
         "",
         "| model | N | parameter tensors | "
         + " | ".join(f"{label} sync | {label} reduce | {label} total" for label in labels)
@@ -891,9 +895,13 @@ def replicate_benchmark(
             "models": args.models,
             "rounds": args.rep_rounds,
             "calls_per_block": args.rep_calls,
-            "before": "replicate(model, ['cpu'] * N, detach=not torch.is_grad_enabled()) per step (a03ef68's "
-            "DataParallelModel)",
-            "after": "ReplicaSet(model, ['cpu'] * N) built once, prepare(N) per step",
+            **{
+                label: "ReplicaSet(model, ['cpu'] * N) built once, prepare(N) per step"
+                if report["versions"][label]["api"].startswith("lasting")
+                else "replicate(model, ['cpu'] * N, detach=not torch.is_grad_enabled()) per step (a03ef68's "
+                "DataParallelModel)"
+                for label in labels
+            },
         },
         "setup": setup,
         "rows": rows,

@@ -1,19 +1,15 @@
 """Replica tensors held in flat buffers: a step syncs and reduces them with O(N) tensor operations, whatever the depth.
 
-:class:`ReplicaParameters` gives every replica its own leaf parameters, built once per run:
-
-* on the root device (the original parameters' device) a replica's parameter is an alias of the original's storage
-  (no copy, no per-step work);
-* on any other device, every replica on that device aliases one flat buffer per dtype, refreshed from the originals
-  with one copy per device when the originals changed (an optimizer step, a ``load_state_dict``), not before every
-  forward.
+:class:`ReplicaParameters` gives every replica its own leaf parameters, built once per run: on the root device (the
+originals' device) aliases of the originals' storage (no per-step copy); on any other device, aliases of one flat
+buffer per device and dtype, refreshed with one copy per device when the originals changed (an optimizer step, a
+``load_state_dict``), not before every forward.
 
 Each replica's gradients are views into one flat buffer per dtype (autograd accumulates into them in place). After a
-backward pass :meth:`ReplicaParameters.reduce` adds them onto the originals' gradients: per device in replica order,
-then device after device onto the root, one flat addition each; the originals' ``.grad`` are views into one flat buffer
-per dtype on the root. The order is fixed, so the result never depends on which thread finished first. Whether every
-parameter got a gradient is read from one counter per replica and dtype (each accumulation bumps it once), so the
-per-step host work does not grow with the number of replicas times the number of parameters.
+backward pass :meth:`ReplicaParameters.reduce` adds them onto the originals' ``.grad`` (views into one flat buffer per
+dtype on the root): per device in replica order, then device after device onto the root, one flat addition each, in
+an order that never depends on which thread finished first. One counter per replica and dtype (each accumulation bumps
+it once) tells whether every parameter got a gradient: the per-step host work does not grow with replicas × parameters.
 
 :class:`ReplicaBuffers` holds the copies of the original buffers that replicas ≥ 1 own (replica 0 shares the originals,
 as under ``nn.DataParallel``), one flat buffer per replica and dtype, refreshed with one copy each when the originals
@@ -130,7 +126,6 @@ class ReplicaParameters:
         }
         self._pointers = list(map(_data_ptr, self.params))
         self._stamp: int | None = None  # the originals' version sum at the last copy to the other devices
-        self._trainable: list[bool] = []
         self._set_trainable(list(map(_requires_grad, self.params)))
         self.active = 0  # how many replicas ran since the last reduction
         self.passes = 0  # backward passes through the replicas since the last reduction
@@ -145,12 +140,6 @@ class ReplicaParameters:
             leaves.append(nn.Parameter(data, requires_grad=p.requires_grad))
         return leaves
 
-    @property
-    def stale(self) -> bool:
-        """Whether an original parameter's tensor was replaced (``param.data = ...``, a dtype or device change, an
-        optimizer that swaps tensors): the leaves alias storage the original no longer uses, so rebuild."""
-        return list(map(_data_ptr, self.params)) != self._pointers
-
     def _set_trainable(self, trainable: list[bool]) -> None:
         self._trainable = trainable
         for leaves in self.leaves:
@@ -160,30 +149,33 @@ class ReplicaParameters:
         self._train_index = [j for j, flag in enumerate(trainable) if flag]
         self._train_params = [self.params[j] for j in self._train_index]
         self._train_views = [self._root_views[j] for j in self._train_index]
-        self._train_view_ids = list(map(id, self._train_views))
         self._seen = self._counters()
 
     def _counters(self) -> list[int]:
         """Per replica, how many in-place accumulations its flat gradients have seen (all dtypes)."""
         return [sum(flat._version for flat in flats.values()) for flats in self._grads]
 
-    def sync(self, n: int) -> None:
-        """Bring the first ``n`` replicas' parameters up to date with the originals (``requires_grad`` and values)."""
-        trainable = list(map(_requires_grad, self.params))
-        if trainable != self._trainable:
-            self._set_trainable(trainable)
+    def sync(self, n: int) -> bool:
+        """Bring the first ``n`` replicas' parameters up to date with the originals (``requires_grad``, values).
+        ``False`` (nothing done) when an original's tensor was replaced (``param.data = ...``, ``.to()``, an optimizer
+        swapping tensors): the leaves alias storage the original dropped, so rebuild. One pass reads each original once.
+        """
+        for p, pointer, flag in zip(self.params, self._pointers, self._trainable, strict=True):
+            if p.requires_grad is not flag or _data_ptr(p) != pointer:
+                if list(map(_data_ptr, self.params)) != self._pointers:
+                    return False
+                self._set_trainable(list(map(_requires_grad, self.params)))
+                break
         self.active = max(self.active, n)
-        if not self._others:
-            return  # every replica aliases the originals
-        stamp = sum(map(_version, self.params))
-        if stamp == self._stamp:
-            return
-        with torch.no_grad():
-            for dtype, flattened in self._flattened.items():
-                staged = flattened()
-                for device in self._others:
-                    self._storage[device][dtype].copy_(staged, non_blocking=True)
-        self._stamp = stamp
+        stamp = sum(map(_version, self.params)) if self._others else None  # no others: every replica aliases them
+        if stamp != self._stamp:
+            with torch.no_grad():
+                for dtype, flattened in self._flattened.items():
+                    staged = flattened()
+                    for device in self._others:
+                        self._storage[device][dtype].copy_(staged, non_blocking=True)
+            self._stamp = stamp
+        return True
 
     def backward_done(self) -> None:
         """A backward pass through the replicas finished (autograd accumulated into their flat gradients)."""
@@ -217,19 +209,27 @@ class ReplicaParameters:
             return
         everywhere = passes > 0 and all(delta == expected for delta in deltas)
         with torch.no_grad():
-            grads = list(map(_grad, self._train_params))
-            if everywhere and grads.count(None) == len(grads):  # after zero_grad(set_to_none=True)
+            pointed = self._point_grads() if everywhere else 0
+            if pointed == len(self._train_params):  # after zero_grad(set_to_none=True)
                 self._sum_into(count, accumulate=False)
-                for p, view in zip(self._train_params, self._train_views, strict=True):
-                    p.grad = view
-            elif everywhere and list(map(id, grads)) == self._train_view_ids:
-                self._sum_into(count, accumulate=True)
+            elif (
+                everywhere and not pointed and all(map(operator.is_, map(_grad, self._train_params), self._train_views))
+            ):
+                self._sum_into(count, accumulate=True)  # .grad still the views
             else:
+                grads = [None] * pointed + list(map(_grad, self._train_params[pointed:]))
                 self._assign_each(self._sum(count), grads, everywhere)
-            for flats in self._grads[:count]:
-                for flat in flats.values():
-                    flat.zero_()
+            torch._foreach_zero_([flat for flats in self._grads[:count] for flat in flats.values()])
         self._seen = self._counters()
+
+    def _point_grads(self) -> int:
+        """Point each ``.grad`` at its view while it is ``None`` (all after ``zero_grad(set_to_none=True)``), up to the
+        first that is not; how many. Reading and setting in one pass touches each original once."""
+        for k, (p, view) in enumerate(zip(self._train_params, self._train_views, strict=True)):
+            if p.grad is not None:
+                return k
+            p.grad = view
+        return len(self._train_params)
 
     def _device_sums(self, count: int) -> dict[torch.device, dict[torch.dtype, Tensor]]:
         """Per device, its replicas' flat gradients summed in replica order (in place, into the first one's)."""

@@ -286,7 +286,7 @@ class ReplicaSet:
     def _own_parameters(self, n: int) -> None:
         """Point the first ``n`` replicas at their own leaf parameters, synced with the originals."""
         flat = self._flat
-        if flat is None or flat.stale:
+        if flat is None or not flat.sync(n):
             if flat is not None:
                 flat.reduce()  # what the replicas accumulated still belongs to the originals
             if torch.is_grad_enabled():
@@ -300,7 +300,7 @@ class ReplicaSet:
                     )
             flat = self._flat = ReplicaParameters(self._params, self.devices, self._root)
             self._sharing = [True] * len(self.devices)
-        flat.sync(n)
+            flat.sync(n)
         for i in range(n):
             if not self._sharing[i]:
                 continue
@@ -547,7 +547,7 @@ def _unique(tensors: Any) -> list[Tensor]:
 def _watch_entry(module: nn.Module) -> tuple[dict[str, Any], ...]:
     """A module's attribute, parameter, buffer and child dicts, then shallow copies of them to compare against."""
     live = (module.__dict__, module._parameters, module._buffers, module._modules)
-    return (*live, *(dict(d) for d in live))
+    return (*live, *(d.copy() for d in live))
 
 
 def _same(current: Any, saved: Any) -> bool:

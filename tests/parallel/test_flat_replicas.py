@@ -99,6 +99,31 @@ def test_reduce_adds_every_replica_and_zeroes_them(devices):
     assert all(torch.equal(p.grad, torch.ones_like(p)) for p in params)  # the replicas' buffers were zeroed
 
 
+def test_grads_set_to_none_for_some_parameters_or_replaced_by_the_user_are_reduced_one_by_one():
+    params = [nn.Parameter(torch.zeros(2)) for _ in range(4)]
+    flat = ReplicaParameters(params, [CPU, CPU], CPU)
+
+    def step(scales: list[float]) -> list[list[float]]:
+        flat.sync(2)
+        _backward(flat, scales)
+        flat.backward_done()  # every replica reached every parameter: the whole-buffer paths
+        flat.reduce()
+        return [p.grad.tolist() for p in params]
+
+    assert step([1.0, 1.0]) == [[2.0, 2.0]] * 4  # every .grad is now a view of the flat gradient buffer
+    params[0].grad = None  # a partial zero_grad: the leading parameter is pointed at its view again, the rest not
+    params[2].grad = None
+    params[3].grad = torch.full((2,), 5.0)  # set by the user: added to, not replaced
+    assert step([1.0, 1.0]) == [[2.0, 2.0], [4.0, 4.0], [2.0, 2.0], [7.0, 7.0]]
+    for p in params[1:]:
+        p.grad = None  # the first parameter keeps its view
+    assert step([1.0, 2.0]) == [[5.0, 5.0]] + [[3.0, 3.0]] * 3
+    for p in params:
+        p.grad = None  # zero_grad(set_to_none=True)
+    assert step([1.0, 0.0]) == [[1.0, 1.0]] * 4
+    assert all(p.grad.data_ptr() == view.data_ptr() for p, view in zip(params, flat._root_views, strict=True))
+
+
 def test_a_parameter_no_replica_reached_keeps_grad_none_and_one_reached_by_one_replica_gets_it():
     params = [nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))]
     flat = ReplicaParameters(params, [CPU, CPU], CPU)
@@ -140,9 +165,9 @@ def test_mixed_dtypes_get_one_flat_buffer_each():
 def test_replaced_parameter_tensors_make_the_leaves_stale():
     params = [nn.Parameter(torch.zeros(2))]
     flat = ReplicaParameters(params, [CPU, CPU], CPU)
-    assert not flat.stale
+    assert flat.sync(2)
     params[0].data = torch.ones(2)  # an optimizer (or .to(), .double()) that swaps the tensor
-    assert flat.stale
+    assert not flat.sync(2)
 
 
 # --- units: ReplicaBuffers ------------------------------------------------------------------------------------------
