@@ -1,20 +1,11 @@
 """Replica tensors held in flat buffers: a step syncs and reduces them with O(N) tensor operations, whatever the depth.
 
-:class:`ReplicaParameters` gives every replica its own leaf parameters, built once per run: on the root device (the
-originals' device) aliases of the originals' storage (no per-step copy); on any other device, aliases of one flat
-buffer per device and dtype, refreshed with one copy per device when the originals changed (an optimizer step, a
-``load_state_dict``), not before every forward.
-
-Each replica's gradients are views into one flat buffer per dtype (autograd accumulates into them in place). After a
-backward pass :meth:`ReplicaParameters.reduce` adds them onto the originals' ``.grad`` (views into one flat buffer per
-dtype on the root): per device in replica order, then device after device onto the root, one flat addition each, in
-an order that never depends on which thread finished first. One counter per replica and dtype (each accumulation bumps
-it once) tells whether every parameter got a gradient: the per-step host work does not grow with replicas × parameters.
-
-:class:`ReplicaBuffers` holds the copies of the original buffers that replicas ≥ 1 own (replica 0 shares the originals,
-as under ``nn.DataParallel``), one flat buffer per replica and dtype, refreshed with one copy each when the originals
-or the copy changed. Buffers that require grad reach replicas ≥ 1 through a differentiable copy instead, so they get
-their gradient as under ``nn.DataParallel``.
+:class:`ReplicaParameters`: every replica's own leaf parameters, aliases of the originals on the root device, views of
+one flat buffer per device and dtype elsewhere (refreshed with one copy per device when the originals changed). Their
+gradients are views of one flat buffer per replica and dtype, added onto the originals' ``.grad`` (views of one flat
+buffer per dtype) in a fixed order, one addition per device. :class:`ReplicaBuffers`: the buffers replicas >= 1 own,
+one flat buffer per replica and dtype, refreshed when either side changed; buffers that require grad get a
+differentiable copy instead, so they get their gradient as under ``nn.DataParallel``.
 """
 
 from __future__ import annotations

@@ -1,27 +1,13 @@
 """Lasting replicas: copies of a module's tree, built once per device list and brought up to date every step.
 
-Rebuilding replicas on every step (what ``torch.nn.DataParallel`` does) costs host time that grows with the model's
-depth times the number of devices. A :class:`ReplicaSet` builds the module copies once and, each step, does only what
-``DataParallel``'s semantics need, with a number of tensor operations that does not grow with the model's depth:
-
-* **Parameters.** Replicas that run one after another on the parameters' own device hold the original parameters
-  (autograd sums their gradients). Otherwise (threads, other devices) every replica holds its own leaf parameters
-  (:class:`.flat_replicas.ReplicaParameters`): aliases of the originals' storage on the root device, views of one
-  flat buffer per device and dtype elsewhere, refreshed with one copy per device when the originals changed. Their
-  gradients accumulate into one flat buffer per replica and dtype; the backward pass that reaches the replicas'
-  outputs (:meth:`ReplicaSet.watch`) queues one callback that adds them onto the originals' ``.grad`` in a fixed
-  order, so the result never depends on thread timing. While gradients accumulate over several batches
-  (:attr:`ReplicaSet.defer_reduction`) they stay on the replicas and are reduced once.
-* **Buffers** follow ``DataParallel``: replica 0 shares the original buffers (BatchNorm running statistics are updated
-  from chunk 0), the other replicas own copies (one flat buffer per replica and dtype) refreshed from the originals
-  when either side changed. Buffers that require grad reach replicas >= 1 through a differentiable copy.
-* **Everything else** stays in sync by a cheap check: attributes rebound on the original modules between steps (a
-  scheduler changing a dropout rate, ``train()``/``eval()``) are copied to the replicas; a structural change (a module,
-  parameter or buffer added, removed or replaced) rebuilds the replicas.
-
-Modules compiled with ``torch.compile`` (``module.compile()`` or ``torch.compile(module)``) get replicas that run
-compiled code bound to their own tensors, with the original's compile options (:mod:`.compiled`). The one-off
-:func:`replicate` links its replicas to the originals through one autograd node instead (:class:`_ReplicaParameters`).
+``nn.DataParallel`` rebuilds its replicas every step, at a host cost of depth x devices. A :class:`ReplicaSet` builds
+them once and each step does what DataParallel's semantics need, in a number of tensor operations that does not grow
+with depth. Parameters: replicas run one after another on the parameters' device hold the originals; otherwise each
+holds its own leaves (:class:`.flat_replicas.ReplicaParameters`), whose gradients are added onto the originals'
+``.grad`` after the backward pass, in a fixed order. Buffers: replica 0 shares the originals, the others hold copies
+refreshed when either side changed (differentiably for buffers that require grad). Attributes rebound on the
+originals are copied to the replicas; a structural change rebuilds them. Compiled modules get replicas that run the
+original's compilation on their own tensors (:mod:`.compiled`).
 """
 
 from __future__ import annotations
@@ -196,11 +182,8 @@ class ReplicaSet:
         return [copies[0] for copies in self._copies]
 
     def execution_mode(self, requested: ExecutionMode, count: int) -> tuple[ExecutionMode, str | None]:
-        """The mode to run ``count`` replicas in, and why it is not ``requested`` (``None`` when it is).
-
-        Compiled replicas run one after another: Dynamo is not thread-safe (pytorch #118260). Training with
-        SyncBatchNorm needs threads: the replicas meet inside every BatchNorm layer. Both at once cannot work.
-        """
+        """The mode to run ``count`` replicas in, and why it is not ``requested`` (``None`` when it is): compiled
+        replicas run one after another (Dynamo is not thread-safe), SyncBatchNorm in training needs threads."""
         devices = self.devices[:count]
         sync = count > 1 and uses_sync_batchnorm(self.module)  # per layer: training, or no running statistics
         if self.compiled and sync:
@@ -226,16 +209,11 @@ class ReplicaSet:
     def prepare(
         self, n: int | None = None, execution_mode: ExecutionMode = "threads", linked: bool = False
     ) -> list[nn.Module]:
-        """The first ``n`` replicas (default all), synced with the original for a step in the current grad mode, to
-        be run in ``execution_mode``.
+        """The first ``n`` replicas (default all), synced with the original for a step run in ``execution_mode``.
 
-        When the replicas run one after another (``execution_mode`` resolves to sequential) and all of them sit on
-        the parameters' device (CPUs, one GPU repeated), they hold the original parameters themselves: no per-step
-        work, and autograd sums their gradients in an order fixed by the sequential run. Otherwise they hold their own
-        leaf parameters (:class:`.ReplicaParameters`): pass the replicas' outputs to :meth:`watch`, and the backward
-        pass that reaches them adds the replicas' gradients onto the originals once it is done. ``linked=True`` (the
-        one-off :func:`replicate`) instead links the replicas' parameters to the originals through one autograd node.
-        """
+        Sequential replicas on the parameters' device hold the original parameters (no per-step work); others hold
+        their own leaves, so pass their outputs to :meth:`watch`. ``linked=True`` (the one-off :func:`replicate`)
+        links the replicas' parameters to the originals through one autograd node instead."""
         n = len(self.devices) if n is None else n
         if not 1 <= n <= len(self.devices):
             raise ValueError(f"Asked for {n} replicas of a set of {len(self.devices)}.")
@@ -327,12 +305,8 @@ class ReplicaSet:
             rnn._flat_weights = [getattr(rnn, wn, None) for wn in rnn._flat_weights_names]
 
     def _sync_structure(self) -> None:
-        """Rebuild on a structural change; copy attributes rebound on the originals to every replica.
-
-        One comparison of the list of every watched dict with the list of their copies, at C speed (dicts compare
-        their values by identity first): the common case, nothing changed, costs a fraction of a microsecond per
-        module. Only when it fails, a pass per module finds what changed.
-        """
+        """Rebuild on a structural change; copy attributes rebound on the originals to every replica. One ``==`` of
+        every watched dict against its copy (identity first, at C speed) settles the common case, nothing changed."""
         if _same(self._live, self._saved):
             return
         for k, (attrs, params, buffers, children, *saved) in enumerate(self._watch):
@@ -452,13 +426,9 @@ def _broadcast(
 
 
 class _ReplicaParameters(torch.autograd.Function):
-    """One node that hands every replica its parameters and sums their gradients back in replica order.
-
-    Outputs are replica-major: ``outputs[i * P + j]`` is parameter ``j`` for replica ``i``. On the root device they
-    share the original storage (no copy); elsewhere they are one coalesced copy per device, shared by the replicas
-    on that device. Backward adds the replicas' gradients in replica order on each device, then reduces the devices
-    onto the root in device order: deterministic, whatever order threads finished in.
-    """
+    """One node that hands every replica its parameters (``outputs[i * P + j]``: parameter ``j`` of replica ``i``;
+    aliases on the root, one coalesced copy per other device) and sums their gradients back in replica, then device,
+    order: deterministic, whatever order threads finished in."""
 
     @staticmethod
     def forward(ctx: Any, layout: _Layout, *params: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
