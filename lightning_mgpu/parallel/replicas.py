@@ -337,26 +337,6 @@ class ReplicaSet:
         self._watch[k] = _watch_entry(self._originals[k])
         self._flatten_watch()
 
-    def restore_attributes(self) -> None:
-        """Undo attributes rebound on the replicas (by a step they ran): each replica's modules get the original's
-        attributes back, except the per-replica ``overrides``."""
-        for k, original in enumerate(self._originals):
-            source = original.__dict__
-            for copies in self._copies:
-                copy = copies[k]
-                if copy is original:
-                    continue
-                replica_dict = copy.__dict__
-                for key in [key for key in replica_dict if key not in source and key not in self._overrides]:
-                    del replica_dict[key]
-                replica_dict.update(
-                    {
-                        key: value
-                        for key, value in source.items()
-                        if key not in self._overrides and replica_dict.get(key, _MISSING) is not value
-                    }
-                )
-
     def _assign_parameters(self, n: int) -> None:
         """Link the first ``n`` replicas' parameters to the originals through one autograd node (one-off replicas)."""
         params = self._params
@@ -482,7 +462,6 @@ def _to_device_coalesced(tensors: Sequence[Tensor | None], device: torch.device)
 
 
 _UNWATCHED = (None,) * 8
-_MISSING = object()
 
 
 def _walk(module: nn.Module, shared: Callable[[nn.Module], bool] | None = None) -> list[nn.Module]:
