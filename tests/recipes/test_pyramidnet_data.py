@@ -573,6 +573,7 @@ def test_trainer_epochs_follow_the_epoch_across_reloads_and_resume(cls: type[_In
 _DDP_SCRIPT = """
 import importlib.util, json, os
 import lightning.pytorch as L
+import torch
 
 spec = importlib.util.spec_from_file_location("pyramidnet_data_tests", {test_file!r})
 tests = importlib.util.module_from_spec(spec)
@@ -585,6 +586,8 @@ trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=2, 
 trainer.fit(model, tests._indexed(seed=None, size=48))
 with open(os.path.join({out!r}, f"rank{{trainer.global_rank}}.json"), "w") as f:
     json.dump(model.seen, f)
+# Lightning leaves the process group alive; gloo's threads can abort the interpreter's exit (SIGABRT) without this.
+torch.distributed.destroy_process_group()
 """
 
 

@@ -125,10 +125,12 @@ DDP_SCRIPT = textwrap.dedent(
     import sys
     sys.path.insert(0, {tests!r})
     import lightning.pytorch as L
+    import torch
     from test_collectives import fit, make_clip
     trainer, params = fit(make_clip(variant="rows"), "ddp", 2)  # local_rows under DDP: this rank's rows
     if trainer.is_global_zero:
         print("DDP_OK", float(trainer.callback_metrics["loss_epoch"]))
+    torch.distributed.destroy_process_group()  # else gloo's threads can abort the interpreter's exit
     """
 )
 
