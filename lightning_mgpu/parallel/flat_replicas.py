@@ -1,11 +1,8 @@
-"""Replica tensors held in flat buffers: a step syncs and reduces them with O(N) tensor operations, whatever the depth.
+"""Replica tensors held in flat buffers: a step syncs and reduces them with a few tensor operations per device,
+whatever the model's depth.
 
-:class:`ReplicaParameters`: every replica's own leaf parameters, aliases of the originals on the root device, views of
-one flat buffer per device and dtype elsewhere (refreshed with one copy per device when the originals changed). Their
-gradients are views of one flat buffer per replica and dtype, added onto the originals' ``.grad`` (views of one flat
-buffer per dtype) in a fixed order, one addition per device. :class:`ReplicaBuffers`: the buffers replicas >= 1 own,
-one flat buffer per replica and dtype, refreshed when either side changed; buffers that require grad get a
-differentiable copy instead, so they get their gradient as under ``nn.DataParallel``.
+:class:`ReplicaParameters`: every replica's own leaf parameters and gradients, reduced onto the originals in a fixed
+order. :class:`ReplicaBuffers`: the buffers replicas own, refreshed from the originals.
 """
 
 from __future__ import annotations
@@ -24,22 +21,14 @@ _data_ptr = Tensor.data_ptr
 _Slot = tuple[dict[str, Any], str, int]  # (a replica module's _parameters or _buffers, name, index of the original)
 
 
-def alias(base: Tensor, offset: int, shape: torch.Size, stride: Sequence[int] | None = None) -> Tensor:
-    """A tensor over ``base``'s storage from element ``offset`` (relative to ``base``), with its own version counter
-    (``set_``, not a view: autograd's in-place accumulation into one alias is then visible on that alias alone)."""
-    stride = _contiguous_strides(shape) if stride is None else stride
+def alias(base: Tensor, offset: int, shape: torch.Size, stride: Sequence[int] = ()) -> Tensor:
+    """A tensor over ``base``'s storage from element ``offset`` (relative to ``base``; contiguous unless ``stride``),
+    with its own version counter (``set_``, not a view: autograd's in-place accumulation into one alias is then
+    visible on that alias alone)."""
     with torch.no_grad():
         return torch.empty(0, dtype=base.dtype, device=base.device).set_(
             base.untyped_storage(), base.storage_offset() + offset, shape, stride
         )
-
-
-def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 def sparse_gradient_modules(modules: Sequence[nn.Module]) -> list[str]:
@@ -59,14 +48,18 @@ class _Groups:
         self.offsets: list[int] = [0] * len(tensors)
         self.totals: dict[torch.dtype, int] = {}
         for j, t in enumerate(tensors):
-            group = self.indices.setdefault(t.dtype, [])
-            group.append(j)
+            self.indices.setdefault(t.dtype, []).append(j)
             self.offsets[j] = self.totals.get(t.dtype, 0)
             self.totals[t.dtype] = self.offsets[j] + t.numel()
 
     def flats(self, device: torch.device, zero: bool = False) -> dict[torch.dtype, Tensor]:
         make = torch.zeros if zero else torch.empty
         return {dtype: make(total, dtype=dtype, device=device) for dtype, total in self.totals.items()}
+
+    def view(self, flats: dict[torch.dtype, Tensor], j: int, like: Tensor) -> Tensor:
+        """Tensor ``j``'s part of ``flats`` (one flat tensor per dtype), shaped like ``like``."""
+        start = self.offsets[j]
+        return flats[like.dtype][start : start + like.numel()].view(like.shape)
 
 
 class _Flattened:
@@ -85,11 +78,12 @@ class _Flattened:
 
 
 class ReplicaParameters:
-    """Every replica's own leaf parameters and flat gradients for the unique original parameters ``params``.
+    """Every replica's own leaf parameters for the unique original parameters ``params`` (on ``root``).
 
-    ``devices[i]`` is replica ``i``'s device; ``root`` the originals' device. :attr:`leaves` ``[i][j]`` is replica
-    ``i``'s parameter for ``params[j]``. Call :meth:`sync` before a step, :meth:`backward_done` after each backward
-    pass through the replicas and :meth:`reduce` when their gradients belong on the originals.
+    :attr:`leaves` ``[i][j]``, replica ``i``'s parameter for ``params[j]``, aliases the original on the root and one
+    flat buffer per device and dtype elsewhere; its ``.grad`` is a view of one flat buffer per replica and dtype.
+    Call :meth:`sync` before a step, :meth:`backward_done` after each backward pass through the replicas and
+    :meth:`reduce` when their gradients belong on the originals.
     """
 
     def __init__(self, params: Sequence[Tensor], devices: Sequence[torch.device], root: torch.device) -> None:
@@ -98,16 +92,16 @@ class ReplicaParameters:
         self.root = root
         self._groups = _Groups(self.params)
         self._others = list(dict.fromkeys(d for d in self.devices if d != root))
-        offsets = self._groups.offsets
         with torch.inference_mode(False), torch.no_grad():
             self._storage = {d: self._groups.flats(d) for d in self._others}  # one per device and dtype
             self._grads = [self._groups.flats(d, zero=True) for d in self.devices]  # one per replica and dtype
             self._root_grads = self._groups.flats(root)
-            self.leaves = [self._make_leaves(i, d) for i, d in enumerate(self.devices)]
+            self.leaves = [self._make_leaves(d) for d in self.devices]
             # Views (not aliases): every in-place accumulation into a replica's gradients bumps one counter per dtype.
             for flats, leaves in zip(self._grads, self.leaves, strict=True):
                 for j, (p, leaf) in enumerate(zip(self.params, leaves, strict=True)):
-                    leaf.grad = flats[p.dtype][offsets[j] : offsets[j] + p.numel()].view(p.shape)
+                    leaf.grad = self._groups.view(flats, j, p)
+            offsets = self._groups.offsets
             self._root_views = [
                 alias(self._root_grads[p.dtype], offsets[j], p.shape) for j, p in enumerate(self.params)
             ]
@@ -121,7 +115,7 @@ class ReplicaParameters:
         self.active = 0  # how many replicas ran since the last reduction
         self.passes = 0  # backward passes through the replicas since the last reduction
 
-    def _make_leaves(self, i: int, device: torch.device) -> list[nn.Parameter]:
+    def _make_leaves(self, device: torch.device) -> list[nn.Parameter]:
         leaves = []
         for j, p in enumerate(self.params):
             if device == self.root:  # the original's own storage, shared
@@ -148,9 +142,8 @@ class ReplicaParameters:
 
     def sync(self, n: int) -> bool:
         """Bring the first ``n`` replicas' parameters up to date with the originals (``requires_grad``, values).
-        ``False`` (nothing done) when an original's tensor was replaced (``param.data = ...``, ``.to()``, an optimizer
-        swapping tensors): the leaves alias storage the original dropped, so rebuild. One pass reads each original once.
-        """
+        ``False`` (nothing done) when an original's tensor was replaced (``param.data = ...``, an optimizer swapping
+        tensors): the leaves alias storage the original dropped, so rebuild."""
         for p, pointer, flag in zip(self.params, self._pointers, self._trainable, strict=True):
             if p.requires_grad is not flag or _data_ptr(p) != pointer:
                 if list(map(_data_ptr, self.params)) != self._pointers:
@@ -184,10 +177,9 @@ class ReplicaParameters:
     def reduce(self) -> None:
         """Add the replicas' gradients onto the originals' ``.grad`` and zero the replicas' flat gradients.
 
-        Order: per device, its replicas in replica order; then the devices, root first, each moved to the root with
-        one copy per dtype. When every replica's backward reached every trainable parameter (each accumulation bumps
-        its replica's counter once) the gradients are added whole; otherwise a parameter whose summed gradient is
-        exactly zero and whose ``grad`` is ``None`` keeps ``None``, as a parameter no backward reached on one device.
+        Order: per device its replicas, then the devices (root first), each moved to the root with one copy per dtype.
+        Unless every replica's backward reached every trainable parameter (each accumulation bumps its replica's
+        counter once), a ``None`` ``.grad`` whose summed gradient is exactly zero stays ``None``, as on one device.
         """
         count, passes = self.active, self.passes
         self.active = self.passes = 0
@@ -215,7 +207,7 @@ class ReplicaParameters:
 
     def _point_grads(self) -> int:
         """Point each ``.grad`` at its view while it is ``None`` (all after ``zero_grad(set_to_none=True)``), up to the
-        first that is not; how many. Reading and setting in one pass touches each original once."""
+        first that is not; how many."""
         for k, (p, view) in enumerate(zip(self._train_params, self._train_views, strict=True)):
             if p.grad is not None:
                 return k
@@ -258,11 +250,7 @@ class ReplicaParameters:
     def _assign_each(self, totals: dict[torch.dtype, Tensor], grads: list[Tensor | None], everywhere: bool) -> None:
         """The general case, one parameter at a time: ``.grad`` set by someone else, or parameters some replica's
         backward did not reach."""
-        offsets = self._groups.offsets
-        parts = [
-            totals[p.dtype][offsets[j] : offsets[j] + p.numel()].view(p.shape)
-            for j, p in zip(self._train_index, self._train_params, strict=True)
-        ]
+        parts = [self._groups.view(totals, j, p) for j, p in zip(self._train_index, self._train_params, strict=True)]
         reached = [True] * len(parts) if everywhere else [bool(x) for x in torch.stack([t.any() for t in parts])]
         for j, p, grad, part, hit in zip(self._train_index, self._train_params, grads, parts, reached, strict=True):
             view = self._root_views[j]
@@ -277,10 +265,10 @@ class ReplicaParameters:
 
 
 class ReplicaBuffers:
-    """The buffers replicas own: copies of the originals, one flat buffer per replica and dtype.
+    """The buffers replicas own: copies of the originals ``sources``, one flat buffer per replica and dtype.
 
-    ``slots[i]`` lists replica ``i``'s buffer entries ``(its _buffers dict, name, index into sources)``; replica 0's
-    entries for buffers on its device are left out by the caller (it shares the originals).
+    ``slots[i]`` lists replica ``i``'s entries (replica 0 shares the originals on its device: the caller leaves those
+    out). Buffers that require grad get a differentiable copy instead, so they get gradients as under DataParallel.
     """
 
     def __init__(self, sources: Sequence[Tensor], slots: Sequence[Sequence[_Slot]], devices: Sequence[torch.device]):
@@ -298,9 +286,7 @@ class ReplicaBuffers:
                 for store, name, k in replica_slots:
                     b = self.sources[k]
                     if self._full[i]:
-                        copy = flats[b.dtype][self._groups.offsets[k] : self._groups.offsets[k] + b.numel()].view(
-                            b.shape
-                        )
+                        copy = self._groups.view(flats, k, b)
                         copy.copy_(b)
                     else:
                         copy = b.detach().to(self.devices[i], copy=True)
