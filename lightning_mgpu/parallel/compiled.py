@@ -1,9 +1,8 @@
 """Replicas of ``torch.compile``d modules: the original's compilation, same options, bound to each replica.
 
-Compiled code is bound to the original object (``module.compile()`` compiles the bound ``_call_impl``;
-``torch.compile(module)``'s ``OptimizedModule`` wraps the original), so a shallow replica would run the original's
-tensors. Reading the options back uses torch internals; :class:`CompiledReplicaError` says so if a torch changes them.
-Dynamo is not thread-safe, so callers run compiled replicas one after another.
+Compiled code is bound to the original object, so a shallow replica would run the original's tensors. Reading the
+options back uses torch internals (:class:`CompiledReplicaError` if a torch changes them). Dynamo is not thread-safe,
+so callers run compiled replicas one after another.
 """
 
 from __future__ import annotations
@@ -19,13 +18,9 @@ class CompiledReplicaError(RuntimeError):
     """A compiled module whose compile options cannot be read back, so it cannot be replicated faithfully."""
 
 
-def _dynamo_loaded() -> bool:
-    return "torch._dynamo" in sys.modules  # nothing compiled can exist before dynamo is imported
-
-
 def is_optimized_module(module: nn.Module) -> bool:
     """``torch.compile(module)``'s wrapper."""
-    if not _dynamo_loaded():
+    if "torch._dynamo" not in sys.modules:  # nothing compiled can exist before dynamo is imported
         return False
     from torch._dynamo.eval_frame import OptimizedModule
 

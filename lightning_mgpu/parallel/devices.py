@@ -1,12 +1,13 @@
 """Turn what users pass as ``device_ids`` into a validated list of ``torch.device``.
 
-Virtual devices (one device repeated, e.g. ``["cpu", "cpu"]`` or ``["cuda:0", "cuda:0"]``) are allowed on purpose: they
-run the multi-device code paths on a machine with fewer devices, which is how the tests and benchmarks run.
+Virtual devices (one device repeated, e.g. ``["cpu", "cpu"]``) are allowed on purpose: they run the multi-device code
+paths on a machine with fewer devices.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import chain
 
 import torch
 
@@ -16,12 +17,19 @@ DeviceLike = int | str | torch.device
 def to_device(device: DeviceLike) -> torch.device:
     """One device from an int (CUDA index), a string (``"cuda:1"``, ``"cpu"``) or a ``torch.device``."""
     device = _parse(device)
-    if device.type == "cuda":
-        return _visible_cuda(device)
     if device.type == "cpu":
         # Tensors always report `cpu` (no index), and torch.device("cpu:0") != torch.device("cpu").
         return torch.device("cpu")
-    return device
+    if device.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
+        raise ValueError(f"Device {device} was requested but CUDA is not available on this machine.")
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if index >= torch.cuda.device_count():
+        raise ValueError(
+            f"Device {device} was requested but only {torch.cuda.device_count()} CUDA device(s) are visible."
+        )
+    return torch.device("cuda", index)
 
 
 def _parse(device: DeviceLike) -> torch.device:
@@ -39,17 +47,6 @@ def _parse(device: DeviceLike) -> torch.device:
             f"Invalid device {device!r}: expected an int index, a string such as 'cuda:0', or a torch.device."
         )
     return device
-
-
-def _visible_cuda(device: torch.device) -> torch.device:
-    if not torch.cuda.is_available():
-        raise ValueError(f"Device {device} was requested but CUDA is not available on this machine.")
-    index = torch.cuda.current_device() if device.index is None else device.index
-    if index >= torch.cuda.device_count():
-        raise ValueError(
-            f"Device {device} was requested but only {torch.cuda.device_count()} CUDA device(s) are visible."
-        )
-    return torch.device("cuda", index)
 
 
 def resolve_devices(
@@ -76,11 +73,8 @@ def resolve_devices(
 
 def module_device(module: torch.nn.Module) -> torch.device | None:
     """Device of the module's first parameter or buffer, or ``None`` for a module without state."""
-    for tensor in module.parameters():
-        return tensor.device
-    for tensor in module.buffers():
-        return tensor.device
-    return None
+    tensor = next(chain(module.parameters(), module.buffers()), None)
+    return None if tensor is None else tensor.device
 
 
 def check_module_on(module: torch.nn.Module, device: torch.device, what: str = "module") -> None:
