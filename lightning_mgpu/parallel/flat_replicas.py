@@ -31,16 +31,7 @@ def alias(base: Tensor, offset: int, shape: torch.Size, stride: Sequence[int] = 
         )
 
 
-def sparse_gradient_modules(modules: Sequence[nn.Module]) -> list[str]:
-    """Names of the modules whose parameters get sparse gradients (``nn.Embedding(sparse=True)``...)."""
-    return [
-        type(m).__name__
-        for m in modules
-        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and getattr(m, "sparse", False)
-    ]
-
-
-class _Groups:
+class DtypeGroups:
     """Tensors grouped by dtype, with each tensor's offset in its group's flat buffer."""
 
     def __init__(self, tensors: Sequence[Tensor]) -> None:
@@ -90,7 +81,7 @@ class ReplicaParameters:
         self.params = list(params)
         self.devices = list(devices)
         self.root = root
-        self._groups = _Groups(self.params)
+        self._groups = DtypeGroups(self.params)
         self._others = list(dict.fromkeys(d for d in self.devices if d != root))
         with torch.inference_mode(False), torch.no_grad():
             self._storage = {d: self._groups.flats(d) for d in self._others}  # one per device and dtype
@@ -275,7 +266,7 @@ class ReplicaBuffers:
         self.sources = list(sources)
         self.slots = [list(s) for s in slots]
         self.devices = list(devices)
-        self._groups = _Groups(self.sources)
+        self._groups = DtypeGroups(self.sources)
         self._full = [sorted(k for _, _, k in s) == list(range(len(self.sources))) for s in self.slots]
         self._flats: list[dict[torch.dtype, Tensor]] = []
         self._copies: list[list[Tensor | None]] = []

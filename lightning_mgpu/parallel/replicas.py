@@ -1,19 +1,13 @@
 """Lasting replicas: copies of a module's tree, built once per device list and brought up to date every step.
 
-``nn.DataParallel`` rebuilds its replicas every step, at a host cost of depth x devices. A :class:`ReplicaSet` builds
-them once and each step does what DataParallel's semantics need, in a number of tensor operations that does not grow
-with depth. Parameters: replicas run one after another on the parameters' device hold the originals; otherwise each
-holds its own leaves (:class:`.flat_replicas.ReplicaParameters`), whose gradients are added onto the originals'
-``.grad`` after the backward pass, in a fixed order. Buffers: replica 0 shares the originals, the others hold copies
-refreshed when either side changed (differentiably for buffers that require grad). Attributes rebound on the
-originals are copied to the replicas; a structural change rebuilds them. Compiled modules get replicas that run the
-original's compilation on their own tensors (:mod:`.compiled`).
+``nn.DataParallel`` rebuilds its replicas every step, at a host cost of depth x devices; a :class:`ReplicaSet` step
+costs a number of tensor operations that does not grow with depth.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Generic, TypeVar
 
 import torch
@@ -21,7 +15,7 @@ from torch import Tensor, nn
 
 from lightning_mgpu.parallel.compiled import compiled_call, is_compiled, is_optimized_module, optimized_module_replica
 from lightning_mgpu.parallel.devices import DeviceLike, distinct_cuda, to_device
-from lightning_mgpu.parallel.flat_replicas import ReplicaBuffers, ReplicaParameters, sparse_gradient_modules
+from lightning_mgpu.parallel.flat_replicas import DtypeGroups, ReplicaBuffers, ReplicaParameters
 from lightning_mgpu.parallel.run_replicas import ExecutionMode, resolve_mode
 from lightning_mgpu.parallel.scatter_gather import iter_tensors
 from lightning_mgpu.parallel.sync_batchnorm import uses_sync_batchnorm
@@ -31,11 +25,10 @@ _NEVER_SYNCED = frozenset({*_STRUCTURE, "_is_replica", "_compiled_call_impl", "f
 
 
 def replicate(module: nn.Module, devices: Sequence[DeviceLike], detach: bool = False) -> list[nn.Module]:
-    """One replica of ``module`` per device, ready for one call (a one-off :class:`ReplicaSet`).
+    """One replica of ``module`` per device, for one call (callers that run many steps keep a :class:`ReplicaSet`).
 
-    With gradients enabled (and ``detach=False``), gradients of every replica flow back into the original parameters;
-    with ``detach=True`` replicas hold no autograd link (for inference). Callers that run many steps should keep a
-    :class:`ReplicaSet` instead, which builds the copies once.
+    As ``torch.nn.parallel.replicate``: with gradients enabled and ``detach=False`` the replicas' parameters are
+    autograd links through which gradients reach the originals; ``detach=True`` gives replicas without them.
     """
     with torch.set_grad_enabled(torch.is_grad_enabled() and not detach):
         return ReplicaSet(module, devices).prepare(linked=True)
@@ -49,11 +42,11 @@ SYNC_BATCHNORM_THREADS = (
 class ReplicaSet:
     """Lasting replicas of ``module``, one per device of ``devices`` (devices may repeat: "virtual devices").
 
-    Call :meth:`prepare` before each step: it returns the first ``n`` replicas, up to date with the original.
-    ``overrides`` names attributes that the owner sets per replica (a ``log`` recorder, a ``_device``): they are
-    never overwritten from the original. ``shared(submodule)`` marks submodules that are not copied: every replica
-    holds the original object (the owner may swap in its own per-replica objects from ``on_build``, as the
-    strategies do with torchmetrics clones). :attr:`builds` counts (re)builds.
+    Call :meth:`prepare` before each step. Buffers: replica 0 shares the originals, the others hold copies refreshed
+    when either side changed. Attributes rebound on the originals are copied to the replicas, except ``overrides``
+    (set per replica by the owner); a structural change rebuilds them (:attr:`builds` counts builds). Every replica
+    holds the original of a ``shared(submodule)`` (``on_build`` may swap in per-replica objects). Compiled modules
+    get replicas that run the original's compilation on their own tensors (:mod:`.compiled`).
     """
 
     def __init__(
@@ -184,7 +177,6 @@ class ReplicaSet:
     def execution_mode(self, requested: ExecutionMode, count: int) -> tuple[ExecutionMode, str | None]:
         """The mode to run ``count`` replicas in, and why it is not ``requested`` (``None`` when it is): compiled
         replicas run one after another (Dynamo is not thread-safe), SyncBatchNorm in training needs threads."""
-        devices = self.devices[:count]
         sync = count > 1 and uses_sync_batchnorm(self.module)  # per layer: training, or no running statistics
         if self.compiled and sync:
             raise RuntimeError(
@@ -194,16 +186,16 @@ class ReplicaSet:
                 "the model here (DDP runs compiled models with synchronised BatchNorm)."
             )
         if self.compiled:
-            switched = resolve_mode(requested, devices) == "threads"
-            reason = "the model is compiled, and torch.compile's compiler is not thread-safe: replicas run one after "
-            return "sequential", (
-                reason + "another from one thread (on distinct GPUs they still overlap)"
-            ) if switched else None
-        if sync:
-            switched = resolve_mode(requested, devices) == "sequential"
-            reason = SYNC_BATCHNORM_THREADS
-            return "threads", reason if switched else None
-        return requested, None
+            mode: ExecutionMode = "sequential"
+            reason = (
+                "the model is compiled, and torch.compile's compiler is not thread-safe: replicas run one after "
+                "another from one thread (on distinct GPUs they still overlap)"
+            )
+        elif sync:
+            mode, reason = "threads", SYNC_BATCHNORM_THREADS
+        else:
+            return requested, None
+        return mode, reason if resolve_mode(requested, self.devices[:count]) != mode else None
 
     # --- every step --------------------------------------------------------------------------------------------------
     def prepare(
@@ -211,9 +203,9 @@ class ReplicaSet:
     ) -> list[nn.Module]:
         """The first ``n`` replicas (default all), synced with the original for a step run in ``execution_mode``.
 
-        Sequential replicas on the parameters' device hold the original parameters (no per-step work); others hold
-        their own leaves, so pass their outputs to :meth:`watch`. ``linked=True`` (the one-off :func:`replicate`)
-        links the replicas' parameters to the originals through one autograd node instead."""
+        Sequential replicas on the parameters' device hold the original parameters; others hold their own leaves
+        (:class:`.flat_replicas.ReplicaParameters`), so pass their outputs to :meth:`watch`. ``linked=True`` (the
+        one-off :func:`replicate`) links the replicas' parameters to the originals through one autograd node."""
         n = len(self.devices) if n is None else n
         if not 1 <= n <= len(self.devices):
             raise ValueError(f"Asked for {n} replicas of a set of {len(self.devices)}.")
@@ -268,7 +260,8 @@ class ReplicaSet:
             if flat is not None:
                 flat.reduce()  # what the replicas accumulated still belongs to the originals
             if torch.is_grad_enabled():
-                sparse = sparse_gradient_modules(self._originals)
+                embeddings = (nn.Embedding, nn.EmbeddingBag)
+                sparse = [type(m).__name__ for m in self._originals if isinstance(m, embeddings) and m.sparse]
                 if sparse:
                     raise RuntimeError(
                         f"The model has modules with sparse gradients ({', '.join(sorted(set(sparse)))} with "
@@ -289,8 +282,7 @@ class ReplicaSet:
             self._sharing[i] = False
 
     def _share_parameters(self, n: int) -> None:
-        """Point the first ``n`` replicas at the original parameters (once: they stay until other tensors replace
-        them)."""
+        """Point the first ``n`` replicas at the original parameters (they stay until other tensors replace them)."""
         for i in range(n):
             if self._sharing[i]:
                 continue
@@ -305,8 +297,8 @@ class ReplicaSet:
             rnn._flat_weights = [getattr(rnn, wn, None) for wn in rnn._flat_weights_names]
 
     def _sync_structure(self) -> None:
-        """Rebuild on a structural change; copy attributes rebound on the originals to every replica. One ``==`` of
-        every watched dict against its copy (identity first, at C speed) settles the common case, nothing changed."""
+        """Rebuild on a structural change or a (un)compiled module; copy attributes rebound on the originals to every
+        replica. One ``==`` of every watched dict against its copy settles the common case, nothing changed."""
         if _same(self._live, self._saved):
             return
         for k, (attrs, params, buffers, children, *saved) in enumerate(self._watch):
@@ -315,7 +307,7 @@ class ReplicaSet:
             same_structure = _same(params, saved[1]) and _same(buffers, saved[2]) and _same(children, saved[3])
             if same_structure and _same(attrs, saved[0]):
                 continue
-            if not same_structure or _compile_changed(attrs, saved[0]):
+            if not same_structure or attrs.get("_compiled_call_impl") is not saved[0].get("_compiled_call_impl"):
                 self.reduce_gradients()  # what the old replicas accumulated still belongs to the originals
                 self._build()
                 return
@@ -346,16 +338,16 @@ class ReplicaSet:
         trainable = [j for j, p in enumerate(params) if grad and p.requires_grad]
         if len(trainable) == count:  # the common case: every replica's tensors are one slice of the node's outputs
             linked = _ReplicaParameters.apply(layout, *params) if count else ()
-            per_replica: list[Sequence[Tensor]] = [linked[i * count : (i + 1) * count] for i in range(n)]
+            per_replica: Sequence[Sequence[Tensor | None]] = [linked[i * count : (i + 1) * count] for i in range(n)]
         else:
             frozen = [j for j in range(count) if not (grad and params[j].requires_grad)]
-            lists: list[list[Tensor]] = [[None] * count for _ in range(n)]  # type: ignore[list-item]
+            lists: list[list[Tensor | None]] = [[None] * count for _ in range(n)]
             _fill(lists, frozen, _unlinked([params[j] for j in frozen], layout))
             if trainable:
                 linked = _ReplicaParameters.apply(layout, *(params[j] for j in trainable))
                 step = len(trainable)
                 _fill(lists, trainable, [linked[i * step : (i + 1) * step] for i in range(n)])
-            per_replica = lists  # type: ignore[assignment]
+            per_replica = lists
         for i in range(n):
             tensors = per_replica[i]
             for store, name, j in self._param_slots[i]:
@@ -387,7 +379,7 @@ def _unlinked(params: Sequence[Tensor], layout: _Layout) -> list[list[Tensor]]:
     return [[p.detach() for p in params] if d == layout.root else copies[d] for d in layout.devices]
 
 
-def _fill(per_replica: list[list[Tensor]], indices: Sequence[int], values: Sequence[Sequence[Tensor]]) -> None:
+def _fill(per_replica: list[list[Tensor | None]], indices: Sequence[int], values: Sequence[Sequence[Tensor]]) -> None:
     for tensors, replica_values in zip(per_replica, values, strict=True):
         for j, value in zip(indices, replica_values, strict=True):
             tensors[j] = value
@@ -406,9 +398,8 @@ def _broadcast(
 
 
 class _ReplicaParameters(torch.autograd.Function):
-    """One node that hands every replica its parameters (``outputs[i * P + j]``: parameter ``j`` of replica ``i``;
-    aliases on the root, one coalesced copy per other device) and sums their gradients back in replica, then device,
-    order: deterministic, whatever order threads finished in."""
+    """One node that hands every replica its parameters (``outputs[i * P + j]``: parameter ``j`` of replica ``i``) and
+    sums their gradients back in replica, then device, order: deterministic, whatever order threads finished in."""
 
     @staticmethod
     def forward(ctx: Any, layout: _Layout, *params: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
@@ -422,52 +413,40 @@ class _ReplicaParameters(torch.autograd.Function):
         return tuple(outputs)
 
     @staticmethod
-    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         layout: _Layout = ctx.layout
         count = ctx.count
-        per_device: dict[torch.device, list[Tensor | None]] = {}
+        # Autograd hands a zero tensor for an output that got no gradient (materialize_grads): no None here.
+        # Out of place: incoming gradients may be shared.
+        per_device: dict[torch.device, tuple[Tensor, ...]] = {}
         for i, device in enumerate(layout.devices):
             replica_grads = grads[i * count : (i + 1) * count]
             total = per_device.get(device)
-            per_device[device] = list(replica_grads) if total is None else _add(total, replica_grads)
-        result = per_device.get(layout.root, [None] * count)
+            per_device[device] = replica_grads if total is None else torch._foreach_add(total, replica_grads)
+        result: list[Tensor] | tuple[Tensor, ...] | None = per_device.get(layout.root)
         for device in layout.others:  # device order
-            result = _add(result, _to_device_coalesced(per_device[device], layout.root))
+            moved = _to_device_coalesced(per_device[device], layout.root)
+            result = moved if result is None else torch._foreach_add(result, moved)
+        assert result is not None
         return (None, *result)
 
 
-def _add(total: list[Tensor | None], extra: Sequence[Tensor | None]) -> list[Tensor | None]:
-    """Element-wise ``total + extra`` with ``None`` as zero; out of place (incoming gradients may be shared)."""
-    both = [j for j, (a, b) in enumerate(zip(total, extra, strict=True)) if a is not None and b is not None]
-    result = [a if a is not None else b for a, b in zip(total, extra, strict=True)]
-    if both:
-        sums = torch._foreach_add([total[j] for j in both], [extra[j] for j in both])  # type: ignore[misc]
-        for j, s in zip(both, sums, strict=True):
-            result[j] = s
-    return result
-
-
-def _to_device_coalesced(tensors: Sequence[Tensor | None], device: torch.device) -> list[Tensor | None]:
+def _to_device_coalesced(tensors: Sequence[Tensor], device: torch.device) -> list[Tensor]:
     """``tensors`` moved to ``device`` with one transfer per dtype (flattened, then split back)."""
-    moved: list[Tensor | None] = [None] * len(tensors)
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for j, t in enumerate(tensors):
-        if t is not None:
-            by_dtype.setdefault(t.dtype, []).append(j)
-    for indices in by_dtype.values():
-        flat = torch.cat([tensors[j].reshape(-1) for j in indices]).to(device)  # type: ignore[union-attr]
-        for j, part in zip(indices, flat.split([tensors[j].numel() for j in indices]), strict=True):  # type: ignore[union-attr]
-            moved[j] = part.view_as(tensors[j])  # type: ignore[arg-type]
-    return moved
+    groups = DtypeGroups(tensors)
+    flats = {
+        dtype: torch.cat([tensors[j].reshape(-1) for j in indices]).to(device)
+        for dtype, indices in groups.indices.items()
+    }
+    return [groups.view(flats, j, t) for j, t in enumerate(tensors)]
 
 
 _UNWATCHED = (None,) * 8
 
 
 def _walk(module: nn.Module, shared: Callable[[nn.Module], bool] | None = None) -> list[nn.Module]:
-    """Every distinct module of the tree, parents before children (a stack, not recursion: no closure cycles).
-
-    The subtree of a ``shared`` module is not entered: the module is listed, its children are not."""
+    """Every distinct module of the tree, parents before children, without entering the subtree of a ``shared``
+    module (a stack, not recursion: no closure cycles)."""
     seen: set[int] = set()
     order: list[nn.Module] = []
     stack = [module]
@@ -483,14 +462,8 @@ def _walk(module: nn.Module, shared: Callable[[nn.Module], bool] | None = None) 
     return order
 
 
-def _unique(tensors: Any) -> list[Tensor]:
-    seen: set[int] = set()
-    unique = []
-    for t in tensors:
-        if id(t) not in seen:
-            seen.add(id(t))
-            unique.append(t)
-    return unique
+def _unique(tensors: Iterable[Tensor]) -> list[Tensor]:
+    return list({id(t): t for t in tensors}.values())  # first-seen order
 
 
 def _watch_entry(module: nn.Module) -> tuple[dict[str, Any], ...]:
@@ -508,21 +481,12 @@ def _same(current: Any, saved: Any) -> bool:
         return False
 
 
-def _compile_changed(current: dict[str, Any], saved: dict[str, Any]) -> bool:
-    """Compiled (or un-compiled) since the build: replicas need their own compiled code, so a rebuild."""
-    return current.get("_compiled_call_impl") is not saved.get("_compiled_call_impl")
-
-
 R = TypeVar("R")
 
 
 class ReplicaCache(Generic[R]):
-    """Lasting replicas per module, kept across calls and rebuilt when the module object or the devices change: the
-    one cache behind ``DataParallelModel``, ``DataParallelCriterion`` and both strategies (``build(module, devices)``
-    makes an entry: a :class:`ReplicaSet`, or the strategies' wrapper around one).
-
-    Never copied or pickled with its owner (replicas hold autograd links to the last step): a copy starts empty.
-    """
+    """Lasting replicas per module (``build(module, devices)`` makes an entry), rebuilt when the module object or the
+    devices change. A copy or unpickled cache starts empty (replicas hold autograd links to the last step)."""
 
     def __init__(self, build: Callable[[nn.Module, list[torch.device]], R]) -> None:
         self._build = build
