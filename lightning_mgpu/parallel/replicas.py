@@ -20,8 +20,7 @@ from lightning_mgpu.parallel.run_replicas import ExecutionMode, resolve_mode
 from lightning_mgpu.parallel.scatter_gather import iter_tensors
 from lightning_mgpu.parallel.sync_batchnorm import uses_sync_batchnorm
 
-_STRUCTURE = ("_parameters", "_buffers", "_modules")
-_NEVER_SYNCED = frozenset({*_STRUCTURE, "_is_replica", "_compiled_call_impl", "forward"})
+_NEVER_SYNCED = frozenset({"_parameters", "_buffers", "_modules", "_is_replica", "_compiled_call_impl", "forward"})
 
 
 def replicate(module: nn.Module, devices: Sequence[DeviceLike], detach: bool = False) -> list[nn.Module]:
@@ -273,28 +272,22 @@ class ReplicaSet:
             self._sharing = [True] * len(self.devices)
             flat.sync(n)
         for i in range(n):
-            if not self._sharing[i]:
-                continue
-            leaves = flat.leaves[i]
-            for store, name, j in self._param_slots[i]:
-                store[name] = leaves[j]
-            self._refresh_rnns(i)
-            self._sharing[i] = False
+            if self._sharing[i]:
+                self._point(i, flat.leaves[i], sharing=False)
 
     def _share_parameters(self, n: int) -> None:
         """Point the first ``n`` replicas at the original parameters (they stay until other tensors replace them)."""
         for i in range(n):
-            if self._sharing[i]:
-                continue
-            for store, name, j in self._param_slots[i]:
-                store[name] = self._params[j]
-            self._refresh_rnns(i)
-            self._sharing[i] = True
+            if not self._sharing[i]:
+                self._point(i, self._params, sharing=True)
 
-    def _refresh_rnns(self, i: int) -> None:
-        for rnn in self._rnns[i]:
-            # RNNs run on a cached list of their weights, which must hold this replica's tensors.
+    def _point(self, i: int, tensors: Sequence[Tensor | None], sharing: bool) -> None:
+        """Replica ``i``'s parameters from ``tensors`` (indexed like the unique originals)."""
+        for store, name, j in self._param_slots[i]:
+            store[name] = tensors[j]
+        for rnn in self._rnns[i]:  # RNNs run on a cached list of their weights, which must hold this replica's tensors
             rnn._flat_weights = [getattr(rnn, wn, None) for wn in rnn._flat_weights_names]
+        self._sharing[i] = sharing
 
     def _sync_structure(self) -> None:
         """Rebuild on a structural change or a (un)compiled module; copy attributes rebound on the originals to every
@@ -349,11 +342,7 @@ class ReplicaSet:
                 _fill(lists, trainable, [linked[i * step : (i + 1) * step] for i in range(n)])
             per_replica = lists
         for i in range(n):
-            tensors = per_replica[i]
-            for store, name, j in self._param_slots[i]:
-                store[name] = tensors[j]
-            self._refresh_rnns(i)
-            self._sharing[i] = False
+            self._point(i, per_replica[i], sharing=False)
 
     def release(self) -> None:
         """Drop every replica and copy (frees their memory on the other devices)."""
