@@ -18,7 +18,7 @@ _version = operator.attrgetter("_version")
 _requires_grad = operator.attrgetter("requires_grad")
 _grad = operator.attrgetter("grad")
 _data_ptr = Tensor.data_ptr
-_Slot = tuple[dict[str, Any], str, int]  # (a replica module's _parameters or _buffers, name, index of the original)
+Slot = tuple[dict[str, Any], str, int]  # (a replica module's _parameters or _buffers, name, index of the original)
 
 
 def alias(base: Tensor, offset: int, shape: torch.Size, stride: Sequence[int] = ()) -> Tensor:
@@ -262,7 +262,7 @@ class ReplicaBuffers:
     out). Buffers that require grad get a differentiable copy instead, so they get gradients as under DataParallel.
     """
 
-    def __init__(self, sources: Sequence[Tensor], slots: Sequence[Sequence[_Slot]], devices: Sequence[torch.device]):
+    def __init__(self, sources: Sequence[Tensor], slots: Sequence[Sequence[Slot]], devices: Sequence[torch.device]):
         self.sources = list(sources)
         self.slots = [list(s) for s in slots]
         self.devices = list(devices)

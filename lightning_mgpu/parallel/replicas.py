@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from lightning_mgpu.parallel.compiled import compiled_call, is_compiled, is_optimized_module, optimized_module_replica
 from lightning_mgpu.parallel.devices import DeviceLike, distinct_cuda, to_device
-from lightning_mgpu.parallel.flat_replicas import DtypeGroups, ReplicaBuffers, ReplicaParameters
+from lightning_mgpu.parallel.flat_replicas import DtypeGroups, ReplicaBuffers, ReplicaParameters, Slot
 from lightning_mgpu.parallel.run_replicas import ExecutionMode, resolve_mode
 from lightning_mgpu.parallel.scatter_gather import iter_tensors
 from lightning_mgpu.parallel.sync_batchnorm import uses_sync_batchnorm
@@ -80,8 +80,8 @@ class ReplicaSet:
         buffers = _unique(b for m in self._originals for b in m._buffers.values() if b is not None)
         buffer_index = {id(b): k for k, b in enumerate(buffers)}
         self._copies: list[list[nn.Module]] = []
-        self._param_slots: list[list[tuple[dict[str, Any], str, int]]] = []
-        self._buffer_slots: list[list[tuple[dict[str, Any], str, int]]] = []
+        self._param_slots: list[list[Slot]] = []
+        self._buffer_slots: list[list[Slot]] = []
         self._rnns: list[list[nn.RNNBase]] = []
         self.compiled = any(is_compiled(m) for m in self._originals)
         with torch.inference_mode(False), torch.no_grad():  # copies must be normal tensors, whatever the caller's mode
@@ -105,8 +105,8 @@ class ReplicaSet:
     ) -> None:
         originals = self._originals
         copies = self._module_copies(position)
-        slots: list[tuple[dict[str, Any], str, int]] = []
-        buffer_slots: list[tuple[dict[str, Any], str, int]] = []
+        slots: list[Slot] = []
+        buffer_slots: list[Slot] = []
         rnns: list[nn.RNNBase] = []
         for k, (original, copy) in enumerate(zip(originals, copies, strict=True)):
             assert copy is not None
