@@ -185,14 +185,16 @@ class ReplicaParameters:
         with torch.no_grad():
             pointed = self._point_grads() if everywhere else 0
             if pointed == len(self._train_params):  # after zero_grad(set_to_none=True)
-                self._sum_into(count, accumulate=False)
+                self._sum_into(count, self._root_grads, accumulate=False)
             elif (
                 everywhere and not pointed and all(map(operator.is_, map(_grad, self._train_params), self._train_views))
             ):
-                self._sum_into(count, accumulate=True)  # .grad still the views
+                self._sum_into(count, self._root_grads, accumulate=True)  # .grad still the views
             else:
                 grads = [None] * pointed + list(map(_grad, self._train_params[pointed:]))
-                self._assign_each(self._sum(count), grads, everywhere)
+                totals = {dtype: torch.empty_like(flat) for dtype, flat in self._root_grads.items()}
+                self._sum_into(count, totals, accumulate=False)
+                self._assign_each(totals, grads, everywhere)
             torch._foreach_zero_([flat for flats in self._grads[:count] for flat in flats.values()])
         self._seen = self._counters()
 
@@ -217,26 +219,18 @@ class ReplicaParameters:
                     sums[dtype].add_(flat)
         return per_device
 
-    def _sum_into(self, count: int, accumulate: bool) -> None:
-        """The root's flat gradients += (or =) every replica's: the root device's replicas in replica order, then each
-        other device's sum, moved to the root, in device order."""
+    def _sum_into(self, count: int, targets: dict[torch.dtype, Tensor], accumulate: bool) -> None:
+        """``targets`` (flat, per dtype, on the root) += (or =) every replica's gradients: the root device's replicas
+        in replica order, then each other device's sum, moved to the root, in device order."""
         for k, sums in enumerate(self._device_sums(count).values()):  # the root device comes first
             for dtype, flat in sums.items():
-                target = self._root_grads[dtype]
+                target = targets[dtype]
                 if flat.device != self.root:
                     flat = flat.to(self.root, non_blocking=True)
                 if k == 0 and not accumulate:
                     target.copy_(flat)
                 else:
                     target.add_(flat)
-
-    def _sum(self, count: int) -> dict[torch.dtype, Tensor]:
-        totals: dict[torch.dtype, Tensor] | None = None
-        for sums in self._device_sums(count).values():
-            moved = {dtype: flat.to(self.root) for dtype, flat in sums.items()}
-            totals = moved if totals is None else {dtype: totals[dtype] + moved[dtype] for dtype in moved}
-        assert totals is not None
-        return totals
 
     def _assign_each(self, totals: dict[torch.dtype, Tensor], grads: list[Tensor | None], everywhere: bool) -> None:
         """The general case, one parameter at a time: ``.grad`` set by someone else, or parameters some replica's
