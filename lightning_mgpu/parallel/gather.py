@@ -1,9 +1,5 @@
-"""``gather`` with ``torch.nn.parallel.gather``'s contract, on any devices (CPU and virtual devices included).
-
-Tensors are concatenated along ``dim`` on ``target_device``; 0-dim tensors become a vector with one value per
-replica, with torch's warning; dicts, namedtuples and other sequences are gathered field by field; ``None`` stays
-``None``. The copy to ``target_device`` is differentiable. To merge outputs as one device would have returned them
-for the whole batch (scalars averaged), use :func:`~lightning_mgpu.parallel.merge.merge_outputs`.
+"""``gather`` with ``torch.nn.parallel.gather``'s contract (0-dim tensors stacked, with torch's warning), on any
+devices. To merge outputs as one device would have returned them (scalars averaged), use :mod:`.merge`.
 """
 
 from __future__ import annotations
@@ -20,7 +16,8 @@ from lightning_mgpu.parallel.scatter_gather import is_namedtuple
 
 
 def gather(outputs: Sequence[Any], target_device: DeviceLike, dim: int = 0) -> Any:
-    """Gather one output per replica on ``target_device``, as ``torch.nn.parallel.gather`` does."""
+    """Gather one output per replica on ``target_device`` (differentiably), as ``torch.nn.parallel.gather`` does:
+    tensors concatenated along ``dim``, dicts, namedtuples and other sequences field by field, ``None`` kept."""
     device = to_device(target_device)
 
     def gather_map(values: Sequence[Any]) -> Any:
