@@ -30,12 +30,9 @@ def as_float_weights(weights: Sequence[Weight], what: str = "loss weight") -> li
                 f"The {what} of replica {index} is {shown}; it must be a number or a one-element tensor: the count "
                 "(samples, valid tokens...) that replica's mean loss averages over."
             )
-    tensors = [w for w in weights if isinstance(w, Tensor)]
-    if tensors:
-        values = iter(torch.stack([t.detach().reshape(()).double().cpu() for t in tensors]).tolist())
-        floats = [next(values) if isinstance(w, Tensor) else float(w) for w in weights]
-    else:
-        floats = [float(w) for w in weights]
+    tensors = [w.detach().reshape(()).double().cpu() for w in weights if isinstance(w, Tensor)]
+    values = iter(torch.stack(tensors).tolist() if tensors else [])
+    floats = [next(values) if isinstance(w, Tensor) else float(w) for w in weights]
     bad = [(i, w) for i, w in enumerate(floats) if not math.isfinite(w) or w < 0]
     if bad:
         raise ValueError(

@@ -1,10 +1,9 @@
-"""Split a batch into per-device chunks (gathering outputs back is :mod:`.gather` and :mod:`.merge`).
+"""Split a batch (nested mappings, sequences, namedtuples, dataclasses) into per-device chunks; :mod:`.merge` and
+:mod:`.gather` bring outputs back.
 
-Batches are nested mappings (``ModelOutput`` included), lists, tuples, namedtuples and dataclasses. Tensors are split
-along ``dim`` with ``torch.tensor_split`` (10 over 4 gives 3, 3, 2, 2); a list of plain items as long as the batch
-(strings, ids) is split the same way; anything else, 0-dim tensors included, goes whole to every replica. Lists of
-per-sample items holding tensors (detection targets) cannot be told from structures by shape: mark them
-:class:`PerSample`.
+Tensors are split along ``dim`` as ``torch.tensor_split`` does (10 over 4: 3, 3, 2, 2); a list of plain items as long
+as the batch (ids) is split alike; anything else, 0-dim tensors included, goes whole to every replica. Lists of
+per-sample items holding tensors (detection targets) look like structures: mark them :class:`PerSample`.
 """
 
 from __future__ import annotations
@@ -68,9 +67,9 @@ def _children(obj: Any) -> tuple[bool, Iterable[tuple[Any, Any]]] | None:
     child)`` pairs; None for a leaf. The one place that opens structures (:func:`rebuild` closes them)."""
     if isinstance(obj, Mapping):  # ModelOutput included
         return False, obj.items()
+    if is_namedtuple(obj):
+        return True, zip(obj._fields, obj, strict=True)
     if isinstance(obj, (list, tuple)):
-        if is_namedtuple(obj):
-            return True, zip(obj._fields, obj, strict=True)
         return False, enumerate(obj)
     if is_dataclass_instance(obj):
         return True, ((f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj))
@@ -89,9 +88,9 @@ def iter_nodes(
     yield path, obj
     children = _children(obj)
     if children is not None:
-        fields, items = children
+        by_field, items = children
         for key, child in items:
-            yield from iter_nodes(child, f"{path}.{key}" if fields else f"{path}[{key!r}]", per_sample)
+            yield from iter_nodes(child, f"{path}.{key}" if by_field else f"{path}[{key!r}]", per_sample)
 
 
 def iter_tensors(
