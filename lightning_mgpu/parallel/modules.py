@@ -248,8 +248,6 @@ class DataParallelCriterion(nn.Module):
 
         devices = [_output_device(o, d) for o, d in zip(outputs, self.device_ids, strict=False)]
         target_chunks, kwargs_chunks = self._split_targets(outputs, targets, kwargs, devices)
-        for i, (output, chunk, kw) in enumerate(zip(outputs, target_chunks, kwargs_chunks, strict=True)):
-            _check_aligned(output, (chunk, kw), i, self.dim)
         losses = self._losses(outputs, target_chunks, kwargs_chunks, devices)
         root = self.device_ids[0]
         reduction = _criterion_option(criterion, kwargs, "reduction", "mean")
@@ -352,6 +350,13 @@ class DataParallelCriterion(nn.Module):
                 f"The targets split into {len(used)} chunks but there are {len(outputs)} outputs: "
                 "the targets' batch size does not match the inputs given to DataParallelModel."
             )
+        for i, (out_size, target_size) in enumerate(zip(out_sizes, used, strict=True)):
+            if out_size and out_size != target_size:  # only when some output's size is unknown (sizes is None)
+                raise ValueError(
+                    f"Outputs and targets do not line up on device {i}: the output has {out_size} samples along dim "
+                    f"{self.dim} but its targets have {target_size}. The targets must have the same batch size as "
+                    "the model's inputs."
+                )
         return target_chunks, kwarg_chunks
 
 
@@ -369,13 +374,3 @@ def _output_device(output: Any, default: torch.device) -> torch.device:
     if isinstance(output, Tensor):
         return output.device
     return next((tensor.device for _, tensor in iter_tensors(output)), default)
-
-
-def _check_aligned(output: Any, targets: Any, index: int, dim: int) -> None:
-    out_size = _safe_batch_size(output, dim)
-    target_size = _safe_batch_size(targets, dim)
-    if out_size and target_size and out_size != target_size:
-        raise ValueError(
-            f"Outputs and targets do not line up on device {index}: the output has {out_size} samples along dim {dim} "
-            f"but its targets have {target_size}. The targets must have the same batch size as the model's inputs."
-        )
