@@ -23,7 +23,14 @@ def gather(outputs: Sequence[Any], target_device: DeviceLike, dim: int = 0) -> A
     def gather_map(values: Sequence[Any]) -> Any:
         first = values[0]
         if isinstance(first, Tensor):
-            return _concatenate(values, device, dim)
+            if dim == 0 and all(t.dim() == 0 for t in values):
+                warnings.warn(
+                    "Was asked to gather along dimension 0, but all input tensors were scalars; will instead unsqueeze "
+                    "and return a vector.",
+                    stacklevel=2,
+                )
+                values = [t.view(1) for t in values]
+            return torch.cat([t.to(device) for t in values], dim=dim)
         if first is None:
             return None
         if isinstance(first, dict):
@@ -35,14 +42,3 @@ def gather(outputs: Sequence[Any], target_device: DeviceLike, dim: int = 0) -> A
         return type(first)(map(gather_map, zip(*values, strict=True)))
 
     return gather_map(outputs)
-
-
-def _concatenate(tensors: Sequence[Tensor], device: torch.device, dim: int) -> Tensor:
-    if all(t.dim() == 0 for t in tensors) and dim == 0:
-        warnings.warn(
-            "Was asked to gather along dimension 0, but all input tensors were scalars; will instead unsqueeze and "
-            "return a vector.",
-            stacklevel=3,
-        )
-        tensors = [t.view(1) for t in tensors]
-    return torch.cat([t.to(device) for t in tensors], dim=dim)
