@@ -46,7 +46,6 @@ def is_dataclass_instance(obj: Any) -> bool:
 
 
 def contains_tensor(obj: Any) -> bool:
-    """Whether ``obj`` holds a tensor anywhere in its structure."""
     return any(True for _ in iter_tensors(obj))
 
 
