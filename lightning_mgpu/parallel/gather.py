@@ -1,9 +1,5 @@
-"""``gather`` with ``torch.nn.parallel.gather``'s contract, on any devices (CPU and virtual devices included).
-
-Tensors are concatenated along ``dim`` on ``target_device``; 0-dim tensors become a vector with one value per
-replica, with torch's warning; dicts, namedtuples and other sequences are gathered field by field; ``None`` stays
-``None``. The copy to ``target_device`` is differentiable. To merge outputs as one device would have returned them
-for the whole batch (scalars averaged), use :func:`~lightning_mgpu.parallel.merge.merge_outputs`.
+"""``gather`` with ``torch.nn.parallel.gather``'s contract (0-dim tensors stacked, with torch's warning), on any
+devices. To merge outputs as one device would have returned them (scalars averaged), use :mod:`.merge`.
 """
 
 from __future__ import annotations
@@ -20,13 +16,21 @@ from lightning_mgpu.parallel.scatter_gather import is_namedtuple
 
 
 def gather(outputs: Sequence[Any], target_device: DeviceLike, dim: int = 0) -> Any:
-    """Gather one output per replica on ``target_device``, as ``torch.nn.parallel.gather`` does."""
+    """Gather one output per replica on ``target_device`` (differentiably), as ``torch.nn.parallel.gather`` does:
+    tensors concatenated along ``dim``, dicts, namedtuples and other sequences field by field, ``None`` kept."""
     device = to_device(target_device)
 
     def gather_map(values: Sequence[Any]) -> Any:
         first = values[0]
         if isinstance(first, Tensor):
-            return _concatenate(values, device, dim)
+            if dim == 0 and all(t.dim() == 0 for t in values):
+                warnings.warn(
+                    "Was asked to gather along dimension 0, but all input tensors were scalars; will instead unsqueeze "
+                    "and return a vector.",
+                    stacklevel=2,
+                )
+                values = [t.view(1) for t in values]
+            return torch.cat([t.to(device) for t in values], dim=dim)
         if first is None:
             return None
         if isinstance(first, dict):
@@ -38,14 +42,3 @@ def gather(outputs: Sequence[Any], target_device: DeviceLike, dim: int = 0) -> A
         return type(first)(map(gather_map, zip(*values, strict=True)))
 
     return gather_map(outputs)
-
-
-def _concatenate(tensors: Sequence[Tensor], device: torch.device, dim: int) -> Tensor:
-    if all(t.dim() == 0 for t in tensors) and dim == 0:
-        warnings.warn(
-            "Was asked to gather along dimension 0, but all input tensors were scalars; will instead unsqueeze and "
-            "return a vector.",
-            stacklevel=3,
-        )
-        tensors = [t.view(1) for t in tensors]
-    return torch.cat([t.to(device) for t in tensors], dim=dim)

@@ -1,11 +1,10 @@
-"""Merge per-replica outputs into what one device would have returned for the whole batch.
+"""Merge per-replica outputs into what one device would have returned for the whole batch: the one rule set for
+``DataParallelModel.gather``, ``dp``'s forward outputs and ``parallel_criterion``'s step outputs.
 
-The one rule set for ``DataParallelModel.gather``, ``dp``'s forward outputs and ``parallel_criterion``'s step outputs.
-Given each replica's output and sample count, in batch order: arrays with a batch dimension are concatenated along
-``dim``; scalars equal on every replica are kept, others averaged, weighted by sample counts or by the caller's
-weights (torch's ``gather`` stacks them instead: :mod:`.gather`); per-sample lists are concatenated; containers are
-merged field by field; anything else equal on every replica is kept, otherwise returned as :class:`ReplicaValues`.
-``None`` or a key on some replicas only is an error naming the value and the replicas, never a silent drop.
+Arrays with a batch dimension are concatenated along ``dim``; differing scalars are averaged, weighted by sample
+counts or the caller's weights (torch's ``gather`` stacks them: :mod:`.gather`); per-sample lists are concatenated;
+containers are merged field by field; anything else is kept when equal on every replica, else returned as
+:class:`ReplicaValues`. ``None`` or a key on some replicas only is an error, never a silent drop.
 """
 
 from __future__ import annotations
@@ -83,14 +82,12 @@ def _read_sizes(outputs: Sequence[Any], dim: int) -> list[int] | None:
     return sizes
 
 
+@dataclasses.dataclass
 class _Merger:
-    def __init__(
-        self, device: torch.device, dim: int, sizes: list[int] | None, weights: Mapping[str, Sequence[Weight] | str]
-    ) -> None:
-        self.device = device
-        self.dim = dim
-        self.sizes = sizes
-        self.weights = weights
+    device: torch.device
+    dim: int
+    sizes: list[int] | None
+    weights: Mapping[str, Sequence[Weight] | str]
 
     def merge(self, outputs: list[Any], path: str) -> Any:
         nones = [i for i, o in enumerate(outputs) if o is None]
@@ -103,7 +100,7 @@ class _Merger:
             return self._per_sample_lists(outputs, path)
         if isinstance(first, (Tensor, np.ndarray)):
             return self._arrays(outputs, path)
-        if _is_number(first):
+        if isinstance(first, (int, float, np.number)):  # bool included
             return self._scalars(outputs, path)
         if isinstance(first, Mapping):
             return self._mapping(outputs, path)
@@ -138,22 +135,22 @@ class _Merger:
         return np.concatenate(outputs, axis=self.dim)
 
     def _scalars(self, outputs: list[Any], path: str) -> Any:
-        if all(isinstance(o, bool) for o in outputs) or all_equal(outputs):
-            return outputs[0] if all_equal(outputs) else ReplicaValues(outputs)
+        if all_equal(outputs):
+            return outputs[0]
+        if all(isinstance(o, bool) for o in outputs):
+            return ReplicaValues(outputs)
         weights = self.weights.get(path, self.sizes)
         if weights is None:
             weights = [1] * len(outputs)
-        tensors = [o for o in outputs if isinstance(o, Tensor)]
-        if isinstance(weights, str):  # "sum": a sum over each replica's samples
-            if tensors:
-                return torch.stack([torch.as_tensor(o).to(self.device).reshape(()) for o in outputs]).sum()
-            return sum(outputs)
-        if tensors:
-            values = [(o if isinstance(o, Tensor) else torch.tensor(o)).to(self.device).reshape(()) for o in outputs]
+        if any(isinstance(o, Tensor) for o in outputs):
+            values = [torch.as_tensor(o).to(self.device).reshape(()) for o in outputs]
+            if isinstance(weights, str):  # "sum": a sum over each replica's samples
+                return torch.stack(values).sum()
             dtype = torch.promote_types(values[0].dtype, torch.float32)
             w = torch.stack([torch.as_tensor(x).to(self.device, dtype).reshape(()) for x in weights])
-            stacked = torch.stack([v.to(dtype) for v in values])
-            return weighted_mean(stacked, w)
+            return weighted_mean(torch.stack([v.to(dtype) for v in values]), w)
+        if isinstance(weights, str):
+            return sum(outputs)
         floats = [float(w) for w in weights]
         total = sum(floats)
         return sum(float(o) * w for o, w in zip(outputs, floats, strict=True) if w > 0) / total
@@ -162,12 +159,11 @@ class _Merger:
         first = outputs[0]
         if not all(isinstance(o, Mapping) for o in outputs):
             raise _mismatch(outputs, path, "a mapping")
-        keys = list(first.keys())
         for key in dict.fromkeys(k for o in outputs for k in o):  # every key, in order of first appearance
             missing = [i for i, o in enumerate(outputs) if key not in o]
             if missing:
                 raise _partial(f"{path}[{key!r}]", "no value", missing, len(outputs), what="key")
-        return rebuild(first, {k: self.merge([o[k] for o in outputs], f"{path}[{k!r}]") for k in keys})
+        return rebuild(first, {k: self.merge([o[k] for o in outputs], f"{path}[{k!r}]") for k in first})
 
     def _sequence(self, outputs: list[Any], path: str) -> Any:
         first = outputs[0]
@@ -222,10 +218,6 @@ def all_equal(values: Sequence[Any]) -> bool:
         return all(bool(v == first) for v in values[1:])
     except Exception:
         return all(v is first for v in values[1:])
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float, np.number, bool))
 
 
 def _is_scalar(value: Any) -> bool:

@@ -1,15 +1,9 @@
 """``DataParallelModel`` + ``DataParallelCriterion``: data parallelism that keeps outputs and losses on every device.
 
-``nn.DataParallel`` gathers every replica's output on one device and computes the loss there, so that device runs
-out of memory first (an MLM head's ``batch x seq x vocab`` logits, a segmentation map). Here the model returns the
-per-device outputs ungathered, the criterion scatters the targets the same way, computes the loss on each device and
-moves only one scalar per device to the root, weighted so the result equals the criterion on the whole batch::
-
-    model = DataParallelModel(net.to("cuda:0"), device_ids=[0, 1, 2, 3])
-    criterion = DataParallelCriterion(nn.CrossEntropyLoss(), device_ids=[0, 1, 2, 3])
-    outputs = model(images)                 # list: one output per device, each still on its device
-    loss = criterion(outputs, labels)       # scalar on cuda:0, equal to CrossEntropyLoss on the whole batch
-    loss.backward()
+``nn.DataParallel`` gathers every output on one device and computes the loss there, so that device runs out of memory
+first. Here the model returns the per-device outputs ungathered; the criterion splits the targets the same way,
+computes the loss on each device and moves one scalar per device to the root, weighted so that the result equals the
+criterion on the whole batch.
 """
 
 from __future__ import annotations
@@ -36,6 +30,7 @@ from lightning_mgpu.parallel.scatter_gather import (
     args_batch_size,
     argument_roots,
     batch_size_of,
+    is_namedtuple,
     iter_tensors,
     move_to,
     split_arguments,
@@ -50,18 +45,15 @@ class DataParallelModel(nn.Module):
 
     Args:
         module: the model, with its parameters on ``device_ids[0]`` (the root, where gradients accumulate).
-        device_ids: devices as ints (CUDA indices), strings or ``torch.device``; repeats are allowed ("virtual
-            devices", e.g. ``["cpu"] * 4``). ``None``: every visible CUDA device, or the module's device without CUDA.
-        output_device: where :meth:`gather` puts outputs; default ``device_ids[0]``. An int is a CUDA device index,
-            as in ``nn.DataParallel``.
+        device_ids: ints (CUDA indices), strings or ``torch.device`` (repeats allowed: ``["cpu"] * 4``); ``None``:
+            every visible CUDA device, else the module's device.
+        output_device: where :meth:`gather` puts outputs; default ``device_ids[0]``.
         dim: the batch dimension of inputs and outputs.
-        execution_mode: ``"auto"`` (threads on distinct GPUs, else sequential), ``"threads"`` or ``"sequential"``.
-            Compiled modules run one replica after another (Dynamo is not thread-safe); training with
-            :class:`SyncBatchNorm` layers runs them in threads (the replicas meet inside each layer).
+        execution_mode: ``"auto"`` (threads on distinct GPUs, else sequential), ``"threads"`` or ``"sequential"``;
+            compiled modules run sequentially (Dynamo is not thread-safe), :class:`SyncBatchNorm` training in threads.
 
-    Any output type works. With one device, or a batch of one sample, the module is called directly; inputs with no
-    batch dimension run once on ``device_ids[0]``, as under ``nn.DataParallel``. Replicas last across calls (rebuilt
-    when the module's structure changes). :attr:`last_split_sizes` holds each replica's sample count of the last call.
+    With one device, or a batch of one sample, the module is called directly; inputs with no batch dimension run once
+    on ``device_ids[0]``. Replicas last across calls. :attr:`last_split_sizes`: the last call's per-replica samples.
     """
 
     def __init__(
@@ -108,9 +100,7 @@ class DataParallelModel(nn.Module):
         if reason is not None:
             warnings.warn(f"DataParallelModel: {reason}.", UserWarning, stacklevel=2)
         replicas = replica_set.prepare(len(used), mode)
-        calls = [
-            (lambda r=r, a=a, k=k: r(*a, **k)) for r, a, k in zip(replicas, args_chunks, kwargs_chunks, strict=True)
-        ]
+        calls = [functools.partial(r, *a, **k) for r, a, k in zip(replicas, args_chunks, kwargs_chunks, strict=True)]
         outputs = run_replicas(calls, used, mode)
         replica_set.watch(outputs)  # the backward pass through them reduces the replicas' gradients
         return outputs
@@ -216,12 +206,9 @@ class DataParallelCriterion(nn.Module):
     """Compute ``criterion`` on every device from :class:`DataParallelModel`'s per-device outputs.
 
     Call it as ``criterion(outputs, *targets, **kwargs)`` with the whole targets: they are split as the outputs are
-    and moved to each output's device; targets without a batch dimension go whole to every replica. A plain-tuple
-    output is unpacked into positional arguments (``(anchor, positive, negative)`` for ``TripletMarginLoss``).
-
-    The losses are reduced on ``device_ids[0]`` by ``criterion.reduction``: ``"mean"`` weighted by per-device counts
-    (equal to the whole-batch value; ``weight_fn(output, targets)`` gives another count), ``"sum"`` summed, ``"none"``
-    concatenated.
+    (targets without a batch dimension go whole to every replica). A plain-tuple output is unpacked into positional
+    arguments (``TripletMarginLoss``). The losses are reduced on ``device_ids[0]`` by ``criterion.reduction``:
+    ``"mean"`` weighted by per-device counts (``weight_fn(output, targets)`` gives another), ``"sum"``, ``"none"``.
     """
 
     def __init__(
@@ -261,8 +248,6 @@ class DataParallelCriterion(nn.Module):
 
         devices = [_output_device(o, d) for o, d in zip(outputs, self.device_ids, strict=False)]
         target_chunks, kwargs_chunks = self._split_targets(outputs, targets, kwargs, devices)
-        for i, (output, chunk, kw) in enumerate(zip(outputs, target_chunks, kwargs_chunks, strict=True)):
-            _check_aligned(output, (chunk, kw), i, self.dim)
         losses = self._losses(outputs, target_chunks, kwargs_chunks, devices)
         root = self.device_ids[0]
         reduction = _criterion_option(criterion, kwargs, "reduction", "mean")
@@ -311,7 +296,7 @@ class DataParallelCriterion(nn.Module):
         else:
             replicas = [criterion] * len(outputs)  # stateless: calling one object from several threads is safe
         calls = [
-            (lambda c=c, o=o, t=t, k=k: c(*_as_args(o), *t, **k))
+            functools.partial(c, *_as_args(o), *t, **k)
             for c, o, t, k in zip(replicas, outputs, target_chunks, kwargs_chunks, strict=True)
         ]
         losses = run_replicas(calls, devices, mode)
@@ -365,6 +350,13 @@ class DataParallelCriterion(nn.Module):
                 f"The targets split into {len(used)} chunks but there are {len(outputs)} outputs: "
                 "the targets' batch size does not match the inputs given to DataParallelModel."
             )
+        for i, (out_size, target_size) in enumerate(zip(out_sizes, used, strict=True)):
+            if out_size and out_size != target_size:  # only when some output's size is unknown (sizes is None)
+                raise ValueError(
+                    f"Outputs and targets do not line up on device {i}: the output has {out_size} samples along dim "
+                    f"{self.dim} but its targets have {target_size}. The targets must have the same batch size as "
+                    "the model's inputs."
+                )
         return target_chunks, kwarg_chunks
 
 
@@ -375,24 +367,10 @@ def _has_per_sample_list(targets: tuple[Any, ...], kwargs: dict[str, Any], batch
 
 
 def _as_args(output: Any) -> tuple[Any, ...]:
-    if isinstance(output, tuple) and not hasattr(output, "_fields"):
-        return output
-    return (output,)
+    return output if isinstance(output, tuple) and not is_namedtuple(output) else (output,)
 
 
 def _output_device(output: Any, default: torch.device) -> torch.device:
     if isinstance(output, Tensor):
         return output.device
-    for _, tensor in iter_tensors(output):
-        return tensor.device
-    return default
-
-
-def _check_aligned(output: Any, targets: Any, index: int, dim: int) -> None:
-    out_size = _safe_batch_size(output, dim)
-    target_size = _safe_batch_size(targets, dim)
-    if out_size and target_size and out_size != target_size:
-        raise ValueError(
-            f"Outputs and targets do not line up on device {index}: the output has {out_size} samples along dim {dim} "
-            f"but its targets have {target_size}. The targets must have the same batch size as the model's inputs."
-        )
+    return next((tensor.device for _, tensor in iter_tensors(output)), default)

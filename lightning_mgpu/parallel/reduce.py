@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor
@@ -16,7 +16,7 @@ from lightning_mgpu.parallel.devices import DeviceLike, to_device
 
 Weight = int | float | Tensor
 LossReduction = Literal["weighted", "replica_mean", "sum"]
-LOSS_REDUCTIONS = ("weighted", "replica_mean", "sum")
+LOSS_REDUCTIONS = get_args(LossReduction)
 
 
 def as_float_weights(weights: Sequence[Weight], what: str = "loss weight") -> list[float]:
@@ -30,12 +30,9 @@ def as_float_weights(weights: Sequence[Weight], what: str = "loss weight") -> li
                 f"The {what} of replica {index} is {shown}; it must be a number or a one-element tensor: the count "
                 "(samples, valid tokens...) that replica's mean loss averages over."
             )
-    tensors = [w for w in weights if isinstance(w, Tensor)]
-    if tensors:
-        values = iter(torch.stack([t.detach().reshape(()).double().cpu() for t in tensors]).tolist())
-        floats = [next(values) if isinstance(w, Tensor) else float(w) for w in weights]
-    else:
-        floats = [float(w) for w in weights]
+    tensors = [w.detach().reshape(()).double().cpu() for w in weights if isinstance(w, Tensor)]
+    values = iter(torch.stack(tensors).tolist() if tensors else [])
+    floats = [next(values) if isinstance(w, Tensor) else float(w) for w in weights]
     bad = [(i, w) for i, w in enumerate(floats) if not math.isfinite(w) or w < 0]
     if bad:
         raise ValueError(
@@ -89,9 +86,8 @@ def reduce_losses(
         raise ValueError(f"Unknown loss reduction {reduction!r}: choose one of {LOSS_REDUCTIONS}.")
     if not losses:
         raise ValueError("reduce_losses() needs at least one loss.")
-    if device is None and not isinstance(losses[0], Tensor):
-        _scalar_on(losses[0], torch.device("cpu"), 0)  # raises the TypeError
-    root = to_device(device) if device is not None else losses[0].device
+    # A first loss that is no tensor has no device: the TypeError below names it.
+    root = to_device(device) if device is not None else getattr(losses[0], "device", torch.device("cpu"))
     scalars = [_scalar_on(loss, root, i) for i, loss in enumerate(losses)]
     if reduction == "sum":
         return torch.stack(scalars).sum()

@@ -1,10 +1,9 @@
-"""Split a batch into per-device chunks (gathering outputs back is :mod:`.gather` and :mod:`.merge`).
+"""Split a batch (nested mappings, sequences, namedtuples, dataclasses) into per-device chunks; :mod:`.merge` and
+:mod:`.gather` bring outputs back.
 
-Batches are nested mappings (``ModelOutput`` included), lists, tuples, namedtuples and dataclasses. Tensors are split
-along ``dim`` with ``torch.tensor_split`` (10 over 4 gives 3, 3, 2, 2); a list of plain items as long as the batch
-(strings, ids) is split the same way; anything else, 0-dim tensors included, goes whole to every replica. Lists of
-per-sample items holding tensors (detection targets) cannot be told from structures by shape: mark them
-:class:`PerSample`.
+Tensors are split along ``dim`` as ``torch.tensor_split`` does (10 over 4: 3, 3, 2, 2); a list of plain items as long
+as the batch (ids) is split alike; anything else, 0-dim tensors included, goes whole to every replica. Lists of
+per-sample items holding tensors (detection targets) look like structures: mark them :class:`PerSample`.
 """
 
 from __future__ import annotations
@@ -32,13 +31,9 @@ class NothingToSplitError(BatchSplitError):
 
 
 class PerSample(list):
-    """A list with one item per sample, split by item across devices (and concatenated back when gathered).
-
-    Use it in a ``collate_fn`` (or a model's output) for per-sample items that hold tensors of per-sample sizes, which
-    the batch dimension of a tensor cannot carry: ``(images, PerSample(targets))`` with ``targets[i] = {"boxes":
-    (n_i, 4), "labels": (n_i,)}``, or ``PerSample(images)`` for images of different sizes. Its length is the batch
-    size; every other tensor with a batch dimension must agree with it.
-    """
+    """A list with one item per sample, split by item across devices and concatenated back when gathered: per-sample
+    items of per-sample sizes (detection targets, images of different sizes), which no batch dimension can carry.
+    Its length is the batch size; every tensor with a batch dimension must agree with it."""
 
 
 def is_namedtuple(obj: Any) -> bool:
@@ -51,7 +46,6 @@ def is_dataclass_instance(obj: Any) -> bool:
 
 
 def contains_tensor(obj: Any) -> bool:
-    """Whether ``obj`` holds a tensor anywhere in its structure."""
     return any(True for _ in iter_tensors(obj))
 
 
@@ -67,37 +61,41 @@ def _is_string_sequence(obj: Any) -> bool:
     return _is_plain_sequence(obj) and all(isinstance(x, str) for x in obj)
 
 
+def _children(obj: Any) -> tuple[bool, Iterable[tuple[Any, Any]]] | None:
+    """For a container, whether its keys are field names (paths print ``.name``, else ``[key]``) and its ``(key,
+    child)`` pairs; None for a leaf. The one place that opens structures (:func:`rebuild` closes them)."""
+    if isinstance(obj, Mapping):  # ModelOutput included
+        return False, obj.items()
+    if is_namedtuple(obj):
+        return True, zip(obj._fields, obj, strict=True)
+    if isinstance(obj, (list, tuple)):
+        return False, enumerate(obj)
+    if is_dataclass_instance(obj):
+        return True, ((f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj))
+    return None
+
+
 def iter_nodes(
     obj: Any, path: str = "batch", per_sample: list[tuple[str, PerSample]] | None = None
 ) -> Iterator[tuple[str, Any]]:
-    """Yield ``(key path, node)`` for ``obj`` and everything nested in it, outermost first: the one reading walker.
-
-    Paths read as error messages print them (``batch["mask"]``, ``batch[0]``, ``output.logits``). Mappings
-    (``ModelOutput`` included), namedtuples, lists, tuples and dataclasses are entered. With a ``per_sample`` list,
-    :class:`PerSample` lists are appended to it (with their paths) instead of yielded and entered.
-    """
+    """Yield ``(key path, node)`` for ``obj`` and everything nested in it, outermost first, with paths as error
+    messages print them (``batch['mask']``, ``output.logits``). With a ``per_sample`` list, :class:`PerSample` lists
+    are appended to it (with their paths) instead of yielded and entered."""
     if per_sample is not None and isinstance(obj, PerSample):
         per_sample.append((path, obj))
         return
     yield path, obj
-    if isinstance(obj, Mapping):
-        children: Iterable[tuple[str, Any]] = ((f"{path}[{k!r}]", v) for k, v in obj.items())
-    elif is_namedtuple(obj):
-        children = ((f"{path}.{name}", getattr(obj, name)) for name in obj._fields)
-    elif isinstance(obj, (list, tuple)):
-        children = ((f"{path}[{i}]", v) for i, v in enumerate(obj))
-    elif is_dataclass_instance(obj):
-        children = ((f"{path}.{f.name}", getattr(obj, f.name)) for f in dataclasses.fields(obj))
-    else:
-        return
-    for child_path, child in children:
-        yield from iter_nodes(child, child_path, per_sample)
+    children = _children(obj)
+    if children is not None:
+        by_field, items = children
+        for key, child in items:
+            yield from iter_nodes(child, f"{path}.{key}" if by_field else f"{path}[{key!r}]", per_sample)
 
 
 def iter_tensors(
     obj: Any, path: str = "batch", per_sample: list[tuple[str, PerSample]] | None = None
 ) -> Iterator[tuple[str, Tensor]]:
-    """Yield ``(key path, tensor)`` for every tensor in a nested structure, e.g. ``('batch["mask"]', tensor)``."""
+    """Yield ``(key path, tensor)`` for every tensor in a nested structure, e.g. ``("batch['mask']", tensor)``."""
     return ((p, node) for p, node in iter_nodes(obj, path, per_sample) if isinstance(node, Tensor))
 
 
@@ -128,15 +126,21 @@ def _infer_from_roots(roots: Sequence[tuple[str, Any]], dim: int, what: str) -> 
         if not first:
             raise BatchSplitError(f"Cannot split an empty batch: {first_path} is an empty PerSample.")
         return len(first)
-    try:
-        return _common_size(tensors, dim, what)
-    except NothingToSplitError:
-        raise
-    except BatchSplitError as err:  # disagreeing sizes
-        hint = _per_sample_hint(roots, tensors, dim)
-        if hint is None:
-            raise
-        raise BatchSplitError(f"{err} {hint}") from None
+    sized = [(path, tensor.shape[dim]) for path, tensor in tensors if tensor.dim() > dim]
+    if not sized:
+        raise NothingToSplitError(
+            f"Cannot split the batch along dim {dim}: it holds no tensor with a dimension {dim} "
+            f"(got {what}). Pass tensors, or collections of tensors, with the batch along dim {dim}."
+        )
+    first_path, size = sized[0]
+    for path, other in sized:
+        if other != size:
+            hint = _per_sample_hint(roots, tensors, dim)
+            raise BatchSplitError(
+                f"Cannot split the batch along dim {dim}: {first_path} has size {size} but {path} has size {other}. "
+                "Every tensor that has a batch dimension must have the same batch size." + (f" {hint}" if hint else "")
+            )
+    return size
 
 
 def _per_sample_hint(roots: Sequence[tuple[str, Any]], tensors: Sequence[tuple[str, Tensor]], dim: int) -> str | None:
@@ -173,27 +177,6 @@ def _is_plain_sequence(obj: Any) -> bool:
     return isinstance(obj, (list, tuple)) and not is_namedtuple(obj) and bool(obj)
 
 
-def _common_size(tensors: Iterable[tuple[str, Tensor]], dim: int, what: str) -> int:
-    first: tuple[str, int] | None = None
-    for key, tensor in tensors:
-        if tensor.dim() <= dim:
-            continue
-        size = tensor.shape[dim]
-        if first is None:
-            first = (key, size)
-        elif size != first[1]:
-            raise BatchSplitError(
-                f"Cannot split the batch along dim {dim}: {first[0]} has size {first[1]} but {key} has size {size}. "
-                "Every tensor that has a batch dimension must have the same batch size."
-            )
-    if first is None:
-        raise NothingToSplitError(
-            f"Cannot split the batch along dim {dim}: it holds no tensor with a dimension {dim} "
-            f"(got {what}). Pass tensors, or collections of tensors, with the batch along dim {dim}."
-        )
-    return first[1]
-
-
 def args_batch_size(
     args: Sequence[Any], kwargs: Mapping[str, Any], dim: int = 0, names: tuple[str, str] = ("args", "kwargs")
 ) -> int:
@@ -209,19 +192,6 @@ def argument_roots(
         *((f"{names[0]}[{i}]", a) for i, a in enumerate(args)),
         *((f"{names[1]}[{k!r}]", v) for k, v in kwargs.items()),
     ]
-
-
-def _resolve_batch_size(roots: Sequence[tuple[str, Any]], dim: int, what: str, given: int | None) -> int:
-    """The batch size read from ``roots``; ``given`` when they hold nothing to read it from (e.g. a list of ids)."""
-    try:
-        inferred = _infer_from_roots(roots, dim, what)
-    except NothingToSplitError:
-        if given is None:
-            raise
-        return given
-    if given is not None and given != inferred:
-        raise BatchSplitError(f"batch_size={given} was given but the tensors have size {inferred}.")
-    return inferred
 
 
 def split_sizes(batch_size: int, num_devices: int) -> list[int]:
@@ -269,21 +239,16 @@ def _rebuild_dataclass(template: Any, values: Sequence[Any]) -> Any:
 
 
 def _map_structure(obj: Any, leaf_fn: Callable[[Any], Any], batch_size: int | None) -> Any:
-    """Apply ``leaf_fn`` to tensors and per-sample lists (``PerSample`` ones only when splitting a batch, i.e. with a
-    ``batch_size``); rebuild containers around the results."""
-    if isinstance(obj, PerSample) and batch_size is not None:
+    """Apply ``leaf_fn`` to leaves, tensors and per-sample lists (``PerSample`` ones only when splitting a batch, i.e.
+    with a ``batch_size``); rebuild containers around the results."""
+    if isinstance(obj, Tensor) or (isinstance(obj, PerSample) and batch_size is not None):
         return leaf_fn(obj)
-    if isinstance(obj, Tensor) or _is_per_sample_list(obj, batch_size):
+    children = _children(obj)
+    if children is None or _is_per_sample_list(obj, batch_size):
         return leaf_fn(obj)
     if isinstance(obj, Mapping):
-        return rebuild(obj, {k: _map_structure(v, leaf_fn, batch_size) for k, v in obj.items()})
-    if isinstance(obj, (list, tuple)):
-        return rebuild(obj, [_map_structure(v, leaf_fn, batch_size) for v in obj])
-    if is_dataclass_instance(obj):
-        return rebuild(
-            obj, [_map_structure(getattr(obj, f.name), leaf_fn, batch_size) for f in dataclasses.fields(obj)]
-        )
-    return leaf_fn(obj)
+        return rebuild(obj, {key: _map_structure(child, leaf_fn, batch_size) for key, child in children[1]})
+    return rebuild(obj, [_map_structure(child, leaf_fn, batch_size) for _, child in children[1]])
 
 
 def split_batch(
@@ -309,11 +274,19 @@ def _split_roots(
     sizes: Sequence[int] | None,
     what: str,
 ) -> tuple[list[list[Any]], list[int]]:
-    """Each root's chunks (split with one batch size, so error messages name the root) and the chunk sizes."""
+    """Each root's chunks (split with one batch size, so error messages name the root) and the chunk sizes. A given
+    ``batch_size`` is used when the roots hold nothing to read it from (e.g. a list of ids)."""
+    try:
+        inferred = _infer_from_roots(roots, dim, what)
+    except NothingToSplitError:
+        if batch_size is None:
+            raise
+        inferred = batch_size
+    if batch_size is not None and batch_size != inferred:
+        raise BatchSplitError(f"batch_size={batch_size} was given but the tensors have size {inferred}.")
     targets = [to_device(d) for d in devices]
-    batch_size = _resolve_batch_size(roots, dim, what, batch_size)
-    chunk_sizes = _chunk_sizes(batch_size, len(targets), sizes)
-    return [_scatter_sizes(value, targets, dim, batch_size, chunk_sizes) for _, value in roots], chunk_sizes
+    chunk_sizes = _chunk_sizes(inferred, len(targets), sizes)
+    return [_scatter_sizes(value, targets, dim, inferred, chunk_sizes) for _, value in roots], chunk_sizes
 
 
 def _chunk_sizes(batch_size: int, num_devices: int, sizes: Sequence[int] | None) -> list[int]:
@@ -330,31 +303,31 @@ def _chunk_sizes(batch_size: int, num_devices: int, sizes: Sequence[int] | None)
 
 
 def _scatter_sizes(obj: Any, devices: Sequence[torch.device], dim: int, batch_size: int, sizes: list[int]) -> list[Any]:
+    """``obj`` in chunks of ``sizes``, chunk ``i`` on ``devices[i]``."""
     bounds = list(itertools.accumulate(sizes[:-1]))
+    slices = [slice(a, b) for a, b in itertools.pairwise([0, *bounds, batch_size])]
+    # Each leaf is split and copied once, then picked per chunk. The keys are ids of objects that ``obj`` keeps alive
+    # for the whole call, so they cannot be reused.
     cache: dict[int, list[Any]] = {}
 
     def split_leaf(leaf: Any) -> list[Any]:
-        # Each leaf is split and copied once, then picked per replica. The keys are ids of objects that ``obj``
-        # keeps alive for the whole call, so they cannot be reused.
-        key = id(leaf)
-        if key not in cache:
-            cache[key] = _split_leaf(leaf)
-        return cache[key]
-
-    def _split_leaf(leaf: Any) -> list[Any]:
         if isinstance(leaf, Tensor):
             if leaf.dim() <= dim:
                 return [leaf.to(d) for d in devices[: len(sizes)]]
             parts = torch.tensor_split(leaf, bounds, dim=dim) if bounds else (leaf,)
             return [p.to(d) for p, d in zip(parts, devices, strict=False)]
-        edges = [0, *bounds, batch_size]
         if isinstance(leaf, PerSample):  # before the plain-list rule: slices stay PerSample
-            return [PerSample(move_to(leaf[edges[i] : edges[i + 1]], devices[i])) for i in range(len(sizes))]
+            return [PerSample(move_to(leaf[s], d)) for s, d in zip(slices, devices, strict=False)]
         if _is_per_sample_list(leaf, batch_size):
-            return [leaf[edges[i] : edges[i + 1]] for i in range(len(sizes))]
+            return [leaf[s] for s in slices]
         return [leaf] * len(sizes)
 
-    return [_map_structure(obj, lambda leaf, i=i: split_leaf(leaf)[i], batch_size) for i in range(len(sizes))]
+    def chunk(leaf: Any, i: int) -> Any:
+        if id(leaf) not in cache:
+            cache[id(leaf)] = split_leaf(leaf)
+        return cache[id(leaf)][i]
+
+    return [_map_structure(obj, lambda leaf, i=i: chunk(leaf, i), batch_size) for i in range(len(sizes))]
 
 
 def split_arguments(
@@ -400,19 +373,12 @@ def split_or_run_once(split: Callable[[], T], roots: Sequence[tuple[str, Any]]) 
     try:
         return split()
     except NothingToSplitError:
-        error = _unsplittable_error(roots)
-        if error is not None:
-            raise error from None
-        return None
-
-
-def _unsplittable_error(roots: Sequence[tuple[str, Any]]) -> BatchSplitError | None:
-    """Inputs without a batch dimension run once, unsplit, unless they hold a sequence of strings: that looks like one
-    item per sample whose count nothing tells, so it asks for :class:`PerSample`."""
+        pass
+    # Unless they hold a sequence of strings: one item per sample, it seems, but nothing tells their count.
     for where, value in roots:
         for path, node in iter_nodes(value, where):
             if _is_string_sequence(node):
-                return BatchSplitError(
+                raise BatchSplitError(
                     f"Cannot split the batch: it holds no tensor with a batch dimension, only {path}, a sequence of "
                     f"{len(node)} strings, and nothing says that it holds one item per sample. Wrap it in "
                     "lightning_mgpu.PerSample(...) in your collate_fn (or before the call) so that it is split by "
