@@ -173,7 +173,10 @@ class _Merger:
         if not is_namedtuple(first) and self._per_sample(outputs):
             return type(first)(move_to(x, self.device) for o in outputs for x in o)
         if all(type(o) is type(first) and len(o) == len(first) for o in outputs):
-            items = [self.merge([o[i] for o in outputs], f"{path}[{i}]") for i in range(len(first))]
+            paths = [f"{path}.{n}" for n in first._fields] if is_namedtuple(first) else None
+            items = [
+                self.merge([o[i] for o in outputs], paths[i] if paths else f"{path}[{i}]") for i in range(len(first))
+            ]
             return rebuild(first, items)
         if plain_lists:
             return [x for o in outputs for x in o]  # lists of plain items of any lengths: one list, in batch order
