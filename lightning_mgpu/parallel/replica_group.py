@@ -1,10 +1,7 @@
-"""Replica groups: the replicas of one ``run_replicas`` call, and the rendezvous where they meet.
+"""The replicas of one ``run_replicas`` call (:class:`ReplicaGroup`) and the rendezvous where they meet.
 
-Each call forms a :class:`ReplicaGroup`; every worker runs with a thread-local :class:`ReplicaContext` (its group and
-index, see :func:`current_replica`). Layers that must see the whole batch (the single-process ``SyncBatchNorm``) meet
-their peers through :meth:`ReplicaGroup.rendezvous`. A replica that finishes or raises *departs*, which wakes every
-replica waiting for it, so a replica that skips a sync point fails its peers with a clear error instead of hanging
-them.
+A replica that finishes or raises *departs*, which wakes the replicas waiting for it: one that skips a sync point fails
+its peers with a clear error instead of hanging them.
 """
 
 from __future__ import annotations
@@ -20,18 +17,16 @@ from typing import Any
 import torch
 
 RENDEZVOUS_TIMEOUT_S = float(os.environ.get("LIGHTNING_MGPU_RENDEZVOUS_TIMEOUT_S", 1800))
-"""Last-resort bound (seconds) on one wait at a rendezvous, from the environment variable of the same name (default 30
-minutes). Departures and mismatches are detected without it; it only ends waits on a replica that neither arrives nor
-leaves (e.g. one blocked on something outside the group)."""
+"""Last-resort bound (seconds) on one wait at a rendezvous, for a replica that neither arrives nor departs (departures
+and mismatches are detected without it)."""
 
 
 TAKE_TURNS = os.environ.get("LIGHTNING_MGPU_TAKE_TURNS", "1") != "0"
-"""Whether replicas in threads take turns running Python (environment variable ``LIGHTNING_MGPU_TAKE_TURNS``, default
-on; ``0`` lets every replica's thread compete for the GIL at every torch call)."""
+"""Whether replicas in threads take turns running Python (``0``: every replica's thread competes for the GIL)."""
 
 TURN_PATIENCE_S = float(os.environ.get("LIGHTNING_MGPU_TURN_PATIENCE_S", 2))
-"""How long (seconds) a replica waits for its turn before it runs anyway, next to the replica holding the turn (from
-the environment variable of the same name): taking turns is an optimisation, never a condition for progress."""
+"""How long (seconds) a replica waits for its turn before it runs anyway: turns are an optimisation, never a condition
+for progress."""
 
 
 class RendezvousError(RuntimeError):
@@ -61,19 +56,17 @@ class _Site:
 
 
 class ReplicaGroup:
-    """The replicas of one :func:`~.run_replicas.run_replicas` call, as seen from inside them.
+    """The replicas of one :func:`~.run_replicas.run_replicas` call on ``devices``; ``sequential`` when they run one
+    after another (no rendezvous is possible then)."""
 
-    ``size`` replicas on ``devices``; ``sequential`` when they run one after another (no rendezvous is possible then).
-    """
-
-    def __init__(self, devices: Sequence[torch.device], sequential: bool, take_turns: bool = TAKE_TURNS) -> None:
+    def __init__(self, devices: Sequence[torch.device], sequential: bool) -> None:
         self.devices = tuple(devices)
         self.size = len(self.devices)
         self.sequential = sequential
         # Replicas in threads take turns: one runs Python at a time and hands over when it finishes or waits at a
         # sync point. The GIL runs one thread's Python at a time anyway; without turns it changes hands at every
         # torch call, and those hand-overs cost as much as the calls on a launch-bound step.
-        self._turn = threading.Lock() if take_turns and not sequential else None
+        self._turn = threading.Lock() if TAKE_TURNS and not sequential else None
         self._turn_holder: int | None = None
         self._cond = threading.Condition()
         self._departed: dict[int, BaseException | None] = {}  # index -> its exception, None when it finished
@@ -112,74 +105,69 @@ class ReplicaGroup:
     ) -> Any:
         """Meet the other replicas at ``site``; return ``combine(values in replica order)[index]``.
 
-        A replica that waits here hands its turn over while it waits (see :meth:`turn`) and takes it back after.
+        The last replica to arrive runs ``combine`` once for all (so one computation, e.g. one autograd node, spans
+        the replicas); the others wait, handing their turn over meanwhile. Never hangs on a departed replica: a wait
+        that can never end raises :class:`RendezvousError` naming ``label``, followed by ``hint`` (what the user should
+        do), or :class:`PeerFailedError` when the replica waited for raised.
         """
-        waited: list[bool] = []
+        gave_turn = False
         try:
-            return self._meet(index, site, value, combine, label, hint, waited)
+            with self._cond:
+                state = self._sites.get(site)
+                if state is None:
+                    state = self._sites[site] = _Site(label)
+                state.arrived[index] = value
+                if len(state.arrived) == self.size:
+                    return self._complete(site, state, combine, index)
+                self._waiting[index] = state
+                gave_turn = self._give_turn(index)
+                try:
+                    return self._wait(index, state, hint)
+                finally:
+                    del self._waiting[index]
         finally:
-            if waited:
+            if gave_turn:  # outside the lock: the replica holding the turn may need it to arrive
                 self._take_turn(index)
 
-    def _meet(
-        self,
-        index: int,
-        site: Hashable,
-        value: Any,
-        combine: Callable[[list[Any]], Sequence[Any]],
-        label: str,
-        hint: str,
-        waited: list[bool],
-    ) -> Any:
-        """Meet the other replicas at ``site``; return ``combine(values in replica order)[index]``.
+    def require_threads(self, what: str, hint: str) -> None:
+        """Raise :class:`RendezvousError` if the replicas run one after another: ``what`` needs them to meet."""
+        if self.sequential:
+            raise RendezvousError(
+                f"{what} makes the {self.size} replicas meet, but this call runs them one after another, so they "
+                f"cannot. {hint}"
+            )
 
-        The last replica to arrive runs ``combine`` once for all (so one computation, e.g. one autograd node, spans
-        the replicas); the others wait. Never hangs on a departed replica: a replica waiting for one that finished
-        (without arriving) or that every other live replica waits elsewhere raises :class:`RendezvousError` naming
-        ``label``, followed by ``hint`` (what the user should do); a replica waiting for one that raised raises
-        :class:`PeerFailedError`.
-        """
+    def _complete(self, site: Hashable, state: _Site, combine: Callable[[list[Any]], Sequence[Any]], index: int) -> Any:
+        """Run ``combine`` for the last replica to arrive and wake the others. Called with the lock held."""
+        del self._sites[site]
+        values = [state.arrived[i] for i in range(self.size)]
+        state.arrived.clear()  # results are all waiters need now: drop the references
+        try:
+            state.results = list(combine(values))
+        except BaseException:
+            state.failed_in = index
+            raise
+        finally:
+            self._cond.notify_all()
+        return state.results[index]
+
+    def _wait(self, index: int, state: _Site, hint: str) -> Any:
+        """Wait until ``state`` completes or can never complete. Called with the lock held."""
         deadline = time.monotonic() + RENDEZVOUS_TIMEOUT_S
-        with self._cond:
-            state = self._sites.get(site)
-            if state is None:
-                state = self._sites[site] = _Site(label)
-            state.arrived[index] = value
-            if len(state.arrived) == self.size:
-                del self._sites[site]
-                values = [state.arrived[i] for i in range(self.size)]
-                state.arrived.clear()  # results are all waiters need now: drop the references
-                try:
-                    state.results = list(combine(values))
-                except BaseException:
-                    state.failed_in = index
-                    raise
-                finally:
-                    self._cond.notify_all()
-                return state.results[index]
-            self._waiting[index] = state
-            if self._give_turn(index):
-                waited.append(True)
-            try:
-                while state.results is None:
-                    failure = self._diagnose(state, hint)
-                    if failure is not None:
-                        self._cond.notify_all()  # the others re-check: this replica leaves
-                        raise failure
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0 or not self._cond.wait(remaining):
-                        if state.results is not None:
-                            break
-                        missing = [i for i in range(self.size) if i not in state.arrived]
-                        raise RendezvousError(
-                            f"{label}: replica {index} waited {RENDEZVOUS_TIMEOUT_S:.0f} s for replica(s) {missing}, "
-                            "which neither arrived nor finished (a replica blocked outside this group?). If one "
-                            "legitimately needs longer, raise the environment variable "
-                            "LIGHTNING_MGPU_RENDEZVOUS_TIMEOUT_S."
-                        )
-                return state.results[index]
-            finally:
-                del self._waiting[index]
+        while state.results is None:
+            failure = self._diagnose(state, hint)
+            if failure is not None:
+                self._cond.notify_all()  # the others re-check: this replica leaves
+                raise failure
+            remaining = deadline - time.monotonic()
+            if (remaining <= 0 or not self._cond.wait(remaining)) and state.results is None:
+                missing = [i for i in range(self.size) if i not in state.arrived]
+                raise RendezvousError(
+                    f"{state.label}: replica {index} waited {RENDEZVOUS_TIMEOUT_S:.0f} s for replica(s) {missing}, "
+                    "which neither arrived nor finished (a replica blocked outside this group?). If one "
+                    "legitimately needs longer, raise the environment variable LIGHTNING_MGPU_RENDEZVOUS_TIMEOUT_S."
+                )
+        return state.results[index]
 
     def _diagnose(self, state: _Site, hint: str) -> RendezvousError | None:
         """Why ``state`` can never complete, or None while it still can. Called with the lock held."""
@@ -232,10 +220,6 @@ class ReplicaContext:
     group: ReplicaGroup
     index: int
     calls: dict[Hashable, int] = field(default_factory=dict)
-
-    @property
-    def device(self) -> torch.device:
-        return self.group.devices[self.index]
 
     def next_call(self, key: Hashable) -> int:
         """1 for this replica's first call with ``key``, 2 for its second...: pairs the k-th calls of all replicas."""
