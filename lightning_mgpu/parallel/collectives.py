@@ -1,13 +1,8 @@
 """Collectives across the replicas of one call: ``all_gather``, ``reduce``, ``broadcast``, ``barrier``, ``all_true``.
 
-Inside a replicated call (:func:`~lightning_mgpu.parallel.replica_group.current_replica`) the replicas meet at each
-collective, as the single-process SyncBatchNorm's layers do; the k-th collective of every replica pairs with the k-th
-of the others, and a replica that calls another collective there, skips it or raises fails the others with an error
-naming it, never a hang. Outside a replicated call, or with one replica, each is an identity: one process.
-
-``all_gather`` concatenates the replicas' tensors along dim 0, in replica order, as one device's batch holds them (a
-0-dim tensor gives one value per replica); with ``sync_grads`` the result is differentiable with respect to every
-replica's share, so a loss over the gathered values backpropagates into each replica exactly as on one device.
+The k-th collective of every replica pairs with the k-th of the others; a replica that calls another collective there,
+skips it or raises fails the others with an error naming it, never a hang. Outside a replicated call, or with one
+replica, each is an identity.
 """
 
 from __future__ import annotations
@@ -29,7 +24,8 @@ _HINT = (
 
 
 def all_gather(tensor: Tensor, sync_grads: bool = False, *, sequential_hint: str = "") -> Tensor:
-    """Every replica's ``tensor``, concatenated along dim 0 in replica order, on this replica's device."""
+    """Every replica's ``tensor``, concatenated along dim 0 in replica order (a 0-dim tensor gives one value per
+    replica), on this replica's device; with ``sync_grads``, differentiable with respect to every replica's share."""
     replica = _replica("all_gather", sequential_hint)
     if replica is None:
         return tensor
@@ -77,11 +73,7 @@ def _replica(name: str, sequential_hint: str) -> ReplicaContext | None:
     replica = current_replica()
     if replica is None or replica.group.size < 2:
         return None
-    if replica.group.sequential:
-        raise RendezvousError(
-            f"{name} makes the {replica.group.size} replicas meet, but this call runs them one after another, so "
-            f"they cannot. {sequential_hint or 'Run the call with execution_mode=threads.'}"
-        )
+    replica.group.require_threads(name, sequential_hint or "Run the call with execution_mode=threads.")
     return replica
 
 
@@ -126,8 +118,8 @@ def _spread(obj: Any, devices: Sequence[torch.device]) -> list[Any]:
 def _op_name(reduce_op: Any) -> str:
     """``"mean"`` for ``"mean"``/``"avg"``/``ReduceOp.AVG``, and so on; an error naming the choices otherwise."""
     name = str(getattr(reduce_op, "name", reduce_op)).lower().rpartition(".")[2]
-    name = {"avg": "mean", "product": "prod"}.get(name, name)
-    if name not in tuple(_REDUCTIONS):
+    name = "mean" if name == "avg" else name
+    if name not in _REDUCTIONS:
         raise ValueError(f"reduce_op={reduce_op!r} is not supported across replicas: use one of {tuple(_REDUCTIONS)}.")
     return name
 
