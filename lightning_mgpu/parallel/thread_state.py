@@ -1,9 +1,7 @@
-"""The thread-local torch state a replica's worker thread must replay to behave like the caller.
+"""The thread-local torch state (grad and inference mode, autocast with its dtype, CUDA device and stream) that a
+replica's worker thread inherits none of, captured in the caller and replayed in each worker.
 
-A new thread inherits none of: grad mode, inference mode, autocast (enabled *and* dtype, per device type), the
-current CUDA device and stream. :class:`ThreadState` captures them in the caller and replays them in each worker;
-torch's own ``parallel_apply`` drops the autocast dtype, so a bf16 run would silently autocast to fp16 there.
-Process-global state (the default dtype) is left alone: set it once in the caller.
+Keep the autocast dtype: torch's own ``parallel_apply`` drops it, so a bf16 run silently autocasts to fp16 there.
 """
 
 from __future__ import annotations
@@ -19,8 +17,6 @@ _AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")
 
 @dataclass(frozen=True)
 class ThreadState:
-    """The thread-local torch state a worker must replay to behave like its caller."""
-
     grad_enabled: bool
     inference_mode: bool
     autocast: dict[str, tuple[bool, torch.dtype]] = field(default_factory=dict)
