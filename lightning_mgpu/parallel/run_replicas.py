@@ -1,17 +1,7 @@
 """Run one callable per replica, in threads or one after another, each with the caller's thread-local torch state
 (:mod:`.thread_state`) and as a member of one replica group (:mod:`.replica_group`).
 
-Named apart from ``torch.nn.parallel.parallel_apply``, whose signature and contract differ. When every device is a
-CPU, threads only fight torch's intra-op thread pool, and when every replica is on one GPU ("virtual devices") they
-only contend for it (figures in ``benchmarks/results/``), so the default mode runs the replicas one after another in
-both cases.
-
-**Failures.** A failing replica's *own* exception object reaches the caller (type, args, attributes and traceback
-frames intact), after every other replica has finished: never while user code still runs in other threads. It
-carries ``replica_index`` (int) and ``replica_device`` (``torch.device``) attributes and a PEP 678 note in torch's
-wording (``Caught ValueError in replica 2 on device cuda:2.`` / ``Original Traceback (most recent call last):``).
-When several replicas fail, the first in replica order whose error is not a :class:`PeerFailedError` (a replica that
-only stopped because another one failed) is raised; the note lists the others.
+Named apart from ``torch.nn.parallel.parallel_apply``, whose signature and contract differ.
 """
 
 from __future__ import annotations
@@ -42,7 +32,6 @@ _POOL: ThreadPoolExecutor | None = None
 _POOL_WORKERS = 64
 
 
-# --- the thread pool ----------------------------------------------------------------------------------------------
 def _pool() -> ThreadPoolExecutor:
     global _POOL
     with _POOL_LOCK:
@@ -63,26 +52,10 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_pool_in_child)
 
 
-# --- failures -----------------------------------------------------------------------------------------------------
 @dataclass
 class _Outcome:
     value: Any = None
     error: BaseException | None = None
-
-
-def _annotate(
-    err: BaseException, index: int, device: torch.device, others: Sequence[tuple[int, BaseException]]
-) -> None:
-    """Attach the replica's index and device to ``err`` (attributes and a note in torch's ExceptionWrapper wording)."""
-    original = "".join(traceback.format_exception(type(err), err, err.__traceback__))
-    note = f"Caught {type(err).__name__} in replica {index} on device {device}.\nOriginal {original.rstrip()}"
-    if others:
-        listed = "; ".join(f"replica {i}: {type(e).__name__}: {_first_line(e)}" for i, e in others)
-        note += f"\nOther replicas of this call failed too: {listed}"
-    for name, value in (("replica_index", index), ("replica_device", device)):
-        with contextlib.suppress(Exception):  # a read-only attribute or __slots__: the note still carries both
-            setattr(err, name, value)
-    add_note(err, note)
 
 
 def add_note(err: BaseException, note: str) -> None:
@@ -102,24 +75,30 @@ def _first_line(err: BaseException) -> str:
 
 
 def _raise_first_failure(failed: Sequence[tuple[int, BaseException]], devices: Sequence[torch.device]) -> None:
-    """Re-raise the first primary failure in replica order (itself, annotated); do nothing when none failed."""
+    """Re-raise the first failure in replica order that is not a :class:`PeerFailedError` (a replica that only stopped
+    because another failed), with its replica's index and device as attributes and in a note in torch's
+    ExceptionWrapper wording that lists the other failures; do nothing when none failed."""
     if not failed:
         return
     primary = [(i, e) for i, e in failed if not isinstance(e, PeerFailedError)]
     index, err = (primary or failed)[0]
-    _annotate(err, index, devices[index], [(i, e) for i, e in failed if i != index])
+    original = "".join(traceback.format_exception(type(err), err, err.__traceback__))
+    note = f"Caught {type(err).__name__} in replica {index} on device {devices[index]}.\nOriginal {original.rstrip()}"
+    others = [(i, e) for i, e in failed if i != index]
+    if others:
+        listed = "; ".join(f"replica {i}: {type(e).__name__}: {_first_line(e)}" for i, e in others)
+        note += f"\nOther replicas of this call failed too: {listed}"
+    for name, value in (("replica_index", index), ("replica_device", devices[index])):
+        with contextlib.suppress(Exception):  # a read-only attribute or __slots__: the note still carries both
+            setattr(err, name, value)
+    add_note(err, note)
     raise err
 
 
-# --- run_replicas -------------------------------------------------------------------------------------------------
 @functools.cache
 def replica_frame(index: int) -> Callable[[Callable[[], T]], T]:
-    """Calls a function through a frame named ``replica_<index>``.
-
-    Tracebacks of the forward pass then say which replica ran the code, in particular the forward traceback that
-    ``torch.autograd.set_detect_anomaly(True)`` attaches to an error raised in backward, where autograd itself keeps no
-    record of the replica. Free otherwise: one extra Python call per replica.
-    """
+    """Calls a function through a frame named ``replica_<index>``, so tracebacks say which replica ran the code (also
+    the forward traceback that anomaly mode attaches to an error raised in backward, where autograd keeps no record)."""
 
     def call(function: Callable[[], T]) -> T:
         return function()
@@ -133,10 +112,12 @@ def replica_frame(index: int) -> Callable[[Callable[[], T]], T]:
 
 
 def resolve_mode(mode: ExecutionMode, devices: Sequence[torch.device]) -> Literal["threads", "sequential"]:
+    """``mode``, with ``"auto"`` resolved: sequential when every device is a CPU (threads only fight torch's intra-op
+    pool) or one repeated device (they only contend for it), threads otherwise."""
     if mode not in EXECUTION_MODES:
         raise ValueError(f"Unknown execution mode {mode!r}: choose one of {EXECUTION_MODES}.")
     if mode == "auto":
-        one_device = len({(d.type, d.index) for d in devices}) == 1  # virtual devices: threads only contend
+        one_device = len({(d.type, d.index) for d in devices}) == 1
         return "sequential" if all_cpu(devices) or one_device else "threads"
     return mode
 
@@ -147,12 +128,11 @@ def run_replicas(
     """Call ``functions[i]()`` for replica ``i`` on ``devices[i]``; return the results in replica order.
 
     ``execution_mode="threads"`` runs replica 0 in the calling thread and the others in a shared thread pool;
-    ``"sequential"`` runs them one after another; ``"auto"`` picks sequential on CPUs or one repeated device.
-    Each replica runs as member ``i`` of one :class:`ReplicaGroup` (see :func:`current_replica`).
+    ``"sequential"`` runs them one after another; ``"auto"``: see :func:`resolve_mode`.
 
-    A failing replica's own exception is raised in the caller once every replica has stopped (threads mode waits
-    for all, whatever was raised, ``KeyboardInterrupt`` included; sequential mode stops at the first failure). It
-    carries ``replica_index``, ``replica_device`` and a note in torch's wording; see the module documentation.
+    A failing replica's own exception object (traceback intact) is raised in the caller once every replica has
+    stopped, never while user code still runs in other threads; sequential mode stops at the first failure. It
+    carries ``replica_index``, ``replica_device`` and a PEP 678 note in torch's wording.
     """
     targets = [to_device(d) for d in devices]
     if len(functions) != len(targets):
@@ -173,17 +153,14 @@ def run_replicas(
         return outcome
 
     if sequential:
-        results = []
+        outcomes: list[_Outcome] = []
         for i in range(len(functions)):
-            outcome = run(i)
-            if outcome.error is not None:  # the replicas after it never ran: nothing else to wait for
-                _raise_first_failure([(i, outcome.error)], targets)
-            results.append(outcome.value)
-        return results
-
-    futures = [_pool().submit(run, i) for i in range(1, len(functions))]
-    outcomes = [run(0)]
-    outcomes += _wait_for_all(futures, group)
+            outcomes.append(run(i))
+            if outcomes[-1].error is not None:  # the replicas after it never run: nothing else to wait for
+                break
+    else:
+        futures = [_pool().submit(run, i) for i in range(1, len(functions))]
+        outcomes = [run(0), *_wait_for_all(futures, group)]
     _raise_first_failure([(i, o.error) for i, o in enumerate(outcomes) if o.error is not None], targets)
     return [o.value for o in outcomes]
 
