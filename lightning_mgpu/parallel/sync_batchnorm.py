@@ -1,15 +1,9 @@
 """Single-process SyncBatchNorm: BatchNorm statistics over the whole batch, across the replicas of one call.
 
-Each replica computes its shard's statistics and meets the others at the layer (the k-th call of a layer in one
-replica pairs with the k-th call in the others). The last to arrive runs one autograd node over every replica's input:
-statistics combined in replica order, weighted by shard size (exact for uneven shards), running statistics updated on
-replica 0 (the module's own buffers). Its backward combines the gradient sums the same way, so backward needs no
-rendezvous. CUDA uses torch's batch-norm primitives without host synchronisation; other devices use plain tensor ops.
-
-Outside a replicated call, with one replica, or in eval mode with running statistics, the layer is ``BatchNorm``.
-Limits: the replicas must run in threads; every replica calls the sync layers the same number of times in the same
-order (a replica that does not makes the others fail with an error naming the layer, never hang); the outputs are
-backpropagated in one ``backward`` (no double backward, no checkpointed segments holding sync layers).
+The k-th call of a layer in every replica meets at one rendezvous, where the last to arrive runs one autograd node over
+every replica's input: shard statistics combined in replica order, weighted by shard size (exact for uneven shards);
+running statistics updated on replica 0's buffers (the module's own). Backward needs no rendezvous. The replicas must
+run in threads; outputs are backpropagated in one ``backward`` (no double backward, no checkpointing of sync layers).
 """
 
 from __future__ import annotations
@@ -27,7 +21,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 from typing_extensions import override
 
-from lightning_mgpu.parallel.replica_group import RendezvousError, ReplicaContext, current_replica
+from lightning_mgpu.parallel.replica_group import ReplicaContext, current_replica
 
 __all__ = ["SyncBatchNorm", "convert_sync_batchnorm", "revert_sync_batchnorm", "uses_sync_batchnorm"]
 
@@ -37,29 +31,22 @@ _HINT = (
     "one shard's values or size) breaks this. Branch on something every replica shares, or keep that layer a plain "
     "BatchNorm (revert_sync_batchnorm)."
 )
-_INPUT_DIMS: tuple[tuple[type[_BatchNorm], tuple[int, ...]], ...] = (
-    (nn.BatchNorm1d, (2, 3)),
-    (nn.BatchNorm2d, (4,)),
-    (nn.BatchNorm3d, (5,)),
-)
 
 
 @dataclass(eq=False)
 class _LayerKey:
-    """Identity of one sync layer, shared with its replicas: it lives in the layer's ``__dict__``, which replication
-    copies shallowly (replicas hold this very object and find each other by it) and ``copy.deepcopy`` does not (a deep
-    copy is another layer). Records the dotted name (for errors) and the class converted from (for reverting)."""
+    """Identity of one sync layer, shared by its replicas (replication copies ``__dict__`` shallowly; a deep copy is
+    another layer), with its dotted name (for errors) and the class it was converted from (for reverting)."""
 
     name: str | None = None
     original_class: type[_BatchNorm] | None = None
 
 
 class SyncBatchNorm(_BatchNorm):
-    """BatchNorm whose training statistics span every replica of a replicated call (see the module documentation).
-
-    Same arguments, parameters, buffers and state-dict keys as ``nn.BatchNorm1d/2d/3d``; accepts inputs of 2 to 5
-    dims (a layer made by :func:`convert_sync_batchnorm` checks the dims of the class it replaced).
-    """
+    """BatchNorm whose training statistics span every replica of a replicated call; plain BatchNorm outside one, with
+    one replica, or in eval mode with running statistics. Same arguments, parameters, buffers and state-dict keys as
+    ``nn.BatchNorm1d/2d/3d``; a layer made by :func:`convert_sync_batchnorm` checks the input dims of the class it
+    replaced."""
 
     def __init__(
         self,
@@ -75,15 +62,8 @@ class SyncBatchNorm(_BatchNorm):
         self._sync_key = _LayerKey()
 
     def _check_input_dim(self, input: Tensor) -> None:
-        original = _key_of(self).original_class
-        for cls, dims in _INPUT_DIMS:
-            if original is not None and issubclass(original, cls):
-                if input.dim() not in dims:
-                    expected = " or ".join(f"{d}D" for d in dims)
-                    raise ValueError(f"expected {expected} input (got {input.dim()}D input)")
-                return
-        if input.dim() < 2:
-            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+        # The check of the class converted from; torch.nn.SyncBatchNorm's (at least 2D) for a layer built directly.
+        (_key_of(self).original_class or nn.SyncBatchNorm)._check_input_dim(self, input)
 
     def forward(self, input: Tensor) -> Tensor:
         replica = current_replica()
@@ -127,15 +107,12 @@ def _synced_forward(layer: SyncBatchNorm, input: Tensor, replica: ReplicaContext
     key = _key_of(layer)
     call = replica.next_call(key)
     label = f"SyncBatchNorm layer {_describe(layer)} (call {call} in this forward)"
-    group = replica.group
-    if group.sequential:
-        raise RendezvousError(
-            f"{label} computes its statistics over the whole batch across the {group.size} replicas, but this call "
-            "runs its replicas one after another (execution_mode='sequential'), so they cannot meet. Run it with "
-            "execution_mode='threads' (DataParallelModel and DataParallelCriterion switch to threads by themselves, "
-            "and so do the lightning_mgpu strategies; run_replicas(..., execution_mode='threads')), or put the "
-            "layer in eval mode."
-        )
+    replica.group.require_threads(
+        label,
+        "Its statistics span the whole batch: run the call with execution_mode='threads', not "
+        "execution_mode='sequential' (DataParallelModel, DataParallelCriterion and the lightning_mgpu strategies "
+        "switch to threads by themselves), or put the layer in eval mode.",
+    )
     if input.size(1) != layer.num_features:
         raise ValueError(f"{label} expects {layer.num_features} channels (dim 1) but got input of shape {input.shape}.")
     x = _contiguous(input)
@@ -155,7 +132,7 @@ def _synced_forward(layer: SyncBatchNorm, input: Tensor, replica: ReplicaContext
         kernels=kernels,
         layer=layer if replica.index == 0 else None,
     )
-    return group.rendezvous(replica.index, (key, call), part, _combine, label, _HINT)
+    return replica.group.rendezvous(replica.index, (key, call), part, _combine, label, _HINT)
 
 
 def _combine(parts: list[_Part]) -> tuple[Tensor, ...]:
@@ -470,11 +447,9 @@ class _CudaKernels(_PlainKernels):
 
 # --- conversion ---------------------------------------------------------------------------------------------------
 def convert_sync_batchnorm(module: nn.Module) -> nn.Module:
-    """Replace every BatchNorm in ``module`` (any ``_BatchNorm``) by a :class:`SyncBatchNorm`; return the converted
-    module (a new object only when ``module`` itself is a BatchNorm): one process's
-    ``torch.nn.SyncBatchNorm.convert_sync_batchnorm``. Each new layer holds the same Parameter and buffer objects
-    (optimizers stay valid), flags, hooks and attributes, and records its dotted name and class for
-    :func:`revert_sync_batchnorm`. State dicts keep BatchNorm's keys."""
+    """Replace every BatchNorm in ``module`` by a :class:`SyncBatchNorm` holding the same Parameter and buffer objects
+    (optimizers stay valid), hooks and attributes; return the module (a new object only when ``module`` itself is a
+    BatchNorm), as ``torch.nn.SyncBatchNorm.convert_sync_batchnorm`` does for one process."""
 
     def convert(sub: nn.Module, name: str) -> nn.Module | None:
         if isinstance(sub, SyncBatchNorm) and _key_of(sub).name is None:
@@ -542,12 +517,9 @@ def _retype(layer: _BatchNorm, cls: type[_BatchNorm], name: str) -> Any:
 
 
 def uses_sync_batchnorm(module: nn.Module) -> bool:
-    """Whether a forward of ``module`` in its current mode synchronises BatchNorm statistics across replicas: some
-    :class:`SyncBatchNorm` is in training mode (or has no running statistics). The replicas must then run in threads.
-
-    One walk over the modules (cheap: call it per step, since the mode can change). It also records the dotted names
-    of sync layers that have none yet (layers built directly), so their errors name them.
-    """
+    """Whether a forward of ``module`` in its current mode synchronises BatchNorm statistics across replicas (the
+    replicas must then run in threads). Cheap enough to call per step; names the sync layers built directly, for their
+    errors."""
     syncs = unnamed = False
     for sub in module.modules():
         if isinstance(sub, SyncBatchNorm):
