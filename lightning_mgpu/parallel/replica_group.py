@@ -94,6 +94,14 @@ class ReplicaGroup:
         self._turn.release()
         return True
 
+    def require_threads(self, what: str, hint: str) -> None:
+        """Raise :class:`RendezvousError` if the replicas run one after another: ``what`` needs them to meet."""
+        if self.sequential:
+            raise RendezvousError(
+                f"{what} makes the {self.size} replicas meet, but this call runs them one after another, so they "
+                f"cannot. {hint}"
+            )
+
     def rendezvous(
         self,
         index: int,
@@ -128,14 +136,6 @@ class ReplicaGroup:
         finally:
             if gave_turn:  # outside the lock: the replica holding the turn may need it to arrive
                 self._take_turn(index)
-
-    def require_threads(self, what: str, hint: str) -> None:
-        """Raise :class:`RendezvousError` if the replicas run one after another: ``what`` needs them to meet."""
-        if self.sequential:
-            raise RendezvousError(
-                f"{what} makes the {self.size} replicas meet, but this call runs them one after another, so they "
-                f"cannot. {hint}"
-            )
 
     def _complete(self, site: Hashable, state: _Site, combine: Callable[[list[Any]], Sequence[Any]], index: int) -> Any:
         """Run ``combine`` for the last replica to arrive and wake the others. Called with the lock held."""

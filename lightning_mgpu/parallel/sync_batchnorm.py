@@ -67,8 +67,7 @@ class SyncBatchNorm(_BatchNorm):
 
     def forward(self, input: Tensor) -> Tensor:
         replica = current_replica()
-        uses_batch_stats = self.training or (self.running_mean is None and self.running_var is None)
-        if replica is None or replica.group.size < 2 or not uses_batch_stats:
+        if replica is None or replica.group.size < 2 or not _uses_batch_stats(self):
             return super().forward(input)
         self._check_input_dim(input)
         return _synced_forward(self, input, replica)
@@ -79,6 +78,11 @@ def _key_of(layer: SyncBatchNorm) -> _LayerKey:
     if key is None:  # e.g. a layer unpickled from an object saved without one
         key = layer._sync_key = _LayerKey()
     return key
+
+
+def _uses_batch_stats(layer: SyncBatchNorm) -> bool:
+    """Whether ``layer`` normalises with batch statistics (as BatchNorm decides it), which then span the replicas."""
+    return layer.training or (layer.running_mean is None and layer.running_var is None)
 
 
 def _describe(layer: SyncBatchNorm) -> str:
@@ -520,13 +524,11 @@ def uses_sync_batchnorm(module: nn.Module) -> bool:
     """Whether a forward of ``module`` in its current mode synchronises BatchNorm statistics across replicas (the
     replicas must then run in threads). Cheap enough to call per step; names the sync layers built directly, for their
     errors."""
-    syncs = unnamed = False
-    for sub in module.modules():
+    syncs = False
+    for name, sub in module.named_modules():
         if isinstance(sub, SyncBatchNorm):
-            unnamed = unnamed or _key_of(sub).name is None
-            syncs = syncs or sub.training or (sub.running_mean is None and sub.running_var is None)
-    if unnamed:
-        for name, sub in module.named_modules():
-            if isinstance(sub, SyncBatchNorm) and _key_of(sub).name is None:
-                _key_of(sub).name = name
+            key = _key_of(sub)
+            if key.name is None:
+                key.name = name
+            syncs = syncs or _uses_batch_stats(sub)
     return syncs
