@@ -39,16 +39,14 @@ class PeerFailedError(RendezvousError):
     interrupted). A secondary error: ``run_replicas`` re-raises the other replica's exception instead."""
 
 
+@dataclass(eq=False, slots=True)
 class _Site:
     """One sync point (e.g. the k-th call of one SyncBatchNorm layer) where every replica of a group must arrive."""
 
-    __slots__ = ("arrived", "failed_in", "label", "results")
-
-    def __init__(self, label: str) -> None:
-        self.label = label
-        self.arrived: dict[int, Any] = {}
-        self.results: list[Any] | None = None
-        self.failed_in: int | None = None  # the replica whose combine step raised
+    label: str
+    arrived: dict[int, Any] = field(default_factory=dict)
+    results: list[Any] | None = None
+    failed_in: int | None = None  # the replica whose combine step raised
 
     @property
     def open(self) -> bool:

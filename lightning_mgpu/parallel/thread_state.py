@@ -25,20 +25,16 @@ class ThreadState:
 
     @classmethod
     def capture(cls, devices: Sequence[torch.device] = ()) -> ThreadState:
-        autocast = {}
-        for device_type in _AUTOCAST_DEVICE_TYPES:
-            if torch.is_autocast_enabled(device_type):
-                autocast[device_type] = (True, torch.get_autocast_dtype(device_type))
-        streams = {}
-        for device in devices:
-            if device.type == "cuda" and device.index not in streams:
-                streams[device.index] = torch.cuda.current_stream(device)
         return cls(
             grad_enabled=torch.is_grad_enabled(),
             inference_mode=torch.is_inference_mode_enabled(),
-            autocast=autocast,
+            autocast={
+                device_type: (True, torch.get_autocast_dtype(device_type))
+                for device_type in _AUTOCAST_DEVICE_TYPES
+                if torch.is_autocast_enabled(device_type)
+            },
             autocast_cache=torch.is_autocast_cache_enabled(),
-            cuda_streams=streams,
+            cuda_streams={d.index: torch.cuda.current_stream(d) for d in devices if d.type == "cuda"},
         )
 
     @contextmanager
