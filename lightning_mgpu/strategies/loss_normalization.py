@@ -18,6 +18,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from lightning_mgpu.parallel.modules import count_labels
 from lightning_mgpu.parallel.reduce import Weight, reduce_losses
 
 Kind = Literal["samples", "sum", "replica_mean", "tokens"]
@@ -88,11 +89,8 @@ class LossNormalization:
         labels = lookup(batch, self.key)
         if self.shifted:
             labels = labels[..., 1:]
-        valid = labels != self.ignore_index
-        if self.class_weight is None:
-            return valid.sum()
-        weight = torch.tensor(self.class_weight, dtype=torch.float64, device=labels.device)
-        return weight[labels[valid]].sum()
+        weight = None if self.class_weight is None else torch.tensor(self.class_weight, dtype=torch.float64)
+        return count_labels(labels, self.ignore_index, weight)
 
     def reduce(self, losses: Sequence[Tensor], weights: Sequence[Any], root: torch.device) -> Tensor:
         """The devices' losses combined on ``root``, with :meth:`weights`."""
