@@ -23,6 +23,7 @@ from lightning_mgpu.parallel import collectives, sync_batchnorm
 from lightning_mgpu.parallel.replicas import SYNC_BATCHNORM_THREADS, ReplicaCache
 from lightning_mgpu.parallel.run_replicas import EXECUTION_MODES, ExecutionMode, add_note, resolve_mode
 from lightning_mgpu.strategies.lightning_replicas import LightningReplicas
+from lightning_mgpu.strategies.loss_normalization import LossNormalization
 
 #: The Trainer's ``Accelerator``, ``CheckpointIO`` and ``Precision`` plugin, of either Lightning namespace (so not
 #: nameable here); the Trainer fills them in, pass one only to override it.
@@ -33,8 +34,8 @@ PrecisionPlugin: TypeAlias = Any
 
 @dataclass(frozen=True)
 class LightningNamespace:
-    """One Lightning namespace (``lightning.pytorch`` or ``pytorch_lightning``, separate copies of Lightning): the
-    classes an ``isinstance`` check or a raised error must take from the namespace of the user's ``Trainer``."""
+    """The classes an ``isinstance`` check or a raised error must take from the Lightning namespace of the user's
+    ``Trainer`` (``lightning.pytorch`` and ``pytorch_lightning`` are separate copies of Lightning)."""
 
     name: str
     lightning_module: type
@@ -71,6 +72,7 @@ class SingleProcessParallel:
         precision_plugin: PrecisionPlugin | None = None,
         dim: int = 0,
         execution_mode: ExecutionMode = "auto",
+        loss_reduction: str = "auto",
     ) -> None:
         super().__init__(  # type: ignore[call-arg]  # a mixin: ParallelStrategy is next in the MRO
             accelerator=accelerator,
@@ -85,6 +87,8 @@ class SingleProcessParallel:
             raise TypeError(f"dim must be an int (the batch dimension), got {dim!r}.")
         self.dim = dim
         self.execution_mode: ExecutionMode = execution_mode
+        self.normalization = LossNormalization.parse(loss_reduction)
+        self.loss_reduction = loss_reduction
         self._replicas = ReplicaCache(partial(LightningReplicas, namespace=self.namespace))
         self._converted_batchnorm = False
         self._announced: set[str] = set()
@@ -271,9 +275,8 @@ class SingleProcessParallel:
                     "after another. Do not compile the model under this strategy, or use strategy='ddp'."
                 )
             mode, reason = "threads", f"{meets}: replicas run in threads so that they meet"
-        if reason is not None and reason not in self._announced:
-            self._announced.add(reason)
-            warnings.warn(f"{self.strategy_name}: {reason}.", UserWarning, stacklevel=2)
+        if reason is not None:
+            self._warn_once(reason, f"{self.strategy_name}: {reason}.")
         return mode
 
     def _collectives_reason(self, module: nn.Module) -> str | None:
@@ -300,20 +303,39 @@ class SingleProcessParallel:
         implied = implied_weights(outputs) if implied_weights is not None else [{} for _ in outputs]
         replicas.merge_into(self.lightning_module, sample_counts, implied)
         for name, length in _public_list_lengths(module).items():
-            if length > before.get(name, length) and f"list:{name}" not in self._announced:
-                self._announced.add(f"list:{name}")
-                warnings.warn(
+            if length > before.get(name, length):
+                self._warn_once(
+                    f"list:{name}",
                     f"`{type(module).__name__}.{name}` grew during a step that ran on {count} replicas: each "
                     "appended its own shard's value, so the list holds one entry per device per step, in no fixed "
                     "order under threads. Collect step outputs in `on_train_batch_end` / `on_validation_batch_end` "
                     "(they receive the gathered outputs, once, on the root) or use a torchmetrics metric.",
-                    UserWarning,
-                    stacklevel=2,
                 )
         return outputs
 
     def _log(self, message: str) -> None:
         logging.getLogger(self.namespace.name).info(message)
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._announced:
+            self._announced.add(key)
+            warnings.warn(message, UserWarning, stacklevel=3)
+
+    def _say_known_rule(self, what: str, rule: LossNormalization, source: str) -> None:
+        self._log(
+            f"{self.strategy_name}: {what} is {rule.describe()}, as {source} says; the devices' values are combined "
+            f"accordingly (loss_reduction={rule.spec()!r})."
+        )
+
+    def _say_assumed_samples(self, what: str, labels: str, alternative: str) -> None:
+        """Said once per ``what`` when nothing declares its rule: the per-sample assumption, and the fixes."""
+        self._warn_once(
+            f"assumed:{what}",
+            f"{self.strategy_name}: nothing says how {what} is normalised, so each device's value is weighted by its "
+            "sample count, which equals one device for a per-sample mean. For a sum or a mean over tokens or "
+            f"non-ignored labels, declare it: {type(self).__name__}(loss_reduction='sum' | 'tokens:{labels}') (CLI: "
+            f"--trainer.strategy.init_args.loss_reduction=...), or {alternative}.",
+        )
 
     # --- the four step hooks Lightning calls on the strategy ----------------------------------------------------------
     def _run_step(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
