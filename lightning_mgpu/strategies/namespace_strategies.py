@@ -1,7 +1,5 @@
-"""The thin strategy classes of one Lightning namespace: the shared implementation put before its ``ParallelStrategy``.
-
-Each namespace module calls :func:`define`, so its classes import, pickle and show in tracebacks as its own.
-"""
+"""The thin strategy classes of one Lightning namespace: the shared implementation put before its ``ParallelStrategy``,
+defined in that namespace's module so that they import and pickle as its own."""
 
 from __future__ import annotations
 

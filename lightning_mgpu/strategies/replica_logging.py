@@ -1,10 +1,7 @@
-"""``self.log`` from replicas: record per replica, merge once on the root module.
+"""``self.log`` from replicas: record per replica (they share the trainer's results), log once on the root module.
 
-Replicas share the trainer's result collection, so each replica's ``log`` is a recorder; after the replicas ran,
-each name is merged by its ``reduce_fx`` and logged once, from the main thread. A ``"mean"`` is weighted by the
-replicas' ``batch_size=``, else (for a logged copy of the loss) by the loss's own weights, else by sample counts, so
-it equals the single-device value; ``"sum"``, ``"max"`` and ``"min"`` act over replicas; a torchmetrics ``Metric``
-logs the root metric, which the replicas' clones were merged into.
+A ``"mean"`` is weighted as one device would weigh it: a logged copy of the loss by the loss's own weights, else by
+``batch_size=``, else by sample counts; ``"sum"``, ``"max"`` and ``"min"`` act over replicas.
 """
 
 from __future__ import annotations
@@ -68,10 +65,7 @@ def merge_and_log(
     implied_weights: Sequence[dict[int, Any]] | None = None,
 ) -> None:
     """Merge the replicas' recorded ``log`` calls and log each name once on ``root`` (a LightningModule).
-
-    ``metric_owner`` maps a replica's metric clone to its root metric; ``implied_weights[i]`` maps the
-    :func:`tensor_key` of a loss to replica ``i``'s weight for it (``"sum"``, a :class:`LossTermsTotal`, a count).
-    """
+    ``metric_owner`` maps a metric clone to its root metric; ``implied_weights``: see ``implied_loss_weights``."""
     by_name: dict[str, list[tuple[int, LogCall]]] = {}
     for index, recorder in enumerate(recorders):
         for call in recorder.calls:

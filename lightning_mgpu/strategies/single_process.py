@@ -1,8 +1,7 @@
 """What ``parallel_criterion`` and ``dp`` share, for either Lightning namespace.
 
-One process drives every device: ranks are 0 and ``world_size`` is 1, so Lightning adds no ``DistributedSampler``
-and ``sync_dist`` is a no-op. Master weights and optimizer state live on the root device (``parallel_devices[0]``);
-the LightningModule is stored unwrapped, so checkpoints move freely between strategies and device counts.
+One process drives every device: ranks are 0 and ``world_size`` is 1. Weights and optimizer state live on the root
+device (``parallel_devices[0]``); the LightningModule is stored unwrapped, so checkpoints move between strategies.
 """
 
 from __future__ import annotations
@@ -25,8 +24,7 @@ from lightning_mgpu.parallel.run_replicas import EXECUTION_MODES, ExecutionMode,
 from lightning_mgpu.strategies.lightning_replicas import LightningReplicas
 from lightning_mgpu.strategies.loss_normalization import LossNormalization
 
-#: The Trainer's ``Accelerator``, ``CheckpointIO`` and ``Precision`` plugin, of either Lightning namespace (so not
-#: nameable here); the Trainer fills them in, pass one only to override it.
+#: The Trainer's plugins, of either Lightning namespace (so not nameable here); the Trainer fills them in.
 Accelerator: TypeAlias = Any
 CheckpointIO: TypeAlias = Any
 PrecisionPlugin: TypeAlias = Any
@@ -50,8 +48,8 @@ def _public_list_lengths(module: nn.Module) -> dict[str, int]:
 class SingleProcessParallel:
     """Shared implementation of ``parallel_criterion`` and ``dp``; mixed in before a Lightning ``ParallelStrategy``.
 
-    ``execution_mode``: compiled modules always run one replica after another (Dynamo is not thread-safe);
-    ``sync_batchnorm`` and collectives in the step need threads (the replicas meet).
+    Compiled modules run one replica after another (Dynamo is not thread-safe); ``sync_batchnorm`` and collectives in
+    the step need threads (the replicas meet).
     """
 
     strategy_name: ClassVar[str] = ""
@@ -94,9 +92,7 @@ class SingleProcessParallel:
         self._announced: set[str] = set()
         self._replicated_on: list[torch.device] = []
 
-    # --- one Trainer per instance ------------------------------------------------------------------------------------
-    # A second Trainer given this instance would share (and fight over) its accelerator, precision and devices: the
-    # connector reads `_accelerator` when it receives an instance, so say so there.
+    # --- one Trainer per instance: the connector reads `_accelerator` from an instance it receives, so refuse there ---
     @property  # type: ignore[override]  # Lightning's is a plain attribute-backed property; this one guards reuse
     @override
     def accelerator(self) -> Any:
@@ -203,8 +199,8 @@ class SingleProcessParallel:
         self._say_setup()
 
     def _say_setup(self) -> None:
-        """One line beside Lightning's own ("GPU available: ..."): the replicas and how they run; a warning instead
-        when the strategy got one device, where nothing is split."""
+        """One line beside Lightning's own ("GPU available: ..."): the replicas and how they run; a warning on one
+        device."""
         devices = list(self.parallel_devices)
         if len(devices) == 1:
             warnings.warn(
@@ -263,8 +259,7 @@ class SingleProcessParallel:
         return bool(should_accumulate()) if callable(should_accumulate) else False
 
     def _mode_for(self, replicas: LightningReplicas, count: int) -> ExecutionMode:
-        """Threads or one after another for this call: compiled code needs one thread, SyncBatchNorm and collectives
-        in the step need many."""
+        """Threads or one after another for this call (compiled code needs one thread, collectives many)."""
         mode, reason = replicas.replica_set.execution_mode(self.execution_mode, count)
         meets = self._collectives_reason(replicas.module) if count > 1 else None
         if meets is not None and resolve_mode(mode, replicas.devices[:count]) == "sequential":
@@ -291,8 +286,7 @@ class SingleProcessParallel:
         implied_weights: Callable[[list[Any]], list[dict[Any, Any]]] | None = None,
     ) -> list[Any]:
         """Run ``call(i, replica_i)`` on the first ``len(sample_counts)`` devices; merge logs and metrics into the
-        LightningModule. ``implied_weights(outputs)``: per replica, the weights a logged copy of a returned loss merges
-        with, so a logged loss equals the optimized one (``step_outputs.implied_loss_weights``)."""
+        LightningModule. ``implied_weights``: see ``step_outputs.implied_loss_weights``."""
         replicas = self._replicas.of(module, self.parallel_devices)
         count = len(sample_counts)
         self._replicated_on = replicas.devices[:count]
@@ -339,7 +333,7 @@ class SingleProcessParallel:
 
     # --- the four step hooks Lightning calls on the strategy ----------------------------------------------------------
     def _run_step(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Run ``hook`` (e.g. ``"training_step"``) the way this strategy spreads it over devices."""
+        """Run ``hook`` (``"training_step"``...) the way this strategy spreads it over devices."""
         raise NotImplementedError
 
     @override
@@ -360,7 +354,7 @@ class SingleProcessParallel:
 
     @contextmanager
     def _step_context(self, hook: str) -> Iterator[None]:
-        """The precision plugin's context for ``hook`` (``train_step_context`` for ``training_step``...)."""
+        """The precision plugin's context for ``hook`` (``train_step_context`` for ``training_step``)."""
         self._replicated_on = []
         name = hook.replace("training", "train").replace("validation", "val")
         with getattr(self.precision_plugin, f"{name}_context")():
