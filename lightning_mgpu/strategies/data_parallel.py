@@ -34,14 +34,12 @@ class DataParallelStrategyBase(SingleProcessParallel):
     """One process, N devices: forward replicated, outputs gathered on ``output_device`` (``nn.DataParallel``).
 
     Args:
-        output_device: where outputs are gathered; default the root device (``parallel_devices[0]``). An int is a
-            CUDA device index, as for ``nn.DataParallel`` and ``DataParallelModel`` (and Lightning's
-            ``devices=[2, 3]``); a string (``"cuda:3"``) or ``torch.device`` works too.
+        output_device: where outputs are gathered; default the root device. An int is a CUDA device index, as for
+            ``nn.DataParallel``; a string (``"cuda:3"``) or ``torch.device`` works too.
         parallel_modules: names of the submodules whose ``forward`` runs replicated (e.g. ``["backbone"]``); default
-            (or ``None``) ``[""]``: the LightningModule's own ``forward``, i.e. every ``self(...)`` call in a step.
-        loss_reduction: as for ``parallel_criterion``, for a scalar the replicated forward returns (a
-            ``transformers`` model's ``.loss``); ``<key>`` names a forward argument (``tokens:labels`` for
-            ``labels=``, ``tokens:1`` for the second positional one).
+            ``[""]``: the LightningModule's own ``forward``, i.e. every ``self(...)`` call in a step.
+        loss_reduction: as for ``parallel_criterion``, for a scalar the replicated forward returns; ``<key>`` names a
+            forward argument (``tokens:labels`` for ``labels=``, ``tokens:1`` for the second positional one).
         dim: the batch dimension of inputs and outputs.
         execution_mode: ``"auto"`` (threads on distinct GPUs, else sequential), ``"threads"`` or ``"sequential"``.
     """

@@ -38,21 +38,17 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
     """One process, N devices: forward and loss on every device, shard losses combined exactly on the root.
 
     Args:
-        loss_reduction: how each device's loss is normalised, hence how the losses combine: ``"auto"`` (default:
-            what the module's objects say, printed once, else a per-sample mean, said once with the fix),
-            ``"samples"``, ``"sum"``, ``"tokens:<key>"`` / ``"shifted_tokens:<key>"`` (a mean over the labels
-            ``batch[<key>]`` that are not -100, shifted as causal LMs shift them) or ``"replica_mean"`` (equal
-            weights, Lightning 1.x ``dp``). A step's ``loss_weight`` / ``loss_terms`` weigh it whatever this says.
+        loss_reduction: how each device's loss is normalised, hence how the losses combine: ``"auto"`` (what the
+            module's objects say, else a per-sample mean, said once), ``"samples"``, ``"sum"``, ``"tokens:<key>"`` /
+            ``"shifted_tokens:<key>"`` (a mean over the labels ``batch[<key>]`` that are not -100) or
+            ``"replica_mean"`` (equal weights). A step's ``loss_weight`` / ``loss_terms`` override it.
         collectives: whether the step calls ``self.all_gather``, ``strategy.reduce``, ``broadcast``, ``barrier`` or
-            ``reduce_boolean_decision``, which then act across replicas running in threads. ``None`` (default): read
-            from the module's source code, never by running it.
+            ``reduce_boolean_decision``; ``None``: read from the module's source code, never by running it.
         dim: the batch dimension to split along.
         execution_mode: ``"auto"`` (threads on distinct GPUs, else sequential), ``"threads"`` or ``"sequential"``.
 
-    Steps run on lasting replicas of the LightningModule: ``self.log`` and torchmetrics attributes give one device's
-    values; attributes rebound on the module between steps reach every replica; an attribute rebound *inside* a step
-    stays on that replica. Manual optimization is refused at every device count: every replica would step the
-    optimizer. Use ``strategy="dp"`` for it.
+    In a step, ``self.log`` and torchmetrics attributes see one device's shard, and an attribute rebound stays on that
+    replica. Manual optimization is refused (every replica would step the optimizer): use ``strategy="dp"``.
     """
 
     strategy_name = "parallel_criterion"
