@@ -125,7 +125,7 @@ class DataParallelStrategyBase(SingleProcessParallel):
         return output
 
     def _forward(self, target: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        original = types.MethodType(type(target).forward, target)
+        original = _plain_forward(target)
         if not self._in_step:
             return original(*inputs, **kwargs)  # outside a step (a callback's self(x)): a plain call
         self._forward_calls += 1

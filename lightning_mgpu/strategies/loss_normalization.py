@@ -11,7 +11,7 @@ import inspect
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch import Tensor, nn
@@ -48,7 +48,7 @@ class LossNormalization:
         if spec == "auto":
             return None
         if name in ("samples", "sum", "replica_mean") and not key:
-            return cls(name)  # type: ignore[arg-type]  # narrowed to Kind by the check above
+            return cls(cast(Kind, name))
         if name in ("tokens", "shifted_tokens") and key:
             path = tuple(int(part) if part.isdigit() else part for part in key.split("."))
             return cls("tokens", path, shifted=name == "shifted_tokens")
