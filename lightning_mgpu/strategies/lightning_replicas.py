@@ -186,9 +186,7 @@ class MetricReplicas:
             batch_state = {
                 attr: _combine([c.metric_state[attr] for c in updated], reductions[attr], device) for attr in reductions
             }
-            step_value = None
-            if id(metric) in compute_step_value:
-                step_value = self._batch_value(metric, batch_state)
+            step_value = self._batch_value(metric, batch_state) if id(metric) in compute_step_value else None
             folded = 0 if metric.update_count == 0 else self._contributions.get(id(metric), 1)
             for attr, value in batch_state.items():
                 current = getattr(metric, attr)

@@ -113,15 +113,14 @@ def _merge_values(
     if all(isinstance(b, LossTermsTotal) for b in implied):  # the total of loss_terms: each term weighted
         return LossTermsTotal.merge(implied, device, dtype), {**options, "batch_size": batch_size or sum(counts)}
     if all(b is not None and not isinstance(b, str) for b in implied):
-        # A logged copy of the optimized loss merges as the loss does, whatever batch_size= says (that only weights
-        # the step in Lightning's epoch mean). No host sync.
+        # A logged copy of the loss merges as the loss does; batch_size= only weights the step in the epoch mean.
         w = torch.stack([torch.as_tensor(b).to(device=device, dtype=dtype).reshape(()) for b in implied])
     else:
         w = torch.tensor(
             [float(b) for b in (explicit if batch_size is not None else counts)], dtype=dtype, device=device
         )
-        # Without batch_size=, the step's weight in the epoch mean is its sample count, which Lightning would
-        # otherwise read from the first tensor of the batch (the channel count of a PerSample list of images, say).
+        # The step's weight in the epoch mean; Lightning would read it from the batch's first tensor (wrong for a
+        # PerSample list of images).
         batch_size = sum(counts) if batch_size is None else batch_size
     return weighted_mean(stacked, w), options if batch_size is None else {**options, "batch_size": batch_size}
 
