@@ -1,9 +1,7 @@
-"""Register the strategies with every installed Lightning namespace, without importing one the project does not use.
+"""Register the strategies with every Lightning namespace the project imports, and import none it does not use.
 
-``lightning.pytorch`` and ``pytorch_lightning`` each have their own ``StrategyRegistry`` and class hierarchy, hence
-their own thin strategy classes. :func:`register_on_import` registers with a namespace already imported at once, and
-with the others through an import hook, right after their package finishes importing (before any ``Trainer`` can
-exist); the pure PyTorch core imports no Lightning at all.
+A namespace already imported is registered with at once; the others by an import hook, right after their package
+finishes importing (before any ``Trainer`` can exist).
 """
 
 from __future__ import annotations
@@ -28,15 +26,13 @@ _pending: set[str] = set()
 
 
 def register_strategies(namespace: str | None = None) -> list[str]:
-    """Register ``parallel_criterion``, ``dp`` and ``data_parallel`` now (idempotent) with ``namespace``
-    (``"lightning.pytorch"`` or ``"pytorch_lightning"``, imported if needed), default every namespace already
-    imported. Returns the namespaces registered."""
+    """Register ``parallel_criterion``, ``dp`` and ``data_parallel`` now (idempotent) with ``namespace`` (imported if
+    needed), default every namespace already imported. Returns the namespaces registered."""
     names = [namespace] if namespace is not None else [n for n in STRATEGY_MODULES if n in sys.modules]
     for name in names:
         if name not in STRATEGY_MODULES:
             raise ValueError(f"Unknown Lightning namespace {name!r}: use one of {sorted(STRATEGY_MODULES)}.")
-        # Importing the strategy module registers its classes; if it is being imported right now (its own import of
-        # the namespace triggered this), it has no `register` yet and registers them itself once they exist.
+        # Importing the strategy module registers its classes; one being imported right now has no `register` yet.
         strategies = importlib.import_module(STRATEGY_MODULES[name])
         if hasattr(strategies, "register"):
             strategies.register()

@@ -174,6 +174,15 @@ def _criterion_option(criterion: Any, kwargs: dict[str, Any], name: str, default
     return defaults.get(name, default)
 
 
+def count_labels(labels: Tensor, ignore_index: int, class_weight: Tensor | None = None) -> Tensor:
+    """What a cross-entropy mean over ``labels`` divides by: the labels that are not ``ignore_index``, each weighted
+    by its class ``weight`` when there is one (torch's own normaliser)."""
+    valid = labels != ignore_index
+    if class_weight is None:
+        return valid.sum()
+    return class_weight.to(labels.device)[labels[valid]].sum()
+
+
 def _count_weight(
     criterion: Any, output: Any, targets: tuple[Any, ...], kwargs: dict[str, Any], dim: int
 ) -> float | Tensor:
@@ -183,11 +192,8 @@ def _count_weight(
     target = targets[0] if targets else kwargs.get("target")
     ignore_index = _criterion_option(criterion, kwargs, "ignore_index", None)
     if isinstance(target, Tensor) and isinstance(ignore_index, int) and not target.is_floating_point():
-        valid = target != ignore_index
         class_weight = _criterion_option(criterion, kwargs, "weight", None)
-        if isinstance(class_weight, Tensor):
-            return class_weight.to(target.device)[target[valid]].sum()
-        return valid.sum()
+        return count_labels(target, ignore_index, class_weight if isinstance(class_weight, Tensor) else None)
     # Samples along dim: read from the targets (split by us), else from the output (e.g. no targets at all).
     try:
         return args_batch_size(targets, kwargs, dim, names=("targets", "kwargs"))

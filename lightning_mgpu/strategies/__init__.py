@@ -1,6 +1,4 @@
-"""Lightning strategies ``parallel_criterion`` and ``dp`` (alias ``data_parallel``).
-
-One implementation (:mod:`.single_process`, :mod:`.parallel_criterion`, :mod:`.data_parallel`), written against no
-particular Lightning namespace, and a thin class per namespace: :mod:`.lightning_pytorch` for ``lightning.pytorch``,
-:mod:`.pytorch_lightning` for ``pytorch_lightning``. Importing this package imports neither.
+"""Lightning strategies ``parallel_criterion`` and ``dp`` (alias ``data_parallel``): one implementation, and thin
+classes per namespace in :mod:`.lightning_pytorch` and :mod:`.pytorch_lightning`. Importing this package imports
+neither namespace.
 """

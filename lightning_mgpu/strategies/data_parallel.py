@@ -1,15 +1,13 @@
 """``strategy="dp"``: classic DataParallel, back in Lightning 2.
 
-The ``*_step`` runs once, on the root device, with the whole batch; only the module's ``forward`` (or the named
-submodules') runs replicated, and its outputs are gathered on ``output_device``, where the loss then runs. Unlike
-``nn.DataParallel``, a scalar a forward returns per replica (a ``transformers`` model's ``.loss``) is combined by the
-``loss_reduction`` rule instead of stacked, and a step that never calls a replicated forward is reported.
+The ``*_step`` runs once, on the root device; only ``forward`` (or the named submodules') runs replicated, its outputs
+gathered on ``output_device``. Unlike ``nn.DataParallel``, a scalar loss a forward returns per replica is combined by
+the ``loss_reduction`` rule instead of stacked.
 """
 
 from __future__ import annotations
 
 import types
-import warnings
 from collections.abc import Sequence
 from itertools import permutations
 from typing import Any
@@ -28,12 +26,7 @@ from lightning_mgpu.parallel.scatter_gather import (
     split_arguments,
     split_or_run_once,
 )
-from lightning_mgpu.strategies.loss_normalization import (
-    SAMPLES,
-    LossNormalization,
-    assumed_samples_notice,
-    known_rule,
-)
+from lightning_mgpu.strategies.loss_normalization import SAMPLES, LossNormalization, known_rule
 from lightning_mgpu.strategies.single_process import Accelerator, CheckpointIO, PrecisionPlugin, SingleProcessParallel
 
 
@@ -41,14 +34,12 @@ class DataParallelStrategyBase(SingleProcessParallel):
     """One process, N devices: forward replicated, outputs gathered on ``output_device`` (``nn.DataParallel``).
 
     Args:
-        output_device: where outputs are gathered; default the root device (``parallel_devices[0]``). An int is a
-            CUDA device index, as for ``nn.DataParallel`` and ``DataParallelModel`` (and Lightning's
-            ``devices=[2, 3]``); a string (``"cuda:3"``) or ``torch.device`` works too.
+        output_device: where outputs are gathered; default the root device. An int is a CUDA device index, as for
+            ``nn.DataParallel``; a string (``"cuda:3"``) or ``torch.device`` works too.
         parallel_modules: names of the submodules whose ``forward`` runs replicated (e.g. ``["backbone"]``); default
-            (or ``None``) ``[""]``: the LightningModule's own ``forward``, i.e. every ``self(...)`` call in a step.
-        loss_reduction: as for ``parallel_criterion``, for a scalar the replicated forward returns (a
-            ``transformers`` model's ``.loss``); ``<key>`` names a forward argument (``tokens:labels`` for
-            ``labels=``, ``tokens:1`` for the second positional one).
+            ``[""]``: the LightningModule's own ``forward``, i.e. every ``self(...)`` call in a step.
+        loss_reduction: as for ``parallel_criterion``, for a scalar the replicated forward returns; ``<key>`` names a
+            forward argument (``tokens:labels`` for ``labels=``, ``tokens:1`` for the second positional one).
         dim: the batch dimension of inputs and outputs.
         execution_mode: ``"auto"`` (threads on distinct GPUs, else sequential), ``"threads"`` or ``"sequential"``.
     """
@@ -68,9 +59,9 @@ class DataParallelStrategyBase(SingleProcessParallel):
         dim: int = 0,
         execution_mode: ExecutionMode = "auto",
     ) -> None:
-        super().__init__(accelerator, parallel_devices, checkpoint_io, precision_plugin, dim, execution_mode)
-        self.normalization = LossNormalization.parse(loss_reduction)
-        self.loss_reduction = loss_reduction
+        super().__init__(
+            accelerator, parallel_devices, checkpoint_io, precision_plugin, dim, execution_mode, loss_reduction
+        )
         if output_device is not None:
             to_device(output_device)  # a clear error now, not at the first step
         self._output_device = output_device
@@ -122,22 +113,19 @@ class DataParallelStrategyBase(SingleProcessParallel):
                 output = getattr(self.lightning_module, hook)(*args, **kwargs)
         finally:
             self._in_step = False
-        unreplicated = self._wrapped and self._forward_calls == 0 and hook in ("training_step", "validation_step")
-        if unreplicated and f"unreplicated:{hook}" not in self._announced:
-            self._announced.add(f"unreplicated:{hook}")
+        if self._wrapped and self._forward_calls == 0 and hook in ("training_step", "validation_step"):
             names = [n or "self" for n in self.parallel_modules]
-            warnings.warn(
+            self._warn_once(
+                f"unreplicated:{hook}",
                 f"dp: `{hook}` ran on one device: it never called the replicated forward of {names} (`self(...)` for "
                 "the LightningModule), so nothing ran in parallel. A call such as `self.model(...)` bypasses it: "
                 "call `self(...)` and have `forward` call the model, or pass "
                 "DataParallelStrategy(parallel_modules=['model']).",
-                UserWarning,
-                stacklevel=2,
             )
         return output
 
     def _forward(self, target: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        original = types.MethodType(type(target).forward, target)
+        original = _plain_forward(target)
         if not self._in_step:
             return original(*inputs, **kwargs)  # outside a step (a callback's self(x)): a plain call
         self._forward_calls += 1
@@ -170,26 +158,16 @@ class DataParallelStrategyBase(SingleProcessParallel):
         known = known_rule(target, arguments, method="forward")
         where = f"{path} of {type(target).__name__}.forward"
         if known is not None:
-            rule, source = known
-            self._log(
-                f"dp: {where} is {rule.describe()}, as {source} says; the replicas' values are combined "
-                f"accordingly (loss_reduction={rule.spec()!r})."
-            )
-            return rule
-        fixes = (
-            "declare it: DataParallelStrategy(loss_reduction='sum' | 'tokens:<labels argument>') (CLI: "
-            "--trainer.strategy.init_args.loss_reduction=...), or compute the loss in the step from the gathered "
-            "outputs (call the model without labels)"
-        )
-        warnings.warn(assumed_samples_notice("dp", where, fixes), UserWarning, stacklevel=2)
+            self._say_known_rule(where, *known)
+            return known[0]
+        alternative = "compute the loss in the step from the gathered outputs (call the model without labels)"
+        self._say_assumed_samples(where, "<labels argument>", alternative)
         return SAMPLES
 
 
 class ParallelForward:
-    """The replicated ``forward`` that ``dp`` installs on each target module for a run (removed at teardown).
-
-    Copies and pickles of the module get a plain bound ``forward`` instead, so an EMA copy or a pickled module never
-    carries the strategy along."""
+    """The replicated ``forward`` that ``dp`` installs on each target module for a run (removed at teardown). Copies
+    and pickles of the module get a plain bound ``forward``, so an EMA copy never carries the strategy along."""
 
     def __init__(self, strategy: DataParallelStrategyBase, target: nn.Module) -> None:
         self.strategy = strategy

@@ -1,10 +1,6 @@
-"""Lasting replicas of a module run inside a LightningModule's step, with what Lightning needs per replica.
-
-Each replica gets a ``log`` recorder on every LightningModule in it (a real ``self.log`` would race the others on the
-trainer's results), its own device on Lightning's device mixin (``self.device`` in a step) and a lasting clone of
-every torchmetrics metric on its device (a metric's ``update`` is bound to the original object). After the step the
-clones' states fold into the root metric by each state's ``dist_reduce_fx``, as DDP combines ranks; not by
-``Metric.merge_state``, which refuses ``full_state_update=True`` metrics and leaves the bookkeeping untouched.
+"""Lasting replicas of a module run in a LightningModule's step: per replica a ``log`` recorder, its own
+``self.device`` and a clone of every torchmetrics metric, folded into the root metric after the step by each state's
+``dist_reduce_fx``, as DDP combines ranks (``Metric.merge_state`` refuses ``full_state_update=True`` metrics).
 """
 
 from __future__ import annotations
@@ -71,8 +67,7 @@ class LightningReplicas:
             recorder.calls.clear()
 
     def merge_into(self, root: Any, sample_counts: Sequence[int], implied: Sequence[dict[int, Any]]) -> None:
-        """Log every recorded name once on ``root`` and fold the metric clones into the root metrics (``implied``: per
-        replica, the weights of logged losses, see ``SingleProcessParallel._run_replicated``)."""
+        """Log every recorded name once on ``root`` and fold the metric clones into the root metrics."""
         recorders = self.recorders[: len(sample_counts)]
         in_training = root._current_fx_name == "training_step"
         step_metrics = {
@@ -86,7 +81,7 @@ class LightningReplicas:
         merge_and_log(root, recorders, sample_counts, self.metrics.owner_of, implied)
 
     def release(self) -> None:
-        """Free the replicas and metric clones on the other devices (at teardown)."""
+        """Free the replicas and metric clones on the other devices."""
         self.metrics = MetricReplicas()
         self.replica_set.release()
 
@@ -122,8 +117,7 @@ def _combine(values: Sequence[Any], reduce_fx: Any, device: torch.device) -> Any
 
 
 def _mark_folded(metric: Metric, step_value: Any = None) -> None:
-    """Record on ``metric`` what its own ``update``/``forward`` would: one more update, no stale ``compute()`` result,
-    and (when logged per step) the batch's value that Lightning reads; torchmetrics has no setters for them."""
+    """Record on ``metric`` what its own ``update``/``forward`` would (torchmetrics has no setters for them)."""
     metric._update_count += 1
     metric._computed = None
     if step_value is not None:
@@ -142,7 +136,7 @@ def _check_mergeable(metric: Metric) -> None:
 
 
 class MetricReplicas:
-    """Owns the per-device metric clones of one LightningModule and merges them back after each step."""
+    """The per-device metric clones of one LightningModule, merged back after each step."""
 
     def __init__(self) -> None:
         self._clones: dict[tuple[int, int], Metric] = {}  # (id(root metric), replica index) -> clone
@@ -152,7 +146,7 @@ class MetricReplicas:
         self._contributions: dict[int, int] = {}  # id(root metric) -> replica states folded in since its reset
 
     def install(self, root: nn.Module, replicas: Sequence[nn.Module], devices: Sequence[torch.device]) -> None:
-        """Put a clone of each root metric, on the replica's device, into every replica (once per replica build)."""
+        """Put a clone of each root metric, on the replica's device, into every replica."""
         self._active = []
         for path, metric in _outermost_metrics(root):
             clones = []
@@ -170,7 +164,7 @@ class MetricReplicas:
             self._active.append((metric, clones))
 
     def discard(self) -> None:
-        """Forget the step in progress (it failed): reset its clones so no partial update reaches a later step."""
+        """Reset the clones of a failed step, so no partial update reaches a later step."""
         for _, clones in self._active:
             for clone in clones:
                 clone.reset()
@@ -179,11 +173,9 @@ class MetricReplicas:
         """The root metric a replica's clone stands for."""
         return self._owner.get(id(value)) if isinstance(value, Metric) else None
 
-    def merge(self, compute_step_value: set[int] | None = None) -> None:
-        """Fold every updated clone's state into its root metric, then reset the clones.
-
-        ``compute_step_value``: ids of root metrics whose per-step value is needed (logged with ``on_step``).
-        """
+    def merge(self, compute_step_value: set[int]) -> None:
+        """Fold every updated clone's state into its root metric, then reset the clones. ``compute_step_value``: ids
+        of the root metrics logged with ``on_step``, whose batch value is computed."""
         for metric, clones in self._active:
             updated = [c for c in clones if c.update_count > 0]
             if not updated:
@@ -194,9 +186,7 @@ class MetricReplicas:
             batch_state = {
                 attr: _combine([c.metric_state[attr] for c in updated], reductions[attr], device) for attr in reductions
             }
-            step_value = None
-            if compute_step_value and id(metric) in compute_step_value:
-                step_value = self._batch_value(metric, batch_state)
+            step_value = self._batch_value(metric, batch_state) if id(metric) in compute_step_value else None
             folded = 0 if metric.update_count == 0 else self._contributions.get(id(metric), 1)
             for attr, value in batch_state.items():
                 current = getattr(metric, attr)

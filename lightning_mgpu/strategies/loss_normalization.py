@@ -1,9 +1,7 @@
 """How each device's loss is normalised, which decides how the devices' losses combine into the whole batch's.
 
-The rule comes, in this order, from the step (``loss_weight`` / ``loss_terms``, :mod:`.step_outputs`), the strategy's
-``loss_reduction=`` (:meth:`LossNormalization.parse`), what the module's objects say without being run
-(:func:`known_rule`: a ``transformers`` model with the batch's ``labels``, else its loss modules), else a per-sample
-mean, said once with the fix (:func:`assumed_samples_notice`). Nothing here runs user code.
+The rule comes from the step (``loss_weight`` / ``loss_terms``), else ``loss_reduction=``, else what the module's
+objects say (:func:`known_rule`), else a per-sample mean, said once. Nothing here runs user code.
 """
 
 from __future__ import annotations
@@ -13,11 +11,12 @@ import inspect
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch import Tensor, nn
 
+from lightning_mgpu.parallel.modules import count_labels
 from lightning_mgpu.parallel.reduce import Weight, reduce_losses
 
 Kind = Literal["samples", "sum", "replica_mean", "tokens"]
@@ -29,10 +28,9 @@ LABEL_KEYS = ("labels", "label", "targets", "target", "y")
 
 @dataclass(frozen=True)
 class LossNormalization:
-    """How each replica's loss is normalised: ``samples`` (a per-sample mean), ``sum``, ``replica_mean`` (equal
-    weights, Lightning 1.x ``dp``) or ``tokens`` (a mean over the entries of the labels at ``key`` that are not
-    ``ignore_index``, weighted by ``class_weight`` when given, the first position of each row left out when
-    ``shifted``, as causal LMs shift labels)."""
+    """How each replica's loss is normalised: ``samples``, ``sum``, ``replica_mean`` (equal weights) or ``tokens``
+    (a mean over the labels at ``key`` that are not ``ignore_index``, class-weighted when given, the first position
+    left out when ``shifted``, as causal LMs shift labels)."""
 
     kind: Kind
     key: Path = ()
@@ -42,16 +40,15 @@ class LossNormalization:
 
     @classmethod
     def parse(cls, spec: str) -> LossNormalization | None:
-        """``"auto"`` (None: from the step or static knowledge), ``"samples"``, ``"sum"``, ``"replica_mean"``,
-        ``"tokens:<key>"`` or ``"shifted_tokens:<key>"``, where ``<key>`` names the labels in the batch: a dict key
-        (``labels``), a position in a tuple batch (``1``), or a dotted path of them (``targets.labels``)."""
+        """A ``loss_reduction`` string; ``"auto"`` gives ``None``. ``<key>`` in ``"tokens:<key>"`` is a dict key, a
+        position in a tuple batch or a dotted path of them (``targets.labels``)."""
         if not isinstance(spec, str):
             raise TypeError(f"loss_reduction must be a string, got {type(spec).__name__}.")
         name, _, key = spec.partition(":")
         if spec == "auto":
             return None
         if name in ("samples", "sum", "replica_mean") and not key:
-            return cls(name)  # type: ignore[arg-type]  # narrowed to Kind by the check above
+            return cls(cast(Kind, name))
         if name in ("tokens", "shifted_tokens") and key:
             path = tuple(int(part) if part.isdigit() else part for part in key.split("."))
             return cls("tokens", path, shifted=name == "shifted_tokens")
@@ -75,8 +72,7 @@ class LossNormalization:
         return f"a mean over the labels in {show(self.key)} that are not {self.ignore_index}{weighted}{shift}"
 
     def weights(self, chunks: Sequence[Any], sample_counts: Sequence[int]) -> list[Weight | str]:
-        """Each replica's weight under this rule: its sample or label count; ``"sum"`` for a sum, 1 for
-        ``replica_mean``."""
+        """Each replica's weight: its sample or label count; ``"sum"`` for a sum, 1 for ``replica_mean``."""
         if self.kind == "tokens":
             return [self.count(chunk) for chunk in chunks]
         if self.kind == "sum":
@@ -84,15 +80,12 @@ class LossNormalization:
         return [1] * len(sample_counts) if self.kind == "replica_mean" else list(sample_counts)
 
     def count(self, batch: Any) -> Tensor:
-        """What this rule averages over in ``batch``: its labels that count (class-weighted when given)."""
+        """The labels of ``batch`` this rule averages over."""
         labels = lookup(batch, self.key)
         if self.shifted:
             labels = labels[..., 1:]
-        valid = labels != self.ignore_index
-        if self.class_weight is None:
-            return valid.sum()
-        weight = torch.tensor(self.class_weight, dtype=torch.float64, device=labels.device)
-        return weight[labels[valid]].sum()
+        weight = None if self.class_weight is None else torch.tensor(self.class_weight, dtype=torch.float64)
+        return count_labels(labels, self.ignore_index, weight)
 
     def reduce(self, losses: Sequence[Tensor], weights: Sequence[Any], root: torch.device) -> Tensor:
         """The devices' losses combined on ``root``, with :meth:`weights`."""
@@ -110,25 +103,16 @@ SAMPLES = LossNormalization("samples")
 SUM = LossNormalization("sum")
 
 
-def assumed_samples_notice(strategy: str, what: str, fixes: str) -> str:
-    """The one line said once when nothing declares the rule: the assumption, and ``fixes`` that work for it."""
-    return (
-        f"{strategy}: nothing says how {what} is normalised, so each device's value is weighted by its sample count, "
-        f"which equals one device for a per-sample mean. For a sum or a mean over tokens or non-ignored labels, "
-        f"{fixes}."
-    )
-
-
 def known_rule(module: nn.Module, batch: Any, method: str = "training_step") -> tuple[LossNormalization, str] | None:
-    """The rule that the objects in ``module`` say, with what said it, or ``None``; never runs anything. The one
-    outermost ``transformers`` model says it by its task (with ``labels`` in the batch); else the loss modules that
-    ``method`` (or a method it calls) names, when they agree: one kept for validation does not decide training."""
+    """The rule the objects in ``module`` say, with what said it, or ``None``; never runs anything. The one outermost
+    ``transformers`` model says it by its task; else the loss modules ``method`` (or a method it calls) names, when
+    they agree: one kept for validation does not decide training."""
     return _transformers_rule(module, batch) or _criterion_rule(module, batch, method)
 
 
 def uncombinable_loss(module: nn.Module) -> str | None:
-    """For a module whose model's loss adds terms normalised differently (BERT pre-training: MLM tokens + NSP
-    samples), which no rule combines: what to return instead. ``None`` otherwise."""
+    """What to return instead when the model's loss adds terms normalised differently (BERT pre-training), which no
+    rule combines; else ``None``."""
     models = _outermost_transformers_models(module)
     if len(models) != 1 or not type(models[0]).__name__.endswith("ForPreTraining"):
         return None
@@ -196,8 +180,8 @@ def _criterion_rule(module: nn.Module, batch: Any, method: str) -> tuple[LossNor
 
 
 def _method_source(module: nn.Module, method: str) -> str | None:
-    """The source of ``module``'s ``method`` and of the methods of ``module`` it calls (one level), or ``None`` when
-    it cannot be read (then every loss module counts)."""
+    """The source of ``method`` and of the methods it calls (one level); ``None`` when unreadable (every loss module
+    then counts)."""
     try:
         source = inspect.getsource(getattr(type(module), method))
     except (AttributeError, OSError, TypeError):

@@ -1,7 +1,5 @@
-"""The thin strategy classes of one Lightning namespace: the shared implementation put before its ``ParallelStrategy``.
-
-Each namespace module calls :func:`define`, so its classes import, pickle and show in tracebacks as its own.
-"""
+"""The thin strategy classes of one Lightning namespace: the shared implementation put before its ``ParallelStrategy``,
+defined in that namespace's module so that they import and pickle as its own."""
 
 from __future__ import annotations
 
@@ -9,7 +7,7 @@ from typing import Any
 
 from lightning_mgpu.strategies.data_parallel import DataParallelStrategyBase
 from lightning_mgpu.strategies.parallel_criterion import ParallelCriterionStrategyBase
-from lightning_mgpu.strategies.single_process import LightningNamespace
+from lightning_mgpu.strategies.single_process import LightningNamespace, SingleProcessParallel
 
 
 def define(namespace: LightningNamespace, parallel_strategy: type, module: str) -> tuple[type, type]:
@@ -24,9 +22,9 @@ def define(namespace: LightningNamespace, parallel_strategy: type, module: str) 
     return classes[0], classes[1]
 
 
-def register(registry: Any, *strategies: type) -> None:
+def register(registry: Any, *strategies: type[SingleProcessParallel]) -> None:
     """Add each strategy to ``registry`` under its names (idempotent)."""
     for strategy in strategies:
-        for name in (strategy.strategy_name, *strategy.aliases):  # type: ignore[attr-defined]  # made by define()
+        for name in (strategy.strategy_name, *strategy.aliases):
             if name not in registry:
                 registry.register(name, strategy, description=(strategy.__doc__ or name).strip().splitlines()[0])

@@ -1,7 +1,7 @@
 """``strategy="parallel_criterion"``: every device runs the whole ``*_step`` (forward **and** loss) on its shard.
 
-Only one scalar loss per device reaches the root, where the losses are combined into the whole batch's loss by the
-rule of :mod:`.loss_normalization`. Outputs never pile up on the root device, as they do under ``nn.DataParallel``.
+One scalar loss per device reaches the root, combined by the rule of :mod:`.loss_normalization`: outputs never pile
+up on the root device, as under ``nn.DataParallel``.
 """
 
 from __future__ import annotations
@@ -20,14 +20,7 @@ from typing_extensions import override
 from lightning_mgpu.parallel.merge import merge_outputs
 from lightning_mgpu.parallel.run_replicas import ExecutionMode
 from lightning_mgpu.parallel.scatter_gather import split_batch, split_or_run_once
-from lightning_mgpu.strategies.loss_normalization import (
-    SAMPLES,
-    LossNormalization,
-    assumed_samples_notice,
-    known_rule,
-    labels_spec,
-    uncombinable_loss,
-)
+from lightning_mgpu.strategies.loss_normalization import SAMPLES, known_rule, labels_spec, uncombinable_loss
 from lightning_mgpu.strategies.single_process import Accelerator, CheckpointIO, PrecisionPlugin, SingleProcessParallel
 from lightning_mgpu.strategies.step_outputs import (
     LOSS_TERMS_KEY,
@@ -45,21 +38,17 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
     """One process, N devices: forward and loss on every device, shard losses combined exactly on the root.
 
     Args:
-        loss_reduction: how each device's loss is normalised, hence how the losses combine: ``"auto"`` (default:
-            what the module's objects say, printed once, else a per-sample mean, said once with the fix),
-            ``"samples"``, ``"sum"``, ``"tokens:<key>"`` / ``"shifted_tokens:<key>"`` (a mean over the labels
-            ``batch[<key>]`` that are not -100, shifted as causal LMs shift them) or ``"replica_mean"`` (equal
-            weights, Lightning 1.x ``dp``). A step's ``loss_weight`` / ``loss_terms`` weigh it whatever this says.
+        loss_reduction: how each device's loss is normalised, hence how the losses combine: ``"auto"`` (what the
+            module's objects say, else a per-sample mean, said once), ``"samples"``, ``"sum"``, ``"tokens:<key>"`` /
+            ``"shifted_tokens:<key>"`` (a mean over the labels ``batch[<key>]`` that are not -100) or
+            ``"replica_mean"`` (equal weights). A step's ``loss_weight`` / ``loss_terms`` override it.
         collectives: whether the step calls ``self.all_gather``, ``strategy.reduce``, ``broadcast``, ``barrier`` or
-            ``reduce_boolean_decision``, which then act across replicas running in threads. ``None`` (default): read
-            from the module's source code, never by running it.
+            ``reduce_boolean_decision``; ``None``: read from the module's source code, never by running it.
         dim: the batch dimension to split along.
         execution_mode: ``"auto"`` (threads on distinct GPUs, else sequential), ``"threads"`` or ``"sequential"``.
 
-    Steps run on lasting replicas of the LightningModule: ``self.log`` and torchmetrics attributes give one device's
-    values; attributes rebound on the module between steps reach every replica; an attribute rebound *inside* a step
-    stays on that replica. Manual optimization is refused at every device count: every replica would step the
-    optimizer. Use ``strategy="dp"`` for it.
+    In a step, ``self.log`` and torchmetrics attributes see one device's shard, and an attribute rebound stays on that
+    replica. Manual optimization is refused (every replica would step the optimizer): use ``strategy="dp"``.
     """
 
     strategy_name = "parallel_criterion"
@@ -75,10 +64,10 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         dim: int = 0,
         execution_mode: ExecutionMode = "auto",
     ) -> None:
-        super().__init__(accelerator, parallel_devices, checkpoint_io, precision_plugin, dim, execution_mode)
+        super().__init__(
+            accelerator, parallel_devices, checkpoint_io, precision_plugin, dim, execution_mode, loss_reduction
+        )
         self.collectives = collectives
-        self.normalization = LossNormalization.parse(loss_reduction)
-        self.loss_reduction = loss_reduction
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -161,26 +150,16 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         if isinstance(first, Mapping) and (LOSS_WEIGHT_KEY in first or LOSS_TERMS_KEY in first):
             return
         if source is not None:
-            self._log(
-                f"parallel_criterion: the training loss is {self.normalization.describe()}, as {source} says; the "
-                f"devices' losses are combined accordingly (loss_reduction={self.normalization.spec()!r})."
-            )
-            return
-        uncombinable = uncombinable_loss(self.lightning_module)
-        if uncombinable is not None:
+            self._say_known_rule("the training loss", self.normalization, source)
+        elif (uncombinable := uncombinable_loss(self.lightning_module)) is not None:
             warnings.warn(f"parallel_criterion: {uncombinable}.", UserWarning, stacklevel=2)
-            return
-        coupled = (
-            " (with all_gather: exact for a mean over this device's rows of the gathered batch, or a whole-batch loss "
-            "every device computes alike)"
-            if self._collectives_reason(self.lightning_module) is not None
-            else ". A loss that couples samples across the batch (contrastive) needs self.all_gather(..., "
-            "sync_grads=True) in the step, or strategy='dp'"
-        )
-        fixes = (
-            f"declare it: ParallelCriterionStrategy(loss_reduction='sum' | 'tokens:{labels_spec(batch)}') (CLI: "
-            "--trainer.strategy.init_args.loss_reduction=...), or return {'loss': loss, 'loss_weight': <count it "
-            f"averages over>}} from training_step{coupled}"
-        )
-        notice = assumed_samples_notice("parallel_criterion", "the training loss", fixes)
-        warnings.warn(notice, UserWarning, stacklevel=2)
+        else:
+            coupled = (
+                " (with all_gather: exact for a mean over this device's rows of the gathered batch, or a whole-batch "
+                "loss every device computes alike)"
+                if self._collectives_reason(self.lightning_module) is not None
+                else ". A loss that couples samples across the batch (contrastive) needs self.all_gather(..., "
+                "sync_grads=True) in the step, or strategy='dp'"
+            )
+            alternative = "return {'loss': loss, 'loss_weight': <count it averages over>} from training_step"
+            self._say_assumed_samples("the training loss", labels_spec(batch), alternative + coupled)

@@ -1,10 +1,7 @@
-"""``self.log`` from replicas: record per replica, merge once on the root module.
+"""``self.log`` from replicas: record per replica (they share the trainer's results), log once on the root module.
 
-Replicas share the trainer's result collection, so each replica's ``log`` is a recorder; after the replicas ran,
-each name is merged by its ``reduce_fx`` and logged once, from the main thread. A ``"mean"`` is weighted by the
-replicas' ``batch_size=``, else (for a logged copy of the loss) by the loss's own weights, else by sample counts, so
-it equals the single-device value; ``"sum"``, ``"max"`` and ``"min"`` act over replicas; a torchmetrics ``Metric``
-logs the root metric, which the replicas' clones were merged into.
+A ``"mean"`` is weighted as one device would weigh it: a logged copy of the loss by the loss's own weights, else by
+``batch_size=``, else by sample counts; ``"sum"``, ``"max"`` and ``"min"`` act over replicas.
 """
 
 from __future__ import annotations
@@ -68,10 +65,7 @@ def merge_and_log(
     implied_weights: Sequence[dict[int, Any]] | None = None,
 ) -> None:
     """Merge the replicas' recorded ``log`` calls and log each name once on ``root`` (a LightningModule).
-
-    ``metric_owner`` maps a replica's metric clone to its root metric; ``implied_weights[i]`` maps the
-    :func:`tensor_key` of a loss to replica ``i``'s weight for it (``"sum"``, a :class:`LossTermsTotal`, a count).
-    """
+    ``metric_owner`` maps a metric clone to its root metric; ``implied_weights``: see ``implied_loss_weights``."""
     by_name: dict[str, list[tuple[int, LogCall]]] = {}
     for index, recorder in enumerate(recorders):
         for call in recorder.calls:
@@ -119,15 +113,14 @@ def _merge_values(
     if all(isinstance(b, LossTermsTotal) for b in implied):  # the total of loss_terms: each term weighted
         return LossTermsTotal.merge(implied, device, dtype), {**options, "batch_size": batch_size or sum(counts)}
     if all(b is not None and not isinstance(b, str) for b in implied):
-        # A logged copy of the optimized loss merges as the loss does, whatever batch_size= says (that only weights
-        # the step in Lightning's epoch mean). No host sync.
+        # A logged copy of the loss merges as the loss does; batch_size= only weights the step in the epoch mean.
         w = torch.stack([torch.as_tensor(b).to(device=device, dtype=dtype).reshape(()) for b in implied])
     else:
         w = torch.tensor(
             [float(b) for b in (explicit if batch_size is not None else counts)], dtype=dtype, device=device
         )
-        # Without batch_size=, the step's weight in the epoch mean is its sample count, which Lightning would
-        # otherwise read from the first tensor of the batch (the channel count of a PerSample list of images, say).
+        # The step's weight in the epoch mean; Lightning would read it from the batch's first tensor (wrong for a
+        # PerSample list of images).
         batch_size = sum(counts) if batch_size is None else batch_size
     return weighted_mean(stacked, w), options if batch_size is None else {**options, "batch_size": batch_size}
 

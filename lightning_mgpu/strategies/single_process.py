@@ -1,8 +1,7 @@
 """What ``parallel_criterion`` and ``dp`` share, for either Lightning namespace.
 
-One process drives every device: ranks are 0 and ``world_size`` is 1, so Lightning adds no ``DistributedSampler``
-and ``sync_dist`` is a no-op. Master weights and optimizer state live on the root device (``parallel_devices[0]``);
-the LightningModule is stored unwrapped, so checkpoints move freely between strategies and device counts.
+One process drives every device: ranks are 0 and ``world_size`` is 1. Weights and optimizer state live on the root
+device (``parallel_devices[0]``); the LightningModule is stored unwrapped, so checkpoints move between strategies.
 """
 
 from __future__ import annotations
@@ -23,9 +22,9 @@ from lightning_mgpu.parallel import collectives, sync_batchnorm
 from lightning_mgpu.parallel.replicas import SYNC_BATCHNORM_THREADS, ReplicaCache
 from lightning_mgpu.parallel.run_replicas import EXECUTION_MODES, ExecutionMode, add_note, resolve_mode
 from lightning_mgpu.strategies.lightning_replicas import LightningReplicas
+from lightning_mgpu.strategies.loss_normalization import LossNormalization
 
-#: The Trainer's ``Accelerator``, ``CheckpointIO`` and ``Precision`` plugin, of either Lightning namespace (so not
-#: nameable here); the Trainer fills them in, pass one only to override it.
+#: The Trainer's plugins, of either Lightning namespace (so not nameable here); the Trainer fills them in.
 Accelerator: TypeAlias = Any
 CheckpointIO: TypeAlias = Any
 PrecisionPlugin: TypeAlias = Any
@@ -33,8 +32,8 @@ PrecisionPlugin: TypeAlias = Any
 
 @dataclass(frozen=True)
 class LightningNamespace:
-    """One Lightning namespace (``lightning.pytorch`` or ``pytorch_lightning``, separate copies of Lightning): the
-    classes an ``isinstance`` check or a raised error must take from the namespace of the user's ``Trainer``."""
+    """The classes an ``isinstance`` check or a raised error must take from the Lightning namespace of the user's
+    ``Trainer`` (``lightning.pytorch`` and ``pytorch_lightning`` are separate copies of Lightning)."""
 
     name: str
     lightning_module: type
@@ -49,8 +48,8 @@ def _public_list_lengths(module: nn.Module) -> dict[str, int]:
 class SingleProcessParallel:
     """Shared implementation of ``parallel_criterion`` and ``dp``; mixed in before a Lightning ``ParallelStrategy``.
 
-    ``execution_mode``: compiled modules always run one replica after another (Dynamo is not thread-safe);
-    ``sync_batchnorm`` and collectives in the step need threads (the replicas meet).
+    Compiled modules run one replica after another (Dynamo is not thread-safe); ``sync_batchnorm`` and collectives in
+    the step need threads (the replicas meet).
     """
 
     strategy_name: ClassVar[str] = ""
@@ -71,6 +70,7 @@ class SingleProcessParallel:
         precision_plugin: PrecisionPlugin | None = None,
         dim: int = 0,
         execution_mode: ExecutionMode = "auto",
+        loss_reduction: str = "auto",
     ) -> None:
         super().__init__(  # type: ignore[call-arg]  # a mixin: ParallelStrategy is next in the MRO
             accelerator=accelerator,
@@ -85,14 +85,14 @@ class SingleProcessParallel:
             raise TypeError(f"dim must be an int (the batch dimension), got {dim!r}.")
         self.dim = dim
         self.execution_mode: ExecutionMode = execution_mode
+        self.normalization = LossNormalization.parse(loss_reduction)
+        self.loss_reduction = loss_reduction
         self._replicas = ReplicaCache(partial(LightningReplicas, namespace=self.namespace))
         self._converted_batchnorm = False
         self._announced: set[str] = set()
         self._replicated_on: list[torch.device] = []
 
-    # --- one Trainer per instance ------------------------------------------------------------------------------------
-    # A second Trainer given this instance would share (and fight over) its accelerator, precision and devices: the
-    # connector reads `_accelerator` when it receives an instance, so say so there.
+    # --- one Trainer per instance: the connector reads `_accelerator` from an instance it receives, so refuse there ---
     @property  # type: ignore[override]  # Lightning's is a plain attribute-backed property; this one guards reuse
     @override
     def accelerator(self) -> Any:
@@ -199,8 +199,8 @@ class SingleProcessParallel:
         self._say_setup()
 
     def _say_setup(self) -> None:
-        """One line beside Lightning's own ("GPU available: ..."): the replicas and how they run; a warning instead
-        when the strategy got one device, where nothing is split."""
+        """One line beside Lightning's own ("GPU available: ..."): the replicas and how they run; a warning on one
+        device."""
         devices = list(self.parallel_devices)
         if len(devices) == 1:
             warnings.warn(
@@ -259,8 +259,7 @@ class SingleProcessParallel:
         return bool(should_accumulate()) if callable(should_accumulate) else False
 
     def _mode_for(self, replicas: LightningReplicas, count: int) -> ExecutionMode:
-        """Threads or one after another for this call: compiled code needs one thread, SyncBatchNorm and collectives
-        in the step need many."""
+        """Threads or one after another for this call (compiled code needs one thread, collectives many)."""
         mode, reason = replicas.replica_set.execution_mode(self.execution_mode, count)
         meets = self._collectives_reason(replicas.module) if count > 1 else None
         if meets is not None and resolve_mode(mode, replicas.devices[:count]) == "sequential":
@@ -271,9 +270,8 @@ class SingleProcessParallel:
                     "after another. Do not compile the model under this strategy, or use strategy='ddp'."
                 )
             mode, reason = "threads", f"{meets}: replicas run in threads so that they meet"
-        if reason is not None and reason not in self._announced:
-            self._announced.add(reason)
-            warnings.warn(f"{self.strategy_name}: {reason}.", UserWarning, stacklevel=2)
+        if reason is not None:
+            self._warn_once(reason, f"{self.strategy_name}: {reason}.")
         return mode
 
     def _collectives_reason(self, module: nn.Module) -> str | None:
@@ -288,8 +286,7 @@ class SingleProcessParallel:
         implied_weights: Callable[[list[Any]], list[dict[Any, Any]]] | None = None,
     ) -> list[Any]:
         """Run ``call(i, replica_i)`` on the first ``len(sample_counts)`` devices; merge logs and metrics into the
-        LightningModule. ``implied_weights(outputs)``: per replica, the weights a logged copy of a returned loss merges
-        with, so a logged loss equals the optimized one (``step_outputs.implied_loss_weights``)."""
+        LightningModule. ``implied_weights``: see ``step_outputs.implied_loss_weights``."""
         replicas = self._replicas.of(module, self.parallel_devices)
         count = len(sample_counts)
         self._replicated_on = replicas.devices[:count]
@@ -300,24 +297,43 @@ class SingleProcessParallel:
         implied = implied_weights(outputs) if implied_weights is not None else [{} for _ in outputs]
         replicas.merge_into(self.lightning_module, sample_counts, implied)
         for name, length in _public_list_lengths(module).items():
-            if length > before.get(name, length) and f"list:{name}" not in self._announced:
-                self._announced.add(f"list:{name}")
-                warnings.warn(
+            if length > before.get(name, length):
+                self._warn_once(
+                    f"list:{name}",
                     f"`{type(module).__name__}.{name}` grew during a step that ran on {count} replicas: each "
                     "appended its own shard's value, so the list holds one entry per device per step, in no fixed "
                     "order under threads. Collect step outputs in `on_train_batch_end` / `on_validation_batch_end` "
                     "(they receive the gathered outputs, once, on the root) or use a torchmetrics metric.",
-                    UserWarning,
-                    stacklevel=2,
                 )
         return outputs
 
     def _log(self, message: str) -> None:
         logging.getLogger(self.namespace.name).info(message)
 
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._announced:
+            self._announced.add(key)
+            warnings.warn(message, UserWarning, stacklevel=3)
+
+    def _say_known_rule(self, what: str, rule: LossNormalization, source: str) -> None:
+        self._log(
+            f"{self.strategy_name}: {what} is {rule.describe()}, as {source} says; the devices' values are combined "
+            f"accordingly (loss_reduction={rule.spec()!r})."
+        )
+
+    def _say_assumed_samples(self, what: str, labels: str, alternative: str) -> None:
+        """Said once per ``what`` when nothing declares its rule: the per-sample assumption, and the fixes."""
+        self._warn_once(
+            f"assumed:{what}",
+            f"{self.strategy_name}: nothing says how {what} is normalised, so each device's value is weighted by its "
+            "sample count, which equals one device for a per-sample mean. For a sum or a mean over tokens or "
+            f"non-ignored labels, declare it: {type(self).__name__}(loss_reduction='sum' | 'tokens:{labels}') (CLI: "
+            f"--trainer.strategy.init_args.loss_reduction=...), or {alternative}.",
+        )
+
     # --- the four step hooks Lightning calls on the strategy ----------------------------------------------------------
     def _run_step(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Run ``hook`` (e.g. ``"training_step"``) the way this strategy spreads it over devices."""
+        """Run ``hook`` (``"training_step"``...) the way this strategy spreads it over devices."""
         raise NotImplementedError
 
     @override
@@ -338,7 +354,7 @@ class SingleProcessParallel:
 
     @contextmanager
     def _step_context(self, hook: str) -> Iterator[None]:
-        """The precision plugin's context for ``hook`` (``train_step_context`` for ``training_step``...)."""
+        """The precision plugin's context for ``hook`` (``train_step_context`` for ``training_step``)."""
         self._replicated_on = []
         name = hook.replace("training", "train").replace("validation", "val")
         with getattr(self.precision_plugin, f"{name}_context")():

@@ -1,9 +1,7 @@
 """Combine what the replicas' ``*_step`` methods returned into what one device would have returned.
 
-Besides ``"loss"``, a training step may return ``"loss_weight"`` (the count its mean loss averages over, default its
-sample count) or ``"loss_terms"`` (``{name: (term_loss, weight)}`` for terms with different normalisers, each reduced
-with its own weights; the loss is their sum). Both are consumed here, at every device count; other outputs are
-gathered by :mod:`lightning_mgpu.parallel.merge`.
+A training step may return ``"loss_weight"`` (the count its mean loss averages over) or ``"loss_terms"`` (``{name:
+(term_loss, weight)}``, each term reduced with its own weights); both are consumed here, at every device count.
 """
 
 from __future__ import annotations
@@ -57,9 +55,8 @@ def all_or_none(outputs: Sequence[Any], hook: str) -> bool:
 
 
 def implied_loss_weights(outputs: Sequence[Any], rule_weights: Sequence[Any] | None) -> list[dict[Any, Any]]:
-    """Per replica, ``{tensor_key(loss): weight}`` for the losses a training step returned, so that a logged copy of
-    a loss (``self.log("train_loss", loss)``) merges as the loss does: by the step's ``loss_weight``, term by term
-    for ``loss_terms``, else by the rule's ``rule_weights`` (``None`` outside training steps)."""
+    """Per replica, ``{tensor_key(loss): weight}`` for the losses a step returned, so that a logged copy of a loss
+    merges as the loss does: by ``loss_weight``, term by term for ``loss_terms``, else by ``rule_weights``."""
     implied: list[dict[Any, Any]] = []
     for index, output in enumerate(outputs):
         mapping = output if isinstance(output, Mapping) else {"loss": output}
@@ -88,8 +85,7 @@ def reduce_training_outputs(
     dim: int = 0,
 ) -> Any:
     """The training step's result on the root: a combined loss, or ``{"loss": ..., **gathered extras}``; ``rule``
-    (a ``LossNormalization``) with ``rule_weights`` combines losses the step did not weight itself. One output is
-    returned as it is, but ``loss_weight`` / ``loss_terms`` are checked and consumed at every device count."""
+    (a ``LossNormalization``) with ``rule_weights`` combines losses the step did not weight itself."""
     single = len(outputs) == 1
     first = outputs[0]
     if isinstance(first, Tensor):
