@@ -31,7 +31,6 @@ class MissingExtraError(RuntimeError):
     """A module of the ``[recipes]`` extra is not installed; the message says how to install it."""
 
     def __init__(self, module: str, command: str) -> None:
-        self.module = module
         super().__init__(
             f"{command}: the Python package {module!r} is not installed. It comes with lightning-mgpu's [recipes] "
             "extra, which a plain `pip install` of the package leaves out. Install the extra from the root of your "
