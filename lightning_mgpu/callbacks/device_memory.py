@@ -1,8 +1,5 @@
-"""``DeviceMemoryMonitor``: peak memory of every device a strategy uses, and how unevenly it is spread.
-
-``nn.DataParallel`` piles outputs, loss and optimizer state onto the root device, which runs out of memory first; this
-callback makes that visible in the logs.
-"""
+"""``DeviceMemoryMonitor``: peak memory of every device a strategy uses, and how unevenly it is spread (the root
+device, where ``nn.DataParallel`` piles outputs, loss and optimizer state, runs out of memory first)."""
 
 from __future__ import annotations
 
@@ -71,18 +68,16 @@ def reset_device_peaks(devices: Sequence[torch.device]) -> None:
 class DeviceMemoryMonitor(L.Callback):
     """Log the peak memory of every device the strategy uses, and ``memory/imbalance`` (largest / smallest peak).
 
-    Every ``logging_interval`` training batches it sends to the loggers, and puts in ``trainer.callback_metrics``:
-    ``memory/<device>_peak_mib`` for every device of the strategy (all of ``parallel_devices`` under ``dp`` and
-    ``parallel_criterion``; on CUDA also ``_reserved_peak_mib``; on the CPU the process's RSS) and ``memory/imbalance``.
-    Under ``ddp`` the processes' figures are gathered at each logging step, named ``memory/rank<r>_<device>_peak_mib``.
-    A device listed several times (virtual devices) is reported once, its replicas' sum: no imbalance is logged then,
-    and ``virtual`` is ``True``. Figures go to the loggers directly, as ``LearningRateMonitor`` does: ``self.log`` from
-    ``on_train_batch_end`` on some batches only would resend stale values. Between logs the hook is one integer test.
+    Every ``logging_interval`` training batches, to the loggers and ``trainer.callback_metrics``:
+    ``memory/<device>_peak_mib`` per device (on CUDA also ``_reserved_peak_mib``, on the CPU the process's RSS), under
+    ``ddp`` every rank's as ``memory/rank<r>_<device>_peak_mib``. A device listed several times (virtual devices) is
+    reported once and sets ``virtual``: no imbalance then. Logged directly, as ``LearningRateMonitor`` does:
+    ``self.log`` on some batches only would resend stale values.
 
     Args:
         logging_interval: log every this many training batches; ``None`` or ``0`` turns the monitor off.
-        reset_peak: start a new peak after each log, so each value is its interval's peak (on the CPU this needs
-            Linux's ``/proc/self/clear_refs``; elsewhere the CPU peak runs from the process's start).
+        reset_peak: start a new peak after each log (on the CPU this needs Linux's ``/proc/self/clear_refs``;
+            elsewhere the CPU peak runs from the process's start).
     """
 
     def __init__(self, logging_interval: int | None = 50, reset_peak: bool = False) -> None:
@@ -136,7 +131,7 @@ class DeviceMemoryMonitor(L.Callback):
         values = self.read_memory()
         if self._distributed:
             values = self._gather(trainer, values)
-        if not (self.virtual and not self._distributed):
+        if self._distributed or not self.virtual:
             peaks = {k: v for k, v in values.items() if k.endswith(PEAK_SUFFIX) and "_reserved" not in k}
             ratio = imbalance(peaks)
             if ratio is not None:

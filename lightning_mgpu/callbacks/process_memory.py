@@ -1,9 +1,7 @@
-"""Memory figures of this process on the host: peak and current resident set size (RSS).
+"""This process's peak and current resident set size (RSS): the CPU's memory figures.
 
-On the CPU there is no allocator with per-device statistics, so the memory a training run uses is the process's RSS.
-The peak comes from ``VmHWM`` in ``/proc/self/status`` (Linux), which ``reset_peak_rss`` can reset by writing ``5`` to
-``/proc/self/clear_refs``. ``resource.getrusage(...).ru_maxrss`` is the fallback elsewhere: it cannot be reset, and
-after ``fork`` + ``exec`` it may still hold the parent's high-water mark, which is why it is not the first choice.
+The peak is Linux's resettable ``VmHWM``; ``ru_maxrss``, the fallback elsewhere, cannot be reset and after ``fork`` +
+``exec`` may still hold the parent's peak.
 """
 
 from __future__ import annotations
