@@ -37,12 +37,10 @@ from lightning_mgpu.strategies.step_outputs import LOSS_TERMS_KEY, LOSS_WEIGHT_K
 
 __version__ = "0.2.0"
 
-_STRATEGY_CLASSES = ("ParallelCriterionStrategy", "DataParallelStrategy")
-
 
 def __getattr__(name: str) -> Any:
     """The strategy classes, imported on first use (they import ``lightning.pytorch``)."""
-    if name in _STRATEGY_CLASSES:
+    if name in ("ParallelCriterionStrategy", "DataParallelStrategy"):
         from lightning_mgpu.strategies import lightning_pytorch
 
         return getattr(lightning_pytorch, name)

@@ -14,7 +14,6 @@ from typing_extensions import override
 from lightning_mgpu.callbacks.process_memory import MIB, current_rss_bytes, peak_rss_bytes, reset_peak_rss
 
 PEAK_SUFFIX = "_peak_mib"
-PREFIX = "memory/"
 
 
 def imbalance(peaks: Mapping[str, float]) -> float | None:
@@ -89,7 +88,6 @@ class DeviceMemoryMonitor(L.Callback):
         self.devices: list[torch.device] = []
         self.virtual = False
         self.last: dict[str, float] = {}
-        self._distributed = False
 
     @property
     def enabled(self) -> bool:
@@ -99,7 +97,6 @@ class DeviceMemoryMonitor(L.Callback):
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         """Find the devices this process drives: all of a single-process strategy's, or the rank's own."""
-        self._distributed = trainer.world_size > 1
         listed = strategy_devices(trainer)
         self.devices = distinct_devices(listed)
         self.virtual = len(self.devices) < len(listed)
@@ -129,14 +126,14 @@ class DeviceMemoryMonitor(L.Callback):
     def log_memory(self, trainer: L.Trainer) -> dict[str, float]:
         """Read, gather across processes when distributed, log, and return the figures (also kept in ``last``)."""
         values = self.read_memory()
-        if self._distributed:
+        if trainer.world_size > 1:
             values = self._gather(trainer, values)
-        if self._distributed or not self.virtual:
+        if not self.virtual:  # replicas on one device share its memory: nothing to compare
             peaks = {k: v for k, v in values.items() if k.endswith(PEAK_SUFFIX) and "_reserved" not in k}
             ratio = imbalance(peaks)
             if ratio is not None:
                 values["imbalance"] = ratio
-        metrics = {f"{PREFIX}{name}": value for name, value in values.items()}
+        metrics = {f"memory/{name}": value for name, value in values.items()}
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.fit_loop.epoch_loop._batches_that_stepped)
         trainer.callback_metrics.update({name: torch.tensor(value) for name, value in metrics.items()})
