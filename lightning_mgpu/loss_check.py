@@ -37,39 +37,41 @@ class LossCheck:
     known: str | None = None  # the rule the strategy finds by itself, and from what
 
     def errors(self) -> dict[str, float]:
-        return {spec: abs(value - self.whole) for spec, value in self.predictions.items()}
+        """How far each candidate misses the whole batch's loss, closest first."""
+        errors = {spec: abs(value - self.whole) for spec, value in self.predictions.items()}
+        return dict(sorted(errors.items(), key=lambda item: item[1]))
 
     def fits(self) -> list[str]:
         """Every candidate that reproduces the whole batch's loss, closest first."""
         tolerance = max(RELATIVE_TOLERANCE * abs(self.whole), 4 * self.noise)
-        return [spec for spec, error in sorted(self.errors().items(), key=lambda item: item[1]) if error <= tolerance]
+        return [spec for spec, error in self.errors().items() if error <= tolerance]
 
     @property
     def rule(self) -> str | None:
         """The ``loss_reduction`` to declare: the candidate that reproduces the whole batch, if any does."""
-        fits = self.fits()
-        return fits[0] if fits else None
+        return next(iter(self.fits()), None)
 
     def __str__(self) -> str:
         lines = [f"the whole batch's loss on one device: {self.whole:.8g}"]
         if self.noise:
             lines.append(f"  (the step is random: its loss moves by {self.noise:.3g} under another seed)")
-        for spec, error in sorted(self.errors().items(), key=lambda item: item[1]):
+        for spec, error in self.errors().items():
             lines.append(
                 f"  loss_reduction={spec!r}: the shards' losses combine to {self.predictions[spec]:.8g} "
                 f"(off by {error:.3g})"
             )
+        fits = self.fits()
         if self.declared is not None:
             lines.append(f"the step declares its own weights ({self.declared}): parallel_criterion uses them")
-        elif self.known is not None and self.known.split(" ")[0] in self.fits():
+        elif self.known is not None and self.known.split(" ")[0] in fits:
             lines.append(f"parallel_criterion finds {self.known} by itself: nothing to declare")
-        elif len(self.fits()) > 1:
+        elif len(fits) > 1:
             lines.append(
-                f"these rules coincide on this batch: {', '.join(map(repr, self.fits()))} (e.g. no ignored label): "
+                f"these rules coincide on this batch: {', '.join(map(repr, fits))} (e.g. no ignored label): "
                 "declare the one your loss averages over, or check a batch that tells them apart"
             )
-        elif self.rule is not None:
-            lines.append(f"declare ParallelCriterionStrategy(loss_reduction={self.rule!r})")
+        elif fits:
+            lines.append(f"declare ParallelCriterionStrategy(loss_reduction={fits[0]!r})")
         else:
             lines.append(
                 "no rule reproduces one device: the step couples samples across the batch (BatchNorm in train mode: "
@@ -100,10 +102,9 @@ def check_loss_reduction(
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # self.log without a Trainer
             output = replica.training_step(part, batch_idx)
-        declared = next(
-            (k for k in (LOSS_WEIGHT_KEY, LOSS_TERMS_KEY) if isinstance(output, Mapping) and k in output), None
-        )
-        loss = output["loss"] if isinstance(output, Mapping) else output
+        outputs = output if isinstance(output, Mapping) else {"loss": output}
+        declared = next((key for key in (LOSS_WEIGHT_KEY, LOSS_TERMS_KEY) if key in outputs), None)
+        loss = outputs["loss"]
         if not isinstance(loss, Tensor) or loss.numel() != 1:
             raise TypeError(f"training_step returned {type(loss).__name__}, not a scalar loss: nothing to combine.")
         return float(loss.detach()), declared
@@ -113,9 +114,8 @@ def check_loss_reduction(
     chunks, sizes = split_batch(batch, [target] * devices, dim, sizes=_uneven_sizes(batch_size_of(batch, dim), devices))
     shard_losses = [loss_of(chunk)[0] for chunk in chunks]
     known = known_rule(module, batch)
-    result = LossCheck(whole, noise=noise, declared=declared)
-    if known is not None:
-        result.known = f"{known[0].spec()} (from {known[1]})"
+    found = None if known is None else f"{known[0].spec()} (from {known[1]})"
+    result = LossCheck(whole, noise=noise, declared=declared, known=found)
     values = [torch.tensor(loss, dtype=torch.float64) for loss in shard_losses]
     for rule in _candidates(known, batch, dim):  # combined exactly as the strategy combines them, in float64
         result.predictions[rule.spec()] = float(rule.reduce(values, rule.weights(chunks, sizes), torch.device("cpu")))
