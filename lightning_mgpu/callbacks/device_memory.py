@@ -3,6 +3,8 @@ device, where ``nn.DataParallel`` piles outputs, loss and optimizer state, runs 
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -11,9 +13,46 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_mgpu.callbacks.process_memory import MIB, current_rss_bytes, peak_rss_bytes, reset_peak_rss
-
+MIB = 1024**2
 PEAK_SUFFIX = "_peak_mib"
+
+
+def peak_rss_bytes() -> int | None:
+    """Peak resident set size (RSS) of this process in bytes: Linux's ``VmHWM``, which :func:`reset_peak_rss` resets,
+    else ``ru_maxrss`` (not resettable; after ``fork`` + ``exec`` it may still hold the parent's peak)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(maxrss) if sys.platform == "darwin" else int(maxrss) * 1024  # bytes on macOS, KiB on Linux
+
+
+def current_rss_bytes() -> int | None:
+    """Current RSS of this process in bytes (``/proc/self/statm``), or ``None`` where that file does not exist."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as statm:
+            resident_pages = int(statm.read().split()[1])
+        return resident_pages * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+def reset_peak_rss() -> bool:
+    """Reset the peak RSS to the current RSS (Linux 4.0+); ``False`` where the kernel does not allow it."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as clear_refs:
+            clear_refs.write("5")
+        return True
+    except OSError:
+        return False
 
 
 def imbalance(peaks: Mapping[str, float]) -> float | None:
