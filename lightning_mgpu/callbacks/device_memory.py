@@ -41,7 +41,7 @@ def current_rss_bytes() -> int | None:
         with open("/proc/self/statm", encoding="ascii") as statm:
             resident_pages = int(statm.read().split()[1])
         return resident_pages * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError, AttributeError):
+    except (OSError, ValueError, IndexError):
         return None
 
 
@@ -130,12 +130,10 @@ class DeviceMemoryMonitor(L.Callback):
 
     @property
     def enabled(self) -> bool:
-        """Whether the monitor logs at all (``logging_interval`` > 0)."""
         return self.logging_interval > 0
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        """Find the devices this process drives: all of a single-process strategy's, or the rank's own."""
         listed = strategy_devices(trainer)
         self.devices = distinct_devices(listed)
         self.virtual = len(self.devices) < len(listed)
