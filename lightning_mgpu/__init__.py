@@ -1,14 +1,9 @@
 """lightning-mgpu: single-process multi-GPU training for PyTorch Lightning 2.
 
 ``import lightning_mgpu`` registers ``strategy="parallel_criterion"`` and ``strategy="dp"`` (alias ``"data_parallel"``)
-with every Lightning namespace the project uses, ``lightning.pytorch`` and ``pytorch_lightning`` (at once if it is
-imported, else as soon as it is: see :mod:`lightning_mgpu.registration`), so
-``Trainer(strategy="parallel_criterion", accelerator="gpu", devices=4)`` works. Importing the package imports no
-Lightning itself: the pure-PyTorch :class:`DataParallelModel` / :class:`DataParallelCriterion` need torch only.
-
-``lightning_mgpu.ParallelCriterionStrategy`` and ``lightning_mgpu.DataParallelStrategy`` are the ``lightning.pytorch``
-classes (imported on first use); ``pytorch_lightning`` projects that pass an instance use
-``lightning_mgpu.strategies.pytorch_lightning.ParallelCriterionStrategy`` (and ``DataParallelStrategy``).
+with ``lightning.pytorch`` and ``pytorch_lightning`` as each is imported, and imports no Lightning itself.
+``ParallelCriterionStrategy`` / ``DataParallelStrategy`` here are the ``lightning.pytorch`` classes (imported on first
+use); ``pytorch_lightning`` users take them from ``lightning_mgpu.strategies.pytorch_lightning``.
 """
 
 from typing import Any
@@ -42,12 +37,10 @@ from lightning_mgpu.strategies.step_outputs import LOSS_TERMS_KEY, LOSS_WEIGHT_K
 
 __version__ = "0.2.0"
 
-_STRATEGY_CLASSES = ("ParallelCriterionStrategy", "DataParallelStrategy")
-
 
 def __getattr__(name: str) -> Any:
     """The strategy classes, imported on first use (they import ``lightning.pytorch``)."""
-    if name in _STRATEGY_CLASSES:
+    if name in ("ParallelCriterionStrategy", "DataParallelStrategy"):
         from lightning_mgpu.strategies import lightning_pytorch
 
         return getattr(lightning_pytorch, name)

@@ -1,9 +1,7 @@
-"""``python -m lightning_mgpu`` and the ``lightning-mgpu`` console script: LightningCLI with this package's strategies.
+"""``python -m lightning_mgpu`` and the ``lightning-mgpu`` script: LightningCLI with this package's strategies.
 
-Models and datamodules are named by ``class_path`` in YAML configs, resolved from the current directory under both
-entry points, as ``python -m`` does. A missing module of the ``[recipes]`` extra (``jsonargparse``, ``transformers``,
-...), a class path that does not import from here, or a misspelled strategy is one message and exit status 1, not a
-traceback. Nothing heavy is imported at the top.
+A missing module of the ``[recipes]`` extra, a ``class_path`` that does not import from the current directory or a
+misspelled strategy is one message and exit status 1, not a traceback. Nothing heavy is imported at the top.
 """
 
 from __future__ import annotations
@@ -33,12 +31,15 @@ class MissingExtraError(RuntimeError):
     """A module of the ``[recipes]`` extra is not installed; the message says how to install it."""
 
     def __init__(self, module: str, command: str) -> None:
-        self.module = module
         super().__init__(
             f"{command}: the Python package {module!r} is not installed. It comes with lightning-mgpu's [recipes] "
             "extra, which a plain `pip install` of the package leaves out. Install the extra from the root of your "
             f"lightning-mgpu clone with `{INSTALL_RECIPES_EXTRA}`, then run the command again."
         )
+
+
+class ClassPathError(RuntimeError):
+    """A config's ``class_path`` names a module that cannot be imported from here; the message says where to run."""
 
 
 def missing_extra_module(error: BaseException) -> str | None:
@@ -55,36 +56,35 @@ def missing_extra_module(error: BaseException) -> str | None:
     return None
 
 
-def _configs(args: Sequence[str]) -> Iterator[Any]:
-    """The YAML documents given with ``-c``/``--config`` (unreadable files are skipped: LightningCLI reports those)."""
+def _config_nodes(args: Sequence[str]) -> Iterator[tuple[str, Any]]:
+    """``(path, node)`` for everything in the YAML configs given with ``-c``/``--config``, paths as
+    ``config['trainer']['strategy']`` (unreadable files are skipped: LightningCLI reports those)."""
     import yaml
+
+    from lightning_mgpu.parallel.scatter_gather import iter_nodes
 
     files = [b for a, b in pairwise(args) if a in ("-c", "--config")]
     files += [a.split("=", 1)[1] for a in args if a.startswith("--config=")]
     for file in files:
         try:
             with open(file) as f:
-                yield yaml.safe_load(f)
+                config = yaml.safe_load(f)
         except (OSError, yaml.YAMLError):
             continue
+        yield from iter_nodes(config, "config")
 
 
-def _config_class_paths(args: Sequence[str]) -> Iterator[str]:
-    """Every ``class_path`` string in the configs given with ``-c``/``--config``."""
-    from lightning_mgpu.parallel.scatter_gather import iter_nodes
-
-    for config in _configs(args):
-        for _, node in iter_nodes(config):
-            if isinstance(node, dict) and isinstance(node.get("class_path"), str):
-                yield node["class_path"]
+def _class_paths(args: Sequence[str]) -> Iterator[str]:
+    for _, node in _config_nodes(args):
+        if isinstance(node, dict) and isinstance(node.get("class_path"), str):
+            yield node["class_path"]
 
 
 def _strategy_names(args: Sequence[str]) -> Iterator[str]:
     """``trainer.strategy`` given as a name, in the configs or on the command line."""
-    for config in _configs(args):
-        trainer = config.get("trainer") if isinstance(config, dict) else None
-        if isinstance(trainer, dict) and isinstance(trainer.get("strategy"), str):
-            yield trainer["strategy"]
+    for path, node in _config_nodes(args):
+        if path == "config['trainer']['strategy']" and isinstance(node, str):
+            yield node
     for a, b in pairwise(["", *args]):
         if b.startswith("--trainer.strategy="):
             yield b.split("=", 1)[1]
@@ -93,9 +93,8 @@ def _strategy_names(args: Sequence[str]) -> Iterator[str]:
 
 
 def check_strategy_names(command: str, args: Sequence[str]) -> None:
-    """Refuse a ``trainer.strategy`` name that ``lightning.pytorch`` does not know, naming the closest registered
-    ones (Lightning's own error lists choices without ours), and a ``pytorch_lightning`` strategy class in this
-    ``lightning.pytorch`` CLI."""
+    """Refuse a strategy name Lightning does not know, naming the closest (Lightning's error lists choices without
+    ours), and a ``pytorch_lightning`` strategy class in this ``lightning.pytorch`` CLI."""
     from lightning.pytorch.strategies import StrategyRegistry
 
     known = [*StrategyRegistry.available_strategies(), "auto"]
@@ -107,7 +106,7 @@ def check_strategy_names(command: str, args: Sequence[str]) -> None:
                 f"{command}: unknown strategy {name!r}.{hint} This package registers 'parallel_criterion' and 'dp' "
                 "(alias 'data_parallel'); Lightning's own include 'ddp' and 'auto'."
             )
-    for class_path in _config_class_paths(args):
+    for class_path in _class_paths(args):
         if class_path.startswith("lightning_mgpu.strategies.pytorch_lightning."):
             name = class_path.rpartition(".")[2]
             raise ClassPathError(
@@ -117,16 +116,15 @@ def check_strategy_names(command: str, args: Sequence[str]) -> None:
 
 
 def check_recipes_extra(command: str, args: Sequence[str] = (), modules: Iterable[str] = ("jsonargparse",)) -> None:
-    """Raise :class:`MissingExtraError` if ``modules`` (``jsonargparse`` with its ``[signatures]`` extra), or a module
-    that a config's ``class_path`` imports, is missing: imported before LightningCLI parses anything, a missing
-    ``transformers`` is one clear message instead of a parser error about the class path."""
+    """Raise :class:`MissingExtraError` if ``modules`` (``jsonargparse`` meaning ``jsonargparse[signatures]``), or a
+    module that a config's ``class_path`` imports, is missing: found before LightningCLI's parser error about it."""
     from lightning_utilities.core.imports import RequirementCache
 
     for module in modules:
         requirement = "jsonargparse[signatures]" if module == "jsonargparse" else module
         if not RequirementCache(requirement):
             raise MissingExtraError(requirement, command)
-    for class_path in _config_class_paths(args):
+    for class_path in _class_paths(args):
         module_name = class_path.rpartition(".")[0]
         if not module_name:
             continue
@@ -146,24 +144,19 @@ def check_recipes_extra(command: str, args: Sequence[str] = (), modules: Iterabl
             continue
 
 
-class ClassPathError(RuntimeError):
-    """A config's ``class_path`` names a module that cannot be imported from here; the message says where to run."""
-
-
 @contextmanager
 def exit_on_missing_extra(command: str) -> Iterator[None]:
     """Turn a missing module of the ``[recipes]`` extra, or a class path that does not import from here, into its
     message on stderr and exit status 1. Anything else propagates unchanged."""
     try:
         yield
-    except (MissingExtraError, ClassPathError) as err:
-        print(err, file=sys.stderr)
-        raise SystemExit(1) from None
     except Exception as err:
-        module = missing_extra_module(err)
-        if module is None:
-            raise
-        print(MissingExtraError(module, command), file=sys.stderr)
+        if not isinstance(err, (MissingExtraError, ClassPathError)):
+            module = missing_extra_module(err)
+            if module is None:
+                raise
+            err = MissingExtraError(module, command)
+        print(err, file=sys.stderr)
         raise SystemExit(1) from None
 
 
@@ -189,9 +182,8 @@ def main(args: Sequence[str], run: bool = True) -> LightningCLI: ...
 
 
 def main(args: Sequence[str] | None = None, run: bool = True) -> LightningCLI | None:
-    """Run LightningCLI over any model/datamodule given by ``class_path``. With ``args`` (in place of
-    ``sys.argv[1:]``) the ``LightningCLI`` is returned; from the command line ``None``, since the console script's
-    ``sys.exit(main())`` would print a returned object and exit with status 1."""
+    """Run LightningCLI over any model/datamodule given by ``class_path``. With ``args`` (in place of ``sys.argv[1:]``)
+    the ``LightningCLI`` is returned, else ``None``: ``sys.exit(main())`` would print an object and exit with 1."""
     put_cwd_on_sys_path()
     prog = program_name()
     given = sys.argv[1:] if args is None else list(args)
@@ -210,7 +202,7 @@ def main(args: Sequence[str] | None = None, run: bool = True) -> LightningCLI | 
             subclass_mode_data=True,
             save_config_kwargs={"overwrite": True},
             parser_kwargs={"prog": prog},
-            args=list(args) if args is not None else None,
+            args=None if args is None else given,
             run=run,
         )
     return cli if args is not None else None
@@ -225,9 +217,7 @@ def program_name() -> str:
 def quiet_dependencies() -> None:
     """Drop what dependencies print on every run that no user can act on (Lightning's logger tips, a deprecation in
     its own pytree code): for this CLI's process only; the library never filters a user's warnings or logs."""
-    message = r".*isinstance\(treespec, LeafSpec\)`? is deprecated"
-    if not any(f[0] == "ignore" and f[1] is not None and f[1].pattern == message for f in warnings.filters):
-        warnings.filterwarnings("ignore", message=message)
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)`? is deprecated")  # idempotent
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_drop_tips)  # idempotent
 
 

@@ -1,9 +1,7 @@
 """Opt-in diagnostic: which ``loss_reduction`` makes ``parallel_criterion`` reproduce one device for a module's step.
 
-Training never runs this. It runs ``training_step`` on purpose, on a deep copy in train mode: on the whole batch and
-on each of unequal shards (nothing masked or rewritten), and says which rule combines the shards' losses into the
-whole batch's. ``print(lightning_mgpu.check_loss_reduction(module, batch))``, or on a config's first training batch:
-``python -m lightning_mgpu.loss_check -c config.yaml [--devices 2] [--device cpu] [LightningCLI overrides]``.
+Training never runs this. ``print(lightning_mgpu.check_loss_reduction(module, batch))``, or on a config's first
+training batch: ``python -m lightning_mgpu.loss_check -c config.yaml [--devices 2] [--device cpu] [overrides]``.
 """
 
 from __future__ import annotations
@@ -29,8 +27,8 @@ RELATIVE_TOLERANCE = 1e-5
 
 @dataclass
 class LossCheck:
-    """The outcome: the whole batch's loss, each candidate rule's combination of the shards' losses, and how much the
-    loss moves under another random seed (0 for a deterministic step)."""
+    """The whole batch's loss, each candidate rule's combination of the shards' losses, and how much the loss moves
+    under another random seed (0 for a deterministic step)."""
 
     whole: float
     predictions: dict[str, float] = field(default_factory=dict)
@@ -39,39 +37,41 @@ class LossCheck:
     known: str | None = None  # the rule the strategy finds by itself, and from what
 
     def errors(self) -> dict[str, float]:
-        return {spec: abs(value - self.whole) for spec, value in self.predictions.items()}
+        """How far each candidate misses the whole batch's loss, closest first."""
+        errors = {spec: abs(value - self.whole) for spec, value in self.predictions.items()}
+        return dict(sorted(errors.items(), key=lambda item: item[1]))
 
     def fits(self) -> list[str]:
         """Every candidate that reproduces the whole batch's loss, closest first."""
         tolerance = max(RELATIVE_TOLERANCE * abs(self.whole), 4 * self.noise)
-        return [spec for spec, error in sorted(self.errors().items(), key=lambda item: item[1]) if error <= tolerance]
+        return [spec for spec, error in self.errors().items() if error <= tolerance]
 
     @property
     def rule(self) -> str | None:
         """The ``loss_reduction`` to declare: the candidate that reproduces the whole batch, if any does."""
-        fits = self.fits()
-        return fits[0] if fits else None
+        return next(iter(self.fits()), None)
 
     def __str__(self) -> str:
         lines = [f"the whole batch's loss on one device: {self.whole:.8g}"]
         if self.noise:
             lines.append(f"  (the step is random: its loss moves by {self.noise:.3g} under another seed)")
-        for spec, error in sorted(self.errors().items(), key=lambda item: item[1]):
+        for spec, error in self.errors().items():
             lines.append(
                 f"  loss_reduction={spec!r}: the shards' losses combine to {self.predictions[spec]:.8g} "
                 f"(off by {error:.3g})"
             )
+        fits = self.fits()
         if self.declared is not None:
             lines.append(f"the step declares its own weights ({self.declared}): parallel_criterion uses them")
-        elif self.known is not None and self.rule is not None and self.known.split(" ")[0] in self.fits():
+        elif self.known is not None and self.known.split(" ")[0] in fits:
             lines.append(f"parallel_criterion finds {self.known} by itself: nothing to declare")
-        elif len(self.fits()) > 1:
+        elif len(fits) > 1:
             lines.append(
-                f"these rules coincide on this batch: {', '.join(map(repr, self.fits()))} (e.g. no ignored label): "
+                f"these rules coincide on this batch: {', '.join(map(repr, fits))} (e.g. no ignored label): "
                 "declare the one your loss averages over, or check a batch that tells them apart"
             )
-        elif self.rule is not None:
-            lines.append(f"declare ParallelCriterionStrategy(loss_reduction={self.rule!r})")
+        elif fits:
+            lines.append(f"declare ParallelCriterionStrategy(loss_reduction={fits[0]!r})")
         else:
             lines.append(
                 "no rule reproduces one device: the step couples samples across the batch (BatchNorm in train mode: "
@@ -91,9 +91,8 @@ def check_loss_reduction(
     dim: int = 0,
     seed: int = 0,
 ) -> LossCheck:
-    """Run ``module.training_step`` on ``batch`` whole and split into ``devices`` shards of unequal sizes (all on
-    ``device``, from a deep copy in train mode), and report which rule combines the shards' losses into the whole
-    batch's."""
+    """Run ``training_step`` of a deep copy of ``module`` in train mode on ``batch`` whole and split into ``devices``
+    unequal shards (all on ``device``), and report which rule combines the shards' losses into the whole batch's."""
     target = to_device(device)
     replica = copy.deepcopy(module).to(target).train()
     batch = move_to(batch, target)
@@ -103,10 +102,9 @@ def check_loss_reduction(
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # self.log without a Trainer
             output = replica.training_step(part, batch_idx)
-        declared = next(
-            (k for k in (LOSS_WEIGHT_KEY, LOSS_TERMS_KEY) if isinstance(output, Mapping) and k in output), None
-        )
-        loss = output["loss"] if isinstance(output, Mapping) else output
+        outputs = output if isinstance(output, Mapping) else {"loss": output}
+        declared = next((key for key in (LOSS_WEIGHT_KEY, LOSS_TERMS_KEY) if key in outputs), None)
+        loss = outputs["loss"]
         if not isinstance(loss, Tensor) or loss.numel() != 1:
             raise TypeError(f"training_step returned {type(loss).__name__}, not a scalar loss: nothing to combine.")
         return float(loss.detach()), declared
@@ -116,11 +114,11 @@ def check_loss_reduction(
     chunks, sizes = split_batch(batch, [target] * devices, dim, sizes=_uneven_sizes(batch_size_of(batch, dim), devices))
     shard_losses = [loss_of(chunk)[0] for chunk in chunks]
     known = known_rule(module, batch)
-    result = LossCheck(whole, noise=noise, declared=declared)
-    if known is not None:
-        result.known = f"{known[0].spec()} (from {known[1]})"
-    for rule in _candidates(module, batch, dim):
-        result.predictions[rule.spec()] = _combine(rule, shard_losses, chunks, sizes)
+    found = None if known is None else f"{known[0].spec()} (from {known[1]})"
+    result = LossCheck(whole, noise=noise, declared=declared, known=found)
+    values = [torch.tensor(loss, dtype=torch.float64) for loss in shard_losses]
+    for rule in _candidates(known, batch, dim):  # combined exactly as the strategy combines them, in float64
+        result.predictions[rule.spec()] = float(rule.reduce(values, rule.weights(chunks, sizes), torch.device("cpu")))
     return result
 
 
@@ -131,9 +129,8 @@ def _uneven_sizes(size: int, devices: int) -> list[int]:
     return [size - small * (devices - 1), *([small] * (devices - 1))]
 
 
-def _candidates(module: nn.Module, batch: Any, dim: int) -> list[LossNormalization]:
+def _candidates(known: tuple[LossNormalization, str] | None, batch: Any, dim: int) -> list[LossNormalization]:
     rules = [SAMPLES, SUM, LossNormalization("replica_mean")]
-    known = known_rule(module, batch)
     if known is not None:
         rules.append(known[0])
     for path, labels in _integer_label_paths(batch, dim):
@@ -158,12 +155,6 @@ def _integer_label_paths(batch: Any, dim: int) -> list[tuple[tuple[Any, ...], Te
     ]
 
 
-def _combine(rule: LossNormalization, losses: Sequence[float], chunks: list[Any], sizes: list[int]) -> float:
-    """The shards' losses combined by ``rule`` exactly as the strategy combines them (in float64)."""
-    values = [torch.tensor(loss, dtype=torch.float64) for loss in losses]
-    return float(rule.reduce(values, rule.weights(chunks, sizes), torch.device("cpu")))
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     """``python -m lightning_mgpu.loss_check -c config.yaml``: the check on the config's first training batch."""
     parser = argparse.ArgumentParser(
@@ -175,25 +166,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--devices", type=int, default=2, help="how many shards to split the batch into")
     parser.add_argument("--device", default="cpu", help="where to run the copies (e.g. cuda:0)")
     args, overrides = parser.parse_known_args(argv)
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
     from lightning_mgpu.cli import main as cli_main
 
     cli = cli_main([*(arg for config in args.config for arg in ("-c", config)), *overrides], run=False)
     datamodule = cli.datamodule
     datamodule.prepare_data()
     datamodule.setup("fit")
-    batch = _as_the_step_sees_it(cli.model, datamodule, next(iter(datamodule.train_dataloader())))
-    print(check_loss_reduction(cli.model, batch, devices=args.devices, device=args.device))
-
-
-def _as_the_step_sees_it(model: Any, datamodule: Any, batch: Any) -> Any:
-    """``batch`` through the batch-transfer hooks, as Lightning runs them: the datamodule's where it overrides one,
-    else the module's (normalisation on the device, for example)."""
-    from lightning.pytorch.utilities.model_helpers import is_overridden
-
-    for hook in ("on_before_batch_transfer", "on_after_batch_transfer"):
-        owner = datamodule if is_overridden(hook, datamodule) else model
+    batch = next(iter(datamodule.train_dataloader()))
+    for hook in ("on_before_batch_transfer", "on_after_batch_transfer"):  # as Lightning runs them: the step's batch
+        owner = datamodule if is_overridden(hook, datamodule) else cli.model
         batch = getattr(owner, hook)(batch, 0)
-    return batch
+    print(check_loss_reduction(cli.model, batch, devices=args.devices, device=args.device))
 
 
 if __name__ == "__main__":

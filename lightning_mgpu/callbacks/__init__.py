@@ -1,8 +1,4 @@
-"""Lightning callbacks: per-device memory and balance monitoring.
-
-For samples/s, tokens/s and FLOP/s use Lightning's own ``lightning.pytorch.callbacks.ThroughputMonitor``; the
-benchmark (``python -m benchmarks.compare``) runs both side by side.
-"""
+"""Lightning callbacks: per-device memory and balance monitoring (for throughput, Lightning's ``ThroughputMonitor``)."""
 
 from lightning_mgpu.callbacks.device_memory import (
     DeviceMemoryMonitor,

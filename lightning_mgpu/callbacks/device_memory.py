@@ -1,11 +1,10 @@
-"""``DeviceMemoryMonitor``: peak memory of every device a strategy uses, and how unevenly it is spread.
-
-``nn.DataParallel`` piles outputs, loss and optimizer state onto the root device, which runs out of memory first; this
-callback makes that visible in the logs.
-"""
+"""``DeviceMemoryMonitor``: peak memory of every device a strategy uses, and how unevenly it is spread (the root
+device, where ``nn.DataParallel`` piles outputs, loss and optimizer state, runs out of memory first)."""
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -14,10 +13,46 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_mgpu.callbacks.process_memory import MIB, current_rss_bytes, peak_rss_bytes, reset_peak_rss
-
+MIB = 1024**2
 PEAK_SUFFIX = "_peak_mib"
-PREFIX = "memory/"
+
+
+def peak_rss_bytes() -> int | None:
+    """Peak resident set size (RSS) of this process in bytes: Linux's ``VmHWM``, which :func:`reset_peak_rss` resets,
+    else ``ru_maxrss`` (not resettable; after ``fork`` + ``exec`` it may still hold the parent's peak)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(maxrss) if sys.platform == "darwin" else int(maxrss) * 1024  # bytes on macOS, KiB on Linux
+
+
+def current_rss_bytes() -> int | None:
+    """Current RSS of this process in bytes (``/proc/self/statm``), or ``None`` where that file does not exist."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as statm:
+            resident_pages = int(statm.read().split()[1])
+        return resident_pages * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def reset_peak_rss() -> bool:
+    """Reset the peak RSS to the current RSS (Linux 4.0+); ``False`` where the kernel does not allow it."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as clear_refs:
+            clear_refs.write("5")
+        return True
+    except OSError:
+        return False
 
 
 def imbalance(peaks: Mapping[str, float]) -> float | None:
@@ -71,18 +106,16 @@ def reset_device_peaks(devices: Sequence[torch.device]) -> None:
 class DeviceMemoryMonitor(L.Callback):
     """Log the peak memory of every device the strategy uses, and ``memory/imbalance`` (largest / smallest peak).
 
-    Every ``logging_interval`` training batches it sends to the loggers, and puts in ``trainer.callback_metrics``:
-    ``memory/<device>_peak_mib`` for every device of the strategy (all of ``parallel_devices`` under ``dp`` and
-    ``parallel_criterion``; on CUDA also ``_reserved_peak_mib``; on the CPU the process's RSS) and ``memory/imbalance``.
-    Under ``ddp`` the processes' figures are gathered at each logging step, named ``memory/rank<r>_<device>_peak_mib``.
-    A device listed several times (virtual devices) is reported once, its replicas' sum: no imbalance is logged then,
-    and ``virtual`` is ``True``. Figures go to the loggers directly, as ``LearningRateMonitor`` does: ``self.log`` from
-    ``on_train_batch_end`` on some batches only would resend stale values. Between logs the hook is one integer test.
+    Every ``logging_interval`` training batches, to the loggers and ``trainer.callback_metrics``:
+    ``memory/<device>_peak_mib`` per device (on CUDA also ``_reserved_peak_mib``, on the CPU the process's RSS), under
+    ``ddp`` every rank's as ``memory/rank<r>_<device>_peak_mib``. A device listed several times (virtual devices) is
+    reported once and sets ``virtual``: no imbalance then. Logged directly, as ``LearningRateMonitor`` does:
+    ``self.log`` on some batches only would resend stale values.
 
     Args:
         logging_interval: log every this many training batches; ``None`` or ``0`` turns the monitor off.
-        reset_peak: start a new peak after each log, so each value is its interval's peak (on the CPU this needs
-            Linux's ``/proc/self/clear_refs``; elsewhere the CPU peak runs from the process's start).
+        reset_peak: start a new peak after each log (on the CPU this needs Linux's ``/proc/self/clear_refs``;
+            elsewhere the CPU peak runs from the process's start).
     """
 
     def __init__(self, logging_interval: int | None = 50, reset_peak: bool = False) -> None:
@@ -94,17 +127,13 @@ class DeviceMemoryMonitor(L.Callback):
         self.devices: list[torch.device] = []
         self.virtual = False
         self.last: dict[str, float] = {}
-        self._distributed = False
 
     @property
     def enabled(self) -> bool:
-        """Whether the monitor logs at all (``logging_interval`` > 0)."""
         return self.logging_interval > 0
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        """Find the devices this process drives: all of a single-process strategy's, or the rank's own."""
-        self._distributed = trainer.world_size > 1
         listed = strategy_devices(trainer)
         self.devices = distinct_devices(listed)
         self.virtual = len(self.devices) < len(listed)
@@ -134,14 +163,14 @@ class DeviceMemoryMonitor(L.Callback):
     def log_memory(self, trainer: L.Trainer) -> dict[str, float]:
         """Read, gather across processes when distributed, log, and return the figures (also kept in ``last``)."""
         values = self.read_memory()
-        if self._distributed:
+        if trainer.world_size > 1:
             values = self._gather(trainer, values)
-        if not (self.virtual and not self._distributed):
+        if not self.virtual:  # replicas on one device share its memory: nothing to compare
             peaks = {k: v for k, v in values.items() if k.endswith(PEAK_SUFFIX) and "_reserved" not in k}
             ratio = imbalance(peaks)
             if ratio is not None:
                 values["imbalance"] = ratio
-        metrics = {f"{PREFIX}{name}": value for name, value in values.items()}
+        metrics = {f"memory/{name}": value for name, value in values.items()}
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.fit_loop.epoch_loop._batches_that_stepped)
         trainer.callback_metrics.update({name: torch.tensor(value) for name, value in metrics.items()})

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_mgpu
 from lightning_mgpu.callbacks import DeviceMemoryMonitor, imbalance
-from lightning_mgpu.callbacks.process_memory import reset_peak_rss
+from lightning_mgpu.callbacks.device_memory import reset_peak_rss
 
 BIG_MIB = 200
 
