@@ -1,8 +1,6 @@
-"""Pure-PyTorch data-parallel core (never imports Lightning).
-
-Works on distinct CUDA devices, on one device repeated ("virtual devices") and on CPUs, which torch's own
-``torch.nn.parallel`` helpers refuse. ``scatter`` and ``gather`` keep torch's contracts; ``split_batch`` and
-``merge_outputs`` are the batch-aware forms that the modules and strategies use.
+"""Pure-PyTorch data-parallel core (never imports Lightning): distinct CUDA devices, one device repeated ("virtual
+devices") or CPUs, which ``torch.nn.parallel`` refuses. ``scatter`` and ``gather`` keep torch's contracts;
+``split_batch`` and ``merge_outputs`` are the batch-aware forms that the modules and strategies use.
 """
 
 from lightning_mgpu.parallel.gather import gather

@@ -1,14 +1,14 @@
 """Collectives across the replicas of one call: ``all_gather``, ``reduce``, ``broadcast``, ``barrier``, ``all_true``.
 
-The k-th collective of every replica pairs with the k-th of the others; a replica that calls another collective there,
-skips it or raises fails the others with an error naming it, never a hang. Outside a replicated call, or with one
-replica, each is an identity.
+Inside a replicated call the k-th collective of every replica meets the k-th of the others; a replica that calls
+another collective there, skips it or raises fails the others with an error naming it, never a hang. Outside one, or
+with one replica, each is an identity.
 """
 
 from __future__ import annotations
 
 import builtins
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,8 +24,8 @@ _HINT = (
 
 
 def all_gather(tensor: Tensor, sync_grads: bool = False, *, sequential_hint: str = "") -> Tensor:
-    """Every replica's ``tensor``, concatenated along dim 0 in replica order (a 0-dim tensor gives one value per
-    replica), on this replica's device; with ``sync_grads``, differentiable with respect to every replica's share."""
+    """Every replica's ``tensor``, concatenated along dim 0 in replica order (0-dim: stacked), on this replica's
+    device; with ``sync_grads`` a loss over it backpropagates into every replica's share, as on one device."""
     replica = _replica("all_gather", sequential_hint)
     if replica is None:
         return tensor
@@ -40,7 +40,7 @@ def reduce(tensor: Any, reduce_op: Any = "mean", *, sequential_hint: str = "") -
     replica = _replica("reduce", sequential_hint)
     if replica is None or not isinstance(tensor, Tensor):
         return tensor
-    return _meet(replica, f"reduce({op})", tensor, lambda values, devices: _reduce(values, devices, op))
+    return _meet(replica, f"reduce({op})", tensor, lambda values, device: _REDUCTIONS[op](_stack(values, device), 0))
 
 
 def broadcast(obj: Any, src: int = 0, *, sequential_hint: str = "") -> Any:
@@ -50,14 +50,14 @@ def broadcast(obj: Any, src: int = 0, *, sequential_hint: str = "") -> Any:
         return obj
     if not 0 <= src < replica.group.size:
         raise ValueError(f"broadcast(src={src}): the source must be one of the {replica.group.size} replicas.")
-    return _meet(replica, f"broadcast(src={src})", obj, lambda values, devices: _spread(values[src], devices))
+    return _meet(replica, f"broadcast(src={src})", obj, lambda values, device: _move(values[src], device))
 
 
 def barrier(*, sequential_hint: str = "") -> None:
     """Wait until every replica reaches this point."""
     replica = _replica("barrier", sequential_hint)
     if replica is not None:
-        _meet(replica, "barrier", None, lambda values, devices: [None] * len(values))
+        _meet(replica, "barrier", None, lambda values, device: None)
 
 
 def all_true(decision: bool, all: bool = True, *, sequential_hint: str = "") -> bool:
@@ -65,8 +65,8 @@ def all_true(decision: bool, all: bool = True, *, sequential_hint: str = "") -> 
     replica = _replica("reduce_boolean_decision", sequential_hint)
     if replica is None:
         return decision
-    combine = (lambda v, d: [builtins.all(v)] * len(v)) if all else (lambda v, d: [any(v)] * len(v))
-    return _meet(replica, f"reduce_boolean_decision(all={all})", bool(decision), combine)
+    verdict = builtins.all if all else any
+    return _meet(replica, f"reduce_boolean_decision(all={all})", bool(decision), lambda values, device: verdict(values))
 
 
 def _replica(name: str, sequential_hint: str) -> ReplicaContext | None:
@@ -81,8 +81,9 @@ def _meet(
     replica: ReplicaContext,
     name: str,
     value: Any,
-    combine: Callable[[list[Any], Sequence[torch.device]], list[Any]],
+    combine: Callable[[list[Any], torch.device], Any],
 ) -> Any:
+    """Meet the other replicas; return ``combine(values in replica order, this replica's device)``."""
     call = replica.next_call("collective")
     label = f"collective {call} of this step"
 
@@ -91,34 +92,33 @@ def _meet(
         if len(set(names)) > 1:
             calls = ", ".join(f"replica {i}: {n}" for i, n in enumerate(names))
             raise RendezvousError(f"The replicas called different collectives as {label} ({calls}). {_HINT}")
-        return combine([v for _, v in arrivals], replica.group.devices)
+        values = [v for _, v in arrivals]
+        return [combine(values, device) for device in replica.group.devices]
 
     return replica.group.rendezvous(
         replica.index, ("collective", call), (name, value), checked, f"{name} ({label})", _HINT
     )
 
 
-def _gather(values: list[Tensor], devices: Sequence[torch.device]) -> list[Tensor]:
-    if all(v.dim() == 0 for v in values):
-        return [torch.stack([v.to(device) for v in values]) for device in devices]
-    return [torch.cat([v.to(device) for v in values]) for device in devices]
+def _stack(values: list[Tensor], device: torch.device) -> Tensor:
+    return torch.stack([v.to(device) for v in values])
+
+
+def _gather(values: list[Tensor], device: torch.device) -> Tensor:
+    return _stack(values, device) if all(v.dim() == 0 for v in values) else torch.cat([v.to(device) for v in values])
+
+
+def _move(obj: Any, device: torch.device) -> Any:
+    return apply_to_collection(obj, Tensor, lambda t: t.to(device))
 
 
 _REDUCTIONS = {"sum": torch.sum, "mean": torch.mean, "max": torch.amax, "min": torch.amin}
 
 
-def _reduce(values: list[Tensor], devices: Sequence[torch.device], op: str) -> list[Tensor]:
-    return [_REDUCTIONS[op](torch.stack([v.to(device) for v in values]), 0) for device in devices]
-
-
-def _spread(obj: Any, devices: Sequence[torch.device]) -> list[Any]:
-    return [apply_to_collection(obj, Tensor, lambda t, d=device: t.to(d)) for device in devices]
-
-
 def _op_name(reduce_op: Any) -> str:
     """``"mean"`` for ``"mean"``/``"avg"``/``ReduceOp.AVG``, and so on; an error naming the choices otherwise."""
     name = str(getattr(reduce_op, "name", reduce_op)).lower().rpartition(".")[2]
-    name = "mean" if name == "avg" else name
+    name = {"avg": "mean"}.get(name, name)
     if name not in _REDUCTIONS:
         raise ValueError(f"reduce_op={reduce_op!r} is not supported across replicas: use one of {tuple(_REDUCTIONS)}.")
     return name

@@ -1,7 +1,8 @@
-"""The replicas of one ``run_replicas`` call (:class:`ReplicaGroup`) and the rendezvous where they meet.
+"""Replica groups: the replicas of one ``run_replicas`` call, and the rendezvous where they meet.
 
-A replica that finishes or raises *departs*, which wakes the replicas waiting for it: one that skips a sync point fails
-its peers with a clear error instead of hanging them.
+Every worker runs with a thread-local :class:`ReplicaContext` (:func:`current_replica`). A replica that finishes or
+raises *departs* and wakes the replicas waiting for it, so one that skips a sync point fails its peers with a clear
+error instead of hanging them.
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ from typing import Any
 import torch
 
 RENDEZVOUS_TIMEOUT_S = float(os.environ.get("LIGHTNING_MGPU_RENDEZVOUS_TIMEOUT_S", 1800))
-"""Last-resort bound (seconds) on one wait at a rendezvous, for a replica that neither arrives nor departs (departures
-and mismatches are detected without it)."""
+"""Last-resort bound (seconds, default 30 minutes) on one wait at a rendezvous: departures and mismatches are detected
+without it; it ends waits on a replica that neither arrives nor leaves (one blocked outside the group)."""
 
 
 TAKE_TURNS = os.environ.get("LIGHTNING_MGPU_TAKE_TURNS", "1") != "0"
-"""Whether replicas in threads take turns running Python (``0``: every replica's thread competes for the GIL)."""
+"""Whether replicas in threads take turns running Python (default on; ``0`` lets their threads compete for the GIL)."""
 
 TURN_PATIENCE_S = float(os.environ.get("LIGHTNING_MGPU_TURN_PATIENCE_S", 2))
 """How long (seconds) a replica waits for its turn before it runs anyway: turns are an optimisation, never a condition
@@ -48,22 +49,17 @@ class _Site:
     results: list[Any] | None = None
     failed_in: int | None = None  # the replica whose combine step raised
 
-    @property
-    def open(self) -> bool:
-        return self.results is None and self.failed_in is None
-
 
 class ReplicaGroup:
-    """The replicas of one :func:`~.run_replicas.run_replicas` call on ``devices``; ``sequential`` when they run one
-    after another (no rendezvous is possible then)."""
+    """The replicas of one :func:`~.run_replicas.run_replicas` call; ``sequential`` when they run one after another
+    (no rendezvous is possible then)."""
 
     def __init__(self, devices: Sequence[torch.device], sequential: bool) -> None:
         self.devices = tuple(devices)
         self.size = len(self.devices)
         self.sequential = sequential
-        # Replicas in threads take turns: one runs Python at a time and hands over when it finishes or waits at a
-        # sync point. The GIL runs one thread's Python at a time anyway; without turns it changes hands at every
-        # torch call, and those hand-overs cost as much as the calls on a launch-bound step.
+        # One replica runs Python at a time, until it finishes or waits at a sync point: otherwise the GIL changes
+        # hands at every torch call, which costs as much as the calls on a launch-bound step.
         self._turn = threading.Lock() if TAKE_TURNS and not sequential else None
         self._turn_holder: int | None = None
         self._cond = threading.Condition()
@@ -93,7 +89,7 @@ class ReplicaGroup:
         return True
 
     def require_threads(self, what: str, hint: str) -> None:
-        """Raise :class:`RendezvousError` if the replicas run one after another: ``what`` needs them to meet."""
+        """Raise :class:`RendezvousError` naming ``what``, then ``hint``, if the replicas run one after another."""
         if self.sequential:
             raise RendezvousError(
                 f"{what} makes the {self.size} replicas meet, but this call runs them one after another, so they "
@@ -111,12 +107,11 @@ class ReplicaGroup:
     ) -> Any:
         """Meet the other replicas at ``site``; return ``combine(values in replica order)[index]``.
 
-        The last replica to arrive runs ``combine`` once for all (so one computation, e.g. one autograd node, spans
-        the replicas); the others wait, handing their turn over meanwhile. Never hangs on a departed replica: a wait
-        that can never end raises :class:`RendezvousError` naming ``label``, followed by ``hint`` (what the user should
-        do), or :class:`PeerFailedError` when the replica waited for raised.
+        The last replica to arrive runs ``combine`` once for all (one computation, e.g. one autograd node, spans the
+        replicas); the others wait, handing their turn over meanwhile. A replica that cannot arrive fails the waiters
+        with :class:`RendezvousError` naming ``label`` followed by ``hint`` (what to do), or :class:`PeerFailedError`.
         """
-        gave_turn = False
+        handed_over = False
         try:
             with self._cond:
                 state = self._sites.get(site)
@@ -124,33 +119,29 @@ class ReplicaGroup:
                     state = self._sites[site] = _Site(label)
                 state.arrived[index] = value
                 if len(state.arrived) == self.size:
-                    return self._complete(site, state, combine, index)
+                    del self._sites[site]
+                    values = [state.arrived[i] for i in range(self.size)]
+                    state.arrived.clear()  # results are all waiters need now: drop the references
+                    try:
+                        state.results = list(combine(values))
+                    except BaseException:
+                        state.failed_in = index
+                        raise
+                    finally:
+                        self._cond.notify_all()
+                    return state.results[index]
                 self._waiting[index] = state
-                gave_turn = self._give_turn(index)
+                handed_over = self._give_turn(index)
                 try:
-                    return self._wait(index, state, hint)
+                    return self._wait(state, index, label, hint)
                 finally:
                     del self._waiting[index]
         finally:
-            if gave_turn:  # outside the lock: the replica holding the turn may need it to arrive
+            if handed_over:  # taken back outside the lock: the replica holding the turn may need the lock to arrive
                 self._take_turn(index)
 
-    def _complete(self, site: Hashable, state: _Site, combine: Callable[[list[Any]], Sequence[Any]], index: int) -> Any:
-        """Run ``combine`` for the last replica to arrive and wake the others. Called with the lock held."""
-        del self._sites[site]
-        values = [state.arrived[i] for i in range(self.size)]
-        state.arrived.clear()  # results are all waiters need now: drop the references
-        try:
-            state.results = list(combine(values))
-        except BaseException:
-            state.failed_in = index
-            raise
-        finally:
-            self._cond.notify_all()
-        return state.results[index]
-
-    def _wait(self, index: int, state: _Site, hint: str) -> Any:
-        """Wait until ``state`` completes or can never complete. Called with the lock held."""
+    def _wait(self, state: _Site, index: int, label: str, hint: str) -> Any:
+        """Replica ``index``'s result at ``state``, once the last replica combined; called with the lock held."""
         deadline = time.monotonic() + RENDEZVOUS_TIMEOUT_S
         while state.results is None:
             failure = self._diagnose(state, hint)
@@ -161,9 +152,9 @@ class ReplicaGroup:
             if (remaining <= 0 or not self._cond.wait(remaining)) and state.results is None:
                 missing = [i for i in range(self.size) if i not in state.arrived]
                 raise RendezvousError(
-                    f"{state.label}: replica {index} waited {RENDEZVOUS_TIMEOUT_S:.0f} s for replica(s) {missing}, "
-                    "which neither arrived nor finished (a replica blocked outside this group?). If one "
-                    "legitimately needs longer, raise the environment variable LIGHTNING_MGPU_RENDEZVOUS_TIMEOUT_S."
+                    f"{label}: replica {index} waited {RENDEZVOUS_TIMEOUT_S:.0f} s for replica(s) {missing}, which "
+                    "neither arrived nor finished (a replica blocked outside this group?). If one legitimately needs "
+                    "longer, raise the environment variable LIGHTNING_MGPU_RENDEZVOUS_TIMEOUT_S."
                 )
         return state.results[index]
 
@@ -192,7 +183,7 @@ class ReplicaGroup:
                 f"reaching it. {hint}"
             )
         live = [i for i in range(self.size) if i not in self._departed]
-        stuck = {i: site for i, site in self._waiting.items() if site.open}
+        stuck = {i: site for i, site in self._waiting.items() if site.results is None and site.failed_in is None}
         if all(i in stuck for i in live) and len({id(site) for site in stuck.values()}) > 1:
             where = "; ".join(f"replica {i} waits at {stuck[i].label}" for i in live)
             return RendezvousError(f"The replicas wait at different sync points and can never meet: {where}. {hint}")
@@ -237,7 +228,7 @@ def current_replica() -> ReplicaContext | None:
 @contextmanager
 def as_replica(group: ReplicaGroup, index: int) -> Iterator[None]:
     """Run the enclosed code as member ``index`` of ``group`` (what :func:`current_replica` returns)."""
-    previous = getattr(_LOCAL, "replica", None)
+    previous = current_replica()
     _LOCAL.replica = ReplicaContext(group, index)
     try:
         yield

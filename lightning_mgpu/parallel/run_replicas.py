@@ -1,7 +1,10 @@
 """Run one callable per replica, in threads or one after another, each with the caller's thread-local torch state
 (:mod:`.thread_state`) and as a member of one replica group (:mod:`.replica_group`).
 
-Named apart from ``torch.nn.parallel.parallel_apply``, whose signature and contract differ.
+A failing replica's *own* exception reaches the caller once every replica has stopped, never while user code still
+runs in other threads, with ``replica_index``, ``replica_device`` and a PEP 678 note in torch's wording (``Caught
+ValueError in replica 2 on device cuda:2.`` / ``Original Traceback ...``). Of several, the first in replica order
+that is not a :class:`PeerFailedError` (a replica stopped by another's failure) is raised; the note lists the others.
 """
 
 from __future__ import annotations
@@ -10,12 +13,11 @@ import contextlib
 import functools
 import os
 import sys
-import threading
 import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, get_args
 
 import torch
 
@@ -25,33 +27,20 @@ from lightning_mgpu.parallel.thread_state import ThreadState
 
 T = TypeVar("T")
 ExecutionMode = Literal["auto", "threads", "sequential"]
-EXECUTION_MODES = ("auto", "threads", "sequential")
-
-_POOL_LOCK = threading.Lock()
-_POOL: ThreadPoolExecutor | None = None
-_POOL_WORKERS = 64
+EXECUTION_MODES: tuple[str, ...] = get_args(ExecutionMode)
 
 
+@functools.cache
 def _pool() -> ThreadPoolExecutor:
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None:
-            _POOL = ThreadPoolExecutor(max_workers=_POOL_WORKERS, thread_name_prefix="mgpu-replica")
-        return _POOL
-
-
-def _forget_pool_in_child() -> None:
-    """A forked child inherits the executor but none of its threads: its idle-thread count would make submit() wait
-    for threads that do not exist (a deadlock, e.g. in a fork-started worker after a threads-mode step). Start over."""
-    global _POOL, _POOL_LOCK
-    _POOL_LOCK = threading.Lock()
-    _POOL = None
+    return ThreadPoolExecutor(max_workers=64, thread_name_prefix="mgpu-replica")
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_pool_in_child)
+    # A forked child inherits the pool but none of its threads: submit() would wait for them forever. Start over.
+    os.register_at_fork(after_in_child=_pool.cache_clear)
 
 
+# --- failures -----------------------------------------------------------------------------------------------------
 @dataclass
 class _Outcome:
     value: Any = None
@@ -75,19 +64,17 @@ def _first_line(err: BaseException) -> str:
 
 
 def _raise_first_failure(failed: Sequence[tuple[int, BaseException]], devices: Sequence[torch.device]) -> None:
-    """Re-raise the first failure in replica order that is not a :class:`PeerFailedError` (a replica that only stopped
-    because another failed), with its replica's index and device as attributes and in a note in torch's
-    ExceptionWrapper wording that lists the other failures; do nothing when none failed."""
+    """Re-raise the first primary failure in replica order, with its replica's index and device (attributes and a note
+    in torch's ExceptionWrapper wording); do nothing when none failed."""
     if not failed:
         return
     primary = [(i, e) for i, e in failed if not isinstance(e, PeerFailedError)]
     index, err = (primary or failed)[0]
     original = "".join(traceback.format_exception(type(err), err, err.__traceback__))
     note = f"Caught {type(err).__name__} in replica {index} on device {devices[index]}.\nOriginal {original.rstrip()}"
-    others = [(i, e) for i, e in failed if i != index]
+    others = "; ".join(f"replica {i}: {type(e).__name__}: {_first_line(e)}" for i, e in failed if i != index)
     if others:
-        listed = "; ".join(f"replica {i}: {type(e).__name__}: {_first_line(e)}" for i, e in others)
-        note += f"\nOther replicas of this call failed too: {listed}"
+        note += f"\nOther replicas of this call failed too: {others}"
     for name, value in (("replica_index", index), ("replica_device", devices[index])):
         with contextlib.suppress(Exception):  # a read-only attribute or __slots__: the note still carries both
             setattr(err, name, value)
@@ -95,10 +82,12 @@ def _raise_first_failure(failed: Sequence[tuple[int, BaseException]], devices: S
     raise err
 
 
+# --- run_replicas -------------------------------------------------------------------------------------------------
 @functools.cache
 def replica_frame(index: int) -> Callable[[Callable[[], T]], T]:
     """Calls a function through a frame named ``replica_<index>``, so tracebacks say which replica ran the code (also
-    the forward traceback that anomaly mode attaches to an error raised in backward, where autograd keeps no record)."""
+    the forward traceback that anomaly detection attaches to an error in backward, where autograd records no replica).
+    """
 
     def call(function: Callable[[], T]) -> T:
         return function()
@@ -112,8 +101,7 @@ def replica_frame(index: int) -> Callable[[Callable[[], T]], T]:
 
 
 def resolve_mode(mode: ExecutionMode, devices: Sequence[torch.device]) -> Literal["threads", "sequential"]:
-    """``mode``, with ``"auto"`` resolved: sequential when every device is a CPU (threads only fight torch's intra-op
-    pool) or one repeated device (they only contend for it), threads otherwise."""
+    """``"auto"`` runs replicas on CPUs or on one repeated GPU one after another: threads would only contend there."""
     if mode not in EXECUTION_MODES:
         raise ValueError(f"Unknown execution mode {mode!r}: choose one of {EXECUTION_MODES}.")
     if mode == "auto":
@@ -125,14 +113,11 @@ def resolve_mode(mode: ExecutionMode, devices: Sequence[torch.device]) -> Litera
 def run_replicas(
     functions: Sequence[Callable[[], T]], devices: Sequence[DeviceLike], execution_mode: ExecutionMode = "auto"
 ) -> list[T]:
-    """Call ``functions[i]()`` for replica ``i`` on ``devices[i]``; return the results in replica order.
+    """Call ``functions[i]()`` for replica ``i`` on ``devices[i]``, as member ``i`` of one :class:`ReplicaGroup`, with
+    the caller's thread-local torch state; return the results in replica order.
 
-    ``execution_mode="threads"`` runs replica 0 in the calling thread and the others in a shared thread pool;
-    ``"sequential"`` runs them one after another; ``"auto"``: see :func:`resolve_mode`.
-
-    A failing replica's own exception object (traceback intact) is raised in the caller once every replica has
-    stopped, never while user code still runs in other threads; sequential mode stops at the first failure. It
-    carries ``replica_index``, ``replica_device`` and a PEP 678 note in torch's wording.
+    ``"threads"`` runs replica 0 in the calling thread and the others in a shared pool, and waits for all whatever was
+    raised (``KeyboardInterrupt`` included); ``"sequential"`` stops at the first failure.
     """
     targets = [to_device(d) for d in devices]
     if len(functions) != len(targets):
@@ -153,10 +138,10 @@ def run_replicas(
         return outcome
 
     if sequential:
-        outcomes: list[_Outcome] = []
+        outcomes = []
         for i in range(len(functions)):
             outcomes.append(run(i))
-            if outcomes[-1].error is not None:  # the replicas after it never run: nothing else to wait for
+            if outcomes[i].error is not None:  # the replicas after it never run
                 break
     else:
         futures = [_pool().submit(run, i) for i in range(1, len(functions))]

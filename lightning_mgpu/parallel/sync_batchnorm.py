@@ -1,9 +1,10 @@
 """Single-process SyncBatchNorm: BatchNorm statistics over the whole batch, across the replicas of one call.
 
-The k-th call of a layer in every replica meets at one rendezvous, where the last to arrive runs one autograd node over
-every replica's input: shard statistics combined in replica order, weighted by shard size (exact for uneven shards);
-running statistics updated on replica 0's buffers (the module's own). Backward needs no rendezvous. The replicas must
-run in threads; outputs are backpropagated in one ``backward`` (no double backward, no checkpointing of sync layers).
+The k-th call of a layer in each replica meets the others'; the last to arrive runs one autograd node over every
+replica's input (statistics weighted by shard size, running statistics on replica 0's buffers, the module's own), so
+backward needs no rendezvous. Outside a replicated call, with one replica, or in eval mode with running statistics,
+the layer is ``BatchNorm``. Limits: replicas in threads, calling the sync layers in the same order; one ``backward``
+over the outputs (no double backward, no checkpointed segments holding sync layers).
 """
 
 from __future__ import annotations
@@ -26,27 +27,24 @@ from lightning_mgpu.parallel.replica_group import ReplicaContext, current_replic
 __all__ = ["SyncBatchNorm", "convert_sync_batchnorm", "revert_sync_batchnorm", "uses_sync_batchnorm"]
 
 _HINT = (
-    "Every replica must call each SyncBatchNorm layer the same number of times and in the same order, because the "
-    "layer computes its statistics over the whole batch across the replicas: data-dependent control flow (a branch on "
-    "one shard's values or size) breaks this. Branch on something every replica shares, or keep that layer a plain "
-    "BatchNorm (revert_sync_batchnorm)."
+    "Every replica must call each SyncBatchNorm layer the same number of times and in the same order (its statistics "
+    "span the replicas): branch on something every replica shares, not on one shard's values or size, or keep that "
+    "layer a plain BatchNorm (revert_sync_batchnorm)."
 )
 
 
 @dataclass(eq=False)
 class _LayerKey:
-    """Identity of one sync layer, shared by its replicas (replication copies ``__dict__`` shallowly; a deep copy is
-    another layer), with its dotted name (for errors) and the class it was converted from (for reverting)."""
+    """Identity of one sync layer, shared by its replicas (replication copies ``__dict__`` shallowly, ``deepcopy``
+    does not): the dotted name (for errors) and the class converted from (for reverting)."""
 
     name: str | None = None
     original_class: type[_BatchNorm] | None = None
 
 
 class SyncBatchNorm(_BatchNorm):
-    """BatchNorm whose training statistics span every replica of a replicated call; plain BatchNorm outside one, with
-    one replica, or in eval mode with running statistics. Same arguments, parameters, buffers and state-dict keys as
-    ``nn.BatchNorm1d/2d/3d``; a layer made by :func:`convert_sync_batchnorm` checks the input dims of the class it
-    replaced."""
+    """BatchNorm whose training statistics span every replica of a replicated call, with the arguments, parameters,
+    buffers and state-dict keys of ``nn.BatchNorm1d/2d/3d``; a converted layer checks input dims as its class did."""
 
     def __init__(
         self,
@@ -62,12 +60,15 @@ class SyncBatchNorm(_BatchNorm):
         self._sync_key = _LayerKey()
 
     def _check_input_dim(self, input: Tensor) -> None:
-        # The check of the class converted from; torch.nn.SyncBatchNorm's (at least 2D) for a layer built directly.
+        # The converted class's own check; torch.nn.SyncBatchNorm's (at least 2D) for a layer built directly.
         (_key_of(self).original_class or nn.SyncBatchNorm)._check_input_dim(self, input)
+
+    def _uses_batch_stats(self) -> bool:
+        return self.training or (self.running_mean is None and self.running_var is None)
 
     def forward(self, input: Tensor) -> Tensor:
         replica = current_replica()
-        if replica is None or replica.group.size < 2 or not _uses_batch_stats(self):
+        if replica is None or replica.group.size < 2 or not self._uses_batch_stats():
             return super().forward(input)
         self._check_input_dim(input)
         return _synced_forward(self, input, replica)
@@ -80,15 +81,12 @@ def _key_of(layer: SyncBatchNorm) -> _LayerKey:
     return key
 
 
-def _uses_batch_stats(layer: SyncBatchNorm) -> bool:
-    """Whether ``layer`` normalises with batch statistics (as BatchNorm decides it), which then span the replicas."""
-    return layer.training or (layer.running_mean is None and layer.running_var is None)
-
-
 def _describe(layer: SyncBatchNorm) -> str:
     name = _key_of(layer).name
-    if name is None:
-        return f"<unnamed, {layer.num_features} features>"
+    return f"<unnamed, {layer.num_features} features>" if name is None else _quoted(name)
+
+
+def _quoted(name: str) -> str:
     return repr(name) if name else "<the root module>"
 
 
@@ -97,25 +95,23 @@ def _describe(layer: SyncBatchNorm) -> str:
 class _Part:
     """What one replica brings to the rendezvous of a layer call."""
 
+    layer: SyncBatchNorm  # replica 0's buffers are the module's own
     x: Tensor
-    weight: Tensor | None
-    bias: Tensor | None
     stats: tuple[Tensor, Tensor] | None  # this shard's statistics (kernel-specific), None for an empty shard
     count: int  # values per channel in this shard
     stream: torch.cuda.Stream | None
     kernels: type[_PlainKernels]
-    layer: SyncBatchNorm | None  # replica 0 only: its buffers are the module's own
 
 
 def _synced_forward(layer: SyncBatchNorm, input: Tensor, replica: ReplicaContext) -> Tensor:
     key = _key_of(layer)
     call = replica.next_call(key)
     label = f"SyncBatchNorm layer {_describe(layer)} (call {call} in this forward)"
-    replica.group.require_threads(
+    group = replica.group
+    group.require_threads(
         label,
-        "Its statistics span the whole batch: run the call with execution_mode='threads', not "
-        "execution_mode='sequential' (DataParallelModel, DataParallelCriterion and the lightning_mgpu strategies "
-        "switch to threads by themselves), or put the layer in eval mode.",
+        "Run it with execution_mode='threads' instead of execution_mode='sequential' (DataParallelModel, "
+        "DataParallelCriterion and the lightning_mgpu strategies switch by themselves), or put the layer in eval mode.",
     )
     if input.size(1) != layer.num_features:
         raise ValueError(f"{label} expects {layer.num_features} channels (dim 1) but got input of shape {input.shape}.")
@@ -126,23 +122,14 @@ def _synced_forward(layer: SyncBatchNorm, input: Tensor, replica: ReplicaContext
     if count:
         with torch.no_grad():
             stats = kernels.local_stats(x, layer.eps)
-    part = _Part(
-        x=x,
-        weight=layer.weight,
-        bias=layer.bias,
-        stats=stats,
-        count=count,
-        stream=torch.cuda.current_stream(x.device) if x.is_cuda else None,
-        kernels=kernels,
-        layer=layer if replica.index == 0 else None,
-    )
-    return replica.group.rendezvous(replica.index, (key, call), part, _combine, label, _HINT)
+    stream = torch.cuda.current_stream(x.device) if x.is_cuda else None
+    part = _Part(layer, x, stats, count, stream, kernels)
+    return group.rendezvous(replica.index, (key, call), part, _combine, label, _HINT)
 
 
 def _combine(parts: list[_Part]) -> tuple[Tensor, ...]:
     """Run by the last replica to arrive: the joint node over every replica's input, outputs in replica order."""
     layer = parts[0].layer
-    assert layer is not None, "replica 0 always brings its layer"
     kernels = parts[0].kernels
     if any(p.kernels is not kernels for p in parts):
         raise RuntimeError(
@@ -157,8 +144,7 @@ def _combine(parts: list[_Part]) -> tuple[Tensor, ...]:
         )
     running = None
     if layer.training and layer.track_running_stats and layer.running_mean is not None:
-        # BatchNorm's bookkeeping, on replica 0's buffers (the module's own). Without momentum: a cumulative average
-        # (factor 1 / num_batches_tracked), or no update at all if the layer has no batch counter.
+        # As BatchNorm: momentum None is a cumulative average over num_batches_tracked, or no update without it.
         momentum = layer.momentum
         if momentum is None and layer.num_batches_tracked is None:
             momentum = 0.0
@@ -174,7 +160,7 @@ def _combine(parts: list[_Part]) -> tuple[Tensor, ...]:
     xs = [p.x for p in parts]
     # Each replica's stream is current on its device while the node runs *and* while autograd records its outputs.
     with _streams(plan.streams):
-        return _JointBatchNorm.apply(plan, *xs, *(p.weight for p in parts), *(p.bias for p in parts))
+        return _JointBatchNorm.apply(plan, *xs, *(p.layer.weight for p in parts), *(p.layer.bias for p in parts))
 
 
 @dataclass
@@ -211,10 +197,6 @@ class _Plan:
     running: _Running | None
 
     @property
-    def size(self) -> int:
-        return len(self.counts)
-
-    @property
     def active(self) -> list[int]:
         return [i for i, count in enumerate(self.counts) if count]
 
@@ -225,7 +207,7 @@ class _JointBatchNorm(Function):
 
     @staticmethod
     def forward(ctx: FunctionCtx, plan: _Plan, *tensors: Tensor | None) -> tuple[Tensor, ...]:
-        n, kernels = plan.size, plan.kernels
+        n, kernels = len(plan.counts), plan.kernels
         xs, weights, biases = tensors[:n], tensors[n : 2 * n], tensors[2 * n :]
         active = plan.active
         if plan.running is not None and plan.running.batches is not None:
@@ -250,7 +232,7 @@ class _JointBatchNorm(Function):
     @once_differentiable
     def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
         plan: _Plan = ctx.plan
-        n, kernels = plan.size, plan.kernels
+        n, kernels = len(plan.counts), plan.kernels
         saved = ctx.saved_tensors
         xs, weights, stats = saved[:n], saved[n : 2 * n], saved[2 * n :]
         needs = ctx.needs_input_grad[1:]
@@ -307,11 +289,9 @@ def _streams(streams: Sequence[torch.cuda.Stream | None]) -> Iterator[None]:
 
 
 def _contiguous(t: Tensor) -> Tensor:
-    if t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last)):
-        return t
-    if t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d):
-        return t
-    return t.contiguous()
+    """``t`` itself when dense in the default or a channels-last layout (the kernels take both), else a copy."""
+    layouts = (torch.contiguous_format, torch.channels_last, torch.channels_last_3d)
+    return t if any(t.is_contiguous(memory_format=layout) for layout in layouts) else t.contiguous()
 
 
 # --- kernels ------------------------------------------------------------------------------------------------------
@@ -451,13 +431,13 @@ class _CudaKernels(_PlainKernels):
 
 # --- conversion ---------------------------------------------------------------------------------------------------
 def convert_sync_batchnorm(module: nn.Module) -> nn.Module:
-    """Replace every BatchNorm in ``module`` by a :class:`SyncBatchNorm` holding the same Parameter and buffer objects
-    (optimizers stay valid), hooks and attributes; return the module (a new object only when ``module`` itself is a
-    BatchNorm), as ``torch.nn.SyncBatchNorm.convert_sync_batchnorm`` does for one process."""
+    """Replace every BatchNorm (any ``_BatchNorm``) in ``module`` by a :class:`SyncBatchNorm` holding the same Parameter
+    and buffer objects (optimizers stay valid), flags, hooks and attributes; return ``module`` (a new object only when
+    it is itself a BatchNorm). State-dict keys are unchanged; :func:`revert_sync_batchnorm` undoes it."""
 
     def convert(sub: nn.Module, name: str) -> nn.Module | None:
-        if isinstance(sub, SyncBatchNorm) and _key_of(sub).name is None:
-            _key_of(sub).name = name
+        if isinstance(sub, SyncBatchNorm):
+            _name_once(sub, name)
         if not isinstance(sub, _BatchNorm) or isinstance(sub, SyncBatchNorm):
             return None
         new = _retype(sub, SyncBatchNorm, name)
@@ -477,9 +457,8 @@ def revert_sync_batchnorm(module: nn.Module, default: type[_BatchNorm] | None = 
         cls = _key_of(sub).original_class or default
         if cls is None:
             raise ValueError(
-                f"SyncBatchNorm layer {name or '<the root module>'!r} was built directly, not by "
-                "convert_sync_batchnorm, so the BatchNorm class to restore is unknown: pass e.g. "
-                "revert_sync_batchnorm(model, default=nn.BatchNorm2d)."
+                f"SyncBatchNorm layer {_quoted(name)} was built directly, not by convert_sync_batchnorm, so the "
+                "BatchNorm class to restore is unknown: pass e.g. revert_sync_batchnorm(model, default=nn.BatchNorm2d)."
             )
         new = _retype(sub, cls, name)
         new.__dict__.pop("_sync_key", None)
@@ -512,8 +491,8 @@ def _retype(layer: _BatchNorm, cls: type[_BatchNorm], name: str) -> Any:
     the two modules do not share later registrations)."""
     if isinstance(layer, LazyModuleMixin) and layer.has_uninitialized_params():
         raise ValueError(
-            f"Cannot convert {type(layer).__name__} {name or '<the root module>'!r}: its parameters are not "
-            "initialised yet. Run one forward pass (a dry run on a sample batch) before converting."
+            f"Cannot convert {type(layer).__name__} {_quoted(name)}: its parameters are not initialised yet. Run one "
+            "forward pass (a dry run on a sample batch) before converting."
         )
     new = cls.__new__(cls)
     new.__dict__.update({k: v.copy() if isinstance(v, (dict, set)) else v for k, v in layer.__dict__.items()})
@@ -521,14 +500,17 @@ def _retype(layer: _BatchNorm, cls: type[_BatchNorm], name: str) -> Any:
 
 
 def uses_sync_batchnorm(module: nn.Module) -> bool:
-    """Whether a forward of ``module`` in its current mode synchronises BatchNorm statistics across replicas (the
-    replicas must then run in threads). Cheap enough to call per step; names the sync layers built directly, for their
-    errors."""
+    """Whether a forward of ``module`` in its current mode synchronises BatchNorm statistics (some
+    :class:`SyncBatchNorm` uses batch statistics), so its replicas must run in threads. Cheap enough to call per step;
+    also names the sync layers built directly, for their errors."""
     syncs = False
     for name, sub in module.named_modules():
         if isinstance(sub, SyncBatchNorm):
-            key = _key_of(sub)
-            if key.name is None:
-                key.name = name
-            syncs = syncs or _uses_batch_stats(sub)
+            _name_once(sub, name)
+            syncs = syncs or sub._uses_batch_stats()
     return syncs
+
+
+def _name_once(layer: SyncBatchNorm, name: str) -> None:
+    if _key_of(layer).name is None:
+        _key_of(layer).name = name

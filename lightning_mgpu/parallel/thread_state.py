@@ -1,14 +1,14 @@
-"""The thread-local torch state (grad and inference mode, autocast with its dtype, CUDA device and stream) that a
-replica's worker thread inherits none of, captured in the caller and replayed in each worker.
+"""The thread-local torch state a replica's worker thread must replay to behave like the caller.
 
-Keep the autocast dtype: torch's own ``parallel_apply`` drops it, so a bf16 run silently autocasts to fp16 there.
+A new thread inherits none of: grad mode, inference mode, autocast (enabled *and* dtype, per device type), the
+current CUDA device and stream (torch's own ``parallel_apply`` drops the autocast dtype: bf16 silently becomes fp16).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -17,11 +17,13 @@ _AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")
 
 @dataclass(frozen=True)
 class ThreadState:
+    """The caller's thread-local torch state; process-global state (the default dtype) is left alone."""
+
     grad_enabled: bool
     inference_mode: bool
-    autocast: dict[str, tuple[bool, torch.dtype]] = field(default_factory=dict)
-    autocast_cache: bool = True
-    cuda_streams: dict[int, torch.cuda.Stream] = field(default_factory=dict)
+    autocast: dict[str, tuple[bool, torch.dtype]]
+    autocast_cache: bool
+    cuda_streams: dict[int, torch.cuda.Stream]
 
     @classmethod
     def capture(cls, devices: Sequence[torch.device] = ()) -> ThreadState:
@@ -29,9 +31,7 @@ class ThreadState:
             grad_enabled=torch.is_grad_enabled(),
             inference_mode=torch.is_inference_mode_enabled(),
             autocast={
-                device_type: (True, torch.get_autocast_dtype(device_type))
-                for device_type in _AUTOCAST_DEVICE_TYPES
-                if torch.is_autocast_enabled(device_type)
+                t: (True, torch.get_autocast_dtype(t)) for t in _AUTOCAST_DEVICE_TYPES if torch.is_autocast_enabled(t)
             },
             autocast_cache=torch.is_autocast_cache_enabled(),
             cuda_streams={d.index: torch.cuda.current_stream(d) for d in devices if d.type == "cuda"},
