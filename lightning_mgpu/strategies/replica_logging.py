@@ -15,7 +15,7 @@ from torch import Tensor
 from torchmetrics import Metric
 
 from lightning_mgpu.parallel.reduce import weighted_mean
-from lightning_mgpu.strategies.step_outputs import LossTermsTotal, tensor_key
+from lightning_mgpu.strategies.step_outputs import LossTermsTotal, stack_scalars, tensor_key
 
 _REDUCE_FX: dict[str, tuple[Any, ...]] = {
     "mean": ("mean", "avg", torch.mean),
@@ -101,7 +101,7 @@ def _merge_values(
     values = [_as_tensor(name, call.value, options["enable_graph"]) for _, call in entries]
     device = values[0].device
     dtype = torch.promote_types(values[0].dtype, torch.float32) if values[0].is_floating_point() else torch.float32
-    stacked = torch.stack([v.to(device=device, dtype=dtype) for v in values])
+    stacked = stack_scalars(values, device, dtype)
     if kind != "mean":
         return getattr(stacked, kind)(), options
     explicit = [call.options.get("batch_size") for _, call in entries]
@@ -114,15 +114,14 @@ def _merge_values(
         return LossTermsTotal.merge(implied, device, dtype), {**options, "batch_size": batch_size or sum(counts)}
     if all(b is not None and not isinstance(b, str) for b in implied):
         # A logged copy of the loss merges as the loss does; batch_size= only weights the step in the epoch mean.
-        w = torch.stack([torch.as_tensor(b).to(device=device, dtype=dtype).reshape(()) for b in implied])
+        weights = implied
     else:
-        w = torch.tensor(
-            [float(b) for b in (explicit if batch_size is not None else counts)], dtype=dtype, device=device
-        )
+        weights = explicit if batch_size is not None else counts
         # The step's weight in the epoch mean; Lightning would read it from the batch's first tensor (wrong for a
         # PerSample list of images).
         batch_size = sum(counts) if batch_size is None else batch_size
-    return weighted_mean(stacked, w), options if batch_size is None else {**options, "batch_size": batch_size}
+    options = options if batch_size is None else {**options, "batch_size": batch_size}
+    return weighted_mean(stacked, stack_scalars(weights, device, dtype)), options
 
 
 def _as_tensor(name: str, value: Any, enable_graph: bool) -> Tensor:

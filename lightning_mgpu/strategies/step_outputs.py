@@ -20,6 +20,11 @@ LOSS_WEIGHT_KEY = "loss_weight"
 LOSS_TERMS_KEY = "loss_terms"
 
 
+def stack_scalars(values: Sequence[Any], device: torch.device, dtype: torch.dtype) -> Tensor:
+    """Numbers or one-element tensors as one 1-D tensor on ``device``, for ``weighted_mean`` (no host sync)."""
+    return torch.stack([torch.as_tensor(value).to(device, dtype).reshape(()) for value in values])
+
+
 def tensor_key(value: Any) -> tuple[int, int, tuple[int, ...]] | None:
     """What identifies a logged loss: its storage, offset and shape, so ``loss.detach()`` is recognised as the loss."""
     if not isinstance(value, Tensor) or value.layout != torch.strided:
@@ -36,10 +41,9 @@ class LossTermsTotal:
     @staticmethod
     def merge(totals: Sequence[LossTermsTotal], device: torch.device, dtype: torch.dtype) -> Tensor:
         merged = torch.zeros((), device=device, dtype=dtype)
-        for position in range(len(totals[0].terms)):
-            values = torch.stack([t.terms[position][0].detach().to(device, dtype).reshape(()) for t in totals])
-            w = torch.stack([torch.as_tensor(t.terms[position][1]).to(device, dtype).reshape(()) for t in totals])
-            merged = merged + weighted_mean(values, w)
+        for pairs in zip(*(total.terms for total in totals), strict=True):  # one term, every replica's pair
+            values = stack_scalars([loss.detach() for loss, _ in pairs], device, dtype)
+            merged = merged + weighted_mean(values, stack_scalars([weight for _, weight in pairs], device, dtype))
         return merged
 
 
