@@ -1,4 +1,2 @@
-"""Lightning strategies ``parallel_criterion`` and ``dp`` (alias ``data_parallel``): one implementation, and thin
-classes per namespace in :mod:`.lightning_pytorch` and :mod:`.pytorch_lightning`. Importing this package imports
-neither namespace.
-"""
+"""Lightning strategies ``parallel_criterion`` and ``dp`` (alias ``data_parallel``): one implementation, and a thin
+class per namespace (:mod:`.lightning_pytorch`, :mod:`.pytorch_lightning`). Importing this package imports neither."""

@@ -55,16 +55,12 @@ class LightningReplicas:
                 [lambda i=i, r=r: call(i, r) for i, r in enumerate(replicas)], self.devices[:count], mode
             )
         except BaseException:
-            self.discard()
+            self.metrics.discard()
+            for recorder in self.recorders:
+                recorder.calls.clear()
             raise
         self.replica_set.watch(outputs)  # the backward pass through them reduces the replicas' gradients
         return outputs
-
-    def discard(self) -> None:
-        """Forget what the step in progress recorded (it failed)."""
-        self.metrics.discard()
-        for recorder in self.recorders:
-            recorder.calls.clear()
 
     def merge_into(self, root: Any, sample_counts: Sequence[int], implied: Sequence[dict[int, Any]]) -> None:
         """Log every recorded name once on ``root`` and fold the metric clones into the root metrics."""
