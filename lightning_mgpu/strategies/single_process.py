@@ -184,9 +184,17 @@ class SingleProcessParallel:
     @property
     def _collectives_hint(self) -> str:
         return (
-            f"Pass {type(self).__name__}(collectives=True) (CLI: --trainer.strategy.init_args.collectives=true) so "
-            "that the replicas run in threads and meet."
+            f"Pass {type(self).__name__}(collectives=True) (CLI: {self._cli_options('collectives=true')}) so that the "
+            "replicas run in threads and meet."
         )
+
+    def _cli_options(self, init_arg: str) -> str:
+        """LightningCLI options that set ``init_arg`` on this strategy, also when the config names it by string (a
+        string strategy takes no ``init_args``: the class path must come first)."""
+        cls = type(self)
+        short = self.namespace.name == "lightning.pytorch"
+        path = f"lightning_mgpu.{cls.__name__}" if short else f"{cls.__module__}.{cls.__name__}"
+        return f"--trainer.strategy.class_path={path} --trainer.strategy.init_args.{init_arg}"
 
     # --- set-up and teardown -----------------------------------------------------------------------------------------
     @override
@@ -328,7 +336,7 @@ class SingleProcessParallel:
             f"{self.strategy_name}: nothing says how {what} is normalised, so each device's value is weighted by its "
             "sample count, which equals one device for a per-sample mean. For a sum or a mean over tokens or "
             f"non-ignored labels, declare it: {type(self).__name__}(loss_reduction='sum' | 'tokens:{labels}') (CLI: "
-            f"--trainer.strategy.init_args.loss_reduction=...), or {alternative}.",
+            f"{self._cli_options('loss_reduction=...')}), or {alternative}.",
         )
 
     # --- the four step hooks Lightning calls on the strategy ----------------------------------------------------------

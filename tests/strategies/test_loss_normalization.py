@@ -9,6 +9,7 @@ The ``transformers`` models are in ``test_transformers_models.py``; the opt-in d
 from __future__ import annotations
 
 import importlib
+import re
 import warnings
 from typing import Any
 
@@ -76,9 +77,28 @@ def test_a_handwritten_sum_gets_the_one_line_notice_once(root):
     got = fit(make_mlp(L, "handwritten_sum"), "parallel_criterion", 3, mlp_loader("handwritten_sum", 10), root)
     (notice,) = notices(got)
     assert "\n" not in notice
-    assert "loss_reduction='sum'" in notice and "--trainer.strategy.init_args.loss_reduction" in notice
-    assert "ParallelCriterionStrategy(" in notice and "loss_weight" in notice
+    assert "loss_reduction='sum'" in notice and "ParallelCriterionStrategy(" in notice and "loss_weight" in notice
     assert got.trainer.strategy.normalization.spec() == "samples"
+
+
+def test_the_notices_command_line_fix_works_on_a_config_that_names_the_strategy(tmp_path):
+    """The notice's CLI options, taken from its text, set ``loss_reduction`` on a config whose strategy is the string
+    ``parallel_criterion`` (the README's form, where ``--trainer.strategy.init_args...`` alone is refused)."""
+    from lightning_mgpu.cli import main as cli_main
+
+    strategy = lightning_mgpu.ParallelCriterionStrategy()
+    with pytest.warns(UserWarning, match="nothing says how") as caught:
+        strategy._say_assumed_samples("the training loss", "labels", "return loss_weight")
+    options = re.search(r"\(CLI: (.+?)\)", str(caught[0].message)).group(1).replace("...", "sum").split()
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "model:\n  class_path: lightning.pytorch.demos.boring_classes.BoringModel\n"
+        "trainer:\n  strategy: parallel_criterion\n  accelerator: cpu\n  devices: 2\n"
+        f"  default_root_dir: {tmp_path}\n"
+    )
+    cli = cli_main(["-c", str(config), *options], run=False)
+    assert type(cli.trainer.strategy).__name__ == "ParallelCriterionStrategy"
+    assert cli.trainer.strategy.normalization.spec() == "sum"
 
 
 # --- 2. a per-sample mean written by hand: exact, with at most the notice ------------------------------------------
