@@ -100,12 +100,7 @@ def check_strategy_names(command: str, args: Sequence[str]) -> None:
     known = [*StrategyRegistry.available_strategies(), "auto"]
     for name in _strategy_names(args):
         if name not in known:
-            close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
-            hint = f" Did you mean {' or '.join(map(repr, close))}?" if close else ""
-            raise ClassPathError(
-                f"{command}: unknown strategy {name!r}.{hint} This package registers 'parallel_criterion' and 'dp' "
-                "(alias 'data_parallel'); Lightning's own include 'ddp' and 'auto'."
-            )
+            raise ClassPathError(_unknown_strategy(command, name, known))
     for class_path in _class_paths(args):
         if class_path.startswith("lightning_mgpu.strategies.pytorch_lightning."):
             name = class_path.rpartition(".")[2]
@@ -113,6 +108,23 @@ def check_strategy_names(command: str, args: Sequence[str]) -> None:
                 f"{command}: {class_path} is a pytorch_lightning strategy, but this command runs lightning.pytorch's "
                 f"Trainer: use class_path: lightning_mgpu.{name}."
             )
+
+
+def _unknown_strategy(command: str, name: str, known: list[str]) -> str:
+    """Why ``trainer.strategy=name`` fails: a class given where a registered name goes, or a misspelled name."""
+    if "." in name or name[:1].isupper():
+        path = name if "." in name else f"lightning_mgpu.{name}"
+        return (
+            f"{command}: trainer.strategy={name!r} is read as a registered strategy name, and that is a class. A "
+            f"strategy class goes in --trainer.strategy.class_path={path} (YAML: strategy: {{class_path: {path}}}), "
+            "its arguments in --trainer.strategy.init_args.<argument>=..."
+        )
+    close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+    hint = f" Did you mean {' or '.join(map(repr, close))}?" if close else ""
+    return (
+        f"{command}: unknown strategy {name!r}.{hint} This package registers 'parallel_criterion' and 'dp' (alias "
+        "'data_parallel'); Lightning's own include 'ddp' and 'auto'."
+    )
 
 
 def check_recipes_extra(command: str, args: Sequence[str] = (), modules: Iterable[str] = ("jsonargparse",)) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -71,6 +72,23 @@ def test_a_misspelled_strategy_gets_the_registered_names(capsys, monkeypatch):
     assert exit.value.code == 1
     (message,) = capsys.readouterr().err.strip().splitlines()
     assert "unknown strategy 'parallel_criterium'. Did you mean 'parallel_criterion'?" in message
+
+
+@pytest.mark.parametrize("given", ["lightning_mgpu.ParallelCriterionStrategy", "ParallelCriterionStrategy"])
+def test_a_strategy_class_given_as_a_name_gets_the_class_path_form_that_works(given, capsys, monkeypatch, tmp_path):
+    """``--trainer.strategy=<a class>`` is a registered name to Lightning: one line says where a class goes, and the
+    options it suggests run."""
+    monkeypatch.setattr(sys, "argv", ["lightning-mgpu"])
+    config = ["-c", str(REPO / "configs/pyramidnet/quickstart.yaml"), f"--trainer.default_root_dir={tmp_path}"]
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["fit", *config, f"--trainer.strategy={given}"])
+    assert exit.value.code == 1
+    (message,) = capsys.readouterr().err.strip().splitlines()
+    suggested = re.search(r"goes in (\S+)", message).group(1)
+    assert suggested == "--trainer.strategy.class_path=lightning_mgpu.ParallelCriterionStrategy"
+    built = cli.main([*config, suggested, "--trainer.strategy.init_args.loss_reduction=sum"], run=False)
+    assert type(built.trainer.strategy).__name__ == "ParallelCriterionStrategy"
+    assert built.trainer.strategy.normalization.spec() == "sum"
 
 
 def test_a_pytorch_lightning_class_in_this_cli_names_the_one_to_use(capsys, monkeypatch, tmp_path):
