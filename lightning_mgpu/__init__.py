@@ -8,7 +8,6 @@ use); ``pytorch_lightning`` users take them from ``lightning_mgpu.strategies.pyt
 
 from typing import Any
 
-from lightning_mgpu.loss_check import check_loss_reduction
 from lightning_mgpu.parallel import (
     BatchSplitError,
     DataParallelCriterion,
@@ -39,7 +38,12 @@ __version__ = "0.2.0"
 
 
 def __getattr__(name: str) -> Any:
-    """The strategy classes, imported on first use (they import ``lightning.pytorch``)."""
+    """The strategy classes, imported on first use (they import ``lightning.pytorch``), and the loss diagnostic (so
+    that ``python -m lightning_mgpu.loss_check`` runs a module not imported yet)."""
+    if name == "check_loss_reduction":
+        from lightning_mgpu.loss_check import check_loss_reduction
+
+        return check_loss_reduction
     if name in ("ParallelCriterionStrategy", "DataParallelStrategy"):
         from lightning_mgpu.strategies import lightning_pytorch
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import sys
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -23,18 +24,22 @@ from lightning_mgpu.strategies.step_outputs import LOSS_TERMS_KEY, LOSS_WEIGHT_K
 
 #: A rule reproduces the whole batch's loss when it misses by at most this much, relative (float32 rounding).
 RELATIVE_TOLERANCE = 1e-5
+#: Switched off in the copy: a mask drawn for the whole batch's shape cannot match the masks drawn for its shards.
+DROPOUT_LAYERS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 
 
 @dataclass
 class LossCheck:
-    """The whole batch's loss, each candidate rule's combination of the shards' losses, and how much the loss moves
-    under another random seed (0 for a deterministic step)."""
+    """The whole batch's loss, each candidate rule's combination of the shards' losses (of ``sizes`` samples), and how
+    much the loss moves under another random seed with the dropout layers off (0 for a deterministic step)."""
 
     whole: float
     predictions: dict[str, float] = field(default_factory=dict)
     noise: float = 0.0
     declared: str | None = None
     known: str | None = None  # the rule the strategy finds by itself, and from what
+    sizes: list[int] = field(default_factory=list)
+    dropout_off: int = 0  # dropout layers switched off for the check
 
     def errors(self) -> dict[str, float]:
         """How far each candidate misses the whole batch's loss, closest first."""
@@ -42,8 +47,11 @@ class LossCheck:
         return dict(sorted(errors.items(), key=lambda item: item[1]))
 
     def fits(self) -> list[str]:
-        """Every candidate that reproduces the whole batch's loss, closest first."""
-        tolerance = max(RELATIVE_TOLERANCE * abs(self.whole), 4 * self.noise)
+        """Every candidate that reproduces the whole batch's loss, closest first; none for a random step, whose shards
+        draw other random numbers than the whole batch."""
+        if self.noise:
+            return []
+        tolerance = RELATIVE_TOLERANCE * abs(self.whole)
         return [spec for spec, error in self.errors().items() if error <= tolerance]
 
     @property
@@ -51,33 +59,48 @@ class LossCheck:
         """The ``loss_reduction`` to declare: the candidate that reproduces the whole batch, if any does."""
         return next(iter(self.fits()), None)
 
+    def _why_alike(self) -> str:
+        if len(self.sizes) < 2:
+            return f"a batch of {sum(self.sizes)} sample(s) is not split: use a larger one"
+        if len(set(self.sizes)) < 2:
+            return f"its shards are all of {self.sizes[0]} samples: use a batch of at least {len(self.sizes) + 1}"
+        return "e.g. no ignored label"
+
+    def _verdict(self, fits: list[str]) -> str:
+        if self.noise:
+            return (
+                f"the step is random even with its {self.dropout_off} dropout layer(s) off (its loss moves by "
+                f"{self.noise:.3g} under another seed): the whole batch and its shards draw different random numbers, "
+                "so no rule can be told from another. Make the step deterministic for the check (e.g. attention "
+                "dropout 0 in the model's config, no sampling in the step) and run it again"
+            )
+        if self.declared is not None:
+            return f"the step declares its own weights ({self.declared}): parallel_criterion uses them"
+        if self.known is not None and self.known.split(" ")[0] in fits:
+            return f"parallel_criterion finds {self.known} by itself: nothing to declare"
+        if len(fits) > 1:
+            return (
+                f"these rules coincide on this batch: {', '.join(map(repr, fits))} ({self._why_alike()}): declare the "
+                "one your loss averages over, or check a batch that tells them apart"
+            )
+        if fits:
+            return f"declare ParallelCriterionStrategy(loss_reduction={fits[0]!r})"
+        return (
+            "no rule reproduces one device: the step couples samples across the batch (BatchNorm in train mode: "
+            "Trainer(sync_batchnorm=True); a contrastive loss: self.all_gather(..., sync_grads=True) or "
+            "strategy='dp'), or adds terms normalised differently (return 'loss_terms')"
+        )
+
     def __str__(self) -> str:
         lines = [f"the whole batch's loss on one device: {self.whole:.8g}"]
-        if self.noise:
-            lines.append(f"  (the step is random: its loss moves by {self.noise:.3g} under another seed)")
+        if self.dropout_off:
+            lines.append(f"  ({self.dropout_off} dropout layer(s) switched off for the check)")
         for spec, error in self.errors().items():
             lines.append(
                 f"  loss_reduction={spec!r}: the shards' losses combine to {self.predictions[spec]:.8g} "
                 f"(off by {error:.3g})"
             )
-        fits = self.fits()
-        if self.declared is not None:
-            lines.append(f"the step declares its own weights ({self.declared}): parallel_criterion uses them")
-        elif self.known is not None and self.known.split(" ")[0] in fits:
-            lines.append(f"parallel_criterion finds {self.known} by itself: nothing to declare")
-        elif len(fits) > 1:
-            lines.append(
-                f"these rules coincide on this batch: {', '.join(map(repr, fits))} (e.g. no ignored label): "
-                "declare the one your loss averages over, or check a batch that tells them apart"
-            )
-        elif fits:
-            lines.append(f"declare ParallelCriterionStrategy(loss_reduction={fits[0]!r})")
-        else:
-            lines.append(
-                "no rule reproduces one device: the step couples samples across the batch (BatchNorm in train mode: "
-                "Trainer(sync_batchnorm=True); a contrastive loss: self.all_gather(..., sync_grads=True) or "
-                "strategy='dp'), or adds terms normalised differently (return 'loss_terms')"
-            )
+        lines.append(self._verdict(self.fits()))
         return "\n".join(lines)
 
 
@@ -91,10 +114,14 @@ def check_loss_reduction(
     dim: int = 0,
     seed: int = 0,
 ) -> LossCheck:
-    """Run ``training_step`` of a deep copy of ``module`` in train mode on ``batch`` whole and split into ``devices``
-    unequal shards (all on ``device``), and report which rule combines the shards' losses into the whole batch's."""
+    """Run ``training_step`` of a deep copy of ``module`` in train mode (dropout layers off) on ``batch`` whole and
+    split into ``devices`` unequal shards (all on ``device``); report which rule combines the shards' losses into the
+    whole batch's."""
     target = to_device(device)
     replica = copy.deepcopy(module).to(target).train()
+    dropout = [layer for layer in replica.modules() if isinstance(layer, DROPOUT_LAYERS)]
+    for layer in dropout:
+        layer.eval()
     batch = move_to(batch, target)
 
     def loss_of(part: Any, draw_seed: int = seed) -> tuple[float, str | None]:
@@ -115,7 +142,7 @@ def check_loss_reduction(
     shard_losses = [loss_of(chunk)[0] for chunk in chunks]
     known = known_rule(module, batch)
     found = None if known is None else f"{known[0].spec()} (from {known[1]})"
-    result = LossCheck(whole, noise=noise, declared=declared, known=found)
+    result = LossCheck(whole, noise=noise, declared=declared, known=found, sizes=sizes, dropout_off=len(dropout))
     values = [torch.tensor(loss, dtype=torch.float64) for loss in shard_losses]
     for rule in _candidates(known, batch, dim):  # combined exactly as the strategy combines them, in float64
         result.predictions[rule.spec()] = float(rule.reduce(values, rule.weights(chunks, sizes), torch.device("cpu")))
@@ -170,7 +197,12 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     from lightning_mgpu.cli import main as cli_main
 
-    cli = cli_main([*(arg for config in args.config for arg in ("-c", config)), *overrides], run=False)
+    # LightningCLI parses the configs and overrides given here, not this program's own command line.
+    command_line, sys.argv = sys.argv, sys.argv[:1]
+    try:
+        cli = cli_main([*(arg for config in args.config for arg in ("-c", config)), *overrides], run=False)
+    finally:
+        sys.argv = command_line
     datamodule = cli.datamodule
     datamodule.prepare_data()
     datamodule.setup("fit")

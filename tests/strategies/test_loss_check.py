@@ -3,6 +3,8 @@ rule that reproduces one device; the module it is given is left as it was."""
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
 
 import lightning.pytorch as L
@@ -11,6 +13,7 @@ import torch
 from hf_models import make_mlp, mlp_loader
 
 import lightning_mgpu
+from benchmarks.compare.process_group import run_in_process_group
 from lightning_mgpu import loss_check
 
 
@@ -62,3 +65,54 @@ def test_command_line_form_on_a_recipe_config(capsys):
     assert "the whole batch's loss on one device" in out
     # PyramidNet's BatchNorm couples the samples of a batch in train mode: no per-device weighting reproduces it
     assert "sync_batchnorm=True" in out
+
+
+class _NoisyMean(L.LightningModule):
+    """A per-sample mean behind dropout, and optionally noise drawn in the step itself."""
+
+    def __init__(self, noise_in_step: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 3)).double()
+        self.noise_in_step = noise_in_step
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        if self.noise_in_step:
+            x = x + 0.1 * torch.randn_like(x)
+        return torch.nn.functional.cross_entropy(self.net(x), y)
+
+
+def _classes(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return torch.randn(n, 4, dtype=torch.float64, generator=generator), torch.arange(n) % 3
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_dropout_layers_are_off_for_the_check_so_a_per_sample_mean_is_named(seed):
+    """Dropout masks drawn for the whole batch cannot match its shards'; with the layers off the rule is exact."""
+    check = lightning_mgpu.check_loss_reduction(_NoisyMean(), _classes(10), devices=3, seed=seed)
+    assert check.rule == "samples", str(check)
+    assert "1 dropout layer(s) switched off" in str(check)
+
+
+def test_a_step_random_beyond_dropout_gets_no_rule_and_says_why():
+    check = lightning_mgpu.check_loss_reduction(_NoisyMean(noise_in_step=True), _classes(10), devices=3)
+    assert check.rule is None and check.noise > 0
+    report = str(check)
+    assert "the step is random even with its 1 dropout layer(s) off" in report and "declare" not in report
+
+
+@pytest.mark.parametrize(("size", "why"), [(1, "is not split"), (2, "shards are all of 1 samples")])
+def test_a_batch_too_small_to_tell_rules_apart_says_so(size, why):
+    check = lightning_mgpu.check_loss_reduction(_NoisyMean(), _classes(size), devices=2)
+    assert why in str(check), str(check)
+
+
+def test_the_command_starts_without_python_warnings(tmp_path):
+    """``python -m lightning_mgpu.loss_check`` runs a module the package has not imported (no runpy warning)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-W", "error::RuntimeWarning", "-m", "lightning_mgpu.loss_check", "--help"]
+    run = run_in_process_group(command, 120, env=env, log=tmp_path / "log")
+    assert run.returncode == 0, run.describe()
+    assert "usage: python -m lightning_mgpu.loss_check" in run.output and "Warning" not in run.output
