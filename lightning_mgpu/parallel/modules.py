@@ -98,7 +98,8 @@ class DataParallelModel(nn.Module):
         replica_set = self._replicas.of(self.module, self.device_ids)
         mode, reason = replica_set.execution_mode(self.execution_mode, len(used))
         if reason is not None:
-            warnings.warn(f"DataParallelModel: {reason}.", UserWarning, stacklevel=2)
+            message = f"DataParallelModel: execution_mode={self.execution_mode!r} overridden: {reason}."
+            warnings.warn(message, UserWarning, stacklevel=2)
         replicas = replica_set.prepare(len(used), mode)
         calls = [functools.partial(r, *a, **k) for r, a, k in zip(replicas, args_chunks, kwargs_chunks, strict=True)]
         outputs = run_replicas(calls, used, mode)

@@ -197,7 +197,10 @@ def argument_roots(
 def split_sizes(batch_size: int, num_devices: int) -> list[int]:
     """Per-replica sizes as ``torch.tensor_split`` makes them, with no empty chunk (tiny batches use fewer)."""
     if batch_size <= 0:
-        raise BatchSplitError("Cannot split an empty batch (batch size 0): there is nothing to run.")
+        raise BatchSplitError(
+            "Cannot split an empty batch (batch size 0): there is nothing to run. Leave empty batches out where they "
+            "are made (the sampler or collate_fn)."
+        )
     if num_devices <= 0:
         raise ValueError(f"num_devices must be >= 1, got {num_devices}.")
     used = min(batch_size, num_devices)

@@ -279,7 +279,9 @@ class SingleProcessParallel:
                 )
             mode, reason = "threads", f"{meets}: replicas run in threads so that they meet"
         if reason is not None:
-            self._warn_once(reason, f"{self.strategy_name}: {reason}.")
+            self._warn_once(
+                reason, f"{self.strategy_name}: execution_mode={self.execution_mode!r} overridden: {reason}."
+            )
         return mode
 
     def _collectives_reason(self, module: nn.Module) -> str | None:

@@ -40,7 +40,10 @@ def test_sync_batchnorm_trains_exactly_as_one_device(strategy, namespace):
     base = seeded(normalized_classifier(namespace))
     single, multi = clone(base), clone(base)
     reference = _fit(single, "auto", 1, namespace)
-    with pytest.warns(UserWarning, match="SyncBatchNorm layers make the replicas meet.*replicas run in threads"):
+    overridden = (
+        "execution_mode='auto' overridden: SyncBatchNorm layers make the replicas meet.*replicas run in threads"
+    )
+    with pytest.warns(UserWarning, match=overridden):
         synced = _fit(multi, strategy, 3, namespace, sync_batchnorm=True)  # batches of 10: shards 4, 3, 3
     torch.testing.assert_close(_state(multi), _state(single), rtol=0, atol=1e-10)  # running statistics included
     got, expected = metrics(synced), metrics(reference)
