@@ -60,11 +60,11 @@ class _Flattened:
     def __init__(self, tensors: Sequence[Tensor]) -> None:
         self.tensors = list(tensors)
         self._views = [t.view(-1) if t.is_contiguous() else None for t in self.tensors]
-        self._all_views = all(v is not None for v in self._views)
+        self._all_views = [v for v in self._views if v is not None]
 
     def __call__(self) -> Tensor:
-        if self._all_views:
-            return torch.cat(self._views)  # type: ignore[arg-type]
+        if len(self._all_views) == len(self.tensors):
+            return torch.cat(self._all_views)
         return torch.cat([t.reshape(-1) if v is None else v for t, v in zip(self.tensors, self._views, strict=True)])
 
 
@@ -135,12 +135,11 @@ class ReplicaParameters:
         """Bring the first ``n`` replicas' parameters up to date with the originals (``requires_grad``, values).
         ``False`` (nothing done) when an original's tensor was replaced (``param.data = ...``, an optimizer swapping
         tensors): the leaves alias storage the original dropped, so rebuild."""
-        for p, pointer, flag in zip(self.params, self._pointers, self._trainable, strict=True):
-            if p.requires_grad is not flag or _data_ptr(p) != pointer:
-                if list(map(_data_ptr, self.params)) != self._pointers:
-                    return False
-                self._set_trainable(list(map(_requires_grad, self.params)))
-                break
+        if list(map(_data_ptr, self.params)) != self._pointers:
+            return False
+        trainable = list(map(_requires_grad, self.params))
+        if trainable != self._trainable:
+            self._set_trainable(trainable)
         self.active = max(self.active, n)
         stamp = sum(map(_version, self.params)) if self._others else None  # no others: every replica aliases them
         if stamp != self._stamp:
@@ -263,11 +262,11 @@ class ReplicaBuffers:
         self._groups = DtypeGroups(self.sources)
         self._full = [sorted(k for _, _, k in s) == list(range(len(self.sources))) for s in self.slots]
         self._flats: list[dict[torch.dtype, Tensor]] = []
-        self._copies: list[list[Tensor | None]] = []
+        self._copies: list[dict[int, Tensor]] = []  # per replica: index of the original -> its copy
         with torch.inference_mode(False), torch.no_grad():
             for i, replica_slots in enumerate(self.slots):
                 flats = self._groups.flats(self.devices[i]) if self._full[i] else {}
-                copies: list[Tensor | None] = [None] * len(self.sources)
+                copies: dict[int, Tensor] = {}
                 for store, name, k in replica_slots:
                     b = self.sources[k]
                     if self._full[i]:
@@ -315,7 +314,7 @@ class ReplicaBuffers:
         flattened once per refresh and shared by the replicas), or one per buffer before its flat buffer is full."""
         if not self._full[i]:
             for _, _, k in self.slots[i]:
-                self._copies[i][k].copy_(self.sources[k])  # type: ignore[union-attr]
+                self._copies[i][k].copy_(self.sources[k])
             return
         if not staged:
             staged.update({dtype: flattened() for dtype, flattened in self._flattened.items()})

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -109,10 +109,9 @@ class ReplicaSet:
         buffer_slots: list[Slot] = []
         rnns: list[nn.RNNBase] = []
         for k, (original, copy) in enumerate(zip(originals, copies, strict=True)):
-            assert copy is not None
             if copy is original or is_optimized_module(original):
                 continue  # shared as is, or a compiled wrapper (its tensors are those of the wrapped module)
-            copy._modules = self._children(k, copies, position)  # type: ignore[assignment]
+            copy._modules = self._children(k, copies, position)
             copy._parameters = dict(original._parameters)  # the originals until the first prepare()
             for name, param in original._parameters.items():
                 if param is not None:
@@ -128,12 +127,12 @@ class ReplicaSet:
                 copy._compiled_call_impl = compiled_call(original, copy)
             if isinstance(copy, nn.RNNBase):
                 rnns.append(copy)
-        self._copies.append(copies)  # type: ignore[arg-type]
+        self._copies.append(copies)
         self._param_slots.append(slots)
         self._buffer_slots.append(buffer_slots)
         self._rnns.append(rnns)
 
-    def _module_copies(self, position: dict[int, int]) -> list[nn.Module | None]:
+    def _module_copies(self, position: dict[int, int]) -> list[nn.Module]:
         """One replica's modules: shared ones as they are, shallow copies of the others, and ``torch.compile``
         wrappers built around their wrapped module's copy (innermost first)."""
         shared = self._shared
@@ -148,10 +147,10 @@ class ReplicaSet:
         for k in range(len(self._originals) - 1, -1, -1):
             if copies[k] is None:
                 copies[k] = optimized_module_replica(self._originals[k], self._children(k, copies, position))
-        return copies
+        return [copy for copy in copies if copy is not None]  # every one is filled by now
 
     def _children(
-        self, k: int, copies: list[nn.Module | None], position: dict[int, int]
+        self, k: int, copies: Sequence[nn.Module | None], position: dict[int, int]
     ) -> dict[str, nn.Module | None]:
         return {
             name: None if child is None else copies[position[id(child)]]
@@ -391,7 +390,7 @@ class _ReplicaParameters(torch.autograd.Function):
     sums their gradients back in replica, then device, order: deterministic, whatever order threads finished in."""
 
     @staticmethod
-    def forward(ctx: Any, layout: _Layout, *params: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+    def forward(ctx: Any, layout: _Layout, *params: Tensor) -> tuple[Tensor, ...]:
         ctx.layout = layout
         ctx.count = len(params)
         copies = _broadcast(params, layout.root, layout.others)
@@ -402,7 +401,7 @@ class _ReplicaParameters(torch.autograd.Function):
         return tuple(outputs)
 
     @staticmethod
-    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
         layout: _Layout = ctx.layout
         count = ctx.count
         # Autograd hands a zero tensor for an output that got no gradient (materialize_grads): no None here.
@@ -470,7 +469,12 @@ def _same(current: Any, saved: Any) -> bool:
         return False
 
 
-R = TypeVar("R")
+class _Entry(Protocol):
+    module: nn.Module
+    devices: list[torch.device]
+
+
+R = TypeVar("R", bound=_Entry)
 
 
 class ReplicaCache(Generic[R]):
@@ -484,7 +488,7 @@ class ReplicaCache(Generic[R]):
     def of(self, module: nn.Module, devices: Sequence[torch.device]) -> R:
         devices = list(devices)
         entry = self._entries.get(id(module))
-        if entry is None or entry.module is not module or list(entry.devices) != devices:  # type: ignore[attr-defined]
+        if entry is None or entry.module is not module or entry.devices != devices:
             entry = self._entries[id(module)] = self._build(module, devices)
         return entry
 
