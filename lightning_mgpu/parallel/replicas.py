@@ -18,7 +18,7 @@ from lightning_mgpu.parallel.devices import DeviceLike, distinct_cuda, to_device
 from lightning_mgpu.parallel.flat_replicas import DtypeGroups, ReplicaBuffers, ReplicaParameters, Slot
 from lightning_mgpu.parallel.run_replicas import ExecutionMode, resolve_mode
 from lightning_mgpu.parallel.scatter_gather import iter_tensors
-from lightning_mgpu.parallel.sync_batchnorm import uses_sync_batchnorm
+from lightning_mgpu.parallel.sync_batchnorm import SyncBatchNorm, uses_sync_batchnorm
 
 _NEVER_SYNCED = frozenset({"_parameters", "_buffers", "_modules", "_is_replica", "_compiled_call_impl", "forward"})
 
@@ -64,6 +64,7 @@ class ReplicaSet:
         self._on_build = on_build
         self._overrides = frozenset(overrides) | _NEVER_SYNCED
         self.builds = 0
+        self._structure_checked = False  # by execution_mode(), for the prepare() that follows it
         self.defer_reduction = False
         self._owning = False
         self._queued = False
@@ -84,6 +85,8 @@ class ReplicaSet:
         self._buffer_slots: list[list[Slot]] = []
         self._rnns: list[list[nn.RNNBase]] = []
         self.compiled = any(is_compiled(m) for m in self._originals)
+        uses_sync_batchnorm(self.module)  # names the sync layers built directly, for their errors
+        self._sync_layers = [m for m in self._originals if isinstance(m, SyncBatchNorm)]
         with torch.inference_mode(False), torch.no_grad():  # copies must be normal tensors, whatever the caller's mode
             for i, device in enumerate(self.devices):
                 self._build_replica(i, device, position, param_index, buffer_index)
@@ -174,8 +177,17 @@ class ReplicaSet:
 
     def execution_mode(self, requested: ExecutionMode, count: int) -> tuple[ExecutionMode, str | None]:
         """The mode to run ``count`` replicas in, and why it is not ``requested`` (``None`` when it is): compiled
-        replicas run one after another (Dynamo is not thread-safe), SyncBatchNorm in training needs threads."""
-        sync = count > 1 and uses_sync_batchnorm(self.module)  # per layer: training, or no running statistics
+        replicas run one after another (Dynamo is not thread-safe), SyncBatchNorm in training needs threads.
+
+        Checks the module's structure as :meth:`prepare` would (a layer converted or compiled between steps counts from
+        this step on), so the :meth:`prepare` right after it skips that check."""
+        self._sync_structure()
+        mode, reason = self._mode(requested, count)
+        self._structure_checked = True
+        return mode, reason
+
+    def _mode(self, requested: ExecutionMode, count: int) -> tuple[ExecutionMode, str | None]:
+        sync = count > 1 and any(layer._uses_batch_stats() for layer in self._sync_layers)
         if self.compiled and sync:
             raise RuntimeError(
                 "SyncBatchNorm needs the replicas to run at the same time (in threads), but the model is compiled "
@@ -207,7 +219,9 @@ class ReplicaSet:
         n = len(self.devices) if n is None else n
         if not 1 <= n <= len(self.devices):
             raise ValueError(f"Asked for {n} replicas of a set of {len(self.devices)}.")
-        self._sync_structure()
+        if not self._structure_checked:
+            self._sync_structure()
+        self._structure_checked = False
         self._buffers.refresh(n)
         devices = self.devices[:n]
         self._queued = False

@@ -170,6 +170,21 @@ def test_replaced_parameter_tensors_make_the_leaves_stale():
     assert not flat.sync(2)
 
 
+# --- units: ReplicaSet's structure check ------------------------------------------------------------------------
+def test_prepare_checks_the_structure_unless_execution_mode_just_did():
+    model = mlp()
+    replicas = ReplicaSet(model, CPU3)
+    replicas.prepare(3, replicas.execution_mode("threads", 3)[0])
+    model[0] = nn.Linear(4, 8).double()
+    replicas.prepare(3)  # no execution_mode() before it: prepare() looks itself
+    assert replicas.builds == 2
+    model[1] = nn.ReLU()
+    replicas.execution_mode("threads", 3)  # looks, and rebuilds ...
+    assert replicas.builds == 3
+    replicas.prepare(3)  # ... so the prepare() right after it need not look again
+    assert replicas.builds == 3 and all(isinstance(replica[1], nn.ReLU) for replica in replicas.replicas)
+
+
 # --- units: ReplicaBuffers ------------------------------------------------------------------------------------------
 def _buffers(n: int = 3) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]], ReplicaBuffers]:
     sources = [torch.zeros(3), torch.zeros((), dtype=torch.long)]

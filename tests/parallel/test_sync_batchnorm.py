@@ -232,6 +232,26 @@ def test_model_under_data_parallel_model_equals_one_device(share):
         torch.testing.assert_close(a, b, **TOL, msg=name)
 
 
+def test_layers_converted_between_steps_synchronise_from_the_next_step_on():
+    # The replica set lists its sync layers once per build; a conversion between steps is a structural change that
+    # execution_mode() must see before choosing the mode (sequential replicas cannot meet: RendezvousError).
+    reference = TwoBlocks()
+    model = copy.deepcopy(reference)
+    parallel = DataParallelModel(model, ["cpu"] * 3, execution_mode="sequential")
+    torch.manual_seed(1)
+    batches = [(torch.randn(10, 2, 5, 4), torch.randn(10, 2)) for _ in range(2)]
+    parallel.eval()
+    parallel(batches[0][0])  # plain BatchNorm with running statistics: replicas built, no state changed
+    convert_sync_batchnorm(model.train())
+    with pytest.warns(UserWarning, match="overridden"):
+        nn.functional.mse_loss(torch.cat(parallel(batches[1][0])), batches[1][1]).backward()
+    nn.functional.mse_loss(reference(batches[1][0]), batches[1][1]).backward()
+    for (name, a), (_, b) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, **TOL, msg=name)
+    for (name, a), (_, b) in zip(model.named_buffers(), reference.named_buffers(), strict=True):
+        torch.testing.assert_close(a, b, **TOL, msg=name)
+
+
 def test_threads_are_deterministic():
     results = []
     for _ in range(3):
