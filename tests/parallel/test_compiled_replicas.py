@@ -108,3 +108,16 @@ def test_compiling_after_the_build_rebuilds_the_replicas():
     for replica in replicas.prepare():
         replica(x[:2])
     assert replicas.builds == 2 and replicas.compiled and backend.runs == 3
+
+
+def test_a_model_compiled_between_steps_runs_its_replicas_one_after_another_from_that_step_on():
+    model = net(batchnorm=False)
+    parallel = DataParallelModel(model, CPU3, execution_mode="threads")
+    x = torch.randn(6, 4, dtype=torch.float64)
+    parallel(x)
+    backend = CountingBackend()
+    model.compile(backend=backend)
+    with pytest.warns(UserWarning, match="execution_mode='threads' overridden: the model is compiled"):
+        outputs = parallel(x)  # the mode is chosen after the structure check that sees the compilation
+    torch.testing.assert_close(torch.cat(outputs), net(batchnorm=False)(x), rtol=0, atol=1e-12)
+    assert backend.runs == 3
