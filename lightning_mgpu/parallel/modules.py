@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_mgpu.parallel.compiled import is_compiled
-from lightning_mgpu.parallel.devices import DeviceLike, check_module_on, module_device, resolve_devices
+from lightning_mgpu.parallel.devices import DeviceLike, check_module_on, module_device, resolve_devices, to_device
 from lightning_mgpu.parallel.merge import merge_outputs
 from lightning_mgpu.parallel.reduce import reduce_losses
 from lightning_mgpu.parallel.replicas import ReplicaCache, ReplicaSet
@@ -67,7 +67,7 @@ class DataParallelModel(nn.Module):
         super().__init__()
         self.module = module
         self.device_ids = resolve_devices(device_ids, fallback=module_device(module))
-        self.output_device = resolve_devices([output_device])[0] if output_device is not None else self.device_ids[0]
+        self.output_device = to_device(output_device) if output_device is not None else self.device_ids[0]
         self.dim = dim
         resolve_mode(execution_mode, self.device_ids)  # checks the value
         self.execution_mode: ExecutionMode = execution_mode
@@ -147,19 +147,13 @@ def _scan(args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device, d
     return on_device, size
 
 
-def _has_tensors(module: nn.Module) -> bool:
-    return any(True for _ in module.parameters()) or any(True for _ in module.buffers())
-
-
-# Plain functions whose options are keyword arguments, with torch's defaults.
-_CLASS_INDEX_FUNCTIONS = (F.cross_entropy, F.nll_loss)
 _CLASS_INDEX_DEFAULTS: dict[str, Any] = {"ignore_index": -100, "weight": None, "reduction": "mean"}
 
 
 def _function_defaults(criterion: Any) -> dict[str, Any]:
     """torch's defaults of the options of ``F.cross_entropy`` / ``F.nll_loss`` (or a partial of them), else {}."""
     base = criterion.func if isinstance(criterion, functools.partial) else criterion
-    return _CLASS_INDEX_DEFAULTS if any(base is f for f in _CLASS_INDEX_FUNCTIONS) else {}
+    return _CLASS_INDEX_DEFAULTS if base is F.cross_entropy or base is F.nll_loss else {}
 
 
 def _criterion_option(criterion: Any, kwargs: dict[str, Any], name: str, default: Any) -> Any:
@@ -168,11 +162,8 @@ def _criterion_option(criterion: Any, kwargs: dict[str, Any], name: str, default
     defaults = _function_defaults(criterion)
     if not defaults:  # a module, or an opaque function: its keywords are not known options
         return getattr(criterion, name, default)
-    if name in kwargs:
-        return kwargs[name]
-    if isinstance(criterion, functools.partial) and name in criterion.keywords:
-        return criterion.keywords[name]
-    return defaults.get(name, default)
+    keywords = criterion.keywords if isinstance(criterion, functools.partial) else {}
+    return {**defaults, **keywords, **kwargs}.get(name, default)
 
 
 def count_labels(labels: Tensor, ignore_index: int, class_weight: Tensor | None = None) -> Tensor:
@@ -296,7 +287,7 @@ class DataParallelCriterion(nn.Module):
         # A compiled criterion runs one replica after another: Dynamo is not thread-safe.
         mode: ExecutionMode = "sequential" if is_compiled(criterion) else self.execution_mode
         replica_set: ReplicaSet | None = None
-        if isinstance(criterion, nn.Module) and _has_tensors(criterion):
+        if isinstance(criterion, nn.Module) and module_device(criterion) is not None:
             check_module_on(criterion, self.device_ids[0], what="criterion")
             replica_set = self._replicas.of(criterion, devices)
             replicas: Sequence[Any] = replica_set.prepare(len(devices), mode)
@@ -378,6 +369,4 @@ def _as_args(output: Any) -> tuple[Any, ...]:
 
 
 def _output_device(output: Any, default: torch.device) -> torch.device:
-    if isinstance(output, Tensor):
-        return output.device
     return next((tensor.device for _, tensor in iter_tensors(output)), default)
