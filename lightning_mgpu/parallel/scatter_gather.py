@@ -92,11 +92,9 @@ def iter_nodes(
             yield from iter_nodes(child, f"{path}.{key}" if by_field else f"{path}[{key!r}]", per_sample)
 
 
-def iter_tensors(
-    obj: Any, path: str = "batch", per_sample: list[tuple[str, PerSample]] | None = None
-) -> Iterator[tuple[str, Tensor]]:
+def iter_tensors(obj: Any, path: str = "batch") -> Iterator[tuple[str, Tensor]]:
     """Yield ``(key path, tensor)`` for every tensor in a nested structure, e.g. ``("batch['mask']", tensor)``."""
-    return ((p, node) for p, node in iter_nodes(obj, path, per_sample) if isinstance(node, Tensor))
+    return ((p, node) for p, node in iter_nodes(obj, path) if isinstance(node, Tensor))
 
 
 def batch_size_of(obj: Any, dim: int = 0, path: str = "batch") -> int:
@@ -108,7 +106,7 @@ def batch_size_of(obj: Any, dim: int = 0, path: str = "batch") -> int:
 def _infer_from_roots(roots: Sequence[tuple[str, Any]], dim: int, what: str) -> int:
     """The batch size: the length of the :class:`PerSample` lists, else the size shared by every tensor along dim."""
     marked: list[tuple[str, PerSample]] = []
-    tensors = [item for path, obj in roots for item in iter_tensors(obj, path, marked)]
+    tensors = [(p, n) for path, obj in roots for p, n in iter_nodes(obj, path, marked) if isinstance(n, Tensor)]
     if marked:
         first_path, first = marked[0]
         for path, seq in marked[1:]:
@@ -288,21 +286,13 @@ def _split_roots(
     if batch_size is not None and batch_size != inferred:
         raise BatchSplitError(f"batch_size={batch_size} was given but the tensors have size {inferred}.")
     targets = [to_device(d) for d in devices]
-    chunk_sizes = _chunk_sizes(inferred, len(targets), sizes)
-    return [_scatter_sizes(value, targets, dim, inferred, chunk_sizes) for _, value in roots], chunk_sizes
-
-
-def _chunk_sizes(batch_size: int, num_devices: int, sizes: Sequence[int] | None) -> list[int]:
-    """``sizes`` checked against the batch, or the balanced split when None."""
-    if sizes is None:
-        return split_sizes(batch_size, num_devices)
-    chunks = [int(n) for n in sizes]
-    if sum(chunks) != batch_size or any(n <= 0 for n in chunks) or len(chunks) > num_devices:
+    chunks = split_sizes(inferred, len(targets)) if sizes is None else [int(n) for n in sizes]
+    if sum(chunks) != inferred or any(n <= 0 for n in chunks) or len(chunks) > len(targets):
         raise BatchSplitError(
-            f"Cannot split a batch of {batch_size} into chunks of {chunks} over {num_devices} device(s): the "
+            f"Cannot split a batch of {inferred} into chunks of {chunks} over {len(targets)} device(s): the "
             "sizes must be positive, one per device at most, and add up to the batch size."
         )
-    return chunks
+    return [_scatter_sizes(value, targets, dim, inferred, chunks) for _, value in roots], chunks
 
 
 def _scatter_sizes(obj: Any, devices: Sequence[torch.device], dim: int, batch_size: int, sizes: list[int]) -> list[Any]:
@@ -315,9 +305,7 @@ def _scatter_sizes(obj: Any, devices: Sequence[torch.device], dim: int, batch_si
 
     def split_leaf(leaf: Any) -> list[Any]:
         if isinstance(leaf, Tensor):
-            if leaf.dim() <= dim:
-                return [leaf.to(d) for d in devices[: len(sizes)]]
-            parts = torch.tensor_split(leaf, bounds, dim=dim) if bounds else (leaf,)
+            parts = torch.tensor_split(leaf, bounds, dim=dim) if bounds and leaf.dim() > dim else [leaf] * len(sizes)
             return [p.to(d) for p, d in zip(parts, devices, strict=False)]
         if isinstance(leaf, PerSample):  # before the plain-list rule: slices stay PerSample
             return [PerSample(move_to(leaf[s], d)) for s, d in zip(slices, devices, strict=False)]
