@@ -107,37 +107,25 @@ def _infer_from_roots(roots: Sequence[tuple[str, Any]], dim: int, what: str) -> 
     """The batch size: the length of the :class:`PerSample` lists, else the size shared by every tensor along dim."""
     marked: list[tuple[str, PerSample]] = []
     tensors = [(p, n) for path, obj in roots for p, n in iter_nodes(obj, path, marked) if isinstance(n, Tensor)]
-    if marked:
-        first_path, first = marked[0]
-        for path, seq in marked[1:]:
-            if len(seq) != len(first):
-                raise BatchSplitError(
-                    f"Cannot split the batch: {first_path} is a PerSample of {len(first)} items but {path} has "
-                    f"{len(seq)}. Every PerSample list holds one item per sample of the batch."
-                )
-        for path, tensor in tensors:
-            if tensor.dim() > dim and tensor.shape[dim] != len(first):
-                raise BatchSplitError(
-                    f"Cannot split the batch along dim {dim}: {first_path} is a PerSample of {len(first)} items but "
-                    f"{path} has size {tensor.shape[dim]}. Every tensor that has a batch dimension must agree with it."
-                )
-        if not first:
-            raise BatchSplitError(f"Cannot split an empty batch: {first_path} is an empty PerSample.")
-        return len(first)
-    sized = [(path, tensor.shape[dim]) for path, tensor in tensors if tensor.dim() > dim]
+    sized = [(p, len(seq), f"{len(seq)} items") for p, seq in marked]  # PerSample lists first: they set the size
+    sized += [(p, t.shape[dim], f"size {t.shape[dim]}") for p, t in tensors if t.dim() > dim]
     if not sized:
         raise NothingToSplitError(
             f"Cannot split the batch along dim {dim}: it holds no tensor with a dimension {dim} "
             f"(got {what}). Pass tensors, or collections of tensors, with the batch along dim {dim}."
         )
-    first_path, size = sized[0]
-    for path, other in sized:
+    first_path, size, _ = sized[0]
+    first = f"{first_path} is a PerSample of {size} items" if marked else f"{first_path} has size {size}"
+    for path, other, shown in sized:
         if other != size:
-            hint = _per_sample_hint(roots, tensors, dim)
+            lists = ", and every PerSample list," if marked else ""
+            hint = None if marked else _per_sample_hint(roots, tensors, dim)
             raise BatchSplitError(
-                f"Cannot split the batch along dim {dim}: {first_path} has size {size} but {path} has size {other}. "
-                "Every tensor that has a batch dimension must have the same batch size." + (f" {hint}" if hint else "")
+                f"Cannot split the batch along dim {dim}: {first} but {path} has {shown}. Every tensor with a batch "
+                f"dimension{lists} must have the same batch size." + (f" {hint}" if hint else "")
             )
+    if marked and not size:
+        raise BatchSplitError(f"Cannot split an empty batch: {first_path} is an empty PerSample.")
     return size
 
 
