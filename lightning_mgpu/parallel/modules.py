@@ -176,23 +176,19 @@ def count_labels(labels: Tensor, ignore_index: int, class_weight: Tensor | None 
 
 
 def _count_weight(
-    criterion: Any, output: Any, targets: tuple[Any, ...], kwargs: dict[str, Any], dim: int
+    criterion: Any, output: Any, targets: tuple[Any, ...], kwargs: dict[str, Any], samples: int, dim: int
 ) -> float | Tensor:
     """How many items this replica's mean loss averages over, so the weighted mean equals the whole-batch mean: the
     non-ignored class-index targets, weighted by the class ``weight`` if any (torch's own normaliser), for criteria
-    with ``ignore_index``; else samples along ``dim`` (proportional to what element-wise losses average over)."""
+    with ``ignore_index``; else its ``samples`` (0: unknown, read from the output), proportional to what element-wise
+    losses average over."""
     target = targets[0] if targets else kwargs.get("target")
     ignore_index = _criterion_option(criterion, kwargs, "ignore_index", None)
     if isinstance(target, Tensor) and isinstance(ignore_index, int) and not target.is_floating_point():
         class_weight = _criterion_option(criterion, kwargs, "weight", None)
         return count_labels(target, ignore_index, class_weight if isinstance(class_weight, Tensor) else None)
-    # Samples along dim: read from the targets (split by us), else from the output (e.g. no targets at all).
     try:
-        return args_batch_size(targets, kwargs, dim, names=("targets", "kwargs"))
-    except BatchSplitError:
-        pass
-    try:
-        return batch_size_of(output, dim, path="output")
+        return samples or batch_size_of(output, dim, path="output")
     except BatchSplitError as err:
         raise ValueError(
             f"Cannot tell how many samples a replica's loss averages over ({err}). Pass "
@@ -245,7 +241,7 @@ class DataParallelCriterion(nn.Module):
             return criterion(*_as_args(outputs[0]), *targets, **kwargs)
 
         devices = [_output_device(o, d) for o, d in zip(outputs, self.device_ids, strict=False)]
-        target_chunks, kwargs_chunks = self._split_targets(outputs, targets, kwargs, devices)
+        target_chunks, kwargs_chunks, samples = self._split_targets(outputs, targets, kwargs, devices)
         losses = self._losses(outputs, target_chunks, kwargs_chunks, devices)
         root = self.device_ids[0]
         reduction = _criterion_option(criterion, kwargs, "reduction", "mean")
@@ -253,7 +249,13 @@ class DataParallelCriterion(nn.Module):
             return merge_outputs(losses, root, self.dim)
         if reduction == "sum":
             return reduce_losses(losses, device=root, reduction="sum")
-        return reduce_losses(losses, self._weights(outputs, target_chunks, kwargs_chunks), device=root)
+        # How many items each device's mean loss averages over: weight_fn's count (checked when reduced), else ours.
+        if self.weight_fn is not None:
+            weights = [self.weight_fn(o, t) for o, t in zip(outputs, target_chunks, strict=True)]
+        else:
+            chunks = zip(outputs, target_chunks, kwargs_chunks, samples, strict=True)
+            weights = [_count_weight(criterion, o, t, k, n, self.dim) for o, t, k, n in chunks]
+        return reduce_losses(losses, weights, device=root)
 
     def _check_outputs(self, outputs: Sequence[Any]) -> None:
         if not isinstance(outputs, list):
@@ -302,26 +304,19 @@ class DataParallelCriterion(nn.Module):
             replica_set.watch(losses)
         return losses
 
-    def _weights(self, outputs: Sequence[Any], target_chunks: Sequence[Any], kwargs_chunks: Sequence[Any]) -> list[Any]:
-        """How many items each device's mean loss averages over: ``weight_fn``'s count, else the criterion's."""
-        if self.weight_fn is None:
-            return [
-                _count_weight(self.criterion, o, t, k, self.dim)
-                for o, t, k in zip(outputs, target_chunks, kwargs_chunks, strict=True)
-            ]
-        return [self.weight_fn(o, t) for o, t in zip(outputs, target_chunks, strict=True)]  # checked when reduced
-
     def _split_targets(
         self, outputs: list[Any], targets: tuple[Any, ...], kwargs: dict[str, Any], devices: list[torch.device]
-    ) -> tuple[list[tuple[Any, ...]], list[dict[str, Any]]]:
-        """Targets chunked exactly as the outputs are (by their own batch sizes when every output has one); options
-        of ``F.cross_entropy`` / ``F.nll_loss`` passed as keywords (the class ``weight``...) go whole."""
+    ) -> tuple[list[tuple[Any, ...]], list[dict[str, Any]], list[int]]:
+        """Targets chunked exactly as the outputs are (by their own batch sizes when every output has one), and each
+        device's samples (0: unknown); options of ``F.cross_entropy`` / ``F.nll_loss`` passed as keywords (the class
+        ``weight``...) go whole."""
         options = _function_defaults(self.criterion)
         whole = {k: v for k, v in kwargs.items() if k in options}
         if whole:
             per_sample = {k: v for k, v in kwargs.items() if k not in options}
-            target_chunks, kwarg_chunks = self._split_targets(outputs, targets, per_sample, devices)
-            return target_chunks, [{**kw, **move_to(whole, d)} for kw, d in zip(kwarg_chunks, devices, strict=True)]
+            target_chunks, kwarg_chunks, samples = self._split_targets(outputs, targets, per_sample, devices)
+            kwarg_chunks = [{**kw, **move_to(whole, d)} for kw, d in zip(kwarg_chunks, devices, strict=True)]
+            return target_chunks, kwarg_chunks, samples
         out_sizes = [_safe_batch_size(o, self.dim) for o in outputs]
         try:
             total = args_batch_size(targets, kwargs, self.dim, names=("targets", "kwargs"))
@@ -329,7 +324,7 @@ class DataParallelCriterion(nn.Module):
             if not all(out_sizes) or not _has_per_sample_list(targets, kwargs, sum(out_sizes)):
                 # Nothing to split (no targets, as for TripletMarginLoss on (anchor, positive, negative), or only
                 # non-batch values): every replica gets them whole, on its device.
-                return [move_to(targets, d) for d in devices], [move_to(kwargs, d) for d in devices]
+                return [move_to(targets, d) for d in devices], [move_to(kwargs, d) for d in devices], out_sizes
             total = sum(out_sizes)  # e.g. a list of class ids, split like the outputs
         sizes: list[int] | None = None
         if all(out_sizes):
@@ -355,7 +350,7 @@ class DataParallelCriterion(nn.Module):
                     f"{self.dim} but its targets have {target_size}. The targets must have the same batch size as "
                     "the model's inputs."
                 )
-        return target_chunks, kwarg_chunks
+        return target_chunks, kwarg_chunks, used
 
 
 def _has_per_sample_list(targets: tuple[Any, ...], kwargs: dict[str, Any], batch_size: int) -> bool:
