@@ -149,8 +149,7 @@ class _Merger:
         if isinstance(weights, str):
             return sum(outputs)
         floats = [float(w) for w in weights]
-        total = sum(floats)
-        return sum(float(o) * w for o, w in zip(outputs, floats, strict=True) if w > 0) / total
+        return sum(float(o) * w for o, w in zip(outputs, floats, strict=True) if w > 0) / sum(floats)
 
     def _mapping(self, outputs: list[Any], path: str) -> Any:
         first = outputs[0]

@@ -323,12 +323,9 @@ def split_arguments(
     Errors name the argument (``args[0]['mask']``)."""
     roots = argument_roots(args, kwargs, names)
     chunks, sizes = _split_roots(roots, devices, dim, batch_size, sizes, "no tensor argument")
-    arg_chunks, kwarg_chunks = chunks[: len(args)], dict(zip(kwargs, chunks[len(args) :], strict=True))
-    return (
-        [tuple(c[i] for c in arg_chunks) for i in range(len(sizes))],
-        [{k: c[i] for k, c in kwarg_chunks.items()} for i in range(len(sizes))],
-        sizes,
-    )
+    per_device = [[c[i] for c in chunks] for i in range(len(sizes))]  # each device's chunk of every argument
+    n = len(args)
+    return [tuple(c[:n]) for c in per_device], [dict(zip(kwargs, c[n:], strict=True)) for c in per_device], sizes
 
 
 def scatter(inputs: Any, target_devices: Sequence[DeviceLike], dim: int = 0) -> list[Any]:
