@@ -321,20 +321,19 @@ class DataParallelCriterion(nn.Module):
         try:
             total = args_batch_size(targets, kwargs, self.dim, names=("targets", "kwargs"))
         except NothingToSplitError:
-            if not all(out_sizes) or not _has_per_sample_list(targets, kwargs, sum(out_sizes)):
+            listed = any(isinstance(v, list) and len(v) == sum(out_sizes) for v in (*targets, *kwargs.values()))
+            if not all(out_sizes) or not listed:
                 # Nothing to split (no targets, as for TripletMarginLoss on (anchor, positive, negative), or only
                 # non-batch values): every replica gets them whole, on its device.
                 return [move_to(targets, d) for d in devices], [move_to(kwargs, d) for d in devices], out_sizes
             total = sum(out_sizes)  # e.g. a list of class ids, split like the outputs
-        sizes: list[int] | None = None
-        if all(out_sizes):
-            if sum(out_sizes) != total:
-                raise ValueError(
-                    f"Outputs and targets do not line up: the per-device outputs hold {out_sizes} samples along dim "
-                    f"{self.dim} ({sum(out_sizes)} in all) but the targets hold {total}. The targets must have the "
-                    "same batch size as the inputs given to DataParallelModel."
-                )
-            sizes = out_sizes
+        if all(out_sizes) and sum(out_sizes) != total:
+            raise ValueError(
+                f"Outputs and targets do not line up: the per-device outputs hold {out_sizes} samples along dim "
+                f"{self.dim} ({sum(out_sizes)} in all) but the targets hold {total}. The targets must have the "
+                "same batch size as the inputs given to DataParallelModel."
+            )
+        sizes = out_sizes if all(out_sizes) else None
         target_chunks, kwarg_chunks, used = split_arguments(
             tuple(targets), kwargs, devices, self.dim, batch_size=total, sizes=sizes, names=("targets", "kwargs")
         )
@@ -351,12 +350,6 @@ class DataParallelCriterion(nn.Module):
                     "the model's inputs."
                 )
         return target_chunks, kwarg_chunks, used
-
-
-def _has_per_sample_list(targets: tuple[Any, ...], kwargs: dict[str, Any], batch_size: int) -> bool:
-    """Whether targets without tensors hold a list of ``batch_size`` items (plain ones, or a ``PerSample``)."""
-    values = [*targets, *kwargs.values()]
-    return any(isinstance(v, list) and len(v) == batch_size for v in values)
 
 
 def _as_args(output: Any) -> tuple[Any, ...]:
