@@ -196,22 +196,18 @@ def split_sizes(batch_size: int, num_devices: int) -> list[int]:
 
 def rebuild(template: Any, values: Sequence[Any] | Mapping[str, Any]) -> Any:
     """A container of the same type as ``template`` holding ``values`` (a sequence, or a mapping for dicts)."""
-    if isinstance(template, Mapping):
-        if isinstance(template, defaultdict):
-            return defaultdict(template.default_factory, values)
-        if is_dataclass_instance(template):  # transformers ModelOutput: a dataclass and an OrderedDict
-            return type(template)(**values)
-        try:
-            return type(template)(values)
-        except TypeError:
-            return dict(values)
+    if isinstance(template, defaultdict):
+        return defaultdict(template.default_factory, values)
     if is_namedtuple(template):
         return type(template)(*values)
-    if isinstance(template, (list, tuple)):
+    if isinstance(template, Mapping) and is_dataclass_instance(template):  # transformers ModelOutput
+        return type(template)(**values)
+    if isinstance(template, (Mapping, list, tuple)):
         try:
             return type(template)(values)
-        except TypeError:
-            return list(values) if isinstance(template, list) else tuple(values)
+        except TypeError:  # a subclass with another constructor: rebuilt as its base type
+            base = dict if isinstance(template, Mapping) else list if isinstance(template, list) else tuple
+            return base(values)
     if is_dataclass_instance(template):
         return _rebuild_dataclass(template, values)
     raise TypeError(f"Cannot rebuild a {type(template).__name__}.")
