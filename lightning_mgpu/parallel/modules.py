@@ -178,10 +178,9 @@ def count_labels(labels: Tensor, ignore_index: int, class_weight: Tensor | None 
 def _count_weight(
     criterion: Any, output: Any, targets: tuple[Any, ...], kwargs: dict[str, Any], samples: int, dim: int
 ) -> float | Tensor:
-    """How many items this replica's mean loss averages over, so the weighted mean equals the whole-batch mean: the
-    non-ignored class-index targets, weighted by the class ``weight`` if any (torch's own normaliser), for criteria
-    with ``ignore_index``; else its ``samples`` (0: unknown, read from the output), proportional to what element-wise
-    losses average over."""
+    """How many items this replica's mean loss averages over, so the weighted mean equals the whole-batch mean: for
+    criteria with ``ignore_index``, the non-ignored class-index targets weighted by the class ``weight`` if any (torch's
+    own normaliser); else its ``samples`` (0: read from the output), to which element-wise means are proportional."""
     target = targets[0] if targets else kwargs.get("target")
     ignore_index = _criterion_option(criterion, kwargs, "ignore_index", None)
     if isinstance(target, Tensor) and isinstance(ignore_index, int) and not target.is_floating_point():
