@@ -80,7 +80,7 @@ def module_device(module: torch.nn.Module) -> torch.device | None:
 def check_module_on(module: torch.nn.Module, device: torch.device, what: str = "module") -> None:
     """Raise if any parameter or buffer of ``module`` is not on ``device`` (the root device)."""
     for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
-        if tensor.device != device and not (tensor.device.type == device.type == "cpu"):
+        if tensor.device != device:  # device comes from to_device: a CPU one has no index, as tensors report
             raise ValueError(
                 f"The {what} must have all parameters and buffers on the root device {device} (device_ids[0]), "
                 f"but {name!r} is on {tensor.device}. Call `.to({str(device)!r})` first."

@@ -73,13 +73,10 @@ def merge_outputs(
 
 
 def _read_sizes(outputs: Sequence[Any], dim: int) -> list[int] | None:
-    sizes = []
-    for output in outputs:
-        try:
-            sizes.append(batch_size_of(output, dim, "output"))
-        except BatchSplitError:
-            return None
-    return sizes
+    try:
+        return [batch_size_of(output, dim, "output") for output in outputs]
+    except BatchSplitError:
+        return None
 
 
 @dataclasses.dataclass
@@ -152,8 +149,7 @@ class _Merger:
         if isinstance(weights, str):
             return sum(outputs)
         floats = [float(w) for w in weights]
-        total = sum(floats)
-        return sum(float(o) * w for o, w in zip(outputs, floats, strict=True) if w > 0) / total
+        return sum(float(o) * w for o, w in zip(outputs, floats, strict=True) if w > 0) / sum(floats)
 
     def _mapping(self, outputs: list[Any], path: str) -> Any:
         first = outputs[0]
@@ -168,19 +164,17 @@ class _Merger:
     def _sequence(self, outputs: list[Any], path: str) -> Any:
         first = outputs[0]
         plain_lists = all(isinstance(o, list) for o in outputs) and not any(contains_tensor(o) for o in outputs)
-        if plain_lists and self.sizes is None:
-            return [x for o in outputs for x in o]  # ids with no tensor beside them to count samples: one list
+        same_shape = all(type(o) is type(first) and len(o) == len(first) for o in outputs)
+        # Plain items (ids): one list in batch order, unless sample counts may tell a fixed structure from them.
+        if plain_lists and (self.sizes is None or not same_shape):
+            return [x for o in outputs for x in o]
         if not is_namedtuple(first) and self._per_sample(outputs):
             return type(first)(move_to(x, self.device) for o in outputs for x in o)
-        if all(type(o) is type(first) and len(o) == len(first) for o in outputs):
-            paths = [f"{path}.{n}" for n in first._fields] if is_namedtuple(first) else None
-            items = [
-                self.merge([o[i] for o in outputs], paths[i] if paths else f"{path}[{i}]") for i in range(len(first))
-            ]
-            return rebuild(first, items)
-        if plain_lists:
-            return [x for o in outputs for x in o]  # lists of plain items of any lengths: one list, in batch order
-        return ReplicaValues(outputs)
+        if not same_shape:
+            return ReplicaValues(outputs)
+        paths = [f"{path}.{n}" for n in first._fields] if is_namedtuple(first) else None
+        items = [self.merge([o[i] for o in outputs], paths[i] if paths else f"{path}[{i}]") for i in range(len(first))]
+        return rebuild(first, items)
 
     def _per_sample(self, outputs: list[Sequence[Any]]) -> bool:
         """A list or tuple with one item per sample on every replica, not a fixed structure such as ``(preds, y)``:

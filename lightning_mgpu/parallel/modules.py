@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_mgpu.parallel.compiled import is_compiled
-from lightning_mgpu.parallel.devices import DeviceLike, check_module_on, module_device, resolve_devices
+from lightning_mgpu.parallel.devices import DeviceLike, check_module_on, module_device, resolve_devices, to_device
 from lightning_mgpu.parallel.merge import merge_outputs
 from lightning_mgpu.parallel.reduce import reduce_losses
 from lightning_mgpu.parallel.replicas import ReplicaCache, ReplicaSet
@@ -67,7 +67,7 @@ class DataParallelModel(nn.Module):
         super().__init__()
         self.module = module
         self.device_ids = resolve_devices(device_ids, fallback=module_device(module))
-        self.output_device = resolve_devices([output_device])[0] if output_device is not None else self.device_ids[0]
+        self.output_device = to_device(output_device) if output_device is not None else self.device_ids[0]
         self.dim = dim
         resolve_mode(execution_mode, self.device_ids)  # checks the value
         self.execution_mode: ExecutionMode = execution_mode
@@ -147,19 +147,13 @@ def _scan(args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device, d
     return on_device, size
 
 
-def _has_tensors(module: nn.Module) -> bool:
-    return any(True for _ in module.parameters()) or any(True for _ in module.buffers())
-
-
-# Plain functions whose options are keyword arguments, with torch's defaults.
-_CLASS_INDEX_FUNCTIONS = (F.cross_entropy, F.nll_loss)
 _CLASS_INDEX_DEFAULTS: dict[str, Any] = {"ignore_index": -100, "weight": None, "reduction": "mean"}
 
 
 def _function_defaults(criterion: Any) -> dict[str, Any]:
     """torch's defaults of the options of ``F.cross_entropy`` / ``F.nll_loss`` (or a partial of them), else {}."""
     base = criterion.func if isinstance(criterion, functools.partial) else criterion
-    return _CLASS_INDEX_DEFAULTS if any(base is f for f in _CLASS_INDEX_FUNCTIONS) else {}
+    return _CLASS_INDEX_DEFAULTS if base is F.cross_entropy or base is F.nll_loss else {}
 
 
 def _criterion_option(criterion: Any, kwargs: dict[str, Any], name: str, default: Any) -> Any:
@@ -168,11 +162,8 @@ def _criterion_option(criterion: Any, kwargs: dict[str, Any], name: str, default
     defaults = _function_defaults(criterion)
     if not defaults:  # a module, or an opaque function: its keywords are not known options
         return getattr(criterion, name, default)
-    if name in kwargs:
-        return kwargs[name]
-    if isinstance(criterion, functools.partial) and name in criterion.keywords:
-        return criterion.keywords[name]
-    return defaults.get(name, default)
+    keywords = criterion.keywords if isinstance(criterion, functools.partial) else {}
+    return {**defaults, **keywords, **kwargs}.get(name, default)
 
 
 def count_labels(labels: Tensor, ignore_index: int, class_weight: Tensor | None = None) -> Tensor:
@@ -185,23 +176,18 @@ def count_labels(labels: Tensor, ignore_index: int, class_weight: Tensor | None 
 
 
 def _count_weight(
-    criterion: Any, output: Any, targets: tuple[Any, ...], kwargs: dict[str, Any], dim: int
+    criterion: Any, output: Any, targets: tuple[Any, ...], kwargs: dict[str, Any], samples: int, dim: int
 ) -> float | Tensor:
-    """How many items this replica's mean loss averages over, so the weighted mean equals the whole-batch mean: the
-    non-ignored class-index targets, weighted by the class ``weight`` if any (torch's own normaliser), for criteria
-    with ``ignore_index``; else samples along ``dim`` (proportional to what element-wise losses average over)."""
+    """How many items this replica's mean loss averages over, so the weighted mean equals the whole-batch mean: for
+    criteria with ``ignore_index``, the non-ignored class-index targets weighted by the class ``weight`` if any (torch's
+    own normaliser); else its ``samples`` (0: read from the output), to which element-wise means are proportional."""
     target = targets[0] if targets else kwargs.get("target")
     ignore_index = _criterion_option(criterion, kwargs, "ignore_index", None)
     if isinstance(target, Tensor) and isinstance(ignore_index, int) and not target.is_floating_point():
         class_weight = _criterion_option(criterion, kwargs, "weight", None)
         return count_labels(target, ignore_index, class_weight if isinstance(class_weight, Tensor) else None)
-    # Samples along dim: read from the targets (split by us), else from the output (e.g. no targets at all).
     try:
-        return args_batch_size(targets, kwargs, dim, names=("targets", "kwargs"))
-    except BatchSplitError:
-        pass
-    try:
-        return batch_size_of(output, dim, path="output")
+        return samples or batch_size_of(output, dim, path="output")
     except BatchSplitError as err:
         raise ValueError(
             f"Cannot tell how many samples a replica's loss averages over ({err}). Pass "
@@ -254,7 +240,7 @@ class DataParallelCriterion(nn.Module):
             return criterion(*_as_args(outputs[0]), *targets, **kwargs)
 
         devices = [_output_device(o, d) for o, d in zip(outputs, self.device_ids, strict=False)]
-        target_chunks, kwargs_chunks = self._split_targets(outputs, targets, kwargs, devices)
+        target_chunks, kwargs_chunks, samples = self._split_targets(outputs, targets, kwargs, devices)
         losses = self._losses(outputs, target_chunks, kwargs_chunks, devices)
         root = self.device_ids[0]
         reduction = _criterion_option(criterion, kwargs, "reduction", "mean")
@@ -262,7 +248,13 @@ class DataParallelCriterion(nn.Module):
             return merge_outputs(losses, root, self.dim)
         if reduction == "sum":
             return reduce_losses(losses, device=root, reduction="sum")
-        return reduce_losses(losses, self._weights(outputs, target_chunks, kwargs_chunks), device=root)
+        # How many items each device's mean loss averages over: weight_fn's count (checked when reduced), else ours.
+        if self.weight_fn is not None:
+            weights = [self.weight_fn(o, t) for o, t in zip(outputs, target_chunks, strict=True)]
+        else:
+            chunks = zip(outputs, target_chunks, kwargs_chunks, samples, strict=True)
+            weights = [_count_weight(criterion, o, t, k, n, self.dim) for o, t, k, n in chunks]
+        return reduce_losses(losses, weights, device=root)
 
     def _check_outputs(self, outputs: Sequence[Any]) -> None:
         if not isinstance(outputs, list):
@@ -296,7 +288,7 @@ class DataParallelCriterion(nn.Module):
         # A compiled criterion runs one replica after another: Dynamo is not thread-safe.
         mode: ExecutionMode = "sequential" if is_compiled(criterion) else self.execution_mode
         replica_set: ReplicaSet | None = None
-        if isinstance(criterion, nn.Module) and _has_tensors(criterion):
+        if isinstance(criterion, nn.Module) and module_device(criterion) is not None:
             check_module_on(criterion, self.device_ids[0], what="criterion")
             replica_set = self._replicas.of(criterion, devices)
             replicas: Sequence[Any] = replica_set.prepare(len(devices), mode)
@@ -311,44 +303,36 @@ class DataParallelCriterion(nn.Module):
             replica_set.watch(losses)
         return losses
 
-    def _weights(self, outputs: Sequence[Any], target_chunks: Sequence[Any], kwargs_chunks: Sequence[Any]) -> list[Any]:
-        """How many items each device's mean loss averages over: ``weight_fn``'s count, else the criterion's."""
-        if self.weight_fn is None:
-            return [
-                _count_weight(self.criterion, o, t, k, self.dim)
-                for o, t, k in zip(outputs, target_chunks, kwargs_chunks, strict=True)
-            ]
-        return [self.weight_fn(o, t) for o, t in zip(outputs, target_chunks, strict=True)]  # checked when reduced
-
     def _split_targets(
         self, outputs: list[Any], targets: tuple[Any, ...], kwargs: dict[str, Any], devices: list[torch.device]
-    ) -> tuple[list[tuple[Any, ...]], list[dict[str, Any]]]:
-        """Targets chunked exactly as the outputs are (by their own batch sizes when every output has one); options
-        of ``F.cross_entropy`` / ``F.nll_loss`` passed as keywords (the class ``weight``...) go whole."""
+    ) -> tuple[list[tuple[Any, ...]], list[dict[str, Any]], list[int]]:
+        """Targets chunked exactly as the outputs are (by their own batch sizes when every output has one), and each
+        device's samples (0: unknown); options of ``F.cross_entropy`` / ``F.nll_loss`` passed as keywords (the class
+        ``weight``...) go whole."""
         options = _function_defaults(self.criterion)
         whole = {k: v for k, v in kwargs.items() if k in options}
         if whole:
             per_sample = {k: v for k, v in kwargs.items() if k not in options}
-            target_chunks, kwarg_chunks = self._split_targets(outputs, targets, per_sample, devices)
-            return target_chunks, [{**kw, **move_to(whole, d)} for kw, d in zip(kwarg_chunks, devices, strict=True)]
+            target_chunks, kwarg_chunks, samples = self._split_targets(outputs, targets, per_sample, devices)
+            kwarg_chunks = [{**kw, **move_to(whole, d)} for kw, d in zip(kwarg_chunks, devices, strict=True)]
+            return target_chunks, kwarg_chunks, samples
         out_sizes = [_safe_batch_size(o, self.dim) for o in outputs]
         try:
             total = args_batch_size(targets, kwargs, self.dim, names=("targets", "kwargs"))
         except NothingToSplitError:
-            if not all(out_sizes) or not _has_per_sample_list(targets, kwargs, sum(out_sizes)):
+            listed = any(isinstance(v, list) and len(v) == sum(out_sizes) for v in (*targets, *kwargs.values()))
+            if not all(out_sizes) or not listed:
                 # Nothing to split (no targets, as for TripletMarginLoss on (anchor, positive, negative), or only
                 # non-batch values): every replica gets them whole, on its device.
-                return [move_to(targets, d) for d in devices], [move_to(kwargs, d) for d in devices]
+                return [move_to(targets, d) for d in devices], [move_to(kwargs, d) for d in devices], out_sizes
             total = sum(out_sizes)  # e.g. a list of class ids, split like the outputs
-        sizes: list[int] | None = None
-        if all(out_sizes):
-            if sum(out_sizes) != total:
-                raise ValueError(
-                    f"Outputs and targets do not line up: the per-device outputs hold {out_sizes} samples along dim "
-                    f"{self.dim} ({sum(out_sizes)} in all) but the targets hold {total}. The targets must have the "
-                    "same batch size as the inputs given to DataParallelModel."
-                )
-            sizes = out_sizes
+        if all(out_sizes) and sum(out_sizes) != total:
+            raise ValueError(
+                f"Outputs and targets do not line up: the per-device outputs hold {out_sizes} samples along dim "
+                f"{self.dim} ({sum(out_sizes)} in all) but the targets hold {total}. The targets must have the "
+                "same batch size as the inputs given to DataParallelModel."
+            )
+        sizes = out_sizes if all(out_sizes) else None
         target_chunks, kwarg_chunks, used = split_arguments(
             tuple(targets), kwargs, devices, self.dim, batch_size=total, sizes=sizes, names=("targets", "kwargs")
         )
@@ -364,13 +348,7 @@ class DataParallelCriterion(nn.Module):
                     f"{self.dim} but its targets have {target_size}. The targets must have the same batch size as "
                     "the model's inputs."
                 )
-        return target_chunks, kwarg_chunks
-
-
-def _has_per_sample_list(targets: tuple[Any, ...], kwargs: dict[str, Any], batch_size: int) -> bool:
-    """Whether targets without tensors hold a list of ``batch_size`` items (plain ones, or a ``PerSample``)."""
-    values = [*targets, *kwargs.values()]
-    return any(isinstance(v, list) and len(v) == batch_size for v in values)
+        return target_chunks, kwarg_chunks, used
 
 
 def _as_args(output: Any) -> tuple[Any, ...]:
@@ -378,6 +356,4 @@ def _as_args(output: Any) -> tuple[Any, ...]:
 
 
 def _output_device(output: Any, default: torch.device) -> torch.device:
-    if isinstance(output, Tensor):
-        return output.device
     return next((tensor.device for _, tensor in iter_tensors(output)), default)

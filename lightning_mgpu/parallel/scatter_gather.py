@@ -92,11 +92,9 @@ def iter_nodes(
             yield from iter_nodes(child, f"{path}.{key}" if by_field else f"{path}[{key!r}]", per_sample)
 
 
-def iter_tensors(
-    obj: Any, path: str = "batch", per_sample: list[tuple[str, PerSample]] | None = None
-) -> Iterator[tuple[str, Tensor]]:
+def iter_tensors(obj: Any, path: str = "batch") -> Iterator[tuple[str, Tensor]]:
     """Yield ``(key path, tensor)`` for every tensor in a nested structure, e.g. ``("batch['mask']", tensor)``."""
-    return ((p, node) for p, node in iter_nodes(obj, path, per_sample) if isinstance(node, Tensor))
+    return ((p, node) for p, node in iter_nodes(obj, path) if isinstance(node, Tensor))
 
 
 def batch_size_of(obj: Any, dim: int = 0, path: str = "batch") -> int:
@@ -108,38 +106,26 @@ def batch_size_of(obj: Any, dim: int = 0, path: str = "batch") -> int:
 def _infer_from_roots(roots: Sequence[tuple[str, Any]], dim: int, what: str) -> int:
     """The batch size: the length of the :class:`PerSample` lists, else the size shared by every tensor along dim."""
     marked: list[tuple[str, PerSample]] = []
-    tensors = [item for path, obj in roots for item in iter_tensors(obj, path, marked)]
-    if marked:
-        first_path, first = marked[0]
-        for path, seq in marked[1:]:
-            if len(seq) != len(first):
-                raise BatchSplitError(
-                    f"Cannot split the batch: {first_path} is a PerSample of {len(first)} items but {path} has "
-                    f"{len(seq)}. Every PerSample list holds one item per sample of the batch."
-                )
-        for path, tensor in tensors:
-            if tensor.dim() > dim and tensor.shape[dim] != len(first):
-                raise BatchSplitError(
-                    f"Cannot split the batch along dim {dim}: {first_path} is a PerSample of {len(first)} items but "
-                    f"{path} has size {tensor.shape[dim]}. Every tensor that has a batch dimension must agree with it."
-                )
-        if not first:
-            raise BatchSplitError(f"Cannot split an empty batch: {first_path} is an empty PerSample.")
-        return len(first)
-    sized = [(path, tensor.shape[dim]) for path, tensor in tensors if tensor.dim() > dim]
+    tensors = [(p, n) for path, obj in roots for p, n in iter_nodes(obj, path, marked) if isinstance(n, Tensor)]
+    sized = [(p, len(seq), f"{len(seq)} items") for p, seq in marked]  # PerSample lists first: they set the size
+    sized += [(p, t.shape[dim], f"size {t.shape[dim]}") for p, t in tensors if t.dim() > dim]
     if not sized:
         raise NothingToSplitError(
             f"Cannot split the batch along dim {dim}: it holds no tensor with a dimension {dim} "
             f"(got {what}). Pass tensors, or collections of tensors, with the batch along dim {dim}."
         )
-    first_path, size = sized[0]
-    for path, other in sized:
+    first_path, size, _ = sized[0]
+    first = f"{first_path} is a PerSample of {size} items" if marked else f"{first_path} has size {size}"
+    for path, other, shown in sized:
         if other != size:
-            hint = _per_sample_hint(roots, tensors, dim)
+            lists = ", and every PerSample list," if marked else ""
+            hint = None if marked else _per_sample_hint(roots, tensors, dim)
             raise BatchSplitError(
-                f"Cannot split the batch along dim {dim}: {first_path} has size {size} but {path} has size {other}. "
-                "Every tensor that has a batch dimension must have the same batch size." + (f" {hint}" if hint else "")
+                f"Cannot split the batch along dim {dim}: {first} but {path} has {shown}. Every tensor with a batch "
+                f"dimension{lists} must have the same batch size." + (f" {hint}" if hint else "")
             )
+    if marked and not size:
+        raise BatchSplitError(f"Cannot split an empty batch: {first_path} is an empty PerSample.")
     return size
 
 
@@ -210,22 +196,18 @@ def split_sizes(batch_size: int, num_devices: int) -> list[int]:
 
 def rebuild(template: Any, values: Sequence[Any] | Mapping[str, Any]) -> Any:
     """A container of the same type as ``template`` holding ``values`` (a sequence, or a mapping for dicts)."""
-    if isinstance(template, Mapping):
-        if isinstance(template, defaultdict):
-            return defaultdict(template.default_factory, values)
-        if is_dataclass_instance(template):  # transformers ModelOutput: a dataclass and an OrderedDict
-            return type(template)(**values)
-        try:
-            return type(template)(values)
-        except TypeError:
-            return dict(values)
+    if isinstance(template, defaultdict):
+        return defaultdict(template.default_factory, values)
     if is_namedtuple(template):
         return type(template)(*values)
-    if isinstance(template, (list, tuple)):
+    if isinstance(template, Mapping) and is_dataclass_instance(template):  # transformers ModelOutput
+        return type(template)(**values)
+    if isinstance(template, (Mapping, list, tuple)):
         try:
             return type(template)(values)
-        except TypeError:
-            return list(values) if isinstance(template, list) else tuple(values)
+        except TypeError:  # a subclass with another constructor: rebuilt as its base type
+            base = dict if isinstance(template, Mapping) else list if isinstance(template, list) else tuple
+            return base(values)
     if is_dataclass_instance(template):
         return _rebuild_dataclass(template, values)
     raise TypeError(f"Cannot rebuild a {type(template).__name__}.")
@@ -288,21 +270,13 @@ def _split_roots(
     if batch_size is not None and batch_size != inferred:
         raise BatchSplitError(f"batch_size={batch_size} was given but the tensors have size {inferred}.")
     targets = [to_device(d) for d in devices]
-    chunk_sizes = _chunk_sizes(inferred, len(targets), sizes)
-    return [_scatter_sizes(value, targets, dim, inferred, chunk_sizes) for _, value in roots], chunk_sizes
-
-
-def _chunk_sizes(batch_size: int, num_devices: int, sizes: Sequence[int] | None) -> list[int]:
-    """``sizes`` checked against the batch, or the balanced split when None."""
-    if sizes is None:
-        return split_sizes(batch_size, num_devices)
-    chunks = [int(n) for n in sizes]
-    if sum(chunks) != batch_size or any(n <= 0 for n in chunks) or len(chunks) > num_devices:
+    chunks = split_sizes(inferred, len(targets)) if sizes is None else [int(n) for n in sizes]
+    if sum(chunks) != inferred or any(n <= 0 for n in chunks) or len(chunks) > len(targets):
         raise BatchSplitError(
-            f"Cannot split a batch of {batch_size} into chunks of {chunks} over {num_devices} device(s): the "
+            f"Cannot split a batch of {inferred} into chunks of {chunks} over {len(targets)} device(s): the "
             "sizes must be positive, one per device at most, and add up to the batch size."
         )
-    return chunks
+    return [_scatter_sizes(value, targets, dim, inferred, chunks) for _, value in roots], chunks
 
 
 def _scatter_sizes(obj: Any, devices: Sequence[torch.device], dim: int, batch_size: int, sizes: list[int]) -> list[Any]:
@@ -315,9 +289,7 @@ def _scatter_sizes(obj: Any, devices: Sequence[torch.device], dim: int, batch_si
 
     def split_leaf(leaf: Any) -> list[Any]:
         if isinstance(leaf, Tensor):
-            if leaf.dim() <= dim:
-                return [leaf.to(d) for d in devices[: len(sizes)]]
-            parts = torch.tensor_split(leaf, bounds, dim=dim) if bounds else (leaf,)
+            parts = torch.tensor_split(leaf, bounds, dim=dim) if bounds and leaf.dim() > dim else [leaf] * len(sizes)
             return [p.to(d) for p, d in zip(parts, devices, strict=False)]
         if isinstance(leaf, PerSample):  # before the plain-list rule: slices stay PerSample
             return [PerSample(move_to(leaf[s], d)) for s, d in zip(slices, devices, strict=False)]
@@ -347,12 +319,9 @@ def split_arguments(
     Errors name the argument (``args[0]['mask']``)."""
     roots = argument_roots(args, kwargs, names)
     chunks, sizes = _split_roots(roots, devices, dim, batch_size, sizes, "no tensor argument")
-    arg_chunks, kwarg_chunks = chunks[: len(args)], dict(zip(kwargs, chunks[len(args) :], strict=True))
-    return (
-        [tuple(c[i] for c in arg_chunks) for i in range(len(sizes))],
-        [{k: c[i] for k, c in kwarg_chunks.items()} for i in range(len(sizes))],
-        sizes,
-    )
+    per_device = [[c[i] for c in chunks] for i in range(len(sizes))]  # each device's chunk of every argument
+    n = len(args)
+    return [tuple(c[:n]) for c in per_device], [dict(zip(kwargs, c[n:], strict=True)) for c in per_device], sizes
 
 
 def scatter(inputs: Any, target_devices: Sequence[DeviceLike], dim: int = 0) -> list[Any]:
