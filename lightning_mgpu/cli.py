@@ -200,9 +200,7 @@ def main(args: Sequence[str] | None = None, run: bool = True) -> LightningCLI | 
     given = sys.argv[1:] if args is None else list(args)
     with exit_on_missing_extra(prog):
         check_recipes_extra(prog, given)
-        from lightning.pytorch.cli import LightningCLI
-
-        import lightning_mgpu  # noqa: F401  (registers the strategies with Lightning's StrategyRegistry)
+        from lightning.pytorch.cli import LightningCLI  # our strategies register as it imports (see registration.py)
 
         check_strategy_names(prog, given)
         quiet_dependencies()
