@@ -24,22 +24,21 @@ if TYPE_CHECKING:
 RECIPES_EXTRA_MODULES = frozenset(
     {"jsonargparse", "docstring_parser", "typeshed_client", "transformers", "tokenizers", "datasets", "matplotlib"}
 )
-INSTALL_RECIPES_EXTRA = "pip install -e '.[recipes]'"  # from a clone: the package is not on the index
 
 
-class MissingExtraError(RuntimeError):
+class CommandError(RuntimeError):
+    """A config or command line that cannot work here; the message says what to change (printed, exit status 1)."""
+
+
+class MissingExtraError(CommandError):
     """A module of the ``[recipes]`` extra is not installed; the message says how to install it."""
 
     def __init__(self, module: str, command: str) -> None:
-        super().__init__(
+        super().__init__(  # `pip install -e` from a clone: the package is not on the index
             f"{command}: the Python package {module!r} is not installed. It comes with lightning-mgpu's [recipes] "
             "extra, which a plain `pip install` of the package leaves out. Install the extra from the root of your "
-            f"lightning-mgpu clone with `{INSTALL_RECIPES_EXTRA}`, then run the command again."
+            "lightning-mgpu clone with `pip install -e '.[recipes]'`, then run the command again."
         )
-
-
-class ClassPathError(RuntimeError):
-    """A config's ``class_path`` names a module that cannot be imported from here; the message says where to run."""
 
 
 def missing_extra_module(error: BaseException) -> str | None:
@@ -100,11 +99,11 @@ def check_strategy_names(command: str, args: Sequence[str]) -> None:
     known = [*StrategyRegistry.available_strategies(), "auto"]
     for name in _strategy_names(args):
         if name not in known:
-            raise ClassPathError(_unknown_strategy(command, name, known))
+            raise CommandError(_unknown_strategy(command, name, known))
     for class_path in _class_paths(args):
         if class_path.startswith("lightning_mgpu.strategies.pytorch_lightning."):
             name = class_path.rpartition(".")[2]
-            raise ClassPathError(
+            raise CommandError(
                 f"{command}: {class_path} is a pytorch_lightning strategy, but this command runs lightning.pytorch's "
                 f"Trainer: use class_path: lightning_mgpu.{name}."
             )
@@ -147,7 +146,7 @@ def check_recipes_extra(command: str, args: Sequence[str] = (), modules: Iterabl
             if missing is not None:
                 raise MissingExtraError(missing, command) from err
             if err.name is not None and module_name.startswith(err.name.partition(".")[0]):
-                raise ClassPathError(
+                raise CommandError(
                     f"{command}: cannot import {module_name!r} (a class_path in the config): no module named "
                     f"{err.name!r} here. Recipe class paths (recipes.*) import from the current directory: run the "
                     "command from the root of your lightning-mgpu clone, or put that folder on PYTHONPATH."
@@ -163,7 +162,7 @@ def exit_on_missing_extra(command: str) -> Iterator[None]:
     try:
         yield
     except Exception as err:
-        if not isinstance(err, (MissingExtraError, ClassPathError)):
+        if not isinstance(err, CommandError):
             module = missing_extra_module(err)
             if module is None:
                 raise
@@ -201,9 +200,7 @@ def main(args: Sequence[str] | None = None, run: bool = True) -> LightningCLI | 
     given = sys.argv[1:] if args is None else list(args)
     with exit_on_missing_extra(prog):
         check_recipes_extra(prog, given)
-        from lightning.pytorch.cli import LightningCLI
-
-        import lightning_mgpu  # noqa: F401  (registers the strategies with Lightning's StrategyRegistry)
+        from lightning.pytorch.cli import LightningCLI  # our strategies register as it imports (see registration.py)
 
         check_strategy_names(prog, given)
         quiet_dependencies()

@@ -11,7 +11,7 @@ import copy
 import sys
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,12 +34,12 @@ class LossCheck:
     much the loss moves under another random seed with the dropout layers off (0 for a deterministic step)."""
 
     whole: float
-    predictions: dict[str, float] = field(default_factory=dict)
-    noise: float = 0.0
-    declared: str | None = None
-    known: str | None = None  # the rule the strategy finds by itself, and from what
-    sizes: list[int] = field(default_factory=list)
-    dropout_off: int = 0  # dropout layers switched off for the check
+    predictions: dict[str, float]
+    noise: float
+    declared: str | None  # the step's own weights: the key it returns them under
+    known: tuple[LossNormalization, str] | None  # the rule the strategy finds by itself, and from what
+    sizes: list[int]
+    dropout_off: int  # dropout layers switched off for the check
 
     def errors(self) -> dict[str, float]:
         """How far each candidate misses the whole batch's loss, closest first."""
@@ -76,8 +76,9 @@ class LossCheck:
             )
         if self.declared is not None:
             return f"the step declares its own weights ({self.declared}): parallel_criterion uses them"
-        if self.known is not None and self.known.split(" ")[0] in fits:
-            return f"parallel_criterion finds {self.known} by itself: nothing to declare"
+        if self.known is not None and self.known[0].spec() in fits:
+            rule, source = self.known
+            return f"parallel_criterion finds {rule.spec()} (from {source}) by itself: nothing to declare"
         if len(fits) > 1:
             return (
                 f"these rules coincide on this batch: {', '.join(map(repr, fits))} ({self._why_alike()}): declare the "
@@ -139,14 +140,13 @@ def check_loss_reduction(
     whole, declared = loss_of(batch)
     noise = abs(loss_of(batch, seed + 1)[0] - whole)
     chunks, sizes = split_batch(batch, [target] * devices, dim, sizes=_uneven_sizes(batch_size_of(batch, dim), devices))
-    shard_losses = [loss_of(chunk)[0] for chunk in chunks]
+    values = [torch.tensor(loss_of(chunk)[0], dtype=torch.float64) for chunk in chunks]
     known = known_rule(module, batch)
-    found = None if known is None else f"{known[0].spec()} (from {known[1]})"
-    result = LossCheck(whole, noise=noise, declared=declared, known=found, sizes=sizes, dropout_off=len(dropout))
-    values = [torch.tensor(loss, dtype=torch.float64) for loss in shard_losses]
-    for rule in _candidates(known, batch, dim):  # combined exactly as the strategy combines them, in float64
-        result.predictions[rule.spec()] = float(rule.reduce(values, rule.weights(chunks, sizes), torch.device("cpu")))
-    return result
+    predictions = {  # combined exactly as the strategy combines them, in float64
+        rule.spec(): float(rule.reduce(values, rule.weights(chunks, sizes), torch.device("cpu")))
+        for rule in _candidates(known, batch, dim)
+    }
+    return LossCheck(whole, predictions, noise, declared, known, sizes, dropout_off=len(dropout))
 
 
 def _uneven_sizes(size: int, devices: int) -> list[int]:
@@ -160,26 +160,17 @@ def _candidates(known: tuple[LossNormalization, str] | None, batch: Any, dim: in
     rules = [SAMPLES, SUM, LossNormalization("replica_mean")]
     if known is not None:
         rules.append(known[0])
-    for path, labels in _integer_label_paths(batch, dim):
-        rules.append(LossNormalization("tokens", path))
-        if labels.dim() > dim + 1:  # rows of tokens: a causal LM's shift is possible
-            rules.append(LossNormalization("tokens", path, shifted=True))
-    return list(dict.fromkeys(rules))
-
-
-def _integer_label_paths(batch: Any, dim: int) -> list[tuple[tuple[Any, ...], Tensor]]:
-    """Keys of the batch's integer tensors with a batch dimension, but the first input: possible labels."""
     items = (
         batch.items() if isinstance(batch, Mapping) else enumerate(batch) if isinstance(batch, (list, tuple)) else []
     )
-    return [
-        ((key,), value)
-        for key, value in items
-        if isinstance(value, Tensor)
-        and not (value.is_floating_point() or value.dtype == torch.bool)
-        and value.dim() > dim
-        and key != 0
-    ]
+    for key, value in items:  # possible labels: integer tensors with a batch dimension, but the first input
+        integer = isinstance(value, Tensor) and not (value.is_floating_point() or value.dtype == torch.bool)
+        if key == 0 or not integer or value.dim() <= dim:
+            continue
+        rules.append(LossNormalization("tokens", (key,)))
+        if value.dim() > dim + 1:  # rows of tokens: a causal LM's shift is possible
+            rules.append(LossNormalization("tokens", (key,), shifted=True))
+    return list(dict.fromkeys(rules))
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -3,7 +3,6 @@ device, where ``nn.DataParallel`` piles outputs, loss and optimizer state, runs 
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -17,32 +16,23 @@ MIB = 1024**2
 PEAK_SUFFIX = "_peak_mib"
 
 
-def peak_rss_bytes() -> int | None:
-    """Peak resident set size (RSS) of this process in bytes: Linux's ``VmHWM``, which :func:`reset_peak_rss` resets,
-    else ``ru_maxrss`` (not resettable; after ``fork`` + ``exec`` it may still hold the parent's peak)."""
+def cpu_memory() -> dict[str, float]:
+    """This process's peak and current resident set size (RSS) in MiB, as ``cpu_peak_mib`` and ``cpu_rss_mib``:
+    Linux's ``VmHWM`` (which :func:`reset_peak_rss` resets) and ``VmRSS``; elsewhere the peak alone, ``ru_maxrss``
+    (not resettable; after ``fork`` + ``exec`` it may still hold the parent's peak)."""
+    names = {"VmHWM": f"cpu{PEAK_SUFFIX}", "VmRSS": "cpu_rss_mib"}
     try:
         with open("/proc/self/status", encoding="ascii") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
+            fields = dict(line.split(":", 1) for line in status)
+        return {name: int(fields[key].split()[0]) / 1024 for key, name in names.items()}  # in KiB
+    except (OSError, ValueError, IndexError, KeyError):
         pass
     try:
         import resource
     except ImportError:  # Windows
-        return None
+        return {}
     maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(maxrss) if sys.platform == "darwin" else int(maxrss) * 1024  # bytes on macOS, KiB on Linux
-
-
-def current_rss_bytes() -> int | None:
-    """Current RSS of this process in bytes (``/proc/self/statm``), or ``None`` where that file does not exist."""
-    try:
-        with open("/proc/self/statm", encoding="ascii") as statm:
-            resident_pages = int(statm.read().split()[1])
-        return resident_pages * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
+    return {f"cpu{PEAK_SUFFIX}": maxrss / MIB if sys.platform == "darwin" else maxrss / 1024}  # bytes on macOS
 
 
 def reset_peak_rss() -> bool:
@@ -86,11 +76,7 @@ def read_device_memory(devices: Sequence[torch.device]) -> dict[str, float]:
             values[f"{device}{PEAK_SUFFIX}"] = torch.cuda.max_memory_allocated(device) / MIB
             values[f"{device}_reserved_peak_mib"] = torch.cuda.max_memory_reserved(device) / MIB
         elif device.type == "cpu":
-            peak, current = peak_rss_bytes(), current_rss_bytes()
-            if peak is not None:
-                values[f"cpu{PEAK_SUFFIX}"] = peak / MIB
-            if current is not None:
-                values["cpu_rss_mib"] = current / MIB
+            values.update(cpu_memory())
     return values
 
 
@@ -148,9 +134,8 @@ class DeviceMemoryMonitor(L.Callback):
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if not self.logging_interval or (trainer.fit_loop.total_batch_idx + 1) % self.logging_interval:
-            return
-        self.log_memory(trainer)
+        if self.enabled and (trainer.fit_loop.total_batch_idx + 1) % self.logging_interval == 0:
+            self.log_memory(trainer)
 
     def read_memory(self) -> dict[str, float]:
         """This process's figures for its devices, in MiB (see :func:`read_device_memory`)."""
