@@ -12,10 +12,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
 from lightning_mgpu.parallel.replica_group import RendezvousError, ReplicaContext, current_replica
+from lightning_mgpu.parallel.scatter_gather import move_to
 
 _HINT = (
     "Every replica must call the same collectives (all_gather, reduce, broadcast, barrier) in the same order: "
@@ -50,7 +50,7 @@ def broadcast(obj: Any, src: int = 0, *, sequential_hint: str = "") -> Any:
         return obj
     if not 0 <= src < replica.group.size:
         raise ValueError(f"broadcast(src={src}): the source must be one of the {replica.group.size} replicas.")
-    return _meet(replica, f"broadcast(src={src})", obj, lambda values, device: _move(values[src], device))
+    return _meet(replica, f"broadcast(src={src})", obj, lambda values, device: move_to(values[src], device))
 
 
 def barrier(*, sequential_hint: str = "") -> None:
@@ -106,10 +106,6 @@ def _stack(values: list[Tensor], device: torch.device) -> Tensor:
 
 def _gather(values: list[Tensor], device: torch.device) -> Tensor:
     return _stack(values, device) if all(v.dim() == 0 for v in values) else torch.cat([v.to(device) for v in values])
-
-
-def _move(obj: Any, device: torch.device) -> Any:
-    return apply_to_collection(obj, Tensor, lambda t: t.to(device))
 
 
 _REDUCTIONS = {"sum": torch.sum, "mean": torch.mean, "max": torch.amax, "min": torch.amin}
