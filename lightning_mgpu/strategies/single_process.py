@@ -117,32 +117,12 @@ class SingleProcessParallel:
     def _accelerator(self, accelerator: Any) -> None:  # Strategy.__init__
         self.__dict__["_mgpu_accelerator"] = accelerator
 
-    # --- one process: constant ranks, collectives across the replicas inside a step -----------------------------------
-    @property
-    @override
-    def global_rank(self) -> int:
-        return 0
-
-    @property
-    @override
-    def local_rank(self) -> int:
-        return 0
-
-    @property
-    @override
-    def node_rank(self) -> int:
-        return 0
-
-    @property
-    @override
-    def world_size(self) -> int:
-        return 1
-
-    @property
-    @override
-    def is_distributed(self) -> bool:
-        """False: Lightning then adds no DistributedSampler and makes ``self.log(sync_dist=True)`` a no-op."""
-        return False
+    # --- one process: constant ranks (shadowing ParallelStrategy's properties), collectives across the replicas -------
+    global_rank = local_rank = node_rank = 0
+    world_size = 1
+    #: Lightning then adds no DistributedSampler and makes ``self.log(sync_dist=True)`` a no-op.
+    is_distributed = False
+    distributed_sampler_kwargs = None
 
     @property
     @override
@@ -150,11 +130,6 @@ class SingleProcessParallel:
         if not self.parallel_devices:
             raise RuntimeError(f"{type(self).__name__} has no devices yet; it gets them when the Trainer is built.")
         return self.parallel_devices[0]
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> None:
-        return None
 
     @override
     def model_to_device(self) -> None:
@@ -260,11 +235,9 @@ class SingleProcessParallel:
     def _accumulating(self) -> bool:
         """Whether the training step in progress accumulates gradients without an optimizer step after it."""
         module = self.lightning_module
-        if module is None or module._current_fx_name != "training_step" or not module.automatic_optimization:
+        if module._current_fx_name != "training_step" or not module.automatic_optimization:
             return False
-        epoch_loop = getattr(getattr(module._trainer, "fit_loop", None), "epoch_loop", None)
-        should_accumulate = getattr(epoch_loop, "_should_accumulate", None)
-        return bool(should_accumulate()) if callable(should_accumulate) else False
+        return bool(module.trainer.fit_loop.epoch_loop._should_accumulate())
 
     def _mode_for(self, replicas: LightningReplicas, count: int) -> ExecutionMode:
         """Threads or one after another for this call (compiled code needs one thread, collectives many)."""
