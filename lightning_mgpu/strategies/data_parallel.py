@@ -62,9 +62,7 @@ class DataParallelStrategyBase(SingleProcessParallel):
         super().__init__(
             accelerator, parallel_devices, checkpoint_io, precision_plugin, dim, execution_mode, loss_reduction
         )
-        if output_device is not None:
-            to_device(output_device)  # a clear error now, not at the first step
-        self._output_device = output_device
+        self._output_device = None if output_device is None else to_device(output_device)  # a clear error now
         self.parallel_modules = _checked_module_names(parallel_modules)
         self._wrapped: list[nn.Module] = []
         self._in_step = False
@@ -79,7 +77,7 @@ class DataParallelStrategyBase(SingleProcessParallel):
     @property
     def output_device(self) -> torch.device:
         """The device outputs are gathered on."""
-        return self.root_device if self._output_device is None else to_device(self._output_device)
+        return self.root_device if self._output_device is None else self._output_device
 
     # --- the parallel forward, installed once per fit/validate/test/predict ------------------------------------------
     @override

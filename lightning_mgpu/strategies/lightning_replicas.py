@@ -94,12 +94,6 @@ def _outermost_metrics(module: nn.Module, prefix: str = "") -> list[tuple[str, M
     return found
 
 
-def _set_submodule(root: nn.Module, path: str, value: nn.Module) -> None:
-    parent_path, _, name = path.rpartition(".")
-    parent = root.get_submodule(parent_path) if parent_path else root
-    parent._modules[name] = value
-
-
 def _combine(values: Sequence[Any], reduce_fx: Any, device: torch.device) -> Any:
     """Combine states the way ``Metric._sync_dist`` combines ranks (lists of tensors for "cat" states stay lists)."""
     if isinstance(values[0], list):
@@ -155,7 +149,7 @@ class MetricReplicas:
                     self._clones[key] = clone
                     self._owner[id(clone)] = metric
                 clone.to(device)
-                _set_submodule(replica, path, clone)
+                replica.set_submodule(path, clone)
                 clones.append(clone)
             self._active.append((metric, clones))
 
