@@ -74,12 +74,12 @@ def merge_and_log(
     for name, entries in by_name.items():
         (first_index, first), *others = entries
         options = {**_LOG_DEFAULTS, **first.options}
+        expected = _all_but_batch_size(options)
         for index, call in others:
-            if _all_but_batch_size(call.options) != _all_but_batch_size(first.options):
+            if (got := _all_but_batch_size(call.options)) != expected:
                 raise ValueError(
-                    f"Replicas logged {name!r} with different options ({_all_but_batch_size(first.options)} on "
-                    f"replica {first_index} vs {_all_but_batch_size(call.options)} on replica {index}); log it the "
-                    "same way."
+                    f"Replicas logged {name!r} with different options ({expected} on replica {first_index} vs {got} "
+                    f"on replica {index}); log it the same way."
                 )
         if not isinstance(first.value, Metric):
             value, options = _merge_values(name, entries, sample_counts, options, implied_weights)

@@ -232,13 +232,6 @@ class SingleProcessParallel:
             raise
 
     # --- replicated calls --------------------------------------------------------------------------------------------
-    def _accumulating(self) -> bool:
-        """Whether the training step in progress accumulates gradients without an optimizer step after it."""
-        module = self.lightning_module
-        if module._current_fx_name != "training_step" or not module.automatic_optimization:
-            return False
-        return bool(module.trainer.fit_loop.epoch_loop._should_accumulate())
-
     def _mode_for(self, replicas: LightningReplicas, count: int) -> ExecutionMode:
         """Threads or one after another for this call (compiled code needs one thread, collectives many)."""
         mode, reason = replicas.replica_set.execution_mode(self.execution_mode, count)
@@ -274,11 +267,16 @@ class SingleProcessParallel:
         count = len(sample_counts)
         self._replicated_on = replicas.devices[:count]
         # Accumulating gradients: replicas keep theirs until the backward pass before the optimizer step reduces all.
-        replicas.replica_set.defer_reduction = self._accumulating()
+        root = self.lightning_module
+        replicas.replica_set.defer_reduction = (
+            root._current_fx_name == "training_step"
+            and root.automatic_optimization
+            and root.trainer.fit_loop.epoch_loop._should_accumulate()
+        )
         before = _public_list_lengths(module)
         outputs = replicas.run(count, call, self._mode_for(replicas, count))
         implied = implied_weights(outputs) if implied_weights is not None else [{} for _ in outputs]
-        replicas.merge_into(self.lightning_module, sample_counts, implied)
+        replicas.merge_into(root, sample_counts, implied)
         for name, length in _public_list_lengths(module).items():
             if length > before.get(name, length):
                 self._warn_once(
