@@ -62,7 +62,7 @@ class LightningReplicas:
         self.replica_set.watch(outputs)  # the backward pass through them reduces the replicas' gradients
         return outputs
 
-    def merge_into(self, root: Any, sample_counts: Sequence[int], implied: Sequence[dict[int, Any]]) -> None:
+    def merge_into(self, root: Any, sample_counts: Sequence[int], implied: Sequence[dict[int, Any]] | None) -> None:
         """Log every recorded name once on ``root`` and fold the metric clones into the root metrics."""
         recorders = self.recorders[: len(sample_counts)]
         in_training = root._current_fx_name == "training_step"

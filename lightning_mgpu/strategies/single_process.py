@@ -118,7 +118,9 @@ class SingleProcessParallel:
         self.__dict__["_mgpu_accelerator"] = accelerator
 
     # --- one process: constant ranks (shadowing ParallelStrategy's properties), collectives across the replicas -------
-    global_rank = local_rank = node_rank = 0
+    global_rank = 0
+    local_rank = 0
+    node_rank = 0
     world_size = 1
     #: Lightning then adds no DistributedSampler and makes ``self.log(sync_dist=True)`` a no-op.
     is_distributed = False
@@ -275,8 +277,7 @@ class SingleProcessParallel:
         )
         before = _public_list_lengths(module)
         outputs = replicas.run(count, call, self._mode_for(replicas, count))
-        implied = implied_weights(outputs) if implied_weights is not None else [{} for _ in outputs]
-        replicas.merge_into(root, sample_counts, implied)
+        replicas.merge_into(root, sample_counts, implied_weights(outputs) if implied_weights is not None else None)
         for name, length in _public_list_lengths(module).items():
             if length > before.get(name, length):
                 self._warn_once(
