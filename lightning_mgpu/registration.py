@@ -10,7 +10,6 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import sys
-import threading
 import warnings
 from types import ModuleType
 from typing import Any
@@ -21,7 +20,6 @@ STRATEGY_MODULES = {
     "pytorch_lightning": "lightning_mgpu.strategies.pytorch_lightning",
 }
 
-_LOCK = threading.Lock()
 _pending: set[str] = set()
 
 
@@ -41,15 +39,14 @@ def register_strategies(namespace: str | None = None) -> list[str]:
 
 def register_on_import() -> None:
     """Register with the namespaces imported so far, and with the others as soon as they are imported."""
-    with _LOCK:
-        for name in STRATEGY_MODULES:
-            spec = getattr(sys.modules.get(name), "__spec__", None)
-            if name in sys.modules and not getattr(spec, "_initializing", False):
-                register_strategies(name)
-            else:
-                _pending.add(name)
-        if _pending and not any(isinstance(f, _RegisterAfterImport) for f in sys.meta_path):
-            sys.meta_path.insert(0, _RegisterAfterImport())
+    for name in STRATEGY_MODULES:
+        spec = getattr(sys.modules.get(name), "__spec__", None)
+        if name in sys.modules and not getattr(spec, "_initializing", False):
+            register_strategies(name)
+        else:
+            _pending.add(name)
+    if _pending and not any(isinstance(f, _RegisterAfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _RegisterAfterImport())
 
 
 class _RegisterAfterImport(importlib.abc.MetaPathFinder):

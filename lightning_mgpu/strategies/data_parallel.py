@@ -62,13 +62,10 @@ class DataParallelStrategyBase(SingleProcessParallel):
         super().__init__(
             accelerator, parallel_devices, checkpoint_io, precision_plugin, dim, execution_mode, loss_reduction
         )
-        if output_device is not None:
-            to_device(output_device)  # a clear error now, not at the first step
-        self._output_device = output_device
+        self._output_device = None if output_device is None else to_device(output_device)  # a clear error now
         self.parallel_modules = _checked_module_names(parallel_modules)
         self._wrapped: list[nn.Module] = []
-        self._in_step = False
-        self._forward_calls = 0
+        self._forward_calls: int | None = None  # replicated forward calls in the step in progress; None: no step
         self._scalar_rules: dict[str, LossNormalization] = {}
 
     @property
@@ -79,7 +76,7 @@ class DataParallelStrategyBase(SingleProcessParallel):
     @property
     def output_device(self) -> torch.device:
         """The device outputs are gathered on."""
-        return self.root_device if self._output_device is None else to_device(self._output_device)
+        return self.root_device if self._output_device is None else self._output_device
 
     # --- the parallel forward, installed once per fit/validate/test/predict ------------------------------------------
     @override
@@ -107,13 +104,13 @@ class DataParallelStrategyBase(SingleProcessParallel):
 
     @override
     def _run_step(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        self._in_step, self._forward_calls = True, 0
+        self._forward_calls = 0
         try:
             with self._step_context(hook):
                 output = getattr(self.lightning_module, hook)(*args, **kwargs)
         finally:
-            self._in_step = False
-        if self._wrapped and self._forward_calls == 0 and hook in ("training_step", "validation_step"):
+            calls, self._forward_calls = self._forward_calls, None
+        if self._wrapped and calls == 0 and hook in ("training_step", "validation_step"):
             names = [n or "self" for n in self.parallel_modules]
             self._warn_once(
                 f"unreplicated:{hook}",
@@ -126,7 +123,7 @@ class DataParallelStrategyBase(SingleProcessParallel):
 
     def _forward(self, target: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         original = _plain_forward(target)
-        if not self._in_step:
+        if self._forward_calls is None:
             return original(*inputs, **kwargs)  # outside a step (a callback's self(x)): a plain call
         self._forward_calls += 1
         batch_size = split_or_run_once(

@@ -62,7 +62,7 @@ class LightningReplicas:
         self.replica_set.watch(outputs)  # the backward pass through them reduces the replicas' gradients
         return outputs
 
-    def merge_into(self, root: Any, sample_counts: Sequence[int], implied: Sequence[dict[int, Any]]) -> None:
+    def merge_into(self, root: Any, sample_counts: Sequence[int], implied: Sequence[dict[int, Any]] | None) -> None:
         """Log every recorded name once on ``root`` and fold the metric clones into the root metrics."""
         recorders = self.recorders[: len(sample_counts)]
         in_training = root._current_fx_name == "training_step"
@@ -92,12 +92,6 @@ def _outermost_metrics(module: nn.Module, prefix: str = "") -> list[tuple[str, M
         else:
             found.extend(_outermost_metrics(child, f"{path}."))
     return found
-
-
-def _set_submodule(root: nn.Module, path: str, value: nn.Module) -> None:
-    parent_path, _, name = path.rpartition(".")
-    parent = root.get_submodule(parent_path) if parent_path else root
-    parent._modules[name] = value
 
 
 def _combine(values: Sequence[Any], reduce_fx: Any, device: torch.device) -> Any:
@@ -155,7 +149,7 @@ class MetricReplicas:
                     self._clones[key] = clone
                     self._owner[id(clone)] = metric
                 clone.to(device)
-                _set_submodule(replica, path, clone)
+                replica.set_submodule(path, clone)
                 clones.append(clone)
             self._active.append((metric, clones))
 

@@ -74,12 +74,12 @@ def merge_and_log(
     for name, entries in by_name.items():
         (first_index, first), *others = entries
         options = {**_LOG_DEFAULTS, **first.options}
+        expected = _all_but_batch_size(options)
         for index, call in others:
-            if _all_but_batch_size(call.options) != _all_but_batch_size(first.options):
+            if (got := _all_but_batch_size(call.options)) != expected:
                 raise ValueError(
-                    f"Replicas logged {name!r} with different options ({_all_but_batch_size(first.options)} on "
-                    f"replica {first_index} vs {_all_but_batch_size(call.options)} on replica {index}); log it the "
-                    "same way."
+                    f"Replicas logged {name!r} with different options ({expected} on replica {first_index} vs {got} "
+                    f"on replica {index}); log it the same way."
                 )
         if not isinstance(first.value, Metric):
             value, options = _merge_values(name, entries, sample_counts, options, implied_weights)
@@ -95,7 +95,7 @@ def _merge_values(
     entries: list[tuple[int, LogCall]],
     sample_counts: Sequence[int],
     options: dict[str, Any],
-    implied_weights: Sequence[dict[int, Any]] | None = None,
+    implied_weights: Sequence[dict[int, Any]] | None,
 ) -> tuple[Tensor, dict[str, Any]]:
     kind = _reduce_kind(options["reduce_fx"])
     values = [_as_tensor(name, call.value, options["enable_graph"]) for _, call in entries]
@@ -107,21 +107,20 @@ def _merge_values(
     explicit = [call.options.get("batch_size") for _, call in entries]
     implied = [(implied_weights[i] if implied_weights else {}).get(tensor_key(call.value)) for i, call in entries]
     counts = [sample_counts[index] for index, _ in entries]
-    batch_size = int(sum(float(b) for b in explicit)) if all(b is not None for b in explicit) else None
+    given = int(sum(float(b) for b in explicit)) if all(b is not None for b in explicit) else None
+    # The step's weight in the epoch mean; Lightning would read it from the batch's first tensor (wrong for a
+    # PerSample list of images).
+    with_batch_size = {**options, "batch_size": sum(counts) if given is None else given}
     if all(isinstance(b, str) for b in implied):  # a sum loss: one device logs the whole batch's sum
-        return stacked.sum(), {**options, "batch_size": batch_size or sum(counts)}
+        return stacked.sum(), with_batch_size
     if all(isinstance(b, LossTermsTotal) for b in implied):  # the total of loss_terms: each term weighted
-        return LossTermsTotal.merge(implied, device, dtype), {**options, "batch_size": batch_size or sum(counts)}
+        return LossTermsTotal.merge(implied, device, dtype), with_batch_size
     if all(b is not None and not isinstance(b, str) for b in implied):
         # A logged copy of the loss merges as the loss does; batch_size= only weights the step in the epoch mean.
-        weights = implied
-    else:
-        weights = explicit if batch_size is not None else counts
-        # The step's weight in the epoch mean; Lightning would read it from the batch's first tensor (wrong for a
-        # PerSample list of images).
-        batch_size = sum(counts) if batch_size is None else batch_size
-    options = options if batch_size is None else {**options, "batch_size": batch_size}
-    return weighted_mean(stacked, stack_scalars(weights, device, dtype)), options
+        mean = weighted_mean(stacked, stack_scalars(implied, device, dtype))
+        return mean, options if given is None else with_batch_size
+    weights = counts if given is None else explicit
+    return weighted_mean(stacked, stack_scalars(weights, device, dtype)), with_batch_size
 
 
 def _as_tensor(name: str, value: Any, enable_graph: bool) -> Tensor:

@@ -117,32 +117,14 @@ class SingleProcessParallel:
     def _accelerator(self, accelerator: Any) -> None:  # Strategy.__init__
         self.__dict__["_mgpu_accelerator"] = accelerator
 
-    # --- one process: constant ranks, collectives across the replicas inside a step -----------------------------------
-    @property
-    @override
-    def global_rank(self) -> int:
-        return 0
-
-    @property
-    @override
-    def local_rank(self) -> int:
-        return 0
-
-    @property
-    @override
-    def node_rank(self) -> int:
-        return 0
-
-    @property
-    @override
-    def world_size(self) -> int:
-        return 1
-
-    @property
-    @override
-    def is_distributed(self) -> bool:
-        """False: Lightning then adds no DistributedSampler and makes ``self.log(sync_dist=True)`` a no-op."""
-        return False
+    # --- one process: constant ranks (shadowing ParallelStrategy's properties), collectives across the replicas -------
+    global_rank = 0
+    local_rank = 0
+    node_rank = 0
+    world_size = 1
+    #: Lightning then adds no DistributedSampler and makes ``self.log(sync_dist=True)`` a no-op.
+    is_distributed = False
+    distributed_sampler_kwargs = None
 
     @property
     @override
@@ -150,11 +132,6 @@ class SingleProcessParallel:
         if not self.parallel_devices:
             raise RuntimeError(f"{type(self).__name__} has no devices yet; it gets them when the Trainer is built.")
         return self.parallel_devices[0]
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> None:
-        return None
 
     @override
     def model_to_device(self) -> None:
@@ -257,15 +234,6 @@ class SingleProcessParallel:
             raise
 
     # --- replicated calls --------------------------------------------------------------------------------------------
-    def _accumulating(self) -> bool:
-        """Whether the training step in progress accumulates gradients without an optimizer step after it."""
-        module = self.lightning_module
-        if module is None or module._current_fx_name != "training_step" or not module.automatic_optimization:
-            return False
-        epoch_loop = getattr(getattr(module._trainer, "fit_loop", None), "epoch_loop", None)
-        should_accumulate = getattr(epoch_loop, "_should_accumulate", None)
-        return bool(should_accumulate()) if callable(should_accumulate) else False
-
     def _mode_for(self, replicas: LightningReplicas, count: int) -> ExecutionMode:
         """Threads or one after another for this call (compiled code needs one thread, collectives many)."""
         mode, reason = replicas.replica_set.execution_mode(self.execution_mode, count)
@@ -301,11 +269,15 @@ class SingleProcessParallel:
         count = len(sample_counts)
         self._replicated_on = replicas.devices[:count]
         # Accumulating gradients: replicas keep theirs until the backward pass before the optimizer step reduces all.
-        replicas.replica_set.defer_reduction = self._accumulating()
+        root = self.lightning_module
+        replicas.replica_set.defer_reduction = (
+            root._current_fx_name == "training_step"
+            and root.automatic_optimization
+            and root.trainer.fit_loop.epoch_loop._should_accumulate()
+        )
         before = _public_list_lengths(module)
         outputs = replicas.run(count, call, self._mode_for(replicas, count))
-        implied = implied_weights(outputs) if implied_weights is not None else [{} for _ in outputs]
-        replicas.merge_into(self.lightning_module, sample_counts, implied)
+        replicas.merge_into(root, sample_counts, implied_weights(outputs) if implied_weights is not None else None)
         for name, length in _public_list_lengths(module).items():
             if length > before.get(name, length):
                 self._warn_once(

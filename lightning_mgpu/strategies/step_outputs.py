@@ -112,8 +112,8 @@ def reduce_training_outputs(
 
 
 def _reduce_weighted(losses: list[Any], weights: list[Any], what: str, root: torch.device) -> Any:
-    check_some_weight(as_float_weights(weights, what))
-    return losses[0] if len(losses) == 1 else reduce_losses(losses, weights, root, "weighted")
+    floats = check_some_weight(as_float_weights(weights, what))  # checked and read once (one host sync)
+    return losses[0] if len(losses) == 1 else reduce_losses(losses, floats, root, "weighted")
 
 
 def _reduce_terms(outputs: Sequence[Mapping[str, Any]], root: torch.device) -> Tensor:
