@@ -93,7 +93,7 @@ class SingleProcessParallel:
         self._replicated_on: list[torch.device] = []
 
     # --- one Trainer per instance: the connector reads `_accelerator` from an instance it receives, so refuse there ---
-    @property  # type: ignore[override]  # Lightning's is a plain attribute-backed property; this one guards reuse
+    @property  # Lightning's is a plain attribute-backed property; this one guards reuse
     @override
     def accelerator(self) -> Any:
         return self.__dict__.get("_mgpu_accelerator")
