@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from lightning_mgpu.parallel.devices import DeviceLike, to_device
-from lightning_mgpu.parallel.reduce import Weight, weighted_mean
+from lightning_mgpu.parallel.reduce import Weight, stack_scalars, weighted_mean
 from lightning_mgpu.parallel.scatter_gather import (
     BatchSplitError,
     PerSample,
@@ -144,8 +144,7 @@ class _Merger:
             if isinstance(weights, str):  # "sum": a sum over each replica's samples
                 return torch.stack(values).sum()
             dtype = torch.promote_types(values[0].dtype, torch.float32)
-            w = torch.stack([torch.as_tensor(x).to(self.device, dtype).reshape(()) for x in weights])
-            return weighted_mean(torch.stack([v.to(dtype) for v in values]), w)
+            return weighted_mean(stack_scalars(values, self.device, dtype), stack_scalars(weights, self.device, dtype))
         if isinstance(weights, str):
             return sum(outputs)
         floats = [float(w) for w in weights]

@@ -61,6 +61,11 @@ def weighted_mean(values: Tensor, weights: Tensor) -> Tensor:
     return torch.where(kept, values, torch.zeros_like(values)).mul(weights).sum() / weights.sum()
 
 
+def stack_scalars(values: Sequence[Weight], device: torch.device, dtype: torch.dtype) -> Tensor:
+    """Numbers or one-element tensors as one 1-D tensor on ``device``, for :func:`weighted_mean` (no host sync)."""
+    return torch.stack([torch.as_tensor(value).to(device, dtype).reshape(()) for value in values])
+
+
 def _scalar_on(loss: Tensor, device: torch.device, index: int) -> Tensor:
     if not isinstance(loss, Tensor):
         raise TypeError(f"The loss of replica {index} is a {type(loss).__name__}, expected a scalar tensor.")

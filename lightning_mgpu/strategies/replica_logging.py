@@ -14,8 +14,8 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric
 
-from lightning_mgpu.parallel.reduce import weighted_mean
-from lightning_mgpu.strategies.step_outputs import LossTermsTotal, stack_scalars, tensor_key
+from lightning_mgpu.parallel.reduce import stack_scalars, weighted_mean
+from lightning_mgpu.strategies.step_outputs import LossTermsTotal, tensor_key
 
 _REDUCE_FX: dict[str, tuple[Any, ...]] = {
     "mean": ("mean", "avg", torch.mean),

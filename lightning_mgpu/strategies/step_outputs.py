@@ -14,15 +14,16 @@ import torch
 from torch import Tensor
 
 from lightning_mgpu.parallel.merge import merge_outputs
-from lightning_mgpu.parallel.reduce import as_float_weights, check_some_weight, reduce_losses, weighted_mean
+from lightning_mgpu.parallel.reduce import (
+    as_float_weights,
+    check_some_weight,
+    reduce_losses,
+    stack_scalars,
+    weighted_mean,
+)
 
 LOSS_WEIGHT_KEY = "loss_weight"
 LOSS_TERMS_KEY = "loss_terms"
-
-
-def stack_scalars(values: Sequence[Any], device: torch.device, dtype: torch.dtype) -> Tensor:
-    """Numbers or one-element tensors as one 1-D tensor on ``device``, for ``weighted_mean`` (no host sync)."""
-    return torch.stack([torch.as_tensor(value).to(device, dtype).reshape(()) for value in values])
 
 
 def tensor_key(value: Any) -> tuple[int, int, tuple[int, ...]] | None:
