@@ -156,9 +156,9 @@ def check_recipes_extra(command: str, args: Sequence[str] = (), modules: Iterabl
 
 
 @contextmanager
-def exit_on_missing_extra(command: str) -> Iterator[None]:
-    """Turn a missing module of the ``[recipes]`` extra, or a class path that does not import from here, into its
-    message on stderr and exit status 1. Anything else propagates unchanged."""
+def exit_on_command_error(command: str) -> Iterator[None]:
+    """Turn a :class:`CommandError` (a class path that does not import from here, an unknown strategy...) or a missing
+    module of the ``[recipes]`` extra into its message on stderr and exit status 1. Anything else propagates."""
     try:
         yield
     except Exception as err:
@@ -198,7 +198,7 @@ def main(args: Sequence[str] | None = None, run: bool = True) -> LightningCLI | 
     put_cwd_on_sys_path()
     prog = program_name()
     given = sys.argv[1:] if args is None else list(args)
-    with exit_on_missing_extra(prog):
+    with exit_on_command_error(prog):
         check_recipes_extra(prog, given)
         from lightning.pytorch.cli import LightningCLI  # our strategies register as it imports (see registration.py)
 

@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lightning_mgpu.cli import check_recipes_extra, exit_on_missing_extra, put_cwd_on_sys_path
+from lightning_mgpu.cli import check_recipes_extra, exit_on_command_error, put_cwd_on_sys_path
 
 DEFAULT_STRATEGIES = ("single", "dp", "parallel_criterion", "ddp")
 DEFAULT_OUT = Path("lightning_logs/strategy_comparison")
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         parser.error(f"config file(s) not found: {', '.join(missing)}")
     command = "python -m benchmarks.compare"
-    with exit_on_missing_extra(command):
+    with exit_on_command_error(command):
         # Checked here, before any worker starts: every worker would fail the same way. Class paths resolve from the
         # current directory, as in the workers (``python -m`` puts it on their path).
         put_cwd_on_sys_path()
