@@ -110,7 +110,8 @@ class DataParallelStrategyBase(SingleProcessParallel):
                 output = getattr(self.lightning_module, hook)(*args, **kwargs)
         finally:
             calls, self._forward_calls = self._forward_calls, None
-        if self._wrapped and calls == 0 and hook in ("training_step", "validation_step"):
+        # A step that returned None skipped its batch: no forward is expected then.
+        if self._wrapped and calls == 0 and output is not None and hook in ("training_step", "validation_step"):
             names = [n or "self" for n in self.parallel_modules]
             self._warn_once(
                 f"unreplicated:{hook}",

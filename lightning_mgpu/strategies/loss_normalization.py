@@ -163,14 +163,29 @@ def _outermost_transformers_models(module: nn.Module) -> list[nn.Module]:
     return found
 
 
-def _criterion_rule(module: nn.Module, batch: Any, method: str) -> tuple[LossNormalization, str] | None:
+def loss_producers(module: nn.Module, batch: Any, method: str, rule: LossNormalization) -> list[nn.Module]:
+    """The modules whose outputs are losses normalised by ``rule``: the one outermost ``transformers`` model when its
+    task says ``rule``, and the loss modules ``method`` (or a method it calls) names whose settings say it. A logged
+    copy of their output merges by ``rule``, as the loss does, even when the step does not return it."""
+    models = _outermost_transformers_models(module)
+    said = _transformers_rule(module, batch)
+    found = [models[0]] if said is not None and said[0] == rule else []
+    return found + [c for c in _named_criteria(module, method) if _rule_of(c, batch) == rule]
+
+
+def _named_criteria(module: nn.Module, method: str) -> list[nn.Module]:
+    """The loss modules ``method`` (or a method it calls) names; every one when its source is unreadable."""
     source = _method_source(module, method)
-    criteria = [
+    return [
         m
         for name, m in module.named_modules()
         if isinstance(m, nn.modules.loss._Loss)
         and (source is None or re.search(rf"\b\w+\.{re.escape(name.split('.')[0])}\b", source))
     ]
+
+
+def _criterion_rule(module: nn.Module, batch: Any, method: str) -> tuple[LossNormalization, str] | None:
+    criteria = _named_criteria(module, method)
     rules = {_rule_of(c, batch) for c in criteria}
     if len(rules) != 1 or None in rules:
         return None

@@ -20,11 +20,19 @@ from typing_extensions import override
 from lightning_mgpu.parallel.merge import merge_outputs
 from lightning_mgpu.parallel.run_replicas import ExecutionMode
 from lightning_mgpu.parallel.scatter_gather import split_batch, split_or_run_once
-from lightning_mgpu.strategies.loss_normalization import SAMPLES, known_rule, labels_spec, uncombinable_loss
+from lightning_mgpu.strategies.loss_normalization import (
+    SAMPLES,
+    LossNormalization,
+    known_rule,
+    labels_spec,
+    loss_producers,
+    uncombinable_loss,
+)
 from lightning_mgpu.strategies.single_process import Accelerator, CheckpointIO, PrecisionPlugin, SingleProcessParallel
 from lightning_mgpu.strategies.step_outputs import (
     LOSS_TERMS_KEY,
     LOSS_WEIGHT_KEY,
+    LossCapture,
     all_or_none,
     implied_loss_weights,
     reduce_training_outputs,
@@ -68,6 +76,8 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
             accelerator, parallel_devices, checkpoint_io, precision_plugin, dim, execution_mode, loss_reduction
         )
         self.collectives = collectives
+        self._eval_rules: dict[str, LossNormalization] = {}
+        self._captures: dict[str, LossCapture | None] = {}
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -84,25 +94,23 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
     def _run_step(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         module = self.lightning_module
         training = hook == "training_step"
-        weights: list[Any] = [1]
+        weights: list[Any] | None = [1]
         with self._step_context(hook):
             chunks, sizes = self._split(args)
             if chunks is None:
                 outputs = [getattr(module, hook)(*args, **kwargs)]
             else:
                 source = None
-                if training:
-                    if self.normalization is None:
-                        known = known_rule(module, args[0])
-                        self.normalization, source = known if known is not None else (SAMPLES, None)
-                    # Computed once per step (token counts: device tensors), for the loss and its logged copies.
-                    weights = self.normalization.weights(chunks, sizes)
+                if training and self.normalization is None:
+                    known = known_rule(module, args[0])
+                    self.normalization, source = known if known is not None else (SAMPLES, None)
+                # Computed once per step (token counts: device tensors), for the loss and its logged copies.
+                weights = self._rule_weights(hook, args[0], chunks, sizes)
 
                 def call(index: int, replica: nn.Module) -> Any:
                     return getattr(replica, hook)(chunks[index], *args[1:], **kwargs)
 
-                implied = partial(implied_loss_weights, rule_weights=weights if training else None)
-                outputs = self._run_replicated(module, sizes, call, implied)
+                outputs = self._run_replicated(module, sizes, call, partial(self._implied_weights, hook, weights))
                 if training:  # said once the step ran: a step that fails says so by itself
                     self._say_rule(outputs, source, args[0])
         if all_or_none(outputs, hook):
@@ -110,7 +118,62 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         if training:
             rule = self.normalization or SAMPLES
             return reduce_training_outputs(outputs, sizes, self.root_device, rule, weights, self.dim)
-        return outputs[0] if chunks is None else merge_outputs(outputs, self.root_device, self.dim, sizes=sizes)
+        if chunks is None:
+            return outputs[0]
+        # A returned loss merges by the rule, as its logged copies do; other values by sample counts.
+        by_rule = None if weights is None else {"output": weights, "output['loss']": weights}
+        if weights is not None and weights[0] == "sum":
+            by_rule = {"output": "sum", "output['loss']": "sum"}
+        return merge_outputs(outputs, self.root_device, self.dim, sizes=sizes, weights=by_rule)
+
+    def _rule_weights(self, hook: str, batch: Any, chunks: list[Any], sizes: list[int]) -> list[Any] | None:
+        """Each replica's weight by the rule of ``hook``'s losses (``None`` for ``predict_step``, or an evaluation
+        batch without the rule's labels: its values merge by sample counts); hooks its loss producers once."""
+        if hook == "predict_step":
+            return None
+        rule = self._rule_for(hook, batch)
+        if hook not in self._captures:
+            producers = [] if rule == SAMPLES else loss_producers(self.lightning_module, batch, hook, rule)
+            self._captures[hook] = LossCapture(producers) if producers else None
+        try:
+            return rule.weights(chunks, sizes)
+        except ValueError:
+            if hook == "training_step":
+                raise
+            return None
+
+    def _rule_for(self, hook: str, batch: Any) -> LossNormalization:
+        """How ``hook``'s losses are normalised: the training loss's rule; for evaluation, ``loss_reduction`` when
+        given, else what the objects say for that hook (its own loss modules), else a per-sample mean."""
+        if hook == "training_step":
+            return self.normalization or SAMPLES
+        if hook not in self._eval_rules:
+            rule = LossNormalization.parse(self.loss_reduction)
+            known = known_rule(self.lightning_module, batch, hook) if rule is None else None
+            if known is not None:
+                self._say_known_rule(f"the {hook} loss", *known)
+            self._eval_rules[hook] = rule or (known[0] if known is not None else SAMPLES)
+        return self._eval_rules[hook]
+
+    def _implied_weights(self, hook: str, weights: list[Any] | None, outputs: list[Any]) -> list[dict[Any, Any]]:
+        """Per replica, the weights of the logged copies of its losses: those it returned, and those its loss
+        producers returned (see :class:`.step_outputs.LossCapture`), by ``weights``."""
+        implied = implied_loss_weights(outputs, weights)
+        capture = self._captures.get(hook)
+        if capture is not None and weights is not None:
+            for index, keys in capture.take().items():
+                for key in keys:
+                    implied[index].setdefault(key, weights[index])
+        return implied
+
+    @override
+    def teardown(self) -> None:
+        for capture in self._captures.values():
+            if capture is not None:
+                capture.remove()
+        self._captures.clear()
+        self._eval_rules.clear()
+        super().teardown()
 
     def _split(self, args: tuple[Any, ...]) -> tuple[list[Any] | None, list[int]]:
         """The batch's shards and sizes; ``(None, [1])`` when the step runs once, on the root (one device, or a

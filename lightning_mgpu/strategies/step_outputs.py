@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightning_mgpu.parallel.merge import merge_outputs
 from lightning_mgpu.parallel.reduce import (
@@ -21,6 +21,7 @@ from lightning_mgpu.parallel.reduce import (
     stack_scalars,
     weighted_mean,
 )
+from lightning_mgpu.parallel.replica_group import current_replica
 
 LOSS_WEIGHT_KEY = "loss_weight"
 LOSS_TERMS_KEY = "loss_terms"
@@ -31,6 +32,32 @@ def tensor_key(value: Any) -> tuple[int, int, tuple[int, ...]] | None:
     if not isinstance(value, Tensor) or value.layout != torch.strided:
         return None
     return value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape)
+
+
+class LossCapture:
+    """Forward hooks on the modules whose outputs are losses (``loss_normalization.loss_producers``): per replica of
+    the step in progress, the :func:`tensor_key` of each loss they returned, so that a logged copy merges by the loss
+    rule even when the step does not return it (``self.log("val_loss", self.criterion(...))``)."""
+
+    def __init__(self, producers: Sequence[nn.Module]) -> None:
+        self._keys: dict[int, set[Any]] = {}
+        self._handles = [producer.register_forward_hook(self._record) for producer in producers]
+
+    def _record(self, module: nn.Module, args: Any, output: Any) -> None:
+        replica = current_replica()
+        loss = output.get("loss") if isinstance(output, Mapping) else output  # a transformers ModelOutput is a Mapping
+        key = tensor_key(loss)
+        if replica is not None and key is not None:
+            self._keys.setdefault(replica.index, set()).add(key)
+
+    def take(self) -> dict[int, set[Any]]:
+        """The keys recorded since the last call, per replica index."""
+        keys, self._keys = self._keys, {}
+        return keys
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
 
 
 @dataclass(frozen=True)

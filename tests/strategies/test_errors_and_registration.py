@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import Any
 
 import lightning.pytorch as L
@@ -96,6 +97,24 @@ def test_dp_output_device_and_parallel_modules():
         with pytest.raises(ValueError, match=r"runs inside .* Name only the outermost module"):
             lightning_mgpu.DataParallelStrategy(parallel_modules=nested)
     lightning_mgpu.DataParallelStrategy(parallel_modules=["net.0", "net.2"])  # siblings are fine
+
+
+class SkipsABatch(Classifier):
+    """Returns None (skips) on batch 1 before calling the model: no forward is expected on that step."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        return None if batch_idx == 1 else super().training_step(batch, batch_idx)
+
+
+def test_dp_says_nothing_about_the_replicated_forward_when_a_step_skips_its_batch():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dp = seeded(SkipsABatch)
+        trainer("dp", 2, max_epochs=1, enable_progress_bar=True).fit(dp, loader(10))
+    assert not [w for w in caught if "ran on one device" in str(w.message)]
+    one = seeded(SkipsABatch)
+    trainer("auto", 1, max_epochs=1).fit(one, loader(10))
+    torch.testing.assert_close(list(dp.parameters()), list(one.parameters()), rtol=0, atol=1e-10)
 
 
 def test_invalid_options_are_refused():

@@ -1,0 +1,165 @@
+"""Losses logged in ``validation_step`` and ``test_step`` under ``parallel_criterion`` equal one device's, by the same
+rule as the training loss: a mean over non-ignored labels, a sum, or a ``transformers`` model's token mean, whether the
+step returns the loss or only logs it (``self.log("val_loss", self.criterion(...))``). Values that are no loss (an
+accuracy) still merge by sample counts. Float64, 2 and 3 devices, against one device on the same batches.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import pytest
+import torch
+from hf_models import build_model, token_loader
+from strategy_models import NAMESPACES, metrics, trainer
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lightning_mgpu import ParallelCriterionStrategy
+
+VOCAB, SEQ = 7, 6
+
+
+def token_batches(seed: int, batches: int = 3, size: int = 5) -> DataLoader:
+    """Dict batches whose rows hold very different numbers of labels (a token mean is no per-sample mean)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(batches):
+        ids = torch.randint(0, VOCAB, (size, SEQ), generator=g)
+        labels = ids.clone()
+        labels[0, 1:] = -100
+        labels[1, 3:] = -100
+        out.append({"input_ids": ids, "labels": labels})
+    return DataLoader(out, batch_size=None)
+
+
+def make_module(namespace: str, reduction: str, returns: bool, log_accuracy: bool = False) -> Any:
+    L = importlib.import_module(namespace)
+
+    class TokenModel(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.embed = nn.Embedding(VOCAB, 8)
+            self.head = nn.Linear(8, VOCAB)
+            # "inline": the loss is written in the step, where no object says its rule
+            self.criterion = (
+                nn.functional.cross_entropy if reduction == "inline" else nn.CrossEntropyLoss(reduction=reduction)
+            )
+
+        def loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+            logits = self.head(torch.tanh(self.embed(batch["input_ids"])))
+            if log_accuracy:
+                self.log("val_acc", (logits.argmax(-1)[:, 0] == batch["input_ids"][:, 0]).double().mean())
+            return self.criterion(logits.flatten(0, 1), batch["labels"].flatten())
+
+        def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+            loss = self.loss(batch)
+            self.log("train_loss", loss)
+            return loss
+
+        def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> Any:
+            loss = self.loss(batch)
+            self.log("val_loss", loss)
+            return loss if returns else None
+
+        def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+            self.log("test_loss", self.loss(batch))
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    return TokenModel().double()
+
+
+def run(module: Any, strategy: Any, devices: int, namespace: str, **kwargs: Any) -> dict[str, float]:
+    t = trainer(strategy, devices, namespace, max_epochs=1, enable_progress_bar=True, **kwargs)
+    t.fit(module, token_batches(0), token_batches(1))
+    logged = metrics(t)
+    logged.update({k: float(v) for k, v in t.test(module, token_batches(2), verbose=False)[0].items()})
+    return logged
+
+
+def assert_same(got: dict[str, float], expected: dict[str, float]) -> None:
+    assert got.keys() == expected.keys()
+    for name, value in expected.items():
+        assert got[name] == pytest.approx(value, abs=1e-10, rel=0), name
+
+
+@pytest.mark.parametrize("namespace", NAMESPACES)
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("returns", [False, True], ids=["logged-only", "returned"])
+def test_logged_evaluation_losses_equal_one_device(namespace, reduction, returns):
+    pytest.importorskip(namespace)
+    expected = run(make_module(namespace, reduction, returns), "auto", 1, namespace)
+    got = run(make_module(namespace, reduction, returns), "parallel_criterion", 2, namespace)
+    assert_same(got, expected)
+
+
+def test_a_declared_rule_serves_evaluation_and_an_accuracy_still_merges_by_samples():
+    namespace = NAMESPACES[0]
+    expected = run(make_module(namespace, "mean", False, log_accuracy=True), "auto", 1, namespace)
+    strategy = ParallelCriterionStrategy(loss_reduction="tokens:labels")
+    got = run(make_module(namespace, "mean", False, log_accuracy=True), strategy, 3, namespace)
+    assert_same(got, expected)
+
+
+def test_an_evaluation_loss_written_in_the_step_follows_a_declared_rule_when_returned():
+    namespace = NAMESPACES[0]
+    expected = run(make_module(namespace, "inline", True), "auto", 1, namespace)
+    strategy = ParallelCriterionStrategy(loss_reduction="tokens:labels")
+    got = run(make_module(namespace, "inline", True), strategy, 2, namespace)
+    assert got["val_loss"] == pytest.approx(expected["val_loss"], abs=1e-10, rel=0)
+
+
+def test_the_returned_validation_loss_reaches_callbacks_as_one_devices():
+    namespace = NAMESPACES[0]
+    L = importlib.import_module(namespace)
+    seen: dict[str, list[float]] = {}
+
+    class Outputs(L.Callback):
+        def __init__(self, key: str) -> None:
+            self.key = key
+
+        def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+            seen.setdefault(self.key, []).append(float(outputs))
+
+    for key, strategy, devices in (("one", "auto", 1), ("three", "parallel_criterion", 3)):
+        module = make_module(namespace, "mean", True)
+        trainer(strategy, devices, namespace, max_epochs=1, callbacks=[Outputs(key)]).fit(
+            module, token_batches(0), token_batches(1)
+        )
+    assert seen["three"] == pytest.approx(seen["one"], abs=1e-10, rel=0)
+
+
+def test_a_transformers_models_logged_validation_loss_equals_one_device():
+    namespace = NAMESPACES[0]
+    L = importlib.import_module(namespace)
+
+    class Tagger(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = build_model("token_classification")
+
+        def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+            return self.model(**batch).loss
+
+        def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+            self.log("val_loss", self.model(**batch).loss)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.5)
+
+    logged = {}
+    for devices, strategy in ((1, "auto"), (2, "parallel_criterion")):
+        t = trainer(strategy, devices, namespace, max_epochs=1, enable_progress_bar=True)
+        t.fit(Tagger(), token_loader("token_classification", 4, steps=2), token_loader("token_classification", 4, 3, 1))
+        logged[devices] = metrics(t)["val_loss"]
+    assert logged[2] == pytest.approx(logged[1], abs=1e-10, rel=0)
+
+
+def test_the_loss_hooks_leave_with_the_run():
+    module = make_module(NAMESPACES[0], "mean", False)
+    run(module, "parallel_criterion", 2, NAMESPACES[0])
+    assert not module.criterion._forward_hooks
