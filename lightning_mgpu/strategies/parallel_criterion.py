@@ -129,6 +129,9 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
     def _rule_weights(self, hook: str, batch: Any, chunks: list[Any], sizes: list[int]) -> list[Any] | None:
         """Each replica's weight by the rule of ``hook``'s losses (``None`` for ``predict_step``, or an evaluation
         batch without the rule's labels: its values merge by sample counts); hooks its loss producers once."""
+        for capture in self._captures.values():  # every step starts empty: producers also fire in other hooks' steps
+            if capture is not None:
+                capture.take()
         if hook == "predict_step":
             return None
         rule = self._rule_for(hook, batch)
@@ -160,10 +163,11 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         producers returned (see :class:`.step_outputs.LossCapture`), by ``weights``."""
         implied = implied_loss_weights(outputs, weights)
         capture = self._captures.get(hook)
-        if capture is not None and weights is not None:
-            for index, keys in capture.take().items():
-                for key in keys:
-                    implied[index].setdefault(key, weights[index])
+        if capture is None or weights is None:
+            return implied
+        for index, keys in capture.take().items():
+            for key in keys:
+                implied[index].setdefault(key, weights[index])
         return implied
 
     @override

@@ -40,20 +40,20 @@ class LossCapture:
     rule even when the step does not return it (``self.log("val_loss", self.criterion(...))``)."""
 
     def __init__(self, producers: Sequence[nn.Module]) -> None:
-        self._keys: dict[int, set[Any]] = {}
+        # The losses themselves until take(): a freed one's storage could come back as another logged value's.
+        self._losses: dict[int, list[Tensor]] = {}
         self._handles = [producer.register_forward_hook(self._record) for producer in producers]
 
     def _record(self, module: nn.Module, args: Any, output: Any) -> None:
         replica = current_replica()
         loss = output.get("loss") if isinstance(output, Mapping) else output  # a transformers ModelOutput is a Mapping
-        key = tensor_key(loss)
-        if replica is not None and key is not None:
-            self._keys.setdefault(replica.index, set()).add(key)
+        if replica is not None and tensor_key(loss) is not None:
+            self._losses.setdefault(replica.index, []).append(loss)
 
     def take(self) -> dict[int, set[Any]]:
-        """The keys recorded since the last call, per replica index."""
-        keys, self._keys = self._keys, {}
-        return keys
+        """The keys of the losses recorded since the last call, per replica index."""
+        losses, self._losses = self._losses, {}
+        return {index: {tensor_key(loss) for loss in recorded} for index, recorded in losses.items()}
 
     def remove(self) -> None:
         for handle in self._handles:

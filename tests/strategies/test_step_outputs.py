@@ -10,6 +10,8 @@ from strategy_models import Classifier, clone, flat_params, loader, seeded, trai
 from torch import nn
 
 import lightning_mgpu
+from lightning_mgpu.parallel import run_replicas
+from lightning_mgpu.strategies.step_outputs import LossCapture, tensor_key
 
 
 class DictOutputs(Classifier):
@@ -223,3 +225,26 @@ def test_lists_of_scalars_are_per_sample_and_dicts_of_batched_tensors_are_struct
 
 def _gather(outputs: list, counts: list[int], device: torch.device) -> Any:
     return lightning_mgpu.merge_outputs(outputs, device, sizes=counts)
+
+
+class DictLoss(nn.Module):
+    """Returns its loss under "loss", as a transformers model's ModelOutput does."""
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"loss": x.square().mean(), "logits": x}
+
+
+def test_loss_capture_keeps_each_replicas_losses_from_replicated_calls_until_taken():
+    criterion, model = nn.MSELoss(), DictLoss()
+    capture = LossCapture([criterion, model])
+    x = torch.randn(4, 2)
+    criterion(x, x)  # outside a replicated call: no replica to credit
+    outputs = run_replicas(
+        [lambda: (criterion(x, x + 1), model(x)["loss"]), lambda: (criterion(x, x + 2), model(2 * x)["loss"])],
+        ["cpu"] * 2,
+        "sequential",
+    )
+    assert capture.take() == {i: {tensor_key(loss) for loss in pair} for i, pair in enumerate(outputs)}
+    assert capture.take() == {}
+    capture.remove()
+    assert not criterion._forward_hooks and not model._forward_hooks
