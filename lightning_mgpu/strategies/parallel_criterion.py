@@ -121,10 +121,9 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         if chunks is None:
             return outputs[0]
         # A returned loss merges by the rule, as its logged copies do; other values by sample counts.
-        by_rule = None if weights is None else {"output": weights, "output['loss']": weights}
-        if weights is not None and weights[0] == "sum":
-            by_rule = {"output": "sum", "output['loss']": "sum"}
-        return merge_outputs(outputs, self.root_device, self.dim, sizes=sizes, weights=by_rule)
+        by_rule = "sum" if weights is not None and weights[0] == "sum" else weights
+        paths = None if by_rule is None else dict.fromkeys(("output", "output['loss']"), by_rule)
+        return merge_outputs(outputs, self.root_device, self.dim, sizes=sizes, weights=paths)
 
     def _rule_weights(self, hook: str, batch: Any, chunks: list[Any], sizes: list[int]) -> list[Any] | None:
         """Each replica's weight by the rule of ``hook``'s losses (``None`` for ``predict_step``, or an evaluation
