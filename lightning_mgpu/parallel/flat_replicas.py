@@ -17,6 +17,8 @@ from torch import Tensor, nn
 _version = operator.attrgetter("_version")
 _requires_grad = operator.attrgetter("requires_grad")
 _grad = operator.attrgetter("grad")
+_tensor_hooks = operator.attrgetter("_backward_hooks")
+_post_accumulate_hooks = operator.attrgetter("_post_accumulate_grad_hooks")
 _data_ptr = Tensor.data_ptr
 Slot = tuple[dict[str, Any], str, int]  # (a replica module's _parameters or _buffers, name, index of the original)
 
@@ -170,6 +172,8 @@ class ReplicaParameters:
         Order: per device its replicas, then the devices (root first), each moved to the root with one copy per dtype.
         Unless every replica's backward reached every trainable parameter (each accumulation bumps its replica's
         counter once), a ``None`` ``.grad`` whose summed gradient is exactly zero stays ``None``, as on one device.
+        The originals' gradient hooks (``register_hook``, ``register_post_accumulate_grad_hook``) run as autograd runs
+        them on one device: once per reduction, on the summed gradient.
         """
         count, passes = self.active, self.passes
         self.active = self.passes = 0
@@ -181,13 +185,13 @@ class ReplicaParameters:
         if not any(deltas):
             return
         everywhere = passes > 0 and all(delta == expected for delta in deltas)
+        hooked = any(map(_tensor_hooks, self._train_params)) or any(map(_post_accumulate_hooks, self._train_params))
+        fast = everywhere and not hooked  # whole flat buffers at once
         with torch.no_grad():
-            pointed = self._point_grads() if everywhere else 0
+            pointed = self._point_grads() if fast else 0
             if pointed == len(self._train_params):  # after zero_grad(set_to_none=True)
                 self._sum_into(count, self._root_grads, accumulate=False)
-            elif (
-                everywhere and not pointed and all(map(operator.is_, map(_grad, self._train_params), self._train_views))
-            ):
+            elif fast and not pointed and all(map(operator.is_, map(_grad, self._train_params), self._train_views)):
                 self._sum_into(count, self._root_grads, accumulate=True)  # .grad still the views
             else:
                 grads = [None] * pointed + list(map(_grad, self._train_params[pointed:]))
@@ -232,20 +236,27 @@ class ReplicaParameters:
                     target.add_(flat)
 
     def _assign_each(self, totals: dict[torch.dtype, Tensor], grads: list[Tensor | None], everywhere: bool) -> None:
-        """The general case, one parameter at a time: ``.grad`` set by someone else, or parameters some replica's
-        backward did not reach."""
+        """The general case, one parameter at a time: ``.grad`` set by someone else, parameters some replica's
+        backward did not reach (left alone, as on one device), or gradient hooks to run as ``AccumulateGrad`` does:
+        tensor hooks on the incoming gradient, then post-accumulate hooks."""
         parts = [self._groups.view(totals, j, p) for j, p in zip(self._train_index, self._train_params, strict=True)]
         reached = [True] * len(parts) if everywhere else [bool(x) for x in torch.stack([t.any() for t in parts])]
         for j, p, grad, part, hit in zip(self._train_index, self._train_params, grads, parts, reached, strict=True):
+            if not hit:
+                continue
+            for hook in (p._backward_hooks or {}).values():
+                result = hook(part)
+                part = part if result is None else result
             view = self._root_views[j]
             if grad is None:
-                if hit:
-                    view.copy_(part)
-                    p.grad = view
+                view.copy_(part)
+                p.grad = view
             elif grad is view:
                 view.add_(part)
             else:
                 grad.add_(part.to(grad.dtype))
+            for hook in (p._post_accumulate_grad_hooks or {}).values():
+                hook(p)
 
 
 class ReplicaBuffers:

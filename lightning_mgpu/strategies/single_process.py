@@ -268,12 +268,14 @@ class SingleProcessParallel:
         replicas = self._replicas.of(module, self.parallel_devices)
         count = len(sample_counts)
         self._replicated_on = replicas.devices[:count]
-        # Accumulating gradients: replicas keep theirs until the backward pass before the optimizer step reduces all.
+        # Accumulating gradients: replicas keep theirs until the backward pass before the optimizer step reduces all,
+        # unless something reads the gradients in between (then every backward pass reduces, as one device accumulates).
         root = self.lightning_module
         replicas.replica_set.defer_reduction = (
             root._current_fx_name == "training_step"
             and root.automatic_optimization
             and root.trainer.fit_loop.epoch_loop._should_accumulate()
+            and not _reads_gradients_between_backward_passes(root)
         )
         before = _public_list_lengths(module)
         outputs = replicas.run(count, call, self._mode_for(replicas, count))
@@ -341,3 +343,16 @@ class SingleProcessParallel:
         name = hook.replace("training", "train").replace("validation", "val")
         with getattr(self.precision_plugin, f"{name}_context")():
             yield
+
+
+def _reads_gradients_between_backward_passes(root: Any) -> bool:
+    """Whether the LightningModule or a callback overrides ``on_after_backward``, or a parameter has gradient hooks:
+    they must see each backward pass's gradients, as on one device."""
+    hooked = any(p._backward_hooks or p._post_accumulate_grad_hooks for p in root.parameters())
+    return hooked or any(_overrides(obj, "on_after_backward") for obj in (root, *root.trainer.callbacks))
+
+
+def _overrides(obj: Any, hook: str) -> bool:
+    """Whether ``obj``'s class, rather than Lightning's base class, defines ``hook``."""
+    defining = next(cls for cls in type(obj).__mro__ if hook in vars(cls))
+    return not defining.__module__.startswith(("lightning.", "pytorch_lightning."))

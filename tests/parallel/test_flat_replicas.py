@@ -242,6 +242,28 @@ def test_threads_mode_equals_one_device_and_is_bitwise_reproducible():
         assert torch.equal(p, q)
 
 
+def test_the_originals_gradient_hooks_run_once_per_backward_on_the_summed_gradient():
+    calls = {"clamp": 0, "post": 0}
+
+    def with_hooks(model: nn.Module) -> nn.Module:
+        def clamp(grad: torch.Tensor) -> torch.Tensor:  # not linear: a hook on each replica's share would differ
+            calls["clamp"] += 1
+            return grad.clamp(-0.01, 0.01)
+
+        def post(param: torch.Tensor) -> None:
+            calls["post"] += 1
+
+        model[0].weight.register_hook(clamp)
+        model[2].bias.register_post_accumulate_grad_hook(post)
+        return model
+
+    expected = train(with_hooks(mlp()), None)
+    assert calls == {"clamp": 3, "post": 3}
+    got = train(with_hooks(mlp()), CPU3)
+    assert calls == {"clamp": 6, "post": 6}
+    assert_same_parameters(got, expected)
+
+
 def test_gradient_accumulation_equals_one_device():
     assert_same_parameters(train(mlp(), CPU3, accumulate=3), train(mlp(), None, accumulate=3))
 

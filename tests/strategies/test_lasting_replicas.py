@@ -110,6 +110,41 @@ def test_gradient_accumulation_reduces_once_per_optimizer_step_and_equals_one_de
     assert multi.reductions == [1] * 6
 
 
+class ReadsGradients(Classifier):
+    """Reads the gradients between backward passes, as gradient-norm loggers and masking hooks do: a hook freezes the
+    first layer's first rows, ``on_after_backward`` records every gradient norm."""
+
+    def on_fit_start(self) -> None:
+        self.norms: list[float] = []
+        self.hook_calls = 0
+        mask = torch.ones_like(self.net[0].weight)
+        mask[:4] = 0
+
+        def masked(grad: torch.Tensor) -> torch.Tensor:
+            self.hook_calls += 1
+            return grad * mask
+
+        self.net[0].weight.register_hook(masked)
+
+    def on_after_backward(self) -> None:
+        self.norms.append(float(torch.cat([p.grad.flatten() for p in self.parameters()]).norm()))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_gradient_hooks_and_on_after_backward_see_what_one_device_sees_in_threads_mode(strategy):
+    # Replicas in threads hold their own leaves: the originals' hooks run when the reduction reaches them, and with
+    # accumulation every backward pass reduces while something reads the gradients in between.
+    base = seeded(ReadsGradients)
+    single, multi = clone(base), clone(base)
+    kwargs = dict(max_epochs=1, limit_val_batches=0, accumulate_grad_batches=2, enable_progress_bar=True)
+    trainer("auto", 1, **kwargs).fit(single, loader(4, n=24))
+    trainer(_threads(strategy), 3, **kwargs).fit(multi, loader(4, n=24))
+    torch.testing.assert_close(flat_params(multi), flat_params(single), rtol=0, atol=1e-10)
+    assert multi.norms == pytest.approx(single.norms, abs=1e-10, rel=0) and len(multi.norms) == 6
+    assert multi.hook_calls == single.hook_calls == 6
+    assert torch.equal(multi.net[0].weight[:4], base.net[0].weight[:4])  # the hook froze them on every device
+
+
 class CountsBuilds(Classifier):
     builds: list[int]
 
