@@ -17,6 +17,8 @@ from contextlib import contextmanager
 from itertools import pairwise
 from typing import TYPE_CHECKING, Any, overload
 
+import lightning_mgpu
+
 if TYPE_CHECKING:
     from lightning.pytorch.cli import LightningCLI
 
@@ -111,14 +113,15 @@ def check_strategy_names(command: str, args: Sequence[str]) -> None:
 
 def _unknown_strategy(command: str, name: str, known: list[str]) -> str:
     """Why ``trainer.strategy=name`` fails: a class given where a registered name goes, or a misspelled name."""
-    if "." in name or name[:1].isupper():
+    if "." in name or isinstance(getattr(lightning_mgpu, name, None), type):  # a class path, or one of ours
         path = name if "." in name else f"lightning_mgpu.{name}"
         return (
             f"{command}: trainer.strategy={name!r} is read as a registered strategy name, and that is a class. A "
             f"strategy class goes in --trainer.strategy.class_path={path} (YAML: strategy: {{class_path: {path}}}), "
             "its arguments in --trainer.strategy.init_args.<argument>=..."
         )
-    close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+    lower = name.lower()  # registered names are lower case
+    close = [lower] if lower in known else difflib.get_close_matches(lower, known, n=3, cutoff=0.6)
     hint = f" Did you mean {' or '.join(map(repr, close))}?" if close else ""
     return (
         f"{command}: unknown strategy {name!r}.{hint} This package registers 'parallel_criterion' and 'dp' (alias "

@@ -63,15 +63,22 @@ def test_the_command_names_itself_as_the_user_ran_it(capsys, monkeypatch):
     assert cli.program_name() == "lightning-mgpu"
 
 
-def test_a_misspelled_strategy_gets_the_registered_names(capsys, monkeypatch):
+@pytest.mark.parametrize(
+    ("given", "meant"),
+    [
+        ("parallel_criterium", "parallel_criterion"),
+        ("DP", "dp"),
+        ("DDP", "ddp"),
+        ("ParallelCriterion", "parallel_criterion"),
+    ],
+)
+def test_a_misspelled_strategy_gets_the_registered_names(given, meant, capsys, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["lightning-mgpu"])
     with pytest.raises(SystemExit) as exit:
-        cli.main(
-            ["fit", "-c", str(REPO / "configs/pyramidnet/quickstart.yaml"), "--trainer.strategy=parallel_criterium"]
-        )
+        cli.main(["fit", "-c", str(REPO / "configs/pyramidnet/quickstart.yaml"), f"--trainer.strategy={given}"])
     assert exit.value.code == 1
     (message,) = capsys.readouterr().err.strip().splitlines()
-    assert "unknown strategy 'parallel_criterium'. Did you mean 'parallel_criterion'?" in message
+    assert f"unknown strategy {given!r}. Did you mean {meant!r}?" in message
 
 
 @pytest.mark.parametrize("given", ["lightning_mgpu.ParallelCriterionStrategy", "ParallelCriterionStrategy"])
