@@ -23,7 +23,7 @@ from lightning_mgpu.parallel.devices import DeviceLike, check_module_on, module_
 from lightning_mgpu.parallel.merge import merge_outputs
 from lightning_mgpu.parallel.reduce import reduce_losses
 from lightning_mgpu.parallel.replicas import ReplicaCache, ReplicaSet
-from lightning_mgpu.parallel.run_replicas import ExecutionMode, resolve_mode, run_replicas
+from lightning_mgpu.parallel.run_replicas import ExecutionMode, add_note, resolve_mode, run_replicas
 from lightning_mgpu.parallel.scatter_gather import (
     BatchSplitError,
     NothingToSplitError,
@@ -298,7 +298,17 @@ class DataParallelCriterion(nn.Module):
             functools.partial(c, *_as_args(o), *t, **k)
             for c, o, t, k in zip(replicas, outputs, target_chunks, kwargs_chunks, strict=True)
         ]
-        losses = run_replicas(calls, devices, mode)
+        try:
+            losses = run_replicas(calls, devices, mode)
+        except TypeError as err:
+            if isinstance(outputs[0], tuple) and not is_namedtuple(outputs[0]):
+                add_note(
+                    err,
+                    f"DataParallelCriterion passes each item of a tuple output as its own argument: criterion(*output, "
+                    f"*targets), here {len(outputs[0])} items before the targets. Take them as separate parameters "
+                    "(def criterion(logits, aux, target)), or return a namedtuple or dict, which is passed whole.",
+                )
+            raise
         if replica_set is not None:
             replica_set.watch(losses)
         return losses

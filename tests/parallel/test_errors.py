@@ -116,6 +116,26 @@ def test_criterion_given_a_tensor_or_tuple_instead_of_the_list():
         DataParallelCriterion("mse", CPU2)
 
 
+def test_a_criterion_that_takes_a_tuple_output_whole_is_told_how_tuples_are_passed():
+    class WithAux(nn.Module):
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return x, x.square().mean()
+
+    def criterion(output, target):  # written for the whole (logits, aux) tuple
+        return nn.functional.mse_loss(output[0], target) + output[1]
+
+    outputs = DataParallelModel(WithAux(), CPU2)(torch.randn(6, 2))
+    with pytest.raises(TypeError, match="takes 2 positional arguments") as caught:
+        DataParallelCriterion(criterion, CPU2)(outputs, torch.zeros(6, 2))
+    note = "\n".join(caught.value.__notes__)
+    assert "passes each item of a tuple output as its own argument" in note and "2 items" in note
+    # The fix the note gives works: the items as separate parameters.
+    fixed = DataParallelCriterion(lambda logits, aux, target: nn.functional.mse_loss(logits, target) + aux, CPU2)
+    whole = WithAux()(torch.cat([o[0] for o in outputs]))
+    expected = nn.functional.mse_loss(whole[0], torch.zeros(6, 2)) + whole[1]
+    torch.testing.assert_close(fixed(outputs, torch.zeros(6, 2)), expected)
+
+
 def test_reduce_losses_errors():
     with pytest.raises(ValueError, match="only scalar losses"):
         reduce_losses([torch.zeros(2), torch.zeros(2)])
