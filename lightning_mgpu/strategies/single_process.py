@@ -243,7 +243,8 @@ class SingleProcessParallel:
                 raise self.namespace.misconfiguration(
                     f"{meets}, so the replicas must run at the same time (in threads) to meet, but the model is "
                     "compiled with torch.compile, whose compiler is not thread-safe, so compiled replicas run one "
-                    "after another. Do not compile the model under this strategy, or use strategy='ddp'."
+                    "after another. Do not compile the model under this strategy, or use strategy='dp' (the step "
+                    "runs once, on the whole batch, where all_gather returns it as it is) or strategy='ddp'."
                 )
             mode, reason = "threads", f"{meets}: replicas run in threads so that they meet"
         if reason is not None:

@@ -254,5 +254,11 @@ def test_compiled_replicas_that_must_meet_get_a_clear_error():
     data = DataLoader(TensorDataset(torch.ones(4, 3)), batch_size=4)
     strategy = lightning_mgpu.ParallelCriterionStrategy(collectives=True)
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=1, logger=False)
-    with pytest.raises(Exception, match=r"compiled with torch\.compile"):
+    with pytest.raises(Exception, match=r"compiled with torch\.compile.*strategy='dp'"):
         trainer.fit(module, data)
+    # The alternative the message names: under dp the step runs once, on the whole batch, which all_gather returns.
+    gathered = []
+    module = Probe(lambda m, x: gathered.append(m.all_gather(x)))
+    module.net.compile()
+    L.Trainer(accelerator="cpu", devices=2, strategy="dp", max_steps=1, logger=False).fit(module, data)
+    assert len(gathered) == 1 and torch.equal(gathered[0], torch.ones(4, 3))
