@@ -6,6 +6,7 @@ device (``parallel_devices[0]``); the LightningModule is stored unwrapped, so ch
 
 from __future__ import annotations
 
+import importlib
 import logging
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -276,7 +277,7 @@ class SingleProcessParallel:
             root._current_fx_name == "training_step"
             and root.automatic_optimization
             and root.trainer.fit_loop.epoch_loop._should_accumulate()
-            and not _reads_gradients_between_backward_passes(root)
+            and not self._reads_gradients_between_backward_passes(root)
         )
         before = _public_list_lengths(module)
         outputs = replicas.run(count, call, self._mode_for(replicas, count))
@@ -291,6 +292,14 @@ class SingleProcessParallel:
                     "(they receive the gathered outputs, once, on the root) or use a torchmetrics metric.",
                 )
         return outputs
+
+    def _reads_gradients_between_backward_passes(self, root: Any) -> bool:
+        """Whether the LightningModule or a callback overrides ``on_after_backward``, or a parameter has gradient
+        hooks: they must see each backward pass's gradients, as on one device."""
+        if any(p._backward_hooks or p._post_accumulate_grad_hooks for p in root.parameters()):
+            return True
+        is_overridden = importlib.import_module(f"{self.namespace.name}.utilities.model_helpers").is_overridden
+        return any(is_overridden("on_after_backward", obj) for obj in (root, *root.trainer.callbacks))
 
     def _log(self, message: str) -> None:
         logging.getLogger(self.namespace.name).info(message)
@@ -344,16 +353,3 @@ class SingleProcessParallel:
         name = hook.replace("training", "train").replace("validation", "val")
         with getattr(self.precision_plugin, f"{name}_context")():
             yield
-
-
-def _reads_gradients_between_backward_passes(root: Any) -> bool:
-    """Whether the LightningModule or a callback overrides ``on_after_backward``, or a parameter has gradient hooks:
-    they must see each backward pass's gradients, as on one device."""
-    hooked = any(p._backward_hooks or p._post_accumulate_grad_hooks for p in root.parameters())
-    return hooked or any(_overrides(obj, "on_after_backward") for obj in (root, *root.trainer.callbacks))
-
-
-def _overrides(obj: Any, hook: str) -> bool:
-    """Whether ``obj``'s class, rather than Lightning's base class, defines ``hook``."""
-    defining = next(cls for cls in type(obj).__mro__ if hook in vars(cls))
-    return not defining.__module__.startswith(("lightning.", "pytorch_lightning."))
