@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_mgpu.parallel.devices import DeviceLike, to_device
 from lightning_mgpu.parallel.scatter_gather import batch_size_of, move_to, split_batch
@@ -40,6 +41,7 @@ class LossCheck:
     known: tuple[LossNormalization, str] | None  # the rule the strategy finds by itself, and from what
     sizes: list[int]
     dropout_off: int  # dropout layers switched off for the check
+    batchnorm_off: int  # BatchNorm layers put on their running statistics for the check
 
     def errors(self) -> dict[str, float]:
         """How far each candidate misses the whole batch's loss, closest first."""
@@ -87,15 +89,21 @@ class LossCheck:
         if fits:
             return f"declare ParallelCriterionStrategy(loss_reduction={fits[0]!r})"
         return (
-            "no rule reproduces one device: the step couples samples across the batch (BatchNorm in train mode: "
-            "Trainer(sync_batchnorm=True); a contrastive loss: self.all_gather(..., sync_grads=True) or "
-            "strategy='dp'), or adds terms normalised differently (return 'loss_terms')"
+            "no rule reproduces one device: the step couples samples across the batch (a contrastive loss: "
+            "self.all_gather(..., sync_grads=True) or strategy='dp'; BatchNorm without running statistics: train "
+            "with Trainer(sync_batchnorm=True), which this check does not run), or adds terms normalised differently "
+            "(return 'loss_terms')"
         )
 
     def __str__(self) -> str:
         lines = [f"the whole batch's loss on one device: {self.whole:.8g}"]
         if self.dropout_off:
             lines.append(f"  ({self.dropout_off} dropout layer(s) switched off for the check)")
+        if self.batchnorm_off:
+            lines.append(
+                f"  ({self.batchnorm_off} BatchNorm layer(s) on their running statistics for the check: in training "
+                "each device normalises its shard with its own batch statistics unless Trainer(sync_batchnorm=True))"
+            )
         for spec, error in self.errors().items():
             lines.append(
                 f"  loss_reduction={spec!r}: the shards' losses combine to {self.predictions[spec]:.8g} "
@@ -115,13 +123,15 @@ def check_loss_reduction(
     dim: int = 0,
     seed: int = 0,
 ) -> LossCheck:
-    """Run ``training_step`` of a deep copy of ``module`` in train mode (dropout layers off) on ``batch`` whole and
-    split into ``devices`` unequal shards (all on ``device``); report which rule combines the shards' losses into the
-    whole batch's."""
+    """Run ``training_step`` of a deep copy of ``module`` in train mode (dropout off, BatchNorm on running statistics)
+    on ``batch`` whole and split into ``devices`` unequal shards (all on ``device``); report which rule combines the
+    shards' losses into the whole batch's."""
     target = to_device(device)
     replica = copy.deepcopy(module).to(target).train()
     dropout = [layer for layer in replica.modules() if isinstance(layer, DROPOUT_LAYERS)]
-    for layer in dropout:
+    # Batch statistics couple a shard's samples whatever the loss: sync_batchnorm=True settles them in training.
+    batchnorm = [m for m in replica.modules() if isinstance(m, _BatchNorm) and m.running_mean is not None]
+    for layer in (*dropout, *batchnorm):
         layer.eval()
     batch = move_to(batch, target)
 
@@ -146,7 +156,7 @@ def check_loss_reduction(
         rule.spec(): float(rule.reduce(values, rule.weights(chunks, sizes), torch.device("cpu")))
         for rule in _candidates(known, batch, dim)
     }
-    return LossCheck(whole, predictions, noise, declared, known, sizes, dropout_off=len(dropout))
+    return LossCheck(whole, predictions, noise, declared, known, sizes, len(dropout), len(batchnorm))
 
 
 def _uneven_sizes(size: int, devices: int) -> list[int]:

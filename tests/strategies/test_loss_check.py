@@ -63,8 +63,10 @@ def test_command_line_form_on_a_recipe_config(capsys):
     )
     out = capsys.readouterr().out
     assert "the whole batch's loss on one device" in out
-    # PyramidNet's BatchNorm couples the samples of a batch in train mode: no per-device weighting reproduces it
-    assert "sync_batchnorm=True" in out
+    # PyramidNet's BatchNorm couples a batch's samples in train mode, which no loss rule undoes: the check puts it on
+    # running statistics, finds the loss's own rule, and says that training needs sync_batchnorm=True for BatchNorm.
+    assert "BatchNorm layer(s) on their running statistics for the check" in out and "sync_batchnorm=True" in out
+    assert "parallel_criterion finds tokens:1 (from CrossEntropyLoss (reduction='mean')) by itself" in out
 
 
 class _NoisyMean(L.LightningModule):
