@@ -66,7 +66,7 @@ class DataParallelStrategyBase(SingleProcessParallel):
         self.parallel_modules = _checked_module_names(parallel_modules)
         self._wrapped: list[nn.Module] = []
         self._forward_calls: int | None = None  # replicated forward calls in the step in progress; None: no step
-        self._scalar_rules: dict[str, LossNormalization] = {}
+        self._scalar_rules: dict[tuple[int, str], LossNormalization] = {}
 
     @property
     @override
@@ -100,6 +100,7 @@ class DataParallelStrategyBase(SingleProcessParallel):
         for target in self._wrapped:
             target.__dict__.pop("forward", None)
         self._wrapped = []
+        self._scalar_rules.clear()
         super().teardown()
 
     @override
@@ -144,8 +145,9 @@ class DataParallelStrategyBase(SingleProcessParallel):
         chunks = [_arguments(a, k) for a, k in zip(args_chunks, kwargs_chunks, strict=True)]
         weights: dict[str, Any] = {}
         for path in _floating_scalar_paths(outputs):  # a per-replica loss: combined by its rule, not stacked
-            rule = self._scalar_rules.get(path) or self._rule_for(target, path, _arguments(inputs, kwargs))
-            self._scalar_rules[path] = rule
+            key = (id(target), path)  # each replicated module's outputs have their own rules
+            rule = self._scalar_rules.get(key) or self._rule_for(target, path, _arguments(inputs, kwargs))
+            self._scalar_rules[key] = rule
             weights[path] = "sum" if rule.kind == "sum" else rule.weights(chunks, sizes)
         return merge_outputs(outputs, self.output_device, self.dim, sizes=sizes, weights=weights)
 

@@ -11,6 +11,8 @@ import torch.nn.functional as F
 from strategy_models import trainer
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_mgpu import DataParallelStrategy
+
 Out = namedtuple("Out", ["loss", "logits"])
 
 
@@ -64,3 +66,55 @@ def test_a_namedtuple_loss_field_is_merged_by_the_declared_rule(namespace, tmp_p
     assert len(record) == 2
     for merged, whole in record:
         assert merged == pytest.approx(whole, rel=1e-12)
+
+
+def test_each_replicated_module_merges_its_own_scalars_by_its_own_rule():
+    """Two parallel modules return a scalar at the same output path (``output[1]``): the encoder an auxiliary
+    per-sample mean, the head a summed cross-entropy. Each is merged by its own module's rule."""
+    L = importlib.import_module("lightning.pytorch")
+
+    class Encoder(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(6, 8)
+
+        def forward(self, x):
+            h = torch.tanh(self.lin(x))
+            return h, h.pow(2).sum(1).mean()
+
+    class Head(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 3)
+            self.criterion = torch.nn.CrossEntropyLoss(reduction="sum")
+
+        def forward(self, h, labels):
+            logits = self.lin(h)
+            return logits, self.criterion(logits, labels)
+
+    class TwoModules(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.encoder, self.head = Encoder(), Head()
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            h, aux = self.encoder(x)
+            _, summed = self.head(h, y)
+            self.log("summed", summed)
+            return summed / len(x) + 0.1 * aux
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(22, 6, generator=g), torch.randint(0, 3, (22,), generator=g))
+    runs = {}
+    for devices, strategy in ((1, "auto"), (3, DataParallelStrategy(parallel_modules=["encoder", "head"]))):
+        module = TwoModules().double()
+        t = trainer(strategy, devices, max_steps=4, enable_progress_bar=True)
+        t.fit(module, DataLoader(TensorDataset(*(d.double() if d.is_floating_point() else d for d in data.tensors)), 7))
+        runs[devices] = (torch.cat([p.flatten() for p in module.parameters()]), float(t.callback_metrics["summed"]))
+    torch.testing.assert_close(runs[3][0], runs[1][0], rtol=0, atol=1e-10)
+    assert runs[3][1] == pytest.approx(runs[1][1], abs=1e-10, rel=0)
