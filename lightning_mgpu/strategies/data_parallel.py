@@ -132,6 +132,7 @@ class DataParallelStrategyBase(SingleProcessParallel):
             lambda: args_batch_size(inputs, kwargs, self.dim), argument_roots(inputs, kwargs)
         )
         if batch_size is None:
+            self._say_unsplit(f"the inputs of {type(target).__name__}.forward", "the forward")
             return original(*inputs, **kwargs)  # nothing to split: run once, on the root
         devices = self.parallel_devices
         args_chunks, kwargs_chunks, sizes = split_arguments(inputs, kwargs, devices, self.dim, batch_size=batch_size)

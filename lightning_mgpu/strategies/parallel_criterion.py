@@ -185,7 +185,10 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         if len(devices) == 1 or not args:
             return None, [1]
         split = split_or_run_once(lambda: split_batch(args[0], devices, self.dim), [("batch", args[0])])
-        return split if split is not None else (None, [1])
+        if split is None:
+            self._say_unsplit(f"the batch ({type(args[0]).__name__})", "the step")
+            return None, [1]
+        return split
 
     @override
     def _collectives_reason(self, module: nn.Module) -> str | None:

@@ -309,6 +309,16 @@ class SingleProcessParallel:
             self._announced.add(key)
             warnings.warn(message, UserWarning, stacklevel=3)
 
+    def _say_unsplit(self, what: str, runs: str) -> None:
+        """Said once: ``what`` held nothing to split, so ``runs`` ran once, on the root device."""
+        self._warn_once(
+            f"unsplit:{runs}",
+            f"{self.strategy_name}: nothing in {what} can be split along dim {self.dim} (tensors are found in "
+            "tuples, lists, dicts, namedtuples and dataclasses, not in other objects' attributes), so "
+            f"{runs} runs once, on {self.root_device}: nothing runs in parallel. Pass the batch as one of those "
+            "containers (a dataclass keeps its fields and methods), or train on one device.",
+        )
+
     def _say_known_rule(self, what: str, rule: LossNormalization, source: str) -> None:
         self._log(
             f"{self.strategy_name}: {what} is {rule.describe()}, as {source} says; the devices' values are combined "

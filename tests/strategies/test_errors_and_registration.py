@@ -139,3 +139,37 @@ class MismatchedForwardInputs(Classifier):
 def test_dp_refuses_forward_inputs_with_different_batch_sizes():
     with pytest.raises(ValueError, match=r"args\[0\] has size 10 but kwargs\['scale'\] has size 11"):
         trainer("dp", 2, max_steps=1).fit(seeded(MismatchedForwardInputs), loader(10))
+
+
+class CustomBatch:
+    """A batch class of the user's own, holding its tensors as attributes: nothing the strategies can split."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y = x, y
+
+    def to(self, device: Any) -> CustomBatch:
+        return CustomBatch(self.x.to(device), self.y.to(device))
+
+
+class OnCustomBatches(Classifier):
+    def forward(self, batch: CustomBatch) -> torch.Tensor:
+        return self.net(batch.x)
+
+    def training_step(self, batch: CustomBatch, batch_idx: int) -> Any:
+        return torch.nn.functional.cross_entropy(self(batch), batch.y)
+
+
+@pytest.mark.parametrize("strategy", ["parallel_criterion", "dp"])
+def test_a_batch_with_nothing_to_split_says_once_that_nothing_runs_in_parallel(strategy):
+    data = [CustomBatch(x, y) for x, y in loader(4, n=12)]
+    batches = DataLoader(data, batch_size=None, collate_fn=lambda b: b)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        multi = seeded(OnCustomBatches)
+        trainer(strategy, 2, max_epochs=1, limit_val_batches=0).fit(multi, batches)
+    said = [str(w.message) for w in caught if "nothing runs in parallel" in str(w.message)]
+    assert len(said) == 1, said
+    assert ("the batch (CustomBatch)" if strategy == "parallel_criterion" else "OnCustomBatches.forward") in said[0]
+    single = seeded(OnCustomBatches)
+    trainer("auto", 1, max_epochs=1, limit_val_batches=0).fit(single, batches)
+    torch.testing.assert_close(list(multi.parameters()), list(single.parameters()), rtol=0, atol=1e-10)
