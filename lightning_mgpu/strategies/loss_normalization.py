@@ -41,7 +41,8 @@ class LossNormalization:
     @classmethod
     def parse(cls, spec: str) -> LossNormalization | None:
         """A ``loss_reduction`` string; ``"auto"`` gives ``None``. ``<key>`` in ``"tokens:<key>"`` is a dict key, a
-        position in a tuple batch or a dotted path of them (``targets.labels``)."""
+        position in a tuple batch or a dotted path of them (``targets.labels``); ``"tokens:<key>:<ignore_index>"``
+        names an ignore index other than -100 (``"tokens:mask:255"``)."""
         if not isinstance(spec, str):
             raise TypeError(f"loss_reduction must be a string, got {type(spec).__name__}.")
         name, _, key = spec.partition(":")
@@ -49,19 +50,23 @@ class LossNormalization:
             return None
         if name in ("samples", "sum", "replica_mean") and not key:
             return cls(cast(Kind, name))
-        if name in ("tokens", "shifted_tokens") and key:
+        key, _, ignore = key.partition(":")
+        if name in ("tokens", "shifted_tokens") and key and (not ignore or ignore.lstrip("-").isdigit()):
             path = tuple(int(part) if part.isdigit() else part for part in key.split("."))
-            return cls("tokens", path, shifted=name == "shifted_tokens")
+            ignore_index = int(ignore) if ignore else IGNORE_INDEX
+            return cls("tokens", path, shifted=name == "shifted_tokens", ignore_index=ignore_index)
         raise ValueError(
             f"loss_reduction must be one of 'auto', 'samples', 'sum', 'replica_mean', 'tokens:<key>' or "
-            f"'shifted_tokens:<key>' (e.g. 'tokens:labels'), got {spec!r}."
+            f"'shifted_tokens:<key>' (e.g. 'tokens:labels'; 'tokens:labels:255' for an ignore index other than -100), "
+            f"got {spec!r}."
         )
 
     def spec(self) -> str:
         """The ``loss_reduction`` string that selects this rule."""
         if self.kind != "tokens":
             return self.kind
-        return f"{'shifted_tokens' if self.shifted else 'tokens'}:{'.'.join(map(str, self.key))}"
+        ignore = "" if self.ignore_index == IGNORE_INDEX else f":{self.ignore_index}"
+        return f"{'shifted_tokens' if self.shifted else 'tokens'}:{'.'.join(map(str, self.key))}{ignore}"
 
     def describe(self) -> str:
         """The rule in words."""
@@ -202,6 +207,8 @@ def _method_source(module: nn.Module, method: str) -> str | None:
     except (AttributeError, OSError, TypeError):
         return None
     called = set(re.findall(r"\b\w+\.(\w+)\(", source)) - {method}
+    if re.search(r"\bself\(", source):  # self(...) runs forward
+        called.add("forward")
     for name in called:
         with contextlib.suppress(AttributeError, OSError, TypeError):
             source += inspect.getsource(getattr(type(module), name))

@@ -48,7 +48,8 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
     Args:
         loss_reduction: how each device's loss is normalised, hence how the losses combine: ``"auto"`` (what the
             module's objects say, else a per-sample mean, said once), ``"samples"``, ``"sum"``, ``"tokens:<key>"`` /
-            ``"shifted_tokens:<key>"`` (a mean over the labels ``batch[<key>]`` that are not -100) or
+            ``"shifted_tokens:<key>"`` (a mean over the labels ``batch[<key>]`` that are not -100; append
+            ``:<ignore_index>`` for another) or
             ``"replica_mean"`` (equal weights). A step's ``loss_weight`` / ``loss_terms`` override it.
         collectives: whether the step calls ``self.all_gather``, ``strategy.reduce``, ``broadcast``, ``barrier`` or
             ``reduce_boolean_decision``; ``None``: read from the module's source code, never by running it.

@@ -145,7 +145,7 @@ CRITERIA = {
         dict(loss="ce_mean", ignored=slice(2, None, 4)),
         "tokens:1",
     ),
-    "nll_ignore_minus_one": (lambda: nn.NLLLoss(ignore_index=-1), dict(loss="ce_mean"), "tokens:1"),
+    "nll_ignore_minus_one": (lambda: nn.NLLLoss(ignore_index=-1), dict(loss="ce_mean"), "tokens:1:-1"),
     "mse_sum": (lambda: nn.MSELoss(reduction="sum"), dict(loss="mse_sum"), "sum"),
     "mse_mean": (lambda: nn.MSELoss(), dict(loss="mse_sum"), "samples"),
 }
@@ -251,3 +251,46 @@ def test_sum_loss_under_pytorch_lightning(root):
     assert_equal_runs(got, expected)
     undeclared = fit(make_mlp(pl, "handwritten_sum"), "parallel_criterion", 3, data(), root, ns=pl)
     assert len(notices(undeclared)) == 1
+
+
+class IgnoresMinusOne(L.LightningModule):
+    """Calls ``self(x, y)``; ``forward`` computes a cross-entropy that ignores label -1 (legacy datasets; 255 in
+    segmentation), with uneven numbers of ignored labels per shard."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Linear(N_IN, N_OUT)
+        self.criterion = nn.CrossEntropyLoss(ignore_index=-1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.criterion(self.net(x), y)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self(*batch)
+        self.log("loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def _ignoring_batches() -> Any:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(30, N_IN, generator=g, dtype=torch.float64)
+    y = torch.randint(0, N_OUT, (30,), generator=g)
+    y[torch.tensor([0, 1, 2, 3, 11, 12])] = -1  # the first shard of each batch loses most of its labels
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=10)
+
+
+@pytest.mark.parametrize("reduction", ["auto", "tokens:1:-1"])
+def test_an_ignore_index_other_than_minus_100_is_found_or_declared(reduction):
+    from strategy_models import flat_params, metrics, trainer
+
+    single, multi = IgnoresMinusOne().double(), IgnoresMinusOne().double()
+    trainer("auto", 1, max_epochs=1).fit(single, _ignoring_batches())
+    run = trainer(strategy(reduction), 3, max_epochs=1, enable_progress_bar=True)
+    run.fit(multi, _ignoring_batches())
+    assert run.strategy.normalization.spec() == "tokens:1:-1"
+    torch.testing.assert_close(flat_params(multi), flat_params(single), rtol=0, atol=1e-10)
+    assert metrics(run)["loss"] == pytest.approx(float(single.trainer.callback_metrics["loss"]), abs=1e-10, rel=0)

@@ -22,13 +22,20 @@ def test_a_shifted_count_leaves_out_the_first_position_of_each_row():
     assert LossNormalization.parse("shifted_tokens:labels").count({"labels": LABELS}).item() == 3
 
 
+def test_a_declared_ignore_index_is_the_one_counted():
+    labels = {"mask": torch.tensor([[1, 255, 2], [-100, 255, 3]])}
+    assert LossNormalization.parse("tokens:mask:255").count(labels).item() == 4  # -100 is a label here
+
+
 def test_class_weights_weight_the_count_and_positions_name_tuple_items():
     rule = LossNormalization("tokens", (1,), ignore_index=-1, class_weight=(0.5, 2.0, 4.0))
     batch = (torch.zeros(4, 2), torch.tensor([0, 2, -1, 2]))
     assert rule.count(batch).item() == pytest.approx(0.5 + 4.0 + 4.0)
 
 
-@pytest.mark.parametrize("spec", ["samples", "sum", "replica_mean", "tokens:labels", "shifted_tokens:a.0"])
+@pytest.mark.parametrize(
+    "spec", ["samples", "sum", "replica_mean", "tokens:labels", "shifted_tokens:a.0", "tokens:mask:255", "tokens:1:-1"]
+)
 def test_parse_and_spec_round_trip(spec):
     assert LossNormalization.parse(spec).spec() == spec
 
@@ -36,6 +43,8 @@ def test_parse_and_spec_round_trip(spec):
 def test_parse_refuses_what_it_cannot_read():
     with pytest.raises(ValueError, match="loss_reduction must be one of"):
         LossNormalization.parse("tokens")
+    with pytest.raises(ValueError, match="'tokens:labels:255' for an ignore index other than -100"):
+        LossNormalization.parse("tokens:labels:none")
     assert LossNormalization.parse("auto") is None
 
 
@@ -74,7 +83,7 @@ def test_pretraining_has_no_rule_and_a_message_naming_loss_terms():
     ("criterion", "expected"),
     [
         (nn.CrossEntropyLoss(), "tokens:1"),
-        (nn.NLLLoss(ignore_index=-1), "tokens:1"),
+        (nn.NLLLoss(ignore_index=-1), "tokens:1:-1"),  # the spec that selects it names its ignore index
         (nn.CrossEntropyLoss(reduction="sum"), "sum"),
         (nn.MSELoss(), "samples"),
         (nn.BCEWithLogitsLoss(reduction="sum"), "sum"),
@@ -119,6 +128,25 @@ class TrainingCriterionInAHelper(ValidationOnlyCriterion):
     def shared_step(self, batch):
         x, y = batch
         return self.val_criterion(self.net(x), y)
+
+
+class CriterionInForward(ValidationOnlyCriterion):
+    """The step calls ``self(x, y)``; ``forward`` computes the loss with a module that ignores -1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.criterion = nn.CrossEntropyLoss(ignore_index=-1)
+
+    def forward(self, x, y):
+        return self.criterion(self.net(x), y)
+
+    def training_step(self, batch, batch_idx):
+        return self(*batch)
+
+
+def test_a_loss_module_called_in_forward_through_self_says_its_rule():
+    rule, source = known_rule(CriterionInForward(), (torch.zeros(4, 2), torch.tensor([0, 1, -1, 0])))
+    assert rule.spec() == "tokens:1:-1" and "CrossEntropyLoss" in source
 
 
 def test_a_loss_module_the_training_step_never_names_decides_nothing():
