@@ -223,17 +223,17 @@ def _rebuild_dataclass(template: Any, values: Sequence[Any]) -> Any:
     return obj
 
 
-def _map_structure(obj: Any, leaf_fn: Callable[[Any], Any], batch_size: int | None) -> Any:
+def _map_structure(obj: Any, leaf_fn: Callable[[Any], Any], batch_size: int | None, plain_lists: bool = True) -> Any:
     """Apply ``leaf_fn`` to leaves, tensors and per-sample lists (``PerSample`` ones only when splitting a batch, i.e.
-    with a ``batch_size``); rebuild containers around the results."""
+    with a ``batch_size``; lists of plain items too unless ``plain_lists`` is False); rebuild containers around the
+    results."""
     if isinstance(obj, Tensor) or (isinstance(obj, PerSample) and batch_size is not None):
         return leaf_fn(obj)
     children = _children(obj)
-    if children is None or _is_per_sample_list(obj, batch_size):
+    if children is None or (plain_lists and _is_per_sample_list(obj, batch_size)):
         return leaf_fn(obj)
-    if isinstance(obj, Mapping):
-        return rebuild(obj, {key: _map_structure(child, leaf_fn, batch_size) for key, child in children[1]})
-    return rebuild(obj, [_map_structure(child, leaf_fn, batch_size) for _, child in children[1]])
+    mapped = [(key, _map_structure(child, leaf_fn, batch_size, plain_lists)) for key, child in children[1]]
+    return rebuild(obj, dict(mapped) if isinstance(obj, Mapping) else [value for _, value in mapped])
 
 
 def split_batch(
@@ -258,9 +258,11 @@ def _split_roots(
     batch_size: int | None,
     sizes: Sequence[int] | None,
     what: str,
+    plain_lists: bool = True,
 ) -> tuple[list[list[Any]], list[int]]:
     """Each root's chunks (split with one batch size, so error messages name the root) and the chunk sizes. A given
-    ``batch_size`` is used when the roots hold nothing to read it from (e.g. a list of ids)."""
+    ``batch_size`` is used when the roots hold nothing to read it from (e.g. a list of ids). ``plain_lists=False``:
+    lists of plain items go whole to every chunk, as ``torch.nn.parallel.scatter`` passes them."""
     try:
         inferred = _infer_from_roots(roots, dim, what)
     except NothingToSplitError:
@@ -276,10 +278,12 @@ def _split_roots(
             f"Cannot split a batch of {inferred} into chunks of {chunks} over {len(targets)} device(s): the "
             "sizes must be positive, one per device at most, and add up to the batch size."
         )
-    return [_scatter_sizes(value, targets, dim, inferred, chunks) for _, value in roots], chunks
+    return [_scatter_sizes(value, targets, dim, inferred, chunks, plain_lists) for _, value in roots], chunks
 
 
-def _scatter_sizes(obj: Any, devices: Sequence[torch.device], dim: int, batch_size: int, sizes: list[int]) -> list[Any]:
+def _scatter_sizes(
+    obj: Any, devices: Sequence[torch.device], dim: int, batch_size: int, sizes: list[int], plain_lists: bool
+) -> list[Any]:
     """``obj`` in chunks of ``sizes``, chunk ``i`` on ``devices[i]``."""
     bounds = list(itertools.accumulate(sizes[:-1]))
     slices = [slice(a, b) for a, b in itertools.pairwise([0, *bounds, batch_size])]
@@ -293,7 +297,7 @@ def _scatter_sizes(obj: Any, devices: Sequence[torch.device], dim: int, batch_si
             return [p.to(d) for p, d in zip(parts, devices, strict=False)]
         if isinstance(leaf, PerSample):  # before the plain-list rule: slices stay PerSample
             return [PerSample(move_to(leaf[s], d)) for s, d in zip(slices, devices, strict=False)]
-        if _is_per_sample_list(leaf, batch_size):
+        if plain_lists and _is_per_sample_list(leaf, batch_size):
             return [leaf[s] for s in slices]
         return [leaf] * len(sizes)
 
@@ -302,7 +306,7 @@ def _scatter_sizes(obj: Any, devices: Sequence[torch.device], dim: int, batch_si
             cache[id(leaf)] = split_leaf(leaf)
         return cache[id(leaf)][i]
 
-    return [_map_structure(obj, lambda leaf, i=i: chunk(leaf, i), batch_size) for i in range(len(sizes))]
+    return [_map_structure(obj, lambda leaf, i=i: chunk(leaf, i), batch_size, plain_lists) for i in range(len(sizes))]
 
 
 def split_arguments(
@@ -326,9 +330,11 @@ def split_arguments(
 
 def scatter(inputs: Any, target_devices: Sequence[DeviceLike], dim: int = 0) -> list[Any]:
     """``torch.nn.parallel.scatter``'s contract on any devices: the chunks (balanced as by :func:`split_batch`,
-    which also returns their sizes); inputs without a batch dimension are referenced once per device, as torch does."""
+    which also returns their sizes); lists of plain items and inputs without a batch dimension go whole to every
+    device, as torch passes them."""
     try:
-        return split_batch(inputs, target_devices, dim)[0]
+        (chunks,), _ = _split_roots([("inputs", inputs)], target_devices, dim, None, None, "", plain_lists=False)
+        return chunks
     except NothingToSplitError:
         return [inputs for _ in target_devices]
 

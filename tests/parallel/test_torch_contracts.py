@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import lightning_mgpu
-from lightning_mgpu import gather, merge_outputs, scatter
+from lightning_mgpu import gather, merge_outputs, scatter, split_batch
 
 CPU2 = ["cpu", "cpu"]
 
@@ -65,6 +65,11 @@ def test_scatter_returns_chunks_like_torch():
     assert [c["flag"] for c in chunks] == ["on", "on"]
     tiny = scatter(torch.ones(1, 2), CPU2)  # a batch smaller than the device count: fewer chunks
     assert len(tiny) == 1 and torch.equal(tiny[0], torch.ones(1, 2))
+    # torch recurses into a list and hands every device each plain item: a list as long as the batch stays whole
+    # (split_batch, the batch-aware form, splits such a list by item)
+    chunks = scatter((x, [0.5, 1.0, 2.0, 4.0, 8.0]), CPU2)
+    assert [c[1] for c in chunks] == [[0.5, 1.0, 2.0, 4.0, 8.0]] * 2
+    assert [c[1] for c in split_batch((x, [0.5, 1.0, 2.0, 4.0, 8.0]), CPU2)[0]] == [[0.5, 1.0, 2.0], [4.0, 8.0]]
 
 
 def test_parallel_exports_only_the_public_surface():
