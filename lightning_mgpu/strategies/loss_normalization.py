@@ -168,14 +168,30 @@ def _outermost_transformers_models(module: nn.Module) -> list[nn.Module]:
     return found
 
 
-def loss_producers(module: nn.Module, batch: Any, method: str, rule: LossNormalization) -> list[nn.Module]:
-    """The modules whose outputs are losses normalised by ``rule``: the one outermost ``transformers`` model when its
-    task says ``rule``, and the loss modules ``method`` (or a method it calls) names whose settings say it. A logged
-    copy of their output merges by ``rule``, as the loss does, even when the step does not return it."""
+def loss_producers(module: nn.Module, method: str) -> list[nn.Module]:
+    """The modules whose outputs are losses: the loss modules ``method`` (or a method it calls) names, and the one
+    outermost ``transformers`` model. A logged copy of their output merges by :func:`call_weight`, as one device's
+    value, even when the step does not return it."""
     models = _outermost_transformers_models(module)
-    said = _transformers_rule(module, batch)
-    found = [models[0]] if said is not None and said[0] == rule else []
-    return found + [c for c in _named_criteria(module, method) if _rule_of(c, batch) == rule]
+    return [m for m in _named_criteria(module, method) if m.reduction != "none"] + models[:1] * (len(models) == 1)
+
+
+def call_weight(producer: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any], output: Any) -> Any:
+    """What one call of a loss producer averages over, read from that call: its non-ignored labels (class-weighted)
+    for a cross-entropy, ``"sum"`` for a sum, its samples for another mean, a ``transformers`` model's count by its
+    task; ``None`` when the call does not say."""
+    if isinstance(producer, nn.modules.loss._Loss):
+        if producer.reduction == "sum":
+            return "sum"
+        target = args[1] if len(args) > 1 else kwargs.get("target")
+        class_indices = isinstance(target, Tensor) and not target.is_floating_point()
+        if isinstance(producer, (nn.CrossEntropyLoss, nn.NLLLoss)) and class_indices:
+            return count_labels(target, producer.ignore_index, producer.weight)
+        first = args[0] if args else kwargs.get("input")
+        return first.shape[0] if isinstance(first, Tensor) and first.dim() > 0 else None
+    said = _transformers_rule(producer, kwargs)
+    labels = kwargs.get("labels")
+    return None if said is None or not isinstance(labels, Tensor) else said[0].weights([kwargs], [len(labels)])[0]
 
 
 def _named_criteria(module: nn.Module, method: str) -> list[nn.Module]:

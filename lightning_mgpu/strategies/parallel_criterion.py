@@ -23,6 +23,7 @@ from lightning_mgpu.parallel.scatter_gather import split_batch, split_or_run_onc
 from lightning_mgpu.strategies.loss_normalization import (
     SAMPLES,
     LossNormalization,
+    call_weight,
     known_rule,
     labels_spec,
     loss_producers,
@@ -136,8 +137,8 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
             return None
         rule = self._rule_for(hook, batch)
         if hook not in self._captures:
-            producers = [] if rule == SAMPLES else loss_producers(self.lightning_module, batch, hook, rule)
-            self._captures[hook] = LossCapture(producers) if producers else None
+            producers = loss_producers(self.lightning_module, hook)
+            self._captures[hook] = LossCapture(producers, call_weight) if producers else None
         try:
             return rule.weights(chunks, sizes)
         except ValueError:
@@ -159,15 +160,13 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         return self._eval_rules[hook]
 
     def _implied_weights(self, hook: str, weights: list[Any] | None, outputs: list[Any]) -> list[dict[Any, Any]]:
-        """Per replica, the weights of the logged copies of its losses: those it returned, and those its loss
-        producers returned (see :class:`.step_outputs.LossCapture`), by ``weights``."""
+        """Per replica, the weights of the logged copies of its losses: those it returned (by ``weights``), and those
+        its loss producers returned (each by its own call, see :class:`.step_outputs.LossCapture`)."""
         implied = implied_loss_weights(outputs, weights)
         capture = self._captures.get(hook)
-        if capture is None or weights is None:
-            return implied
-        for index, keys in capture.take().items():
-            for key in keys:
-                implied[index].setdefault(key, weights[index])
+        for index, produced in (capture.take() if capture is not None else {}).items():
+            for key, weight in produced.items():
+                implied[index].setdefault(key, weight)  # what the step returned keeps its own weight
         return implied
 
     @override

@@ -331,8 +331,9 @@ class SingleProcessParallel:
             f"assumed:{what}",
             f"{self.strategy_name}: nothing says how {what} is normalised, so each device's value is weighted by its "
             "sample count, which equals one device for a per-sample mean. For a sum or a mean over tokens or "
-            f"non-ignored labels, declare it: {type(self).__name__}(loss_reduction='sum' | 'tokens:{labels}', or "
-            f"'tokens:{labels}:<ignore_index>' for an ignore index other than -100) (CLI: "
+            f"non-ignored labels, declare it: {type(self).__name__}(loss_reduction='sum' | 'tokens:{labels}' | "
+            f"'shifted_tokens:{labels}' (labels shifted by one position, as causal LMs do), with ':<ignore_index>' "
+            "appended for an ignore index other than -100) (CLI: "
             f"{self._cli_options('loss_reduction=...')}), or {alternative}.",
         )
 

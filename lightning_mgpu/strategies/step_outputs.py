@@ -36,24 +36,29 @@ def tensor_key(value: Any) -> tuple[int, int, tuple[int, ...]] | None:
 
 class LossCapture:
     """Forward hooks on the modules whose outputs are losses (``loss_normalization.loss_producers``): per replica of
-    the step in progress, the :func:`tensor_key` of each loss they returned, so that a logged copy merges by the loss
-    rule even when the step does not return it (``self.log("val_loss", self.criterion(...))``)."""
+    the step in progress, each loss they returned with the count that call averaged over
+    (``loss_normalization.call_weight``), so that a logged copy merges as one device's value even when the step does
+    not return it (``self.log("val_loss", self.criterion(...))``)."""
 
-    def __init__(self, producers: Sequence[nn.Module]) -> None:
+    def __init__(self, producers: Sequence[nn.Module], weigh: Any) -> None:
         # The losses themselves until take(): a freed one's storage could come back as another logged value's.
-        self._losses: dict[int, list[Tensor]] = {}
-        self._handles = [producer.register_forward_hook(self._record) for producer in producers]
+        self._losses: dict[int, list[tuple[Tensor, Any]]] = {}
+        self._weigh = weigh
+        self._handles = [producer.register_forward_hook(self._record, with_kwargs=True) for producer in producers]
 
-    def _record(self, module: nn.Module, args: Any, output: Any) -> None:
+    def _record(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         replica = current_replica()
         loss = output.get("loss") if isinstance(output, Mapping) else output  # a transformers ModelOutput is a Mapping
-        if replica is not None and tensor_key(loss) is not None:
-            self._losses.setdefault(replica.index, []).append(loss)
+        if replica is None or tensor_key(loss) is None:
+            return
+        weight = self._weigh(module, args, kwargs, output)
+        if weight is not None:
+            self._losses.setdefault(replica.index, []).append((loss, weight))
 
-    def take(self) -> dict[int, set[Any]]:
-        """The keys of the losses recorded since the last call, per replica index."""
+    def take(self) -> dict[int, dict[Any, Any]]:
+        """Per replica index, ``{tensor_key(loss): weight}`` for the losses recorded since the last call."""
         losses, self._losses = self._losses, {}
-        return {index: {tensor_key(loss) for loss in recorded} for index, recorded in losses.items()}
+        return {index: {tensor_key(loss): weight for loss, weight in recorded} for index, recorded in losses.items()}
 
     def remove(self) -> None:
         for handle in self._handles:

@@ -163,3 +163,46 @@ def test_the_loss_hooks_leave_with_the_run():
     module = make_module(NAMESPACES[0], "mean", False)
     run(module, "parallel_criterion", 2, NAMESPACES[0])
     assert not module.criterion._forward_hooks
+
+
+def test_each_loss_module_call_merges_by_what_it_averaged_over():
+    """One validation step with two loss modules (a token mean and a sum) and the token mean called again on other
+    labels, with a shard whose labels are all ignored (its token mean is NaN and must weigh nothing): every logged
+    value equals one device's, each merged by the count its own call averaged over."""
+    L = importlib.import_module(NAMESPACES[0])
+
+    class TwoCriteria(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.embed, self.head = nn.Embedding(VOCAB, 8), nn.Linear(8, VOCAB)
+            self.criterion = nn.CrossEntropyLoss()
+            self.summed = nn.CrossEntropyLoss(reduction="sum")
+
+        def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+            return self.criterion(self.logits(batch), batch["labels"].flatten())
+
+        def logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+            return self.head(torch.tanh(self.embed(batch["input_ids"]))).flatten(0, 1)
+
+        def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+            logits, labels = self.logits(batch), batch["labels"].flatten()
+            self.log("val_mean", self.criterion(logits, labels))
+            self.log("val_sum", self.summed(logits, labels))
+            self.log("val_other_labels", self.criterion(logits, torch.where(labels % 2 == 0, labels, -100)))
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def batches() -> DataLoader:
+        loader = token_batches(1)
+        for batch in loader.dataset:
+            batch["labels"][:2] = -100  # the first shard of 2 devices holds no label at all
+        return loader
+
+    logged = {}
+    for devices, strategy in ((1, "auto"), (2, "parallel_criterion")):
+        t = trainer(strategy, devices, NAMESPACES[0], enable_progress_bar=True)
+        t.validate(TwoCriteria().double(), batches(), verbose=False)
+        logged[devices] = metrics(t)
+    assert_same(logged[2], logged[1])

@@ -11,6 +11,7 @@ from torch import nn
 
 import lightning_mgpu
 from lightning_mgpu.parallel import run_replicas
+from lightning_mgpu.strategies.loss_normalization import call_weight
 from lightning_mgpu.strategies.step_outputs import LossCapture, tensor_key
 
 
@@ -236,15 +237,30 @@ class DictLoss(nn.Module):
 
 def test_loss_capture_keeps_each_replicas_losses_from_replicated_calls_until_taken():
     criterion, model = nn.MSELoss(), DictLoss()
-    capture = LossCapture([criterion, model])
+    capture = LossCapture([criterion, model], lambda module, args, kwargs, output: len(args[0]))
     x = torch.randn(4, 2)
     criterion(x, x)  # outside a replicated call: no replica to credit
     outputs = run_replicas(
-        [lambda: (criterion(x, x + 1), model(x)["loss"]), lambda: (criterion(x, x + 2), model(2 * x)["loss"])],
+        [lambda: (criterion(x, x + 1), model(x)["loss"]), lambda: (criterion(x[:3], x[:3]), model(x[:1])["loss"])],
         ["cpu"] * 2,
         "sequential",
     )
-    assert capture.take() == {i: {tensor_key(loss) for loss in pair} for i, pair in enumerate(outputs)}
+    taken = capture.take()
+    assert taken == {
+        0: {tensor_key(outputs[0][0]): 4, tensor_key(outputs[0][1]): 4},
+        1: {tensor_key(outputs[1][0]): 3, tensor_key(outputs[1][1]): 1},  # each call's own count
+    }
     assert capture.take() == {}
     capture.remove()
     assert not criterion._forward_hooks and not model._forward_hooks
+
+
+def test_each_loss_producer_call_says_what_it_averages_over():
+    labels = torch.tensor([0, 2, -100, 1, -100])
+    logits = torch.randn(5, 3)
+    assert call_weight(nn.CrossEntropyLoss(), (logits, labels), {}, None).item() == 3
+    weighted = nn.CrossEntropyLoss(weight=torch.tensor([1.0, 2.0, 4.0]))
+    assert call_weight(weighted, (logits,), {"target": labels}, None).item() == 1 + 4 + 2
+    assert call_weight(nn.NLLLoss(reduction="sum"), (logits, labels), {}, None) == "sum"
+    assert call_weight(nn.MSELoss(), (logits, logits), {}, None) == 5
+    assert call_weight(nn.CrossEntropyLoss(), (logits, logits.softmax(-1)), {}, None) == 5  # probabilities: samples
