@@ -217,7 +217,19 @@ def main(args: Sequence[str] | None = None, run: bool = True) -> LightningCLI | 
             args=None if args is None else given,
             run=run,
         )
-    return cli if args is not None else None
+    if args is not None:
+        return cli
+    _end_process_group()  # the command's process exits next
+    return None
+
+
+def _end_process_group() -> None:
+    """Destroy the process group a ``ddp`` run leaves (Lightning keeps it for reuse): gloo's threads, still running
+    when the interpreter exits, can abort the exit (``terminate called without an active exception``)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def program_name() -> str:
