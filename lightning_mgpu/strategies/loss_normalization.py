@@ -131,9 +131,14 @@ def uncombinable_loss(module: nn.Module) -> str | None:
 
 def _transformers_rule(module: nn.Module, batch: Any) -> tuple[LossNormalization, str] | None:
     models = _outermost_transformers_models(module)
-    if len(models) != 1 or not isinstance(batch, Mapping) or not isinstance(batch.get("labels"), Tensor):
+    return _model_rule(models[0], batch) if len(models) == 1 else None
+
+
+def _model_rule(model: nn.Module, batch: Any) -> tuple[LossNormalization, str] | None:
+    """The rule a ``transformers`` model's task says for its ``.loss`` on ``batch``'s labels, or ``None``."""
+    if not isinstance(batch, Mapping) or not isinstance(batch.get("labels"), Tensor):
         return None
-    model, labels = models[0], batch["labels"]
+    labels = batch["labels"]
     name = type(model).__name__
     config = model.config
     tokens = LossNormalization("tokens", ("labels",))
@@ -189,7 +194,7 @@ def call_weight(producer: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str,
             return count_labels(target, producer.ignore_index, producer.weight)
         first = args[0] if args else kwargs.get("input")
         return first.shape[0] if isinstance(first, Tensor) and first.dim() > 0 else None
-    said = _transformers_rule(producer, kwargs)
+    said = _model_rule(producer, kwargs)  # the producer is the outermost model: no walk of its modules per call
     labels = kwargs.get("labels")
     return None if said is None or not isinstance(labels, Tensor) else said[0].weights([kwargs], [len(labels)])[0]
 
