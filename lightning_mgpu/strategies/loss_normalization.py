@@ -178,7 +178,8 @@ def loss_producers(module: nn.Module, method: str) -> list[nn.Module]:
     outermost ``transformers`` model. A logged copy of their output merges by :func:`call_weight`, as one device's
     value, even when the step does not return it."""
     models = _outermost_transformers_models(module)
-    return [m for m in _named_criteria(module, method) if m.reduction != "none"] + models[:1] * (len(models) == 1)
+    criteria = [m for m in _named_criteria(module, method) if m.reduction != "none"]
+    return criteria + (models if len(models) == 1 else [])
 
 
 def call_weight(producer: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any], output: Any) -> Any:
