@@ -8,7 +8,9 @@ order. :class:`ReplicaBuffers`: the buffers replicas own, refreshed from the ori
 from __future__ import annotations
 
 import operator
+from collections import deque
 from collections.abc import Sequence
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -187,28 +189,19 @@ class ReplicaParameters:
         everywhere = passes > 0 and all(delta == expected for delta in deltas)
         hooked = any(map(_tensor_hooks, self._train_params)) or any(map(_post_accumulate_hooks, self._train_params))
         fast = everywhere and not hooked  # whole flat buffers at once
+        grads = list(map(_grad, self._train_params))
         with torch.no_grad():
-            pointed = self._point_grads() if fast else 0
-            if pointed == len(self._train_params):  # after zero_grad(set_to_none=True)
+            if fast and all(map(operator.is_, grads, repeat(None))):  # after zero_grad(set_to_none=True)
+                deque(map(setattr, self._train_params, repeat("grad"), self._train_views), maxlen=0)
                 self._sum_into(count, self._root_grads, accumulate=False)
-            elif fast and not pointed and all(map(operator.is_, map(_grad, self._train_params), self._train_views)):
-                self._sum_into(count, self._root_grads, accumulate=True)  # .grad still the views
+            elif fast and all(map(operator.is_, grads, self._train_views)):  # .grad still the views
+                self._sum_into(count, self._root_grads, accumulate=True)
             else:
-                grads = [None] * pointed + list(map(_grad, self._train_params[pointed:]))
                 totals = {dtype: torch.empty_like(flat) for dtype, flat in self._root_grads.items()}
                 self._sum_into(count, totals, accumulate=False)
                 self._assign_each(totals, grads, everywhere)
             torch._foreach_zero_([flat for flats in self._grads[:count] for flat in flats.values()])
         self._seen = self._counters()
-
-    def _point_grads(self) -> int:
-        """Point each ``.grad`` at its view while it is ``None`` (all after ``zero_grad(set_to_none=True)``), up to the
-        first that is not; how many."""
-        for k, (p, view) in enumerate(zip(self._train_params, self._train_views, strict=True)):
-            if p.grad is not None:
-                return k
-            p.grad = view
-        return len(self._train_params)
 
     def _device_sums(self, count: int) -> dict[torch.device, dict[torch.dtype, Tensor]]:
         """Per device, its replicas' flat gradients summed in replica order (in place, into the first one's)."""
