@@ -125,12 +125,11 @@ def local_rows(size: int) -> slice:
     one's own rows of a whole-batch matrix. A collective: every replica (every rank) must call it."""
     replica = _replica("local_rows", "")
     if replica is not None:
-        sizes = _meet(replica, "local_rows", torch.tensor(size), _gather)
-        offset = int(sizes[: replica.index].sum())
-        return slice(offset, offset + size)
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        sizes: list[Any] = [None] * torch.distributed.get_world_size()
+        sizes, index = _meet(replica, "local_rows", size, lambda values, device: values), replica.index
+    elif torch.distributed.is_available() and torch.distributed.is_initialized():
+        sizes, index = [None] * torch.distributed.get_world_size(), torch.distributed.get_rank()
         torch.distributed.all_gather_object(sizes, size)
-        offset = sum(sizes[: torch.distributed.get_rank()])
-        return slice(offset, offset + size)
-    return slice(0, size)
+    else:
+        return slice(0, size)
+    offset = sum(sizes[:index])
+    return slice(offset, offset + size)

@@ -21,7 +21,7 @@ from typing import Any, Literal, TypeVar, get_args
 
 import torch
 
-from lightning_mgpu.parallel.devices import DeviceLike, all_cpu, to_device
+from lightning_mgpu.parallel.devices import DeviceLike, to_device
 from lightning_mgpu.parallel.replica_group import PeerFailedError, ReplicaGroup, as_replica
 from lightning_mgpu.parallel.thread_state import ThreadState
 
@@ -106,7 +106,7 @@ def resolve_mode(mode: ExecutionMode, devices: Sequence[torch.device]) -> Litera
         raise ValueError(f"Unknown execution mode {mode!r}: choose one of {EXECUTION_MODES}.")
     if mode == "auto":
         one_device = len({(d.type, d.index) for d in devices}) == 1
-        return "sequential" if all_cpu(devices) or one_device else "threads"
+        return "sequential" if one_device or all(d.type == "cpu" for d in devices) else "threads"
     return mode
 
 
