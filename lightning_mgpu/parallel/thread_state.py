@@ -12,8 +12,6 @@ from dataclasses import dataclass
 
 import torch
 
-_AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")
-
 
 @dataclass(frozen=True)
 class ThreadState:
@@ -30,7 +28,7 @@ class ThreadState:
         return cls(
             grad_enabled=torch.is_grad_enabled(),
             inference_mode=torch.is_inference_mode_enabled(),
-            autocast={t: torch.get_autocast_dtype(t) for t in _AUTOCAST_DEVICE_TYPES if torch.is_autocast_enabled(t)},
+            autocast={t: torch.get_autocast_dtype(t) for t in ("cpu", "cuda") if torch.is_autocast_enabled(t)},
             autocast_cache=torch.is_autocast_cache_enabled(),
             cuda_streams={d.index: torch.cuda.current_stream(d) for d in devices if d.type == "cuda"},
         )
