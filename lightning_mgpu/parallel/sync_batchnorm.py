@@ -169,11 +169,11 @@ class _JointBatchNorm(Function):
         mean, invstd = kernels.joint_stats(
             [p.stats for p in active], [p.count for p in active], xs[0].device, layer.eps, running
         )
-        joint = torch.cat([mean, invstd])
+        joint = torch.cat([mean, invstd])  # the kernels' ``stats``: one tensor per device, mean then inverse std
         stats = [joint.to(x.device, non_blocking=True) for x in xs]  # no copy for replicas on its device
         outputs = [
-            kernels.normalize(x, weight, bias, *joint_i.chunk(2), layer.eps) if p.count else torch.empty_like(x)
-            for p, x, weight, bias, joint_i in zip(parts, xs, weights, biases, stats, strict=True)
+            kernels.normalize(x, weight, bias, stats_i, layer.eps) if p.count else torch.empty_like(x)
+            for p, x, weight, bias, stats_i in zip(parts, xs, weights, biases, stats, strict=True)
         ]
         # No reference to the parts is kept past the forward.
         ctx.kernels, ctx.counts, ctx.streams = kernels, [p.count for p in parts], [p.stream for p in parts]
@@ -186,7 +186,7 @@ class _JointBatchNorm(Function):
         counts, kernels = ctx.counts, ctx.kernels
         n = len(counts)
         saved = ctx.saved_tensors
-        xs, weights, stats = saved[:n], saved[n : 2 * n], [joint.chunk(2) for joint in saved[2 * n :]]
+        xs, weights, stats = saved[:n], saved[n : 2 * n], saved[2 * n :]
         needs = ctx.needs_input_grad[1:]
         needs_x, needs_w, needs_b = needs[:n], needs[n : 2 * n], needs[2 * n :]
         grad_x: list[Tensor | None] = [None] * n
@@ -201,7 +201,7 @@ class _JointBatchNorm(Function):
                 if not (input_grad or needs_w[i] or needs_b[i]):
                     continue
                 sum_dy, sum_dy_xmu, gw, gb = kernels.backward_reduce(
-                    dys[i], xs[i], *stats[i], weights[i], input_grad, needs_w[i], needs_b[i]
+                    dys[i], xs[i], stats[i], weights[i], input_grad, needs_w[i], needs_b[i]
                 )
                 grad_w[i] = gw if needs_w[i] else None
                 grad_b[i] = gb if needs_b[i] else None
@@ -214,10 +214,8 @@ class _JointBatchNorm(Function):
                     if needs_x[i] and not counts[i]:
                         grad_x[i] = torch.zeros_like(xs[i])
                     elif needs_x[i]:
-                        sum_dy, sum_dy_xmu = total_sums.to(xs[i].device, non_blocking=True).chunk(2)
-                        grad_x[i] = kernels.backward_elemt(
-                            dys[i], xs[i], *stats[i], weights[i], sum_dy, sum_dy_xmu, sum(counts)
-                        )
+                        sums_i = total_sums.to(xs[i].device, non_blocking=True)
+                        grad_x[i] = kernels.backward_elemt(dys[i], xs[i], stats[i], weights[i], sums_i, sum(counts))
         return (None, *grad_x, *grad_w, *grad_b)
 
 
@@ -284,9 +282,8 @@ class _PlainKernels:
         return mean, torch.rsqrt(var + eps)
 
     @staticmethod
-    def normalize(
-        x: Tensor, weight: Tensor | None, bias: Tensor | None, mean: Tensor, invstd: Tensor, eps: float
-    ) -> Tensor:
+    def normalize(x: Tensor, weight: Tensor | None, bias: Tensor | None, stats: Tensor, eps: float) -> Tensor:
+        mean, invstd = stats.chunk(2)
         shape = _shape(x)
         scale = invstd if weight is None else invstd * weight.to(invstd.dtype)
         y = (_upcast(x) - mean.view(shape)) * scale.view(shape)
@@ -296,9 +293,10 @@ class _PlainKernels:
 
     @staticmethod
     def backward_reduce(
-        dy: Tensor, x: Tensor, mean: Tensor, invstd: Tensor, weight: Tensor | None, *needs: bool
+        dy: Tensor, x: Tensor, stats: Tensor, weight: Tensor | None, *needs: bool
     ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
         """This shard's ``sum(dy)``, ``sum(dy * (x - mean))`` per channel, and its weight and bias gradients."""
+        mean, invstd = stats.chunk(2)
         dims = _dims(x)
         dy32 = dy.to(mean.dtype)
         sum_dy = dy32.sum(dims)
@@ -309,17 +307,10 @@ class _PlainKernels:
         return sum_dy, sum_dy_xmu, grad_weight, grad_bias
 
     @staticmethod
-    def backward_elemt(
-        dy: Tensor,
-        x: Tensor,
-        mean: Tensor,
-        invstd: Tensor,
-        weight: Tensor | None,
-        sum_dy: Tensor,
-        sum_dy_xmu: Tensor,
-        total: int,
-    ) -> Tensor:
-        """The input gradient, given the sums over the whole batch (``total`` values per channel)."""
+    def backward_elemt(dy: Tensor, x: Tensor, stats: Tensor, weight: Tensor | None, sums: Tensor, total: int) -> Tensor:
+        """The input gradient, given ``sums`` (``sum(dy)`` then ``sum(dy * (x - mean))``) over the whole batch
+        (``total`` values per channel)."""
+        (mean, invstd), (sum_dy, sum_dy_xmu) = stats.chunk(2), sums.chunk(2)
         shape = _shape(x)
         scale = invstd if weight is None else invstd * weight.to(invstd.dtype)
         xmu = _upcast(x) - mean.view(shape)
@@ -361,22 +352,21 @@ class _CudaKernels(_PlainKernels):
 
     @staticmethod
     @override
-    def normalize(x, weight, bias, mean, invstd, eps):
-        return torch.batch_norm_elemt(x, weight, bias, mean, invstd, eps)
+    def normalize(x, weight, bias, stats, eps):
+        return torch.batch_norm_elemt(x, weight, bias, *stats.chunk(2), eps)
 
     @staticmethod
     @override
-    def backward_reduce(dy, x, mean, invstd, weight, *needs):
-        return torch.batch_norm_backward_reduce(dy, x, mean, invstd, weight, *needs)
+    def backward_reduce(dy, x, stats, weight, *needs):
+        return torch.batch_norm_backward_reduce(dy, x, *stats.chunk(2), weight, *needs)
 
     @staticmethod
     @override
-    def backward_elemt(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, total):
-        if weight is not None and weight.dtype != mean.dtype:
-            weight = weight.to(mean.dtype)
+    def backward_elemt(dy, x, stats, weight, sums, total):
+        weight = None if weight is None else weight.to(stats.dtype)  # the kernel takes it in the statistics' dtype
         # The kernel divides the sums by the sum of `count`: the whole batch's count, made on the device (no copy).
         count = torch.full((1,), total, dtype=torch.int32, device=x.device)
-        return torch.batch_norm_backward_elemt(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, count)
+        return torch.batch_norm_backward_elemt(dy, x, *stats.chunk(2), weight, *sums.chunk(2), count)
 
 
 def _kernels(x: Tensor) -> type[_PlainKernels]:
