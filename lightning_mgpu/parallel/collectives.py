@@ -88,12 +88,11 @@ def _meet(
     label = f"collective {call} of this step"
 
     def checked(arrivals: list[tuple[str, Any]]) -> list[Any]:
-        names = [n for n, _ in arrivals]
+        names, values = zip(*arrivals, strict=True)
         if len(set(names)) > 1:
             calls = ", ".join(f"replica {i}: {n}" for i, n in enumerate(names))
             raise RendezvousError(f"The replicas called different collectives as {label} ({calls}). {_HINT}")
-        values = [v for _, v in arrivals]
-        return [combine(values, device) for device in replica.group.devices]
+        return [combine(list(values), device) for device in replica.group.devices]
 
     return replica.group.rendezvous(
         replica.index, ("collective", call), (name, value), checked, f"{name} ({label})", _HINT

@@ -53,7 +53,4 @@ def compiled_call(original: nn.Module, replica: nn.Module) -> Callable[..., Any]
 
 def optimized_module_replica(original: nn.Module, children: Mapping[str, nn.Module | None]) -> nn.Module:
     """A new ``OptimizedModule`` with the original's compile context around the replica of the wrapped module."""
-    wrapped = children.get("_orig_mod")
-    if wrapped is None:
-        raise CompiledReplicaError(f"Cannot replicate {type(original).__name__}: it wraps no module.")
-    return type(original)(wrapped, original.dynamo_ctx)
+    return type(original)(children["_orig_mod"], original.dynamo_ctx)
