@@ -88,12 +88,11 @@ def _meet(
     label = f"collective {call} of this step"
 
     def checked(arrivals: list[tuple[str, Any]]) -> list[Any]:
-        names = [n for n, _ in arrivals]
+        names, values = zip(*arrivals, strict=True)
         if len(set(names)) > 1:
             calls = ", ".join(f"replica {i}: {n}" for i, n in enumerate(names))
             raise RendezvousError(f"The replicas called different collectives as {label} ({calls}). {_HINT}")
-        values = [v for _, v in arrivals]
-        return [combine(values, device) for device in replica.group.devices]
+        return [combine(list(values), device) for device in replica.group.devices]
 
     return replica.group.rendezvous(
         replica.index, ("collective", call), (name, value), checked, f"{name} ({label})", _HINT
@@ -125,12 +124,11 @@ def local_rows(size: int) -> slice:
     one's own rows of a whole-batch matrix. A collective: every replica (every rank) must call it."""
     replica = _replica("local_rows", "")
     if replica is not None:
-        sizes = _meet(replica, "local_rows", torch.tensor(size), _gather)
-        offset = int(sizes[: replica.index].sum())
-        return slice(offset, offset + size)
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        sizes: list[Any] = [None] * torch.distributed.get_world_size()
+        sizes, index = _meet(replica, "local_rows", size, lambda values, device: values), replica.index
+    elif torch.distributed.is_available() and torch.distributed.is_initialized():
+        sizes, index = [None] * torch.distributed.get_world_size(), torch.distributed.get_rank()
         torch.distributed.all_gather_object(sizes, size)
-        offset = sum(sizes[: torch.distributed.get_rank()])
-        return slice(offset, offset + size)
-    return slice(0, size)
+    else:
+        return slice(0, size)
+    offset = sum(sizes[:index])
+    return slice(offset, offset + size)

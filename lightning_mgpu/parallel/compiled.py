@@ -32,33 +32,25 @@ def is_compiled(module: nn.Module) -> bool:
     return module.__dict__.get("_compiled_call_impl") is not None or is_optimized_module(module)
 
 
-def _compile_context(compiled_call: Callable[..., Any], where: str) -> Callable[[Callable[..., Any]], Any]:
-    """The compile context (options included) that ``module.compile()`` wrapped around ``module._call_impl``."""
+def compiled_call(original: nn.Module, replica: nn.Module) -> Callable[..., Any]:
+    """``replica``'s ``_compiled_call_impl``: the original's compilation (same options) of ``replica._call_impl``, by
+    the compile context that ``module.compile()`` wrapped around ``original._call_impl``."""
     from torch._dynamo.eval_frame import _TorchDynamoContext
 
-    for cell in getattr(compiled_call, "__closure__", None) or ():
+    for cell in getattr(original.__dict__["_compiled_call_impl"], "__closure__", None) or ():
         try:
             content = cell.cell_contents
         except ValueError:  # an empty cell
             continue
         if isinstance(content, _TorchDynamoContext):
-            return content
+            return content(replica._call_impl)
     raise CompiledReplicaError(
-        f"Cannot replicate {where}: it was compiled with module.compile(), but this torch version does not let its "
-        "compile options be read back, so a replica cannot run the same compiled code on its own tensors. Compile "
-        "with torch.compile(module) instead, train on one device, or use strategy='ddp'."
+        f"Cannot replicate a {type(original).__name__}: it was compiled with module.compile(), but this torch version "
+        "does not let its compile options be read back, so a replica cannot run the same compiled code on its own "
+        "tensors. Compile with torch.compile(module) instead, train on one device, or use strategy='ddp'."
     )
-
-
-def compiled_call(original: nn.Module, replica: nn.Module) -> Callable[..., Any]:
-    """``replica``'s ``_compiled_call_impl``: the original's compilation (same options) of ``replica._call_impl``."""
-    context = _compile_context(original.__dict__["_compiled_call_impl"], f"a {type(original).__name__}")
-    return context(replica._call_impl)
 
 
 def optimized_module_replica(original: nn.Module, children: Mapping[str, nn.Module | None]) -> nn.Module:
     """A new ``OptimizedModule`` with the original's compile context around the replica of the wrapped module."""
-    wrapped = children.get("_orig_mod")
-    if wrapped is None:
-        raise CompiledReplicaError(f"Cannot replicate {type(original).__name__}: it wraps no module.")
-    return type(original)(wrapped, original.dynamo_ctx)
+    return type(original)(children["_orig_mod"], original.dynamo_ctx)

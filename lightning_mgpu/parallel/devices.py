@@ -87,10 +87,6 @@ def check_module_on(module: torch.nn.Module, device: torch.device, what: str = "
             )
 
 
-def all_cpu(devices: Sequence[torch.device]) -> bool:
-    return all(d.type == "cpu" for d in devices)
-
-
 def distinct_cuda(devices: Sequence[torch.device]) -> bool:
     """True when every device is a different CUDA device (where torch's broadcast-based replicate applies)."""
     return all(d.type == "cuda" for d in devices) and len({d.index for d in devices}) == len(devices)

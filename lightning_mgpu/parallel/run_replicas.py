@@ -15,13 +15,13 @@ import os
 import sys
 import traceback
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar, get_args
 
 import torch
 
-from lightning_mgpu.parallel.devices import DeviceLike, all_cpu, to_device
+from lightning_mgpu.parallel.devices import DeviceLike, to_device
 from lightning_mgpu.parallel.replica_group import PeerFailedError, ReplicaGroup, as_replica
 from lightning_mgpu.parallel.thread_state import ThreadState
 
@@ -106,7 +106,7 @@ def resolve_mode(mode: ExecutionMode, devices: Sequence[torch.device]) -> Litera
         raise ValueError(f"Unknown execution mode {mode!r}: choose one of {EXECUTION_MODES}.")
     if mode == "auto":
         one_device = len({(d.type, d.index) for d in devices}) == 1
-        return "sequential" if all_cpu(devices) or one_device else "threads"
+        return "sequential" if one_device or all(d.type == "cpu" for d in devices) else "threads"
     return mode
 
 
@@ -122,10 +122,8 @@ def run_replicas(
     targets = [to_device(d) for d in devices]
     if len(functions) != len(targets):
         raise ValueError(f"run_replicas got {len(functions)} functions for {len(targets)} devices.")
-    if not functions:
-        return []
     state = ThreadState.capture(targets)
-    sequential = len(functions) == 1 or resolve_mode(execution_mode, targets) == "sequential"
+    sequential = len(functions) <= 1 or resolve_mode(execution_mode, targets) == "sequential"
     group = ReplicaGroup(targets, sequential=sequential)
 
     def run(index: int) -> _Outcome:
@@ -154,17 +152,15 @@ def _wait_for_all(futures: Sequence[Future], group: ReplicaGroup) -> list[_Outco
     """Every replica's outcome. An interrupt of the waiting caller (Ctrl-C) stops the replicas at their next sync point
     and keeps waiting for them; a second interrupt gives up waiting."""
     interrupt: BaseException | None = None
-    outcomes = []
-    for future in futures:
-        while True:
-            try:
-                outcomes.append(future.result())
-                break
-            except BaseException as err:  # run() never raises: this interrupted the wait itself
-                if interrupt is not None:
-                    raise
-                interrupt = err
-                group.interrupt(err)
+    while True:
+        try:
+            wait(futures)
+            break
+        except BaseException as err:  # run() never raises: this interrupted the wait itself
+            if interrupt is not None:
+                raise
+            interrupt = err
+            group.interrupt(err)
     if interrupt is not None:
         raise interrupt
-    return outcomes
+    return [future.result() for future in futures]

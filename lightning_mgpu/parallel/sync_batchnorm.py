@@ -10,7 +10,6 @@ over the outputs (no double backward, no checkpointed segments holding sync laye
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +21,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 from typing_extensions import override
 
-from lightning_mgpu.parallel.replica_group import ReplicaContext, current_replica
+from lightning_mgpu.parallel.replica_group import current_replica
 
 __all__ = ["SyncBatchNorm", "convert_sync_batchnorm", "revert_sync_batchnorm", "uses_sync_batchnorm"]
 
@@ -71,7 +70,25 @@ class SyncBatchNorm(_BatchNorm):
         if replica is None or replica.group.size < 2 or not self._uses_batch_stats():
             return super().forward(input)
         self._check_input_dim(input)
-        return _synced_forward(self, input, replica)
+        key = _key_of(self)
+        call = replica.next_call(key)
+        label = f"SyncBatchNorm layer {_describe(self)} (call {call} in this forward)"
+        replica.group.require_threads(
+            label,
+            "Run it with execution_mode='threads' instead of execution_mode='sequential' (DataParallelModel, "
+            "DataParallelCriterion and the lightning_mgpu strategies switch by themselves), or put the layer in eval "
+            "mode.",
+        )
+        if input.size(1) != self.num_features:
+            raise ValueError(
+                f"{label} expects {self.num_features} channels (dim 1) but got input of shape {input.shape}."
+            )
+        x = _contiguous(input)
+        count = x.numel() // x.size(1)
+        stats = _kernels(x).local_stats(x.detach(), self.eps) if count else None
+        stream = torch.cuda.current_stream(x.device) if x.is_cuda else None
+        part = _Part(self, x, stats, count, stream)
+        return replica.group.rendezvous(replica.index, (key, call), part, _combine, label, _HINT)
 
 
 def _key_of(layer: SyncBatchNorm) -> _LayerKey:
@@ -100,38 +117,12 @@ class _Part:
     stats: tuple[Tensor, Tensor] | None  # this shard's statistics (kernel-specific), None for an empty shard
     count: int  # values per channel in this shard
     stream: torch.cuda.Stream | None
-    kernels: type[_PlainKernels]
-
-
-def _synced_forward(layer: SyncBatchNorm, input: Tensor, replica: ReplicaContext) -> Tensor:
-    key = _key_of(layer)
-    call = replica.next_call(key)
-    label = f"SyncBatchNorm layer {_describe(layer)} (call {call} in this forward)"
-    group = replica.group
-    group.require_threads(
-        label,
-        "Run it with execution_mode='threads' instead of execution_mode='sequential' (DataParallelModel, "
-        "DataParallelCriterion and the lightning_mgpu strategies switch by themselves), or put the layer in eval mode.",
-    )
-    if input.size(1) != layer.num_features:
-        raise ValueError(f"{label} expects {layer.num_features} channels (dim 1) but got input of shape {input.shape}.")
-    x = _contiguous(input)
-    count = x.numel() // x.size(1)
-    kernels: type[_PlainKernels] = _CudaKernels if x.is_cuda else _PlainKernels
-    stats = None
-    if count:
-        with torch.no_grad():
-            stats = kernels.local_stats(x, layer.eps)
-    stream = torch.cuda.current_stream(x.device) if x.is_cuda else None
-    part = _Part(layer, x, stats, count, stream, kernels)
-    return group.rendezvous(replica.index, (key, call), part, _combine, label, _HINT)
 
 
 def _combine(parts: list[_Part]) -> tuple[Tensor, ...]:
     """Run by the last replica to arrive: the joint node over every replica's input, outputs in replica order."""
     layer = parts[0].layer
-    kernels = parts[0].kernels
-    if any(p.kernels is not kernels for p in parts):
+    if len({p.x.is_cuda for p in parts}) > 1:  # their statistics come from different kernels
         raise RuntimeError(
             f"SyncBatchNorm layer {_describe(layer)}: the replicas' inputs are on devices of different types "
             f"({[str(p.x.device) for p in parts]}); put every replica on devices of one type."
@@ -142,63 +133,25 @@ def _combine(parts: list[_Part]) -> tuple[Tensor, ...]:
             f"Expected more than 1 value per channel when training, got {total} over all replicas "
             f"(SyncBatchNorm layer {_describe(layer)})"
         )
-    running = None
-    if layer.training and layer.track_running_stats and layer.running_mean is not None:
-        # As BatchNorm: momentum None is a cumulative average over num_batches_tracked, or no update without it.
-        momentum = layer.momentum
-        if momentum is None and layer.num_batches_tracked is None:
-            momentum = 0.0
-        running = _Running(layer.running_mean, layer.running_var, layer.num_batches_tracked, momentum)
-    plan = _Plan(
-        kernels=kernels,
-        counts=tuple(p.count for p in parts),
-        stats=tuple(p.stats for p in parts),
-        streams=tuple(p.stream for p in parts),
-        eps=layer.eps,
-        running=running,
-    )
-    xs = [p.x for p in parts]
+    tensors = [p.x for p in parts] + [p.layer.weight for p in parts] + [p.layer.bias for p in parts]
     # Each replica's stream is current on its device while the node runs *and* while autograd records its outputs.
-    with _streams(plan.streams):
-        return _JointBatchNorm.apply(plan, *xs, *(p.layer.weight for p in parts), *(p.layer.bias for p in parts))
+    with _streams([p.stream for p in parts]):
+        return _JointBatchNorm.apply(parts, *tensors)
 
 
-@dataclass
-class _Running:
-    """Replica 0's running statistics and how BatchNorm would update them for this batch."""
-
-    mean: Tensor
-    var: Tensor
-    batches: Tensor | None  # num_batches_tracked: incremented once per synchronised call
-    momentum: float | None  # None: cumulative average, factor 1 / batches (kept on the device: no host sync)
-
-    def update(self, mean: Tensor, var: Tensor, total: int) -> None:
-        """BatchNorm's update, with the unbiased variance of the whole batch; no host synchronisation."""
-        dtype = self.mean.dtype
-        mean, unbiased = mean.to(dtype), (var * (total / (total - 1))).to(dtype)
-        if self.momentum is None:
-            factor = self.batches.to(torch.float64).reciprocal().to(dtype)
-            self.mean.mul_(1 - factor).add_(mean * factor)
-            self.var.mul_(1 - factor).add_(unbiased * factor)
-        else:
-            self.mean.mul_(1 - self.momentum).add_(mean, alpha=self.momentum)
-            self.var.mul_(1 - self.momentum).add_(unbiased, alpha=self.momentum)
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """Everything the joint node needs besides its tensor inputs."""
-
-    kernels: type[_PlainKernels]
-    counts: tuple[int, ...]
-    stats: tuple[tuple[Tensor, Tensor] | None, ...]
-    streams: tuple[torch.cuda.Stream | None, ...]
-    eps: float
-    running: _Running | None
-
-    @property
-    def active(self) -> list[int]:
-        return [i for i, count in enumerate(self.counts) if count]
+def _update_running(layer: _BatchNorm, mean: Tensor, var: Tensor, total: int) -> None:
+    """BatchNorm's update of ``layer``'s running statistics, with the unbiased variance of the whole batch; no host
+    synchronisation (momentum None: the cumulative average's factor 1 / num_batches_tracked stays on the device)."""
+    dtype = layer.running_mean.dtype
+    mean, unbiased = mean.to(dtype), (var * (total / (total - 1))).to(dtype)
+    if layer.momentum is None and layer.num_batches_tracked is not None:
+        factor = layer.num_batches_tracked.to(torch.float64).reciprocal().to(dtype)
+        layer.running_mean.mul_(1 - factor).add_(mean * factor)
+        layer.running_var.mul_(1 - factor).add_(unbiased * factor)
+    else:
+        momentum = 0.0 if layer.momentum is None else layer.momentum  # as BatchNorm: no momentum nor counter, no update
+        layer.running_mean.mul_(1 - momentum).add_(mean, alpha=momentum)
+        layer.running_var.mul_(1 - momentum).add_(unbiased, alpha=momentum)
 
 
 class _JointBatchNorm(Function):
@@ -206,33 +159,32 @@ class _JointBatchNorm(Function):
     replica, each on its replica's device. Backward combines the replicas' gradient sums in replica order."""
 
     @staticmethod
-    def forward(ctx: FunctionCtx, plan: _Plan, *tensors: Tensor | None) -> tuple[Tensor, ...]:
-        n, kernels = len(plan.counts), plan.kernels
+    def forward(ctx: FunctionCtx, parts: list[_Part], *tensors: Tensor | None) -> tuple[Tensor, ...]:
+        n, layer, kernels = len(parts), parts[0].layer, _kernels(parts[0].x)
         xs, weights, biases = tensors[:n], tensors[n : 2 * n], tensors[2 * n :]
-        active = plan.active
-        if plan.running is not None and plan.running.batches is not None:
-            plan.running.batches.add_(1)
+        active = [p for p in parts if p.count]
+        running = layer if layer.training and layer.track_running_stats and layer.running_mean is not None else None
+        if running is not None and running.num_batches_tracked is not None:
+            running.num_batches_tracked.add_(1)
         mean, invstd = kernels.joint_stats(
-            [plan.stats[i] for i in active], [plan.counts[i] for i in active], xs[0].device, plan.eps, plan.running
+            [p.stats for p in active], [p.count for p in active], xs[0].device, layer.eps, running
         )
-        joint = torch.cat([mean, invstd])
+        joint = torch.cat([mean, invstd])  # the kernels' ``stats``: one tensor per device, mean then inverse std
         stats = [joint.to(x.device, non_blocking=True) for x in xs]  # no copy for replicas on its device
-        outputs = []
-        for i in range(n):
-            if plan.counts[i]:
-                mean_i, invstd_i = stats[i].chunk(2)
-                outputs.append(kernels.normalize(xs[i], weights[i], biases[i], mean_i, invstd_i, plan.eps))
-            else:
-                outputs.append(torch.empty_like(xs[i]))
-        ctx.plan = dataclasses.replace(plan, stats=(), running=None)  # no references kept past the forward
+        outputs = [
+            kernels.normalize(x, weight, bias, stats_i, layer.eps) if p.count else torch.empty_like(x)
+            for p, x, weight, bias, stats_i in zip(parts, xs, weights, biases, stats, strict=True)
+        ]
+        # No reference to the parts is kept past the forward.
+        ctx.kernels, ctx.counts, ctx.streams = kernels, [p.count for p in parts], [p.stream for p in parts]
         ctx.save_for_backward(*xs, *weights, *stats)
         return tuple(outputs)
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
-        plan: _Plan = ctx.plan
-        n, kernels = len(plan.counts), plan.kernels
+        counts, kernels = ctx.counts, ctx.kernels
+        n = len(counts)
         saved = ctx.saved_tensors
         xs, weights, stats = saved[:n], saved[n : 2 * n], saved[2 * n :]
         needs = ctx.needs_input_grad[1:]
@@ -241,16 +193,15 @@ class _JointBatchNorm(Function):
         grad_w: list[Tensor | None] = [None] * n
         grad_b: list[Tensor | None] = [None] * n
         input_grad = any(needs_x)
-        active = plan.active
-        with _streams(plan.streams):
+        active = [i for i in range(n) if counts[i]]
+        with _streams(ctx.streams):
             dys = [_contiguous(g) for g in grads]
             sums = {}
             for i in active:
                 if not (input_grad or needs_w[i] or needs_b[i]):
                     continue
-                mean, invstd = stats[i].chunk(2)
                 sum_dy, sum_dy_xmu, gw, gb = kernels.backward_reduce(
-                    dys[i], xs[i], mean, invstd, weights[i], input_grad, needs_w[i], needs_b[i]
+                    dys[i], xs[i], stats[i], weights[i], input_grad, needs_w[i], needs_b[i]
                 )
                 grad_w[i] = gw if needs_w[i] else None
                 grad_b[i] = gb if needs_b[i] else None
@@ -259,19 +210,12 @@ class _JointBatchNorm(Function):
             if input_grad:
                 root = xs[0].device
                 total_sums = torch.stack([sums[i].to(root, non_blocking=True) for i in active]).sum(0)
-                per_device = [total_sums.to(x.device, non_blocking=True) for x in xs]
-                total = sum(plan.counts)
                 for i in range(n):
-                    if not needs_x[i]:
-                        continue
-                    if not plan.counts[i]:
+                    if needs_x[i] and not counts[i]:
                         grad_x[i] = torch.zeros_like(xs[i])
-                        continue
-                    mean, invstd = stats[i].chunk(2)
-                    sum_dy, sum_dy_xmu = per_device[i].chunk(2)
-                    grad_x[i] = kernels.backward_elemt(
-                        dys[i], xs[i], mean, invstd, weights[i], sum_dy, sum_dy_xmu, total
-                    )
+                    elif needs_x[i]:
+                        sums_i = total_sums.to(xs[i].device, non_blocking=True)
+                        grad_x[i] = kernels.backward_elemt(dys[i], xs[i], stats[i], weights[i], sums_i, sum(counts))
         return (None, *grad_x, *grad_w, *grad_b)
 
 
@@ -320,9 +264,13 @@ class _PlainKernels:
 
     @staticmethod
     def joint_stats(
-        stats: Sequence[tuple[Tensor, Tensor]], counts: Sequence[int], root: torch.device, eps: float, running: Any
+        stats: Sequence[tuple[Tensor, Tensor]],
+        counts: Sequence[int],
+        root: torch.device,
+        eps: float,
+        running: _BatchNorm | None,
     ) -> tuple[Tensor, Tensor]:
-        """Mean and inverse std of the whole batch on ``root``; updates ``running``."""
+        """Mean and inverse std of the whole batch on ``root``; updates the running statistics of ``running``."""
         means = torch.stack([mean.to(root) for mean, _ in stats])
         variances = torch.stack([var.to(root) for _, var in stats])
         total = sum(counts)
@@ -330,13 +278,12 @@ class _PlainKernels:
         mean = (weights * means).sum(0)
         var = (weights * (variances + (means - mean).square())).sum(0)  # within-shard + between-shard variance
         if running is not None:
-            running.update(mean, var, total)
+            _update_running(running, mean, var, total)
         return mean, torch.rsqrt(var + eps)
 
     @staticmethod
-    def normalize(
-        x: Tensor, weight: Tensor | None, bias: Tensor | None, mean: Tensor, invstd: Tensor, eps: float
-    ) -> Tensor:
+    def normalize(x: Tensor, weight: Tensor | None, bias: Tensor | None, stats: Tensor, eps: float) -> Tensor:
+        mean, invstd = stats.chunk(2)
         shape = _shape(x)
         scale = invstd if weight is None else invstd * weight.to(invstd.dtype)
         y = (_upcast(x) - mean.view(shape)) * scale.view(shape)
@@ -346,9 +293,10 @@ class _PlainKernels:
 
     @staticmethod
     def backward_reduce(
-        dy: Tensor, x: Tensor, mean: Tensor, invstd: Tensor, weight: Tensor | None, *needs: bool
+        dy: Tensor, x: Tensor, stats: Tensor, weight: Tensor | None, *needs: bool
     ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
         """This shard's ``sum(dy)``, ``sum(dy * (x - mean))`` per channel, and its weight and bias gradients."""
+        mean, invstd = stats.chunk(2)
         dims = _dims(x)
         dy32 = dy.to(mean.dtype)
         sum_dy = dy32.sum(dims)
@@ -359,17 +307,10 @@ class _PlainKernels:
         return sum_dy, sum_dy_xmu, grad_weight, grad_bias
 
     @staticmethod
-    def backward_elemt(
-        dy: Tensor,
-        x: Tensor,
-        mean: Tensor,
-        invstd: Tensor,
-        weight: Tensor | None,
-        sum_dy: Tensor,
-        sum_dy_xmu: Tensor,
-        total: int,
-    ) -> Tensor:
-        """The input gradient, given the sums over the whole batch (``total`` values per channel)."""
+    def backward_elemt(dy: Tensor, x: Tensor, stats: Tensor, weight: Tensor | None, sums: Tensor, total: int) -> Tensor:
+        """The input gradient, given ``sums`` (``sum(dy)`` then ``sum(dy * (x - mean))``) over the whole batch
+        (``total`` values per channel)."""
+        (mean, invstd), (sum_dy, sum_dy_xmu) = stats.chunk(2), sums.chunk(2)
         shape = _shape(x)
         scale = invstd if weight is None else invstd * weight.to(invstd.dtype)
         xmu = _upcast(x) - mean.view(shape)
@@ -394,39 +335,42 @@ class _CudaKernels(_PlainKernels):
         invstds = torch.stack([invstd.to(root, non_blocking=True) for _, invstd in stats])
         # The kernel reads counts (and updates running stats) in the running stats' dtype, or else in the dtype of its
         # first argument: pass the statistics there, so counts stay float32/64 (never half) without running stats.
-        fused = running is not None and running.momentum is not None and running.mean.dtype == means.dtype
-        counts_dtype = running.mean.dtype if fused else means.dtype
+        fused = running is not None and running.momentum is not None and running.running_mean.dtype == means.dtype
+        counts_dtype = running.running_mean.dtype if fused else means.dtype
         # One small asynchronous copy from pinned memory: a plain torch.tensor(..., device=root) would block the host.
         counts_tensor = torch.tensor(counts, dtype=counts_dtype).pin_memory().to(root, non_blocking=True)
         if fused:
             return torch.batch_norm_gather_stats_with_counts(
-                means, means, invstds, running.mean, running.var, running.momentum, eps, counts_tensor
+                means, means, invstds, running.running_mean, running.running_var, running.momentum, eps, counts_tensor
             )
         mean, invstd = torch.batch_norm_gather_stats_with_counts(
             means, means, invstds, None, None, 0.0, eps, counts_tensor
         )
         if running is not None:
-            running.update(mean, invstd.pow(-2).sub_(eps), sum(counts))
+            _update_running(running, mean, invstd.pow(-2).sub_(eps), sum(counts))
         return mean, invstd
 
     @staticmethod
     @override
-    def normalize(x, weight, bias, mean, invstd, eps):
-        return torch.batch_norm_elemt(x, weight, bias, mean, invstd, eps)
+    def normalize(x, weight, bias, stats, eps):
+        return torch.batch_norm_elemt(x, weight, bias, *stats.chunk(2), eps)
 
     @staticmethod
     @override
-    def backward_reduce(dy, x, mean, invstd, weight, *needs):
-        return torch.batch_norm_backward_reduce(dy, x, mean, invstd, weight, *needs)
+    def backward_reduce(dy, x, stats, weight, *needs):
+        return torch.batch_norm_backward_reduce(dy, x, *stats.chunk(2), weight, *needs)
 
     @staticmethod
     @override
-    def backward_elemt(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, total):
-        if weight is not None and weight.dtype != mean.dtype:
-            weight = weight.to(mean.dtype)
+    def backward_elemt(dy, x, stats, weight, sums, total):
+        weight = None if weight is None else weight.to(stats.dtype)  # the kernel takes it in the statistics' dtype
         # The kernel divides the sums by the sum of `count`: the whole batch's count, made on the device (no copy).
         count = torch.full((1,), total, dtype=torch.int32, device=x.device)
-        return torch.batch_norm_backward_elemt(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, count)
+        return torch.batch_norm_backward_elemt(dy, x, *stats.chunk(2), weight, *sums.chunk(2), count)
+
+
+def _kernels(x: Tensor) -> type[_PlainKernels]:
+    return _CudaKernels if x.is_cuda else _PlainKernels
 
 
 # --- conversion ---------------------------------------------------------------------------------------------------

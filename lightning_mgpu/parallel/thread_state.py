@@ -12,8 +12,6 @@ from dataclasses import dataclass
 
 import torch
 
-_AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")
-
 
 @dataclass(frozen=True)
 class ThreadState:
@@ -21,7 +19,7 @@ class ThreadState:
 
     grad_enabled: bool
     inference_mode: bool
-    autocast: dict[str, tuple[bool, torch.dtype]]
+    autocast: dict[str, torch.dtype]  # the dtype of each device type with autocast enabled
     autocast_cache: bool
     cuda_streams: dict[int, torch.cuda.Stream]
 
@@ -30,9 +28,7 @@ class ThreadState:
         return cls(
             grad_enabled=torch.is_grad_enabled(),
             inference_mode=torch.is_inference_mode_enabled(),
-            autocast={
-                t: (True, torch.get_autocast_dtype(t)) for t in _AUTOCAST_DEVICE_TYPES if torch.is_autocast_enabled(t)
-            },
+            autocast={t: torch.get_autocast_dtype(t) for t in ("cpu", "cuda") if torch.is_autocast_enabled(t)},
             autocast_cache=torch.is_autocast_cache_enabled(),
             cuda_streams={d.index: torch.cuda.current_stream(d) for d in devices if d.type == "cuda"},
         )
@@ -50,8 +46,6 @@ class ThreadState:
                 stream = self.cuda_streams.get(device.index)
                 if stream is not None:
                     stack.enter_context(torch.cuda.stream(stream))
-            for device_type, (enabled, dtype) in self.autocast.items():
-                stack.enter_context(
-                    torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=self.autocast_cache)
-                )
+            for device_type, dtype in self.autocast.items():
+                stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=self.autocast_cache))
             yield

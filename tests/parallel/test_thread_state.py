@@ -102,7 +102,7 @@ def test_no_grad_in_caller_means_no_graph_in_replicas():
 def test_thread_state_capture_and_replay():
     with torch.autocast("cpu", dtype=torch.float16), torch.no_grad():
         state = ThreadState.capture()
-    assert state.autocast == {"cpu": (True, torch.float16)} and not state.grad_enabled
+    assert state.autocast == {"cpu": torch.float16} and not state.grad_enabled
     seen = {}
 
     def worker():
