@@ -130,11 +130,16 @@ def _infer_from_roots(roots: Sequence[tuple[str, Any]], dim: int, what: str) -> 
 
 
 def _per_sample_hint(roots: Sequence[tuple[str, Any]], tensors: Sequence[tuple[str, Tensor]], dim: int) -> str | None:
-    """Advice to mark a list with :class:`PerSample`, given only when that would settle the disagreement: the list
-    (of dicts, dataclasses or tensors) is as long as the batch size of a tensor outside it, and a tensor inside it has
+    """Advice to mark a list with :class:`PerSample`, given only when that would settle the disagreement: a list (of
+    dicts, dataclasses or tensors) is as long as the batch size of a tensor outside it, and a tensor inside it has
     another size."""
-    for path, obj in roots:
-        for where, seq in _item_lists(obj, path):
+    for root, obj in roots:
+        for where, seq in iter_nodes(obj, root):
+            if not _is_plain_sequence(seq) or not (
+                any(all(isinstance(x, k) for x in seq) for k in (Mapping, Tensor))
+                or all(is_dataclass_instance(x) for x in seq)
+            ):
+                continue
             inside = [t for p, t in tensors if p.startswith(f"{where}[") and t.dim() > dim]
             outside = {t.shape[dim] for p, t in tensors if not p.startswith(f"{where}[") and t.dim() > dim}
             if len(seq) in outside and any(t.shape[dim] != len(seq) for t in inside):
@@ -146,16 +151,6 @@ def _per_sample_hint(roots: Sequence[tuple[str, Any]], tensors: Sequence[tuple[s
                     "lightning_mgpu.PerSample(...) in your collate_fn so that it is split by item."
                 )
     return None
-
-
-def _item_lists(obj: Any, path: str) -> Iterator[tuple[str, Sequence[Any]]]:
-    """Every list or plain tuple of dicts, dataclasses or tensors in ``obj``, outermost first, with its key path."""
-    for where, node in iter_nodes(obj, path):
-        if _is_plain_sequence(node) and (
-            any(all(isinstance(x, k) for x in node) for k in (Mapping, Tensor))
-            or all(is_dataclass_instance(x) for x in node)
-        ):
-            yield where, node
 
 
 def _is_plain_sequence(obj: Any) -> bool:
@@ -208,17 +203,12 @@ def rebuild(template: Any, values: Sequence[Any] | Mapping[str, Any]) -> Any:
         except TypeError:  # a subclass with another constructor: rebuilt as its base type
             base = dict if isinstance(template, Mapping) else list if isinstance(template, list) else tuple
             return base(values)
-    if is_dataclass_instance(template):
-        return _rebuild_dataclass(template, values)
-    raise TypeError(f"Cannot rebuild a {type(template).__name__}.")
-
-
-def _rebuild_dataclass(template: Any, values: Sequence[Any]) -> Any:
-    """A dataclass like ``template`` with its fields set to ``values`` (``init=False`` fields included)."""
+    if not is_dataclass_instance(template):
+        raise TypeError(f"Cannot rebuild a {type(template).__name__}.")
     fields = list(zip(dataclasses.fields(template), values, strict=True))
     obj = type(template)(**{f.name: v for f, v in fields if f.init})
     for f, v in fields:
-        if not f.init:
+        if not f.init:  # set after construction, frozen dataclasses included
             object.__setattr__(obj, f.name, v)
     return obj
 
