@@ -213,17 +213,21 @@ def rebuild(template: Any, values: Sequence[Any] | Mapping[str, Any]) -> Any:
     return obj
 
 
-def _map_structure(obj: Any, leaf_fn: Callable[[Any], Any], batch_size: int | None, plain_lists: bool = True) -> Any:
-    """Apply ``leaf_fn`` to leaves, tensors and per-sample lists (``PerSample`` ones only when splitting a batch, i.e.
-    with a ``batch_size``; lists of plain items too unless ``plain_lists`` is False); rebuild containers around the
-    results."""
+def _map_structure(
+    obj: Any, leaf_fn: Callable[[Any], list[Any]], count: int, batch_size: int | None, plain_lists: bool = True
+) -> list[Any]:
+    """``count`` versions of ``obj``: in version ``i``, each leaf ``x`` replaced by ``leaf_fn(x)[i]``, containers
+    rebuilt around them. Leaves: tensors, non-containers and per-sample lists (``PerSample`` ones only when splitting
+    a batch, i.e. with a ``batch_size``; lists of plain items too unless ``plain_lists`` is False)."""
     if isinstance(obj, Tensor) or (isinstance(obj, PerSample) and batch_size is not None):
         return leaf_fn(obj)
     children = _children(obj)
     if children is None or (plain_lists and _is_per_sample_list(obj, batch_size)):
         return leaf_fn(obj)
-    mapped = [(key, _map_structure(child, leaf_fn, batch_size, plain_lists)) for key, child in children[1]]
-    return rebuild(obj, dict(mapped) if isinstance(obj, Mapping) else [value for _, value in mapped])
+    mapped = [(key, _map_structure(child, leaf_fn, count, batch_size, plain_lists)) for key, child in children[1]]
+    if isinstance(obj, Mapping):
+        return [rebuild(obj, {key: values[i] for key, values in mapped}) for i in range(count)]
+    return [rebuild(obj, [values[i] for _, values in mapped]) for i in range(count)]
 
 
 def split_batch(
@@ -268,35 +272,21 @@ def _split_roots(
             f"Cannot split a batch of {inferred} into chunks of {chunks} over {len(targets)} device(s): the "
             "sizes must be positive, one per device at most, and add up to the batch size."
         )
-    return [_scatter_sizes(value, targets, dim, inferred, chunks, plain_lists) for _, value in roots], chunks
-
-
-def _scatter_sizes(
-    obj: Any, devices: Sequence[torch.device], dim: int, batch_size: int, sizes: list[int], plain_lists: bool
-) -> list[Any]:
-    """``obj`` in chunks of ``sizes``, chunk ``i`` on ``devices[i]``."""
-    bounds = list(itertools.accumulate(sizes[:-1]))
-    slices = [slice(a, b) for a, b in itertools.pairwise([0, *bounds, batch_size])]
-    # Each leaf is split and copied once, then picked per chunk. The keys are ids of objects that ``obj`` keeps alive
-    # for the whole call, so they cannot be reused.
-    cache: dict[int, list[Any]] = {}
+    bounds = list(itertools.accumulate(chunks[:-1]))
+    slices = [slice(a, b) for a, b in itertools.pairwise([0, *bounds, inferred])]
 
     def split_leaf(leaf: Any) -> list[Any]:
+        """The leaf's chunks, chunk ``i`` on ``targets[i]``."""
         if isinstance(leaf, Tensor):
-            parts = torch.tensor_split(leaf, bounds, dim=dim) if bounds and leaf.dim() > dim else [leaf] * len(sizes)
-            return [p.to(d) for p, d in zip(parts, devices, strict=False)]
+            parts = torch.tensor_split(leaf, bounds, dim=dim) if bounds and leaf.dim() > dim else [leaf] * len(chunks)
+            return [p.to(d) for p, d in zip(parts, targets, strict=False)]
         if isinstance(leaf, PerSample):  # before the plain-list rule: slices stay PerSample
-            return [PerSample(move_to(leaf[s], d)) for s, d in zip(slices, devices, strict=False)]
-        if plain_lists and _is_per_sample_list(leaf, batch_size):
+            return [PerSample(move_to(leaf[s], d)) for s, d in zip(slices, targets, strict=False)]
+        if plain_lists and _is_per_sample_list(leaf, inferred):
             return [leaf[s] for s in slices]
-        return [leaf] * len(sizes)
+        return [leaf] * len(chunks)
 
-    def chunk(leaf: Any, i: int) -> Any:
-        if id(leaf) not in cache:
-            cache[id(leaf)] = split_leaf(leaf)
-        return cache[id(leaf)][i]
-
-    return [_map_structure(obj, lambda leaf, i=i: chunk(leaf, i), batch_size, plain_lists) for i in range(len(sizes))]
+    return [_map_structure(value, split_leaf, len(chunks), inferred, plain_lists) for _, value in roots], chunks
 
 
 def split_arguments(
@@ -332,7 +322,8 @@ def scatter(inputs: Any, target_devices: Sequence[DeviceLike], dim: int = 0) -> 
 def move_to(obj: Any, device: DeviceLike) -> Any:
     """``obj`` with every tensor moved to ``device`` (differentiable), structure preserved."""
     target = to_device(device)
-    return _map_structure(obj, lambda leaf: leaf.to(target) if isinstance(leaf, Tensor) else leaf, None)
+    (moved,) = _map_structure(obj, lambda leaf: [leaf.to(target) if isinstance(leaf, Tensor) else leaf], 1, None)
+    return moved
 
 
 def split_or_run_once(split: Callable[[], T], roots: Sequence[tuple[str, Any]]) -> T | None:
