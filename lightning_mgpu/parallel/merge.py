@@ -70,7 +70,7 @@ def merge_outputs(
         raise ValueError(f"merge_outputs() got {len(outputs)} outputs but {len(sizes)} sizes.")
     try:
         counts = list(sizes) if sizes is not None else [batch_size_of(o, dim, "output") for o in outputs]
-    except BatchSplitError:  # some output has no batch size: scalars are then averaged with equal weights
+    except BatchSplitError:  # an output with no batch size: no sample counts
         counts = None
     return _Merger(to_device(device), dim, counts, weights or {}).merge(list(outputs), "output")
 

@@ -203,9 +203,7 @@ def rebuild(template: Any, values: Sequence[Any] | Mapping[str, Any]) -> Any:
         except TypeError:  # a subclass with another constructor: rebuilt as its base type
             base = dict if isinstance(template, Mapping) else list if isinstance(template, list) else tuple
             return base(values)
-    if not is_dataclass_instance(template):
-        raise TypeError(f"Cannot rebuild a {type(template).__name__}.")
-    fields = list(zip(dataclasses.fields(template), values, strict=True))
+    fields = list(zip(dataclasses.fields(template), values, strict=True))  # a dataclass: else a TypeError
     obj = type(template)(**{f.name: v for f, v in fields if f.init})
     for f, v in fields:
         if not f.init:  # set after construction, frozen dataclasses included
@@ -322,8 +320,7 @@ def scatter(inputs: Any, target_devices: Sequence[DeviceLike], dim: int = 0) -> 
 def move_to(obj: Any, device: DeviceLike) -> Any:
     """``obj`` with every tensor moved to ``device`` (differentiable), structure preserved."""
     target = to_device(device)
-    (moved,) = _map_structure(obj, lambda leaf: [leaf.to(target) if isinstance(leaf, Tensor) else leaf], 1, None)
-    return moved
+    return _map_structure(obj, lambda leaf: [leaf.to(target) if isinstance(leaf, Tensor) else leaf], 1, None)[0]
 
 
 def split_or_run_once(split: Callable[[], T], roots: Sequence[tuple[str, Any]]) -> T | None:
