@@ -66,17 +66,13 @@ def merge_outputs(
         )
     if not outputs:
         raise ValueError("merge_outputs() needs at least one output.")
-    counts = list(sizes) if sizes is not None else _read_sizes(outputs, dim)
-    if counts is not None and len(counts) != len(outputs):
-        raise ValueError(f"merge_outputs() got {len(outputs)} outputs but {len(counts)} sizes.")
-    return _Merger(to_device(device), dim, counts, weights or {}).merge(list(outputs), "output")
-
-
-def _read_sizes(outputs: Sequence[Any], dim: int) -> list[int] | None:
+    if sizes is not None and len(sizes) != len(outputs):
+        raise ValueError(f"merge_outputs() got {len(outputs)} outputs but {len(sizes)} sizes.")
     try:
-        return [batch_size_of(output, dim, "output") for output in outputs]
-    except BatchSplitError:
-        return None
+        counts = list(sizes) if sizes is not None else [batch_size_of(o, dim, "output") for o in outputs]
+    except BatchSplitError:  # an output with no batch size: no sample counts
+        counts = None
+    return _Merger(to_device(device), dim, counts, weights or {}).merge(list(outputs), "output")
 
 
 @dataclasses.dataclass

@@ -321,16 +321,12 @@ class DataParallelCriterion(nn.Module):
         ``weight``...) go whole."""
         options = _function_defaults(self.criterion)
         whole = {k: v for k, v in kwargs.items() if k in options}
-        if whole:
-            per_sample = {k: v for k, v in kwargs.items() if k not in options}
-            target_chunks, kwarg_chunks, samples = self._split_targets(outputs, targets, per_sample, devices)
-            kwarg_chunks = [{**kw, **move_to(whole, d)} for kw, d in zip(kwarg_chunks, devices, strict=True)]
-            return target_chunks, kwarg_chunks, samples
+        per_sample = {k: v for k, v in kwargs.items() if k not in options}
         out_sizes = [_safe_batch_size(o, self.dim) for o in outputs]
         try:
-            total = args_batch_size(targets, kwargs, self.dim, names=("targets", "kwargs"))
+            total = args_batch_size(targets, per_sample, self.dim, names=("targets", "kwargs"))
         except NothingToSplitError:
-            listed = any(isinstance(v, list) and len(v) == sum(out_sizes) for v in (*targets, *kwargs.values()))
+            listed = any(isinstance(v, list) and len(v) == sum(out_sizes) for v in (*targets, *per_sample.values()))
             if not all(out_sizes) or not listed:
                 # Nothing to split (no targets, as for TripletMarginLoss on (anchor, positive, negative), or only
                 # non-batch values): every replica gets them whole, on its device.
@@ -344,7 +340,7 @@ class DataParallelCriterion(nn.Module):
             )
         sizes = out_sizes if all(out_sizes) else None
         target_chunks, kwarg_chunks, used = split_arguments(
-            tuple(targets), kwargs, devices, self.dim, batch_size=total, sizes=sizes, names=("targets", "kwargs")
+            tuple(targets), per_sample, devices, self.dim, batch_size=total, sizes=sizes, names=("targets", "kwargs")
         )
         if len(used) != len(outputs):
             raise ValueError(
@@ -358,7 +354,7 @@ class DataParallelCriterion(nn.Module):
                     f"{self.dim} but its targets have {target_size}. The targets must have the same batch size as "
                     "the model's inputs."
                 )
-        return target_chunks, kwarg_chunks, used
+        return target_chunks, [{**kw, **move_to(whole, d)} for kw, d in zip(kwarg_chunks, devices, strict=True)], used
 
 
 def _as_args(output: Any) -> tuple[Any, ...]:

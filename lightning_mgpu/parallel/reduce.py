@@ -20,7 +20,7 @@ LOSS_REDUCTIONS = get_args(LossReduction)
 
 
 def as_float_weights(weights: Sequence[Weight], what: str = "loss weight") -> list[float]:
-    """Weights as Python floats (one host sync for tensor weights, which zero-weight detection needs anyway); each
+    """Weights as Python floats (a host sync for tensor weights, which zero-weight detection needs anyway); each
     must be a number or a one-element tensor, finite and >= 0, else an error names the replica."""
     for index, weight in enumerate(weights):
         is_number = isinstance(weight, (int, float)) and not isinstance(weight, bool)
@@ -30,9 +30,7 @@ def as_float_weights(weights: Sequence[Weight], what: str = "loss weight") -> li
                 f"The {what} of replica {index} is {shown}; it must be a number or a one-element tensor: the count "
                 "(samples, valid tokens...) that replica's mean loss averages over."
             )
-    tensors = [w.detach().reshape(()).double().cpu() for w in weights if isinstance(w, Tensor)]
-    values = iter(torch.stack(tensors).tolist() if tensors else [])
-    floats = [next(values) if isinstance(w, Tensor) else float(w) for w in weights]
+    floats = [float(w) for w in weights]
     bad = [(i, w) for i, w in enumerate(floats) if not math.isfinite(w) or w < 0]
     if bad:
         raise ValueError(

@@ -130,11 +130,16 @@ def _infer_from_roots(roots: Sequence[tuple[str, Any]], dim: int, what: str) -> 
 
 
 def _per_sample_hint(roots: Sequence[tuple[str, Any]], tensors: Sequence[tuple[str, Tensor]], dim: int) -> str | None:
-    """Advice to mark a list with :class:`PerSample`, given only when that would settle the disagreement: the list
-    (of dicts, dataclasses or tensors) is as long as the batch size of a tensor outside it, and a tensor inside it has
+    """Advice to mark a list with :class:`PerSample`, given only when that would settle the disagreement: a list (of
+    dicts, dataclasses or tensors) is as long as the batch size of a tensor outside it, and a tensor inside it has
     another size."""
-    for path, obj in roots:
-        for where, seq in _item_lists(obj, path):
+    for root, obj in roots:
+        for where, seq in iter_nodes(obj, root):
+            if not _is_plain_sequence(seq) or not (
+                any(all(isinstance(x, k) for x in seq) for k in (Mapping, Tensor))
+                or all(is_dataclass_instance(x) for x in seq)
+            ):
+                continue
             inside = [t for p, t in tensors if p.startswith(f"{where}[") and t.dim() > dim]
             outside = {t.shape[dim] for p, t in tensors if not p.startswith(f"{where}[") and t.dim() > dim}
             if len(seq) in outside and any(t.shape[dim] != len(seq) for t in inside):
@@ -146,16 +151,6 @@ def _per_sample_hint(roots: Sequence[tuple[str, Any]], tensors: Sequence[tuple[s
                     "lightning_mgpu.PerSample(...) in your collate_fn so that it is split by item."
                 )
     return None
-
-
-def _item_lists(obj: Any, path: str) -> Iterator[tuple[str, Sequence[Any]]]:
-    """Every list or plain tuple of dicts, dataclasses or tensors in ``obj``, outermost first, with its key path."""
-    for where, node in iter_nodes(obj, path):
-        if _is_plain_sequence(node) and (
-            any(all(isinstance(x, k) for x in node) for k in (Mapping, Tensor))
-            or all(is_dataclass_instance(x) for x in node)
-        ):
-            yield where, node
 
 
 def _is_plain_sequence(obj: Any) -> bool:
@@ -208,32 +203,29 @@ def rebuild(template: Any, values: Sequence[Any] | Mapping[str, Any]) -> Any:
         except TypeError:  # a subclass with another constructor: rebuilt as its base type
             base = dict if isinstance(template, Mapping) else list if isinstance(template, list) else tuple
             return base(values)
-    if is_dataclass_instance(template):
-        return _rebuild_dataclass(template, values)
-    raise TypeError(f"Cannot rebuild a {type(template).__name__}.")
-
-
-def _rebuild_dataclass(template: Any, values: Sequence[Any]) -> Any:
-    """A dataclass like ``template`` with its fields set to ``values`` (``init=False`` fields included)."""
-    fields = list(zip(dataclasses.fields(template), values, strict=True))
+    fields = list(zip(dataclasses.fields(template), values, strict=True))  # a dataclass: else a TypeError
     obj = type(template)(**{f.name: v for f, v in fields if f.init})
     for f, v in fields:
-        if not f.init:
+        if not f.init:  # set after construction, frozen dataclasses included
             object.__setattr__(obj, f.name, v)
     return obj
 
 
-def _map_structure(obj: Any, leaf_fn: Callable[[Any], Any], batch_size: int | None, plain_lists: bool = True) -> Any:
-    """Apply ``leaf_fn`` to leaves, tensors and per-sample lists (``PerSample`` ones only when splitting a batch, i.e.
-    with a ``batch_size``; lists of plain items too unless ``plain_lists`` is False); rebuild containers around the
-    results."""
+def _map_structure(
+    obj: Any, leaf_fn: Callable[[Any], list[Any]], count: int, batch_size: int | None, plain_lists: bool = True
+) -> list[Any]:
+    """``count`` versions of ``obj``: in version ``i``, each leaf ``x`` replaced by ``leaf_fn(x)[i]``, containers
+    rebuilt around them. Leaves: tensors, non-containers and per-sample lists (``PerSample`` ones only when splitting
+    a batch, i.e. with a ``batch_size``; lists of plain items too unless ``plain_lists`` is False)."""
     if isinstance(obj, Tensor) or (isinstance(obj, PerSample) and batch_size is not None):
         return leaf_fn(obj)
     children = _children(obj)
     if children is None or (plain_lists and _is_per_sample_list(obj, batch_size)):
         return leaf_fn(obj)
-    mapped = [(key, _map_structure(child, leaf_fn, batch_size, plain_lists)) for key, child in children[1]]
-    return rebuild(obj, dict(mapped) if isinstance(obj, Mapping) else [value for _, value in mapped])
+    mapped = [(key, _map_structure(child, leaf_fn, count, batch_size, plain_lists)) for key, child in children[1]]
+    if isinstance(obj, Mapping):
+        return [rebuild(obj, {key: values[i] for key, values in mapped}) for i in range(count)]
+    return [rebuild(obj, [values[i] for _, values in mapped]) for i in range(count)]
 
 
 def split_batch(
@@ -278,35 +270,21 @@ def _split_roots(
             f"Cannot split a batch of {inferred} into chunks of {chunks} over {len(targets)} device(s): the "
             "sizes must be positive, one per device at most, and add up to the batch size."
         )
-    return [_scatter_sizes(value, targets, dim, inferred, chunks, plain_lists) for _, value in roots], chunks
-
-
-def _scatter_sizes(
-    obj: Any, devices: Sequence[torch.device], dim: int, batch_size: int, sizes: list[int], plain_lists: bool
-) -> list[Any]:
-    """``obj`` in chunks of ``sizes``, chunk ``i`` on ``devices[i]``."""
-    bounds = list(itertools.accumulate(sizes[:-1]))
-    slices = [slice(a, b) for a, b in itertools.pairwise([0, *bounds, batch_size])]
-    # Each leaf is split and copied once, then picked per chunk. The keys are ids of objects that ``obj`` keeps alive
-    # for the whole call, so they cannot be reused.
-    cache: dict[int, list[Any]] = {}
+    bounds = list(itertools.accumulate(chunks[:-1]))
+    slices = [slice(a, b) for a, b in itertools.pairwise([0, *bounds, inferred])]
 
     def split_leaf(leaf: Any) -> list[Any]:
+        """The leaf's chunks, chunk ``i`` on ``targets[i]``."""
         if isinstance(leaf, Tensor):
-            parts = torch.tensor_split(leaf, bounds, dim=dim) if bounds and leaf.dim() > dim else [leaf] * len(sizes)
-            return [p.to(d) for p, d in zip(parts, devices, strict=False)]
+            parts = torch.tensor_split(leaf, bounds, dim=dim) if bounds and leaf.dim() > dim else [leaf] * len(chunks)
+            return [p.to(d) for p, d in zip(parts, targets, strict=False)]
         if isinstance(leaf, PerSample):  # before the plain-list rule: slices stay PerSample
-            return [PerSample(move_to(leaf[s], d)) for s, d in zip(slices, devices, strict=False)]
-        if plain_lists and _is_per_sample_list(leaf, batch_size):
+            return [PerSample(move_to(leaf[s], d)) for s, d in zip(slices, targets, strict=False)]
+        if plain_lists and _is_per_sample_list(leaf, inferred):
             return [leaf[s] for s in slices]
-        return [leaf] * len(sizes)
+        return [leaf] * len(chunks)
 
-    def chunk(leaf: Any, i: int) -> Any:
-        if id(leaf) not in cache:
-            cache[id(leaf)] = split_leaf(leaf)
-        return cache[id(leaf)][i]
-
-    return [_map_structure(obj, lambda leaf, i=i: chunk(leaf, i), batch_size, plain_lists) for i in range(len(sizes))]
+    return [_map_structure(value, split_leaf, len(chunks), inferred, plain_lists) for _, value in roots], chunks
 
 
 def split_arguments(
@@ -342,7 +320,7 @@ def scatter(inputs: Any, target_devices: Sequence[DeviceLike], dim: int = 0) -> 
 def move_to(obj: Any, device: DeviceLike) -> Any:
     """``obj`` with every tensor moved to ``device`` (differentiable), structure preserved."""
     target = to_device(device)
-    return _map_structure(obj, lambda leaf: leaf.to(target) if isinstance(leaf, Tensor) else leaf, None)
+    return _map_structure(obj, lambda leaf: [leaf.to(target) if isinstance(leaf, Tensor) else leaf], 1, None)[0]
 
 
 def split_or_run_once(split: Callable[[], T], roots: Sequence[tuple[str, Any]]) -> T | None:
