@@ -3,7 +3,6 @@ devices") or CPUs, which ``torch.nn.parallel`` refuses. ``scatter`` and ``gather
 ``split_batch`` and ``merge_outputs`` are the batch-aware forms that the modules and strategies use.
 """
 
-from lightning_mgpu.parallel.gather import gather
 from lightning_mgpu.parallel.merge import ReplicaValues, merge_outputs
 from lightning_mgpu.parallel.modules import DataParallelCriterion, DataParallelModel
 from lightning_mgpu.parallel.reduce import reduce_losses
@@ -14,6 +13,7 @@ from lightning_mgpu.parallel.scatter_gather import (
     BatchSplitError,
     NothingToSplitError,
     PerSample,
+    gather,
     scatter,
     split_batch,
 )

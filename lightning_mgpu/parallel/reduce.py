@@ -21,7 +21,8 @@ LOSS_REDUCTIONS = get_args(LossReduction)
 
 def as_float_weights(weights: Sequence[Weight], what: str = "loss weight") -> list[float]:
     """Weights as Python floats (a host sync for tensor weights, which zero-weight detection needs anyway); each
-    must be a number or a one-element tensor, finite and >= 0, else an error names the replica."""
+    must be a number or a one-element tensor, finite and >= 0, else an error names the replica; not all 0 (no valid
+    target in the whole batch: the weighted mean is undefined, at any device count)."""
     for index, weight in enumerate(weights):
         is_number = isinstance(weight, (int, float)) and not isinstance(weight, bool)
         if not (is_number or (isinstance(weight, Tensor) and weight.numel() == 1)):
@@ -38,18 +39,12 @@ def as_float_weights(weights: Sequence[Weight], what: str = "loss weight") -> li
             + ", ".join(f"{w} on replica {i}" for i, w in bad)
             + "."
         )
-    return floats
-
-
-def check_some_weight(weights: list[float]) -> list[float]:
-    """``weights``, unless every one is 0 (no valid target in the whole batch): the weighted mean is then undefined,
-    at any device count."""
-    if not any(w > 0 for w in weights):
+    if not any(w > 0 for w in floats):
         raise ValueError(
             "Every replica has loss weight 0 (e.g. no valid target in the whole batch): the weighted mean is "
             "undefined. Skip such a batch (return None from training_step) or give it a weight."
         )
-    return weights
+    return floats
 
 
 def weighted_mean(values: Tensor, weights: Tensor) -> Tensor:
@@ -98,7 +93,7 @@ def reduce_losses(
         return torch.stack(scalars).mean()
     if len(weights) != len(losses):
         raise ValueError(f"Got {len(weights)} weights for {len(losses)} losses.")
-    values = check_some_weight(as_float_weights(weights))
+    values = as_float_weights(weights)
     # A replica with weight 0 is left out of the graph too: backward through a mean over nothing is NaN.
     kept = [(s, w) for s, w in zip(scalars, values, strict=True) if w > 0]
     stacked = torch.stack([s for s, _ in kept])

@@ -1,5 +1,6 @@
-"""Split a batch (nested mappings, sequences, namedtuples, dataclasses) into per-device chunks; :mod:`.merge` and
-:mod:`.gather` bring outputs back.
+"""Split a batch (nested mappings, sequences, namedtuples, dataclasses) into per-device chunks; :mod:`.merge` brings
+outputs back as one device would have returned them, :func:`gather` as ``torch.nn.parallel.gather`` does (0-dim
+tensors stacked, with torch's warning).
 
 Tensors are split along ``dim`` as ``torch.tensor_split`` does (10 over 4: 3, 3, 2, 2); a list of plain items as long
 as the batch (ids) is split alike; anything else, 0-dim tensors included, goes whole to every replica. Lists of
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
@@ -315,6 +317,35 @@ def scatter(inputs: Any, target_devices: Sequence[DeviceLike], dim: int = 0) -> 
         return chunks
     except NothingToSplitError:
         return [inputs for _ in target_devices]
+
+
+def gather(outputs: Sequence[Any], target_device: DeviceLike, dim: int = 0) -> Any:
+    """Gather one output per replica on ``target_device`` (differentiably), as ``torch.nn.parallel.gather`` does:
+    tensors concatenated along ``dim``, dicts, namedtuples and other sequences field by field, ``None`` kept."""
+    device = to_device(target_device)
+
+    def gather_map(values: Sequence[Any]) -> Any:
+        first = values[0]
+        if isinstance(first, Tensor):
+            if dim == 0 and all(t.dim() == 0 for t in values):
+                warnings.warn(
+                    "Was asked to gather along dimension 0, but all input tensors were scalars; will instead unsqueeze "
+                    "and return a vector.",
+                    stacklevel=2,
+                )
+                values = [t.view(1) for t in values]
+            return torch.cat([t.to(device) for t in values], dim=dim)
+        if first is None:
+            return None
+        if isinstance(first, dict):
+            if not all(len(first) == len(d) for d in values):
+                raise ValueError("All dicts must have the same number of keys")
+            return type(first)((k, gather_map([d[k] for d in values])) for k in first)
+        if is_namedtuple(first):
+            return type(first)._make(map(gather_map, zip(*values, strict=True)))
+        return type(first)(map(gather_map, zip(*values, strict=True)))
+
+    return gather_map(outputs)
 
 
 def move_to(obj: Any, device: DeviceLike) -> Any:

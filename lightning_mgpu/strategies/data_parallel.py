@@ -19,13 +19,7 @@ from typing_extensions import override
 from lightning_mgpu.parallel.devices import DeviceLike, to_device
 from lightning_mgpu.parallel.merge import merge_outputs
 from lightning_mgpu.parallel.run_replicas import ExecutionMode
-from lightning_mgpu.parallel.scatter_gather import (
-    args_batch_size,
-    argument_roots,
-    iter_tensors,
-    split_arguments,
-    split_or_run_once,
-)
+from lightning_mgpu.parallel.scatter_gather import argument_roots, iter_tensors, split_arguments, split_or_run_once
 from lightning_mgpu.strategies.loss_normalization import SAMPLES, LossNormalization, known_rule
 from lightning_mgpu.strategies.single_process import Accelerator, CheckpointIO, PrecisionPlugin, SingleProcessParallel
 
@@ -128,14 +122,13 @@ class DataParallelStrategyBase(SingleProcessParallel):
         if self._forward_calls is None:
             return original(*inputs, **kwargs)  # outside a step (a callback's self(x)): a plain call
         self._forward_calls += 1
-        batch_size = split_or_run_once(
-            lambda: args_batch_size(inputs, kwargs, self.dim), argument_roots(inputs, kwargs)
+        split = split_or_run_once(
+            lambda: split_arguments(inputs, kwargs, self.parallel_devices, self.dim), argument_roots(inputs, kwargs)
         )
-        if batch_size is None:
+        if split is None:
             self._say_unsplit(f"the inputs of {type(target).__name__}.forward", "the forward")
             return original(*inputs, **kwargs)  # nothing to split: run once, on the root
-        devices = self.parallel_devices
-        args_chunks, kwargs_chunks, sizes = split_arguments(inputs, kwargs, devices, self.dim, batch_size=batch_size)
+        args_chunks, kwargs_chunks, sizes = split
         if len(sizes) == 1:
             return original(*args_chunks[0], **kwargs_chunks[0])
 

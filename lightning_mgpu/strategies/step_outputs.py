@@ -14,13 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_mgpu.parallel.merge import merge_outputs
-from lightning_mgpu.parallel.reduce import (
-    as_float_weights,
-    check_some_weight,
-    reduce_losses,
-    stack_scalars,
-    weighted_mean,
-)
+from lightning_mgpu.parallel.reduce import as_float_weights, reduce_losses, stack_scalars, weighted_mean
 from lightning_mgpu.parallel.replica_group import current_replica
 
 LOSS_WEIGHT_KEY = "loss_weight"
@@ -145,7 +139,7 @@ def reduce_training_outputs(
 
 
 def _reduce_weighted(losses: list[Any], weights: list[Any], what: str, root: torch.device) -> Any:
-    floats = check_some_weight(as_float_weights(weights, what))  # checked and read once (one host sync)
+    floats = as_float_weights(weights, what)  # checked and read once
     return losses[0] if len(losses) == 1 else reduce_losses(losses, floats, root, "weighted")
 
 
