@@ -53,10 +53,15 @@ def contains_tensor(obj: Any) -> bool:
 
 def _is_per_sample_list(obj: Any, batch_size: int | None) -> bool:
     """A list of plain items (e.g. ids), or a tuple of strings (``ids, images = zip(*samples)``), with one item per
-    sample: split like a tensor. Tuples of numbers are more often options such as ``size=(16, 16)``."""
+    sample: split like a tensor. Tuples of numbers are more often options such as ``size=(16, 16)``. A list of
+    sequences each as long as the batch is what ``default_collate`` makes of per-sample lists (one sequence per
+    position): a structure, whose sequences are split."""
     if batch_size is None or not isinstance(obj, (list, tuple)) or len(obj) != batch_size:
         return False
-    return not contains_tensor(obj) if isinstance(obj, list) else _is_string_sequence(obj)
+    if isinstance(obj, tuple):
+        return _is_string_sequence(obj)
+    collated = all(_is_plain_sequence(item) and len(item) == batch_size for item in obj)
+    return not collated and not contains_tensor(obj)
 
 
 def _is_string_sequence(obj: Any) -> bool:

@@ -146,6 +146,19 @@ def test_tuples_of_per_sample_items_split_with_the_batch():
     assert all(c[1] == torch.Size([4, 4]) for c in chunks)
 
 
+@pytest.mark.parametrize("samples", [2, 3, 5])
+def test_per_sample_string_lists_collated_by_default_collate_follow_their_samples(samples):
+    """``default_collate`` turns each sample's list of 2 tags into 2 tuples of one tag per sample; each replica gets
+    its own samples' tags, also when the batch holds as many samples as there are tags."""
+    from torch.utils.data import default_collate
+
+    rows = [{"x": torch.tensor([float(i)]), "tags": [f"s{i}-a", f"s{i}-b"]} for i in range(samples)]
+    chunks, _ = split_batch(default_collate(rows), ["cpu"] * 2)
+    for chunk in chunks:
+        ids = [int(i) for i in chunk["x"].flatten().tolist()]
+        assert [tuple(tags) for tags in chunk["tags"]] == [tuple(f"s{i}-{t}" for i in ids) for t in "ab"]
+
+
 def test_scatter_along_another_dim():
     x = torch.arange(24.0).reshape(2, 12)
     chunks, sizes = split_batch({"x": x, "bias": torch.ones(3)}, CPU4, dim=1)
