@@ -67,6 +67,14 @@ class SyncBatchNorm(_BatchNorm):
 
     def forward(self, input: Tensor) -> Tensor:
         replica = current_replica()
+        if replica is None and getattr(self, "_is_replica", False) and self._uses_batch_stats():
+            raise RuntimeError(
+                f"SyncBatchNorm layer {_describe(self)} of a replica ran outside its replicas' parallel call, where "
+                "they cannot meet to share the batch's statistics: activation checkpointing (torch.utils.checkpoint, "
+                "gradient_checkpointing_enable()) recomputes the layers of a checkpointed block during the backward "
+                "pass. Keep SyncBatchNorm layers out of checkpointed blocks, or train without sync_batchnorm (each "
+                "device then normalises with its own shard's statistics, as DataParallel does)."
+            )
         if replica is None or replica.group.size < 2 or not self._uses_batch_stats():
             return super().forward(input)
         self._check_input_dim(input)

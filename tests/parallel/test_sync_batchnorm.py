@@ -309,6 +309,29 @@ def run_two_blocks(model: nn.Module, flags: list[dict[str, bool]], mode: str = "
     return run_replicas(calls, devices, mode)
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_checkpointed_block_holding_a_sync_layer_fails_clearly_in_backward(reentrant):
+    """Activation checkpointing recomputes the block in the backward pass, where replicas cannot meet: without the
+    error, the recomputation normalised each shard by itself (wrong gradients) or failed on mismatched metadata."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stem = nn.Linear(4, 4)  # the block's input requires grad, as reentrant checkpointing needs
+            self.block = nn.Sequential(nn.Linear(4, C), nn.BatchNorm1d(C), nn.ReLU())
+            self.head = nn.Linear(C, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(checkpoint(self.block, self.stem(x), use_reentrant=reentrant))
+
+    torch.manual_seed(0)
+    model = DataParallelModel(convert_sync_batchnorm(Net()), ["cpu"] * 2, execution_mode="threads")
+    outputs = model(torch.randn(6, 4))
+    with pytest.raises(RuntimeError, match="activation checkpointing.*Keep SyncBatchNorm layers out of checkpointed"):
+        torch.cat(outputs).sum().backward()
+
+
 def test_replica_that_skips_a_layer_fails_fast_naming_it():
     model = convert_sync_batchnorm(TwoBlocks())
     err = call_with_timeout(lambda: run_two_blocks(model, [{}, {"skip": True}, {}]))
