@@ -166,6 +166,13 @@ def _criterion_option(criterion: Any, kwargs: dict[str, Any], name: str, default
     return {**defaults, **keywords, **kwargs}.get(name, default)
 
 
+def has_torch_loss_forward(criterion: Any) -> bool:
+    """Whether ``criterion`` is a torch loss module computing torch's own ``forward``: only then do its options
+    (``ignore_index``, ``weight``) say what a mean averages over (a subclass may shift or mask the labels)."""
+    torch_forward = type(criterion).forward.__module__ == nn.modules.loss.__name__
+    return isinstance(criterion, nn.modules.loss._Loss) and torch_forward
+
+
 def count_labels(labels: Tensor, ignore_index: int, class_weight: Tensor | None = None) -> Tensor:
     """What a cross-entropy mean over ``labels`` divides by: the labels that are not ``ignore_index``, each weighted
     by its class ``weight`` when there is one (torch's own normaliser)."""
@@ -182,7 +189,8 @@ def _count_weight(
     criteria with ``ignore_index``, the non-ignored class-index targets weighted by the class ``weight`` if any (torch's
     own normaliser); else its ``samples`` (0: read from the output), to which element-wise means are proportional."""
     target = targets[0] if targets else kwargs.get("target")
-    ignore_index = _criterion_option(criterion, kwargs, "ignore_index", None)
+    counted = not isinstance(criterion, nn.Module) or has_torch_loss_forward(criterion)  # a subclass may shift labels
+    ignore_index = _criterion_option(criterion, kwargs, "ignore_index", None) if counted else None
     if isinstance(target, Tensor) and isinstance(ignore_index, int) and not target.is_floating_point():
         class_weight = _criterion_option(criterion, kwargs, "weight", None)
         return count_labels(target, ignore_index, class_weight if isinstance(class_weight, Tensor) else None)

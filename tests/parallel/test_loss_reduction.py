@@ -93,6 +93,26 @@ def test_class_weighted_cross_entropy(mode):
     assert max_diff(dp_grads, ref_grads) < TOL
 
 
+class PerSequenceMean(nn.CrossEntropyLoss):
+    """Each sequence's mean token loss, then the mean over sequences: a per-sample mean, though its class is a
+    CrossEntropyLoss whose ``ignore_index`` the forward uses its own way."""
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        per_token = nn.functional.cross_entropy(logits, targets, reduction="none", ignore_index=self.ignore_index)
+        valid = targets != self.ignore_index
+        return ((per_token * valid).sum(1) / valid.sum(1)).mean()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_loss_subclass_with_its_own_forward_is_not_counted_by_its_options(mode):
+    """Its ``ignore_index`` says nothing about what its forward averages over: weighted by samples (the documented
+    default), which is exact for this per-sequence mean; counting its non-ignored targets was off."""
+    tokens, targets = token_batch([5, 5, 2, 1, 5, 1])
+    (ref_loss, ref_grads), (loss, dp_grads, _) = run_both(PerSequenceMean, tokens, targets, 3, mode)
+    assert abs(loss.item() - ref_loss.item()) < TOL
+    assert max_diff(dp_grads, ref_grads) < TOL
+
+
 def test_class_weighted_cross_entropy_with_label_smoothing():
     weight = torch.linspace(0.5, 2.0, VOCAB, dtype=torch.float64)
     tokens, targets = token_batch([5, 1, 3, 4, 2], seed=4)

@@ -328,7 +328,7 @@ def test_a_checkpointed_block_holding_a_sync_layer_fails_clearly_in_backward(ree
     torch.manual_seed(0)
     model = DataParallelModel(convert_sync_batchnorm(Net()), ["cpu"] * 2, execution_mode="threads")
     outputs = model(torch.randn(6, 4))
-    with pytest.raises(RuntimeError, match="activation checkpointing.*Keep SyncBatchNorm layers out of checkpointed"):
+    with pytest.raises(RuntimeError, match=r"activation checkpointing.*Keep SyncBatchNorm layers out of checkpointed"):
         torch.cat(outputs).sum().backward()
 
 
