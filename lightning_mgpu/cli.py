@@ -219,17 +219,13 @@ def main(args: Sequence[str] | None = None, run: bool = True) -> LightningCLI | 
         )
     if args is not None:
         return cli
-    _end_process_group()  # the command's process exits next
-    return None
-
-
-def _end_process_group() -> None:
-    """Destroy the process group a ``ddp`` run leaves (Lightning keeps it for reuse): gloo's threads, still running
-    when the interpreter exits, can abort the exit (``terminate called without an active exception``)."""
+    # The process exits next: a ddp run's process group (Lightning keeps it for reuse) goes first, since gloo's threads,
+    # still running at the interpreter's exit, can abort it ("terminate called without an active exception").
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    return None
 
 
 def program_name() -> str:

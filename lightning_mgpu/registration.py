@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import sys
 import warnings
 from types import ModuleType
@@ -55,18 +56,13 @@ class _RegisterAfterImport(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
         if fullname not in _pending:
             return None
-        spec = None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                break
+        _pending.discard(fullname)  # first: the search below then passes over this finder
+        spec = importlib.util.find_spec(fullname)
         if spec is None or spec.loader is None:
+            _pending.add(fullname)
             return None
-        _pending.discard(fullname)
         if not _pending:
-            sys.meta_path[:] = [f for f in sys.meta_path if f is not self]
+            sys.meta_path.remove(self)
         spec.loader = _ThenRegister(spec.loader, fullname)
         return spec
 
