@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from lightning_mgpu.parallel.compiled import compiled_call, is_compiled, is_optimized_module, optimized_module_replica
 from lightning_mgpu.parallel.devices import DeviceLike, distinct_cuda, to_device
 from lightning_mgpu.parallel.flat_replicas import DtypeGroups, ReplicaBuffers, ReplicaParameters, Slot
+from lightning_mgpu.parallel.library_hooks import install_output_capturing_hooks
 from lightning_mgpu.parallel.run_replicas import ExecutionMode, resolve_mode
 from lightning_mgpu.parallel.scatter_gather import iter_tensors
 from lightning_mgpu.parallel.sync_batchnorm import SyncBatchNorm, uses_sync_batchnorm
@@ -73,6 +74,7 @@ class ReplicaSet:
 
     # --- build -------------------------------------------------------------------------------------------------------
     def _build(self) -> None:
+        install_output_capturing_hooks(self.module)  # before the copies: each would install them again
         self._originals = _walk(self.module, self._shared)
         position = {id(m): k for k, m in enumerate(self._originals)}
         self._params = _unique(p for m in self._originals for p in m._parameters.values() if p is not None)

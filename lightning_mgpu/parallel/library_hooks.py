@@ -1,0 +1,44 @@
+"""Library set-up that replicas must find already done on the originals.
+
+``transformers`` installs its output-capturing hooks (``output_hidden_states``, ``output_attentions``) the first time
+a model is asked for them, and marks the models it installed them for. Replicas share the originals' hook dicts but
+copy their attributes when built, so every unmarked replica would install the hooks again, onto the originals too
+(hidden states returned twice, the user's model left with the extra hooks). Installing them on the originals first,
+as that first call would, marks every copy.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from torch import nn
+
+
+def outermost_transformers_models(module: nn.Module) -> list[nn.Module]:
+    """The ``transformers`` models in ``module``'s tree that no other one contains (none without ``transformers``)."""
+    if "transformers" not in sys.modules:
+        return []  # a transformers model in the tree means the library is imported
+    from transformers import PreTrainedModel
+
+    found: list[nn.Module] = []
+    inside: set[int] = set()
+    for sub in module.modules():  # parents come before their children
+        if id(sub) in inside or not isinstance(sub, PreTrainedModel):
+            continue
+        found.append(sub)
+        inside.update(id(m) for m in sub.modules())
+    return found
+
+
+def install_output_capturing_hooks(module: nn.Module) -> None:
+    """Install ``transformers``' output-capturing hooks on its models in ``module`` (those nested in them included),
+    as their first call with ``output_hidden_states=True`` would; nothing for other versions or modules."""
+    models = outermost_transformers_models(module)
+    if not models:
+        return
+    try:
+        from transformers.utils.output_capturing import maybe_install_capturing_hooks
+    except ImportError:  # a transformers version without lazily installed hooks
+        return
+    for model in models:
+        maybe_install_capturing_hooks(model)
