@@ -6,7 +6,9 @@ costs a number of tensor operations that does not grow with depth.
 
 from __future__ import annotations
 
+import operator
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -17,6 +19,7 @@ from lightning_mgpu.parallel.compiled import compiled_call, is_compiled, is_opti
 from lightning_mgpu.parallel.devices import DeviceLike, distinct_cuda, to_device
 from lightning_mgpu.parallel.flat_replicas import DtypeGroups, ReplicaBuffers, ReplicaParameters, Slot
 from lightning_mgpu.parallel.library_hooks import install_output_capturing_hooks
+from lightning_mgpu.parallel.replica_group import current_replica
 from lightning_mgpu.parallel.run_replicas import ExecutionMode, resolve_mode
 from lightning_mgpu.parallel.scatter_gather import iter_tensors
 from lightning_mgpu.parallel.sync_batchnorm import SyncBatchNorm, uses_sync_batchnorm
@@ -42,11 +45,15 @@ SYNC_BATCHNORM_THREADS = (
 class ReplicaSet:
     """Lasting replicas of ``module``, one per device of ``devices`` (devices may repeat: "virtual devices").
 
-    Call :meth:`prepare` before each step. Buffers: replica 0 shares the originals, the others hold copies refreshed
-    when either side changed. Attributes rebound on the originals are copied to the replicas, except ``overrides``
-    (set per replica by the owner); a structural change rebuilds them (:attr:`builds` counts builds). Every replica
-    holds the original of a ``shared(submodule)`` (``on_build`` may swap in per-replica objects). Compiled modules
-    get replicas that run the original's compilation on their own tensors (:mod:`.compiled`).
+    Call :meth:`prepare` before each step and :meth:`watch` right after it. Buffers: replica 0 shares the originals,
+    the others hold copies refreshed when either side changed. A parameter's ``.data`` that a step rebinds on
+    replicas with their own parameters takes replica 0's value. A parameter changed in place in a step changes once
+    per replica: as on one device where each replica holds its own (other devices; replica 0's, on the root, is the
+    original's storage), an error where several hold one storage (on one device). Attributes rebound on the
+    originals are copied to the replicas, except ``overrides`` (set per replica by the owner); a structural change
+    rebuilds them (:attr:`builds` counts builds). Every replica holds the original of a ``shared(submodule)``
+    (``on_build`` may swap in per-replica objects). Compiled modules get replicas that run the original's
+    compilation on their own tensors (:mod:`.compiled`).
     """
 
     def __init__(
@@ -70,10 +77,12 @@ class ReplicaSet:
         self._owning = False
         self._queued = False
         self._queue_lock = threading.Lock()
+        self._run: _RunRecord | None = None  # what the replicas do between prepare() and watch()
         self._build()
 
     # --- build -------------------------------------------------------------------------------------------------------
     def _build(self) -> None:
+        self._stop_run()  # a run that raised before watch(): its replicas are dropped
         install_output_capturing_hooks(self.module)  # before the copies: each would install them again
         self._originals = _walk(self.module, self._shared)
         position = {id(m): k for k, m in enumerate(self._originals)}
@@ -94,6 +103,9 @@ class ReplicaSet:
                 self._build_replica(i, device, position, param_index, buffer_index)
         self._buffers = ReplicaBuffers(buffers, self._buffer_slots, self.devices)
         self._flat: ReplicaParameters | None = None  # built on the first step that needs the replicas' own leaves
+        self._keys = {id(p): (-1, j) for j, p in enumerate(self._params)}  # for _RunRecord: -1, the originals
+        self._leaf_keys: dict[int, tuple[int, int]] | None = None  # with every replica's leaves, once there are some
+        self._leaf_versions: tuple[list[int], list[int]] | None = None  # (replicas on the root, their leaves' versions)
         self._sharing = [True] * len(self.devices)  # copies start out holding the original parameters
         self._snapshot()
         self.builds += 1
@@ -221,6 +233,9 @@ class ReplicaSet:
         n = len(self.devices) if n is None else n
         if not 1 <= n <= len(self.devices):
             raise ValueError(f"Asked for {n} replicas of a set of {len(self.devices)}.")
+        stale = self._stop_run()
+        if stale is not None:  # the last run raised before watch(): its replicas still hold what they rebound
+            self._settle(stale)
         if not self._structure_checked:
             self._sync_structure()
         self._structure_checked = False
@@ -232,14 +247,50 @@ class ReplicaSet:
             self._assign_parameters(n)
         elif resolve_mode(execution_mode, devices) == "sequential" and all(d == self._root for d in devices):
             self._share_parameters(n)
+            self._start_run(_RunRecord(self._keys, n).sharing(self._params, n, _SEQUENTIAL, {-1}))
         else:
             self._own_parameters(n)
             self._owning = True
+            self._start_run(self._own_run(n))
         return self.replicas[:n]
+
+    def _own_run(self, n: int) -> _RunRecord:
+        """The record of a run whose replicas hold their own leaves: those on the root alias the originals' storage."""
+        flat = self._flat
+        assert flat is not None
+        if self._leaf_keys is None:
+            leaves = {id(leaf): (i, j) for i, row in enumerate(flat.leaves) for j, leaf in enumerate(row)}
+            self._leaf_keys = {**self._keys, **leaves}
+        run = _RunRecord(self._leaf_keys, n)
+        on_root = [i for i in range(n) if self.devices[i] == self._root]
+        if len(on_root) < 2:
+            return run
+        checked = [leaf for i in on_root for leaf in flat.leaves[i]]
+        # Leaves change versions in steps only (the optimizer steps the originals): the last run's end is this start.
+        last = self._leaf_versions
+        before = last[1] if last is not None and last[0] == on_root else None
+        return run.sharing(checked, len(on_root), _THREADS, {-1, *on_root}, before)
+
+    def _start_run(self, run: _RunRecord) -> None:
+        self._run = run
+        run.start()
+
+    def _stop_run(self) -> _RunRecord | None:
+        run, self._run = self._run, None
+        if run is not None:
+            run.stop()
+        return run
 
     def watch(self, outputs: Sequence[Any]) -> None:
         """Reduce the replicas' gradients onto the originals after any backward pass that reaches ``outputs`` (the
-        replicas' outputs of this step: one hook per output tensor that requires grad)."""
+        replicas' outputs of this step: one hook per output tensor that requires grad).
+
+        Called right after the replicas ran: raises if they changed shared parameters in place, and brings parameters
+        whose ``.data`` they rebound back to the originals (see the class docstring)."""
+        run = self._stop_run()
+        if run is not None:
+            self._check_parameters(run)
+            self._settle(run)
         if not self._owning or not torch.is_grad_enabled():
             return  # replicas that hold the original parameters need no reduction
         for output in outputs:
@@ -267,6 +318,36 @@ class ReplicaSet:
         if self._flat is not None:
             self._flat.reduce()
 
+    def _check_parameters(self, run: _RunRecord) -> None:
+        """Raise on parameters changed in place in storage that several replicas hold (or rebound through ``.data``
+        on the originals, which every replica reaches)."""
+        written = run.written(len(self._params))
+        if run.replicas > 1:
+            written += [j for (i, j), data in run.data if data is None and i < 0]
+        self._leaf_versions = None
+        if run.how is _THREADS and not written:
+            self._leaf_versions = (sorted(run.shared - {-1}), run.after)
+        if written:
+            raise RuntimeError(self._applied_per_replica(written[0], run))
+
+    def _settle(self, run: _RunRecord) -> None:
+        """Leaves whose ``.data`` the run rebound back on their storage, with replica 0's values in the originals."""
+        leaves = [key for key, data in run.data if data is None and key[0] >= 0]
+        if leaves and self._flat is not None:
+            self._flat.adopt(leaves)
+
+    def _applied_per_replica(self, j: int, run: _RunRecord) -> str:
+        names = {id(p): name for name, p in self.module.named_parameters(remove_duplicate=False)}
+        name = names.get(id(self._params[j]), f"#{j}")
+        count = run.count or run.replicas
+        return (
+            f"The step changed parameter `{name}` in place (under torch.no_grad(), through `.data`, or with `copy_`: "
+            f"e.g. an EMA update of a key, target or teacher network), and {count} replicas hold that parameter's "
+            f"storage together ({run.how}), so the change ran once per replica, not once per step. Make it once per "
+            "step, outside the replicated call: in the LightningModule's `on_train_batch_end` hook (it runs once, on "
+            "the root module), or, with DataParallelModel, after the DataParallelModel call."
+        )
+
     def _own_parameters(self, n: int) -> None:
         """Point the first ``n`` replicas at their own leaf parameters, synced with the originals."""
         flat = self._flat
@@ -284,6 +365,7 @@ class ReplicaSet:
                         "share the original parameters and autograd accumulates their sparse gradients)."
                     )
             flat = self._flat = ReplicaParameters(self._params, self.devices, self._root)
+            self._leaf_keys = self._leaf_versions = None
             self._sharing = [True] * len(self.devices)
             flat.sync(n)
         for i in range(n):
@@ -361,10 +443,107 @@ class ReplicaSet:
 
     def release(self) -> None:
         """Drop every replica and copy (frees their memory on the other devices)."""
+        self._stop_run()
+        self._keys, self._leaf_keys = {}, None
         self._copies, self._param_slots, self._buffer_slots, self._rnns = [], [], [], []
         self._originals, self._params, self._watch, self._live, self._saved = [], [], [], [], []
         self._flat = None
         self._buffers = ReplicaBuffers([], [], [])
+
+
+# --- what the replicas of a run did that their tensors do not show --------------------------------------------------
+_SEQUENTIAL = "they run one after another on the parameters' device, on the original parameters"
+_THREADS = "they run in threads on the parameters' device, over the original parameters' storage"
+_REACHED = "every replica reached the original parameter itself"
+_TENSOR_DATA = torch._C.TensorBase.data
+_version = operator.attrgetter("_version")
+_runs: tuple[weakref.ref[_RunRecord], ...] = ()  # the runs in progress (replica sets may nest, or run in threads)
+_runs_lock = threading.Lock()
+_hooks: list[Any] = []  # while runs are in progress: nn.Parameter's own `data`, if any
+
+
+def _in_runs() -> list[_RunRecord]:
+    """The runs that see an event: all, inside a replica (a run whose watch() never came, as its step raised, lasts
+    until its set's next prepare(), seeing only the replicas' events)."""
+    if current_replica() is None:
+        return []
+    return [run for run in (ref() for ref in _runs) if run is not None]
+
+
+def _get_data(param: Tensor) -> Tensor:
+    data = _TENSOR_DATA.__get__(param)
+    for run in _in_runs():
+        run.saw_data(param, data)
+    return data
+
+
+def _set_data(param: Tensor, value: Tensor) -> None:
+    for run in _in_runs():
+        run.saw_data(param, None)
+    _TENSOR_DATA.__set__(param, value)
+
+
+_WATCHED_DATA = property(_get_data, _set_data, doc="A parameter's data, as TensorBase.data, seen by the runs.")
+
+
+class _RunRecord:
+    """What one run of replicas did that their tensors do not show: parameters written or rebound through ``.data``
+    (``p.data.mul_()`` bumps no version counter of ``p``). While runs are in progress, a global hook
+    (``nn.Parameter.data``) feeds each the events that concern its own tensors; nothing is installed between runs."""
+
+    def __init__(self, keys: dict[int, tuple[int, int]], replicas: int) -> None:
+        self.keys = keys  # id(parameter) -> (replica, index of the original); replica -1: the original
+        self.replicas = replicas
+        self.data: list[tuple[tuple[int, int], Tensor | None]] = []  # (key, what `.data` returned; None: rebound)
+        self.checked: Sequence[Tensor] = ()
+        self.before: list[int] = []
+        self.after: list[int] = []
+        self.count, self.how, self.shared = 0, _REACHED, frozenset({-1})
+
+    def sharing(
+        self, checked: Sequence[Tensor], count: int, how: str, shared: set[int], before: list[int] | None = None
+    ) -> _RunRecord:
+        """``count`` (>= 2) replicas of ``shared`` (-1: the originals) hold the same parameter storage: ``checked``
+        (blocks of one tensor per original) must keep their version counters (``before``) through the run."""
+        if count > 1:
+            self.checked, self.before = checked, list(map(_version, checked)) if before is None else before
+            self.count, self.how, self.shared = count, how, frozenset(shared)
+        return self
+
+    def saw_data(self, param: Tensor, data: Tensor | None) -> None:
+        key = self.keys.get(id(param))
+        if key is not None:
+            self.data.append((key, data))
+
+    def written(self, count: int) -> list[int]:
+        """Indices of the originals whose shared storage the run wrote (``count`` originals)."""
+        if not self.count:
+            return []
+        self.after = list(map(_version, self.checked))
+        found = (
+            [] if self.after == self.before else [k % count for k, v in enumerate(self.after) if v != self.before[k]]
+        )
+        return found + [j for (i, j), data in self.data if data is not None and data._version and i in self.shared]
+
+    def start(self) -> None:
+        global _runs
+        with _runs_lock:
+            if not _hooks:
+                _hooks[:] = [nn.Parameter.__dict__.get("data")]
+                nn.Parameter.data = _WATCHED_DATA
+            _runs = (*(ref for ref in _runs if ref() is not None), weakref.ref(self))
+
+    def stop(self) -> None:
+        global _runs
+        with _runs_lock:
+            _runs = tuple(ref for ref in _runs if ref() not in (None, self))
+            if not _runs and _hooks:
+                (previous,) = _hooks
+                _hooks.clear()
+                if previous is None:
+                    del nn.Parameter.data
+                else:
+                    nn.Parameter.data = previous
 
 
 class _Layout:

@@ -1,0 +1,186 @@
+"""Parameters a step changes on its replicas: updated in place (an EMA of a key, target or teacher network) or
+rebound through ``.data`` (MoCo's ``key.data = ...``).
+
+Replicas that hold one parameter storage together (sequential on one device, threads on one device) would apply an
+in-place update once each: an error naming the parameter. Replicas with their own copies (other devices) apply it as
+one device does; a rebound ``.data`` takes replica 0's value.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import lightning_mgpu.parallel.replicas as replicas_module
+from lightning_mgpu.parallel import DataParallelModel, ReplicaSet
+from lightning_mgpu.parallel.run_replicas import run_replicas
+
+CPU = torch.device("cpu")
+OTHER = torch.device("cpu", 0)  # compares unequal to CPU: the "other device" path (same memory)
+CPU3 = ["cpu"] * 3
+MODES = ["sequential", "threads"]
+M = 0.9
+
+
+def ema(key: nn.Module, query: nn.Module, how: str) -> None:
+    """The ways users write an EMA of ``query`` into ``key`` inside a step."""
+    with torch.no_grad():
+        pairs = list(zip(key.parameters(), query.parameters(), strict=True))
+        for pk, pq in pairs:
+            if how == "in place":
+                pk.mul_(M).add_(pq, alpha=1 - M)
+            elif how == ".data in place":
+                pk.data.mul_(M).add_(pq.data, alpha=1 - M)
+            elif how == ".data rebound":  # MoCo's own code
+                pk.data = pk.data * M + pq.data * (1 - M)
+            elif how == "copy_":
+                pk.copy_(pk * M + pq * (1 - M))
+        if how == "foreach":
+            torch._foreach_lerp_([pk for pk, _ in pairs], [pq for _, pq in pairs], 1 - M)
+
+
+class KeyEncoder(nn.Module):
+    """A query network trained by the loss and a key network that follows it by EMA, updated in ``forward``."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.how = how
+        self.query = nn.Linear(4, 3).double()
+        self.key = copy.deepcopy(self.query).requires_grad_(False)
+        with torch.no_grad():
+            self.key.weight.mul_(0.5)  # the key starts away from the query: every update changes it
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ema(self.key, self.query, self.how)
+        return self.query(x) * self.key(x)
+
+
+def batch(n: int = 6, seed: int = 1) -> torch.Tensor:
+    return torch.randn(n, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+
+
+def train(model: nn.Module, net: Callable[[torch.Tensor], Any], steps: int = 3) -> nn.Module:
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    for step in range(steps):
+        out = net(batch(seed=step))
+        (torch.cat(out) if isinstance(out, list) else out).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return model
+
+
+def assert_same(a: nn.Module, b: nn.Module) -> None:
+    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
+        torch.testing.assert_close(x, y, rtol=0, atol=1e-12, msg=name)
+
+
+@pytest.fixture
+def collected() -> None:
+    """Replica sets of earlier tests collected: runs of theirs that raised no longer keep the hooks installed."""
+    gc.collect()
+
+
+def nothing_installed() -> bool:
+    return "data" not in nn.Parameter.__dict__ and not torch.nn.modules.module._global_buffer_registration_hooks
+
+
+# --- parameters changed in place ------------------------------------------------------------------------------------
+HOWS = ["in place", ".data in place", ".data rebound", "copy_", "foreach"]
+
+
+@pytest.mark.parametrize("how", HOWS)
+def test_sequential_replicas_on_the_original_parameters_raise_naming_the_parameter(how, collected):
+    net = DataParallelModel(KeyEncoder(how), CPU3, execution_mode="sequential")
+    with pytest.raises(
+        RuntimeError, match=r"parameter `key\.weight` in place.*3 replicas.*after the DataParallelModel"
+    ):
+        net(batch())
+    assert nothing_installed()
+
+
+@pytest.mark.parametrize("how", [h for h in HOWS if h != ".data rebound"])
+def test_threads_on_one_device_share_the_storage_and_raise(how):
+    net = DataParallelModel(KeyEncoder(how), CPU3, execution_mode="threads")
+    with pytest.raises(RuntimeError, match=r"parameter `key\.weight` in place.*3 replicas.*in threads"):
+        net(batch())
+
+
+def run_on(replica_set: ReplicaSet, devices: list[Any], mode: str) -> Callable[[torch.Tensor], list[Any]]:
+    """A step through ``replica_set`` as the strategies run one: prepare, run the shards, watch."""
+
+    def net(x: torch.Tensor) -> list[Any]:
+        replicas = replica_set.prepare(len(devices), mode)
+        calls = [lambda r=r, c=c: r(c) for r, c in zip(replicas, x.tensor_split(len(devices)), strict=True)]
+        outputs = run_replicas(calls, devices, mode)
+        replica_set.watch(outputs)
+        return outputs
+
+    return net
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_single_replica_rebinding_data_equals_one_device(mode):
+    reference = KeyEncoder(".data rebound")
+    train(reference, reference)
+    model = KeyEncoder(".data rebound")
+    train(model, run_on(ReplicaSet(model, CPU3), [CPU], mode))
+    assert_same(model, reference)
+
+
+def test_threads_on_one_device_take_a_rebound_data_as_one_device():
+    """``key.data = ...`` leaves the storage alone: each replica rebinds its own leaf, replica 0's value is kept."""
+    reference = KeyEncoder(".data rebound")
+    train(reference, reference)
+    model = KeyEncoder(".data rebound")
+    train(model, DataParallelModel(model, CPU3, execution_mode="threads"))
+    assert_same(model, reference)
+
+
+def after(call: Callable[[torch.Tensor], Any], model: KeyEncoder) -> Callable[[torch.Tensor], Any]:
+    """``call``, then the EMA update once."""
+
+    def step(x: torch.Tensor) -> Any:
+        out = call(x)
+        ema(model.key, model.query, "in place")
+        return out
+
+    return step
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_fix_the_error_suggests_equals_one_device(mode):
+    """The update after the DataParallelModel call, once per step."""
+    reference = KeyEncoder("none")
+    train(reference, after(reference, reference))
+    model = KeyEncoder("none")
+    train(model, after(DataParallelModel(model, CPU3, execution_mode=mode), model))
+    assert_same(model, reference)
+
+
+def distinct_devices(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Let a ReplicaSet keep ``cpu:0`` apart from ``cpu``: replica 1 then holds copies, as on another GPU."""
+    monkeypatch.setattr(replicas_module, "to_device", lambda d: d if isinstance(d, torch.device) else torch.device(d))
+
+
+@pytest.mark.parametrize("how", HOWS)
+@pytest.mark.parametrize("mode", MODES)
+def test_replicas_with_their_own_copies_update_as_one_device(how, mode, monkeypatch):
+    distinct_devices(monkeypatch)
+    reference = KeyEncoder(how)
+    train(reference, reference)
+    model = KeyEncoder(how)
+    replica_set = ReplicaSet(model, [CPU, OTHER])
+    assert replica_set.devices == [CPU, OTHER]
+    train(model, run_on(replica_set, [CPU, OTHER], mode))
+    assert_same(model, reference)
+    flat = replica_set._flat
+    assert flat is not None
+    for leaf, original in zip(flat.leaves[0], model.parameters(), strict=True):
+        assert leaf.data_ptr() == original.data_ptr()  # replica 0 still works on the originals

@@ -1,0 +1,105 @@
+"""A step that changes the module's own parameters, under ``parallel_criterion`` against one device.
+
+An EMA key encoder updated in ``training_step`` (MoCo, BYOL, mean teacher) ran once per replica on the virtual devices'
+shared parameters: now an error that names the parameter and says where the update belongs (``on_train_batch_end``,
+which equals one device). MoCo's own ``key.data = ...`` under threads equals one device.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import importlib
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from strategy_models import N_CLASSES, N_FEATURES, loader, metrics, trainer
+from torch import nn
+
+M = 0.9
+MODES = ["sequential", "threads"]
+
+
+@functools.cache
+def models(namespace: str = "lightning.pytorch") -> SimpleNamespace:
+    L = importlib.import_module(namespace)
+
+    class KeyEncoder(L.LightningModule):
+        """A query network trained by the loss, a key network that follows it by EMA (``how``: where and how)."""
+
+        def __init__(self, how: str = "in place") -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.how = how
+            self.query = nn.Linear(N_FEATURES, N_CLASSES)
+            self.key = copy.deepcopy(self.query).requires_grad_(False)
+
+        def update_key(self) -> None:
+            with torch.no_grad():
+                for pk, pq in zip(self.key.parameters(), self.query.parameters(), strict=True):
+                    if self.how == ".data rebound":  # MoCo's own code
+                        pk.data = pk.data * M + pq.data * (1 - M)
+                    elif self.how == ".data in place":
+                        pk.data.mul_(M).add_(pq.data, alpha=1 - M)
+                    else:
+                        pk.mul_(M).add_(pq, alpha=1 - M)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            if self.how != "on_train_batch_end":
+                self.update_key()
+            logits = self.query(x)
+            loss = nn.functional.cross_entropy(logits, y) + (logits - self.key(x)).pow(2).mean()
+            self.log("loss", loss)
+            return loss
+
+        def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+            if self.how == "on_train_batch_end":  # the fix the error suggests
+                self.update_key()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.query.parameters(), lr=0.3)
+
+    return SimpleNamespace(KeyEncoder=KeyEncoder)
+
+
+def strategy(mode: str, namespace: str = "lightning.pytorch") -> Any:
+    module = importlib.import_module(f"lightning_mgpu.strategies.{namespace.replace('.', '_')}")
+    return module.ParallelCriterionStrategy(execution_mode=mode)
+
+
+def fit(module: Any, how: Any, devices: int, namespace: str = "lightning.pytorch") -> Any:
+    t = trainer(how, devices, namespace=namespace, max_epochs=2, enable_progress_bar=True)
+    t.fit(module, loader(8, n=32))
+    return t
+
+
+def assert_equal_to_one_device(base: Any, mode: str, devices: int = 2, namespace: str = "lightning.pytorch") -> Any:
+    single, multi = copy.deepcopy(base), copy.deepcopy(base)
+    reference = fit(single, "auto", 1, namespace)
+    got = fit(multi, strategy(mode, namespace), devices, namespace)
+    for (name, a), b in zip(multi.state_dict().items(), single.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12, msg=name)
+    assert metrics(got) == pytest.approx(metrics(reference), rel=0, abs=1e-12)
+    return multi
+
+
+@pytest.mark.parametrize(
+    ("mode", "how"),
+    [(mode, how) for mode in MODES for how in ("in place", ".data in place")] + [("sequential", ".data rebound")],
+)
+def test_an_ema_in_the_step_on_shared_parameters_names_the_parameter_and_the_fix(mode, how):
+    module = models().KeyEncoder(how).double()
+    with pytest.raises(RuntimeError, match=r"parameter `key\.weight` in place.*2 replicas.*`on_train_batch_end`"):
+        fit(module, strategy(mode), 2)
+
+
+def test_moco_rebinding_the_key_data_in_threads_equals_one_device():
+    assert_equal_to_one_device(models().KeyEncoder(".data rebound").double(), "threads", devices=3)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_ema_in_on_train_batch_end_equals_one_device(mode):
+    assert_equal_to_one_device(models().KeyEncoder("on_train_batch_end").double(), mode, devices=3)
