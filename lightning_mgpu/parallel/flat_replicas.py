@@ -323,7 +323,7 @@ class ReplicaBuffers:
             staged: dict[torch.dtype, Tensor] = {}
             for i in range(min(n, len(self.slots))):
                 if self._linked[i] and not link:
-                    self._unlink(i)
+                    self.restore(i)
                 if not (self._full[i] and stamp == self._stamp and marks[i] == self._marks[i]):
                     self._copy_into(i, staged)
         if link:
@@ -352,7 +352,20 @@ class ReplicaBuffers:
                 store[name] = source.to(device, copy=True)  # differentiable: gradients reach the original
         self._linked[i] = True
 
-    def _unlink(self, i: int) -> None:
+    def restore(self, i: int) -> None:
+        """Replica ``i``'s buffer entries back to the copies this class keeps up to date (a step rebound some)."""
         for store, name, k in self.slots[i]:
             store[name] = self._copies[i][k]
         self._linked[i] = False
+
+    def replace(self, old: Tensor, new: Tensor) -> bool:
+        """Keep ``new`` (shaped like ``old``, same dtype) up to date in the replicas instead of the original buffer
+        ``old``, which a step rebound; ``False`` when ``old`` is none of the originals."""
+        for k, source in enumerate(self.sources):
+            if source is old:
+                self.sources[k] = new
+                indices = self._groups.indices[new.dtype]
+                self._flattened[new.dtype] = _Flattened([self.sources[j] for j in indices])
+                self._stamp = None
+                return True
+        return False

@@ -14,6 +14,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules.module import register_module_buffer_registration_hook
 
 from lightning_mgpu.parallel.compiled import compiled_call, is_compiled, is_optimized_module, optimized_module_replica
 from lightning_mgpu.parallel.devices import DeviceLike, distinct_cuda, to_device
@@ -46,14 +47,16 @@ class ReplicaSet:
     """Lasting replicas of ``module``, one per device of ``devices`` (devices may repeat: "virtual devices").
 
     Call :meth:`prepare` before each step and :meth:`watch` right after it. Buffers: replica 0 shares the originals,
-    the others hold copies refreshed when either side changed. A parameter's ``.data`` that a step rebinds on
-    replicas with their own parameters takes replica 0's value. A parameter changed in place in a step changes once
-    per replica: as on one device where each replica holds its own (other devices; replica 0's, on the root, is the
-    original's storage), an error where several hold one storage (on one device). Attributes rebound on the
-    originals are copied to the replicas, except ``overrides`` (set per replica by the owner); a structural change
-    rebuilds them (:attr:`builds` counts builds). Every replica holds the original of a ``shared(submodule)``
-    (``on_build`` may swap in per-replica objects). Compiled modules get replicas that run the original's
-    compilation on their own tensors (:mod:`.compiled`).
+    the others hold copies refreshed when either side changed; a buffer that a step rebinds (``self.center = ...``)
+    takes replica 0's value, ``nn.DataParallel``'s rule for buffers (equal to one device when every replica computes
+    the same value, e.g. from an ``all_gather``), and so does a parameter's ``.data`` that a step rebinds on replicas
+    with their own parameters. A parameter changed in place in a step changes once per replica: as on one device
+    where each replica holds its own (other devices; replica 0's, on the root, is the original's storage), an error
+    where several hold one storage (on one device). Attributes rebound on the originals are copied to the replicas,
+    except ``overrides`` (set per replica by the owner); a structural change rebuilds them (:attr:`builds` counts
+    builds). Every replica holds the original of a ``shared(submodule)`` (``on_build`` may swap in per-replica
+    objects). Compiled modules get replicas that run the original's compilation on their own tensors
+    (:mod:`.compiled`).
     """
 
     def __init__(
@@ -106,6 +109,9 @@ class ReplicaSet:
         self._keys = {id(p): (-1, j) for j, p in enumerate(self._params)}  # for _RunRecord: -1, the originals
         self._leaf_keys: dict[int, tuple[int, int]] | None = None  # with every replica's leaves, once there are some
         self._leaf_versions: tuple[list[int], list[int]] | None = None  # (replicas on the root, their leaves' versions)
+        self._places = {id(c): (i, k) for i, copies in enumerate(self._copies) for k, c in enumerate(copies)}
+        for original in self._originals:
+            self._places.pop(id(original), None)  # shared modules: their rebinds are the originals' own
         self._sharing = [True] * len(self.devices)  # copies start out holding the original parameters
         self._snapshot()
         self.builds += 1
@@ -247,7 +253,7 @@ class ReplicaSet:
             self._assign_parameters(n)
         elif resolve_mode(execution_mode, devices) == "sequential" and all(d == self._root for d in devices):
             self._share_parameters(n)
-            self._start_run(_RunRecord(self._keys, n).sharing(self._params, n, _SEQUENTIAL, {-1}))
+            self._start_run(_RunRecord(self._keys, self._places, n).sharing(self._params, n, _SEQUENTIAL, {-1}))
         else:
             self._own_parameters(n)
             self._owning = True
@@ -261,7 +267,7 @@ class ReplicaSet:
         if self._leaf_keys is None:
             leaves = {id(leaf): (i, j) for i, row in enumerate(flat.leaves) for j, leaf in enumerate(row)}
             self._leaf_keys = {**self._keys, **leaves}
-        run = _RunRecord(self._leaf_keys, n)
+        run = _RunRecord(self._leaf_keys, self._places, n)
         on_root = [i for i in range(n) if self.devices[i] == self._root]
         if len(on_root) < 2:
             return run
@@ -285,8 +291,8 @@ class ReplicaSet:
         """Reduce the replicas' gradients onto the originals after any backward pass that reaches ``outputs`` (the
         replicas' outputs of this step: one hook per output tensor that requires grad).
 
-        Called right after the replicas ran: raises if they changed shared parameters in place, and brings parameters
-        whose ``.data`` they rebound back to the originals (see the class docstring)."""
+        Called right after the replicas ran: raises if they changed shared parameters in place, and brings buffers and
+        parameters they rebound back to the originals (see the class docstring)."""
         run = self._stop_run()
         if run is not None:
             self._check_parameters(run)
@@ -331,10 +337,13 @@ class ReplicaSet:
             raise RuntimeError(self._applied_per_replica(written[0], run))
 
     def _settle(self, run: _RunRecord) -> None:
-        """Leaves whose ``.data`` the run rebound back on their storage, with replica 0's values in the originals."""
+        """Leaves whose ``.data`` the run rebound back on their storage, buffers it rebound back to those this set
+        manages, with replica 0's values in the originals."""
         leaves = [key for key, data in run.data if data is None and key[0] >= 0]
         if leaves and self._flat is not None:
             self._flat.adopt(leaves)
+        if run.buffers:
+            self._adopt_buffers(run.buffers)
 
     def _applied_per_replica(self, j: int, run: _RunRecord) -> str:
         names = {id(p): name for name, p in self.module.named_parameters(remove_duplicate=False)}
@@ -347,6 +356,32 @@ class ReplicaSet:
             "step, outside the replicated call: in the LightningModule's `on_train_batch_end` hook (it runs once, on "
             "the root module), or, with DataParallelModel, after the DataParallelModel call."
         )
+
+    def _adopt_buffers(self, rebound: set[tuple[int, int, str]]) -> None:
+        """Buffers the step rebound: replica 0's value becomes the original's, and every replica holds the buffers
+        this set keeps up to date again (its copies, or the originals for replica 0)."""
+        for k, name in sorted({(k, name) for i, k, name in rebound if i == 0}):
+            self._adopt_buffer(k, name, self._copies[0][k]._buffers.get(name))
+        for i in sorted({i for i, _, _ in rebound}):
+            self._buffers.restore(i)
+            kept = {(id(store), name) for store, name, _ in self._buffer_slots[i]}
+            for _, k, name in (r for r in rebound if r[0] == i):
+                buffers, original = self._copies[i][k]._buffers, self._originals[k]._buffers
+                if name not in original:
+                    buffers.pop(name, None)
+                elif (id(buffers), name) not in kept:  # replica 0 shares the original
+                    buffers[name] = original[name]
+
+    def _adopt_buffer(self, k: int, name: str, value: Tensor | None) -> None:
+        """The original module ``k``'s buffer ``name`` rebound to ``value``: a new value of the same shape and dtype
+        is no structural change (no rebuild); anything else rebuilds the replicas at the next :meth:`prepare`."""
+        buffers = self._originals[k]._buffers
+        old = buffers.get(name)
+        if value is not None and old is not None:
+            value = value.to(old.device)
+            if value.shape == old.shape and value.dtype == old.dtype and self._buffers.replace(old, value):
+                self._watch[k][6][name] = value  # the saved copy of its buffer dict
+        buffers[name] = value
 
     def _own_parameters(self, n: int) -> None:
         """Point the first ``n`` replicas at their own leaf parameters, synced with the originals."""
@@ -444,7 +479,7 @@ class ReplicaSet:
     def release(self) -> None:
         """Drop every replica and copy (frees their memory on the other devices)."""
         self._stop_run()
-        self._keys, self._leaf_keys = {}, None
+        self._keys, self._leaf_keys, self._places = {}, None, {}
         self._copies, self._param_slots, self._buffer_slots, self._rnns = [], [], [], []
         self._originals, self._params, self._watch, self._live, self._saved = [], [], [], [], []
         self._flat = None
@@ -459,7 +494,7 @@ _TENSOR_DATA = torch._C.TensorBase.data
 _version = operator.attrgetter("_version")
 _runs: tuple[weakref.ref[_RunRecord], ...] = ()  # the runs in progress (replica sets may nest, or run in threads)
 _runs_lock = threading.Lock()
-_hooks: list[Any] = []  # while runs are in progress: nn.Parameter's own `data`, if any
+_hooks: list[Any] = []  # while runs are in progress: the buffer registration hook's handle, nn.Parameter's `data`
 
 
 def _in_runs() -> list[_RunRecord]:
@@ -483,18 +518,26 @@ def _set_data(param: Tensor, value: Tensor) -> None:
     _TENSOR_DATA.__set__(param, value)
 
 
+def _on_buffer(module: nn.Module, name: str, value: Tensor | None) -> None:
+    for run in _in_runs():
+        run.saw_buffer(module, name)
+
+
 _WATCHED_DATA = property(_get_data, _set_data, doc="A parameter's data, as TensorBase.data, seen by the runs.")
 
 
 class _RunRecord:
     """What one run of replicas did that their tensors do not show: parameters written or rebound through ``.data``
-    (``p.data.mul_()`` bumps no version counter of ``p``). While runs are in progress, a global hook
-    (``nn.Parameter.data``) feeds each the events that concern its own tensors; nothing is installed between runs."""
+    (``p.data.mul_()`` bumps no version counter of ``p``) and buffers rebound on replica modules. While runs are in
+    progress, global hooks (``nn.Parameter.data``, torch's buffer registration hook) feed each the events that concern
+    its own tensors and modules; nothing is installed between runs."""
 
-    def __init__(self, keys: dict[int, tuple[int, int]], replicas: int) -> None:
+    def __init__(self, keys: dict[int, tuple[int, int]], places: dict[int, tuple[int, int]], replicas: int) -> None:
         self.keys = keys  # id(parameter) -> (replica, index of the original); replica -1: the original
+        self.places = places  # id(replica module) -> (replica, position in the tree)
         self.replicas = replicas
         self.data: list[tuple[tuple[int, int], Tensor | None]] = []  # (key, what `.data` returned; None: rebound)
+        self.buffers: set[tuple[int, int, str]] = set()  # (replica, position, buffer name) rebound
         self.checked: Sequence[Tensor] = ()
         self.before: list[int] = []
         self.after: list[int] = []
@@ -515,6 +558,11 @@ class _RunRecord:
         if key is not None:
             self.data.append((key, data))
 
+    def saw_buffer(self, module: nn.Module, name: str) -> None:
+        place = self.places.get(id(module))
+        if place is not None:
+            self.buffers.add((*place, name))
+
     def written(self, count: int) -> list[int]:
         """Indices of the originals whose shared storage the run wrote (``count`` originals)."""
         if not self.count:
@@ -529,7 +577,7 @@ class _RunRecord:
         global _runs
         with _runs_lock:
             if not _hooks:
-                _hooks[:] = [nn.Parameter.__dict__.get("data")]
+                _hooks[:] = [register_module_buffer_registration_hook(_on_buffer), nn.Parameter.__dict__.get("data")]
                 nn.Parameter.data = _WATCHED_DATA
             _runs = (*(ref for ref in _runs if ref() is not None), weakref.ref(self))
 
@@ -538,8 +586,9 @@ class _RunRecord:
         with _runs_lock:
             _runs = tuple(ref for ref in _runs if ref() not in (None, self))
             if not _runs and _hooks:
-                (previous,) = _hooks
+                handle, previous = _hooks
                 _hooks.clear()
+                handle.remove()
                 if previous is None:
                     del nn.Parameter.data
                 else:

@@ -1,9 +1,10 @@
-"""Parameters a step changes on its replicas: updated in place (an EMA of a key, target or teacher network) or
-rebound through ``.data`` (MoCo's ``key.data = ...``).
+"""Tensors a step changes on its replicas: parameters updated in place (an EMA of a key, target or teacher network)
+or rebound through ``.data`` (MoCo's ``key.data = ...``), and buffers rebound (DINO's ``self.center = ...``).
 
 Replicas that hold one parameter storage together (sequential on one device, threads on one device) would apply an
 in-place update once each: an error naming the parameter. Replicas with their own copies (other devices) apply it as
-one device does; a rebound ``.data`` takes replica 0's value.
+one device does. A rebound ``.data`` or buffer takes replica 0's value, as ``nn.DataParallel`` updates buffers from
+replica 0.
 """
 
 from __future__ import annotations
@@ -60,6 +61,25 @@ class KeyEncoder(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ema(self.key, self.query, self.how)
         return self.query(x) * self.key(x)
+
+
+class Centered(nn.Module):
+    """DINO's center: a buffer rebound in every step to an average of itself and a new value."""
+
+    def __init__(self, source: str = "parameter") -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.source = source
+        self.net = nn.Linear(4, 3).double()
+        self.register_buffer("center", torch.zeros(3, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.net(x)
+        out = out + out * self.center  # autograd keeps this step's center: the rebinding must leave it unchanged
+        # The same new value on every replica (from a parameter), or each replica's own shard (its outputs' mean).
+        new = self.net.bias.detach() if self.source == "parameter" else out.detach().mean(0)
+        self.center = self.center * M + new * (1 - M)
+        return out
 
 
 def batch(n: int = 6, seed: int = 1) -> torch.Tensor:
@@ -184,3 +204,79 @@ def test_replicas_with_their_own_copies_update_as_one_device(how, mode, monkeypa
     assert flat is not None
     for leaf, original in zip(flat.leaves[0], model.parameters(), strict=True):
         assert leaf.data_ptr() == original.data_ptr()  # replica 0 still works on the originals
+
+
+# --- buffers rebound -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+def test_a_buffer_rebound_to_one_value_on_every_replica_equals_one_device(mode):
+    reference = Centered()
+    train(reference, reference, steps=4)
+    model = Centered()
+    net = DataParallelModel(model, CPU3, execution_mode=mode)
+    train(model, net, steps=4)
+    assert_same(model, reference)
+    assert net._replicas.values()[0].builds == 1  # a new value of the same shape: no rebuild
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_rebound_buffer_takes_replica_0s_value_and_every_replica_gets_it_back(mode, collected):
+    model = Centered(source="shard")
+    replica_set = ReplicaSet(model, CPU3)
+    x = batch()
+    run_on(replica_set, CPU3, mode)(x)
+    first = Centered(source="shard")
+    first(x[:2])  # replica 0's shard on one device
+    torch.testing.assert_close(model.center, first.center, rtol=0, atol=0)
+    assert nothing_installed()
+    replicas = replica_set.prepare(3, mode)
+    assert replicas[0].center is model.center  # replica 0 shares the original again
+    for replica in replicas[1:]:
+        assert replica.center is not model.center
+        torch.testing.assert_close(replica.center, model.center, rtol=0, atol=0)
+    replica_set.watch([])
+
+
+class Growing(nn.Module):
+    """A cache buffer replaced by a longer one when a longer input comes (rotary-embedding caches do this)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(1), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cache.numel() < x.shape[1]:
+            self.cache = torch.arange(float(x.shape[1]))
+        return x[:, : self.cache.numel()] + self.cache[: x.shape[1]]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_buffer_rebound_with_another_shape_reaches_the_original_and_rebuilds_the_replicas(mode):
+    model = Growing()
+    net = DataParallelModel(model, CPU3, execution_mode=mode)
+    x = torch.ones(6, 4)
+    torch.testing.assert_close(torch.cat(net(x)), Growing()(x))
+    assert model.cache.shape == (4,)
+    torch.testing.assert_close(torch.cat(net(x)), Growing()(x))
+    replica_set = net._replicas.values()[0]
+    assert replica_set.builds == 2
+    assert all(r.cache.shape == (4,) for r in replica_set.replicas)
+
+
+def test_a_failed_step_keeps_what_replica_0_rebound_and_leaves_nothing_installed(collected):
+    class Fails(Centered):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out = super().forward(x)
+            if x.shape[0] == 1:
+                raise ValueError("a replica fails")
+            return out
+
+    model = Fails()
+    net = DataParallelModel(model, CPU3, execution_mode="sequential")
+    with pytest.raises(ValueError, match="a replica fails"):
+        net(batch(4))  # shards of 2, 1, 1: replica 0 rebinds its center, replica 1 fails
+    net(batch(6))
+    assert nothing_installed()
+    reference = Centered()
+    for _ in range(2):  # as on one device: the failed step's update, then this one's
+        reference(batch(6))
+    torch.testing.assert_close(model.center, reference.center, rtol=0, atol=0)

@@ -1,8 +1,9 @@
-"""A step that changes the module's own parameters, under ``parallel_criterion`` against one device.
+"""A step that changes the module's own tensors, under ``parallel_criterion`` against one device.
 
 An EMA key encoder updated in ``training_step`` (MoCo, BYOL, mean teacher) ran once per replica on the virtual devices'
 shared parameters: now an error that names the parameter and says where the update belongs (``on_train_batch_end``,
-which equals one device). MoCo's own ``key.data = ...`` under threads equals one device.
+which equals one device). MoCo's own ``key.data = ...`` under threads, and DINO's center buffer rebound in the step
+(``self.center = ...``), equal one device.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from strategy_models import N_CLASSES, N_FEATURES, loader, metrics, trainer
+from strategy_models import N_CLASSES, N_FEATURES, NAMESPACES, loader, metrics, trainer
 from torch import nn
 
 M = 0.9
@@ -62,7 +63,34 @@ def models(namespace: str = "lightning.pytorch") -> SimpleNamespace:
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.SGD(self.query.parameters(), lr=0.3)
 
-    return SimpleNamespace(KeyEncoder=KeyEncoder)
+    class Dino(L.LightningModule):
+        """DINO's center: a buffer rebound in every step to an average of itself and the batch's mean output, from
+        the whole batch (``all_gather``) or from a parameter (the same on every replica, no collective)."""
+
+        def __init__(self, source: str = "all_gather") -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.source = source
+            self.net = nn.Linear(N_FEATURES, N_CLASSES)
+            self.register_buffer("center", torch.zeros(N_CLASSES))
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            logits = self.net(x)
+            loss = nn.functional.cross_entropy(logits - self.center, y)
+            if self.source == "all_gather":
+                new = self.all_gather(logits.detach()).reshape(-1, N_CLASSES).mean(0)
+            else:
+                new = self.net.bias.detach()
+            self.center = self.center * M + new * (1 - M)
+            self.log("loss", loss)
+            self.log("center", self.center.sum())
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.3)
+
+    return SimpleNamespace(KeyEncoder=KeyEncoder, Dino=Dino)
 
 
 def strategy(mode: str, namespace: str = "lightning.pytorch") -> Any:
@@ -103,3 +131,14 @@ def test_moco_rebinding_the_key_data_in_threads_equals_one_device():
 @pytest.mark.parametrize("mode", MODES)
 def test_the_ema_in_on_train_batch_end_equals_one_device(mode):
     assert_equal_to_one_device(models().KeyEncoder("on_train_batch_end").double(), mode, devices=3)
+
+
+@pytest.mark.parametrize("namespace", NAMESPACES)
+def test_a_center_buffer_rebound_from_the_whole_batch_equals_one_device(namespace):
+    dino = assert_equal_to_one_device(models(namespace).Dino().double(), "threads", 3, namespace)
+    assert dino.center.abs().sum() > 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_center_buffer_rebound_to_the_same_value_on_every_replica_equals_one_device(mode):
+    assert_equal_to_one_device(models().Dino("parameter").double(), mode)
