@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lightning_mgpu.strategies.replica_logging import LogRecorder, merge_and_log
+from lightning_mgpu.strategies.step_outputs import tensor_key
 
 
 class Root:
@@ -68,3 +69,18 @@ def test_replicas_that_log_a_name_differently_are_refused():
     recorders[1].log("x", torch.tensor(1.0), prog_bar=False)
     with pytest.raises(ValueError, match="Replicas logged 'x' with different options"):
         merge_and_log(Root(), recorders, [1, 1], lambda _: None)
+
+
+@pytest.mark.parametrize("reduce_fx", ["mean", "sum", "max", "min", max])
+def test_a_logged_copy_of_the_loss_merges_as_the_loss_whatever_reduce_fx(reduce_fx: Any):
+    """One device logs the whole-batch loss once per step; reduce_fx acts over steps, not over the replicas."""
+    losses = [torch.tensor(1.0, dtype=torch.float64), torch.tensor(4.0, dtype=torch.float64)]
+    recorders = [LogRecorder(), LogRecorder()]
+    for recorder, loss in zip(recorders, losses, strict=True):
+        recorder.log("loss", loss.detach(), reduce_fx=reduce_fx)
+    root = Root()
+    implied = [{tensor_key(loss): weight} for loss, weight in zip(losses, [3, 1], strict=True)]
+    merge_and_log(root, recorders, [2, 2], lambda _: None, implied)
+    value, options = root.logged["loss"]
+    assert value.item() == pytest.approx((3 * 1.0 + 1 * 4.0) / 4, rel=0, abs=1e-15)  # by the loss's weights
+    assert options["reduce_fx"] is reduce_fx  # Lightning applies it over the steps

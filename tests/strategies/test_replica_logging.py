@@ -1,5 +1,6 @@
 """Replica logging and metrics edge cases: zero-weight shards, loss_weight-implied weights, builtin reduce_fx,
-metrics with unreduced states, and a failed step leaving no state behind."""
+logged copies of the loss with every reduce_fx, metrics with unreduced states, and a failed step leaving no state
+behind."""
 
 from __future__ import annotations
 
@@ -176,3 +177,47 @@ def test_appending_to_a_list_attribute_inside_a_replicated_step_warns_once():
         trainer("parallel_criterion", 2, limit_val_batches=3).validate(module, loader(8), verbose=False)
     assert len(module.losses) == 6  # one entry per device per step: the reason for the warning
     assert sum("grew during a step" in str(w.message) for w in seen) == 1
+
+
+class LoggedLossCopies(Classifier):
+    """Logs its loss with every reduce_fx. One device logs the whole-batch loss each step (reduce_fx acts over the
+    steps), so the replicas' copies must merge as the loss: a mean, by loss_weight, term by term, or summed."""
+
+    def __init__(self, loss: str = "mean") -> None:
+        super().__init__()
+        self.loss = loss
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        logits = self(x)
+        labels = torch.where(x[:, 0] > 0, y, -100)  # about half the rows ignored
+        output: Any
+        if self.loss == "sum":  # under loss_reduction="sum"
+            loss = output = nn.functional.cross_entropy(logits, y, reduction="sum")
+        elif self.loss == "loss_weight":
+            loss = nn.functional.cross_entropy(logits, labels)
+            output = {"loss": loss, lightning_mgpu.LOSS_WEIGHT_KEY: (labels != -100).sum()}
+        elif self.loss == "loss_terms":
+            token, sample = nn.functional.cross_entropy(logits, labels), (logits**2).mean()
+            loss = token + sample
+            terms = {"token": (token, (labels != -100).sum()), "sample": (sample, len(y))}
+            output = {"loss": loss, lightning_mgpu.LOSS_TERMS_KEY: terms}
+        else:
+            loss = output = nn.functional.cross_entropy(logits, y)
+        for reduce_fx in ("mean", "max", "min", "sum"):
+            self.log(f"loss_{reduce_fx}", loss, reduce_fx=reduce_fx, on_step=True, on_epoch=True)
+        return output
+
+
+@pytest.mark.parametrize("devices", [2, 3])
+@pytest.mark.parametrize("loss", ["mean", "loss_weight", "loss_terms", "sum"])
+def test_logged_copies_of_the_loss_equal_one_device_with_every_reduce_fx(loss: str, devices: int):
+    base = seeded(LoggedLossCopies, loss=loss)
+    strategy = lightning_mgpu.ParallelCriterionStrategy(loss_reduction="sum" if loss == "sum" else "auto")
+    single, multi = trainer("auto", 1, max_epochs=1), trainer(strategy, devices, max_epochs=1)
+    single.fit(clone(base), loader(7))  # 40 samples: the last batch holds 5
+    multi.fit(clone(base), loader(7))
+    ref, got = metrics(single), metrics(multi)
+    names = [f"loss_{fx}_{when}" for fx in ("mean", "max", "min", "sum") for when in ("step", "epoch")]
+    assert {n: got[n] for n in names} == pytest.approx({n: ref[n] for n in names}, rel=1e-12, abs=0)
+    assert ref["loss_max_epoch"] > ref["loss_min_epoch"]
