@@ -7,6 +7,7 @@ counts; another ``"sum"``, ``"max"`` or ``"min"`` acts over replicas (the batch'
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -143,6 +144,9 @@ def _as_tensor(name: str, value: Any, enable_graph: bool) -> Tensor:
             )
         value = value.reshape(())
         return value if enable_graph else value.detach()
-    if isinstance(value, (int, float)):
+    if isinstance(value, numbers.Real) or (
+        isinstance(value, numbers.Number) and not isinstance(value, numbers.Complex)
+    ):
+        # What Lightning's log accepts: numbers (numpy scalars and bools included, complex ones excluded).
         return torch.tensor(float(value), dtype=torch.float64)
-    raise ValueError(f"self.log({name!r}, ...) got a {type(value).__name__}; log a number or a scalar tensor.")
+    raise ValueError(f"self.log({name!r}, ...) got a {type(value).__name__}; log a real number or a scalar tensor.")

@@ -1,11 +1,12 @@
 """Replica logging and metrics edge cases: zero-weight shards, loss_weight-implied weights, builtin reduce_fx,
-logged copies of the loss with every reduce_fx, metrics with unreduced states, and a failed step leaving no state
-behind."""
+logged copies of the loss with every reduce_fx, numpy scalars, metrics with unreduced states, and a failed step
+leaving no state behind."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torchmetrics
@@ -221,3 +222,26 @@ def test_logged_copies_of_the_loss_equal_one_device_with_every_reduce_fx(loss: s
     names = [f"loss_{fx}_{when}" for fx in ("mean", "max", "min", "sum") for when in ("step", "epoch")]
     assert {n: got[n] for n in names} == pytest.approx({n: ref[n] for n in names}, rel=1e-12, abs=0)
     assert ref["loss_max_epoch"] > ref["loss_min_epoch"]
+
+
+class LogsNumpyScalars(Classifier):
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        self.log("count", np.int64(len(y)), reduce_fx="sum", on_step=True, on_epoch=True)
+        self.log("max_x", np.float32(x.max().item()), reduce_fx="max", on_step=True, on_epoch=True)
+        self.log("quarter", np.float64(0.25), on_step=True, on_epoch=True)
+        self.log("half", np.float16(0.5))
+        self.log("flag", True, reduce_fx="min")
+        return super().training_step(batch, batch_idx)
+
+
+def test_numpy_scalars_and_bools_are_logged_as_on_one_device():
+    """Lightning's ``self.log`` takes any ``numbers.Number`` (numpy's scalars are registered as such)."""
+    base = seeded(LogsNumpyScalars)
+    single, multi = trainer("auto", 1, max_epochs=1), trainer("parallel_criterion", 3, max_epochs=1)
+    single.fit(clone(base), loader(7))
+    multi.fit(clone(base), loader(7))
+    ref, got = metrics(single), metrics(multi)
+    names = ["count_step", "count_epoch", "max_x_step", "max_x_epoch", "quarter_step", "quarter_epoch", "half", "flag"]
+    assert {n: got[n] for n in names} == {n: ref[n] for n in names}
+    assert (ref["count_epoch"], ref["flag"]) == (40.0, 1.0)
