@@ -6,6 +6,7 @@ device (``parallel_devices[0]``); the LightningModule is stored unwrapped, so ch
 
 from __future__ import annotations
 
+import collections
 import importlib
 import logging
 import warnings
@@ -42,8 +43,25 @@ class LightningNamespace:
     device_dtype_mixin: type
 
 
-def _public_list_lengths(module: nn.Module) -> dict[str, int]:
-    return {name: len(value) for name, value in vars(module).items() if isinstance(value, list) and name[0] != "_"}
+_GROWABLE = (list, collections.deque)
+_ON_ROOT = (
+    "in `on_train_batch_end` / `on_validation_batch_end` (they run once, on the root, with the whole batch and the "
+    "gathered outputs)"
+)
+
+
+def _collection_lengths(module: nn.Module) -> dict[str, int]:
+    """Lengths of ``module``'s list and deque attributes, and of those one level into its dicts (only a dict whose
+    first value is one is read through, so a lookup table costs nothing)."""
+    lengths = {}
+    for name, value in vars(module).items():
+        if not isinstance(value, (*_GROWABLE, dict)):
+            continue
+        if not isinstance(value, dict):
+            lengths[name] = len(value)
+        elif value and isinstance(next(iter(value.values())), _GROWABLE):
+            lengths.update({f"{name}[{k!r}]": len(v) for k, v in value.items() if isinstance(v, _GROWABLE)})
+    return lengths
 
 
 class SingleProcessParallel:
@@ -279,19 +297,24 @@ class SingleProcessParallel:
             and root.trainer.fit_loop.epoch_loop._should_accumulate()
             and not self._reads_gradients_between_backward_passes(root)
         )
-        before = _public_list_lengths(module)
+        before = _collection_lengths(module)
         outputs = replicas.run(count, call, self._mode_for(replicas, count))
+        self._say_replica_state(module, before, count)
         replicas.merge_into(root, sample_counts, implied_weights(outputs) if implied_weights is not None else None)
-        for name, length in _public_list_lengths(module).items():
-            if length > before.get(name, length):
-                self._warn_once(
-                    f"list:{name}",
-                    f"`{type(module).__name__}.{name}` grew during a step that ran on {count} replicas: each "
-                    "appended its own shard's value, so the list holds one entry per device per step, in no fixed "
-                    "order under threads. Collect step outputs in `on_train_batch_end` / `on_validation_batch_end` "
-                    "(they receive the gathered outputs, once, on the root) or use a torchmetrics metric.",
-                )
         return outputs
+
+    def _say_replica_state(self, module: nn.Module, lengths: dict[str, int], count: int) -> None:
+        """Warn once per attribute of ``module`` whose one-device value the replicated step lost: a shared list, deque
+        or dict of lists that every replica grew."""
+        where = f"during a step that ran on {count} replicas"
+        for path, length in _collection_lengths(module).items():
+            if length > lengths.get(path, 0):
+                self._warn_once(
+                    f"list:{path.partition('[')[0]}",
+                    f"`{type(module).__name__}.{path}` grew {where}: each appended its own shard's value, so it holds "
+                    "one entry per device per step, in no fixed order under threads. Collect step outputs "
+                    f"{_ON_ROOT} or use a torchmetrics metric.",
+                )
 
     def _reads_gradients_between_backward_passes(self, root: Any) -> bool:
         """Whether the LightningModule or a callback overrides ``on_after_backward``, or a parameter has gradient

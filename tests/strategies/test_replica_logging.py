@@ -1,9 +1,11 @@
 """Replica logging and metrics edge cases: zero-weight shards, loss_weight-implied weights, builtin reduce_fx,
-logged copies of the loss with every reduce_fx, numpy scalars, metrics with unreduced states, and a failed step
-leaving no state behind."""
+logged copies of the loss with every reduce_fx, numpy scalars, metrics with unreduced states, a failed step
+leaving no state behind, and the warning for step outputs kept in module attributes."""
 
 from __future__ import annotations
 
+import collections
+import warnings
 from typing import Any
 
 import numpy as np
@@ -245,3 +247,43 @@ def test_numpy_scalars_and_bools_are_logged_as_on_one_device():
     names = ["count_step", "count_epoch", "max_x_step", "max_x_epoch", "quarter_step", "quarter_epoch", "half", "flag"]
     assert {n: got[n] for n in names} == {n: ref[n] for n in names}
     assert (ref["count_epoch"], ref["flag"]) == (40.0, 1.0)
+
+
+class KeepsOutputs(Classifier):
+    """Step outputs kept in a private list, a deque or a dict of lists: grown once per device per step."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+
+    def on_validation_epoch_start(self) -> None:
+        if self.kind == "private_list":
+            self._losses: list[torch.Tensor] = []
+        elif self.kind == "deque":
+            self.recent: collections.deque[torch.Tensor] = collections.deque(maxlen=100)
+        else:
+            self.outputs: dict[str, list[torch.Tensor]] = collections.defaultdict(list)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x), y)
+        if self.kind == "private_list":
+            self._losses.append(loss)
+        elif self.kind == "deque":
+            self.recent.append(loss)
+        else:
+            self.outputs["loss"].append(loss)
+            self.outputs["size"].append(torch.tensor(len(y)))
+
+
+@pytest.mark.parametrize(
+    ("kind", "path"), [("private_list", "_losses"), ("deque", "recent"), ("dict_of_lists", "outputs['loss']")]
+)
+def test_a_private_list_deque_or_dict_of_lists_grown_in_a_replicated_step_warns_once(kind: str, path: str):
+    module = seeded(KeepsOutputs, kind=kind)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer("parallel_criterion", 2, limit_val_batches=3).validate(module, loader(8), verbose=False)
+    said = [str(w.message) for w in seen if "grew during a step" in str(w.message)]
+    assert len(said) == 1  # one per attribute, a dict's two lists included
+    assert said[0].startswith(f"`KeepsOutputs.{path}` grew during a step that ran on 2 replicas")
