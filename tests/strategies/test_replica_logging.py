@@ -1,6 +1,6 @@
 """Replica logging and metrics edge cases: zero-weight shards, loss_weight-implied weights, builtin reduce_fx,
 logged copies of the loss with every reduce_fx, numpy scalars, metrics with unreduced states, a failed step
-leaving no state behind, and the warning for step outputs kept in module attributes."""
+leaving no state behind, and the warnings for step outputs kept in attributes and attributes rebound in a step."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torchmetrics
-from strategy_models import Classifier, clone, loader, metrics, seeded, trainer
+from strategy_models import NAMESPACES, Classifier, clone, loader, metrics, models, seeded, trainer
 from torch import nn
 
 import lightning_mgpu
@@ -287,3 +287,42 @@ def test_a_private_list_deque_or_dict_of_lists_grown_in_a_replicated_step_warns_
     said = [str(w.message) for w in seen if "grew during a step" in str(w.message)]
     assert len(said) == 1  # one per attribute, a dict's two lists included
     assert said[0].startswith(f"`KeepsOutputs.{path}` grew during a step that ran on 2 replicas")
+
+
+@pytest.mark.parametrize("namespace", NAMESPACES)
+def test_an_attribute_rebound_in_the_step_warns_once_and_the_suggested_hook_equals_one_device(namespace: str):
+    base_cls = models(namespace).Classifier
+
+    class CountsInStep(base_cls):  # type: ignore[misc, valid-type]
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen = 0
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            self.seen += len(batch[1])  # each replica rebinds its own `seen`
+            return super().training_step(batch, batch_idx)
+
+    class CountsOnRoot(CountsInStep):  # the fix the warning suggests
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            return base_cls.training_step(self, batch, batch_idx)
+
+        def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+            self.seen += len(batch[1])
+
+    def fit(module: Any, strategy: str, devices: int) -> list[str]:
+        run = trainer(strategy, devices, namespace, max_epochs=1, limit_train_batches=3, limit_val_batches=2)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            run.fit(module, loader(10), loader(10))
+        return [str(w.message) for w in seen if "was rebound" in str(w.message) or "grew during" in str(w.message)]
+
+    rebinding = seeded(CountsInStep)
+    said = fit(rebinding, "parallel_criterion", 2)
+    assert rebinding.seen == 0  # what the warning is about
+    assert len(said) == 1 and said[0].startswith("`CountsInStep.seen` was rebound during a step that ran on 2 replicas")
+    assert "on the replicas only" in said[0] and "keeps its value from before the step" in said[0]
+    assert "on_train_batch_end" in said[0]
+    reference, fixed = seeded(CountsOnRoot), seeded(CountsOnRoot)
+    fit(reference, "auto", 1)
+    assert fit(fixed, "parallel_criterion", 2) == []  # nothing the strategy sets per replica is taken for a rebind
+    assert fixed.seen == reference.seen == 30
