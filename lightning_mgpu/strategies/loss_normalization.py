@@ -16,6 +16,7 @@ from typing import Any, Literal, cast
 import torch
 from torch import Tensor, nn
 
+from lightning_mgpu.parallel.library_hooks import outermost_transformers_models
 from lightning_mgpu.parallel.modules import count_labels
 from lightning_mgpu.parallel.reduce import Weight, reduce_losses
 
@@ -118,7 +119,7 @@ def known_rule(module: nn.Module, batch: Any, method: str = "training_step") -> 
 def uncombinable_loss(module: nn.Module) -> str | None:
     """What to return instead when the model's loss adds terms normalised differently (BERT pre-training), which no
     rule combines; else ``None``."""
-    models = _outermost_transformers_models(module)
+    models = outermost_transformers_models(module)
     if len(models) != 1 or not type(models[0]).__name__.endswith("ForPreTraining"):
         return None
     return (
@@ -130,7 +131,7 @@ def uncombinable_loss(module: nn.Module) -> str | None:
 
 
 def _transformers_rule(module: nn.Module, batch: Any) -> tuple[LossNormalization, str] | None:
-    models = _outermost_transformers_models(module)
+    models = outermost_transformers_models(module)
     return _model_rule(models[0], batch) if len(models) == 1 else None
 
 
@@ -158,26 +159,11 @@ def _model_rule(model: nn.Module, batch: Any) -> tuple[LossNormalization, str] |
     return rule, f"{name}'s loss"
 
 
-def _outermost_transformers_models(module: nn.Module) -> list[nn.Module]:
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:
-        return []
-    found: list[nn.Module] = []
-    inside: set[int] = set()
-    for sub in module.modules():  # parents come before their children
-        if id(sub) in inside or not isinstance(sub, PreTrainedModel):
-            continue
-        found.append(sub)
-        inside.update(id(m) for m in sub.modules())
-    return found
-
-
 def loss_producers(module: nn.Module, method: str) -> list[nn.Module]:
     """The modules whose outputs are losses: the loss modules ``method`` (or a method it calls) names, and the one
     outermost ``transformers`` model. A logged copy of their output merges by :func:`call_weight`, as one device's
     value, even when the step does not return it."""
-    models = _outermost_transformers_models(module)
+    models = outermost_transformers_models(module)
     criteria = [m for m in _named_criteria(module, method) if m.reduction != "none"]
     return criteria + (models if len(models) == 1 else [])
 
