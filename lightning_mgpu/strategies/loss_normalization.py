@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_mgpu.parallel.library_hooks import outermost_transformers_models
-from lightning_mgpu.parallel.modules import count_labels
+from lightning_mgpu.parallel.modules import count_labels, has_torch_loss_forward
 from lightning_mgpu.parallel.reduce import Weight, reduce_losses
 
 Kind = Literal["samples", "sum", "replica_mean", "tokens"]
@@ -112,7 +112,7 @@ SUM = LossNormalization("sum")
 def known_rule(module: nn.Module, batch: Any, method: str = "training_step") -> tuple[LossNormalization, str] | None:
     """The rule the objects in ``module`` say, with what said it, or ``None``; never runs anything. The one outermost
     ``transformers`` model says it by its task; else the loss modules ``method`` (or a method it calls) names, when
-    they agree: one kept for validation does not decide training."""
+    they agree and run torch's own forward: one kept for validation does not decide training."""
     return _transformers_rule(module, batch) or _criterion_rule(module, batch, method)
 
 
@@ -171,10 +171,12 @@ def loss_producers(module: nn.Module, method: str) -> list[nn.Module]:
 def call_weight(producer: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any], output: Any) -> Any:
     """What one call of a loss producer averages over, read from that call: its non-ignored labels (class-weighted)
     for a cross-entropy, ``"sum"`` for a sum, its samples for another mean, a ``transformers`` model's count by its
-    task; ``None`` when the call does not say."""
+    task; ``None`` when the call does not say (a loss module's own forward)."""
     if isinstance(producer, nn.modules.loss._Loss):
         if producer.reduction == "sum":
             return "sum"
+        if not has_torch_loss_forward(producer):
+            return None  # its own forward: what its mean counts is not in its options
         target = args[1] if len(args) > 1 else kwargs.get("target")
         class_indices = isinstance(target, Tensor) and not target.is_floating_point()
         if isinstance(producer, (nn.CrossEntropyLoss, nn.NLLLoss)) and class_indices:
@@ -229,6 +231,8 @@ def _rule_of(criterion: nn.Module, batch: Any) -> LossNormalization | None:
         return SUM
     if reduction not in ("mean", "batchmean"):
         return None  # "none": the step reduces the per-sample losses itself, in its own way
+    if not has_torch_loss_forward(criterion):
+        return None  # its own forward (shifted or masked labels): the options do not say what its mean counts
     if not isinstance(criterion, (nn.CrossEntropyLoss, nn.NLLLoss)):
         return SAMPLES  # a mean over elements: every sample holds as many
     key = _labels_key(batch)

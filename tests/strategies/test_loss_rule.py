@@ -8,7 +8,7 @@ import torch
 from hf_models import build_model
 from torch import nn
 
-from lightning_mgpu.strategies.loss_normalization import LossNormalization, known_rule, uncombinable_loss
+from lightning_mgpu.strategies.loss_normalization import LossNormalization, call_weight, known_rule, uncombinable_loss
 
 LABELS = torch.tensor([[5, 6, -100, -100], [7, -100, 8, 9]])
 
@@ -154,3 +154,24 @@ def test_a_loss_module_the_training_step_never_names_decides_nothing():
     assert known_rule(ValidationOnlyCriterion(), batch) is None
     rule, _ = known_rule(TrainingCriterionInAHelper(), batch)  # named in a method the step calls
     assert rule.spec() == "sum"
+
+
+# --- loss modules with a forward of their own ------------------------------------------------------------------------
+class ShiftedCE(nn.CrossEntropyLoss):
+    def forward(self, logits, labels):
+        return super().forward(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+
+
+class RenamedCE(nn.CrossEntropyLoss):
+    """A subclass that keeps torch's forward: its options still say what it counts."""
+
+
+def test_a_subclass_with_its_own_forward_says_no_mean_but_still_a_sum():
+    batch = {"input_ids": torch.zeros(2, 4, dtype=torch.long), "labels": LABELS}
+    assert known_rule(nn.ModuleDict({"criterion": ShiftedCE()}), batch) is None
+    assert known_rule(nn.ModuleDict({"criterion": ShiftedCE(reduction="sum")}), batch)[0].spec() == "sum"
+    assert known_rule(nn.ModuleDict({"criterion": RenamedCE()}), batch)[0].spec() == "tokens:labels"
+    logits = torch.zeros(2, 4, 3)
+    assert call_weight(ShiftedCE(), (logits, LABELS), {}, None) is None
+    assert call_weight(ShiftedCE(reduction="sum"), (logits, LABELS), {}, None) == "sum"
+    assert call_weight(RenamedCE(), (logits.flatten(0, 1), LABELS.flatten()), {}, None).item() == 5
