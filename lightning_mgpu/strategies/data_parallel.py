@@ -20,7 +20,7 @@ from lightning_mgpu.parallel.devices import DeviceLike, to_device
 from lightning_mgpu.parallel.merge import merge_outputs
 from lightning_mgpu.parallel.run_replicas import ExecutionMode
 from lightning_mgpu.parallel.scatter_gather import argument_roots, iter_tensors, split_arguments, split_or_run_once
-from lightning_mgpu.strategies.loss_normalization import SAMPLES, LossNormalization, known_rule
+from lightning_mgpu.strategies.loss_normalization import ITEM_COUNT, SAMPLES, LossNormalization, known_rule
 from lightning_mgpu.strategies.single_process import Accelerator, CheckpointIO, PrecisionPlugin, SingleProcessParallel
 
 
@@ -60,7 +60,7 @@ class DataParallelStrategyBase(SingleProcessParallel):
         self.parallel_modules = _checked_module_names(parallel_modules)
         self._wrapped: list[nn.Module] = []
         self._forward_calls: int | None = None  # replicated forward calls in the step in progress; None: no step
-        self._scalar_rules: dict[tuple[int, str], LossNormalization] = {}
+        self._scalar_rules: dict[tuple[int, str, bool], LossNormalization] = {}
 
     @property
     @override
@@ -138,8 +138,9 @@ class DataParallelStrategyBase(SingleProcessParallel):
         outputs = self._run_replicated(target, sizes, call)
         chunks = [_arguments(a, k) for a, k in zip(args_chunks, kwargs_chunks, strict=True)]
         weights: dict[str, Any] = {}
+        counted = kwargs.get(ITEM_COUNT) is not None  # calls with num_items_in_batch (training) have their own rule
         for path in _floating_scalar_paths(outputs):  # a per-replica loss: combined by its rule, not stacked
-            key = (id(target), path)  # each replicated module's outputs have their own rules
+            key = (id(target), path, counted)  # each replicated module's outputs have their own rules
             rule = self._scalar_rules.get(key) or self._rule_for(target, path, _arguments(inputs, kwargs))
             self._scalar_rules[key] = rule
             weights[path] = "sum" if rule.kind == "sum" else rule.weights(chunks, sizes)
