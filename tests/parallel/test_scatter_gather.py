@@ -11,7 +11,16 @@ from torch import nn
 
 import lightning_mgpu
 from lightning_mgpu.parallel import DataParallelCriterion, DataParallelModel, merge_outputs, split_batch
-from lightning_mgpu.parallel.scatter_gather import batch_size_of, move_to, split_arguments, split_sizes
+from lightning_mgpu.parallel.scatter_gather import (
+    SharedStateError,
+    argument_roots,
+    batch_size_of,
+    move_to,
+    shared_state,
+    split_arguments,
+    split_or_run_once,
+    split_sizes,
+)
 
 CPU4 = ["cpu"] * 4
 Pair = namedtuple("Pair", ["left", "right"])
@@ -273,3 +282,40 @@ def test_transformers_model_output():
     chunks, _ = split_batch(SequenceClassifierOutput(logits=x), CPU4)
     assert all(type(c) is SequenceClassifierOutput for c in chunks)
     assert_same(merge_outputs(chunks, "cpu"), SequenceClassifierOutput(logits=x))
+
+
+class Cache:
+    """Named as transformers' base class, defined elsewhere: an ordinary object, passed whole."""
+
+
+def test_inputs_holding_a_transformers_cache_run_once_on_the_root():
+    """``past_key_values=DynamicCache(...)`` passed whole to every replica would collect every shard's keys and values
+    in the one object: the inputs are not split (:func:`split_or_run_once` says run once), and ``DataParallelModel``
+    runs the model once, unsplit, as one device does. A class merely named ``Cache`` is passed whole."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.cache_utils import DynamicCache
+
+    config = transformers.GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=1, n_head=2, attn_pdrop=0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).double().eval()
+    ids = torch.randint(0, 50, (5, 8), generator=torch.Generator().manual_seed(0))
+
+    kwargs = {"input_ids": ids, "past_key_values": DynamicCache()}
+    roots = argument_roots((), kwargs)
+    with pytest.raises(SharedStateError, match="DynamicCache"):
+        split_arguments((), kwargs, CPU4)
+    assert split_or_run_once(lambda: split_arguments((), kwargs, CPU4), roots) is None
+    assert shared_state(roots) == "kwargs['past_key_values'] (DynamicCache)"
+    assert len(split_arguments((ids, Cache()), {}, CPU4)[2]) == 4  # no transformers class in its MRO
+
+    def two_calls(run):  # the second call attends to the keys and values the first one cached
+        cache = DynamicCache()
+        first = run(input_ids=ids[:, :5], past_key_values=cache)
+        rest = run(input_ids=ids[:, 5:], past_key_values=cache)
+        return torch.cat([first.logits, rest.logits], dim=1)
+
+    expected = two_calls(model)
+    dp_model = DataParallelModel(model, CPU4)
+    got = two_calls(lambda **kw: dp_model(**kw)[0])
+    assert dp_model.last_split_sizes == ()  # run once, unsplit
+    assert torch.allclose(got, expected, atol=1e-12, rtol=0)
