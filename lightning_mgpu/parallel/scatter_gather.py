@@ -145,7 +145,7 @@ def _infer_from_roots(roots: Sequence[tuple[str, Any]], dim: int, what: str) -> 
     for path, other, shown in sized:
         if other != size:
             lists = ", and every PerSample list," if marked else ""
-            hint = None if marked else _per_sample_hint(roots, tensors, dim)
+            hint = None if marked else _per_sample_hint(roots, tensors, dim) or _FLAT_HINT
             raise BatchSplitError(
                 f"Cannot split the batch along dim {dim}: {first} but {path} has {shown}. Every tensor with a batch "
                 f"dimension{lists} must have the same batch size." + (f" {hint}" if hint else "")
@@ -153,6 +153,12 @@ def _infer_from_roots(roots: Sequence[tuple[str, Any]], dim: int, what: str) -> 
     if marked and not size:
         raise BatchSplitError(f"Cannot split an empty batch: {first_path} is an empty PerSample.")
     return size
+
+
+_FLAT_HINT = (
+    "If one of them is not per-sample (flat token ids with offsets, as nn.EmbeddingBag takes), pass one item per sample "
+    "instead, e.g. lightning_mgpu.PerSample(list_of_bags) from your collate_fn, and flatten it in forward."
+)
 
 
 def _per_sample_hint(roots: Sequence[tuple[str, Any]], tensors: Sequence[tuple[str, Tensor]], dim: int) -> str | None:

@@ -12,6 +12,7 @@ from torch import nn
 import lightning_mgpu
 from lightning_mgpu.parallel import DataParallelCriterion, DataParallelModel, merge_outputs, split_batch
 from lightning_mgpu.parallel.scatter_gather import (
+    BatchSplitError,
     SharedStateError,
     argument_roots,
     batch_size_of,
@@ -138,6 +139,25 @@ def test_non_tensor_values_passed_whole_and_gathered():
     assert isinstance(merged, lightning_mgpu.ReplicaValues) and list(merged) == ["a", "b"]
     # Lists of plain items with no tensor beside them are concatenated.
     assert merge_outputs([["a", "b"], ["c"]], "cpu") == ["a", "b", "c"]
+
+
+def test_outputs_padded_to_each_shards_length_come_back_per_replica_with_how_to_pad_them_alike():
+    merged = merge_outputs([torch.zeros(2, 5, 3), torch.zeros(2, 7, 3)], "cpu")
+    assert isinstance(merged, lightning_mgpu.ReplicaValues) and [o.shape[1] for o in merged] == [5, 7]
+    with pytest.raises(AttributeError, match=r"\(2, 5, 3\), \(2, 7, 3\)\] differ beyond dim 0.*total_length="):
+        merged.size()
+    plain = merge_outputs([object(), object()], "cpu")
+    with pytest.raises(AttributeError, match="return per-sample values"):
+        plain.size()
+
+
+def test_flat_ids_with_offsets_are_refused_with_how_to_pass_bags_per_sample():
+    ids, offsets = torch.arange(16), torch.tensor([0, 2, 5, 6, 9, 12, 15])
+    with pytest.raises(BatchSplitError, match=r"has size 16 but batch\[1\] has size 7.*EmbeddingBag.*PerSample"):
+        split_batch((ids, offsets), ["cpu"] * 2)
+    bags = lightning_mgpu.PerSample(list(ids.tensor_split(offsets[1:])))  # the fix the message gives
+    chunks, sizes = split_batch(bags, ["cpu"] * 2)
+    assert sizes == [4, 3] and torch.equal(torch.cat([*chunks[0], *chunks[1]]), ids)
 
 
 def test_tuples_of_per_sample_items_split_with_the_batch():
