@@ -156,8 +156,8 @@ def _infer_from_roots(roots: Sequence[tuple[str, Any]], dim: int, what: str) -> 
 
 
 _FLAT_HINT = (
-    "If one of them is not per-sample (flat token ids with offsets, as nn.EmbeddingBag takes), pass one item per sample "
-    "instead, e.g. lightning_mgpu.PerSample(list_of_bags) from your collate_fn, and flatten it in forward."
+    "If one of them is not per-sample (flat token ids with offsets, as nn.EmbeddingBag takes), pass one item per "
+    "sample instead, e.g. lightning_mgpu.PerSample(list_of_bags) from your collate_fn, and flatten it in forward."
 )
 
 
