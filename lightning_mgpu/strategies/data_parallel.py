@@ -22,7 +22,6 @@ from lightning_mgpu.parallel.run_replicas import ExecutionMode
 from lightning_mgpu.parallel.scatter_gather import (
     argument_roots,
     iter_tensors,
-    shared_state,
     split_arguments,
     split_or_run_once,
 )
@@ -131,7 +130,7 @@ class DataParallelStrategyBase(SingleProcessParallel):
         roots = argument_roots(inputs, kwargs)
         split = split_or_run_once(lambda: split_arguments(inputs, kwargs, self.parallel_devices, self.dim), roots)
         if split is None:
-            self._say_run_once(target, roots)
+            self._say_unsplit(f"the inputs of {type(target).__name__}.forward", "the forward", roots)
             return original(*inputs, **kwargs)  # nothing to split, or a cache every replica would change: run once
         args_chunks, kwargs_chunks, sizes = split
         if len(sizes) == 1:
@@ -150,20 +149,6 @@ class DataParallelStrategyBase(SingleProcessParallel):
             self._scalar_rules[key] = rule
             weights[path] = "sum" if rule.kind == "sum" else rule.weights(chunks, sizes)
         return merge_outputs(outputs, self.output_device, self.dim, sizes=sizes, weights=weights)
-
-    def _say_run_once(self, target: nn.Module, roots: list[tuple[str, Any]]) -> None:
-        """Said once: why ``target``'s forward runs once, on the root: a cache in its inputs, or nothing to split."""
-        what = f"{type(target).__name__}.forward"
-        held = shared_state(roots)
-        if held is None:
-            self._say_unsplit(f"the inputs of {what}", "the forward")
-            return
-        self._warn_once(
-            "unsplit:shared state",
-            f"dp: the inputs of {what} hold {held}, a transformers cache that every replica would append its shard's "
-            f"keys and values to, so {what} runs once, unsplit, on {self.root_device} while its inputs hold one "
-            "(generate(), incremental decoding): nothing runs in parallel then. Calls without a cache are split.",
-        )
 
     def _rule_for(self, target: nn.Module, path: str, arguments: dict[Any, Any]) -> LossNormalization:
         """``loss_reduction``, else what ``target``'s objects say (said once), else per-sample (said once)."""

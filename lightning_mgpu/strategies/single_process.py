@@ -24,6 +24,7 @@ from typing_extensions import override
 from lightning_mgpu.parallel import collectives, sync_batchnorm
 from lightning_mgpu.parallel.replicas import SYNC_BATCHNORM_THREADS, ReplicaCache
 from lightning_mgpu.parallel.run_replicas import EXECUTION_MODES, ExecutionMode, add_note, resolve_mode
+from lightning_mgpu.parallel.scatter_gather import shared_state
 from lightning_mgpu.strategies.lightning_replicas import LightningReplicas
 from lightning_mgpu.strategies.loss_normalization import LossNormalization
 
@@ -366,8 +367,17 @@ class SingleProcessParallel:
             self._announced.add(key)
             warnings.warn(message, UserWarning, stacklevel=3)
 
-    def _say_unsplit(self, what: str, runs: str) -> None:
-        """Said once: ``what`` held nothing to split, so ``runs`` ran once, on the root device."""
+    def _say_unsplit(self, what: str, runs: str, roots: Sequence[tuple[str, Any]]) -> None:
+        """Said once: ``what`` (the ``(name, value)`` ``roots``) held nothing to split, or a cache every replica would
+        change, so ``runs`` ran once, on the root device."""
+        if (held := shared_state(roots)) is not None:
+            self._warn_once(
+                f"unsplit:cache:{runs}",
+                f"{self.strategy_name}: {what} holds {held}, a transformers cache that every replica would append its "
+                f"shard's keys and values to, so {runs} runs once, unsplit, on {self.root_device} while it holds one "
+                "(generate(), incremental decoding): nothing runs in parallel then. Calls without a cache are split.",
+            )
+            return
         self._warn_once(
             f"unsplit:{runs}",
             f"{self.strategy_name}: nothing in {what} can be split along dim {self.dim} (tensors are found in "
