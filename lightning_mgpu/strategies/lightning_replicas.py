@@ -2,8 +2,8 @@
 ``self.device`` and a clone of every torchmetrics metric. After the step every metric of a clone's tree (a wrapper's
 wrapped metrics too) is folded into the root metric at the same place by each state's ``dist_reduce_fx``, as DDP
 combines ranks (``Metric.merge_state`` refuses ``full_state_update=True`` metrics). What states cannot carry is
-refused with the fix: plain attributes a step changes (``Running``'s count) and torchmetrics' own ``forward``
-of a wrapper (it resets the wrapped metrics).
+refused with the fix: ``compute()`` on a clone inside the step (it holds one shard), plain attributes a step changes
+(``Running``'s count) and torchmetrics' own ``forward`` of a wrapper (it resets the wrapped metrics).
 """
 
 from __future__ import annotations
@@ -166,6 +166,24 @@ def _check_plain_attributes(path: str, clone: Metric, installed: tuple[int, dict
         )
 
 
+def _refuse_compute(path: str, clone: Metric) -> None:
+    """Make a direct ``compute()`` on ``clone`` (a replica's shard of the batch) an error; torchmetrics' ``forward``
+    computes the batch value with ``_should_unsync`` off, and that call goes through."""
+    compute = clone.compute
+
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        if clone._should_unsync:
+            raise RuntimeError(
+                f"compute() was called on self.{path} inside a step replicated by a multi-device single-process "
+                "strategy, where the metric holds only this replica's shard of the batch (its value would differ "
+                f"from one device's). Log the metric object instead (self.log(name, self.{path})), or call "
+                "compute() on the LightningModule's metric after the step (on_train_batch_end, on_*_epoch_end)."
+            )
+        return compute(*args, **kwargs)
+
+    clone.compute = guarded
+
+
 @dataclass
 class _Node:
     """One metric of a root metric's subtree (the root itself included) and its counterparts in the clones."""
@@ -230,6 +248,7 @@ class MetricReplicas:
                 if clone is None:
                     clone = metric.clone()
                     clone.reset()
+                    _refuse_compute(path, clone)
                     self._clones[key] = clone
                 clone.to(device)
                 replica.set_submodule(path, clone)

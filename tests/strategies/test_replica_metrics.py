@@ -149,6 +149,40 @@ def test_metric_collection_and_plain_metric_logged_as_objects_equal_one_device(m
     assert "train_MulticlassPrecision_step" in single.logged_metrics
 
 
+class ComputesInStep(Classifier):
+    """Calls compute() on its metric inside the step (``where="step"``) or after it (``where="batch_end"``)."""
+
+    def __init__(self, where: str = "step") -> None:
+        super().__init__()
+        self.where = where
+        self.seen: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        logits = self(x)
+        self.val_acc(logits, y)
+        if self.where == "step":
+            self.seen.append(float(self.val_acc.compute()))
+        return nn.functional.cross_entropy(logits, y)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.where == "batch_end":
+            self.seen.append(float(self.val_acc.compute()))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_compute_inside_a_replicated_step_is_refused_and_the_suggested_hook_equals_one_device(mode: str):
+    with pytest.raises(
+        RuntimeError, match=r"compute\(\) was called on self\.val_acc inside a step.*on_train_batch_end"
+    ):
+        trainer(_strategy(mode), 2, max_steps=2).fit(seeded(ComputesInStep), loader(10))
+    reference, moved = seeded(ComputesInStep), seeded(ComputesInStep, where="batch_end")
+    trainer("auto", 1, max_steps=4).fit(reference, loader(10))
+    trainer(_strategy(mode), 2, max_steps=4).fit(moved, loader(10))
+    assert moved.seen == pytest.approx(reference.seen, abs=1e-12)
+    assert len(set(reference.seen)) > 1
+
+
 class RunningSum(Classifier):
     """A Running wrapper (it counts its updates in a plain attribute), updated in the step or from its outputs."""
 
