@@ -166,6 +166,12 @@ def _check_plain_attributes(path: str, clone: Metric, installed: tuple[int, dict
         )
 
 
+def _reset(clone: Metric) -> None:
+    clone.reset()
+    if clone._forward_cache is not None:  # a wrapper's reset may keep it (CompositionalMetric's does)
+        clone._forward_cache = None
+
+
 def _refuse_compute(path: str, clone: Metric) -> None:
     """Make a direct ``compute()`` on ``clone`` (a replica's shard of the batch) an error; torchmetrics' ``forward``
     computes the batch value with ``_should_unsync`` off, and that call goes through."""
@@ -265,7 +271,7 @@ class MetricReplicas:
         for nodes in self._active:
             for node in nodes:
                 for clone in node.clones:
-                    clone.reset()
+                    _reset(clone)
 
     def owner_of(self, value: Any) -> Metric | None:
         """The root metric a replica's clone (or a metric inside it) stands for."""
@@ -275,7 +281,9 @@ class MetricReplicas:
         """Fold every used clone's states into the root metric at the same place, children before wrappers, then
         reset the clones. ``compute_step_value``: ids of the root metrics logged with ``on_step``."""
         for nodes in self._active:
-            used = [(node, [c for c in node.clones if c.update_count]) for node in nodes]
+            used = [
+                (node, [c for c in node.clones if c.update_count or c._forward_cache is not None]) for node in nodes
+            ]
             for node, clones in used:  # all of a wrapper's: torchmetrics' WrapperMetric counts no updates of its own
                 for clone in node.clones if node.wraps else clones:
                     _check_step(node, clone, self._installed[id(clone)])
@@ -285,16 +293,17 @@ class MetricReplicas:
                     self._fold(node, clones, batch_states, compute_step_value)
             for _, clones in used:
                 for clone in clones:
-                    clone.reset()
+                    _reset(clone)
 
     def _fold(
         self, node: _Node, clones: list[Metric], batch_states: dict[int, dict[str, Any]], step_values: set[int]
     ) -> None:
         """Fold the used clones' states into one root metric and record the update on it, with the batch value
-        where the metric is logged on_step."""
+        where the metric is logged on_step and the step ran its forward (one device logs none after update alone)."""
         metric = node.metric
         states = batch_states[id(metric)] = self._combine_states(metric, clones) if node.folds else {}
-        step_value = self._batch_value(metric, batch_states) if id(metric) in step_values else None
+        forwarded = id(metric) in step_values and any(c._forward_cache is not None for c in clones)
+        step_value = self._batch_value(metric, batch_states) if forwarded else None
         if states:
             folded = 0 if metric.update_count == 0 else self._contributions.get(id(metric), 1)
             reductions, device = metric._reductions, _metric_device(metric)

@@ -1,5 +1,5 @@
-"""torchmetrics metrics under parallel_criterion: wrappers whose states live in child metrics, collections, and the
-cases the replicas cannot reproduce (refused with the fix)."""
+"""torchmetrics metrics under parallel_criterion: wrappers whose states live in child metrics, collections, a step
+value only when one device has one, and the cases the replicas cannot reproduce (refused with the fix)."""
 
 from __future__ import annotations
 
@@ -119,7 +119,8 @@ def test_wrapper_metrics_equal_one_device(monkeypatch: pytest.MonkeyPatch, mode:
 
 
 class LoggedCollection(Classifier):
-    """An ordinary MetricCollection (compute groups on) and a plain metric, logged as objects after forward."""
+    """An ordinary MetricCollection (compute groups on), a plain and a composed metric, logged as objects after
+    forward."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -127,14 +128,17 @@ class LoggedCollection(Classifier):
             [MulticlassAccuracy(N_CLASSES), MulticlassPrecision(N_CLASSES), MulticlassF1Score(N_CLASSES)],
             prefix="train_",
         )
+        self.composed = MulticlassRecall(N_CLASSES, average="macro") * 100
 
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         x, y = batch
         logits = self(x)
         self.coll(logits, y)
         self.val_acc(logits, y)
+        self.composed(logits, y)
         self.log_dict(self.coll, on_step=True, on_epoch=True)
         self.log("macro_acc", self.val_acc, on_step=True, on_epoch=True)
+        self.log("recall_percent", self.composed, on_step=True, on_epoch=True)
         return nn.functional.cross_entropy(logits, y)
 
 
@@ -146,7 +150,28 @@ def test_metric_collection_and_plain_metric_logged_as_objects_equal_one_device(m
     for ref, got in ((single.logged_metrics, multi.logged_metrics), (single.callback_metrics, multi.callback_metrics)):
         assert got.keys() == ref.keys()
         assert {k: float(v) for k, v in got.items()} == pytest.approx({k: float(v) for k, v in ref.items()}, abs=1e-7)
-    assert "train_MulticlassPrecision_step" in single.logged_metrics
+    assert {"train_MulticlassPrecision_step", "recall_percent_step"} <= set(single.logged_metrics)
+
+
+class UpdatedOnly(Classifier):
+    """Logs a metric with on_step=True that the step only updates: one device has no batch value to log."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        logits = self(x)
+        self.val_acc.update(logits, y)
+        self.log("acc", self.val_acc, on_step=True, on_epoch=True)
+        return nn.functional.cross_entropy(logits, y)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_metric_only_updated_logs_no_step_value_as_on_one_device(mode: str):
+    single, multi = trainer("auto", 1, max_steps=3), trainer(_strategy(mode), 2, max_steps=3)
+    single.fit(seeded(UpdatedOnly), loader(10))
+    multi.fit(seeded(UpdatedOnly), loader(10))
+    assert set(single.logged_metrics) == set(multi.logged_metrics) == {"acc_epoch"}
+    assert set(single.callback_metrics) == set(multi.callback_metrics) == {"acc", "acc_epoch"}
+    assert float(multi.logged_metrics["acc_epoch"]) == pytest.approx(float(single.logged_metrics["acc_epoch"]))
 
 
 class ComputesInStep(Classifier):
