@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
+from benchmarks.replica_overhead import cpu_model  # noqa: E402
 from lightning_mgpu import DataParallelCriterion, DataParallelModel  # noqa: E402
 from lightning_mgpu.parallel import flat_replicas, replicas  # noqa: E402
 from recipes.pyramidnet.model import PYRAMIDNET_CONFIGS, PyramidNet  # noqa: E402
@@ -183,7 +184,7 @@ def main() -> None:
         ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
     ).stdout.strip()
     report = {
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
+        "machine": f"{cpu_model()}, {os.cpu_count()} CPUs",
         "torch": torch.__version__,
         "python": platform.python_version(),
         "command": "python " + " ".join(["benchmarks/sync_in_step.py", *sys.argv[1:]]),

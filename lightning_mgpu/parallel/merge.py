@@ -36,12 +36,25 @@ class ReplicaValues(list):
     """A value that differs between replicas and has no rule to merge it (objects, arrays whose non-batch dimensions
     differ): one entry per replica, in batch order. Using it as one device's value fails with an explanation."""
 
+    hint = "Combine them as your statistic needs, or return per-sample values, which are concatenated in batch order."
+
     def __getattr__(self, name: str) -> Any:
         raise AttributeError(
             f"this output differs between the {len(self)} replicas and has no rule to merge it into one device's "
             f"value, so it came back as the list of their values (ReplicaValues), which has no attribute {name!r}. "
-            "Combine them as your statistic needs, or return per-sample values, which are concatenated in batch order."
+            + self.hint
         )
+
+
+def _ragged(outputs: list[Any], dim: int) -> ReplicaValues:
+    """Arrays whose shapes differ beyond ``dim``: most often each shard padded to its own longest sequence."""
+    values = ReplicaValues(outputs)
+    values.hint = (
+        f"Their shapes {[tuple(o.shape) for o in outputs]} differ beyond dim {dim}, the batch dimension: if each "
+        "replica padded to its own longest sequence, pad to one length (pad_packed_sequence(..., total_length=...), "
+        "a fixed max_length in the collate function), so that they concatenate in batch order."
+    )
+    return values
 
 
 def merge_outputs(
@@ -122,7 +135,7 @@ class _Merger:
         if first.ndim == 0:
             return self._scalars(outputs, path)
         if not _concatenable(outputs, self.dim):
-            return ReplicaValues(outputs)
+            return _ragged(outputs, self.dim)
         if isinstance(first, Tensor):
             return torch.cat([o.to(self.device) for o in outputs], dim=self.dim)
         return np.concatenate(outputs, axis=self.dim)

@@ -166,11 +166,18 @@ def _criterion_option(criterion: Any, kwargs: dict[str, Any], name: str, default
     return {**defaults, **keywords, **kwargs}.get(name, default)
 
 
+def _weight_is_known(criterion: Any) -> bool:
+    """Whether what a mean of ``criterion`` averages over is known without running it: torch's own loss modules and
+    ``torch.nn.functional`` losses (partials included); a function or subclass of the user's is opaque."""
+    base = criterion.func if isinstance(criterion, functools.partial) else criterion
+    return has_torch_loss_forward(base) or getattr(base, "__module__", None) == F.__name__
+
+
 def has_torch_loss_forward(criterion: Any) -> bool:
     """Whether ``criterion`` is a torch loss module computing torch's own ``forward``: only then do its options
     (``ignore_index``, ``weight``) say what a mean averages over (a subclass may shift or mask the labels)."""
-    torch_forward = type(criterion).forward.__module__ == nn.modules.loss.__name__
-    return isinstance(criterion, nn.modules.loss._Loss) and torch_forward
+    loss_module = isinstance(criterion, nn.modules.loss._Loss)
+    return loss_module and type(criterion).forward.__module__ == nn.modules.loss.__name__
 
 
 def count_labels(labels: Tensor, ignore_index: int, class_weight: Tensor | None = None) -> Tensor:
@@ -230,6 +237,7 @@ class DataParallelCriterion(nn.Module):
         resolve_mode(execution_mode, self.device_ids)  # checks the value
         self.execution_mode: ExecutionMode = execution_mode
         self.weight_fn = weight_fn
+        self._said_sample_weights = False
         self._replicas: ReplicaCache[ReplicaSet] = ReplicaCache(ReplicaSet)
 
     @property
@@ -260,9 +268,26 @@ class DataParallelCriterion(nn.Module):
         if self.weight_fn is not None:
             weights = [self.weight_fn(o, t) for o, t in zip(outputs, target_chunks, strict=True)]
         else:
+            self._say_sample_weights()
             chunks = zip(outputs, target_chunks, kwargs_chunks, samples, strict=True)
             weights = [_count_weight(criterion, o, t, k, n, self.dim) for o, t, k, n in chunks]
         return reduce_losses(losses, weights, device=root)
+
+    def _say_sample_weights(self) -> None:
+        """Said once per criterion whose mean is opaque: its devices' losses are weighted by sample counts."""
+        if self._said_sample_weights or _weight_is_known(self.criterion):
+            return
+        self._said_sample_weights = True
+        name = getattr(self.criterion, "__name__", type(self.criterion).__name__)
+        warnings.warn(
+            f"DataParallelCriterion weights each device's {name} loss by its sample count, which equals one device "
+            "for a mean over samples. For a mean over tokens or non-ignored labels pass weight_fn=lambda output, "
+            "targets: (targets[0] != -100).sum() (what your mean divides by), or use a torch loss module such as "
+            "nn.CrossEntropyLoss(ignore_index=-100), whose count is known; weight_fn=lambda output, targets: "
+            "len(targets[0]) says samples and silences this.",
+            UserWarning,
+            stacklevel=5,  # the caller of the criterion module
+        )
 
     def _check_outputs(self, outputs: Sequence[Any]) -> None:
         if not isinstance(outputs, list):

@@ -3,8 +3,9 @@ outputs back as one device would have returned them, :func:`gather` as ``torch.n
 tensors stacked, with torch's warning).
 
 Tensors are split along ``dim`` as ``torch.tensor_split`` does (10 over 4: 3, 3, 2, 2); a list of plain items as long
-as the batch (ids) is split alike; anything else, 0-dim tensors included, goes whole to every replica. Lists of
-per-sample items holding tensors (detection targets) look like structures: mark them :class:`PerSample`.
+as the batch (ids) is split alike; anything else, 0-dim tensors included, goes whole to every replica. Inputs holding
+a ``transformers`` cache, which each replica would append to, are not split (:class:`SharedStateError`): run once.
+Lists of per-sample items holding tensors (detection targets) look like structures: mark them :class:`PerSample`.
 """
 
 from __future__ import annotations
@@ -32,6 +33,11 @@ class NothingToSplitError(BatchSplitError):
     """The inputs hold no tensor with a batch dimension (callers may then run once, unsplit)."""
 
 
+class SharedStateError(BatchSplitError):
+    """The inputs hold an object that every replica would change in place (a ``transformers`` cache): they run once,
+    unsplit, on the first device."""
+
+
 class PerSample(list):
     """A list with one item per sample, split by item across devices and concatenated back when gathered: per-sample
     items of per-sample sizes (detection targets, images of different sizes), which no batch dimension can carry.
@@ -45,6 +51,19 @@ def is_namedtuple(obj: Any) -> bool:
 
 def is_dataclass_instance(obj: Any) -> bool:
     return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
+
+
+def is_shared_state(obj: Any) -> bool:
+    """A ``transformers`` cache (``DynamicCache``...): passed whole to every replica, each would append its shard's
+    keys and values to the one object."""
+    # By the base class's name: parallel/ never imports transformers (nor waits for its import to ask).
+    return any(c.__name__ == "Cache" and c.__module__ == "transformers.cache_utils" for c in type(obj).__mro__)
+
+
+def shared_state(roots: Sequence[tuple[str, Any]]) -> str | None:
+    """Where the inputs (``(name, value)`` pairs) hold a :func:`is_shared_state` object, with its type; else None."""
+    found = (f"{p} ({type(n).__name__})" for root, v in roots for p, n in iter_nodes(v, root) if is_shared_state(n))
+    return next(found, None)
 
 
 def contains_tensor(obj: Any) -> bool:
@@ -126,7 +145,7 @@ def _infer_from_roots(roots: Sequence[tuple[str, Any]], dim: int, what: str) -> 
     for path, other, shown in sized:
         if other != size:
             lists = ", and every PerSample list," if marked else ""
-            hint = None if marked else _per_sample_hint(roots, tensors, dim)
+            hint = None if marked else _per_sample_hint(roots, tensors, dim) or _FLAT_HINT
             raise BatchSplitError(
                 f"Cannot split the batch along dim {dim}: {first} but {path} has {shown}. Every tensor with a batch "
                 f"dimension{lists} must have the same batch size." + (f" {hint}" if hint else "")
@@ -134,6 +153,12 @@ def _infer_from_roots(roots: Sequence[tuple[str, Any]], dim: int, what: str) -> 
     if marked and not size:
         raise BatchSplitError(f"Cannot split an empty batch: {first_path} is an empty PerSample.")
     return size
+
+
+_FLAT_HINT = (
+    "If one of them is not per-sample (flat token ids with offsets, as nn.EmbeddingBag takes), pass one item per "
+    "sample instead, e.g. lightning_mgpu.PerSample(list_of_bags) from your collate_fn, and flatten it in forward."
+)
 
 
 def _per_sample_hint(roots: Sequence[tuple[str, Any]], tensors: Sequence[tuple[str, Tensor]], dim: int) -> str | None:
@@ -289,6 +314,11 @@ def _split_roots(
             return [PerSample(move_to(leaf[s], d)) for s, d in zip(slices, targets, strict=False)]
         if plain_lists and _is_per_sample_list(leaf, inferred):
             return [leaf[s] for s in slices]
+        if is_shared_state(leaf):
+            raise SharedStateError(
+                f"Cannot split inputs that hold a {type(leaf).__name__}: every replica would change that one object "
+                "(appending its shard's keys and values to the cache)."
+            )
         return [leaf] * len(chunks)
 
     return [_map_structure(value, split_leaf, len(chunks), inferred, plain_lists) for _, value in roots], chunks
@@ -360,10 +390,13 @@ def move_to(obj: Any, device: DeviceLike) -> Any:
 
 
 def split_or_run_once(split: Callable[[], T], roots: Sequence[tuple[str, Any]]) -> T | None:
-    """``split()``, or ``None`` when the inputs (``(name, value)`` pairs) hold nothing to split: the caller then runs
-    once, unsplit, as ``nn.DataParallel`` does. Shared by the modules and both strategies."""
+    """``split()``, or ``None`` when the inputs (``(name, value)`` pairs) hold nothing to split, or an object every
+    replica would change (:func:`is_shared_state`): the caller then runs once, unsplit, as ``nn.DataParallel`` does
+    without a batch dimension. Shared by the modules and both strategies."""
     try:
         return split()
+    except SharedStateError:
+        return None
     except NothingToSplitError:
         pass
     # Unless they hold a sequence of strings: one item per sample, it seems, but nothing tells their count.

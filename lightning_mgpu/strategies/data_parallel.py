@@ -19,8 +19,13 @@ from typing_extensions import override
 from lightning_mgpu.parallel.devices import DeviceLike, to_device
 from lightning_mgpu.parallel.merge import merge_outputs
 from lightning_mgpu.parallel.run_replicas import ExecutionMode
-from lightning_mgpu.parallel.scatter_gather import argument_roots, iter_tensors, split_arguments, split_or_run_once
-from lightning_mgpu.strategies.loss_normalization import SAMPLES, LossNormalization, known_rule
+from lightning_mgpu.parallel.scatter_gather import (
+    argument_roots,
+    iter_tensors,
+    split_arguments,
+    split_or_run_once,
+)
+from lightning_mgpu.strategies.loss_normalization import ITEM_COUNT, SAMPLES, LossNormalization, known_rule
 from lightning_mgpu.strategies.single_process import Accelerator, CheckpointIO, PrecisionPlugin, SingleProcessParallel
 
 
@@ -60,7 +65,7 @@ class DataParallelStrategyBase(SingleProcessParallel):
         self.parallel_modules = _checked_module_names(parallel_modules)
         self._wrapped: list[nn.Module] = []
         self._forward_calls: int | None = None  # replicated forward calls in the step in progress; None: no step
-        self._scalar_rules: dict[tuple[int, str], LossNormalization] = {}
+        self._scalar_rules: dict[tuple[int, str, bool], LossNormalization] = {}
 
     @property
     @override
@@ -122,12 +127,11 @@ class DataParallelStrategyBase(SingleProcessParallel):
         if self._forward_calls is None:
             return original(*inputs, **kwargs)  # outside a step (a callback's self(x)): a plain call
         self._forward_calls += 1
-        split = split_or_run_once(
-            lambda: split_arguments(inputs, kwargs, self.parallel_devices, self.dim), argument_roots(inputs, kwargs)
-        )
+        roots = argument_roots(inputs, kwargs)
+        split = split_or_run_once(lambda: split_arguments(inputs, kwargs, self.parallel_devices, self.dim), roots)
         if split is None:
-            self._say_unsplit(f"the inputs of {type(target).__name__}.forward", "the forward")
-            return original(*inputs, **kwargs)  # nothing to split: run once, on the root
+            self._say_unsplit(f"the inputs of {type(target).__name__}.forward", "the forward", roots)
+            return original(*inputs, **kwargs)  # nothing to split, or a cache every replica would change: run once
         args_chunks, kwargs_chunks, sizes = split
         if len(sizes) == 1:
             return original(*args_chunks[0], **kwargs_chunks[0])
@@ -138,8 +142,9 @@ class DataParallelStrategyBase(SingleProcessParallel):
         outputs = self._run_replicated(target, sizes, call)
         chunks = [_arguments(a, k) for a, k in zip(args_chunks, kwargs_chunks, strict=True)]
         weights: dict[str, Any] = {}
+        counted = kwargs.get(ITEM_COUNT) is not None  # calls with num_items_in_batch (training) have their own rule
         for path in _floating_scalar_paths(outputs):  # a per-replica loss: combined by its rule, not stacked
-            key = (id(target), path)  # each replicated module's outputs have their own rules
+            key = (id(target), path, counted)  # each replicated module's outputs have their own rules
             rule = self._scalar_rules.get(key) or self._rule_for(target, path, _arguments(inputs, kwargs))
             self._scalar_rules[key] = rule
             weights[path] = "sum" if rule.kind == "sum" else rule.weights(chunks, sizes)

@@ -1,11 +1,16 @@
 """Lasting replicas of a module run in a LightningModule's step: per replica a ``log`` recorder, its own
-``self.device`` and a clone of every torchmetrics metric, folded into the root metric after the step by each state's
-``dist_reduce_fx``, as DDP combines ranks (``Metric.merge_state`` refuses ``full_state_update=True`` metrics).
+``self.device`` and a clone of every torchmetrics metric. After the step every metric of a clone's tree (a wrapper's
+wrapped metrics too) is folded into the root metric at the same place by each state's ``dist_reduce_fx``, as DDP
+combines ranks (``Metric.merge_state`` refuses ``full_state_update=True`` metrics). What states cannot carry is
+refused with the fix: ``compute()`` on a clone inside the step (it holds one shard), plain attributes a step changes
+(``Running``'s count) and torchmetrics' own ``forward`` of a wrapper (it resets the wrapped metrics).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from operator import is_
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -125,14 +130,117 @@ def _check_mergeable(metric: Metric) -> None:
             )
 
 
+class _Bare(Metric):
+    """A metric with nothing of its own: what it sets, every metric sets."""
+
+    def update(self) -> None:
+        """Nothing: only the attributes every metric sets are wanted."""
+
+    def compute(self) -> None:
+        """Nothing."""
+
+
+_MISSING = object()
+_METRIC_ATTRS = frozenset(vars(_Bare()))  # nn.Module's and torchmetrics' own bookkeeping, set by every metric
+
+
+def _plain_attributes(metric: Metric) -> dict[str, Any]:
+    """What ``metric`` keeps outside its states and the bookkeeping of every metric (e.g. a count of its updates):
+    merging states cannot carry it from the clones to the root metric."""
+    return {k: v for k, v in vars(metric).items() if k not in _METRIC_ATTRS and k not in metric._defaults}
+
+
+def _check_plain_attributes(path: str, clone: Metric, installed: tuple[int, dict[str, Any]]) -> None:
+    """Refuse a clone whose step rebound or added a plain attribute. ``installed``: its attribute count and plain
+    attributes when installed (identities are compared; the names are looked for only after a change)."""
+    size, before = installed
+    attrs = vars(clone)
+    if len(attrs) == size and all(map(is_, map(attrs.get, before), before.values())):
+        return
+    if changed := [k for k, v in _plain_attributes(clone).items() if before.get(k, _MISSING) is not v]:
+        raise TypeError(
+            f"self.{path} ({type(clone).__name__}) changed {', '.join(map(repr, changed))} in a replicated step: "
+            "it keeps them outside its metric states, so the replicas' updates cannot be merged "
+            "as one device's would. Update it outside the replicated step (e.g. in on_train_batch_end from the "
+            "step's gathered outputs), or use strategy='dp' or 'ddp'."
+        )
+
+
+def _reset(clone: Metric) -> None:
+    clone.reset()
+    if clone._forward_cache is not None:  # a wrapper's reset may keep it (CompositionalMetric's does)
+        clone._forward_cache = None
+
+
+def _refuse_compute(path: str, clone: Metric) -> None:
+    """Make a direct ``compute()`` on ``clone`` (a replica's shard of the batch) an error; torchmetrics' ``forward``
+    computes the batch value with ``_should_unsync`` off, and that call goes through."""
+    compute = clone.compute
+
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        if clone._should_unsync:
+            raise RuntimeError(
+                f"compute() was called on self.{path} inside a step replicated by a multi-device single-process "
+                "strategy, where the metric holds only this replica's shard of the batch (its value would differ "
+                f"from one device's). Log the metric object instead (self.log(name, self.{path})), or call "
+                "compute() on the LightningModule's metric after the step (on_train_batch_end, on_*_epoch_end)."
+            )
+        return compute(*args, **kwargs)
+
+    clone.compute = guarded
+
+
+@dataclass
+class _Node:
+    """One metric of a root metric's subtree (the root itself included) and its counterparts in the clones."""
+
+    path: str
+    metric: Metric
+    clones: list[Metric]
+    folds: bool  # holds its own states (a wrapper may expose its child's, as ClasswiseWrapper does)
+    wraps: bool  # metrics below it hold states
+
+
+def _nodes(path: str, metric: Metric, clones: Sequence[Metric]) -> list[_Node]:
+    """Every metric of ``metric``'s subtree paired with the clones' metric at the same place, children first."""
+    trees = [list(c.named_modules()) for c in clones]
+    nodes: list[_Node] = []
+    seen: set[int] = set()
+    for k, (name, sub) in reversed(list(enumerate(metric.named_modules()))):
+        if isinstance(sub, Metric):
+            folds = bool(sub._defaults) and id(sub._defaults) not in seen
+            wraps = any(isinstance(m, Metric) and m._defaults for m in list(sub.modules())[1:])
+            seen.add(id(sub._defaults))
+            node_path = f"{path}.{name}" if name else path
+            nodes.append(_Node(node_path, sub, [tree[k][1] for tree in trees], folds, wraps))
+    return nodes
+
+
+def _check_step(node: _Node, clone: Metric, installed: tuple[int, dict[str, Any]]) -> None:
+    """Refuse what the replicas' states cannot reproduce: changed plain attributes, and torchmetrics' own forward of
+    a wrapper (a batch value computed without the wrapped metrics' forward: it reset them, so on one device they
+    keep the last batch only)."""
+    if node.wraps and clone._forward_cache is not None:
+        wrapped = [m for m in clone.modules() if m is not clone and isinstance(m, Metric)]
+        if all(m._forward_cache is None for m in wrapped):
+            raise TypeError(
+                f"self.{node.path}(...) ({type(clone).__name__}) ran torchmetrics' forward in a replicated step: on "
+                "one device that forward resets the metrics it wraps, so compute() gives the last batch's value, "
+                f"which the replicas cannot reproduce. Call self.{node.path}.update(...) in the step instead (its "
+                "value then equals one device's), or use strategy='dp' or 'ddp'."
+            )
+    _check_plain_attributes(node.path, clone, installed)
+
+
 class MetricReplicas:
     """The per-device metric clones of one LightningModule, merged back after each step."""
 
     def __init__(self) -> None:
         self._clones: dict[tuple[int, int], Metric] = {}  # (id(root metric), replica index) -> clone
-        self._owner: dict[int, Metric] = {}  # id(clone) -> root metric
+        self._owner: dict[int, Metric] = {}  # id(clone or a metric in it) -> the root metric it stands for
+        self._installed: dict[int, tuple[int, dict[str, Any]]] = {}  # id(clone's metric) -> see _check_plain_attributes
         self._scratch: dict[int, Metric] = {}  # id(root metric) -> clone used to compute the batch value
-        self._active: list[tuple[Metric, list[Metric]]] = []
+        self._active: list[list[_Node]] = []
         self._contributions: dict[int, int] = {}  # id(root metric) -> replica states folded in since its reset
 
     def install(self, root: nn.Module, replicas: Sequence[nn.Module], devices: Sequence[torch.device]) -> None:
@@ -146,53 +254,82 @@ class MetricReplicas:
                 if clone is None:
                     clone = metric.clone()
                     clone.reset()
+                    _refuse_compute(path, clone)
                     self._clones[key] = clone
-                    self._owner[id(clone)] = metric
                 clone.to(device)
                 replica.set_submodule(path, clone)
                 clones.append(clone)
-            self._active.append((metric, clones))
+            nodes = _nodes(path, metric, clones)
+            for node in nodes:
+                for clone in node.clones:
+                    self._owner[id(clone)] = node.metric
+                    self._installed[id(clone)] = (len(vars(clone)), _plain_attributes(clone))
+            self._active.append(nodes)
 
     def discard(self) -> None:
         """Reset the clones of a failed step, so no partial update reaches a later step."""
-        for _, clones in self._active:
-            for clone in clones:
-                clone.reset()
+        for nodes in self._active:
+            for node in nodes:
+                for clone in node.clones:
+                    _reset(clone)
 
     def owner_of(self, value: Any) -> Metric | None:
-        """The root metric a replica's clone stands for."""
+        """The root metric a replica's clone (or a metric inside it) stands for."""
         return self._owner.get(id(value)) if isinstance(value, Metric) else None
 
     def merge(self, compute_step_value: set[int]) -> None:
-        """Fold every updated clone's state into its root metric, then reset the clones. ``compute_step_value``: ids
-        of the root metrics logged with ``on_step``, whose batch value is computed."""
-        for metric, clones in self._active:
-            updated = [c for c in clones if c.update_count > 0]
-            if not updated:
-                continue
-            _check_mergeable(updated[0])
-            device = _metric_device(metric)
-            reductions = metric._reductions  # each state's dist_reduce_fx (read only)
-            batch_state = {
-                attr: _combine([c.metric_state[attr] for c in updated], reductions[attr], device) for attr in reductions
-            }
-            step_value = self._batch_value(metric, batch_state) if id(metric) in compute_step_value else None
-            folded = 0 if metric.update_count == 0 else self._contributions.get(id(metric), 1)
-            for attr, value in batch_state.items():
-                current = getattr(metric, attr)
-                setattr(metric, attr, _folded(current, value, reductions[attr], device, folded, len(updated)))
-            self._contributions[id(metric)] = folded + len(updated)
-            _mark_folded(metric, step_value)
-            for clone in updated:
-                clone.reset()
+        """Fold every used clone's states into the root metric at the same place, children before wrappers, then
+        reset the clones. ``compute_step_value``: ids of the root metrics logged with ``on_step``."""
+        for nodes in self._active:
+            used = [
+                (node, [c for c in node.clones if c.update_count or c._forward_cache is not None]) for node in nodes
+            ]
+            for node, clones in used:  # all of a wrapper's: torchmetrics' WrapperMetric counts no updates of its own
+                for clone in node.clones if node.wraps else clones:
+                    _check_step(node, clone, self._installed[id(clone)])
+            batch_states: dict[int, dict[str, Any]] = {}  # id(root metric) -> the replicas' states combined
+            for node, clones in used:
+                if clones:
+                    self._fold(node, clones, batch_states, compute_step_value)
+            for _, clones in used:
+                for clone in clones:
+                    _reset(clone)
 
-    def _batch_value(self, metric: Metric, batch_state: dict[str, Any]) -> Any:
+    def _fold(
+        self, node: _Node, clones: list[Metric], batch_states: dict[int, dict[str, Any]], step_values: set[int]
+    ) -> None:
+        """Fold the used clones' states into one root metric and record the update on it, with the batch value
+        where the metric is logged on_step and the step ran its forward (one device logs none after update alone)."""
+        metric = node.metric
+        states = batch_states[id(metric)] = self._combine_states(metric, clones) if node.folds else {}
+        forwarded = id(metric) in step_values and any(c._forward_cache is not None for c in clones)
+        step_value = self._batch_value(metric, batch_states) if forwarded else None
+        if states:
+            folded = 0 if metric.update_count == 0 else self._contributions.get(id(metric), 1)
+            reductions, device = metric._reductions, _metric_device(metric)
+            for attr, value in states.items():
+                current = getattr(metric, attr)
+                setattr(metric, attr, _folded(current, value, reductions[attr], device, folded, len(clones)))
+            self._contributions[id(metric)] = folded + len(clones)
+        _mark_folded(metric, step_value)
+
+    @staticmethod
+    def _combine_states(metric: Metric, clones: list[Metric]) -> dict[str, Any]:
+        _check_mergeable(clones[0])
+        device, reductions = _metric_device(metric), metric._reductions  # each state's dist_reduce_fx (read only)
+        return {attr: _combine([c.metric_state[attr] for c in clones], fx, device) for attr, fx in reductions.items()}
+
+    def _batch_value(self, metric: Metric, batch_states: dict[int, dict[str, Any]]) -> Any:
+        """``metric``'s value on this batch alone: a scratch copy of it holding the replicas' combined states."""
         if (scratch := self._scratch.get(id(metric))) is None:
             scratch = self._scratch[id(metric)] = metric.clone()
-        scratch.reset()
-        for attr, value in batch_state.items():
-            setattr(scratch, attr, value)
-        _mark_folded(scratch)
+        for original, copy in zip(metric.modules(), scratch.modules(), strict=True):  # parents before children
+            if isinstance(copy, Metric):
+                copy.reset()
+                if (states := batch_states.get(id(original))) is not None:
+                    for attr, value in states.items():
+                        setattr(copy, attr, value)
+                    _mark_folded(copy)
         return scratch.compute()
 
 

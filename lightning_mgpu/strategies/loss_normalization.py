@@ -7,6 +7,7 @@ objects say (:func:`known_rule`), else a per-sample mean, said once. Nothing her
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import re
 from collections.abc import Mapping, Sequence
@@ -16,7 +17,8 @@ from typing import Any, Literal, cast
 import torch
 from torch import Tensor, nn
 
-from lightning_mgpu.parallel.modules import count_labels
+from lightning_mgpu.parallel.library_hooks import outermost_transformers_models
+from lightning_mgpu.parallel.modules import count_labels, has_torch_loss_forward
 from lightning_mgpu.parallel.reduce import Weight, reduce_losses
 
 Kind = Literal["samples", "sum", "replica_mean", "tokens"]
@@ -24,6 +26,11 @@ IGNORE_INDEX = -100
 Path = tuple[Any, ...]
 #: Batch keys that name the labels, for a criterion module whose targets the batch must supply.
 LABEL_KEYS = ("labels", "label", "targets", "target", "y")
+#: The keyword with which a ``transformers`` loss is a sum over tokens divided by the count given (the whole batch's,
+#: or an accumulation window's): every shard's loss is then a part of one sum.
+ITEM_COUNT = "num_items_in_batch"
+#: Code that passes it: a keyword argument or a variable assigned, a dict key written or assigned.
+_PASSES_ITEM_COUNT = re.compile(rf"\b{ITEM_COUNT}\s*=[^=]|[\"']{ITEM_COUNT}[\"'](?:\s*:|\]\s*=[^=])")
 
 
 @dataclass(frozen=True)
@@ -110,15 +117,16 @@ SUM = LossNormalization("sum")
 
 def known_rule(module: nn.Module, batch: Any, method: str = "training_step") -> tuple[LossNormalization, str] | None:
     """The rule the objects in ``module`` say, with what said it, or ``None``; never runs anything. The one outermost
-    ``transformers`` model says it by its task; else the loss modules ``method`` (or a method it calls) names, when
-    they agree: one kept for validation does not decide training."""
-    return _transformers_rule(module, batch) or _criterion_rule(module, batch, method)
+    ``transformers`` model says it by its task (a sum when ``batch`` or ``method``'s code passes ``num_items_in_batch``
+    to a model that divides by it); else the loss modules ``method`` (or a method it calls) names, when they agree and
+    run torch's own forward: one kept for validation does not decide training."""
+    return _transformers_rule(module, batch, method) or _criterion_rule(module, batch, method)
 
 
 def uncombinable_loss(module: nn.Module) -> str | None:
     """What to return instead when the model's loss adds terms normalised differently (BERT pre-training), which no
     rule combines; else ``None``."""
-    models = _outermost_transformers_models(module)
+    models = outermost_transformers_models(module)
     if len(models) != 1 or not type(models[0]).__name__.endswith("ForPreTraining"):
         return None
     return (
@@ -129,55 +137,70 @@ def uncombinable_loss(module: nn.Module) -> str | None:
     )
 
 
-def _transformers_rule(module: nn.Module, batch: Any) -> tuple[LossNormalization, str] | None:
-    models = _outermost_transformers_models(module)
-    return _model_rule(models[0], batch) if len(models) == 1 else None
+def _transformers_rule(module: nn.Module, batch: Any, method: str) -> tuple[LossNormalization, str] | None:
+    models = outermost_transformers_models(module)
+    if len(models) != 1:
+        return None
+    # The user's code may pass num_items_in_batch; the model's own forward is not read (it may name it for other uses).
+    source = None if module is models[0] else _method_source(module, method)
+    return _model_rule(models[0], batch, source)
 
 
-def _model_rule(model: nn.Module, batch: Any) -> tuple[LossNormalization, str] | None:
-    """The rule a ``transformers`` model's task says for its ``.loss`` on ``batch``'s labels, or ``None``."""
+def _model_rule(model: nn.Module, batch: Any, source: str | None = None) -> tuple[LossNormalization, str] | None:
+    """The rule a ``transformers`` model's task says for its ``.loss`` on ``batch``'s labels, or ``None``: a sum when
+    ``num_items_in_batch`` reaches a model that divides by it (in ``batch``, the call's arguments, or named in the
+    calling code's ``source``)."""
     if not isinstance(batch, Mapping) or not isinstance(batch.get("labels"), Tensor):
         return None
-    labels = batch["labels"]
+    rule = _task_rule(model, batch["labels"])
+    if rule is None:
+        return None
+    name = type(model).__name__
+    passed = batch.get(ITEM_COUNT) is not None or (source is not None and _PASSES_ITEM_COUNT.search(source))
+    divides = _divides_by_item_count(type(model)) if passed and rule.kind == "tokens" else False
+    if divides is None:
+        return None  # its source is unreadable: a token mean or a part of a sum, nothing tells
+    if not divides:
+        return rule, f"{name}'s loss"
+    return SUM, f"{name}'s loss with {ITEM_COUNT} (a sum over tokens divided by that count)"
+
+
+def _task_rule(model: nn.Module, labels: Tensor) -> LossNormalization | None:
+    """The rule of a ``transformers`` model's default loss for its task, or ``None`` for a task not known here."""
     name = type(model).__name__
     config = model.config
     tokens = LossNormalization("tokens", ("labels",))
     if getattr(config, "is_encoder_decoder", False) and "ForConditionalGeneration" in name:
-        rule = tokens  # decoder targets, aligned with the decoder's outputs
-    elif name.endswith(("ForCausalLM", "LMHeadModel")) or getattr(model, "loss_type", None) == "ForCausalLM":
-        rule = LossNormalization("tokens", ("labels",), shifted=True)
-    elif name.endswith(("ForMaskedLM", "ForTokenClassification")):
-        rule = tokens
-    elif name.endswith(("ForSequenceClassification", "ForImageClassification", "ForAudioClassification")):
+        return tokens  # decoder targets, aligned with the decoder's outputs
+    if name.endswith(("ForCausalLM", "LMHeadModel")) or getattr(model, "loss_type", None) == "ForCausalLM":
+        return LossNormalization("tokens", ("labels",), shifted=True)
+    if name.endswith(("ForMaskedLM", "ForTokenClassification")):
+        return tokens
+    if name.endswith(("ForSequenceClassification", "ForImageClassification", "ForAudioClassification")):
         # Cross-entropy ignores labels of -100; regression or multi-label is a mean over samples x outputs.
         single_label = config.num_labels > 1 and not labels.is_floating_point()
         cross_entropy = single_label and getattr(config, "problem_type", None) in (None, "single_label_classification")
-        rule = tokens if cross_entropy else SAMPLES
-    else:
-        return None
-    return rule, f"{name}'s loss"
+        return tokens if cross_entropy else SAMPLES
+    return None
 
 
-def _outermost_transformers_models(module: nn.Module) -> list[nn.Module]:
+@functools.cache
+def _divides_by_item_count(model_class: type) -> bool | None:
+    """Whether the model's ``forward`` hands its keyword arguments to ``self.loss_function``, whose cross-entropy
+    divides by ``num_items_in_batch``; ``False`` for one computing its loss otherwise, which ignores it (BERT's MLM
+    head); ``None`` when its source is unreadable."""
     try:
-        from transformers import PreTrainedModel
-    except ImportError:
-        return []
-    found: list[nn.Module] = []
-    inside: set[int] = set()
-    for sub in module.modules():  # parents come before their children
-        if id(sub) in inside or not isinstance(sub, PreTrainedModel):
-            continue
-        found.append(sub)
-        inside.update(id(m) for m in sub.modules())
-    return found
+        source = inspect.getsource(model_class.forward)
+    except (OSError, TypeError):
+        return None
+    return re.search(r"self\.loss_function\((?:[^()]|\((?:[^()]|\([^()]*\))*\))*\*\*", source) is not None
 
 
 def loss_producers(module: nn.Module, method: str) -> list[nn.Module]:
     """The modules whose outputs are losses: the loss modules ``method`` (or a method it calls) names, and the one
     outermost ``transformers`` model. A logged copy of their output merges by :func:`call_weight`, as one device's
     value, even when the step does not return it."""
-    models = _outermost_transformers_models(module)
+    models = outermost_transformers_models(module)
     criteria = [m for m in _named_criteria(module, method) if m.reduction != "none"]
     return criteria + (models if len(models) == 1 else [])
 
@@ -185,10 +208,12 @@ def loss_producers(module: nn.Module, method: str) -> list[nn.Module]:
 def call_weight(producer: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any], output: Any) -> Any:
     """What one call of a loss producer averages over, read from that call: its non-ignored labels (class-weighted)
     for a cross-entropy, ``"sum"`` for a sum, its samples for another mean, a ``transformers`` model's count by its
-    task; ``None`` when the call does not say."""
+    task (``"sum"`` with ``num_items_in_batch``); ``None`` when the call does not say (a loss module's own forward)."""
     if isinstance(producer, nn.modules.loss._Loss):
         if producer.reduction == "sum":
             return "sum"
+        if not has_torch_loss_forward(producer):
+            return None  # its own forward: what its mean counts is not in its options
         target = args[1] if len(args) > 1 else kwargs.get("target")
         class_indices = isinstance(target, Tensor) and not target.is_floating_point()
         if isinstance(producer, (nn.CrossEntropyLoss, nn.NLLLoss)) and class_indices:
@@ -243,6 +268,8 @@ def _rule_of(criterion: nn.Module, batch: Any) -> LossNormalization | None:
         return SUM
     if reduction not in ("mean", "batchmean"):
         return None  # "none": the step reduces the per-sample losses itself, in its own way
+    if not has_torch_loss_forward(criterion):
+        return None  # its own forward (shifted or masked labels): the options do not say what its mean counts
     if not isinstance(criterion, (nn.CrossEntropyLoss, nn.NLLLoss)):
         return SAMPLES  # a mean over elements: every sample holds as many
     key = _labels_key(batch)

@@ -184,9 +184,10 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         devices = self.parallel_devices
         if len(devices) == 1 or not args:
             return None, [1]
-        split = split_or_run_once(lambda: split_batch(args[0], devices, self.dim), [("batch", args[0])])
+        roots = [("batch", args[0])]
+        split = split_or_run_once(lambda: split_batch(args[0], devices, self.dim), roots)
         if split is None:
-            self._say_unsplit(f"the batch ({type(args[0]).__name__})", "the step")
+            self._say_unsplit(f"the batch ({type(args[0]).__name__})", "the step", roots)
             return None, [1]
         return split
 

@@ -1,11 +1,13 @@
 """``self.log`` from replicas: record per replica (they share the trainer's results), log once on the root module.
 
-A ``"mean"`` is weighted as one device would weigh it: a logged copy of the loss by the loss's own weights, else by
-``batch_size=``, else by sample counts; ``"sum"``, ``"max"`` and ``"min"`` act over replicas.
+One device logs one whole-batch value per step (``reduce_fx`` acts over steps), so: a logged copy of the loss
+merges as the loss does, whatever ``reduce_fx``; another ``"mean"`` is weighted by ``batch_size=``, else by sample
+counts; another ``"sum"``, ``"max"`` or ``"min"`` acts over replicas (the batch's count, maximum, minimum).
 """
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -102,25 +104,36 @@ def _merge_values(
     device = values[0].device
     dtype = torch.promote_types(values[0].dtype, torch.float32) if values[0].is_floating_point() else torch.float32
     stacked = stack_scalars(values, device, dtype)
-    if kind != "mean":
-        return getattr(stacked, kind)(), options
-    explicit = [call.options.get("batch_size") for _, call in entries]
     implied = [(implied_weights[i] if implied_weights else {}).get(tensor_key(call.value)) for i, call in entries]
+    loss = _merged_loss_copy(stacked, implied, device, dtype)
+    if kind != "mean":
+        # One device logs the step's whole-batch value; reduce_fx acts over the steps only. A copy of the loss is
+        # the whole-batch loss; other values reduce over the replicas (a count summed, a maximum of maxima).
+        return getattr(stacked, kind)() if loss is None else loss, options
+    explicit = [call.options.get("batch_size") for _, call in entries]
     counts = [sample_counts[index] for index, _ in entries]
     given = int(sum(float(b) for b in explicit)) if all(b is not None for b in explicit) else None
     # The step's weight in the epoch mean; Lightning would read it from the batch's first tensor (wrong for a
     # PerSample list of images).
     with_batch_size = {**options, "batch_size": sum(counts) if given is None else given}
-    if all(isinstance(b, str) for b in implied):  # a sum loss: one device logs the whole batch's sum
-        return stacked.sum(), with_batch_size
-    if all(isinstance(b, LossTermsTotal) for b in implied):  # the total of loss_terms: each term weighted
-        return LossTermsTotal.merge(implied, device, dtype), with_batch_size
-    if all(b is not None and not isinstance(b, str) for b in implied):
-        # A logged copy of the loss merges as the loss does; batch_size= only weights the step in the epoch mean.
-        mean = weighted_mean(stacked, stack_scalars(implied, device, dtype))
-        return mean, options if given is None else with_batch_size
+    if loss is not None:
+        # A copy of a mean loss: batch_size= only weights the step in the epoch mean.
+        by_count = not isinstance(implied[0], (str, LossTermsTotal))
+        return loss, options if by_count and given is None else with_batch_size
     weights = counts if given is None else explicit
     return weighted_mean(stacked, stack_scalars(weights, device, dtype)), with_batch_size
+
+
+def _merged_loss_copy(stacked: Tensor, implied: list[Any], device: torch.device, dtype: torch.dtype) -> Tensor | None:
+    """The replicas' values merged as the loss they are copies of merges (``implied``: each one's weight), or
+    ``None`` when they are not all copies of a loss."""
+    if all(isinstance(b, str) for b in implied):  # a sum loss: one device logs the whole batch's sum
+        return stacked.sum()
+    if all(isinstance(b, LossTermsTotal) for b in implied):  # the total of loss_terms: each term weighted
+        return LossTermsTotal.merge(implied, device, dtype)
+    if all(b is not None and not isinstance(b, (str, LossTermsTotal)) for b in implied):
+        return weighted_mean(stacked, stack_scalars(implied, device, dtype))
+    return None
 
 
 def _as_tensor(name: str, value: Any, enable_graph: bool) -> Tensor:
@@ -131,6 +144,9 @@ def _as_tensor(name: str, value: Any, enable_graph: bool) -> Tensor:
             )
         value = value.reshape(())
         return value if enable_graph else value.detach()
-    if isinstance(value, (int, float)):
+    if isinstance(value, numbers.Real) or (
+        isinstance(value, numbers.Number) and not isinstance(value, numbers.Complex)
+    ):
+        # What Lightning's log accepts: numbers (numpy scalars and bools included, complex ones excluded).
         return torch.tensor(float(value), dtype=torch.float64)
-    raise ValueError(f"self.log({name!r}, ...) got a {type(value).__name__}; log a number or a scalar tensor.")
+    raise ValueError(f"self.log({name!r}, ...) got a {type(value).__name__}; log a real number or a scalar tensor.")

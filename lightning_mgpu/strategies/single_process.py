@@ -6,8 +6,10 @@ device (``parallel_devices[0]``); the LightningModule is stored unwrapped, so ch
 
 from __future__ import annotations
 
+import collections
 import importlib
 import logging
+import operator
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -22,6 +24,7 @@ from typing_extensions import override
 from lightning_mgpu.parallel import collectives, sync_batchnorm
 from lightning_mgpu.parallel.replicas import SYNC_BATCHNORM_THREADS, ReplicaCache
 from lightning_mgpu.parallel.run_replicas import EXECUTION_MODES, ExecutionMode, add_note, resolve_mode
+from lightning_mgpu.parallel.scatter_gather import shared_state
 from lightning_mgpu.strategies.lightning_replicas import LightningReplicas
 from lightning_mgpu.strategies.loss_normalization import LossNormalization
 
@@ -42,8 +45,43 @@ class LightningNamespace:
     device_dtype_mixin: type
 
 
-def _public_list_lengths(module: nn.Module) -> dict[str, int]:
-    return {name: len(value) for name, value in vars(module).items() if isinstance(value, list) and name[0] != "_"}
+_GROWABLE = (list, collections.deque)
+_PLAIN = (bool, int, float, str)
+_MISSING = object()
+_ON_ROOT = (
+    "in `on_train_batch_end` / `on_validation_batch_end` (they run once, on the root, with the whole batch and the "
+    "gathered outputs)"
+)
+
+
+def _collection_lengths(module: nn.Module) -> dict[str, int]:
+    """Lengths of ``module``'s list and deque attributes, and of those one level into its dicts (only a dict whose
+    first value is one is read through, so a lookup table costs nothing)."""
+    lengths = {}
+    for name, value in vars(module).items():
+        if not isinstance(value, (*_GROWABLE, dict)):
+            continue
+        if not isinstance(value, dict):
+            lengths[name] = len(value)
+        elif value and isinstance(next(iter(value.values())), _GROWABLE):
+            lengths.update({f"{name}[{k!r}]": len(v) for k, v in value.items() if isinstance(v, _GROWABLE)})
+    return lengths
+
+
+def _rebound_attributes(snapshots: Sequence[tuple[nn.Module, dict[str, Any]]]) -> list[str]:
+    """Attributes that replicas rebound in their step, from ``(replica, its attributes before the step)`` pairs; a
+    plain value rebound to an equal one is not counted (nothing is lost)."""
+    rebound: list[str] = []
+    for replica, before in snapshots:
+        current = replica.__dict__
+        if len(current) == len(before) and all(map(operator.is_, current.values(), before.values())):
+            continue  # the common case, checked at C speed
+        for name, value in current.items():
+            old = before.get(name, _MISSING)
+            if value is old or name in rebound or (type(value) in _PLAIN and type(value) is type(old) and value == old):
+                continue
+            rebound.append(name)
+    return rebound
 
 
 class SingleProcessParallel:
@@ -279,19 +317,39 @@ class SingleProcessParallel:
             and root.trainer.fit_loop.epoch_loop._should_accumulate()
             and not self._reads_gradients_between_backward_passes(root)
         )
-        before = _public_list_lengths(module)
-        outputs = replicas.run(count, call, self._mode_for(replicas, count))
+        before = _collection_lengths(module)
+        snapshots: list[tuple[nn.Module, dict[str, Any]]] = []
+
+        def watched(index: int, replica: nn.Module) -> Any:
+            snapshots.append((replica, replica.__dict__.copy()))  # once prepared: what the step may rebind
+            return call(index, replica)
+
+        outputs = replicas.run(count, watched, self._mode_for(replicas, count))
+        self._say_replica_state(module, before, snapshots)
         replicas.merge_into(root, sample_counts, implied_weights(outputs) if implied_weights is not None else None)
-        for name, length in _public_list_lengths(module).items():
-            if length > before.get(name, length):
-                self._warn_once(
-                    f"list:{name}",
-                    f"`{type(module).__name__}.{name}` grew during a step that ran on {count} replicas: each "
-                    "appended its own shard's value, so the list holds one entry per device per step, in no fixed "
-                    "order under threads. Collect step outputs in `on_train_batch_end` / `on_validation_batch_end` "
-                    "(they receive the gathered outputs, once, on the root) or use a torchmetrics metric.",
-                )
         return outputs
+
+    def _say_replica_state(
+        self, module: nn.Module, lengths: dict[str, int], snapshots: Sequence[tuple[nn.Module, dict[str, Any]]]
+    ) -> None:
+        """Warn once per attribute of ``module`` whose one-device value the replicated step lost: a shared list, deque
+        or dict of lists that every replica grew, an attribute rebound on the replicas only."""
+        where = f"during a step that ran on {len(snapshots)} replicas"
+        for path, length in _collection_lengths(module).items():
+            if length > lengths.get(path, 0):
+                self._warn_once(
+                    f"list:{path.partition('[')[0]}",
+                    f"`{type(module).__name__}.{path}` grew {where}: each appended its own shard's value, so it holds "
+                    "one entry per device per step, in no fixed order under threads. Collect step outputs "
+                    f"{_ON_ROOT} or use a torchmetrics metric.",
+                )
+        for name in _rebound_attributes(snapshots):
+            self._warn_once(
+                f"rebound:{name}",
+                f"`{type(module).__name__}.{name}` was rebound {where}, on the replicas only (each replica has its "
+                "own attributes, and none is copied back), so the module keeps its value from before the step. "
+                f"Update it {_ON_ROOT}, or keep it in a torchmetrics metric, or log it with `self.log`.",
+            )
 
     def _reads_gradients_between_backward_passes(self, root: Any) -> bool:
         """Whether the LightningModule or a callback overrides ``on_after_backward``, or a parameter has gradient
@@ -309,8 +367,17 @@ class SingleProcessParallel:
             self._announced.add(key)
             warnings.warn(message, UserWarning, stacklevel=3)
 
-    def _say_unsplit(self, what: str, runs: str) -> None:
-        """Said once: ``what`` held nothing to split, so ``runs`` ran once, on the root device."""
+    def _say_unsplit(self, what: str, runs: str, roots: Sequence[tuple[str, Any]]) -> None:
+        """Said once: ``what`` (the ``(name, value)`` ``roots``) held nothing to split, or a cache every replica would
+        change, so ``runs`` ran once, on the root device."""
+        if (held := shared_state(roots)) is not None:
+            self._warn_once(
+                f"unsplit:cache:{runs}",
+                f"{self.strategy_name}: {what} holds {held}, a transformers cache that every replica would append its "
+                f"shard's keys and values to, so {runs} runs once, unsplit, on {self.root_device} while it holds one "
+                "(generate(), incremental decoding): nothing runs in parallel then. Calls without a cache are split.",
+            )
+            return
         self._warn_once(
             f"unsplit:{runs}",
             f"{self.strategy_name}: nothing in {what} can be split along dim {self.dim} (tensors are found in "

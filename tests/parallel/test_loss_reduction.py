@@ -270,3 +270,30 @@ def test_criterion_with_buffer_is_replicated_not_shared():
     plain = Recording()
     DataParallelCriterion(plain, ["cpu"] * 2)(outputs, targets)
     assert calls == [plain, plain]
+
+
+def _flat_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """A user's own token-mean loss: opaque to DataParallelCriterion."""
+    return nn.functional.cross_entropy(logits.permute(0, 2, 1).reshape(-1, VOCAB), targets.reshape(-1))
+
+
+def test_an_opaque_loss_is_said_to_be_sample_weighted_once_and_the_suggested_weight_fn_equals_one_device(recwarn):
+    tokens, targets = token_batch([5, 5, 2, 1, 5, 1])
+    reference = TokenModel()
+    ref_loss = _flat_cross_entropy(reference(tokens), targets)
+    model = DataParallelModel(TokenModel(), ["cpu"] * 3)
+    criterion = DataParallelCriterion(_flat_cross_entropy, ["cpu"] * 3)
+    with pytest.warns(UserWarning, match=r"_flat_cross_entropy loss by its sample count.*weight_fn=") as said:
+        loss = criterion(model(tokens), targets)
+        criterion(model(tokens), targets)
+    assert len([w for w in said if "sample count" in str(w.message)]) == 1
+    assert abs(loss.item() - ref_loss.item()) > 1e-3  # sample weights: not one device's token mean
+
+    fixed = DataParallelCriterion(_flat_cross_entropy, ["cpu"] * 3, weight_fn=lambda o, t: (t[0] != -100).sum())
+    assert abs(fixed(model(tokens), targets).item() - ref_loss.item()) < TOL
+    zeros = torch.zeros(len(tokens), VOCAB, SEQ, dtype=torch.float64)
+    known = [(nn.CrossEntropyLoss(), targets), (nn.functional.cross_entropy, targets), (nn.MSELoss(), zeros)]
+    for criterion, target in [*known, (functools.partial(nn.functional.mse_loss, reduction="mean"), zeros)]:
+        recwarn.clear()
+        DataParallelCriterion(criterion, ["cpu"] * 3)(model(tokens), target)
+        assert not [w for w in recwarn if "sample count" in str(w.message)], criterion

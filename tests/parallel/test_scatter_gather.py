@@ -11,7 +11,17 @@ from torch import nn
 
 import lightning_mgpu
 from lightning_mgpu.parallel import DataParallelCriterion, DataParallelModel, merge_outputs, split_batch
-from lightning_mgpu.parallel.scatter_gather import batch_size_of, move_to, split_arguments, split_sizes
+from lightning_mgpu.parallel.scatter_gather import (
+    BatchSplitError,
+    SharedStateError,
+    argument_roots,
+    batch_size_of,
+    move_to,
+    shared_state,
+    split_arguments,
+    split_or_run_once,
+    split_sizes,
+)
 
 CPU4 = ["cpu"] * 4
 Pair = namedtuple("Pair", ["left", "right"])
@@ -129,6 +139,25 @@ def test_non_tensor_values_passed_whole_and_gathered():
     assert isinstance(merged, lightning_mgpu.ReplicaValues) and list(merged) == ["a", "b"]
     # Lists of plain items with no tensor beside them are concatenated.
     assert merge_outputs([["a", "b"], ["c"]], "cpu") == ["a", "b", "c"]
+
+
+def test_outputs_padded_to_each_shards_length_come_back_per_replica_with_how_to_pad_them_alike():
+    merged = merge_outputs([torch.zeros(2, 5, 3), torch.zeros(2, 7, 3)], "cpu")
+    assert isinstance(merged, lightning_mgpu.ReplicaValues) and [o.shape[1] for o in merged] == [5, 7]
+    with pytest.raises(AttributeError, match=r"\(2, 5, 3\), \(2, 7, 3\)\] differ beyond dim 0.*total_length="):
+        merged.size()
+    plain = merge_outputs([object(), object()], "cpu")
+    with pytest.raises(AttributeError, match="return per-sample values"):
+        plain.size()
+
+
+def test_flat_ids_with_offsets_are_refused_with_how_to_pass_bags_per_sample():
+    ids, offsets = torch.arange(16), torch.tensor([0, 2, 5, 6, 9, 12, 15])
+    with pytest.raises(BatchSplitError, match=r"has size 16 but batch\[1\] has size 7.*EmbeddingBag.*PerSample"):
+        split_batch((ids, offsets), ["cpu"] * 2)
+    bags = lightning_mgpu.PerSample(list(ids.tensor_split(offsets[1:])))  # the fix the message gives
+    chunks, sizes = split_batch(bags, ["cpu"] * 2)
+    assert sizes == [4, 3] and torch.equal(torch.cat([*chunks[0], *chunks[1]]), ids)
 
 
 def test_tuples_of_per_sample_items_split_with_the_batch():
@@ -273,3 +302,40 @@ def test_transformers_model_output():
     chunks, _ = split_batch(SequenceClassifierOutput(logits=x), CPU4)
     assert all(type(c) is SequenceClassifierOutput for c in chunks)
     assert_same(merge_outputs(chunks, "cpu"), SequenceClassifierOutput(logits=x))
+
+
+class Cache:
+    """Named as transformers' base class, defined elsewhere: an ordinary object, passed whole."""
+
+
+def test_inputs_holding_a_transformers_cache_run_once_on_the_root():
+    """``past_key_values=DynamicCache(...)`` passed whole to every replica would collect every shard's keys and values
+    in the one object: the inputs are not split (:func:`split_or_run_once` says run once), and ``DataParallelModel``
+    runs the model once, unsplit, as one device does. A class merely named ``Cache`` is passed whole."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.cache_utils import DynamicCache
+
+    config = transformers.GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=1, n_head=2, attn_pdrop=0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).double().eval()
+    ids = torch.randint(0, 50, (5, 8), generator=torch.Generator().manual_seed(0))
+
+    kwargs = {"input_ids": ids, "past_key_values": DynamicCache()}
+    roots = argument_roots((), kwargs)
+    with pytest.raises(SharedStateError, match="DynamicCache"):
+        split_arguments((), kwargs, CPU4)
+    assert split_or_run_once(lambda: split_arguments((), kwargs, CPU4), roots) is None
+    assert shared_state(roots) == "kwargs['past_key_values'] (DynamicCache)"
+    assert len(split_arguments((ids, Cache()), {}, CPU4)[2]) == 4  # no transformers class in its MRO
+
+    def two_calls(run):  # the second call attends to the keys and values the first one cached
+        cache = DynamicCache()
+        first = run(input_ids=ids[:, :5], past_key_values=cache)
+        rest = run(input_ids=ids[:, 5:], past_key_values=cache)
+        return torch.cat([first.logits, rest.logits], dim=1)
+
+    expected = two_calls(model)
+    dp_model = DataParallelModel(model, CPU4)
+    got = two_calls(lambda **kw: dp_model(**kw)[0])
+    assert dp_model.last_split_sizes == ()  # run once, unsplit
+    assert torch.allclose(got, expected, atol=1e-12, rtol=0)

@@ -8,7 +8,7 @@ import torch
 from hf_models import build_model
 from torch import nn
 
-from lightning_mgpu.strategies.loss_normalization import LossNormalization, known_rule, uncombinable_loss
+from lightning_mgpu.strategies.loss_normalization import LossNormalization, call_weight, known_rule, uncombinable_loss
 
 LABELS = torch.tensor([[5, 6, -100, -100], [7, -100, 8, 9]])
 
@@ -154,3 +154,56 @@ def test_a_loss_module_the_training_step_never_names_decides_nothing():
     assert known_rule(ValidationOnlyCriterion(), batch) is None
     rule, _ = known_rule(TrainingCriterionInAHelper(), batch)  # named in a method the step calls
     assert rule.spec() == "sum"
+
+
+# --- num_items_in_batch ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("task", "expected"), [("causal_lm", "sum"), ("masked_lm", "tokens:labels")])
+def test_num_items_in_batch_makes_a_model_that_divides_by_it_sum(task, expected):
+    """GPT-2 hands it to its loss function (a sum over tokens divided by the count given): each shard's loss is a part
+    of one sum. BERT's MLM head computes its own mean and ignores it. Read from the batch and from one call."""
+    model = build_model(task, dtype=torch.float32)
+    counted = {"input_ids": torch.zeros(2, 4, dtype=torch.long), "labels": LABELS, "num_items_in_batch": 5}
+    rule, source = known_rule(nn.ModuleDict({"model": model}), counted)
+    assert rule.spec() == expected and ("num_items_in_batch" in source) == (expected == "sum")
+    assert (call_weight(model, (), counted, None) == "sum") == (expected == "sum")
+    assert call_weight(model, (), {**counted, "num_items_in_batch": None}, None) != "sum"
+
+
+class CountPassedInTheStep(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = build_model("causal_lm", dtype=torch.float32)
+        self.items = 5
+
+    def training_step(self, batch, batch_idx):
+        return self.model(**batch, num_items_in_batch=self.items).loss
+
+    def validation_step(self, batch, batch_idx):
+        return self.model(**{k: v for k, v in batch.items() if k != "num_items_in_batch"}).loss
+
+
+def test_num_items_in_batch_passed_in_the_step_is_read_from_its_code():
+    batch = {"input_ids": torch.zeros(2, 4, dtype=torch.long), "labels": LABELS}
+    assert known_rule(CountPassedInTheStep(), batch)[0].spec() == "sum"
+    assert known_rule(CountPassedInTheStep(), batch, "validation_step")[0].spec() == "shifted_tokens:labels"
+
+
+# --- loss modules with a forward of their own ------------------------------------------------------------------------
+class ShiftedCE(nn.CrossEntropyLoss):
+    def forward(self, logits, labels):
+        return super().forward(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+
+
+class RenamedCE(nn.CrossEntropyLoss):
+    """A subclass that keeps torch's forward: its options still say what it counts."""
+
+
+def test_a_subclass_with_its_own_forward_says_no_mean_but_still_a_sum():
+    batch = {"input_ids": torch.zeros(2, 4, dtype=torch.long), "labels": LABELS}
+    assert known_rule(nn.ModuleDict({"criterion": ShiftedCE()}), batch) is None
+    assert known_rule(nn.ModuleDict({"criterion": ShiftedCE(reduction="sum")}), batch)[0].spec() == "sum"
+    assert known_rule(nn.ModuleDict({"criterion": RenamedCE()}), batch)[0].spec() == "tokens:labels"
+    logits = torch.zeros(2, 4, 3)
+    assert call_weight(ShiftedCE(), (logits, LABELS), {}, None) is None
+    assert call_weight(ShiftedCE(reduction="sum"), (logits, LABELS), {}, None) == "sum"
+    assert call_weight(RenamedCE(), (logits.flatten(0, 1), LABELS.flatten()), {}, None).item() == 5

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from decimal import Decimal
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 from lightning_mgpu.strategies.replica_logging import LogRecorder, merge_and_log
+from lightning_mgpu.strategies.step_outputs import tensor_key
 
 
 class Root:
@@ -68,3 +71,36 @@ def test_replicas_that_log_a_name_differently_are_refused():
     recorders[1].log("x", torch.tensor(1.0), prog_bar=False)
     with pytest.raises(ValueError, match="Replicas logged 'x' with different options"):
         merge_and_log(Root(), recorders, [1, 1], lambda _: None)
+
+
+@pytest.mark.parametrize("reduce_fx", ["mean", "sum", "max", "min", max])
+def test_a_logged_copy_of_the_loss_merges_as_the_loss_whatever_reduce_fx(reduce_fx: Any):
+    """One device logs the whole-batch loss once per step; reduce_fx acts over steps, not over the replicas."""
+    losses = [torch.tensor(1.0, dtype=torch.float64), torch.tensor(4.0, dtype=torch.float64)]
+    recorders = [LogRecorder(), LogRecorder()]
+    for recorder, loss in zip(recorders, losses, strict=True):
+        recorder.log("loss", loss.detach(), reduce_fx=reduce_fx)
+    root = Root()
+    implied = [{tensor_key(loss): weight} for loss, weight in zip(losses, [3, 1], strict=True)]
+    merge_and_log(root, recorders, [2, 2], lambda _: None, implied)
+    value, options = root.logged["loss"]
+    assert value.item() == pytest.approx((3 * 1.0 + 1 * 4.0) / 4, rel=0, abs=1e-15)  # by the loss's weights
+    assert options["reduce_fx"] is reduce_fx  # Lightning applies it over the steps
+
+
+@pytest.mark.parametrize("value", [np.float32(0.5), np.float64(0.5), np.int64(3), True, Decimal("0.5")])
+def test_numbers_lightning_logs_are_accepted(value: Any):
+    recorders = [LogRecorder(), LogRecorder()]
+    for recorder in recorders:
+        recorder.log("x", value, reduce_fx="max")
+    root = Root()
+    merge_and_log(root, recorders, [1, 1], lambda _: None)
+    assert root.logged["x"][0].item() == float(value)
+
+
+@pytest.mark.parametrize("value", [np.array(0.5), np.bool_(True), 1j])
+def test_what_lightning_refuses_to_log_is_refused(value: Any):
+    recorder = LogRecorder()
+    recorder.log("x", value)
+    with pytest.raises(ValueError, match=r"self.log\('x', ...\) got a .*; log a real number or a scalar tensor"):
+        merge_and_log(Root(), [recorder], [1], lambda _: None)

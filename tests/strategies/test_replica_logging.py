@@ -1,14 +1,18 @@
 """Replica logging and metrics edge cases: zero-weight shards, loss_weight-implied weights, builtin reduce_fx,
-metrics with unreduced states, and a failed step leaving no state behind."""
+logged copies of the loss with every reduce_fx, numpy scalars, metrics with unreduced states, a failed step
+leaving no state behind, and the warnings for step outputs kept in attributes and attributes rebound in a step."""
 
 from __future__ import annotations
 
+import collections
+import warnings
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torchmetrics
-from strategy_models import Classifier, clone, loader, metrics, seeded, trainer
+from strategy_models import NAMESPACES, Classifier, clone, loader, metrics, models, seeded, trainer
 from torch import nn
 
 import lightning_mgpu
@@ -176,3 +180,149 @@ def test_appending_to_a_list_attribute_inside_a_replicated_step_warns_once():
         trainer("parallel_criterion", 2, limit_val_batches=3).validate(module, loader(8), verbose=False)
     assert len(module.losses) == 6  # one entry per device per step: the reason for the warning
     assert sum("grew during a step" in str(w.message) for w in seen) == 1
+
+
+class LoggedLossCopies(Classifier):
+    """Logs its loss with every reduce_fx. One device logs the whole-batch loss each step (reduce_fx acts over the
+    steps), so the replicas' copies must merge as the loss: a mean, by loss_weight, term by term, or summed."""
+
+    def __init__(self, loss: str = "mean") -> None:
+        super().__init__()
+        self.loss = loss
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        logits = self(x)
+        labels = torch.where(x[:, 0] > 0, y, -100)  # about half the rows ignored
+        output: Any
+        if self.loss == "sum":  # under loss_reduction="sum"
+            loss = output = nn.functional.cross_entropy(logits, y, reduction="sum")
+        elif self.loss == "loss_weight":
+            loss = nn.functional.cross_entropy(logits, labels)
+            output = {"loss": loss, lightning_mgpu.LOSS_WEIGHT_KEY: (labels != -100).sum()}
+        elif self.loss == "loss_terms":
+            token, sample = nn.functional.cross_entropy(logits, labels), (logits**2).mean()
+            loss = token + sample
+            terms = {"token": (token, (labels != -100).sum()), "sample": (sample, len(y))}
+            output = {"loss": loss, lightning_mgpu.LOSS_TERMS_KEY: terms}
+        else:
+            loss = output = nn.functional.cross_entropy(logits, y)
+        for reduce_fx in ("mean", "max", "min", "sum"):
+            self.log(f"loss_{reduce_fx}", loss, reduce_fx=reduce_fx, on_step=True, on_epoch=True)
+        return output
+
+
+@pytest.mark.parametrize("devices", [2, 3])
+@pytest.mark.parametrize("loss", ["mean", "loss_weight", "loss_terms", "sum"])
+def test_logged_copies_of_the_loss_equal_one_device_with_every_reduce_fx(loss: str, devices: int):
+    base = seeded(LoggedLossCopies, loss=loss)
+    strategy = lightning_mgpu.ParallelCriterionStrategy(loss_reduction="sum" if loss == "sum" else "auto")
+    single, multi = trainer("auto", 1, max_epochs=1), trainer(strategy, devices, max_epochs=1)
+    single.fit(clone(base), loader(7))  # 40 samples: the last batch holds 5
+    multi.fit(clone(base), loader(7))
+    ref, got = metrics(single), metrics(multi)
+    names = [f"loss_{fx}_{when}" for fx in ("mean", "max", "min", "sum") for when in ("step", "epoch")]
+    assert {n: got[n] for n in names} == pytest.approx({n: ref[n] for n in names}, rel=1e-12, abs=0)
+    assert ref["loss_max_epoch"] > ref["loss_min_epoch"]
+
+
+class LogsNumpyScalars(Classifier):
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        self.log("count", np.int64(len(y)), reduce_fx="sum", on_step=True, on_epoch=True)
+        self.log("max_x", np.float32(x.max().item()), reduce_fx="max", on_step=True, on_epoch=True)
+        self.log("quarter", np.float64(0.25), on_step=True, on_epoch=True)
+        self.log("half", np.float16(0.5))
+        self.log("flag", True, reduce_fx="min")
+        return super().training_step(batch, batch_idx)
+
+
+def test_numpy_scalars_and_bools_are_logged_as_on_one_device():
+    """Lightning's ``self.log`` takes any ``numbers.Number`` (numpy's scalars are registered as such)."""
+    base = seeded(LogsNumpyScalars)
+    single, multi = trainer("auto", 1, max_epochs=1), trainer("parallel_criterion", 3, max_epochs=1)
+    single.fit(clone(base), loader(7))
+    multi.fit(clone(base), loader(7))
+    ref, got = metrics(single), metrics(multi)
+    names = ["count_step", "count_epoch", "max_x_step", "max_x_epoch", "quarter_step", "quarter_epoch", "half", "flag"]
+    assert {n: got[n] for n in names} == {n: ref[n] for n in names}
+    assert (ref["count_epoch"], ref["flag"]) == (40.0, 1.0)
+
+
+class KeepsOutputs(Classifier):
+    """Step outputs kept in a private list, a deque or a dict of lists: grown once per device per step."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+
+    def on_validation_epoch_start(self) -> None:
+        if self.kind == "private_list":
+            self._losses: list[torch.Tensor] = []
+        elif self.kind == "deque":
+            self.recent: collections.deque[torch.Tensor] = collections.deque(maxlen=100)
+        else:
+            self.outputs: dict[str, list[torch.Tensor]] = collections.defaultdict(list)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x), y)
+        if self.kind == "private_list":
+            self._losses.append(loss)
+        elif self.kind == "deque":
+            self.recent.append(loss)
+        else:
+            self.outputs["loss"].append(loss)
+            self.outputs["size"].append(torch.tensor(len(y)))
+
+
+@pytest.mark.parametrize(
+    ("kind", "path"), [("private_list", "_losses"), ("deque", "recent"), ("dict_of_lists", "outputs['loss']")]
+)
+def test_a_private_list_deque_or_dict_of_lists_grown_in_a_replicated_step_warns_once(kind: str, path: str):
+    module = seeded(KeepsOutputs, kind=kind)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer("parallel_criterion", 2, limit_val_batches=3).validate(module, loader(8), verbose=False)
+    said = [str(w.message) for w in seen if "grew during a step" in str(w.message)]
+    assert len(said) == 1  # one per attribute, a dict's two lists included
+    assert said[0].startswith(f"`KeepsOutputs.{path}` grew during a step that ran on 2 replicas")
+
+
+@pytest.mark.parametrize("namespace", NAMESPACES)
+def test_an_attribute_rebound_in_the_step_warns_once_and_the_suggested_hook_equals_one_device(namespace: str):
+    base_cls = models(namespace).Classifier
+
+    class CountsInStep(base_cls):  # type: ignore[misc, valid-type]
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen = 0
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            self.seen += len(batch[1])  # each replica rebinds its own `seen`
+            return super().training_step(batch, batch_idx)
+
+    class CountsOnRoot(CountsInStep):  # the fix the warning suggests
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            return base_cls.training_step(self, batch, batch_idx)
+
+        def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+            self.seen += len(batch[1])
+
+    def fit(module: Any, strategy: str, devices: int) -> list[str]:
+        run = trainer(strategy, devices, namespace, max_epochs=1, limit_train_batches=3, limit_val_batches=2)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            run.fit(module, loader(10), loader(10))
+        return [str(w.message) for w in seen if "was rebound" in str(w.message) or "grew during" in str(w.message)]
+
+    rebinding = seeded(CountsInStep)
+    said = fit(rebinding, "parallel_criterion", 2)
+    assert rebinding.seen == 0  # what the warning is about
+    assert len(said) == 1 and said[0].startswith("`CountsInStep.seen` was rebound during a step that ran on 2 replicas")
+    assert "on the replicas only" in said[0] and "keeps its value from before the step" in said[0]
+    assert "on_train_batch_end" in said[0]
+    reference, fixed = seeded(CountsOnRoot), seeded(CountsOnRoot)
+    fit(reference, "auto", 1)
+    assert fit(fixed, "parallel_criterion", 2) == []  # nothing the strategy sets per replica is taken for a rebind
+    assert fixed.seen == reference.seen == 30

@@ -8,6 +8,9 @@
 * ``dp`` with ``self(**batch).loss`` combines the replicas' ``ModelOutput.loss`` the same way; with
   ``self.model(**batch)`` it warns once that the step ran on one device;
 * ``bf16-mixed`` stays within bf16's tolerance of one device;
+* ``num_items_in_batch`` (the whole batch's count) makes GPT-2's loss a part of one sum: the shards are summed, under
+  both strategies; BERT's MLM head ignores it (its token mean stays);
+* ``dp`` runs a forward whose arguments hold a ``DynamicCache`` once, on the root (every replica would append to it);
 * with dropout on, the auto run equals the declared run bit for bit: no extra forward drew random numbers.
 
 GPT-2's loss is computed by transformers on ``logits.float()`` (``ForCausalLMLoss``), i.e. in float32 even for a
@@ -264,3 +267,126 @@ def test_masked_lm_under_pytorch_lightning(root, reduction):
     else:
         assert got.decisions() == [] and got.normalisation_warnings() == []
     assert_equal_runs(got, expected)
+
+
+# --- num_items_in_batch: a sum over tokens divided by the whole batch's count ----------------------------------------
+def _item_count(task: str, labels: torch.Tensor) -> torch.Tensor:
+    """What a causal LM's or masked LM's loss counts: the labels that are not -100 (after the shift, for causal LMs)."""
+    return ((labels[:, 1:] if task == "causal_lm" else labels) != -100).sum()
+
+
+def _counted_module(task: str, passed: str, style: str) -> Any:
+    """Trains with ``num_items_in_batch`` = the whole batch's count: ``passed="batch"``, a key the collate function
+    adds (``self.model(**batch)``); ``passed="step"``, counted in ``on_train_batch_start`` and passed in the step.
+    Validation calls the model without it (the model's own mean)."""
+
+    class Counted(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = build_model(task)
+            self.items: torch.Tensor | None = None
+
+        def forward(self, **batch: torch.Tensor) -> Any:
+            return self.model(**batch)
+
+        def on_train_batch_start(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+            self.items = _item_count(task, batch["labels"])  # the whole batch, on the root, before the step
+
+        def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+            call = self if style == "forward" else self.model
+            out = call(**batch) if passed == "batch" else call(**batch, num_items_in_batch=self.items)
+            self.log("loss", out.loss, on_step=True, on_epoch=True)
+            return out.loss
+
+        def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+            call = self if style == "forward" else self.model
+            self.log("val_loss", call(**{k: v for k, v in batch.items() if k != "num_items_in_batch"}).loss)
+
+        def val_dataloader(self) -> Any:
+            return token_loader(task, 7, steps=2, seed=5)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.5)
+
+    return Counted()
+
+
+def _counted_loader(task: str, passed: str) -> Any:
+    loader = token_loader(task, 7)
+    if passed != "batch":
+        return loader
+
+    def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        batch = torch.utils.data.default_collate(samples)
+        return {**batch, "num_items_in_batch": _item_count(task, batch["labels"])}
+
+    return torch.utils.data.DataLoader(loader.dataset, batch_size=7, collate_fn=collate)
+
+
+@pytest.mark.parametrize("passed", ["batch", "step"])
+@pytest.mark.parametrize("strategy", ["parallel_criterion", "dp"])
+@pytest.mark.parametrize("task", ["causal_lm", "masked_lm"])
+def test_num_items_in_batch_equals_one_device(root, task, strategy, passed):
+    """GPT-2's loss with ``num_items_in_batch`` (the whole batch's count) is a sum over tokens divided by it: each
+    shard's loss is a part of that sum, so the shards are summed (said once), and training, logged losses and the
+    validation loss (called without it: the model's own mean) equal one device. BERT's MLM head ignores the count:
+    its token mean stays. 7 samples over 2 devices (4 + 3)."""
+    style = "forward" if strategy == "dp" else "model"
+    expected = fit(_counted_module(task, passed, style), "auto", 1, _counted_loader(task, passed), root)
+    got = fit(_counted_module(task, passed, style), strategy, 2, _counted_loader(task, passed), root)
+    assert "val_loss" in got.final
+    assert got.normalisation_warnings() == [] and got.unreplicated_warnings() == []
+    summed = [line for line in got.decisions() if "num_items_in_batch" in line]  # validation's rule is said apart
+    assert len(summed) == (task == "causal_lm") and all("loss_reduction='sum'" in line for line in summed), summed
+    assert_equal_runs(got, expected, atol=TOLERANCE.get(task, 1e-10))
+
+
+# --- dp: a transformers cache in a replicated forward's arguments ---------------------------------------------------
+def _cached_module() -> Any:
+    from transformers.cache_utils import DynamicCache
+
+    class Cached(L.LightningModule):
+        """Two forward calls that share one ``DynamicCache`` (a prefix, then the rest of each sequence)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = build_model("causal_lm")
+
+        def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+            ids, mask = batch["input_ids"], batch["attention_mask"]
+            cache = DynamicCache()
+            first = self.model(input_ids=ids[:, :5], attention_mask=mask[:, :5], past_key_values=cache)
+            rest = self.model(input_ids=ids[:, 5:], attention_mask=mask, past_key_values=cache)
+            logits = torch.cat([first.logits, rest.logits], dim=1)
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten())
+            self.log("loss", loss, on_step=True, on_epoch=True)
+            return loss
+
+        def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+            return self.model.generate(input_ids=batch["input_ids"], max_new_tokens=3, do_sample=False)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.5)
+
+    return Cached()
+
+
+def test_dp_runs_a_forward_holding_a_cache_once_and_equals_one_device(root):
+    """``past_key_values=DynamicCache(...)`` passed whole to every replica would collect every shard's keys and values
+    (a shape error, or wrong logits): a forward whose arguments hold a cache runs once, on the root, said once; training
+    equals one device, and so does ``generate()`` (whose forward calls all hold its cache)."""
+    from lightning_mgpu import DataParallelStrategy
+
+    expected = fit(_cached_module(), "auto", 1, token_loader("causal_lm", 7), root)
+    got = fit(_cached_module(), DataParallelStrategy(parallel_modules=["model"]), 2, token_loader("causal_lm", 7), root)
+    said = [w for w in got.warnings if w.startswith("dp:")]
+    assert len(said) == 1 and "kwargs['past_key_values'] (DynamicCache)" in said[0] and "runs once" in said[0], said
+    assert_equal_runs(got, expected, atol=1e-6)
+
+    ids = token_loader("causal_lm", 7, steps=1).dataset.items["input_ids"][:, :3]  # every row holds 3 tokens or more
+    data = torch.utils.data.DataLoader([{"input_ids": row} for row in ids], batch_size=7)
+    predictions = [
+        L.Trainer(accelerator="cpu", devices=n, strategy=s, logger=False).predict(got.module, data)[0]
+        for n, s in ((1, "auto"), (2, DataParallelStrategy(parallel_modules=["model"])))
+    ]
+    assert predictions[0].shape == (7, 6) and torch.equal(predictions[0], predictions[1])
