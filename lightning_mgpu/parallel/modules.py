@@ -40,6 +40,38 @@ from lightning_mgpu.parallel.scatter_gather import (
 WeightFn = Callable[[Any, tuple[Any, ...]], float | int | Tensor]
 
 
+def split_sensitive_layers(module: nn.Module) -> list[str]:
+    """One line per layer of ``module`` whose result depends on how the batch is split, beyond what the strategies
+    combine: embeddings that scale gradients by the batch's token frequencies or renormalise looked-up rows in place."""
+    found = []
+    for name, sub in module.named_modules():
+        if not isinstance(sub, (nn.Embedding, nn.EmbeddingBag)):
+            continue
+        if sub.scale_grad_by_freq:
+            found.append(
+                f"{name or type(sub).__name__} (scale_grad_by_freq=True) scales its gradient by each device's token "
+                "frequencies, not the whole batch's"
+            )
+        if sub.max_norm is not None:
+            found.append(
+                f"{name or type(sub).__name__} (max_norm={sub.max_norm}) renormalises the rows it looks up in place "
+                "during forward: rows renormalised on devices other than the first are lost, and a weight tied to "
+                "another layer is read by each replica before or after the others' renormalisation"
+            )
+    return found
+
+
+def say_split_sensitive_layers(module: nn.Module, who: str) -> None:
+    """Warn once per call site that ``module``'s results can differ from one device's, naming the layers."""
+    if layers := split_sensitive_layers(module):
+        warnings.warn(
+            f"{who}: {'; '.join(layers)}, so results can differ from one device's. Without that option the layer "
+            "trains as on one device.",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
 class DataParallelModel(nn.Module):
     """Run ``module`` on chunks of the batch on several devices; return the per-device outputs, not gathered.
 
@@ -74,6 +106,8 @@ class DataParallelModel(nn.Module):
         self.last_split_sizes: tuple[int, ...] = ()
         self._replicas: ReplicaCache[ReplicaSet] = ReplicaCache(ReplicaSet)
         check_module_on(module, self.device_ids[0])
+        if len(self.device_ids) > 1:
+            say_split_sensitive_layers(module, "DataParallelModel")
 
     def forward(self, *inputs: Any, **kwargs: Any) -> list[Any]:
         if len(self.device_ids) == 1:

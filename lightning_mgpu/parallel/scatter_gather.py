@@ -145,7 +145,7 @@ def _infer_from_roots(roots: Sequence[tuple[str, Any]], dim: int, what: str) -> 
     for path, other, shown in sized:
         if other != size:
             lists = ", and every PerSample list," if marked else ""
-            hint = None if marked else _per_sample_hint(roots, tensors, dim) or _FLAT_HINT
+            hint = None if marked else _per_sample_hint(roots, tensors, dim) or _flat_ids_hint(tensors)
             raise BatchSplitError(
                 f"Cannot split the batch along dim {dim}: {first} but {path} has {shown}. Every tensor with a batch "
                 f"dimension{lists} must have the same batch size." + (f" {hint}" if hint else "")
@@ -155,10 +155,15 @@ def _infer_from_roots(roots: Sequence[tuple[str, Any]], dim: int, what: str) -> 
     return size
 
 
-_FLAT_HINT = (
-    "If one of them is not per-sample (flat token ids with offsets, as nn.EmbeddingBag takes), pass one item per "
-    "sample instead, e.g. lightning_mgpu.PerSample(list_of_bags) from your collate_fn, and flatten it in forward."
-)
+def _flat_ids_hint(tensors: Sequence[tuple[str, Tensor]]) -> str | None:
+    """Advice for flat ids with offsets (``nn.EmbeddingBag``'s input), given only when the batch is 1-D integer tensors
+    (anything else that disagrees is not helped by marking)."""
+    if len(tensors) < 2 or any(t.dim() != 1 or t.is_floating_point() or t.is_complex() for _, t in tensors):
+        return None
+    return (
+        "If these are flat ids with offsets (as nn.EmbeddingBag takes), pass one item per sample instead, e.g. "
+        "lightning_mgpu.PerSample(list_of_bags) from your collate_fn, and flatten it in forward."
+    )
 
 
 def _per_sample_hint(roots: Sequence[tuple[str, Any]], tensors: Sequence[tuple[str, Tensor]], dim: int) -> str | None:

@@ -22,6 +22,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_mgpu.parallel import collectives, sync_batchnorm
+from lightning_mgpu.parallel.modules import say_split_sensitive_layers
 from lightning_mgpu.parallel.replicas import SYNC_BATCHNORM_THREADS, ReplicaCache
 from lightning_mgpu.parallel.run_replicas import EXECUTION_MODES, ExecutionMode, add_note, resolve_mode
 from lightning_mgpu.parallel.scatter_gather import shared_state
@@ -247,6 +248,7 @@ class SingleProcessParallel:
         where = ", ".join(map(str, devices))
         mode = "in threads, one per device" if threads else "one after another"
         self._log(f"{self.strategy_name}: {len(devices)} replicas on {where}{virtual}; replicas run {mode}{chosen}.")
+        say_split_sensitive_layers(self.lightning_module, self.strategy_name)
 
     @override
     def teardown(self) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -167,3 +169,13 @@ def test_merge_and_run_replicas_errors():
         merge_outputs([{"a": torch.zeros(1)}, {"b": torch.zeros(1)}], "cpu")
     with pytest.raises(ValueError, match="2 functions for 3 devices"):
         run_replicas([lambda: 1, lambda: 2], ["cpu"] * 3)
+
+
+def test_embeddings_whose_result_depends_on_the_split_are_named_once_at_wrapping():
+    coupled = nn.Sequential(nn.Embedding(10, 4, scale_grad_by_freq=True), nn.Embedding(10, 4, max_norm=1.0))
+    with pytest.warns(UserWarning, match=r"DataParallelModel: 0 \(scale_grad_by_freq=True\).*; 1 \(max_norm=1.0\)"):
+        DataParallelModel(coupled, ["cpu"] * 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        DataParallelModel(nn.Embedding(10, 4, padding_idx=0), ["cpu"] * 2)
+        DataParallelModel(coupled, ["cpu"])  # one device: nothing is split

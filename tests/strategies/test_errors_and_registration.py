@@ -173,3 +173,15 @@ def test_a_batch_with_nothing_to_split_says_once_that_nothing_runs_in_parallel(s
     single = seeded(OnCustomBatches)
     trainer("auto", 1, max_epochs=1, limit_val_batches=0).fit(single, batches)
     torch.testing.assert_close(list(multi.parameters()), list(single.parameters()), rtol=0, atol=1e-10)
+
+
+class FrequencyScaledEmbedding(Classifier):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = torch.nn.Embedding(5, 2, scale_grad_by_freq=True)
+
+
+@pytest.mark.parametrize("strategy", ["parallel_criterion", "dp"])
+def test_a_layer_whose_result_depends_on_the_split_is_named_at_setup(strategy):
+    with pytest.warns(UserWarning, match=rf"{strategy}: embedding \(scale_grad_by_freq=True\) scales its gradient"):
+        trainer(strategy, 2, max_steps=1).fit(seeded(FrequencyScaledEmbedding), loader(4))
