@@ -111,33 +111,14 @@ class ReplicaParameters:
         self.passes = 0  # backward passes through the replicas since the last reduction
 
     def _make_leaves(self, device: torch.device) -> list[nn.Parameter]:
-        return [nn.Parameter(self._home(device, j), requires_grad=p.requires_grad) for j, p in enumerate(self.params)]
-
-    def _home(self, device: torch.device, j: int) -> Tensor:
-        """Where a leaf for ``params[j]`` on ``device`` keeps its values: the original's own storage on the root
-        (shared), its place in the device's flat buffer elsewhere."""
-        p = self.params[j]
-        if device == self.root:
-            return alias(p, 0, p.shape, p.stride())
-        return alias(self._storage[device][p.dtype], self._groups.offsets[j], p.shape)
-
-    def adopt(self, rebound: Sequence[tuple[int, int]]) -> None:
-        """Leaves ``(replica, j)`` whose ``.data`` a step rebound (``key.data = ...``) go back to their own storage,
-        keeping their new values there; replica 0's become the originals' (as the rebinding would on one device), and
-        the next :meth:`sync` copies the originals to every other device again."""
-        with torch.no_grad():
-            for i, j in set(rebound):
-                leaf, device, original = self.leaves[i][j], self.devices[i], self.params[j]
-                value = leaf.detach()
-                same = value.shape == original.shape and value.dtype == original.dtype
-                if i == 0 and same:
-                    original.copy_(value)
-                elif i == 0:  # a new shape or dtype: the original takes it, and the next sync rebuilds the leaves
-                    original.data = value.to(original.device)
-                if same and device != self.root:  # leaves on the root share the original's storage
-                    self._home(device, j).copy_(value)
-                leaf.data = self._home(device, j)
-        self._stamp = None
+        leaves = []
+        for j, p in enumerate(self.params):
+            if device == self.root:  # the original's own storage, shared
+                data = alias(p, 0, p.shape, p.stride())
+            else:
+                data = alias(self._storage[device][p.dtype], self._groups.offsets[j], p.shape)
+            leaves.append(nn.Parameter(data, requires_grad=p.requires_grad))
+        return leaves
 
     def _set_trainable(self, trainable: list[bool]) -> None:
         self._trainable = trainable
@@ -364,8 +345,7 @@ class ReplicaBuffers:
         for k, source in enumerate(self.sources):
             if source is old:
                 self.sources[k] = new
-                indices = self._groups.indices[new.dtype]
-                self._flattened[new.dtype] = _Flattened([self.sources[j] for j in indices])
+                self._flattened[new.dtype] = _Flattened([self.sources[j] for j in self._groups.indices[new.dtype]])
                 self._stamp = None
                 return True
         return False

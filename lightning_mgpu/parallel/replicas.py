@@ -20,7 +20,6 @@ from lightning_mgpu.parallel.compiled import compiled_call, is_compiled, is_opti
 from lightning_mgpu.parallel.devices import DeviceLike, distinct_cuda, to_device
 from lightning_mgpu.parallel.flat_replicas import DtypeGroups, ReplicaBuffers, ReplicaParameters, Slot
 from lightning_mgpu.parallel.library_hooks import install_output_capturing_hooks
-from lightning_mgpu.parallel.replica_group import current_replica
 from lightning_mgpu.parallel.run_replicas import ExecutionMode, resolve_mode
 from lightning_mgpu.parallel.scatter_gather import iter_tensors
 from lightning_mgpu.parallel.sync_batchnorm import SyncBatchNorm, uses_sync_batchnorm
@@ -47,16 +46,13 @@ class ReplicaSet:
     """Lasting replicas of ``module``, one per device of ``devices`` (devices may repeat: "virtual devices").
 
     Call :meth:`prepare` before each step and :meth:`watch` right after it. Buffers: replica 0 shares the originals,
-    the others hold copies refreshed when either side changed; a buffer that a step rebinds (``self.center = ...``)
-    takes replica 0's value, ``nn.DataParallel``'s rule for buffers (equal to one device when every replica computes
-    the same value, e.g. from an ``all_gather``), and so does a parameter's ``.data`` that a step rebinds on replicas
-    with their own parameters. A parameter changed in place in a step changes once per replica: as on one device
-    where each replica holds its own (other devices; replica 0's, on the root, is the original's storage), an error
-    where several hold one storage (on one device). Attributes rebound on the originals are copied to the replicas,
-    except ``overrides`` (set per replica by the owner); a structural change rebuilds them (:attr:`builds` counts
-    builds). Every replica holds the original of a ``shared(submodule)`` (``on_build`` may swap in per-replica
-    objects). Compiled modules get replicas that run the original's compilation on their own tensors
-    (:mod:`.compiled`).
+    the others hold copies refreshed when either side changed; a buffer a step rebinds (``self.center = ...``) takes
+    replica 0's value (``nn.DataParallel``'s rule for buffers). A parameter changed in place in a step where several
+    replicas hold its storage (on one device) raises: the change would run once per replica. Attributes rebound on
+    the originals are copied to the replicas, except ``overrides`` (set per replica by the owner); a structural change
+    rebuilds them (:attr:`builds` counts builds). Every replica holds the original of a ``shared(submodule)``
+    (``on_build`` may swap in per-replica objects). Compiled modules get replicas that run the original's compilation
+    on their own tensors (:mod:`.compiled`).
     """
 
     def __init__(
@@ -80,12 +76,12 @@ class ReplicaSet:
         self._owning = False
         self._queued = False
         self._queue_lock = threading.Lock()
-        self._run: _RunRecord | None = None  # what the replicas do between prepare() and watch()
+        self._run: _Run | None = None  # between prepare() and watch()
         self._build()
 
     # --- build -------------------------------------------------------------------------------------------------------
     def _build(self) -> None:
-        self._stop_run()  # a run that raised before watch(): its replicas are dropped
+        self._end_run(adopt=True)  # a step that raised before watch(): keep what replica 0 rebound
         install_output_capturing_hooks(self.module)  # before the copies: each would install them again
         self._originals = _walk(self.module, self._shared)
         position = {id(m): k for k, m in enumerate(self._originals)}
@@ -106,12 +102,18 @@ class ReplicaSet:
                 self._build_replica(i, device, position, param_index, buffer_index)
         self._buffers = ReplicaBuffers(buffers, self._buffer_slots, self.devices)
         self._flat: ReplicaParameters | None = None  # built on the first step that needs the replicas' own leaves
-        self._keys = {id(p): (-1, j) for j, p in enumerate(self._params)}  # for _RunRecord: -1, the originals
-        self._leaf_keys: dict[int, tuple[int, int]] | None = None  # with every replica's leaves, once there are some
-        self._leaf_versions: tuple[list[int], list[int]] | None = None  # (replicas on the root, their leaves' versions)
-        self._places = {id(c): (i, k) for i, copies in enumerate(self._copies) for k, c in enumerate(copies)}
-        for original in self._originals:
-            self._places.pop(id(original), None)  # shared modules: their rebinds are the originals' own
+        originals = self._originals
+        self._places = {  # replica modules (not shared ones) -> (replica, position)
+            id(c): (i, k)
+            for i, copies in enumerate(self._copies)
+            for k, c in enumerate(copies)
+            if c is not originals[k]
+        }
+        # Embedding(max_norm=...) renormalises the rows it looks up in place: idempotent, so once per replica is fine.
+        renormed = {id(m.weight) for m in originals if isinstance(m, nn.Embedding) and m.max_norm is not None}
+        self._checked = [j for j, p in enumerate(self._params) if id(p) not in renormed]
+        self._checked_params = [self._params[j] for j in self._checked]
+        self._leaf_run: tuple[Any, list[Tensor], list[int]] | None = None  # (key, root leaves checked, versions)
         self._sharing = [True] * len(self.devices)  # copies start out holding the original parameters
         self._snapshot()
         self.builds += 1
@@ -239,9 +241,7 @@ class ReplicaSet:
         n = len(self.devices) if n is None else n
         if not 1 <= n <= len(self.devices):
             raise ValueError(f"Asked for {n} replicas of a set of {len(self.devices)}.")
-        stale = self._stop_run()
-        if stale is not None:  # the last run raised before watch(): its replicas still hold what they rebound
-            self._settle(stale)
+        self._end_run(adopt=True)  # a step that raised before watch(): keep what replica 0 rebound
         if not self._structure_checked:
             self._sync_structure()
         self._structure_checked = False
@@ -253,50 +253,48 @@ class ReplicaSet:
             self._assign_parameters(n)
         elif resolve_mode(execution_mode, devices) == "sequential" and all(d == self._root for d in devices):
             self._share_parameters(n)
-            self._start_run(_RunRecord(self._keys, self._places, n).sharing(self._params, n, _SEQUENTIAL, {-1}))
+            self._start_run(n, self._checked_params if n > 1 else [], None, _SEQUENTIAL)
         else:
             self._own_parameters(n)
             self._owning = True
-            self._start_run(self._own_run(n))
+            self._start_leaf_run(n)
         return self.replicas[:n]
 
-    def _own_run(self, n: int) -> _RunRecord:
-        """The record of a run whose replicas hold their own leaves: those on the root alias the originals' storage."""
-        flat = self._flat
-        assert flat is not None
-        if self._leaf_keys is None:
-            leaves = {id(leaf): (i, j) for i, row in enumerate(flat.leaves) for j, leaf in enumerate(row)}
-            self._leaf_keys = {**self._keys, **leaves}
-        run = _RunRecord(self._leaf_keys, self._places, n)
-        on_root = [i for i in range(n) if self.devices[i] == self._root]
+    def _start_run(self, count: int, shared: list[Tensor], versions: list[int] | None, how: str) -> None:
+        self._run = _Run(self._places, shared, versions, count, how)
+
+    def _start_leaf_run(self, n: int) -> None:
+        """A run on the replicas' own leaves: those of the replicas on the root alias the originals' storage. Only a
+        step changes their version counters (the optimizer steps the originals), so the last clean run's are kept."""
+        on_root = tuple(i for i in range(n) if self.devices[i] == self._root)
+        key = (self._flat, on_root)
         if len(on_root) < 2:
-            return run
-        checked = [leaf for i in on_root for leaf in flat.leaves[i]]
-        # Leaves change versions in steps only (the optimizer steps the originals): the last run's end is this start.
-        last = self._leaf_versions
-        before = last[1] if last is not None and last[0] == on_root else None
-        return run.sharing(checked, len(on_root), _THREADS, {-1, *on_root}, before)
+            self._start_run(len(on_root), [], [], _THREADS)
+            return
+        if self._leaf_run is None or self._leaf_run[0] != key:
+            assert self._flat is not None
+            leaves = [self._flat.leaves[i][j] for i in on_root for j in self._checked]
+            self._leaf_run = (key, leaves, list(map(_version, leaves)))
+        self._start_run(len(on_root), self._leaf_run[1], self._leaf_run[2], _THREADS)
 
-    def _start_run(self, run: _RunRecord) -> None:
-        self._run = run
-        run.start()
-
-    def _stop_run(self) -> _RunRecord | None:
+    def _end_run(self, adopt: bool) -> _Run | None:
+        """Stop recording the run in progress; ``adopt``: buffers it rebound take replica 0's value."""
         run, self._run = self._run, None
         if run is not None:
             run.stop()
+            if adopt and run.rebound:
+                self._adopt_buffers(run.rebound)
         return run
 
     def watch(self, outputs: Sequence[Any]) -> None:
         """Reduce the replicas' gradients onto the originals after any backward pass that reaches ``outputs`` (the
-        replicas' outputs of this step: one hook per output tensor that requires grad).
-
-        Called right after the replicas ran: raises if they changed shared parameters in place, and brings buffers and
-        parameters they rebound back to the originals (see the class docstring)."""
-        run = self._stop_run()
-        if run is not None:
-            self._check_parameters(run)
-            self._settle(run)
+        replicas' outputs of this step: one hook per output tensor that requires grad). Raises if the replicas changed
+        parameters in place that several of them hold."""
+        run = self._end_run(adopt=True)
+        written = None if run is None else run.written()
+        if written is not None:
+            self._leaf_run = None  # their versions moved
+            raise RuntimeError(self._applied_per_replica(self._checked[written % len(self._checked)], run))
         if not self._owning or not torch.is_grad_enabled():
             return  # replicas that hold the original parameters need no reduction
         for output in outputs:
@@ -324,37 +322,14 @@ class ReplicaSet:
         if self._flat is not None:
             self._flat.reduce()
 
-    def _check_parameters(self, run: _RunRecord) -> None:
-        """Raise on parameters changed in place in storage that several replicas hold (or rebound through ``.data``
-        on the originals, which every replica reaches)."""
-        written = run.written(len(self._params))
-        if run.replicas > 1:
-            written += [j for (i, j), data in run.data if data is None and i < 0]
-        self._leaf_versions = None
-        if run.how is _THREADS and not written:
-            self._leaf_versions = (sorted(run.shared - {-1}), run.after)
-        if written:
-            raise RuntimeError(self._applied_per_replica(written[0], run))
-
-    def _settle(self, run: _RunRecord) -> None:
-        """Leaves whose ``.data`` the run rebound back on their storage, buffers it rebound back to those this set
-        manages, with replica 0's values in the originals."""
-        leaves = [key for key, data in run.data if data is None and key[0] >= 0]
-        if leaves and self._flat is not None:
-            self._flat.adopt(leaves)
-        if run.buffers:
-            self._adopt_buffers(run.buffers)
-
-    def _applied_per_replica(self, j: int, run: _RunRecord) -> str:
+    def _applied_per_replica(self, j: int, run: _Run) -> str:
         names = {id(p): name for name, p in self.module.named_parameters(remove_duplicate=False)}
-        name = names.get(id(self._params[j]), f"#{j}")
-        count = run.count or run.replicas
         return (
-            f"The step changed parameter `{name}` in place (under torch.no_grad(), through `.data`, or with `copy_`: "
-            f"e.g. an EMA update of a key, target or teacher network), and {count} replicas hold that parameter's "
-            f"storage together ({run.how}), so the change ran once per replica, not once per step. Make it once per "
-            "step, outside the replicated call: in the LightningModule's `on_train_batch_end` hook (it runs once, on "
-            "the root module), or, with DataParallelModel, after the DataParallelModel call."
+            f"The step changed parameter `{names.get(id(self._params[j]), j)}` in place (under torch.no_grad() or "
+            f"with copy_: e.g. an EMA update of a key, target or teacher network), and {run.count} replicas hold that "
+            f"parameter's storage together ({run.how}), so the change ran once per replica, not once per step. Make "
+            "it once per step, outside the replicated call: in the LightningModule's `on_train_batch_end` hook (it "
+            "runs once, on the root module), or, with DataParallelModel, after the DataParallelModel call."
         )
 
     def _adopt_buffers(self, rebound: set[tuple[int, int, str]]) -> None:
@@ -400,7 +375,6 @@ class ReplicaSet:
                         "share the original parameters and autograd accumulates their sparse gradients)."
                     )
             flat = self._flat = ReplicaParameters(self._params, self.devices, self._root)
-            self._leaf_keys = self._leaf_versions = None
             self._sharing = [True] * len(self.devices)
             flat.sync(n)
         for i in range(n):
@@ -478,121 +452,57 @@ class ReplicaSet:
 
     def release(self) -> None:
         """Drop every replica and copy (frees their memory on the other devices)."""
-        self._stop_run()
-        self._keys, self._leaf_keys, self._places = {}, None, {}
+        self._end_run(adopt=False)
+        self._places, self._checked, self._checked_params, self._leaf_run = {}, [], [], None
         self._copies, self._param_slots, self._buffer_slots, self._rnns = [], [], [], []
         self._originals, self._params, self._watch, self._live, self._saved = [], [], [], [], []
         self._flat = None
         self._buffers = ReplicaBuffers([], [], [])
 
 
-# --- what the replicas of a run did that their tensors do not show --------------------------------------------------
 _SEQUENTIAL = "they run one after another on the parameters' device, on the original parameters"
 _THREADS = "they run in threads on the parameters' device, over the original parameters' storage"
-_REACHED = "every replica reached the original parameter itself"
-_TENSOR_DATA = torch._C.TensorBase.data
 _version = operator.attrgetter("_version")
-_runs: tuple[weakref.ref[_RunRecord], ...] = ()  # the runs in progress (replica sets may nest, or run in threads)
+_runs: tuple[weakref.ref[_Run], ...] = ()  # in progress (replica sets may nest, or run in threads)
 _runs_lock = threading.Lock()
-_hooks: list[Any] = []  # while runs are in progress: the buffer registration hook's handle, nn.Parameter's `data`
-
-
-def _in_runs() -> list[_RunRecord]:
-    """The runs that see an event: all, inside a replica (a run whose watch() never came, as its step raised, lasts
-    until its set's next prepare(), seeing only the replicas' events)."""
-    if current_replica() is None:
-        return []
-    return [run for run in (ref() for ref in _runs) if run is not None]
-
-
-def _get_data(param: Tensor) -> Tensor:
-    data = _TENSOR_DATA.__get__(param)
-    for run in _in_runs():
-        run.saw_data(param, data)
-    return data
-
-
-def _set_data(param: Tensor, value: Tensor) -> None:
-    for run in _in_runs():
-        run.saw_data(param, None)
-    _TENSOR_DATA.__set__(param, value)
+_hook: list[Any] = []  # torch's buffer registration hook, installed while runs are in progress
 
 
 def _on_buffer(module: nn.Module, name: str, value: Tensor | None) -> None:
-    for run in _in_runs():
-        run.saw_buffer(module, name)
-
-
-_WATCHED_DATA = property(_get_data, _set_data, doc="A parameter's data, as TensorBase.data, seen by the runs.")
-
-
-class _RunRecord:
-    """What one run of replicas did that their tensors do not show: parameters written or rebound through ``.data``
-    (``p.data.mul_()`` bumps no version counter of ``p``) and buffers rebound on replica modules. While runs are in
-    progress, global hooks (``nn.Parameter.data``, torch's buffer registration hook) feed each the events that concern
-    its own tensors and modules; nothing is installed between runs."""
-
-    def __init__(self, keys: dict[int, tuple[int, int]], places: dict[int, tuple[int, int]], replicas: int) -> None:
-        self.keys = keys  # id(parameter) -> (replica, index of the original); replica -1: the original
-        self.places = places  # id(replica module) -> (replica, position in the tree)
-        self.replicas = replicas
-        self.data: list[tuple[tuple[int, int], Tensor | None]] = []  # (key, what `.data` returned; None: rebound)
-        self.buffers: set[tuple[int, int, str]] = set()  # (replica, position, buffer name) rebound
-        self.checked: Sequence[Tensor] = ()
-        self.before: list[int] = []
-        self.after: list[int] = []
-        self.count, self.how, self.shared = 0, _REACHED, frozenset({-1})
-
-    def sharing(
-        self, checked: Sequence[Tensor], count: int, how: str, shared: set[int], before: list[int] | None = None
-    ) -> _RunRecord:
-        """``count`` (>= 2) replicas of ``shared`` (-1: the originals) hold the same parameter storage: ``checked``
-        (blocks of one tensor per original) must keep their version counters (``before``) through the run."""
-        if count > 1:
-            self.checked, self.before = checked, list(map(_version, checked)) if before is None else before
-            self.count, self.how, self.shared = count, how, frozenset(shared)
-        return self
-
-    def saw_data(self, param: Tensor, data: Tensor | None) -> None:
-        key = self.keys.get(id(param))
-        if key is not None:
-            self.data.append((key, data))
-
-    def saw_buffer(self, module: nn.Module, name: str) -> None:
-        place = self.places.get(id(module))
+    for run in (ref() for ref in _runs):
+        place = None if run is None else run.places.get(id(module))
         if place is not None:
-            self.buffers.add((*place, name))
+            run.rebound.add((*place, name))
 
-    def written(self, count: int) -> list[int]:
-        """Indices of the originals whose shared storage the run wrote (``count`` originals)."""
-        if not self.count:
-            return []
-        self.after = list(map(_version, self.checked))
-        found = (
-            [] if self.after == self.before else [k % count for k, v in enumerate(self.after) if v != self.before[k]]
-        )
-        return found + [j for (i, j), data in self.data if data is not None and data._version and i in self.shared]
 
-    def start(self) -> None:
+class _Run:
+    """One step's replicas at work: ``shared`` (tensors several replicas hold in one storage) must keep their
+    ``versions``, and the buffers they rebind (``self.center = ...``) are recorded by torch's global buffer
+    registration hook, installed only while runs are in progress."""
+
+    def __init__(
+        self, places: dict[int, tuple[int, int]], shared: list[Tensor], versions: list[int] | None, count: int, how: str
+    ) -> None:
         global _runs
+        self.places, self.shared, self.count, self.how = places, shared, count, how
+        self.versions = list(map(_version, shared)) if versions is None else versions
+        self.rebound: set[tuple[int, int, str]] = set()  # (replica, position, buffer name)
         with _runs_lock:
-            if not _hooks:
-                _hooks[:] = [register_module_buffer_registration_hook(_on_buffer), nn.Parameter.__dict__.get("data")]
-                nn.Parameter.data = _WATCHED_DATA
+            if not _hook:
+                _hook.append(register_module_buffer_registration_hook(_on_buffer))
             _runs = (*(ref for ref in _runs if ref() is not None), weakref.ref(self))
 
     def stop(self) -> None:
         global _runs
         with _runs_lock:
             _runs = tuple(ref for ref in _runs if ref() not in (None, self))
-            if not _runs and _hooks:
-                handle, previous = _hooks
-                _hooks.clear()
-                handle.remove()
-                if previous is None:
-                    del nn.Parameter.data
-                else:
-                    nn.Parameter.data = previous
+            if not _runs and _hook:
+                _hook.pop().remove()
+
+    def written(self) -> int | None:
+        """The index in ``shared`` of the first tensor the run changed in place, if any."""
+        now = list(map(_version, self.shared))
+        return None if now == self.versions else next(k for k, v in enumerate(now) if v != self.versions[k])
 
 
 class _Layout:

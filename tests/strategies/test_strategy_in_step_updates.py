@@ -2,8 +2,7 @@
 
 An EMA key encoder updated in ``training_step`` (MoCo, BYOL, mean teacher) ran once per replica on the virtual devices'
 shared parameters: now an error that names the parameter and says where the update belongs (``on_train_batch_end``,
-which equals one device). MoCo's own ``key.data = ...`` under threads, and DINO's center buffer rebound in the step
-(``self.center = ...``), equal one device.
+which equals one device). DINO's center buffer rebound in the step (``self.center = ...``) equals one device.
 """
 
 from __future__ import annotations
@@ -40,12 +39,7 @@ def models(namespace: str = "lightning.pytorch") -> SimpleNamespace:
         def update_key(self) -> None:
             with torch.no_grad():
                 for pk, pq in zip(self.key.parameters(), self.query.parameters(), strict=True):
-                    if self.how == ".data rebound":  # MoCo's own code
-                        pk.data = pk.data * M + pq.data * (1 - M)
-                    elif self.how == ".data in place":
-                        pk.data.mul_(M).add_(pq.data, alpha=1 - M)
-                    else:
-                        pk.mul_(M).add_(pq, alpha=1 - M)
+                    pk.mul_(M).add_(pq, alpha=1 - M)
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             x, y = batch
@@ -114,18 +108,11 @@ def assert_equal_to_one_device(base: Any, mode: str, devices: int = 2, namespace
     return multi
 
 
-@pytest.mark.parametrize(
-    ("mode", "how"),
-    [(mode, how) for mode in MODES for how in ("in place", ".data in place")] + [("sequential", ".data rebound")],
-)
-def test_an_ema_in_the_step_on_shared_parameters_names_the_parameter_and_the_fix(mode, how):
-    module = models().KeyEncoder(how).double()
+@pytest.mark.parametrize("mode", MODES)
+def test_an_ema_in_the_step_on_shared_parameters_names_the_parameter_and_the_fix(mode):
+    module = models().KeyEncoder().double()
     with pytest.raises(RuntimeError, match=r"parameter `key\.weight` in place.*2 replicas.*`on_train_batch_end`"):
         fit(module, strategy(mode), 2)
-
-
-def test_moco_rebinding_the_key_data_in_threads_equals_one_device():
-    assert_equal_to_one_device(models().KeyEncoder(".data rebound").double(), "threads", devices=3)
 
 
 @pytest.mark.parametrize("mode", MODES)
