@@ -76,7 +76,7 @@ class ReplicaParameters:
     """Every replica's own leaf parameters for the unique original parameters ``params`` (on ``root``).
 
     :attr:`leaves` ``[i][j]``, replica ``i``'s parameter for ``params[j]``, aliases the original on the root and one
-    flat buffer per device and dtype elsewhere; its ``.grad`` is a view of one flat buffer per replica and dtype.
+    flat buffer per device and dtype elsewhere; its ``.grad`` aliases one flat buffer per replica and dtype.
     Call :meth:`sync` before a step, :meth:`backward_done` after each backward pass through the replicas and
     :meth:`reduce` when their gradients belong on the originals.
     """
@@ -92,11 +92,11 @@ class ReplicaParameters:
             self._grads = [self._groups.flats(d, zero=True) for d in self.devices]  # one per replica and dtype
             self._root_grads = self._groups.flats(root)
             self.leaves = [self._make_leaves(d) for d in self.devices]
-            # Views (not aliases): every in-place accumulation into a replica's gradients bumps one counter per dtype.
+            # Aliases (not views): autograd's accumulation into a leaf's gradient bumps that gradient's counter alone.
+            offsets = self._groups.offsets
             for flats, leaves in zip(self._grads, self.leaves, strict=True):
                 for j, (p, leaf) in enumerate(zip(self.params, leaves, strict=True)):
-                    leaf.grad = self._groups.view(flats, j, p)
-            offsets = self._groups.offsets
+                    leaf.grad = alias(flats[p.dtype], offsets[j], p.shape)
             self._root_views = [
                 alias(self._root_grads[p.dtype], offsets[j], p.shape) for j, p in enumerate(self.params)
             ]
@@ -129,11 +129,12 @@ class ReplicaParameters:
         self._train_index = [j for j, flag in enumerate(trainable) if flag]
         self._train_params = [self.params[j] for j in self._train_index]
         self._train_views = [self._root_views[j] for j in self._train_index]
-        self._seen = self._counters()
+        self._train_grads = [[leaves[j].grad for j in self._train_index] for leaves in self.leaves]
+        self._seen = self._counters(len(self.leaves))
 
-    def _counters(self) -> list[int]:
-        """Per replica, how many in-place accumulations its flat gradients have seen (all dtypes)."""
-        return [sum(flat._version for flat in flats.values()) for flats in self._grads]
+    def _counters(self, count: int) -> list[list[int]]:
+        """Per replica (the first ``count``), its trainable leaves' gradient versions: one step per accumulation."""
+        return [list(map(_version, grads)) for grads in self._train_grads[:count]]
 
     def sync(self, n: int) -> bool:
         """Bring the first ``n`` replicas' parameters up to date with the originals (``requires_grad``, values).
@@ -172,8 +173,8 @@ class ReplicaParameters:
         """Add the replicas' gradients onto the originals' ``.grad`` and zero the replicas' flat gradients.
 
         Order: per device its replicas, then the devices (root first), each moved to the root with one copy per dtype.
-        Unless every replica's backward reached every trainable parameter (each accumulation bumps its replica's
-        counter once), a ``None`` ``.grad`` whose summed gradient is exactly zero stays ``None``, as on one device.
+        A parameter no replica's backward reached (no accumulation bumped its gradients' version counters) keeps its
+        ``.grad`` (``None`` stays ``None``), as on one device; one reached gets its sum, exactly zero or not.
         The originals' gradient hooks (``register_hook``, ``register_post_accumulate_grad_hook``) run as autograd runs
         them on one device: once per reduction, on the summed gradient.
         """
@@ -181,12 +182,13 @@ class ReplicaParameters:
         self.active = self.passes = 0
         if count == 0 or not self._train_index:
             return
-        counters = self._counters()
-        expected = passes * len(self._train_index)
-        deltas = [now - seen for now, seen in zip(counters[:count], self._seen, strict=False)]
-        if not any(deltas):
+        counters, seen = self._counters(count), self._seen[:count]
+        if counters == seen:
             return
-        everywhere = passes > 0 and all(delta == expected for delta in deltas)
+        expected = passes * len(self._train_index)
+        everywhere = passes > 0 and all(
+            sum(now) - sum(old) == expected for now, old in zip(counters, seen, strict=True)
+        )
         hooked = any(map(_tensor_hooks, self._train_params)) or any(map(_post_accumulate_hooks, self._train_params))
         fast = everywhere and not hooked  # whole flat buffers at once
         grads = list(map(_grad, self._train_params))
@@ -199,9 +201,9 @@ class ReplicaParameters:
             else:
                 totals = {dtype: torch.empty_like(flat) for dtype, flat in self._root_grads.items()}
                 self._sum_into(count, totals, accumulate=False)
-                self._assign_each(totals, grads, everywhere)
+                self._assign_each(totals, grads, None if everywhere else _reached(counters, seen))
             torch._foreach_zero_([flat for flats in self._grads[:count] for flat in flats.values()])
-        self._seen = self._counters()
+        self._seen[:count] = counters  # zeroing the flat buffers leaves the gradients' own counters alone
 
     def _device_sums(self, count: int) -> dict[torch.device, dict[torch.dtype, Tensor]]:
         """Per device, its replicas' flat gradients summed in replica order (in place, into the first one's)."""
@@ -228,13 +230,15 @@ class ReplicaParameters:
                 else:
                     target.add_(flat)
 
-    def _assign_each(self, totals: dict[torch.dtype, Tensor], grads: list[Tensor | None], everywhere: bool) -> None:
-        """The general case, one parameter at a time: ``.grad`` set by someone else, parameters some replica's
-        backward did not reach (left alone, as on one device), or gradient hooks to run as ``AccumulateGrad`` does:
-        tensor hooks on the incoming gradient, then post-accumulate hooks."""
+    def _assign_each(
+        self, totals: dict[torch.dtype, Tensor], grads: list[Tensor | None], reached: list[bool] | None
+    ) -> None:
+        """The general case, one parameter at a time: ``.grad`` set by someone else, parameters not every replica's
+        backward reached (those in ``reached`` none did are left alone, as on one device), or gradient hooks to run
+        as ``AccumulateGrad`` does: tensor hooks on the incoming gradient, then post-accumulate hooks."""
         parts = [self._groups.view(totals, j, p) for j, p in zip(self._train_index, self._train_params, strict=True)]
-        reached = [True] * len(parts) if everywhere else [bool(x) for x in torch.stack([t.any() for t in parts])]
-        for j, p, grad, part, hit in zip(self._train_index, self._train_params, grads, parts, reached, strict=True):
+        hits = repeat(True) if reached is None else reached
+        for j, p, grad, part, hit in zip(self._train_index, self._train_params, grads, parts, hits, strict=False):
             if not hit:
                 continue
             for hook in (p._backward_hooks or {}).values():
@@ -250,6 +254,12 @@ class ReplicaParameters:
                 grad.add_(part.to(grad.dtype))
             for hook in (p._post_accumulate_grad_hooks or {}).values():
                 hook(p)
+
+
+def _reached(counters: list[list[int]], seen: list[list[int]]) -> list[bool]:
+    """Per trainable parameter, whether some replica's backward accumulated into its gradient (versions per replica)."""
+    changed = [list(map(operator.ne, now, old)) for now, old in zip(counters, seen, strict=True)]
+    return [any(column) for column in zip(*changed, strict=True)]
 
 
 class ReplicaBuffers:

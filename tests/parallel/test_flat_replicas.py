@@ -135,6 +135,17 @@ def test_a_parameter_no_replica_reached_keeps_grad_none_and_one_reached_by_one_r
     assert params[2].grad is None  # as on one device: weight decay and momentum skip it
 
 
+def test_a_parameter_reached_with_an_exactly_zero_gradient_gets_zeros_not_none():
+    params = [nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))]
+    flat = ReplicaParameters(params, [CPU, CPU], CPU)
+    flat.sync(2)
+    (flat.leaves[0][0].sum() + flat.leaves[0][1].sum() * 0).backward()  # parameter 1 reached, its gradient 0
+    flat.leaves[1][0].sum().backward()
+    flat.reduce()
+    assert torch.equal(params[0].grad, torch.full((2,), 2.0)) and torch.equal(params[1].grad, torch.zeros(2))
+    assert params[2].grad is None
+
+
 def test_frozen_then_unfrozen_parameters_follow_the_originals():
     params = [nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))]
     flat = ReplicaParameters(params, [CPU, OTHER], CPU)
@@ -492,3 +503,47 @@ def test_a_criterion_with_parameters_reduces_its_gradients_in_threads_mode():
     torch.testing.assert_close(criterion.scale.grad, reference_criterion.scale.grad, rtol=0, atol=1e-10)
     for p, q in zip(model.parameters(), reference_model.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-10)
+
+
+class Gated(nn.Module):
+    """A residual branch behind a gate that starts at 0 (ReZero, LayerScale; LoRA's B = 0): the branch's parameters
+    are reached with an exactly zero gradient at the first step; ``unused`` is never reached."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.f = nn.Linear(4, 4).double()
+        self.gate = nn.Parameter(torch.zeros(1, dtype=torch.float64))
+        self.unused = nn.Linear(4, 4).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.gate * self.f(x)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize("mode", ["sequential", "threads"])
+def test_a_parameter_reached_with_a_zero_gradient_steps_as_on_one_device(mode, optimizer):
+    """One device gives it a zeros ``.grad``: momentum, weight decay and AdamW's step count apply to it."""
+
+    def train_gated(devices: list[str] | None) -> tuple[nn.Module, list[tuple[bool, bool]]]:
+        model = Gated()
+        net = model if devices is None else DataParallelModel(model, devices, execution_mode=mode)
+        opt: torch.optim.Optimizer = (
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+            if optimizer == "sgd"
+            else torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
+        )
+        seen = []
+        for step in range(4):
+            x = batch(seed=step)[0]
+            out = net(x)
+            (torch.cat(out) if isinstance(out, list) else out).pow(2).mean().backward()
+            seen.append((model.f.weight.grad is None, model.unused.weight.grad is None))
+            opt.step()
+            opt.zero_grad()
+        return model, seen
+
+    reference, reference_seen = train_gated(None)
+    model, seen = train_gated(["cpu"] * 2)
+    assert seen == reference_seen == [(False, True)] * 4
+    assert_same_parameters(model, reference, tol=1e-12)
