@@ -14,6 +14,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules.lazy import LazyModuleMixin
 from torch.nn.modules.module import register_module_buffer_registration_hook
 
 from lightning_mgpu.parallel.compiled import compiled_call, is_compiled, is_optimized_module, optimized_module_replica
@@ -84,6 +85,7 @@ class ReplicaSet:
         self._end_run(adopt=True)  # a step that raised before watch(): keep what replica 0 rebound
         install_output_capturing_hooks(self.module)  # before the copies: each would install them again
         self._originals = _walk(self.module, self._shared)
+        _check_initialized(self.module, self._originals)
         position = {id(m): k for k, m in enumerate(self._originals)}
         self._params = _unique(p for m in self._originals for p in m._parameters.values() if p is not None)
         param_index = {id(p): j for j, p in enumerate(self._params)}
@@ -602,6 +604,19 @@ def _walk(module: nn.Module, shared: Callable[[nn.Module], bool] | None = None) 
             continue
         stack.extend(child for child in reversed(current._modules.values()) if child is not None)
     return order
+
+
+def _check_initialized(root: nn.Module, modules: Iterable[nn.Module]) -> None:
+    """Raise, naming the module, where a lazy module (``nn.LazyLinear``) has not made its parameters yet."""
+    lazy = next((m for m in modules if isinstance(m, LazyModuleMixin) and m.has_uninitialized_params()), None)
+    if lazy is not None:
+        name = next((n for n, m in root.named_modules() if m is lazy), "") or "the root module"
+        raise RuntimeError(
+            f"`{name}` ({type(lazy).__name__}) has uninitialized lazy parameters, which replicas cannot copy: they "
+            "take their shapes from the first input. Run one forward pass on a sample batch first, on one device "
+            "(`model(sample)` before the DataParallelModel call; with Lightning, in the LightningModule's `setup()` "
+            "hook, e.g. `self(self.example_input_array)`)."
+        )
 
 
 def _unique(tensors: Iterable[Tensor]) -> list[Tensor]:
