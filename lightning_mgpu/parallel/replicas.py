@@ -255,29 +255,26 @@ class ReplicaSet:
             self._assign_parameters(n)
         elif resolve_mode(execution_mode, devices) == "sequential" and all(d == self._root for d in devices):
             self._share_parameters(n)
-            self._start_run(n, self._checked_params if n > 1 else [], None, _SEQUENTIAL)
+            self._run = _Run(self._places, self._checked_params if n > 1 else [], None, n, _SEQUENTIAL)
         else:
             self._own_parameters(n)
             self._owning = True
             self._start_leaf_run(n)
         return self.replicas[:n]
 
-    def _start_run(self, count: int, shared: list[Tensor], versions: list[int] | None, how: str) -> None:
-        self._run = _Run(self._places, shared, versions, count, how)
-
     def _start_leaf_run(self, n: int) -> None:
         """A run on the replicas' own leaves: those of the replicas on the root alias the originals' storage. Only a
         step changes their version counters (the optimizer steps the originals), so the last clean run's are kept."""
         on_root = tuple(i for i in range(n) if self.devices[i] == self._root)
-        key = (self._flat, on_root)
         if len(on_root) < 2:
-            self._start_run(len(on_root), [], [], _THREADS)
+            self._run = _Run(self._places, [], [], len(on_root), _THREADS)
             return
-        if self._leaf_run is None or self._leaf_run[0] != key:
+        if self._leaf_run is None or self._leaf_run[0] != (self._flat, on_root):
             assert self._flat is not None
             leaves = [self._flat.leaves[i][j] for i in on_root for j in self._checked]
-            self._leaf_run = (key, leaves, list(map(_version, leaves)))
-        self._start_run(len(on_root), self._leaf_run[1], self._leaf_run[2], _THREADS)
+            self._leaf_run = ((self._flat, on_root), leaves, list(map(_version, leaves)))
+        _, leaves, versions = self._leaf_run
+        self._run = _Run(self._places, leaves, versions, len(on_root), _THREADS)
 
     def _end_run(self, adopt: bool) -> _Run | None:
         """Stop recording the run in progress; ``adopt``: buffers it rebound take replica 0's value."""
