@@ -29,8 +29,6 @@ LABEL_KEYS = ("labels", "label", "targets", "target", "y")
 #: The keyword with which a ``transformers`` loss is a sum over tokens divided by the count given (the whole batch's,
 #: or an accumulation window's): every shard's loss is then a part of one sum.
 ITEM_COUNT = "num_items_in_batch"
-#: Code that passes it: a keyword argument or a variable assigned, a dict key written or assigned.
-_PASSES_ITEM_COUNT = re.compile(rf"\b{ITEM_COUNT}\s*=[^=]|[\"']{ITEM_COUNT}[\"'](?:\s*:|\]\s*=[^=])")
 
 
 @dataclass(frozen=True)
@@ -117,10 +115,10 @@ SUM = LossNormalization("sum")
 
 def known_rule(module: nn.Module, batch: Any, method: str = "training_step") -> tuple[LossNormalization, str] | None:
     """The rule the objects in ``module`` say, with what said it, or ``None``; never runs anything. The one outermost
-    ``transformers`` model says it by its task (a sum when ``batch`` or ``method``'s code passes ``num_items_in_batch``
-    to a model that divides by it); else the loss modules ``method`` (or a method it calls) names, when they agree and
-    run torch's own forward: one kept for validation does not decide training."""
-    return _transformers_rule(module, batch, method) or _criterion_rule(module, batch, method)
+    ``transformers`` model says it by its task (a sum when ``batch`` holds ``num_items_in_batch`` for a model that
+    divides by it); else the loss modules ``method`` (or a method it calls) names, when they agree and run torch's own
+    forward: one kept for validation does not decide training."""
+    return _transformers_rule(module, batch) or _criterion_rule(module, batch, method)
 
 
 def uncombinable_loss(module: nn.Module) -> str | None:
@@ -137,26 +135,21 @@ def uncombinable_loss(module: nn.Module) -> str | None:
     )
 
 
-def _transformers_rule(module: nn.Module, batch: Any, method: str) -> tuple[LossNormalization, str] | None:
+def _transformers_rule(module: nn.Module, batch: Any) -> tuple[LossNormalization, str] | None:
     models = outermost_transformers_models(module)
-    if len(models) != 1:
-        return None
-    # The user's code may pass num_items_in_batch; the model's own forward is not read (it may name it for other uses).
-    source = None if module is models[0] else _method_source(module, method)
-    return _model_rule(models[0], batch, source)
+    return _model_rule(models[0], batch) if len(models) == 1 else None
 
 
-def _model_rule(model: nn.Module, batch: Any, source: str | None = None) -> tuple[LossNormalization, str] | None:
+def _model_rule(model: nn.Module, batch: Any) -> tuple[LossNormalization, str] | None:
     """The rule a ``transformers`` model's task says for its ``.loss`` on ``batch``'s labels, or ``None``: a sum when
-    ``num_items_in_batch`` reaches a model that divides by it (in ``batch``, the call's arguments, or named in the
-    calling code's ``source``)."""
+    ``batch`` (or a call's arguments) holds ``num_items_in_batch`` for a model that divides by it."""
     if not isinstance(batch, Mapping) or not isinstance(batch.get("labels"), Tensor):
         return None
     rule = _task_rule(model, batch["labels"])
     if rule is None:
         return None
     name = type(model).__name__
-    passed = batch.get(ITEM_COUNT) is not None or (source is not None and _PASSES_ITEM_COUNT.search(source))
+    passed = batch.get(ITEM_COUNT) is not None
     divides = _divides_by_item_count(type(model)) if passed and rule.kind == "tokens" else False
     if divides is None:
         return None  # its source is unreadable: a token mean or a part of a sum, nothing tells
@@ -222,7 +215,14 @@ def call_weight(producer: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str,
         return first.shape[0] if isinstance(first, Tensor) and first.dim() > 0 else None
     said = _model_rule(producer, kwargs)  # the producer is the outermost model: no walk of its modules per call
     labels = kwargs.get("labels")
-    return None if said is None or not isinstance(labels, Tensor) else said[0].weights([kwargs], [len(labels)])[0]
+    if said is None or not isinstance(labels, Tensor):
+        return None
+    if said[0].kind != "sum":
+        return said[0].weights([kwargs], [len(labels)])[0]
+    # Divided by the count given: this call's own count makes it a token mean, another (the batch's) a part of a sum.
+    own = _task_rule(producer, labels)
+    count = own.count(kwargs) if own is not None else None
+    return count if count is not None and bool(torch.as_tensor(kwargs[ITEM_COUNT]).to(count) == count) else "sum"
 
 
 def _named_criteria(module: nn.Module, method: str) -> list[nn.Module]:

@@ -22,6 +22,7 @@ from lightning_mgpu.parallel.run_replicas import ExecutionMode
 from lightning_mgpu.parallel.scatter_gather import split_batch, split_or_run_once
 from lightning_mgpu.strategies.loss_normalization import (
     SAMPLES,
+    SUM,
     LossNormalization,
     call_weight,
     known_rule,
@@ -37,6 +38,7 @@ from lightning_mgpu.strategies.step_outputs import (
     all_or_none,
     implied_loss_weights,
     reduce_training_outputs,
+    tensor_key,
 )
 
 _COLLECTIVE_CALL = re.compile(r"\.(all_gather|reduce_boolean_decision|barrier|broadcast)\s*\(|strategy\.(reduce)\s*\(")
@@ -80,6 +82,7 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         self.collectives = collectives
         self._eval_rules: dict[str, LossNormalization] = {}
         self._captures: dict[str, LossCapture | None] = {}
+        self._called: list[Any] | None = None  # this step's returned losses: what each producer's call averaged over
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -119,6 +122,9 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
             return None
         if training:
             rule = self.normalization or SAMPLES
+            called, self._called = self._called, None
+            if called is not None:  # what each call of the loss's producer averaged over: it decides
+                rule, weights = (SUM, weights) if called[0] == "sum" else (SAMPLES, called)  # SAMPLES: weighted
             return reduce_training_outputs(outputs, sizes, self.root_device, rule, weights, self.dim)
         if chunks is None:
             return outputs[0]
@@ -164,13 +170,21 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         its loss producers returned (each by its own call, see :class:`.step_outputs.LossCapture`)."""
         implied = implied_loss_weights(outputs, weights)
         capture = self._captures.get(hook)
-        for index, produced in (capture.take() if capture is not None else {}).items():
-            for key, weight in produced.items():
-                implied[index].setdefault(key, weight)  # what the step returned keeps its own weight
+        produced = capture.take() if capture is not None else {}
+        for index, recorded in produced.items():
+            for key, weight in recorded.items():
+                weight = weights[index] if weight is None and weights is not None else weight  # the rule's
+                if weight is not None:
+                    implied[index].setdefault(key, weight)  # what the step returned keeps its own weight
+        if hook == "training_step" and self.loss_reduction == "auto":
+            self._called = _returned_call_weights(outputs, produced)
+            for index, weight in enumerate(self._called or ()):
+                implied[index][tensor_key(_returned_loss(outputs[index]))] = weight
         return implied
 
     @override
     def teardown(self) -> None:
+        self._called = None
         for capture in self._captures.values():
             if capture is not None:
                 capture.remove()
@@ -219,7 +233,15 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         first = outputs[0]
         if isinstance(first, Mapping) and (LOSS_WEIGHT_KEY in first or LOSS_TERMS_KEY in first):
             return
-        if source is not None:
+        if self._called is not None and (source is None or (self._called[0] == "sum") != (self.normalization == SUM)):
+            if self._called[0] == "sum":
+                self._say_known_rule("the training loss", SUM, "each call with num_items_in_batch (not its own count)")
+            else:
+                self._log(
+                    "parallel_criterion: the training loss is a mean over what each call of the model returning it "
+                    "counts (its own tokens); the devices' values are combined accordingly."
+                )
+        elif source is not None:
             self._say_known_rule("the training loss", self.normalization, source)
         elif (uncombinable := uncombinable_loss(self.lightning_module)) is not None:
             warnings.warn(f"parallel_criterion: {uncombinable}.", UserWarning, stacklevel=2)
@@ -233,3 +255,20 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
             )
             alternative = "return {'loss': loss, 'loss_weight': <count it averages over>} from training_step"
             self._say_assumed_samples("the training loss", labels_spec(batch), alternative + coupled)
+
+
+def _returned_loss(output: Any) -> Any:
+    """The loss a training step returned, unless it weights it itself (``loss_weight``, ``loss_terms``)."""
+    if not isinstance(output, Mapping):
+        return output
+    return None if LOSS_WEIGHT_KEY in output or LOSS_TERMS_KEY in output else output.get("loss")
+
+
+def _returned_call_weights(outputs: list[Any], produced: dict[int, dict[Any, Any]]) -> list[Any] | None:
+    """Per replica, what the loss producer's call that made its returned loss averaged over (a ``transformers``
+    model's tokens, ``"sum"`` for a part of a sum over ``num_items_in_batch``), when every replica's is known and all
+    are of one kind; else ``None`` (the rule decides)."""
+    found = [produced.get(i, {}).get(tensor_key(_returned_loss(output))) for i, output in enumerate(outputs)]
+    if any(w is None for w in found) or len({w == "sum" for w in found}) > 1:
+        return None
+    return found

@@ -45,12 +45,11 @@ class LossCapture:
         loss = output.get("loss") if isinstance(output, Mapping) else output  # a transformers ModelOutput is a Mapping
         if replica is None or tensor_key(loss) is None:
             return
-        weight = self._weigh(module, args, kwargs, output)
-        if weight is not None:
-            self._losses.setdefault(replica.index, []).append((loss, weight))
+        # None: the call does not say (a loss module's own forward); the step's rule then weighs it.
+        self._losses.setdefault(replica.index, []).append((loss, self._weigh(module, args, kwargs, output)))
 
     def take(self) -> dict[int, dict[Any, Any]]:
-        """Per replica index, ``{tensor_key(loss): weight}`` for the losses recorded since the last call."""
+        """Per replica index, ``{tensor_key(loss): weight or None}`` for the losses recorded since the last call."""
         losses, self._losses = self._losses, {}
         return {index: {tensor_key(loss): weight for loss, weight in recorded} for index, recorded in losses.items()}
 

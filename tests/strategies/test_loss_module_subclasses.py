@@ -54,6 +54,14 @@ class TokenModel(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.5)
 
 
+class ValidatedTokenModel(TokenModel):
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self.log("val_loss", self.criterion(self.head(self.embed(batch["input_ids"])), batch["labels"]))
+
+    def val_dataloader(self) -> Any:
+        return token_loader("causal_lm", 7, steps=2, seed=5)
+
+
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return tmp_path_factory.mktemp("subclass_runs")
@@ -78,10 +86,13 @@ def test_a_subclass_mean_gets_the_notice_not_its_options_rule(root, criterion):
 
 
 def test_the_notices_loss_reduction_fix_equals_one_device(root):
+    """The declared rule weighs the training loss and the logged validation loss (a call of the subclass, which says
+    nothing by itself) alike."""
     strategy = lightning_mgpu.ParallelCriterionStrategy(loss_reduction="shifted_tokens:labels")
-    got = run(root, ShiftedCE(), strategy)
-    assert notices(got) == []
-    assert_equal_runs(got, run(root, ShiftedCE(), "auto", devices=1))
+    loader = token_loader("causal_lm", 7)
+    got = fit(ValidatedTokenModel(ShiftedCE()), strategy, 2, loader, root)
+    assert notices(got) == [] and "val_loss" in got.final
+    assert_equal_runs(got, fit(ValidatedTokenModel(ShiftedCE()), "auto", 1, loader, root))
 
 
 def test_the_notices_loss_weight_fix_equals_one_device(root):

@@ -182,10 +182,16 @@ class CountPassedInTheStep(nn.Module):
         return self.model(**{k: v for k, v in batch.items() if k != "num_items_in_batch"}).loss
 
 
-def test_num_items_in_batch_passed_in_the_step_is_read_from_its_code():
+def test_a_count_named_in_the_steps_code_does_not_decide_what_one_call_passes_does():
+    """The code's text says nothing about which count reaches the model (a comment, a default, a shard's own count):
+    the rule stays the task's, and each call's weight is read from what it passed: the batch's count makes it a part
+    of a sum, its own tokens' count a token mean."""
     batch = {"input_ids": torch.zeros(2, 4, dtype=torch.long), "labels": LABELS}
-    assert known_rule(CountPassedInTheStep(), batch)[0].spec() == "sum"
-    assert known_rule(CountPassedInTheStep(), batch, "validation_step")[0].spec() == "shifted_tokens:labels"
+    assert known_rule(CountPassedInTheStep(), batch)[0].spec() == "shifted_tokens:labels"
+    model = CountPassedInTheStep().model
+    own = int((LABELS[:, 1:] != -100).sum())
+    assert call_weight(model, (), {**batch, "num_items_in_batch": own + 3}, None) == "sum"
+    assert int(call_weight(model, (), {**batch, "num_items_in_batch": torch.tensor(own)}, None)) == own
 
 
 # --- loss modules with a forward of their own ------------------------------------------------------------------------

@@ -294,7 +294,13 @@ def _counted_module(task: str, passed: str, style: str) -> Any:
 
         def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
             call = self if style == "forward" else self.model
-            out = call(**batch) if passed == "batch" else call(**batch, num_items_in_batch=self.items)
+            if passed == "batch":
+                out = call(**batch)
+            elif passed == "unused":  # the collate function adds it, the step does not pass it
+                out = call(**{k: v for k, v in batch.items() if k != "num_items_in_batch"})
+            else:  # "step": the whole batch's, counted before the step; "own": this step's (a shard's, replicated)
+                count = self.items if passed == "step" else _item_count(task, batch["labels"])
+                out = call(**batch, num_items_in_batch=count)
             self.log("loss", out.loss, on_step=True, on_epoch=True)
             return out.loss
 
@@ -313,7 +319,7 @@ def _counted_module(task: str, passed: str, style: str) -> Any:
 
 def _counted_loader(task: str, passed: str) -> Any:
     loader = token_loader(task, 7)
-    if passed != "batch":
+    if passed not in ("batch", "unused"):
         return loader
 
     def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -323,21 +329,23 @@ def _counted_loader(task: str, passed: str) -> Any:
     return torch.utils.data.DataLoader(loader.dataset, batch_size=7, collate_fn=collate)
 
 
-@pytest.mark.parametrize("passed", ["batch", "step"])
+@pytest.mark.parametrize("passed", ["batch", "step", "own", "unused"])
 @pytest.mark.parametrize("strategy", ["parallel_criterion", "dp"])
 @pytest.mark.parametrize("task", ["causal_lm", "masked_lm"])
 def test_num_items_in_batch_equals_one_device(root, task, strategy, passed):
     """GPT-2's loss with ``num_items_in_batch`` (the whole batch's count) is a sum over tokens divided by it: each
-    shard's loss is a part of that sum, so the shards are summed (said once), and training, logged losses and the
-    validation loss (called without it: the model's own mean) equal one device. BERT's MLM head ignores the count:
-    its token mean stays. 7 samples over 2 devices (4 + 3)."""
+    shard's loss is a part of that sum, so the shards are summed (said once); a count of the call's own tokens
+    (``"own"``: a replicated step counts its shard) keeps a token mean, as does a count the batch holds but the step
+    does not pass. Training, logged losses and the validation loss (called without it) equal one device. BERT's MLM
+    head ignores the count: its token mean stays. 7 samples over 2 devices (4 + 3)."""
     style = "forward" if strategy == "dp" else "model"
     expected = fit(_counted_module(task, passed, style), "auto", 1, _counted_loader(task, passed), root)
     got = fit(_counted_module(task, passed, style), strategy, 2, _counted_loader(task, passed), root)
     assert "val_loss" in got.final
     assert got.normalisation_warnings() == [] and got.unreplicated_warnings() == []
     summed = [line for line in got.decisions() if "num_items_in_batch" in line]  # validation's rule is said apart
-    assert len(summed) == (task == "causal_lm") and all("loss_reduction='sum'" in line for line in summed), summed
+    sums = task == "causal_lm" and (passed in ("batch", "step") or (strategy == "dp" and passed == "own"))
+    assert len(summed) == sums and all("loss_reduction='sum'" in line for line in summed), summed
     assert_equal_runs(got, expected, atol=TOLERANCE.get(task, 1e-10))
 
 
