@@ -158,11 +158,14 @@ def _check_plain_attributes(path: str, clone: Metric, installed: tuple[int, dict
     if len(attrs) == size and all(map(is_, map(attrs.get, before), before.values())):
         return
     if changed := [k for k, v in _plain_attributes(clone).items() if before.get(k, _MISSING) is not v]:
+        lazy = [k for k in changed if k not in before]
+        settle = f" If it sets {', '.join(map(repr, lazy))} on its first update, pass it when you create it."
         raise TypeError(
             f"self.{path} ({type(clone).__name__}) changed {', '.join(map(repr, changed))} in a replicated step: "
             "it keeps them outside its metric states, so the replicas' updates cannot be merged "
-            "as one device's would. Update it outside the replicated step (e.g. in on_train_batch_end from the "
-            "step's gathered outputs), or use strategy='dp' or 'ddp'."
+            "as one device's would. Update it outside the replicated step (e.g. in on_train_batch_end or "
+            f"on_validation_batch_end from the step's gathered outputs), or use strategy='dp' or 'ddp'."
+            + (settle if lazy else "")
         )
 
 
