@@ -142,11 +142,17 @@ class LoggedCollection(Classifier):
         return nn.functional.cross_entropy(logits, y)
 
 
+def _fit_both(module_class: type, mode: str, steps: int) -> tuple[Any, Any]:
+    """Trainers that fit ``module_class`` on one device and on two replicas in ``mode``."""
+    single, multi = trainer("auto", 1, max_steps=steps), trainer(_strategy(mode), 2, max_steps=steps)
+    single.fit(seeded(module_class), loader(10))
+    multi.fit(seeded(module_class), loader(10))
+    return single, multi
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_metric_collection_and_plain_metric_logged_as_objects_equal_one_device(mode: str):
-    single, multi = trainer("auto", 1, max_steps=4), trainer(_strategy(mode), 2, max_steps=4)
-    single.fit(seeded(LoggedCollection), loader(10))
-    multi.fit(seeded(LoggedCollection), loader(10))
+    single, multi = _fit_both(LoggedCollection, mode, 4)
     for ref, got in ((single.logged_metrics, multi.logged_metrics), (single.callback_metrics, multi.callback_metrics)):
         assert got.keys() == ref.keys()
         assert {k: float(v) for k, v in got.items()} == pytest.approx({k: float(v) for k, v in ref.items()}, abs=1e-7)
@@ -166,9 +172,7 @@ class UpdatedOnly(Classifier):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_a_metric_only_updated_logs_no_step_value_as_on_one_device(mode: str):
-    single, multi = trainer("auto", 1, max_steps=3), trainer(_strategy(mode), 2, max_steps=3)
-    single.fit(seeded(UpdatedOnly), loader(10))
-    multi.fit(seeded(UpdatedOnly), loader(10))
+    single, multi = _fit_both(UpdatedOnly, mode, 3)
     assert set(single.logged_metrics) == set(multi.logged_metrics) == {"acc_epoch"}
     assert set(single.callback_metrics) == set(multi.callback_metrics) == {"acc", "acc_epoch"}
     assert float(multi.logged_metrics["acc_epoch"]) == pytest.approx(float(single.logged_metrics["acc_epoch"]))
