@@ -150,23 +150,24 @@ def _plain_attributes(metric: Metric) -> dict[str, Any]:
     return {k: v for k, v in vars(metric).items() if k not in _METRIC_ATTRS and k not in metric._defaults}
 
 
-def _check_plain_attributes(path: str, clone: Metric, installed: tuple[int, dict[str, Any]]) -> None:
-    """Refuse a clone whose step rebound or added a plain attribute. ``installed``: its attribute count and plain
-    attributes when installed (identities are compared; the names are looked for only after a change)."""
+def _check_plain_attributes(path: str, clone: Metric, installed: tuple[int, dict[str, Any]]) -> dict[str, Any]:
+    """Refuse a clone whose step rebound or added a plain attribute; return those it set for the first time (absent,
+    ``None`` or ``False`` before: ``MeanIoU``'s inferred ``num_classes``, FID's ``orig_dtype``), which one device's
+    metric sets alike. ``installed``: its attribute count and plain attributes when installed (identities compared)."""
     size, before = installed
     attrs = vars(clone)
     if len(attrs) == size and all(map(is_, map(attrs.get, before), before.values())):
-        return
-    if changed := [k for k, v in _plain_attributes(clone).items() if before.get(k, _MISSING) is not v]:
-        lazy = [k for k in changed if k not in before]
-        settle = f" If it sets {', '.join(map(repr, lazy))} on its first update, pass it when you create it."
+        return {}
+    changed = {k: v for k, v in _plain_attributes(clone).items() if before.get(k, _MISSING) is not v}
+    settled = {k: v for k, v in changed.items() if any(before.get(k, _MISSING) is u for u in (_MISSING, None, False))}
+    if refused := [k for k in changed if k not in settled]:
         raise TypeError(
-            f"self.{path} ({type(clone).__name__}) changed {', '.join(map(repr, changed))} in a replicated step: "
+            f"self.{path} ({type(clone).__name__}) changed {', '.join(map(repr, refused))} in a replicated step: "
             "it keeps them outside its metric states, so the replicas' updates cannot be merged "
             "as one device's would. Update it outside the replicated step (e.g. in on_train_batch_end or "
-            f"on_validation_batch_end from the step's gathered outputs), or use strategy='dp' or 'ddp'."
-            + (settle if lazy else "")
+            "on_validation_batch_end from the step's gathered outputs), or use strategy='dp' or 'ddp'."
         )
+    return settled
 
 
 def _reset(clone: Metric) -> None:
@@ -219,7 +220,7 @@ def _nodes(path: str, metric: Metric, clones: Sequence[Metric]) -> list[_Node]:
     return nodes
 
 
-def _check_step(node: _Node, clone: Metric, installed: tuple[int, dict[str, Any]]) -> None:
+def _check_step(node: _Node, clone: Metric, installed: tuple[int, dict[str, Any]]) -> dict[str, Any]:
     """Refuse what the replicas' states cannot reproduce: changed plain attributes, and torchmetrics' own forward of
     a wrapper (a batch value computed without the wrapped metrics' forward: it reset them, so on one device they
     keep the last batch only)."""
@@ -232,7 +233,7 @@ def _check_step(node: _Node, clone: Metric, installed: tuple[int, dict[str, Any]
                 f"which the replicas cannot reproduce. Call self.{node.path}.update(...) in the step instead (its "
                 "value then equals one device's), or use strategy='dp' or 'ddp'."
             )
-    _check_plain_attributes(node.path, clone, installed)
+    return _check_plain_attributes(node.path, clone, installed)
 
 
 class MetricReplicas:
@@ -289,7 +290,8 @@ class MetricReplicas:
             ]
             for node, clones in used:  # all of a wrapper's: torchmetrics' WrapperMetric counts no updates of its own
                 for clone in node.clones if node.wraps else clones:
-                    _check_step(node, clone, self._installed[id(clone)])
+                    for name, value in _check_step(node, clone, self._installed[id(clone)]).items():
+                        setattr(node.metric, name, value)  # set on a first update: the root's would set it alike
             batch_states: dict[int, dict[str, Any]] = {}  # id(root metric) -> the replicas' states combined
             for node, clones in used:
                 if clones:

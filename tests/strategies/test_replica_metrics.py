@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 import torchmetrics
+import torchmetrics.segmentation
 import torchmetrics.wrappers.bootstrapping
 from strategy_models import N_CLASSES, Classifier, loader, seeded, trainer
 from torch import nn
@@ -260,3 +261,25 @@ def test_metrics_the_replicas_cannot_reproduce_are_refused_with_a_fix_that_works
     trainer("auto", 1, max_steps=4).fit(reference, loader(10))
     trainer(_strategy(mode), 2, max_steps=4).fit(moved, loader(10))
     assert moved.seen == pytest.approx(reference.seen, rel=1e-6)
+
+
+class InferredClasses(Classifier):
+    """``MeanIoU(num_classes=None)`` infers ``num_classes`` on its first update, outside its metric states."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.iou = torchmetrics.segmentation.MeanIoU(num_classes=None, input_format="one-hot")
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        logits = self(x)
+        one_hot = [nn.functional.one_hot(t, N_CLASSES)[..., None] for t in (logits.argmax(1), y)]
+        self.iou.update(*one_hot)
+        self.log("iou", self.iou, on_step=False, on_epoch=True)
+        return nn.functional.cross_entropy(logits, y)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_setting_a_metric_infers_on_its_first_update_reaches_the_root_metric(mode: str):
+    single, multi = _fit_both(InferredClasses, mode, 4)
+    assert float(multi.callback_metrics["iou"]) == pytest.approx(float(single.callback_metrics["iou"]), abs=1e-12)
