@@ -95,6 +95,11 @@ class DataParallelStrategyBase(SingleProcessParallel):
                 target.forward = ParallelForward(self, target)  # an instance attribute: never in state dicts
 
     @override
+    def _replicated_modules(self) -> list[nn.Module]:
+        names = set(self.parallel_modules)  # a wrong name is refused right after, in setup
+        return [m for n, m in self.lightning_module.named_modules() if n in names]
+
+    @override
     def teardown(self) -> None:
         for target in self._wrapped:
             target.__dict__.pop("forward", None)

@@ -248,7 +248,12 @@ class SingleProcessParallel:
         where = ", ".join(map(str, devices))
         mode = "in threads, one per device" if threads else "one after another"
         self._log(f"{self.strategy_name}: {len(devices)} replicas on {where}{virtual}; replicas run {mode}{chosen}.")
-        say_split_sensitive_layers(self.lightning_module, self.strategy_name)
+        for module in self._replicated_modules():
+            say_split_sensitive_layers(module, self.strategy_name)
+
+    def _replicated_modules(self) -> list[nn.Module]:
+        """The modules that run on every replica: the LightningModule's step runs there whole."""
+        return [self.lightning_module]
 
     @override
     def teardown(self) -> None:

@@ -185,3 +185,11 @@ class FrequencyScaledEmbedding(Classifier):
 def test_a_layer_whose_result_depends_on_the_split_is_named_at_setup(strategy):
     with pytest.warns(UserWarning, match=rf"{strategy}: embedding \(scale_grad_by_freq=True\) scales its gradient"):
         trainer(strategy, 2, max_steps=1).fit(seeded(FrequencyScaledEmbedding), loader(4))
+
+
+def test_dp_names_only_the_layers_of_its_parallel_modules():
+    strategy = lightning_mgpu.DataParallelStrategy(parallel_modules=["net"])  # the embedding runs on the root only
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(strategy, 2, max_steps=1).fit(seeded(FrequencyScaledEmbedding), loader(4))
+    assert not [w for w in caught if "scale_grad_by_freq" in str(w.message)]
