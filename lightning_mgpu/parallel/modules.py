@@ -315,10 +315,11 @@ class DataParallelCriterion(nn.Module):
         name = getattr(self.criterion, "__name__", type(self.criterion).__name__)
         warnings.warn(
             f"DataParallelCriterion weights each device's {name} loss by its sample count, which equals one device "
-            "for a mean over samples. For a mean over tokens or non-ignored labels pass weight_fn=lambda output, "
-            "targets: (targets[0] != -100).sum() (what your mean divides by), or use a torch loss module such as "
-            "nn.CrossEntropyLoss(ignore_index=-100), whose count is known; weight_fn=lambda output, targets: "
-            "len(targets[0]) says samples and silences this.",
+            "for a mean over samples. For another mean pass weight_fn=lambda output, targets: <what your mean "
+            "divides by> (e.g. (targets[0] != -100).sum() for non-ignored labels, (targets[0][:, 1:] != -100).sum() "
+            "shifted), or use a torch loss module such as nn.CrossEntropyLoss(ignore_index=-100), whose count is "
+            "known; a loss returning a sum needs the attribute reduction = 'sum' (e.g. my_loss.reduction = 'sum'). "
+            "weight_fn=lambda output, targets: len(targets[0]) says samples and silences this.",
             UserWarning,
             stacklevel=5,  # the caller of the criterion module
         )
