@@ -160,7 +160,7 @@ def measure(
 # --- stages -----------------------------------------------------------------------------------------------------------
 def run_cuda_tests(smoke: bool, timeout_s: float) -> dict[str, Any]:
     """``pytest -m cuda`` in a subprocess; with ``--smoke`` only its collection (nothing to run without a GPU)."""
-    command = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider"]
+    command = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-m", "cuda", "-p", "no:cacheprovider"]
     command += ["--co", "tests/parallel/test_cuda.py"] if smoke else ["tests"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     started = time.perf_counter()

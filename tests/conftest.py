@@ -1,9 +1,14 @@
-"""Test-wide settings: quiet Lightning, deterministic CPU math."""
+"""Test-wide settings: quiet Lightning, deterministic CPU math, one CPU share per pytest worker."""
 
 import logging
+import os
 
 import pytest
 import torch
+
+# pytest-xdist runs the suite in two worker processes on CI's two cores: one intra-op thread each, since torch's
+# thread pool stalls when another process competes for the cores. Run alone (``-n 0``), a test may use two.
+_THREADS = 1 if os.environ.get("PYTEST_XDIST_WORKER") else 2
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -13,8 +18,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.fixture(autouse=True)
 def _deterministic_threads():
-    # Two intra-op threads on CI's two cores; the tests compare numbers, not speed.
     previous = torch.get_num_threads()
-    torch.set_num_threads(min(previous, 2))
+    torch.set_num_threads(min(previous, _THREADS))
     yield
     torch.set_num_threads(previous)
