@@ -6,6 +6,7 @@ costs a number of tensor operations that does not grow with depth.
 
 from __future__ import annotations
 
+import itertools
 import operator
 import threading
 import weakref
@@ -252,7 +253,7 @@ class ReplicaSet:
         self._queued = False
         self._owning = False
         if linked:
-            self._assign_parameters(n)
+            self._link_parameters(n)
         elif resolve_mode(execution_mode, devices) == "sequential" and all(d == self._root for d in devices):
             self._share_parameters(n)
             self._run = _Run(self._places, self._checked_params if n > 1 else [], None, n, _SEQUENTIAL)
@@ -427,27 +428,20 @@ class ReplicaSet:
         self._watch[k] = _watch_entry(self._originals[k])
         self._flatten_watch()
 
-    def _assign_parameters(self, n: int) -> None:
-        """Link the first ``n`` replicas' parameters to the originals through one autograd node (one-off replicas)."""
-        params = self._params
-        count = len(params)
-        layout = _Layout(self.devices[:n], self._root)
-        grad = torch.is_grad_enabled()
-        trainable = [j for j, p in enumerate(params) if grad and p.requires_grad]
-        if len(trainable) == count:  # the common case: every replica's tensors are one slice of the node's outputs
-            linked = _ReplicaParameters.apply(layout, *params) if count else ()
-            per_replica: Sequence[Sequence[Tensor | None]] = [linked[i * count : (i + 1) * count] for i in range(n)]
-        else:
-            frozen = [j for j in range(count) if not (grad and params[j].requires_grad)]
-            lists: list[list[Tensor | None]] = [[None] * count for _ in range(n)]
-            _fill(lists, frozen, _unlinked([params[j] for j in frozen], layout))
-            if trainable:
-                linked = _ReplicaParameters.apply(layout, *(params[j] for j in trainable))
-                step = len(trainable)
-                _fill(lists, trainable, [linked[i * step : (i + 1) * step] for i in range(n)])
-            per_replica = lists
+    def _link_parameters(self, n: int) -> None:
+        """The first ``n`` replicas' parameters for a one-off step: the trainable ones linked to the originals through
+        one autograd node, the others without a link (aliases on the root, copies elsewhere)."""
+        params, devices, grad = self._params, self.devices[:n], torch.is_grad_enabled()
+        tensors: list[list[Tensor | None]] = [[None] * len(params) for _ in range(n)]
+        for linked in (True, False):
+            indices = [j for j, p in enumerate(params) if (grad and p.requires_grad) == linked]
+            if indices:
+                with torch.set_grad_enabled(linked):
+                    outputs = _ReplicaParameters.apply(devices, self._root, *(params[j] for j in indices))
+                for k, (i, j) in enumerate(itertools.product(range(n), indices)):
+                    tensors[i][j] = outputs[k]
         for i in range(n):
-            self._point(i, per_replica[i], sharing=False)
+            self._point(i, tensors[i], sharing=False)
 
     def release(self) -> None:
         """Drop every replica and copy (frees their memory on the other devices)."""
@@ -504,72 +498,37 @@ class _Run:
         return None if now == self.versions else next(k for k, v in enumerate(now) if v != self.versions[k])
 
 
-class _Layout:
-    """Where a step's replicas live, relative to the root (the original parameters' device)."""
-
-    def __init__(self, devices: Sequence[torch.device], root: torch.device) -> None:
-        self.devices = list(devices)
-        self.root = root
-        self.others = list(dict.fromkeys(d for d in self.devices if d != root))
-
-
-def _unlinked(params: Sequence[Tensor], layout: _Layout) -> list[list[Tensor]]:
-    """Per replica, ``params`` without an autograd link: aliases of the originals on the root, copies elsewhere."""
-    detached = [p.detach() for p in params]
-    copies = _broadcast(detached, layout.root, layout.others)
-    return [[p.detach() for p in params] if d == layout.root else copies[d] for d in layout.devices]
-
-
-def _fill(per_replica: list[list[Tensor | None]], indices: Sequence[int], values: Sequence[Sequence[Tensor]]) -> None:
-    for tensors, replica_values in zip(per_replica, values, strict=True):
-        for j, value in zip(indices, replica_values, strict=True):
-            tensors[j] = value
-
-
-def _broadcast(
-    tensors: Sequence[Tensor], root: torch.device, others: Sequence[torch.device]
-) -> dict[Any, list[Tensor]]:
-    """``tensors`` (on ``root``) copied to each device of ``others``: one coalesced broadcast on distinct GPUs."""
-    if not others:
-        return {}
-    if tensors and distinct_cuda([root, *others]):
-        copies = torch.cuda.comm.broadcast_coalesced(list(tensors), [root, *others])
-        return {d: list(c) for d, c in zip(others, copies[1:], strict=True)}
-    return {d: [t.to(d, non_blocking=True) for t in tensors] for d in others}
-
-
 class _ReplicaParameters(torch.autograd.Function):
-    """One node that hands every replica its parameters (``outputs[i * P + j]``: parameter ``j`` of replica ``i``) and
-    sums their gradients back in replica, then device, order: deterministic, whatever order threads finished in."""
+    """One node that hands every replica its parameters (``outputs[i * P + j]``: parameter ``j`` of replica ``i``),
+    copied from ``root`` (one coalesced broadcast on distinct GPUs), and sums their gradients back per device in
+    replica order, then over the devices, root first: deterministic, whatever order threads finished in."""
 
     @staticmethod
-    def forward(ctx: Any, layout: _Layout, *params: Tensor) -> tuple[Tensor, ...]:
-        ctx.layout = layout
-        ctx.count = len(params)
-        copies = _broadcast(params, layout.root, layout.others)
-        outputs: list[Tensor] = []
-        for device in layout.devices:
-            source = params if device == layout.root else copies[device]
-            outputs.extend(t.detach() for t in source)  # aliases: autograd links them to this node
-        return tuple(outputs)
+    def forward(ctx: Any, devices: list[torch.device], root: torch.device, *params: Tensor) -> tuple[Tensor, ...]:
+        ctx.devices, ctx.root, ctx.count = devices, root, len(params)
+        others = list(dict.fromkeys(d for d in devices if d != root))
+        if others and distinct_cuda([root, *others]):
+            broadcast = torch.cuda.comm.broadcast_coalesced(list(params), [root, *others])
+            copies = dict(zip(others, broadcast[1:], strict=True))
+        else:
+            copies = {d: [p.to(d, non_blocking=True) for p in params] for d in others}
+        # Aliases: autograd links them to this node.
+        return tuple(t.detach() for d in devices for t in (params if d == root else copies[d]))
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
-        layout: _Layout = ctx.layout
-        count = ctx.count
-        # Autograd hands a zero tensor for an output that got no gradient (materialize_grads): no None here.
-        # Out of place: incoming gradients may be shared.
-        per_device: dict[torch.device, tuple[Tensor, ...]] = {}
-        for i, device in enumerate(layout.devices):
-            replica_grads = grads[i * count : (i + 1) * count]
-            total = per_device.get(device)
-            per_device[device] = replica_grads if total is None else torch._foreach_add(total, replica_grads)
-        result: list[Tensor] | tuple[Tensor, ...] | None = per_device.get(layout.root)
-        for device in layout.others:  # device order
-            moved = _to_device_coalesced(per_device[device], layout.root)
-            result = moved if result is None else torch._foreach_add(result, moved)
-        assert result is not None
-        return (None, *result)
+        # Autograd hands a zero tensor for an output that got no gradient: no None here. Out of place: incoming
+        # gradients may be shared.
+        count, root = ctx.count, ctx.root
+        sums: dict[torch.device, Sequence[Tensor]] = {}
+        for i, device in enumerate(ctx.devices):
+            replica = grads[i * count : (i + 1) * count]
+            sums[device] = torch._foreach_add(sums[device], replica) if device in sums else replica
+        total: Sequence[Tensor] | None = None
+        for device in sorted(sums, key=lambda d: d != root):  # stable: the root first, then device order
+            part = sums[device] if device == root else _to_device_coalesced(sums[device], root)
+            total = part if total is None else torch._foreach_add(total, part)
+        return (None, None, *(total or ()))
 
 
 def _to_device_coalesced(tensors: Sequence[Tensor], device: torch.device) -> list[Tensor]:
