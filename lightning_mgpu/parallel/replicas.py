@@ -534,11 +534,8 @@ class _ReplicaParameters(torch.autograd.Function):
 def _to_device_coalesced(tensors: Sequence[Tensor], device: torch.device) -> list[Tensor]:
     """``tensors`` moved to ``device`` with one transfer per dtype (flattened, then split back)."""
     groups = DtypeGroups(tensors)
-    flats = {
-        dtype: torch.cat([tensors[j].reshape(-1) for j in indices]).to(device)
-        for dtype, indices in groups.indices.items()
-    }
-    return [groups.view(flats, j, t) for j, t in enumerate(tensors)]
+    flats = {dtype: flat.to(device) for dtype, flat in groups.flatten().items()}
+    return [groups.view(flats, j) for j in range(len(tensors))]
 
 
 _UNWATCHED = (None,) * 8
