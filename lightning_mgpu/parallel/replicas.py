@@ -1,8 +1,5 @@
-"""Lasting replicas: copies of a module's tree, built once per device list and brought up to date every step.
-
-``nn.DataParallel`` rebuilds its replicas every step, at a host cost of depth x devices; a :class:`ReplicaSet` step
-costs a number of tensor operations that does not grow with depth.
-"""
+"""Lasting replicas: copies of a module's tree, built once per device list and synced every step with a number of
+tensor operations that does not grow with depth (``nn.DataParallel`` rebuilds its replicas every step)."""
 
 from __future__ import annotations
 
@@ -30,11 +27,8 @@ _NEVER_SYNCED = frozenset({"_parameters", "_buffers", "_modules", "_is_replica",
 
 
 def replicate(module: nn.Module, devices: Sequence[DeviceLike], detach: bool = False) -> list[nn.Module]:
-    """One replica of ``module`` per device, for one call (callers that run many steps keep a :class:`ReplicaSet`).
-
-    As ``torch.nn.parallel.replicate``: with gradients enabled and ``detach=False`` the replicas' parameters are
-    autograd links through which gradients reach the originals; ``detach=True`` gives replicas without them.
-    """
+    """One replica of ``module`` per device, for one call. As ``torch.nn.parallel.replicate``: gradients of the
+    replicas' parameters reach the originals, unless ``detach=True`` or gradients are disabled."""
     with torch.set_grad_enabled(torch.is_grad_enabled() and not detach):
         return ReplicaSet(module, devices).prepare(linked=True)
 
@@ -47,14 +41,12 @@ SYNC_BATCHNORM_THREADS = (
 class ReplicaSet:
     """Lasting replicas of ``module``, one per device of ``devices`` (devices may repeat: "virtual devices").
 
-    Call :meth:`prepare` before each step and :meth:`watch` right after it. Buffers: replica 0 shares the originals,
-    the others hold copies refreshed when either side changed; a buffer a step rebinds (``self.center = ...``) takes
-    replica 0's value (``nn.DataParallel``'s rule for buffers). A parameter changed in place in a step where several
-    replicas hold its storage (on one device) raises: the change would run once per replica. Attributes rebound on
-    the originals are copied to the replicas, except ``overrides`` (set per replica by the owner); a structural change
-    rebuilds them (:attr:`builds` counts builds). Every replica holds the original of a ``shared(submodule)``
-    (``on_build`` may swap in per-replica objects). Compiled modules get replicas that run the original's compilation
-    on their own tensors (:mod:`.compiled`).
+    Call :meth:`prepare` before each step and :meth:`watch` right after it. Replica 0 shares the original buffers,
+    the others hold copies; a buffer a step rebinds takes replica 0's value (``nn.DataParallel``'s rule). A parameter
+    changed in place while several replicas hold its storage raises (the change would run once per replica).
+    Attributes rebound on the originals reach the replicas, except ``overrides`` (set per replica by the owner); a
+    structural change rebuilds them (:attr:`builds`). Every replica holds the original of a ``shared(submodule)``
+    (``on_build`` may swap in per-replica objects).
     """
 
     def __init__(
@@ -118,7 +110,9 @@ class ReplicaSet:
         self._checked_params = [self._params[j] for j in self._checked]
         self._leaf_run: tuple[Any, list[Tensor], list[int]] | None = None  # (key, root leaves checked, versions)
         self._sharing = [True] * len(self.devices)  # copies start out holding the original parameters
-        self._snapshot()
+        shared = self._shared
+        self._watch = [_watch_entry(m) if shared is None or not shared(m) else _UNWATCHED for m in originals]
+        self._flatten_watch()
         self.builds += 1
         if self._on_build is not None:
             self._on_build(self.replicas)
@@ -164,7 +158,7 @@ class ReplicaSet:
         """One replica's modules: shared ones as they are, shallow copies of the others, and ``torch.compile``
         wrappers built around their wrapped module's copy (innermost first)."""
         shared = self._shared
-        copies: list[nn.Module | None] = [
+        copies: list[Any] = [
             m
             if shared is not None and shared(m)
             else None
@@ -172,23 +166,13 @@ class ReplicaSet:
             else m._replicate_for_data_parallel()
             for m in self._originals
         ]
-        for k in range(len(self._originals) - 1, -1, -1):
+        for k in reversed(range(len(copies))):
             if copies[k] is None:
                 copies[k] = optimized_module_replica(self._originals[k], self._children(k, copies, position))
-        return [copy for copy in copies if copy is not None]  # every one is filled by now
+        return copies
 
-    def _children(
-        self, k: int, copies: Sequence[nn.Module | None], position: dict[int, int]
-    ) -> dict[str, nn.Module | None]:
-        return {
-            name: None if child is None else copies[position[id(child)]]
-            for name, child in self._originals[k]._modules.items()
-        }
-
-    def _snapshot(self) -> None:
-        shared = self._shared
-        self._watch = [_watch_entry(m) if shared is None or not shared(m) else _UNWATCHED for m in self._originals]
-        self._flatten_watch()
+    def _children(self, k: int, copies: Sequence[nn.Module], position: dict[int, int]) -> dict[str, nn.Module | None]:
+        return {n: None if c is None else copies[position[id(c)]] for n, c in self._originals[k]._modules.items()}
 
     def _flatten_watch(self) -> None:
         """Every watched dict in one list, their copies in another: one ``==`` checks them all."""
@@ -202,10 +186,8 @@ class ReplicaSet:
 
     def execution_mode(self, requested: ExecutionMode, count: int) -> tuple[ExecutionMode, str | None]:
         """The mode to run ``count`` replicas in, and why it is not ``requested`` (``None`` when it is): compiled
-        replicas run one after another (Dynamo is not thread-safe), SyncBatchNorm in training needs threads.
-
-        Checks the module's structure as :meth:`prepare` would (a layer converted or compiled between steps counts from
-        this step on), so the :meth:`prepare` right after it skips that check."""
+        replicas run one after another (Dynamo is not thread-safe), SyncBatchNorm in training needs threads. Checks
+        the structure first (a layer converted or compiled since the last step counts), for the next :meth:`prepare`."""
         self._sync_structure()
         mode, reason = self._mode(requested, count)
         self._structure_checked = True
@@ -239,8 +221,8 @@ class ReplicaSet:
         """The first ``n`` replicas (default all), synced with the original for a step run in ``execution_mode``.
 
         Sequential replicas on the parameters' device hold the original parameters; others hold their own leaves
-        (:class:`.flat_replicas.ReplicaParameters`), so pass their outputs to :meth:`watch`. ``linked=True`` (the
-        one-off :func:`replicate`) links the replicas' parameters to the originals through one autograd node."""
+        (:class:`.flat_replicas.ReplicaParameters`): pass their outputs to :meth:`watch`. ``linked=True``: see
+        :func:`replicate`."""
         n = len(self.devices) if n is None else n
         if not 1 <= n <= len(self.devices):
             raise ValueError(f"Asked for {n} replicas of a set of {len(self.devices)}.")
@@ -255,7 +237,9 @@ class ReplicaSet:
         if linked:
             self._link_parameters(n)
         elif resolve_mode(execution_mode, devices) == "sequential" and all(d == self._root for d in devices):
-            self._share_parameters(n)
+            for i in range(n):
+                if not self._sharing[i]:
+                    self._point(i, self._params, sharing=True)  # back to the original parameters
             self._run = _Run(self._places, self._checked_params if n > 1 else [], None, n, _SEQUENTIAL)
         else:
             self._own_parameters(n)
@@ -264,8 +248,8 @@ class ReplicaSet:
         return self.replicas[:n]
 
     def _start_leaf_run(self, n: int) -> None:
-        """A run on the replicas' own leaves: those of the replicas on the root alias the originals' storage. Only a
-        step changes their version counters (the optimizer steps the originals), so the last clean run's are kept."""
+        """A run on the replicas' own leaves; those on the root alias the originals' storage. Only a step changes their
+        version counters (the optimizer steps the originals), so the last clean run's are kept."""
         on_root = tuple(i for i in range(n) if self.devices[i] == self._root)
         if len(on_root) < 2:
             self._run = _Run(self._places, [], [], len(on_root), _THREADS)
@@ -287,9 +271,8 @@ class ReplicaSet:
         return run
 
     def watch(self, outputs: Sequence[Any]) -> None:
-        """Reduce the replicas' gradients onto the originals after any backward pass that reaches ``outputs`` (the
-        replicas' outputs of this step: one hook per output tensor that requires grad). Raises if the replicas changed
-        parameters in place that several of them hold."""
+        """Reduce the replicas' gradients onto the originals after any backward pass that reaches ``outputs`` (this
+        step's replica outputs). Raises if the replicas changed parameters in place that several of them hold."""
         run = self._end_run(adopt=True)
         written = None if run is None else run.written()
         if written is not None:
@@ -381,12 +364,6 @@ class ReplicaSet:
             if self._sharing[i]:
                 self._point(i, flat.leaves[i], sharing=False)
 
-    def _share_parameters(self, n: int) -> None:
-        """Point the first ``n`` replicas at the original parameters (they stay until other tensors replace them)."""
-        for i in range(n):
-            if not self._sharing[i]:
-                self._point(i, self._params, sharing=True)
-
     def _point(self, i: int, tensors: Sequence[Tensor | None], sharing: bool) -> None:
         """Replica ``i``'s parameters from ``tensors`` (indexed like the unique originals)."""
         for store, name, j in self._param_slots[i]:
@@ -397,7 +374,7 @@ class ReplicaSet:
 
     def _sync_structure(self) -> None:
         """Rebuild on a structural change or a (un)compiled module; copy attributes rebound on the originals to every
-        replica. One ``==`` of every watched dict against its copy settles the common case, nothing changed."""
+        replica. One ``==`` of every watched dict against its copy settles the common case (no change)."""
         if _same(self._live, self._saved):
             return
         for k, (attrs, params, buffers, children, *saved) in enumerate(self._watch):
@@ -444,13 +421,10 @@ class ReplicaSet:
             self._point(i, tensors[i], sharing=False)
 
     def release(self) -> None:
-        """Drop every replica and copy (frees their memory on the other devices)."""
+        """Drop every replica and copy (frees their memory on the other devices); the set is not used again."""
         self._end_run(adopt=False)
-        self._places, self._checked, self._checked_params, self._leaf_run = {}, [], [], None
-        self._copies, self._param_slots, self._buffer_slots, self._rnns = [], [], [], []
-        self._originals, self._params, self._watch, self._live, self._saved = [], [], [], [], []
-        self._flat = None
-        self._buffers = ReplicaBuffers([], [], [])
+        self._copies, self._param_slots, self._buffer_slots, self._rnns, self._places = [], [], [], [], {}
+        self._flat, self._leaf_run, self._buffers = None, None, ReplicaBuffers([], [], [])
 
 
 _SEQUENTIAL = "they run one after another on the parameters' device, on the original parameters"
@@ -470,8 +444,8 @@ def _on_buffer(module: nn.Module, name: str, value: Tensor | None) -> None:
 
 class _Run:
     """One step's replicas at work: ``shared`` (tensors several replicas hold in one storage) must keep their
-    ``versions``, and the buffers they rebind (``self.center = ...``) are recorded by torch's global buffer
-    registration hook, installed only while runs are in progress."""
+    ``versions``; the buffers they rebind are recorded by torch's global buffer registration hook, installed while
+    runs are in progress."""
 
     def __init__(
         self, places: dict[int, tuple[int, int]], shared: list[Tensor], versions: list[int] | None, count: int, how: str
@@ -542,8 +516,7 @@ _UNWATCHED = (None,) * 8
 
 
 def _walk(module: nn.Module, shared: Callable[[nn.Module], bool] | None = None) -> list[nn.Module]:
-    """Every distinct module of the tree, parents before children, without entering the subtree of a ``shared``
-    module (a stack, not recursion: no closure cycles)."""
+    """Every distinct module of the tree, parents before children, without entering a ``shared`` module's subtree."""
     seen: set[int] = set()
     order: list[nn.Module] = []
     stack = [module]
@@ -577,14 +550,14 @@ def _unique(tensors: Iterable[Tensor]) -> list[Tensor]:
 
 
 def _watch_entry(module: nn.Module) -> tuple[dict[str, Any], ...]:
-    """A module's attribute, parameter, buffer and child dicts, then shallow copies of them to compare against."""
+    """A module's attribute, parameter, buffer and child dicts, then shallow copies of them."""
     live = (module.__dict__, module._parameters, module._buffers, module._modules)
     return (*live, *(d.copy() for d in live))
 
 
 def _same(current: Any, saved: Any) -> bool:
-    """Whether a dict still holds what ``saved`` copied from it. Values compare by identity first (C speed); a value
-    whose ``==`` cannot answer (a tensor rebound to another tensor) counts as changed."""
+    """Whether a dict still holds what ``saved`` copied from it (identity first, at C speed); a value whose ``==``
+    cannot answer (a tensor rebound to another tensor) counts as changed."""
     try:
         return bool(current == saved)
     except Exception:
