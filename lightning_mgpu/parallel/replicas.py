@@ -16,7 +16,7 @@ from torch.nn.modules.lazy import LazyModuleMixin
 from torch.nn.modules.module import register_module_buffer_registration_hook
 
 from lightning_mgpu.parallel.compiled import compiled_call, is_compiled, is_optimized_module, optimized_module_replica
-from lightning_mgpu.parallel.devices import DeviceLike, distinct_cuda, to_device
+from lightning_mgpu.parallel.devices import DeviceLike, to_device
 from lightning_mgpu.parallel.flat_replicas import DtypeGroups, ReplicaBuffers, ReplicaParameters, Slot
 from lightning_mgpu.parallel.library_hooks import install_output_capturing_hooks
 from lightning_mgpu.parallel.run_replicas import ExecutionMode, resolve_mode
@@ -189,11 +189,6 @@ class ReplicaSet:
         replicas run one after another (Dynamo is not thread-safe), SyncBatchNorm in training needs threads. Checks
         the structure first (a layer converted or compiled since the last step counts), for the next :meth:`prepare`."""
         self._sync_structure()
-        mode, reason = self._mode(requested, count)
-        self._structure_checked = True
-        return mode, reason
-
-    def _mode(self, requested: ExecutionMode, count: int) -> tuple[ExecutionMode, str | None]:
         sync = count > 1 and any(layer._uses_batch_stats() for layer in self._sync_layers)
         if self.compiled and sync:
             raise RuntimeError(
@@ -202,6 +197,7 @@ class ReplicaSet:
                 "Revert the SyncBatchNorm layers (revert_sync_batchnorm / no sync_batchnorm=True), or do not compile "
                 "the model here (DDP runs compiled models with synchronised BatchNorm)."
             )
+        self._structure_checked = True
         if self.compiled:
             mode: ExecutionMode = "sequential"
             reason = (
@@ -481,7 +477,7 @@ class _ReplicaParameters(torch.autograd.Function):
     def forward(ctx: Any, devices: list[torch.device], root: torch.device, *params: Tensor) -> tuple[Tensor, ...]:
         ctx.devices, ctx.root, ctx.count = devices, root, len(params)
         others = list(dict.fromkeys(d for d in devices if d != root))
-        if others and distinct_cuda([root, *others]):
+        if others and all(d.type == "cuda" for d in (root, *others)):  # distinct GPUs: torch's broadcast
             broadcast = torch.cuda.comm.broadcast_coalesced(list(params), [root, *others])
             copies = dict(zip(others, broadcast[1:], strict=True))
         else:
