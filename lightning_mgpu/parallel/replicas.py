@@ -79,7 +79,7 @@ class ReplicaSet:
         install_output_capturing_hooks(self.module)  # before the copies: each would install them again
         self._originals = _walk(self.module, self._shared)
         _check_initialized(self.module, self._originals)
-        position = {id(m): k for k, m in enumerate(self._originals)}
+        self._position = {id(m): k for k, m in enumerate(self._originals)}
         self._params = _unique(p for m in self._originals for p in m._parameters.values() if p is not None)
         param_index = {id(p): j for j, p in enumerate(self._params)}
         self._root = self._params[0].device if self._params else self.devices[0]
@@ -93,8 +93,8 @@ class ReplicaSet:
         uses_sync_batchnorm(self.module)  # names the sync layers built directly, for their errors
         self._sync_layers = [m for m in self._originals if isinstance(m, SyncBatchNorm)]
         with torch.inference_mode(False), torch.no_grad():  # copies must be normal tensors, whatever the caller's mode
-            for i, device in enumerate(self.devices):
-                self._build_replica(i, device, position, param_index, buffer_index)
+            for i in range(len(self.devices)):
+                self._build_replica(i, param_index, buffer_index)
         self._buffers = ReplicaBuffers(buffers, self._buffer_slots, self.devices)
         self._flat: ReplicaParameters | None = None  # built on the first step that needs the replicas' own leaves
         originals = self._originals
@@ -117,23 +117,16 @@ class ReplicaSet:
         if self._on_build is not None:
             self._on_build(self.replicas)
 
-    def _build_replica(
-        self,
-        i: int,
-        device: torch.device,
-        position: dict[int, int],
-        param_index: dict[int, int],
-        buffer_index: dict[int, int],
-    ) -> None:
-        originals = self._originals
-        copies = self._module_copies(position)
+    def _build_replica(self, i: int, param_index: dict[int, int], buffer_index: dict[int, int]) -> None:
+        originals, device = self._originals, self.devices[i]
+        copies = self._module_copies()
         slots: list[Slot] = []
         buffer_slots: list[Slot] = []
         rnns: list[nn.RNNBase] = []
         for k, (original, copy) in enumerate(zip(originals, copies, strict=True)):
             if copy is original or is_optimized_module(original):
                 continue  # shared as is, or a compiled wrapper (its tensors are those of the wrapped module)
-            copy._modules = self._children(k, copies, position)
+            copy._modules = self._children(k, copies)
             copy._parameters = dict(original._parameters)  # the originals until the first prepare()
             for name, param in original._parameters.items():
                 if param is not None:
@@ -154,7 +147,7 @@ class ReplicaSet:
         self._buffer_slots.append(buffer_slots)
         self._rnns.append(rnns)
 
-    def _module_copies(self, position: dict[int, int]) -> list[nn.Module]:
+    def _module_copies(self) -> list[nn.Module]:
         """One replica's modules: shared ones as they are, shallow copies of the others, and ``torch.compile``
         wrappers built around their wrapped module's copy (innermost first)."""
         shared = self._shared
@@ -168,10 +161,11 @@ class ReplicaSet:
         ]
         for k in reversed(range(len(copies))):
             if copies[k] is None:
-                copies[k] = optimized_module_replica(self._originals[k], self._children(k, copies, position))
+                copies[k] = optimized_module_replica(self._originals[k], self._children(k, copies))
         return copies
 
-    def _children(self, k: int, copies: Sequence[nn.Module], position: dict[int, int]) -> dict[str, nn.Module | None]:
+    def _children(self, k: int, copies: Sequence[nn.Module]) -> dict[str, nn.Module | None]:
+        position = self._position
         return {n: None if c is None else copies[position[id(c)]] for n, c in self._originals[k]._modules.items()}
 
     def _flatten_watch(self) -> None:
