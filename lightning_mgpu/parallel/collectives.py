@@ -1,9 +1,6 @@
-"""Collectives across the replicas of one call: ``all_gather``, ``reduce``, ``broadcast``, ``barrier``, ``all_true``.
-
-Inside a replicated call the k-th collective of every replica meets the k-th of the others; a replica that calls
-another collective there, skips it or raises fails the others with an error naming it, never a hang. Outside one, or
-with one replica, each is an identity.
-"""
+"""Collectives across the replicas of one call. The k-th collective of every replica meets the k-th of the others;
+a replica that calls another one there, skips it or raises fails the others clearly, never a hang. Outside a
+replicated call, or with one replica, each is an identity."""
 
 from __future__ import annotations
 
@@ -77,12 +74,7 @@ def _replica(name: str, sequential_hint: str) -> ReplicaContext | None:
     return replica
 
 
-def _meet(
-    replica: ReplicaContext,
-    name: str,
-    value: Any,
-    combine: Callable[[list[Any], torch.device], Any],
-) -> Any:
+def _meet(replica: ReplicaContext, name: str, value: Any, combine: Callable[[list[Any], torch.device], Any]) -> Any:
     """Meet the other replicas; return ``combine(values in replica order, this replica's device)``."""
     call = replica.next_call("collective")
     label = f"collective {call} of this step"
@@ -120,8 +112,8 @@ def _op_name(reduce_op: Any) -> str:
 
 
 def local_rows(size: int) -> slice:
-    """The rows of an ``all_gather``-ed batch that this replica (or this process, under DDP) holds: for a loss over
-    one's own rows of a whole-batch matrix. A collective: every replica (every rank) must call it."""
+    """The rows of an ``all_gather``-ed batch that this replica (or this DDP rank) holds, for a loss over one's own rows
+    of a whole-batch matrix. A collective: every replica (every rank) must call it."""
     replica = _replica("local_rows", "")
     if replica is not None:
         sizes, index = _meet(replica, "local_rows", size, lambda values, device: values), replica.index

@@ -1,9 +1,6 @@
-"""Replicas of ``torch.compile``d modules: the original's compilation, same options, bound to each replica.
-
-Compiled code is bound to the original object, so a shallow replica would run the original's tensors. Reading the
-options back uses torch internals (:class:`CompiledReplicaError` if a torch changes them). Dynamo is not thread-safe,
-so callers run compiled replicas one after another.
-"""
+"""Replicas of ``torch.compile``d modules run the original's compilation (same options) bound to their own tensors:
+compiled code bound to the original object would run the original's tensors. Dynamo is not thread-safe, so callers
+run compiled replicas one after another."""
 
 from __future__ import annotations
 
@@ -12,10 +9,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from torch import nn
-
-
-class CompiledReplicaError(RuntimeError):
-    """A compiled module whose compile options cannot be read back, so it cannot be replicated faithfully."""
 
 
 def is_optimized_module(module: nn.Module) -> bool:
@@ -33,8 +26,8 @@ def is_compiled(module: nn.Module) -> bool:
 
 
 def compiled_call(original: nn.Module, replica: nn.Module) -> Callable[..., Any]:
-    """``replica``'s ``_compiled_call_impl``: the original's compilation (same options) of ``replica._call_impl``, by
-    the compile context that ``module.compile()`` wrapped around ``original._call_impl``."""
+    """``replica``'s ``_compiled_call_impl``: the compile context ``module.compile()`` wrapped around
+    ``original._call_impl`` (read from torch internals), around ``replica._call_impl``."""
     from torch._dynamo.eval_frame import _TorchDynamoContext
 
     for cell in getattr(original.__dict__["_compiled_call_impl"], "__closure__", None) or ():
@@ -44,7 +37,7 @@ def compiled_call(original: nn.Module, replica: nn.Module) -> Callable[..., Any]
             continue
         if isinstance(content, _TorchDynamoContext):
             return content(replica._call_impl)
-    raise CompiledReplicaError(
+    raise RuntimeError(
         f"Cannot replicate a {type(original).__name__}: it was compiled with module.compile(), but this torch version "
         "does not let its compile options be read back, so a replica cannot run the same compiled code on its own "
         "tensors. Compile with torch.compile(module) instead, train on one device, or use strategy='ddp'."

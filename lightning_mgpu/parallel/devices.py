@@ -1,8 +1,5 @@
-"""Turn what users pass as ``device_ids`` into a validated list of ``torch.device``.
-
-Virtual devices (one device repeated, e.g. ``["cpu", "cpu"]``) are allowed on purpose: they run the multi-device code
-paths on a machine with fewer devices.
-"""
+"""``device_ids`` as validated ``torch.device`` objects. A device may repeat (``["cpu", "cpu"]``: virtual devices, which
+run the multi-device code paths on a machine with fewer devices)."""
 
 from __future__ import annotations
 
@@ -85,8 +82,3 @@ def check_module_on(module: torch.nn.Module, device: torch.device, what: str = "
                 f"The {what} must have all parameters and buffers on the root device {device} (device_ids[0]), "
                 f"but {name!r} is on {tensor.device}. Call `.to({str(device)!r})` first."
             )
-
-
-def distinct_cuda(devices: Sequence[torch.device]) -> bool:
-    """True when every device is a different CUDA device (where torch's broadcast-based replicate applies)."""
-    return all(d.type == "cuda" for d in devices) and len({d.index for d in devices}) == len(devices)

@@ -1,9 +1,5 @@
-"""Replica tensors held in flat buffers: a step syncs and reduces them with a few tensor operations per device,
-whatever the model's depth.
-
-:class:`ReplicaParameters`: every replica's own leaf parameters and gradients, reduced onto the originals in a fixed
-order. :class:`ReplicaBuffers`: the buffers replicas own, refreshed from the originals.
-"""
+"""Replica parameters, gradients and buffers held in flat buffers: a step syncs and reduces them with a few tensor
+operations per device, whatever the model's depth."""
 
 from __future__ import annotations
 
@@ -36,40 +32,44 @@ def alias(base: Tensor, offset: int, shape: torch.Size, stride: Sequence[int] = 
 
 
 class DtypeGroups:
-    """Tensors grouped by dtype, with each tensor's offset in its group's flat buffer."""
+    """``tensors`` grouped by dtype, each at an offset in its group's flat buffer. :meth:`flatten` concatenates each
+    group from flat views made once (a per-step ``reshape`` of every tensor would cost host time per tensor)."""
 
     def __init__(self, tensors: Sequence[Tensor]) -> None:
+        self.tensors = list(tensors)
         self.indices: dict[torch.dtype, list[int]] = {}
-        self.offsets: list[int] = [0] * len(tensors)
+        self.offsets: list[int] = [0] * len(self.tensors)
         self.totals: dict[torch.dtype, int] = {}
-        for j, t in enumerate(tensors):
+        for j, t in enumerate(self.tensors):
             self.indices.setdefault(t.dtype, []).append(j)
             self.offsets[j] = self.totals.get(t.dtype, 0)
             self.totals[t.dtype] = self.offsets[j] + t.numel()
+        self._views = {dtype: self._flat_views(indices) for dtype, indices in self.indices.items()}
+
+    def _flat_views(self, indices: list[int]) -> list[Tensor] | None:
+        """The group's tensors as flat views, or ``None`` if one is not contiguous (then reshaped at every call)."""
+        tensors = [self.tensors[j] for j in indices]
+        return [t.view(-1) for t in tensors] if all(t.is_contiguous() for t in tensors) else None
+
+    def flatten(self) -> dict[torch.dtype, Tensor]:
+        return {
+            dtype: torch.cat(views if views is not None else [self.tensors[j].reshape(-1) for j in self.indices[dtype]])
+            for dtype, views in self._views.items()
+        }
+
+    def replace(self, j: int, tensor: Tensor) -> None:
+        """``tensor`` (shaped like tensor ``j``, same dtype) in place of tensor ``j``."""
+        self.tensors[j] = tensor
+        self._views[tensor.dtype] = self._flat_views(self.indices[tensor.dtype])
 
     def flats(self, device: torch.device, zero: bool = False) -> dict[torch.dtype, Tensor]:
         make = torch.zeros if zero else torch.empty
         return {dtype: make(total, dtype=dtype, device=device) for dtype, total in self.totals.items()}
 
-    def view(self, flats: dict[torch.dtype, Tensor], j: int, like: Tensor) -> Tensor:
-        """Tensor ``j``'s part of ``flats`` (one flat tensor per dtype), shaped like ``like``."""
-        start = self.offsets[j]
+    def view(self, flats: dict[torch.dtype, Tensor], j: int) -> Tensor:
+        """Tensor ``j``'s part of ``flats`` (one flat tensor per dtype), shaped like it."""
+        like, start = self.tensors[j], self.offsets[j]
         return flats[like.dtype][start : start + like.numel()].view(like.shape)
-
-
-class _Flattened:
-    """``tensors`` of one dtype as one flat tensor, with the flat views of contiguous ones made once (a per-step
-    ``reshape`` of every tensor would cost host time per tensor)."""
-
-    def __init__(self, tensors: Sequence[Tensor]) -> None:
-        self.tensors = list(tensors)
-        self._views = [t.view(-1) if t.is_contiguous() else None for t in self.tensors]
-        self._all_views = [v for v in self._views if v is not None]
-
-    def __call__(self) -> Tensor:
-        if len(self._all_views) == len(self.tensors):
-            return torch.cat(self._all_views)
-        return torch.cat([t.reshape(-1) if v is None else v for t, v in zip(self.tensors, self._views, strict=True)])
 
 
 class ReplicaParameters:
@@ -85,25 +85,21 @@ class ReplicaParameters:
         self.params = list(params)
         self.devices = list(devices)
         self.root = root
-        self._groups = DtypeGroups(self.params)
+        self._groups = groups = DtypeGroups(self.params)
         self._others = list(dict.fromkeys(d for d in self.devices if d != root))
         with torch.inference_mode(False), torch.no_grad():
-            self._storage = {d: self._groups.flats(d) for d in self._others}  # one per device and dtype
-            self._grads = [self._groups.flats(d, zero=True) for d in self.devices]  # one per replica and dtype
-            self._root_grads = self._groups.flats(root)
+            self._storage = {d: groups.flats(d) for d in self._others}  # one per device and dtype
+            self._grads = [groups.flats(d, zero=True) for d in self.devices]  # one per replica and dtype
+            self._root_grads = groups.flats(root)
             self.leaves = [self._make_leaves(d) for d in self.devices]
             # Aliases (not views): autograd's accumulation into a leaf's gradient bumps that gradient's counter alone.
-            offsets = self._groups.offsets
             for flats, leaves in zip(self._grads, self.leaves, strict=True):
                 for j, (p, leaf) in enumerate(zip(self.params, leaves, strict=True)):
-                    leaf.grad = alias(flats[p.dtype], offsets[j], p.shape)
+                    leaf.grad = alias(flats[p.dtype], groups.offsets[j], p.shape)
             self._root_views = [
-                alias(self._root_grads[p.dtype], offsets[j], p.shape) for j, p in enumerate(self.params)
+                alias(self._root_grads[p.dtype], groups.offsets[j], p.shape) for j, p in enumerate(params)
             ]
         self._first_grads = [leaves[0].grad if leaves else None for leaves in self.leaves]
-        self._flattened = {
-            dtype: _Flattened([self.params[j] for j in indices]) for dtype, indices in self._groups.indices.items()
-        }
         self._pointers = list(map(_data_ptr, self.params))
         self._stamp: int | None = None  # the originals' version sum at the last copy to the other devices
         self._set_trainable(list(map(_requires_grad, self.params)))
@@ -138,8 +134,7 @@ class ReplicaParameters:
 
     def sync(self, n: int) -> bool:
         """Bring the first ``n`` replicas' parameters up to date with the originals (``requires_grad``, values).
-        ``False`` (nothing done) when an original's tensor was replaced (``param.data = ...``, an optimizer swapping
-        tensors): the leaves alias storage the original dropped, so rebuild."""
+        ``False`` (nothing done) when an original's tensor was replaced (``param.data = ...``): rebuild."""
         if list(map(_data_ptr, self.params)) != self._pointers:
             return False
         trainable = list(map(_requires_grad, self.params))
@@ -149,8 +144,7 @@ class ReplicaParameters:
         stamp = sum(map(_version, self.params)) if self._others else None  # no others: every replica aliases them
         if stamp != self._stamp:
             with torch.no_grad():
-                for dtype, flattened in self._flattened.items():
-                    staged = flattened()
+                for dtype, staged in self._groups.flatten().items():
                     for device in self._others:
                         self._storage[device][dtype].copy_(staged, non_blocking=True)
             self._stamp = stamp
@@ -172,11 +166,9 @@ class ReplicaParameters:
     def reduce(self) -> None:
         """Add the replicas' gradients onto the originals' ``.grad`` and zero the replicas' flat gradients.
 
-        Order: per device its replicas, then the devices (root first), each moved to the root with one copy per dtype.
-        A parameter no replica's backward reached (no accumulation bumped its gradients' version counters) keeps its
-        ``.grad`` (``None`` stays ``None``), as on one device; one reached gets its sum, exactly zero or not.
-        The originals' gradient hooks (``register_hook``, ``register_post_accumulate_grad_hook``) run as autograd runs
-        them on one device: once per reduction, on the summed gradient.
+        Order: per device its replicas, then the devices, each moved to the root with one copy per dtype. A parameter
+        no replica's backward reached (no gradient version counter moved) keeps its ``.grad``, as on one device. The
+        originals' gradient hooks run as autograd runs them on one device: once per reduction, on the summed gradient.
         """
         count, passes = self.active, self.passes
         self.active = self.passes = 0
@@ -205,42 +197,35 @@ class ReplicaParameters:
             torch._foreach_zero_([flat for flats in self._grads[:count] for flat in flats.values()])
         self._seen[:count] = counters  # zeroing the flat buffers leaves the gradients' own counters alone
 
-    def _device_sums(self, count: int) -> dict[torch.device, dict[torch.dtype, Tensor]]:
-        """Per device, its replicas' flat gradients summed in replica order (in place, into the first one's)."""
-        per_device: dict[torch.device, dict[torch.dtype, Tensor]] = {}
-        for i in range(count):
-            sums = per_device.get(self.devices[i])
-            if sums is None:
-                per_device[self.devices[i]] = dict(self._grads[i])
-            else:
-                for dtype, flat in self._grads[i].items():
-                    sums[dtype].add_(flat)
-        return per_device
-
     def _sum_into(self, count: int, targets: dict[torch.dtype, Tensor], accumulate: bool) -> None:
-        """``targets`` (flat, per dtype, on the root) += (or =) every replica's gradients: the root device's replicas
-        in replica order, then each other device's sum, moved to the root, in device order."""
-        for k, sums in enumerate(self._device_sums(count).values()):  # the root device comes first
-            for dtype, flat in sums.items():
-                target = targets[dtype]
-                if flat.device != self.root:
-                    flat = flat.to(self.root, non_blocking=True)
+        """``targets`` (flat, per dtype, on the root) += (or =) the first ``count`` replicas' gradients: per device
+        its replicas in replica order (in place, into the first one's), then the devices' sums in device order."""
+        sums: dict[torch.device, dict[torch.dtype, Tensor]] = {}
+        for i in range(count):
+            if self.devices[i] not in sums:
+                sums[self.devices[i]] = self._grads[i]
+                continue
+            for dtype, flat in self._grads[i].items():
+                sums[self.devices[i]][dtype].add_(flat)
+        for k, per_dtype in enumerate(sums.values()):
+            for dtype, flat in per_dtype.items():
+                flat = flat.to(self.root, non_blocking=True)
                 if k == 0 and not accumulate:
-                    target.copy_(flat)
+                    targets[dtype].copy_(flat)
                 else:
-                    target.add_(flat)
+                    targets[dtype].add_(flat)
 
     def _assign_each(
         self, totals: dict[torch.dtype, Tensor], grads: list[Tensor | None], reached: list[bool] | None
     ) -> None:
         """The general case, one parameter at a time: ``.grad`` set by someone else, parameters not every replica's
-        backward reached (those in ``reached`` none did are left alone, as on one device), or gradient hooks to run
-        as ``AccumulateGrad`` does: tensor hooks on the incoming gradient, then post-accumulate hooks."""
-        parts = [self._groups.view(totals, j, p) for j, p in zip(self._train_index, self._train_params, strict=True)]
+        backward reached (skipped where ``reached`` says none did), or gradient hooks to run as ``AccumulateGrad``
+        does: tensor hooks on the incoming gradient, then post-accumulate hooks."""
         hits = repeat(True) if reached is None else reached
-        for j, p, grad, part, hit in zip(self._train_index, self._train_params, grads, parts, hits, strict=False):
+        for j, p, grad, hit in zip(self._train_index, self._train_params, grads, hits, strict=False):
             if not hit:
                 continue
+            part = self._groups.view(totals, j)
             for hook in (p._backward_hooks or {}).values():
                 result = hook(part)
                 part = part if result is None else result
@@ -270,10 +255,10 @@ class ReplicaBuffers:
     """
 
     def __init__(self, sources: Sequence[Tensor], slots: Sequence[Sequence[Slot]], devices: Sequence[torch.device]):
-        self.sources = list(sources)
+        self._groups = DtypeGroups(sources)
+        self.sources = self._groups.tensors
         self.slots = [list(s) for s in slots]
         self.devices = list(devices)
-        self._groups = DtypeGroups(self.sources)
         self._full = [sorted(k for _, _, k in s) == list(range(len(self.sources))) for s in self.slots]
         self._flats: list[dict[torch.dtype, Tensor]] = []
         self._copies: list[dict[int, Tensor]] = []  # per replica: index of the original -> its copy
@@ -283,18 +268,10 @@ class ReplicaBuffers:
                 copies: dict[int, Tensor] = {}
                 for store, name, k in replica_slots:
                     b = self.sources[k]
-                    if self._full[i]:
-                        copy = self._groups.view(flats, k, b)
-                        copy.copy_(b)
-                    else:
-                        copy = b.detach().to(self.devices[i], copy=True)
-                    copies[k] = copy
-                    store[name] = copy
+                    copy = self._groups.view(flats, k).copy_(b) if flats else b.detach().to(self.devices[i], copy=True)
+                    copies[k] = store[name] = copy
                 self._flats.append(flats)
                 self._copies.append(copies)
-        self._flattened = {
-            dtype: _Flattened([self.sources[k] for k in indices]) for dtype, indices in self._groups.indices.items()
-        }
         self._stamp: int | None = None
         self._marks = self._replica_marks()
         self._linked = [False] * len(self.slots)
@@ -307,40 +284,39 @@ class ReplicaBuffers:
         the last refresh), and autograd-linked copies of buffers that require grad while grad mode is on."""
         if not self.sources:
             return
+        n = min(n, len(self.slots))
         link = torch.is_grad_enabled() and any(map(_requires_grad, self.sources))
         stamp = sum(map(_version, self.sources))
         marks = self._replica_marks()
         with torch.no_grad():
             staged: dict[torch.dtype, Tensor] = {}
-            for i in range(min(n, len(self.slots))):
+            for i in range(n):
                 if self._linked[i] and not link:
                     self.restore(i)
                 if not (self._full[i] and stamp == self._stamp and marks[i] == self._marks[i]):
                     self._copy_into(i, staged)
         if link:
-            for i in range(min(n, len(self.slots))):
+            for i in range(n):
                 self._link(i)
         self._stamp = stamp
         self._marks = self._replica_marks()
 
     def _copy_into(self, i: int, staged: dict[torch.dtype, Tensor]) -> None:
         """Replica ``i``'s buffers from the originals: one copy per dtype from the flattened originals (``staged``,
-        flattened once per refresh and shared by the replicas), or one per buffer before its flat buffer is full."""
+        flattened once per refresh and shared by the replicas), or one per buffer without a full flat buffer."""
         if not self._full[i]:
             for _, _, k in self.slots[i]:
                 self._copies[i][k].copy_(self.sources[k])
             return
         if not staged:
-            staged.update({dtype: flattened() for dtype, flattened in self._flattened.items()})
+            staged.update(self._groups.flatten())
         for dtype, flat in self._flats[i].items():
             flat.copy_(staged[dtype], non_blocking=True)
 
     def _link(self, i: int) -> None:
-        device = self.devices[i]
         for store, name, k in self.slots[i]:
-            source = self.sources[k]
-            if source.requires_grad:
-                store[name] = source.to(device, copy=True)  # differentiable: gradients reach the original
+            if self.sources[k].requires_grad:  # differentiable: gradients reach the original
+                store[name] = self.sources[k].to(self.devices[i], copy=True)
         self._linked[i] = True
 
     def restore(self, i: int) -> None:
@@ -352,10 +328,8 @@ class ReplicaBuffers:
     def replace(self, old: Tensor, new: Tensor) -> bool:
         """Keep ``new`` (shaped like ``old``, same dtype) up to date in the replicas instead of the original buffer
         ``old``, which a step rebound; ``False`` when ``old`` is none of the originals."""
-        for k, source in enumerate(self.sources):
-            if source is old:
-                self.sources[k] = new
-                self._flattened[new.dtype] = _Flattened([self.sources[j] for j in self._groups.indices[new.dtype]])
-                self._stamp = None
-                return True
-        return False
+        k = next((k for k, source in enumerate(self.sources) if source is old), None)
+        if k is not None:
+            self._groups.replace(k, new)
+            self._stamp = None
+        return k is not None

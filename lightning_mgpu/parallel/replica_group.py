@@ -1,9 +1,5 @@
-"""Replica groups: the replicas of one ``run_replicas`` call, and the rendezvous where they meet.
-
-Every worker runs with a thread-local :class:`ReplicaContext` (:func:`current_replica`). A replica that finishes or
-raises *departs* and wakes the replicas waiting for it, so one that skips a sync point fails its peers with a clear
-error instead of hanging them.
-"""
+"""The replicas of one ``run_replicas`` call and the rendezvous where they meet. A replica that finishes or raises
+*departs* and wakes those waiting for it, so one that skips a sync point fails its peers clearly instead of hanging."""
 
 from __future__ import annotations
 
@@ -18,31 +14,28 @@ from typing import Any
 import torch
 
 RENDEZVOUS_TIMEOUT_S = float(os.environ.get("LIGHTNING_MGPU_RENDEZVOUS_TIMEOUT_S", 1800))
-"""Last-resort bound (seconds, default 30 minutes) on one wait at a rendezvous: departures and mismatches are detected
-without it; it ends waits on a replica that neither arrives nor leaves (one blocked outside the group)."""
-
+"""Last-resort bound (seconds) on one wait at a rendezvous, for a replica that neither arrives nor leaves."""
 
 TAKE_TURNS = os.environ.get("LIGHTNING_MGPU_TAKE_TURNS", "1") != "0"
 """Whether replicas in threads take turns running Python (default on; ``0`` lets their threads compete for the GIL)."""
 
 TURN_PATIENCE_S = float(os.environ.get("LIGHTNING_MGPU_TURN_PATIENCE_S", 2))
-"""How long (seconds) a replica waits for its turn before it runs anyway: turns are an optimisation, never a condition
-for progress."""
+"""How long (seconds) a replica waits for its turn before it runs anyway: turns never hold up progress."""
 
 
 class RendezvousError(RuntimeError):
-    """The replicas of one call cannot meet at a sync point: one skipped it, they reached sync points in different
-    orders, the call runs its replicas sequentially, or a wait outlived :data:`RENDEZVOUS_TIMEOUT_S`."""
+    """The replicas of one call cannot meet at a sync point (one skipped it, they reached sync points in different
+    orders, they run sequentially, or a wait outlived :data:`RENDEZVOUS_TIMEOUT_S`)."""
 
 
 class PeerFailedError(RendezvousError):
-    """Raised in a replica that stopped waiting because another replica of the same call failed (or the caller was
-    interrupted). A secondary error: ``run_replicas`` re-raises the other replica's exception instead."""
+    """A replica stopped waiting because another one failed (or the caller was interrupted): a secondary error, so
+    ``run_replicas`` re-raises the other replica's exception instead."""
 
 
 @dataclass(eq=False, slots=True)
 class _Site:
-    """One sync point (e.g. the k-th call of one SyncBatchNorm layer) where every replica of a group must arrive."""
+    """One sync point (e.g. the k-th call of one SyncBatchNorm layer) where every replica must arrive."""
 
     label: str
     arrived: dict[int, Any] = field(default_factory=dict)
@@ -51,8 +44,7 @@ class _Site:
 
 
 class ReplicaGroup:
-    """The replicas of one :func:`~.run_replicas.run_replicas` call; ``sequential`` when they run one after another
-    (no rendezvous is possible then)."""
+    """The replicas of one ``run_replicas`` call; ``sequential``: they run one after another (and cannot meet)."""
 
     def __init__(self, devices: Sequence[torch.device], sequential: bool) -> None:
         self.devices = tuple(devices)
@@ -105,12 +97,9 @@ class ReplicaGroup:
         label: str,
         hint: str,
     ) -> Any:
-        """Meet the other replicas at ``site``; return ``combine(values in replica order)[index]``.
-
-        The last replica to arrive runs ``combine`` once for all (one computation, e.g. one autograd node, spans the
-        replicas); the others wait, handing their turn over meanwhile. A replica that cannot arrive fails the waiters
-        with :class:`RendezvousError` naming ``label`` followed by ``hint`` (what to do), or :class:`PeerFailedError`.
-        """
+        """Meet the other replicas at ``site``; return ``combine(values in replica order)[index]``. The last to arrive
+        runs ``combine`` once for all (e.g. one autograd node spanning the replicas); the others wait, giving up their
+        turn. A replica that cannot arrive fails the waiters with an error naming ``label``, then ``hint``."""
         handed_over = False
         try:
             with self._cond:
@@ -204,7 +193,7 @@ class ReplicaGroup:
 
 @dataclass
 class ReplicaContext:
-    """What a replica knows about itself while it runs: its group, its index, and per-site call counters."""
+    """The group, index and per-site call counters of the replica a thread runs as."""
 
     group: ReplicaGroup
     index: int

@@ -1,11 +1,9 @@
-"""Lasting replicas: copies of a module's tree, built once per device list and brought up to date every step.
-
-``nn.DataParallel`` rebuilds its replicas every step, at a host cost of depth x devices; a :class:`ReplicaSet` step
-costs a number of tensor operations that does not grow with depth.
-"""
+"""Lasting replicas: copies of a module's tree, built once per device list and synced every step with a number of
+tensor operations that does not grow with depth (``nn.DataParallel`` rebuilds its replicas every step)."""
 
 from __future__ import annotations
 
+import itertools
 import operator
 import threading
 import weakref
@@ -18,7 +16,7 @@ from torch.nn.modules.lazy import LazyModuleMixin
 from torch.nn.modules.module import register_module_buffer_registration_hook
 
 from lightning_mgpu.parallel.compiled import compiled_call, is_compiled, is_optimized_module, optimized_module_replica
-from lightning_mgpu.parallel.devices import DeviceLike, distinct_cuda, to_device
+from lightning_mgpu.parallel.devices import DeviceLike, to_device
 from lightning_mgpu.parallel.flat_replicas import DtypeGroups, ReplicaBuffers, ReplicaParameters, Slot
 from lightning_mgpu.parallel.library_hooks import install_output_capturing_hooks
 from lightning_mgpu.parallel.run_replicas import ExecutionMode, resolve_mode
@@ -29,11 +27,8 @@ _NEVER_SYNCED = frozenset({"_parameters", "_buffers", "_modules", "_is_replica",
 
 
 def replicate(module: nn.Module, devices: Sequence[DeviceLike], detach: bool = False) -> list[nn.Module]:
-    """One replica of ``module`` per device, for one call (callers that run many steps keep a :class:`ReplicaSet`).
-
-    As ``torch.nn.parallel.replicate``: with gradients enabled and ``detach=False`` the replicas' parameters are
-    autograd links through which gradients reach the originals; ``detach=True`` gives replicas without them.
-    """
+    """One replica of ``module`` per device, for one call. As ``torch.nn.parallel.replicate``: gradients of the
+    replicas' parameters reach the originals, unless ``detach=True`` or gradients are disabled."""
     with torch.set_grad_enabled(torch.is_grad_enabled() and not detach):
         return ReplicaSet(module, devices).prepare(linked=True)
 
@@ -46,14 +41,12 @@ SYNC_BATCHNORM_THREADS = (
 class ReplicaSet:
     """Lasting replicas of ``module``, one per device of ``devices`` (devices may repeat: "virtual devices").
 
-    Call :meth:`prepare` before each step and :meth:`watch` right after it. Buffers: replica 0 shares the originals,
-    the others hold copies refreshed when either side changed; a buffer a step rebinds (``self.center = ...``) takes
-    replica 0's value (``nn.DataParallel``'s rule for buffers). A parameter changed in place in a step where several
-    replicas hold its storage (on one device) raises: the change would run once per replica. Attributes rebound on
-    the originals are copied to the replicas, except ``overrides`` (set per replica by the owner); a structural change
-    rebuilds them (:attr:`builds` counts builds). Every replica holds the original of a ``shared(submodule)``
-    (``on_build`` may swap in per-replica objects). Compiled modules get replicas that run the original's compilation
-    on their own tensors (:mod:`.compiled`).
+    Call :meth:`prepare` before each step and :meth:`watch` right after it. Replica 0 shares the original buffers,
+    the others hold copies; a buffer a step rebinds takes replica 0's value (``nn.DataParallel``'s rule). A parameter
+    changed in place while several replicas hold its storage raises (the change would run once per replica).
+    Attributes rebound on the originals reach the replicas, except ``overrides`` (set per replica by the owner); a
+    structural change rebuilds them (:attr:`builds`). Every replica holds the original of a ``shared(submodule)``
+    (``on_build`` may swap in per-replica objects).
     """
 
     def __init__(
@@ -86,7 +79,7 @@ class ReplicaSet:
         install_output_capturing_hooks(self.module)  # before the copies: each would install them again
         self._originals = _walk(self.module, self._shared)
         _check_initialized(self.module, self._originals)
-        position = {id(m): k for k, m in enumerate(self._originals)}
+        self._position = {id(m): k for k, m in enumerate(self._originals)}
         self._params = _unique(p for m in self._originals for p in m._parameters.values() if p is not None)
         param_index = {id(p): j for j, p in enumerate(self._params)}
         self._root = self._params[0].device if self._params else self.devices[0]
@@ -100,8 +93,8 @@ class ReplicaSet:
         uses_sync_batchnorm(self.module)  # names the sync layers built directly, for their errors
         self._sync_layers = [m for m in self._originals if isinstance(m, SyncBatchNorm)]
         with torch.inference_mode(False), torch.no_grad():  # copies must be normal tensors, whatever the caller's mode
-            for i, device in enumerate(self.devices):
-                self._build_replica(i, device, position, param_index, buffer_index)
+            for i in range(len(self.devices)):
+                self._build_replica(i, param_index, buffer_index)
         self._buffers = ReplicaBuffers(buffers, self._buffer_slots, self.devices)
         self._flat: ReplicaParameters | None = None  # built on the first step that needs the replicas' own leaves
         originals = self._originals
@@ -117,28 +110,23 @@ class ReplicaSet:
         self._checked_params = [self._params[j] for j in self._checked]
         self._leaf_run: tuple[Any, list[Tensor], list[int]] | None = None  # (key, root leaves checked, versions)
         self._sharing = [True] * len(self.devices)  # copies start out holding the original parameters
-        self._snapshot()
+        shared = self._shared
+        self._watch = [_watch_entry(m) if shared is None or not shared(m) else _UNWATCHED for m in originals]
+        self._flatten_watch()
         self.builds += 1
         if self._on_build is not None:
             self._on_build(self.replicas)
 
-    def _build_replica(
-        self,
-        i: int,
-        device: torch.device,
-        position: dict[int, int],
-        param_index: dict[int, int],
-        buffer_index: dict[int, int],
-    ) -> None:
-        originals = self._originals
-        copies = self._module_copies(position)
+    def _build_replica(self, i: int, param_index: dict[int, int], buffer_index: dict[int, int]) -> None:
+        originals, device = self._originals, self.devices[i]
+        copies = self._module_copies()
         slots: list[Slot] = []
         buffer_slots: list[Slot] = []
         rnns: list[nn.RNNBase] = []
         for k, (original, copy) in enumerate(zip(originals, copies, strict=True)):
             if copy is original or is_optimized_module(original):
                 continue  # shared as is, or a compiled wrapper (its tensors are those of the wrapped module)
-            copy._modules = self._children(k, copies, position)
+            copy._modules = self._children(k, copies)
             copy._parameters = dict(original._parameters)  # the originals until the first prepare()
             for name, param in original._parameters.items():
                 if param is not None:
@@ -159,11 +147,11 @@ class ReplicaSet:
         self._buffer_slots.append(buffer_slots)
         self._rnns.append(rnns)
 
-    def _module_copies(self, position: dict[int, int]) -> list[nn.Module]:
+    def _module_copies(self) -> list[nn.Module]:
         """One replica's modules: shared ones as they are, shallow copies of the others, and ``torch.compile``
         wrappers built around their wrapped module's copy (innermost first)."""
         shared = self._shared
-        copies: list[nn.Module | None] = [
+        copies: list[Any] = [
             m
             if shared is not None and shared(m)
             else None
@@ -171,23 +159,14 @@ class ReplicaSet:
             else m._replicate_for_data_parallel()
             for m in self._originals
         ]
-        for k in range(len(self._originals) - 1, -1, -1):
+        for k in reversed(range(len(copies))):
             if copies[k] is None:
-                copies[k] = optimized_module_replica(self._originals[k], self._children(k, copies, position))
-        return [copy for copy in copies if copy is not None]  # every one is filled by now
+                copies[k] = optimized_module_replica(self._originals[k], self._children(k, copies))
+        return copies
 
-    def _children(
-        self, k: int, copies: Sequence[nn.Module | None], position: dict[int, int]
-    ) -> dict[str, nn.Module | None]:
-        return {
-            name: None if child is None else copies[position[id(child)]]
-            for name, child in self._originals[k]._modules.items()
-        }
-
-    def _snapshot(self) -> None:
-        shared = self._shared
-        self._watch = [_watch_entry(m) if shared is None or not shared(m) else _UNWATCHED for m in self._originals]
-        self._flatten_watch()
+    def _children(self, k: int, copies: Sequence[nn.Module]) -> dict[str, nn.Module | None]:
+        position = self._position
+        return {n: None if c is None else copies[position[id(c)]] for n, c in self._originals[k]._modules.items()}
 
     def _flatten_watch(self) -> None:
         """Every watched dict in one list, their copies in another: one ``==`` checks them all."""
@@ -201,16 +180,9 @@ class ReplicaSet:
 
     def execution_mode(self, requested: ExecutionMode, count: int) -> tuple[ExecutionMode, str | None]:
         """The mode to run ``count`` replicas in, and why it is not ``requested`` (``None`` when it is): compiled
-        replicas run one after another (Dynamo is not thread-safe), SyncBatchNorm in training needs threads.
-
-        Checks the module's structure as :meth:`prepare` would (a layer converted or compiled between steps counts from
-        this step on), so the :meth:`prepare` right after it skips that check."""
+        replicas run one after another (Dynamo is not thread-safe), SyncBatchNorm in training needs threads. Checks
+        the structure first (a layer converted or compiled since the last step counts), for the next :meth:`prepare`."""
         self._sync_structure()
-        mode, reason = self._mode(requested, count)
-        self._structure_checked = True
-        return mode, reason
-
-    def _mode(self, requested: ExecutionMode, count: int) -> tuple[ExecutionMode, str | None]:
         sync = count > 1 and any(layer._uses_batch_stats() for layer in self._sync_layers)
         if self.compiled and sync:
             raise RuntimeError(
@@ -219,6 +191,7 @@ class ReplicaSet:
                 "Revert the SyncBatchNorm layers (revert_sync_batchnorm / no sync_batchnorm=True), or do not compile "
                 "the model here (DDP runs compiled models with synchronised BatchNorm)."
             )
+        self._structure_checked = True
         if self.compiled:
             mode: ExecutionMode = "sequential"
             reason = (
@@ -238,8 +211,8 @@ class ReplicaSet:
         """The first ``n`` replicas (default all), synced with the original for a step run in ``execution_mode``.
 
         Sequential replicas on the parameters' device hold the original parameters; others hold their own leaves
-        (:class:`.flat_replicas.ReplicaParameters`), so pass their outputs to :meth:`watch`. ``linked=True`` (the
-        one-off :func:`replicate`) links the replicas' parameters to the originals through one autograd node."""
+        (:class:`.flat_replicas.ReplicaParameters`): pass their outputs to :meth:`watch`. ``linked=True``: see
+        :func:`replicate`."""
         n = len(self.devices) if n is None else n
         if not 1 <= n <= len(self.devices):
             raise ValueError(f"Asked for {n} replicas of a set of {len(self.devices)}.")
@@ -252,9 +225,11 @@ class ReplicaSet:
         self._queued = False
         self._owning = False
         if linked:
-            self._assign_parameters(n)
+            self._link_parameters(n)
         elif resolve_mode(execution_mode, devices) == "sequential" and all(d == self._root for d in devices):
-            self._share_parameters(n)
+            for i in range(n):
+                if not self._sharing[i]:
+                    self._point(i, self._params, sharing=True)  # back to the original parameters
             self._run = _Run(self._places, self._checked_params if n > 1 else [], None, n, _SEQUENTIAL)
         else:
             self._own_parameters(n)
@@ -263,8 +238,8 @@ class ReplicaSet:
         return self.replicas[:n]
 
     def _start_leaf_run(self, n: int) -> None:
-        """A run on the replicas' own leaves: those of the replicas on the root alias the originals' storage. Only a
-        step changes their version counters (the optimizer steps the originals), so the last clean run's are kept."""
+        """A run on the replicas' own leaves; those on the root alias the originals' storage. Only a step changes their
+        version counters (the optimizer steps the originals), so the last clean run's are kept."""
         on_root = tuple(i for i in range(n) if self.devices[i] == self._root)
         if len(on_root) < 2:
             self._run = _Run(self._places, [], [], len(on_root), _THREADS)
@@ -286,9 +261,8 @@ class ReplicaSet:
         return run
 
     def watch(self, outputs: Sequence[Any]) -> None:
-        """Reduce the replicas' gradients onto the originals after any backward pass that reaches ``outputs`` (the
-        replicas' outputs of this step: one hook per output tensor that requires grad). Raises if the replicas changed
-        parameters in place that several of them hold."""
+        """Reduce the replicas' gradients onto the originals after any backward pass that reaches ``outputs`` (this
+        step's replica outputs). Raises if the replicas changed parameters in place that several of them hold."""
         run = self._end_run(adopt=True)
         written = None if run is None else run.written()
         if written is not None:
@@ -380,12 +354,6 @@ class ReplicaSet:
             if self._sharing[i]:
                 self._point(i, flat.leaves[i], sharing=False)
 
-    def _share_parameters(self, n: int) -> None:
-        """Point the first ``n`` replicas at the original parameters (they stay until other tensors replace them)."""
-        for i in range(n):
-            if not self._sharing[i]:
-                self._point(i, self._params, sharing=True)
-
     def _point(self, i: int, tensors: Sequence[Tensor | None], sharing: bool) -> None:
         """Replica ``i``'s parameters from ``tensors`` (indexed like the unique originals)."""
         for store, name, j in self._param_slots[i]:
@@ -396,7 +364,7 @@ class ReplicaSet:
 
     def _sync_structure(self) -> None:
         """Rebuild on a structural change or a (un)compiled module; copy attributes rebound on the originals to every
-        replica. One ``==`` of every watched dict against its copy settles the common case, nothing changed."""
+        replica. One ``==`` of every watched dict against its copy settles the common case (no change)."""
         if _same(self._live, self._saved):
             return
         for k, (attrs, params, buffers, children, *saved) in enumerate(self._watch):
@@ -427,36 +395,26 @@ class ReplicaSet:
         self._watch[k] = _watch_entry(self._originals[k])
         self._flatten_watch()
 
-    def _assign_parameters(self, n: int) -> None:
-        """Link the first ``n`` replicas' parameters to the originals through one autograd node (one-off replicas)."""
-        params = self._params
-        count = len(params)
-        layout = _Layout(self.devices[:n], self._root)
-        grad = torch.is_grad_enabled()
-        trainable = [j for j, p in enumerate(params) if grad and p.requires_grad]
-        if len(trainable) == count:  # the common case: every replica's tensors are one slice of the node's outputs
-            linked = _ReplicaParameters.apply(layout, *params) if count else ()
-            per_replica: Sequence[Sequence[Tensor | None]] = [linked[i * count : (i + 1) * count] for i in range(n)]
-        else:
-            frozen = [j for j in range(count) if not (grad and params[j].requires_grad)]
-            lists: list[list[Tensor | None]] = [[None] * count for _ in range(n)]
-            _fill(lists, frozen, _unlinked([params[j] for j in frozen], layout))
-            if trainable:
-                linked = _ReplicaParameters.apply(layout, *(params[j] for j in trainable))
-                step = len(trainable)
-                _fill(lists, trainable, [linked[i * step : (i + 1) * step] for i in range(n)])
-            per_replica = lists
+    def _link_parameters(self, n: int) -> None:
+        """The first ``n`` replicas' parameters for a one-off step: the trainable ones linked to the originals through
+        one autograd node, the others without a link (aliases on the root, copies elsewhere)."""
+        params, devices, grad = self._params, self.devices[:n], torch.is_grad_enabled()
+        tensors: list[list[Tensor | None]] = [[None] * len(params) for _ in range(n)]
+        for linked in (True, False):
+            indices = [j for j, p in enumerate(params) if (grad and p.requires_grad) == linked]
+            if indices:
+                with torch.set_grad_enabled(linked):
+                    outputs = _ReplicaParameters.apply(devices, self._root, *(params[j] for j in indices))
+                for k, (i, j) in enumerate(itertools.product(range(n), indices)):
+                    tensors[i][j] = outputs[k]
         for i in range(n):
-            self._point(i, per_replica[i], sharing=False)
+            self._point(i, tensors[i], sharing=False)
 
     def release(self) -> None:
-        """Drop every replica and copy (frees their memory on the other devices)."""
+        """Drop every replica and copy (frees their memory on the other devices); the set is not used again."""
         self._end_run(adopt=False)
-        self._places, self._checked, self._checked_params, self._leaf_run = {}, [], [], None
-        self._copies, self._param_slots, self._buffer_slots, self._rnns = [], [], [], []
-        self._originals, self._params, self._watch, self._live, self._saved = [], [], [], [], []
-        self._flat = None
-        self._buffers = ReplicaBuffers([], [], [])
+        self._copies, self._param_slots, self._buffer_slots, self._rnns, self._places = [], [], [], [], {}
+        self._flat, self._leaf_run, self._buffers = None, None, ReplicaBuffers([], [], [])
 
 
 _SEQUENTIAL = "they run one after another on the parameters' device, on the original parameters"
@@ -476,8 +434,8 @@ def _on_buffer(module: nn.Module, name: str, value: Tensor | None) -> None:
 
 class _Run:
     """One step's replicas at work: ``shared`` (tensors several replicas hold in one storage) must keep their
-    ``versions``, and the buffers they rebind (``self.center = ...``) are recorded by torch's global buffer
-    registration hook, installed only while runs are in progress."""
+    ``versions``; the buffers they rebind are recorded by torch's global buffer registration hook, installed while
+    runs are in progress."""
 
     def __init__(
         self, places: dict[int, tuple[int, int]], shared: list[Tensor], versions: list[int] | None, count: int, how: str
@@ -504,90 +462,51 @@ class _Run:
         return None if now == self.versions else next(k for k, v in enumerate(now) if v != self.versions[k])
 
 
-class _Layout:
-    """Where a step's replicas live, relative to the root (the original parameters' device)."""
-
-    def __init__(self, devices: Sequence[torch.device], root: torch.device) -> None:
-        self.devices = list(devices)
-        self.root = root
-        self.others = list(dict.fromkeys(d for d in self.devices if d != root))
-
-
-def _unlinked(params: Sequence[Tensor], layout: _Layout) -> list[list[Tensor]]:
-    """Per replica, ``params`` without an autograd link: aliases of the originals on the root, copies elsewhere."""
-    detached = [p.detach() for p in params]
-    copies = _broadcast(detached, layout.root, layout.others)
-    return [[p.detach() for p in params] if d == layout.root else copies[d] for d in layout.devices]
-
-
-def _fill(per_replica: list[list[Tensor | None]], indices: Sequence[int], values: Sequence[Sequence[Tensor]]) -> None:
-    for tensors, replica_values in zip(per_replica, values, strict=True):
-        for j, value in zip(indices, replica_values, strict=True):
-            tensors[j] = value
-
-
-def _broadcast(
-    tensors: Sequence[Tensor], root: torch.device, others: Sequence[torch.device]
-) -> dict[Any, list[Tensor]]:
-    """``tensors`` (on ``root``) copied to each device of ``others``: one coalesced broadcast on distinct GPUs."""
-    if not others:
-        return {}
-    if tensors and distinct_cuda([root, *others]):
-        copies = torch.cuda.comm.broadcast_coalesced(list(tensors), [root, *others])
-        return {d: list(c) for d, c in zip(others, copies[1:], strict=True)}
-    return {d: [t.to(d, non_blocking=True) for t in tensors] for d in others}
-
-
 class _ReplicaParameters(torch.autograd.Function):
-    """One node that hands every replica its parameters (``outputs[i * P + j]``: parameter ``j`` of replica ``i``) and
-    sums their gradients back in replica, then device, order: deterministic, whatever order threads finished in."""
+    """One node that hands every replica its parameters (``outputs[i * P + j]``: parameter ``j`` of replica ``i``),
+    copied from ``root`` (one coalesced broadcast on distinct GPUs), and sums their gradients back per device in
+    replica order, then over the devices, root first: deterministic, whatever order threads finished in."""
 
     @staticmethod
-    def forward(ctx: Any, layout: _Layout, *params: Tensor) -> tuple[Tensor, ...]:
-        ctx.layout = layout
-        ctx.count = len(params)
-        copies = _broadcast(params, layout.root, layout.others)
-        outputs: list[Tensor] = []
-        for device in layout.devices:
-            source = params if device == layout.root else copies[device]
-            outputs.extend(t.detach() for t in source)  # aliases: autograd links them to this node
-        return tuple(outputs)
+    def forward(ctx: Any, devices: list[torch.device], root: torch.device, *params: Tensor) -> tuple[Tensor, ...]:
+        ctx.devices, ctx.root, ctx.count = devices, root, len(params)
+        others = list(dict.fromkeys(d for d in devices if d != root))
+        if others and all(d.type == "cuda" for d in (root, *others)):  # distinct GPUs: torch's broadcast
+            broadcast = torch.cuda.comm.broadcast_coalesced(list(params), [root, *others])
+            copies = dict(zip(others, broadcast[1:], strict=True))
+        else:
+            copies = {d: [p.to(d, non_blocking=True) for p in params] for d in others}
+        # Aliases: autograd links them to this node.
+        return tuple(t.detach() for d in devices for t in (params if d == root else copies[d]))
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
-        layout: _Layout = ctx.layout
-        count = ctx.count
-        # Autograd hands a zero tensor for an output that got no gradient (materialize_grads): no None here.
-        # Out of place: incoming gradients may be shared.
-        per_device: dict[torch.device, tuple[Tensor, ...]] = {}
-        for i, device in enumerate(layout.devices):
-            replica_grads = grads[i * count : (i + 1) * count]
-            total = per_device.get(device)
-            per_device[device] = replica_grads if total is None else torch._foreach_add(total, replica_grads)
-        result: list[Tensor] | tuple[Tensor, ...] | None = per_device.get(layout.root)
-        for device in layout.others:  # device order
-            moved = _to_device_coalesced(per_device[device], layout.root)
-            result = moved if result is None else torch._foreach_add(result, moved)
-        assert result is not None
-        return (None, *result)
+        # Autograd hands a zero tensor for an output that got no gradient: no None here. Out of place: incoming
+        # gradients may be shared.
+        count, root = ctx.count, ctx.root
+        sums: dict[torch.device, Sequence[Tensor]] = {}
+        for i, device in enumerate(ctx.devices):
+            replica = grads[i * count : (i + 1) * count]
+            sums[device] = torch._foreach_add(sums[device], replica) if device in sums else replica
+        total: Sequence[Tensor] | None = None
+        for device in sorted(sums, key=lambda d: d != root):  # stable: the root first, then device order
+            part = sums[device] if device == root else _to_device_coalesced(sums[device], root)
+            total = part if total is None else torch._foreach_add(total, part)
+        return (None, None, *(total or ()))
 
 
 def _to_device_coalesced(tensors: Sequence[Tensor], device: torch.device) -> list[Tensor]:
     """``tensors`` moved to ``device`` with one transfer per dtype (flattened, then split back)."""
     groups = DtypeGroups(tensors)
-    flats = {
-        dtype: torch.cat([tensors[j].reshape(-1) for j in indices]).to(device)
-        for dtype, indices in groups.indices.items()
-    }
-    return [groups.view(flats, j, t) for j, t in enumerate(tensors)]
+    flats = {dtype: flat.to(device) for dtype, flat in groups.flatten().items()}
+    return [groups.view(flats, j) for j in range(len(tensors))]
 
 
 _UNWATCHED = (None,) * 8
 
 
 def _walk(module: nn.Module, shared: Callable[[nn.Module], bool] | None = None) -> list[nn.Module]:
-    """Every distinct module of the tree, parents before children, without entering the subtree of a ``shared``
-    module (a stack, not recursion: no closure cycles)."""
+    """Every distinct module of the tree, parents before children, without entering a ``shared`` module's subtree."""
     seen: set[int] = set()
     order: list[nn.Module] = []
     stack = [module]
@@ -621,14 +540,14 @@ def _unique(tensors: Iterable[Tensor]) -> list[Tensor]:
 
 
 def _watch_entry(module: nn.Module) -> tuple[dict[str, Any], ...]:
-    """A module's attribute, parameter, buffer and child dicts, then shallow copies of them to compare against."""
+    """A module's attribute, parameter, buffer and child dicts, then shallow copies of them."""
     live = (module.__dict__, module._parameters, module._buffers, module._modules)
     return (*live, *(d.copy() for d in live))
 
 
 def _same(current: Any, saved: Any) -> bool:
-    """Whether a dict still holds what ``saved`` copied from it. Values compare by identity first (C speed); a value
-    whose ``==`` cannot answer (a tensor rebound to another tensor) counts as changed."""
+    """Whether a dict still holds what ``saved`` copied from it (identity first, at C speed); a value whose ``==``
+    cannot answer (a tensor rebound to another tensor) counts as changed."""
     try:
         return bool(current == saved)
     except Exception:

@@ -1,10 +1,9 @@
 """Run one callable per replica, in threads or one after another, each with the caller's thread-local torch state
-(:mod:`.thread_state`) and as a member of one replica group (:mod:`.replica_group`).
+and as a member of one :class:`~.replica_group.ReplicaGroup`.
 
-A failing replica's *own* exception reaches the caller once every replica has stopped, never while user code still
-runs in other threads, with ``replica_index``, ``replica_device`` and a PEP 678 note in torch's wording (``Caught
-ValueError in replica 2 on device cuda:2.`` / ``Original Traceback ...``). Of several, the first in replica order
-that is not a :class:`PeerFailedError` (a replica stopped by another's failure) is raised; the note lists the others.
+A failing replica's own exception reaches the caller once every replica has stopped, with ``replica_index``,
+``replica_device`` and a note in torch's wording (``Caught ValueError in replica 2 on device cuda:2.``); of several,
+the first in replica order that is not a :class:`PeerFailedError` (a secondary failure); the note lists the others.
 """
 
 from __future__ import annotations
@@ -64,8 +63,7 @@ def _first_line(err: BaseException) -> str:
 
 
 def _raise_first_failure(failed: Sequence[tuple[int, BaseException]], devices: Sequence[torch.device]) -> None:
-    """Re-raise the first primary failure in replica order, with its replica's index and device (attributes and a note
-    in torch's ExceptionWrapper wording); do nothing when none failed."""
+    """Re-raise the first primary failure in replica order, with its replica's index and device; none: do nothing."""
     if not failed:
         return
     primary = [(i, e) for i, e in failed if not isinstance(e, PeerFailedError)]
@@ -86,8 +84,7 @@ def _raise_first_failure(failed: Sequence[tuple[int, BaseException]], devices: S
 @functools.cache
 def replica_frame(index: int) -> Callable[[Callable[[], T]], T]:
     """Calls a function through a frame named ``replica_<index>``, so tracebacks say which replica ran the code (also
-    the forward traceback that anomaly detection attaches to an error in backward, where autograd records no replica).
-    """
+    the forward traceback that anomaly detection attaches to an error in backward)."""
 
     def call(function: Callable[[], T]) -> T:
         return function()
@@ -113,8 +110,7 @@ def resolve_mode(mode: ExecutionMode, devices: Sequence[torch.device]) -> Litera
 def run_replicas(
     functions: Sequence[Callable[[], T]], devices: Sequence[DeviceLike], execution_mode: ExecutionMode = "auto"
 ) -> list[T]:
-    """Call ``functions[i]()`` for replica ``i`` on ``devices[i]``, as member ``i`` of one :class:`ReplicaGroup`, with
-    the caller's thread-local torch state; return the results in replica order.
+    """Call ``functions[i]()`` for replica ``i`` on ``devices[i]``; return the results in replica order.
 
     ``"threads"`` runs replica 0 in the calling thread and the others in a shared pool, and waits for all whatever was
     raised (``KeyboardInterrupt`` included); ``"sequential"`` stops at the first failure.
@@ -149,8 +145,8 @@ def run_replicas(
 
 
 def _wait_for_all(futures: Sequence[Future], group: ReplicaGroup) -> list[_Outcome]:
-    """Every replica's outcome. An interrupt of the waiting caller (Ctrl-C) stops the replicas at their next sync point
-    and keeps waiting for them; a second interrupt gives up waiting."""
+    """Every replica's outcome. A first interrupt (Ctrl-C) stops the replicas at their next sync point and keeps
+    waiting for them; a second gives up waiting."""
     interrupt: BaseException | None = None
     while True:
         try:

@@ -1,8 +1,6 @@
-"""The thread-local torch state a replica's worker thread must replay to behave like the caller.
-
-A new thread inherits none of: grad mode, inference mode, autocast (enabled *and* dtype, per device type), the
-current CUDA device and stream (torch's own ``parallel_apply`` drops the autocast dtype: bf16 silently becomes fp16).
-"""
+"""The thread-local torch state a replica's worker thread replays to behave like the caller. A new thread inherits
+none of: grad mode, inference mode, autocast (enabled *and* dtype, per device type; torch's own ``parallel_apply``
+drops the dtype: bf16 silently becomes fp16), the current CUDA device and stream."""
 
 from __future__ import annotations
 
