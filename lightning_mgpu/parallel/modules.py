@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -399,15 +400,12 @@ class DataParallelCriterion(nn.Module):
         target_chunks, kwarg_chunks, used = split_arguments(
             tuple(targets), per_sample, devices, self.dim, batch_size=total, sizes=sizes, names=("targets", "kwargs")
         )
-        if len(used) != len(outputs):
-            raise ValueError(
-                f"The targets split into {len(used)} chunks but there are {len(outputs)} outputs: "
-                "the targets' batch size does not match the inputs given to DataParallelModel."
-            )
-        for i, (out_size, target_size) in enumerate(zip(out_sizes, used, strict=True)):
-            if out_size and out_size != target_size:  # only when some output's size is unknown (sizes is None)
+        # Only when some output's size is unknown (sizes is None): the targets were split evenly.
+        for i, (out_size, target_size) in enumerate(itertools.zip_longest(out_sizes, used, fillvalue=0)):
+            if not target_size or (out_size and out_size != target_size):
+                shown = out_size or "an unknown number of"
                 raise ValueError(
-                    f"Outputs and targets do not line up on device {i}: the output has {out_size} samples along dim "
+                    f"Outputs and targets do not line up on device {i}: the output has {shown} samples along dim "
                     f"{self.dim} but its targets have {target_size}. The targets must have the same batch size as "
                     "the model's inputs."
                 )
