@@ -305,10 +305,9 @@ class DataParallelCriterion(nn.Module):
         name = getattr(self.criterion, "__name__", type(self.criterion).__name__)
         warnings.warn(
             f"DataParallelCriterion weights each device's {name} loss by its sample count, which equals one device "
-            "for a mean over samples. For another mean pass weight_fn=lambda output, targets: <what your mean "
-            "divides by> (e.g. (targets[0] != -100).sum() for non-ignored labels, (targets[0][:, 1:] != -100).sum() "
-            "shifted), or use a torch loss module such as nn.CrossEntropyLoss(ignore_index=-100), whose count is "
-            "known; a loss returning a sum needs the attribute reduction = 'sum' (e.g. my_loss.reduction = 'sum'). "
+            "for a mean over samples. For another mean pass weight_fn=lambda output, targets: <what it divides by> "
+            "(e.g. (targets[0] != -100).sum() for non-ignored labels), or use a torch loss module such as "
+            "nn.CrossEntropyLoss(ignore_index=-100); a loss returning a sum needs my_loss.reduction = 'sum'. "
             "weight_fn=lambda output, targets: len(targets[0]) says samples and silences this.",
             UserWarning,
             stacklevel=5,  # the caller of the criterion module
@@ -316,15 +315,14 @@ class DataParallelCriterion(nn.Module):
 
     def _check_outputs(self, outputs: Sequence[Any]) -> None:
         if not isinstance(outputs, list):
-            hint = (
-                " A tuple is taken as one model output (e.g. (anchor, positive, negative)), never as per-device "
-                "outputs: wrap it in a list for one device, or pass list(outputs) if it holds per-device outputs."
-                if isinstance(outputs, tuple)
-                else ""
+            tuple_hint = (
+                " A tuple is taken as one model output (anchor, positive, negative): wrap it in a list for one device, "
+                "or pass list(outputs) if it holds per-device outputs."
             )
             raise TypeError(
                 "DataParallelCriterion expects the list of per-device outputs returned by DataParallelModel, got "
-                f"{type(outputs).__name__}. For one gathered output, call the criterion itself.{hint}"
+                f"{type(outputs).__name__}. For one gathered output, call the criterion itself."
+                + (tuple_hint if isinstance(outputs, tuple) else "")
             )
         if not outputs:
             raise ValueError("DataParallelCriterion got an empty list of outputs.")
