@@ -1,10 +1,6 @@
-"""Library set-up that replicas must find already done on the originals.
-
-``transformers`` installs its output-capturing hooks (``output_hidden_states``, ``output_attentions``) the first time
-a model is asked for them, and marks the models it installed them for. Replicas share the originals' hook dicts but
-copy their attributes when built, so every unmarked replica would install the hooks again, onto the originals too
-(hidden states returned twice, the user's model left with the extra hooks). Installing them on the originals first,
-as that first call would, marks every copy.
+"""Library set-up that replicas must find done on the originals: ``transformers`` installs its output-capturing hooks
+on a model's first ``output_hidden_states`` call and marks it. Replicas share the originals' hook dicts but copy their
+attributes, so unmarked replicas would install the hooks again, onto the originals too (hidden states returned twice).
 """
 
 from __future__ import annotations
@@ -31,8 +27,8 @@ def outermost_transformers_models(module: nn.Module) -> list[nn.Module]:
 
 
 def install_output_capturing_hooks(module: nn.Module) -> None:
-    """Install ``transformers``' output-capturing hooks on its models in ``module`` (those nested in them included),
-    as their first call with ``output_hidden_states=True`` would; nothing for other versions or modules."""
+    """Install ``transformers``' output-capturing hooks on its models in ``module``, as their first call with
+    ``output_hidden_states=True`` would; nothing for other versions or modules."""
     models = outermost_transformers_models(module)
     if not models:
         return

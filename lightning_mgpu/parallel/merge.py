@@ -2,9 +2,9 @@
 ``DataParallelModel.gather``, ``dp``'s forward outputs and ``parallel_criterion``'s step outputs.
 
 Arrays with a batch dimension are concatenated along ``dim``; differing scalars are averaged, weighted by sample
-counts or the caller's weights (torch's ``gather`` stacks them: :mod:`.gather`); per-sample lists are concatenated;
-containers are merged field by field; anything else is kept when equal on every replica, else returned as
-:class:`ReplicaValues`. ``None`` or a key on some replicas only is an error, never a silent drop.
+counts or the caller's weights; per-sample lists are concatenated; containers are merged field by field; anything else
+is kept when equal on every replica, else returned as :class:`ReplicaValues`. ``None`` or a key on some replicas only
+is an error, never a silent drop.
 """
 
 from __future__ import annotations
@@ -47,8 +47,7 @@ class ReplicaValues(list):
 
 
 def _ragged(outputs: list[Any], dim: int) -> ReplicaValues:
-    """Arrays whose shapes differ beyond ``dim``: most often each shard padded to its own longest sequence."""
-    values = ReplicaValues(outputs)
+    values = ReplicaValues(outputs)  # most often each shard padded to its own longest sequence
     values.hint = (
         f"Their shapes {[tuple(o.shape) for o in outputs]} differ beyond dim {dim}, the batch dimension: if each "
         "replica padded to its own longest sequence, pad to one length (pad_packed_sequence(..., total_length=...), "
@@ -103,7 +102,8 @@ class _Merger:
             raise _partial(path, "None", nones, len(outputs))
         first = outputs[0]
         if isinstance(first, PerSample):
-            return self._per_sample_lists(outputs, path)
+            _check_kind(outputs, path, PerSample, "a PerSample list")
+            return PerSample(move_to(item, self.device) for o in outputs for item in o)
         if isinstance(first, (Tensor, np.ndarray)):
             return self._arrays(outputs, path)
         if isinstance(first, (int, float, np.number)):  # bool included
@@ -116,22 +116,14 @@ class _Merger:
             return self._dataclasses(outputs, path)
         return first if all_equal(outputs) else ReplicaValues(outputs)
 
-    def _per_sample_lists(self, outputs: list[Any], path: str) -> PerSample:
-        if not all(isinstance(o, PerSample) for o in outputs):
-            raise _mismatch(outputs, path, "a PerSample list")
-        return PerSample(move_to(item, self.device) for o in outputs for item in o)
-
     def _dataclasses(self, outputs: list[Any], path: str) -> Any:
-        first = outputs[0]
-        if not all(type(o) is type(first) for o in outputs):
-            raise _mismatch(outputs, path, f"a {type(first).__name__}")
-        names = [f.name for f in dataclasses.fields(first)]
-        return rebuild(first, [self.merge([getattr(o, n) for o in outputs], f"{path}.{n}") for n in names])
+        _check_kind(outputs, path)
+        names = [f.name for f in dataclasses.fields(outputs[0])]
+        return rebuild(outputs[0], [self.merge([getattr(o, n) for o in outputs], f"{path}.{n}") for n in names])
 
     def _arrays(self, outputs: list[Any], path: str) -> Any:
+        _check_kind(outputs, path)
         first = outputs[0]
-        if not all(type(o) is type(first) for o in outputs):
-            raise _mismatch(outputs, path, f"a {type(first).__name__}")
         if first.ndim == 0:
             return self._scalars(outputs, path)
         if not _concatenable(outputs, self.dim):
@@ -160,9 +152,8 @@ class _Merger:
         return sum(float(o) * w for o, w in zip(outputs, floats, strict=True) if w > 0) / sum(floats)
 
     def _mapping(self, outputs: list[Any], path: str) -> Any:
+        _check_kind(outputs, path, Mapping, "a mapping")
         first = outputs[0]
-        if not all(isinstance(o, Mapping) for o in outputs):
-            raise _mismatch(outputs, path, "a mapping")
         for key in dict.fromkeys(k for o in outputs for k in o):  # every key, in order of first appearance
             missing = [i for i, o in enumerate(outputs) if key not in o]
             if missing:
@@ -210,19 +201,18 @@ class _Merger:
 
 
 def all_equal(values: Sequence[Any]) -> bool:
-    """Whether every value equals the first (by identity when ``==`` is element-wise or undefined, as for arrays)."""
-    first = values[0]
-    if isinstance(first, (Tensor, np.ndarray)):
-        if all(v is first for v in values[1:]):
-            return True
-        try:
-            return all(type(v) is type(first) and v.shape == first.shape and bool((v == first).all()) for v in values)
-        except Exception:
-            return False
+    """Whether every value equals the first (arrays of one type and shape element-wise; by identity where ``==``
+    fails)."""
+    first, rest = values[0], values[1:]
     try:
-        return all(bool(v == first) for v in values[1:])
+        if isinstance(first, (Tensor, np.ndarray)):
+            return all(
+                v is first or (type(v) is type(first) and v.shape == first.shape and bool((v == first).all()))
+                for v in rest
+            )
+        return all(bool(v == first) for v in rest)
     except Exception:
-        return all(v is first for v in values[1:])
+        return all(v is first for v in rest)
 
 
 def _is_scalar(value: Any) -> bool:
@@ -251,9 +241,10 @@ def _partial(path: str, value: str, replicas: list[int], total: int, what: str =
     )
 
 
-def _mismatch(outputs: list[Any], path: str, expected: str) -> ValueError:
-    kinds = [type(o).__name__ for o in outputs]
-    return ValueError(
-        f"Cannot merge {path}: replica 0 returned {expected} but the replicas returned {kinds}. Every replica must "
-        "return the same structure."
-    )
+def _check_kind(outputs: list[Any], path: str, kind: type | None = None, expected: str = "") -> None:
+    """Every output is a ``kind``, by default of replica 0's exact type; else an error naming what each returned."""
+    if not all(isinstance(o, kind) if kind else type(o) is type(outputs[0]) for o in outputs):
+        raise ValueError(
+            f"Cannot merge {path}: replica 0 returned {expected or 'a ' + type(outputs[0]).__name__} but the replicas "
+            f"returned {[type(o).__name__ for o in outputs]}. Every replica must return the same structure."
+        )

@@ -1,15 +1,13 @@
-"""``DataParallelModel`` + ``DataParallelCriterion``: data parallelism that keeps outputs and losses on every device.
-
-``nn.DataParallel`` gathers every output on one device and computes the loss there, so that device runs out of memory
-first. Here the model returns the per-device outputs ungathered; the criterion splits the targets the same way,
-computes the loss on each device and moves one scalar per device to the root, weighted so that the result equals the
-criterion on the whole batch.
+"""``DataParallelModel`` + ``DataParallelCriterion``: outputs and losses stay on their devices (``nn.DataParallel``
+gathers every output on one device, which runs out of memory first); only one scalar loss per device moves to the
+root, weighted so that the result equals the criterion on the whole batch.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -27,12 +25,12 @@ from lightning_mgpu.parallel.run_replicas import ExecutionMode, add_note, resolv
 from lightning_mgpu.parallel.scatter_gather import (
     BatchSplitError,
     NothingToSplitError,
-    args_batch_size,
     argument_roots,
     batch_size_of,
     is_namedtuple,
     iter_tensors,
     move_to,
+    roots_batch_size,
     split_arguments,
     split_or_run_once,
 )
@@ -40,30 +38,24 @@ from lightning_mgpu.parallel.scatter_gather import (
 WeightFn = Callable[[Any, tuple[Any, ...]], float | int | Tensor]
 
 
-def split_sensitive_layers(module: nn.Module) -> list[str]:
-    """One line per layer of ``module`` whose result depends on how the batch is split, beyond what the strategies
-    combine: embeddings that scale gradients by the batch's token frequencies or renormalise looked-up rows in place."""
-    found = []
-    for name, sub in module.named_modules():
-        if not isinstance(sub, (nn.Embedding, nn.EmbeddingBag)):
-            continue
-        if sub.scale_grad_by_freq:
-            found.append(
-                f"{name or type(sub).__name__} (scale_grad_by_freq=True) scales its gradient by each device's token "
-                "frequencies, not the whole batch's"
-            )
-        if sub.max_norm is not None:
-            found.append(
-                f"{name or type(sub).__name__} (max_norm={sub.max_norm}) renormalises the rows it looks up in place "
-                "during forward: rows renormalised on devices other than the first are lost, and a weight tied to "
-                "another layer is read by each replica before or after the others' renormalisation"
-            )
-    return found
-
-
 def say_split_sensitive_layers(module: nn.Module, who: str) -> None:
-    """Warn once per call site that ``module``'s results can differ from one device's, naming the layers."""
-    if layers := split_sensitive_layers(module):
+    """Warn that ``module``'s results can differ from one device's, naming its layers whose result depends on how the
+    batch is split: embeddings that scale gradients by token frequencies or renormalise looked-up rows in place."""
+    layers = []
+    for name, sub in module.named_modules():
+        name = name or type(sub).__name__
+        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.scale_grad_by_freq:
+            layers.append(
+                f"{name} (scale_grad_by_freq=True) scales its gradient by each device's token frequencies, not the "
+                "whole batch's"
+            )
+        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.max_norm is not None:
+            layers.append(
+                f"{name} (max_norm={sub.max_norm}) renormalises the rows it looks up in place during forward: rows "
+                "renormalised on devices other than the first are lost, and a weight tied to another layer is read by "
+                "each replica before or after the others' renormalisation"
+            )
+    if layers:
         warnings.warn(
             f"{who}: {'; '.join(layers)}, so results can differ from one device's. Without that option the layer "
             "trains as on one device.",
@@ -84,8 +76,8 @@ class DataParallelModel(nn.Module):
         execution_mode: ``"auto"`` (threads on distinct GPUs, else sequential), ``"threads"`` or ``"sequential"``;
             compiled modules run sequentially (Dynamo is not thread-safe), :class:`SyncBatchNorm` training in threads.
 
-    With one device, or a batch of one sample, the module is called directly; inputs with no batch dimension run once
-    on ``device_ids[0]``. Replicas last across calls. :attr:`last_split_sizes`: the last call's per-replica samples.
+    One device, a batch of one sample or inputs with no batch dimension: the module runs once, on ``device_ids[0]``.
+    Replicas last across calls. :attr:`last_split_sizes`: the last call's per-replica samples.
     """
 
     def __init__(
@@ -110,20 +102,16 @@ class DataParallelModel(nn.Module):
             say_split_sensitive_layers(module, "DataParallelModel")
 
     def forward(self, *inputs: Any, **kwargs: Any) -> list[Any]:
-        if len(self.device_ids) == 1:
-            # A plain call: no scatter, no replica. Inputs are moved to the device only when some are elsewhere.
-            root = self.device_ids[0]
-            on_root, size = _scan(inputs, kwargs, root, self.dim)
+        one_device, split = len(self.device_ids) == 1, None
+        if not one_device:
+            roots = argument_roots(inputs, kwargs)
+            split = split_or_run_once(lambda: split_arguments(inputs, kwargs, self.device_ids, self.dim), roots)
+        if split is None:  # one run on the root, inputs moved only when some are elsewhere
+            on_root, size = _scan(inputs, kwargs, self.device_ids[0], self.dim)
             if not on_root:
-                inputs, kwargs = move_to((inputs, kwargs), root)
-            self.__dict__["last_split_sizes"] = (size,)  # a plain attribute: skip nn.Module.__setattr__'s checks
+                inputs, kwargs = move_to((inputs, kwargs), self.device_ids[0])
+            self.__dict__["last_split_sizes"] = (size,) if one_device else ()  # skips nn.Module.__setattr__'s checks
             return [self.module(*inputs, **kwargs)]
-        split = split_or_run_once(
-            lambda: split_arguments(inputs, kwargs, self.device_ids, self.dim), argument_roots(inputs, kwargs)
-        )
-        if split is None:
-            self.last_split_sizes = ()  # no batch dimension: one run on the root, as nn.DataParallel does
-            return [self.module(*move_to(inputs, self.device_ids[0]), **move_to(kwargs, self.device_ids[0]))]
         args_chunks, kwargs_chunks, sizes = split
         self.last_split_sizes = tuple(sizes)
         if len(sizes) == 1:  # a batch of one sample: all of it on the root, no replica needed
@@ -158,8 +146,8 @@ _PLAIN_TYPES = (int, float, str, bool, type(None))
 
 
 def _scan(args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device, dim: int) -> tuple[bool, int]:
-    """``(every tensor is on device, the first size along dim or 0)`` in one pass: the one-device path runs this on
-    every call, so flat tensor arguments take a loop with no generator (a launch-bound CUDA step feels each µs)."""
+    """``(every tensor is on device, the first size along dim or 0)`` in one pass; flat tensor arguments take a loop
+    with no generator (a one-device, launch-bound CUDA step feels each µs)."""
     on_device, size, nested = True, 0, False
     for values in (args, kwargs.values()):
         for value in values:
@@ -177,46 +165,49 @@ def _scan(args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device, d
                     size = tensor.shape[dim]
     if nested:  # containers may hold a PerSample, whose length is the batch size
         with contextlib.suppress(BatchSplitError):
-            size = args_batch_size(args, kwargs, dim)
+            size = roots_batch_size(argument_roots(args, kwargs), dim)
     return on_device, size
 
 
 _CLASS_INDEX_DEFAULTS: dict[str, Any] = {"ignore_index": -100, "weight": None, "reduction": "mean"}
 
 
+def _unwrapped(criterion: Any) -> Any:
+    return criterion.func if isinstance(criterion, functools.partial) else criterion
+
+
 def _function_defaults(criterion: Any) -> dict[str, Any]:
     """torch's defaults of the options of ``F.cross_entropy`` / ``F.nll_loss`` (or a partial of them), else {}."""
-    base = criterion.func if isinstance(criterion, functools.partial) else criterion
-    return _CLASS_INDEX_DEFAULTS if base is F.cross_entropy or base is F.nll_loss else {}
+    return _CLASS_INDEX_DEFAULTS if _unwrapped(criterion) in (F.cross_entropy, F.nll_loss) else {}
 
 
 def _criterion_option(criterion: Any, kwargs: dict[str, Any], name: str, default: Any) -> Any:
-    """An option of ``criterion`` for this call: the module's attribute (``nn.CrossEntropyLoss``), or for
-    ``F.cross_entropy`` / ``F.nll_loss`` a keyword of the call, a ``functools.partial`` keyword or torch's default."""
+    """An option of ``criterion`` for this call: a module's attribute, or for ``F.cross_entropy`` / ``F.nll_loss`` a
+    keyword of the call or partial, else torch's default; an opaque function's keywords are no known options."""
     defaults = _function_defaults(criterion)
-    if not defaults:  # a module, or an opaque function: its keywords are not known options
+    if not defaults:
         return getattr(criterion, name, default)
     keywords = criterion.keywords if isinstance(criterion, functools.partial) else {}
     return {**defaults, **keywords, **kwargs}.get(name, default)
 
 
 def _weight_is_known(criterion: Any) -> bool:
-    """Whether what a mean of ``criterion`` averages over is known without running it: torch's own loss modules and
-    ``torch.nn.functional`` losses (partials included); a function or subclass of the user's is opaque."""
-    base = criterion.func if isinstance(criterion, functools.partial) else criterion
+    """Whether what ``criterion``'s mean averages over is known without running it: torch's own losses (modules,
+    ``torch.nn.functional``, partials), not the user's functions or subclasses."""
+    base = _unwrapped(criterion)
     return has_torch_loss_forward(base) or getattr(base, "__module__", None) == F.__name__
 
 
 def has_torch_loss_forward(criterion: Any) -> bool:
-    """Whether ``criterion`` is a torch loss module computing torch's own ``forward``: only then do its options
-    (``ignore_index``, ``weight``) say what a mean averages over (a subclass may shift or mask the labels)."""
+    """A torch loss module running torch's own ``forward``: only then do its options (``ignore_index``, ``weight``)
+    say what a mean averages over (a subclass may shift or mask the labels)."""
     loss_module = isinstance(criterion, nn.modules.loss._Loss)
     return loss_module and type(criterion).forward.__module__ == nn.modules.loss.__name__
 
 
 def count_labels(labels: Tensor, ignore_index: int, class_weight: Tensor | None = None) -> Tensor:
-    """What a cross-entropy mean over ``labels`` divides by: the labels that are not ``ignore_index``, each weighted
-    by its class ``weight`` when there is one (torch's own normaliser)."""
+    """What a cross-entropy mean over ``labels`` divides by (torch's normaliser): the labels not ``ignore_index``,
+    each weighted by its ``class_weight`` when given."""
     valid = labels != ignore_index
     if class_weight is None:
         return valid.sum()
@@ -226,9 +217,8 @@ def count_labels(labels: Tensor, ignore_index: int, class_weight: Tensor | None 
 def _count_weight(
     criterion: Any, output: Any, targets: tuple[Any, ...], kwargs: dict[str, Any], samples: int, dim: int
 ) -> float | Tensor:
-    """How many items this replica's mean loss averages over, so the weighted mean equals the whole-batch mean: for
-    criteria with ``ignore_index``, the non-ignored class-index targets weighted by the class ``weight`` if any (torch's
-    own normaliser); else its ``samples`` (0: read from the output), to which element-wise means are proportional."""
+    """What this replica's mean loss averages over: with ``ignore_index``, :func:`count_labels` of class-index targets;
+    else its ``samples`` (0: read from the output), to which element-wise means are proportional."""
     target = targets[0] if targets else kwargs.get("target")
     counted = not isinstance(criterion, nn.Module) or has_torch_loss_forward(criterion)  # a subclass may shift labels
     ignore_index = _criterion_option(criterion, kwargs, "ignore_index", None) if counted else None
@@ -315,10 +305,9 @@ class DataParallelCriterion(nn.Module):
         name = getattr(self.criterion, "__name__", type(self.criterion).__name__)
         warnings.warn(
             f"DataParallelCriterion weights each device's {name} loss by its sample count, which equals one device "
-            "for a mean over samples. For another mean pass weight_fn=lambda output, targets: <what your mean "
-            "divides by> (e.g. (targets[0] != -100).sum() for non-ignored labels, (targets[0][:, 1:] != -100).sum() "
-            "shifted), or use a torch loss module such as nn.CrossEntropyLoss(ignore_index=-100), whose count is "
-            "known; a loss returning a sum needs the attribute reduction = 'sum' (e.g. my_loss.reduction = 'sum'). "
+            "for a mean over samples. For another mean pass weight_fn=lambda output, targets: <what it divides by> "
+            "(e.g. (targets[0] != -100).sum() for non-ignored labels), or use a torch loss module such as "
+            "nn.CrossEntropyLoss(ignore_index=-100); a loss returning a sum needs my_loss.reduction = 'sum'. "
             "weight_fn=lambda output, targets: len(targets[0]) says samples and silences this.",
             UserWarning,
             stacklevel=5,  # the caller of the criterion module
@@ -326,15 +315,14 @@ class DataParallelCriterion(nn.Module):
 
     def _check_outputs(self, outputs: Sequence[Any]) -> None:
         if not isinstance(outputs, list):
-            hint = (
-                " A tuple is taken as one model output (e.g. (anchor, positive, negative)), never as per-device "
-                "outputs: wrap it in a list for one device, or pass list(outputs) if it holds per-device outputs."
-                if isinstance(outputs, tuple)
-                else ""
+            tuple_hint = (
+                " A tuple is taken as one model output (anchor, positive, negative): wrap it in a list for one device, "
+                "or pass list(outputs) if it holds per-device outputs."
             )
             raise TypeError(
                 "DataParallelCriterion expects the list of per-device outputs returned by DataParallelModel, got "
-                f"{type(outputs).__name__}. For one gathered output, call the criterion itself.{hint}"
+                f"{type(outputs).__name__}. For one gathered output, call the criterion itself."
+                + (tuple_hint if isinstance(outputs, tuple) else "")
             )
         if not outputs:
             raise ValueError("DataParallelCriterion got an empty list of outputs.")
@@ -392,7 +380,7 @@ class DataParallelCriterion(nn.Module):
         per_sample = {k: v for k, v in kwargs.items() if k not in options}
         out_sizes = [_safe_batch_size(o, self.dim) for o in outputs]
         try:
-            total = args_batch_size(targets, per_sample, self.dim, names=("targets", "kwargs"))
+            total = roots_batch_size(argument_roots(targets, per_sample, ("targets", "kwargs")), self.dim)
         except NothingToSplitError:
             listed = any(isinstance(v, list) and len(v) == sum(out_sizes) for v in (*targets, *per_sample.values()))
             if not all(out_sizes) or not listed:
@@ -410,15 +398,12 @@ class DataParallelCriterion(nn.Module):
         target_chunks, kwarg_chunks, used = split_arguments(
             tuple(targets), per_sample, devices, self.dim, batch_size=total, sizes=sizes, names=("targets", "kwargs")
         )
-        if len(used) != len(outputs):
-            raise ValueError(
-                f"The targets split into {len(used)} chunks but there are {len(outputs)} outputs: "
-                "the targets' batch size does not match the inputs given to DataParallelModel."
-            )
-        for i, (out_size, target_size) in enumerate(zip(out_sizes, used, strict=True)):
-            if out_size and out_size != target_size:  # only when some output's size is unknown (sizes is None)
+        # Only when some output's size is unknown (sizes is None): the targets were split evenly.
+        for i, (out_size, target_size) in enumerate(itertools.zip_longest(out_sizes, used, fillvalue=0)):
+            if not target_size or (out_size and out_size != target_size):
+                shown = out_size or "an unknown number of"
                 raise ValueError(
-                    f"Outputs and targets do not line up on device {i}: the output has {out_size} samples along dim "
+                    f"Outputs and targets do not line up on device {i}: the output has {shown} samples along dim "
                     f"{self.dim} but its targets have {target_size}. The targets must have the same batch size as "
                     "the model's inputs."
                 )

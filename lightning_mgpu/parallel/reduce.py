@@ -20,9 +20,8 @@ LOSS_REDUCTIONS = get_args(LossReduction)
 
 
 def as_float_weights(weights: Sequence[Weight], what: str = "loss weight") -> list[float]:
-    """Weights as Python floats (a host sync for tensor weights, which zero-weight detection needs anyway); each
-    must be a number or a one-element tensor, finite and >= 0, else an error names the replica; not all 0 (no valid
-    target in the whole batch: the weighted mean is undefined, at any device count)."""
+    """Weights as Python floats (a host sync for tensors, which zero-weight detection needs anyway), each a number or
+    a one-element tensor, finite and >= 0, not all 0 (the weighted mean is undefined); else an error naming it."""
     for index, weight in enumerate(weights):
         is_number = isinstance(weight, (int, float)) and not isinstance(weight, bool)
         if not (is_number or (isinstance(weight, Tensor) and weight.numel() == 1)):
@@ -48,8 +47,8 @@ def as_float_weights(weights: Sequence[Weight], what: str = "loss weight") -> li
 
 
 def weighted_mean(values: Tensor, weights: Tensor) -> Tensor:
-    """``sum(w_i * v_i) / sum(w_i)`` over 1-D ``values`` and ``weights`` on one device: the one weighted mean. An
-    entry with weight 0 takes no part, so a NaN mean over no valid token cannot poison the result. No host sync."""
+    """The one weighted mean, ``sum(w_i * v_i) / sum(w_i)`` over 1-D tensors on one device, with no host sync; an
+    entry of weight 0 takes no part (its NaN mean over no valid token cannot poison the result)."""
     kept = weights > 0
     return torch.where(kept, values, torch.zeros_like(values)).mul(weights).sum() / weights.sum()
 

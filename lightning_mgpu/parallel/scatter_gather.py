@@ -1,11 +1,7 @@
-"""Split a batch (nested mappings, sequences, namedtuples, dataclasses) into per-device chunks; :mod:`.merge` brings
-outputs back as one device would have returned them, :func:`gather` as ``torch.nn.parallel.gather`` does (0-dim
-tensors stacked, with torch's warning).
-
-Tensors are split along ``dim`` as ``torch.tensor_split`` does (10 over 4: 3, 3, 2, 2); a list of plain items as long
-as the batch (ids) is split alike; anything else, 0-dim tensors included, goes whole to every replica. Inputs holding
-a ``transformers`` cache, which each replica would append to, are not split (:class:`SharedStateError`): run once.
-Lists of per-sample items holding tensors (detection targets) look like structures: mark them :class:`PerSample`.
+"""Split a batch (nested mappings, sequences, namedtuples, dataclasses) into per-device chunks, and the one walker
+over such structures. Tensors split along ``dim`` as ``torch.tensor_split`` does (10 over 4: 3, 3, 2, 2), lists of
+plain items as long as the batch (ids) alike; anything else goes whole to every replica. Inputs holding a
+``transformers`` cache, which each replica would append to, run once, unsplit (:class:`SharedStateError`).
 """
 
 from __future__ import annotations
@@ -34,14 +30,12 @@ class NothingToSplitError(BatchSplitError):
 
 
 class SharedStateError(BatchSplitError):
-    """The inputs hold an object that every replica would change in place (a ``transformers`` cache): they run once,
-    unsplit, on the first device."""
+    """The inputs hold an object that every replica would change in place (a ``transformers`` cache)."""
 
 
 class PerSample(list):
-    """A list with one item per sample, split by item across devices and concatenated back when gathered: per-sample
-    items of per-sample sizes (detection targets, images of different sizes), which no batch dimension can carry.
-    Its length is the batch size; every tensor with a batch dimension must agree with it."""
+    """One item per sample (detection targets, images of different sizes: what no batch dimension can carry), split
+    by item and concatenated back. Its length is the batch size, which every batched tensor must agree with."""
 
 
 def is_namedtuple(obj: Any) -> bool:
@@ -54,9 +48,7 @@ def is_dataclass_instance(obj: Any) -> bool:
 
 
 def is_shared_state(obj: Any) -> bool:
-    """A ``transformers`` cache (``DynamicCache``...): passed whole to every replica, each would append its shard's
-    keys and values to the one object."""
-    # By the base class's name: parallel/ never imports transformers (nor waits for its import to ask).
+    """A ``transformers`` cache (``DynamicCache``...), known by its base class's name: parallel/ never imports it."""
     return any(c.__name__ == "Cache" and c.__module__ == "transformers.cache_utils" for c in type(obj).__mro__)
 
 
@@ -71,10 +63,9 @@ def contains_tensor(obj: Any) -> bool:
 
 
 def _is_per_sample_list(obj: Any, batch_size: int | None) -> bool:
-    """A list of plain items (e.g. ids), or a tuple of strings (``ids, images = zip(*samples)``), with one item per
-    sample: split like a tensor. Tuples of numbers are more often options such as ``size=(16, 16)``. A list of
-    sequences each as long as the batch is what ``default_collate`` makes of per-sample lists (one sequence per
-    position): a structure, whose sequences are split."""
+    """A list of plain items (ids) or a tuple of strings with one item per sample: split like a tensor. Tuples of
+    numbers are more often options (``size=(16, 16)``); a list of batch-long sequences is ``default_collate``'s
+    structure, whose sequences are split."""
     if batch_size is None or not isinstance(obj, (list, tuple)) or len(obj) != batch_size:
         return False
     if isinstance(obj, tuple):
@@ -88,8 +79,8 @@ def _is_string_sequence(obj: Any) -> bool:
 
 
 def _children(obj: Any) -> tuple[bool, Iterable[tuple[Any, Any]]] | None:
-    """For a container, whether its keys are field names (paths print ``.name``, else ``[key]``) and its ``(key,
-    child)`` pairs; None for a leaf. The one place that opens structures (:func:`rebuild` closes them)."""
+    """A container's ``(keys are field names, (key, child) pairs)``; None for a leaf. The one place that opens
+    structures (:func:`rebuild` closes them)."""
     if isinstance(obj, Mapping):  # ModelOutput included
         return False, obj.items()
     if is_namedtuple(obj):
@@ -104,9 +95,8 @@ def _children(obj: Any) -> tuple[bool, Iterable[tuple[Any, Any]]] | None:
 def iter_nodes(
     obj: Any, path: str = "batch", per_sample: list[tuple[str, PerSample]] | None = None
 ) -> Iterator[tuple[str, Any]]:
-    """Yield ``(key path, node)`` for ``obj`` and everything nested in it, outermost first, with paths as error
-    messages print them (``batch['mask']``, ``output.logits``). With a ``per_sample`` list, :class:`PerSample` lists
-    are appended to it (with their paths) instead of yielded and entered."""
+    """``(key path, node)`` for ``obj`` and everything in it, outermost first, paths as errors print them
+    (``batch['mask']``, ``output.logits``). :class:`PerSample` lists go to a given ``per_sample`` list instead."""
     if per_sample is not None and isinstance(obj, PerSample):
         per_sample.append((path, obj))
         return
@@ -119,18 +109,17 @@ def iter_nodes(
 
 
 def iter_tensors(obj: Any, path: str = "batch") -> Iterator[tuple[str, Tensor]]:
-    """Yield ``(key path, tensor)`` for every tensor in a nested structure, e.g. ``("batch['mask']", tensor)``."""
     return ((p, node) for p, node in iter_nodes(obj, path) if isinstance(node, Tensor))
 
 
 def batch_size_of(obj: Any, dim: int = 0, path: str = "batch") -> int:
-    """The size along ``dim`` shared by every tensor that has that dim, or the length of the batch's
-    :class:`PerSample` lists; a :class:`BatchSplitError` naming both key paths when two disagree, or with no tensor."""
-    return _infer_from_roots([(path, obj)], dim, type(obj).__name__)
+    """:func:`roots_batch_size` of one object."""
+    return roots_batch_size([(path, obj)], dim, type(obj).__name__)
 
 
-def _infer_from_roots(roots: Sequence[tuple[str, Any]], dim: int, what: str) -> int:
-    """The batch size: the length of the :class:`PerSample` lists, else the size shared by every tensor along dim."""
+def roots_batch_size(roots: Sequence[tuple[str, Any]], dim: int = 0, what: str = "no tensor argument") -> int:
+    """The length of the :class:`PerSample` lists, else the size along ``dim`` that every tensor having it shares,
+    of the ``(name, value)`` roots; a :class:`BatchSplitError` naming both key paths when two disagree."""
     marked: list[tuple[str, PerSample]] = []
     tensors = [(p, n) for path, obj in roots for p, n in iter_nodes(obj, path, marked) if isinstance(n, Tensor)]
     sized = [(p, len(seq), f"{len(seq)} items") for p, seq in marked]  # PerSample lists first: they set the size
@@ -156,8 +145,7 @@ def _infer_from_roots(roots: Sequence[tuple[str, Any]], dim: int, what: str) -> 
 
 
 def _flat_ids_hint(tensors: Sequence[tuple[str, Tensor]]) -> str | None:
-    """Advice for flat ids with offsets (``nn.EmbeddingBag``'s input), given only when the batch is 1-D integer tensors
-    (anything else that disagrees is not helped by marking)."""
+    """Advice for flat ids with offsets (``nn.EmbeddingBag``'s input), when the batch is 1-D integer tensors."""
     if len(tensors) < 2 or any(t.dim() != 1 or t.is_floating_point() or t.is_complex() for _, t in tensors):
         return None
     return (
@@ -167,9 +155,8 @@ def _flat_ids_hint(tensors: Sequence[tuple[str, Tensor]]) -> str | None:
 
 
 def _per_sample_hint(roots: Sequence[tuple[str, Any]], tensors: Sequence[tuple[str, Tensor]], dim: int) -> str | None:
-    """Advice to mark a list with :class:`PerSample`, given only when that would settle the disagreement: a list (of
-    dicts, dataclasses or tensors) is as long as the batch size of a tensor outside it, and a tensor inside it has
-    another size."""
+    """Advice to mark a list with :class:`PerSample` when that settles it: a list of dicts, dataclasses or tensors
+    as long as the batch size of a tensor outside it, holding a tensor of another size."""
     for root, obj in roots:
         for where, seq in iter_nodes(obj, root):
             if not _is_plain_sequence(seq) or not (
@@ -195,17 +182,10 @@ def _is_plain_sequence(obj: Any) -> bool:
     return isinstance(obj, (list, tuple)) and not is_namedtuple(obj) and bool(obj)
 
 
-def args_batch_size(
-    args: Sequence[Any], kwargs: Mapping[str, Any], dim: int = 0, names: tuple[str, str] = ("args", "kwargs")
-) -> int:
-    """:func:`batch_size_of` for call arguments; error messages name e.g. ``args[0]['mask']``."""
-    return _infer_from_roots(argument_roots(args, kwargs, names), dim, "no tensor argument")
-
-
 def argument_roots(
     args: Sequence[Any], kwargs: Mapping[str, Any], names: tuple[str, str] = ("args", "kwargs")
 ) -> list[tuple[str, Any]]:
-    """``(name, value)`` for each argument of a call, named as error messages print them (``args[0]``)."""
+    """``(name, value)`` for each argument of a call, as error messages name them (``args[0]``)."""
     return [
         *((f"{names[0]}[{i}]", a) for i, a in enumerate(args)),
         *((f"{names[1]}[{k!r}]", v) for k, v in kwargs.items()),
@@ -227,7 +207,7 @@ def split_sizes(batch_size: int, num_devices: int) -> list[int]:
 
 
 def rebuild(template: Any, values: Sequence[Any] | Mapping[str, Any]) -> Any:
-    """A container of the same type as ``template`` holding ``values`` (a sequence, or a mapping for dicts)."""
+    """A container of ``template``'s type holding ``values`` (a mapping for mappings)."""
     if isinstance(template, defaultdict):
         return defaultdict(template.default_factory, values)
     if is_namedtuple(template):
@@ -251,9 +231,8 @@ def rebuild(template: Any, values: Sequence[Any] | Mapping[str, Any]) -> Any:
 def _map_structure(
     obj: Any, leaf_fn: Callable[[Any], list[Any]], count: int, batch_size: int | None, plain_lists: bool = True
 ) -> list[Any]:
-    """``count`` versions of ``obj``: in version ``i``, each leaf ``x`` replaced by ``leaf_fn(x)[i]``, containers
-    rebuilt around them. Leaves: tensors, non-containers and per-sample lists (``PerSample`` ones only when splitting
-    a batch, i.e. with a ``batch_size``; lists of plain items too unless ``plain_lists`` is False)."""
+    """``count`` versions of ``obj``, leaf ``x`` replaced by ``leaf_fn(x)[i]`` in version ``i``. Leaves: tensors,
+    non-containers, and with a ``batch_size`` per-sample lists (plain ones unless ``plain_lists`` is False)."""
     if isinstance(obj, Tensor) or (isinstance(obj, PerSample) and batch_size is not None):
         return leaf_fn(obj)
     children = _children(obj)
@@ -273,9 +252,8 @@ def split_batch(
     *,
     sizes: Sequence[int] | None = None,
 ) -> tuple[list[Any], list[int]]:
-    """Split ``obj`` into one chunk per device, each moved to its device (differentiably): ``(chunks, sizes)``, fewer
-    than the devices when the batch is smaller. ``sizes`` imposes the chunk sizes (e.g. to split targets exactly as
-    the model's outputs were split)."""
+    """``(chunks, sizes)``: ``obj`` split into one chunk per device, moved there (differentiably); fewer chunks for a
+    smaller batch. ``sizes`` imposes the chunk sizes (to split targets as the outputs were)."""
     (chunks,), sizes = _split_roots([("batch", obj)], devices, dim, batch_size, sizes, type(obj).__name__)
     return chunks, sizes
 
@@ -289,11 +267,10 @@ def _split_roots(
     what: str,
     plain_lists: bool = True,
 ) -> tuple[list[list[Any]], list[int]]:
-    """Each root's chunks (split with one batch size, so error messages name the root) and the chunk sizes. A given
-    ``batch_size`` is used when the roots hold nothing to read it from (e.g. a list of ids). ``plain_lists=False``:
-    lists of plain items go whole to every chunk, as ``torch.nn.parallel.scatter`` passes them."""
+    """Each root's chunks, split with one batch size, and the chunk sizes. A given ``batch_size`` serves when nothing
+    tells it (a list of ids). ``plain_lists=False``: plain lists go whole to every chunk (torch's ``scatter``)."""
     try:
-        inferred = _infer_from_roots(roots, dim, what)
+        inferred = roots_batch_size(roots, dim, what)
     except NothingToSplitError:
         if batch_size is None:
             raise
@@ -311,7 +288,6 @@ def _split_roots(
     slices = [slice(a, b) for a, b in itertools.pairwise([0, *bounds, inferred])]
 
     def split_leaf(leaf: Any) -> list[Any]:
-        """The leaf's chunks, chunk ``i`` on ``targets[i]``."""
         if isinstance(leaf, Tensor):
             parts = torch.tensor_split(leaf, bounds, dim=dim) if bounds and leaf.dim() > dim else [leaf] * len(chunks)
             return [p.to(d) for p, d in zip(parts, targets, strict=False)]
@@ -339,8 +315,7 @@ def split_arguments(
     sizes: Sequence[int] | None = None,
     names: tuple[str, str] = ("args", "kwargs"),
 ) -> tuple[list[tuple[Any, ...]], list[dict[str, Any]], list[int]]:
-    """:func:`split_batch` for call arguments, which share one batch size: per-device args, kwargs, and the sizes.
-    Errors name the argument (``args[0]['mask']``)."""
+    """:func:`split_batch` for call arguments (one batch size): per-device args and kwargs, and the sizes."""
     roots = argument_roots(args, kwargs, names)
     chunks, sizes = _split_roots(roots, devices, dim, batch_size, sizes, "no tensor argument")
     per_device = [[c[i] for c in chunks] for i in range(len(sizes))]  # each device's chunk of every argument
@@ -349,9 +324,8 @@ def split_arguments(
 
 
 def scatter(inputs: Any, target_devices: Sequence[DeviceLike], dim: int = 0) -> list[Any]:
-    """``torch.nn.parallel.scatter``'s contract on any devices: the chunks (balanced as by :func:`split_batch`,
-    which also returns their sizes); lists of plain items and inputs without a batch dimension go whole to every
-    device, as torch passes them."""
+    """``torch.nn.parallel.scatter``'s contract on any devices, chunks balanced as by :func:`split_batch`; plain lists
+    and inputs without a batch dimension go whole to every device, as torch passes them."""
     try:
         (chunks,), _ = _split_roots([("inputs", inputs)], target_devices, dim, None, None, "", plain_lists=False)
         return chunks
@@ -360,8 +334,8 @@ def scatter(inputs: Any, target_devices: Sequence[DeviceLike], dim: int = 0) -> 
 
 
 def gather(outputs: Sequence[Any], target_device: DeviceLike, dim: int = 0) -> Any:
-    """Gather one output per replica on ``target_device`` (differentiably), as ``torch.nn.parallel.gather`` does:
-    tensors concatenated along ``dim``, dicts, namedtuples and other sequences field by field, ``None`` kept."""
+    """``torch.nn.parallel.gather``'s contract on any devices (differentiable): tensors concatenated along ``dim``,
+    0-dim ones stacked with torch's warning, containers field by field, ``None`` kept."""
     device = to_device(target_device)
 
     def gather_map(values: Sequence[Any]) -> Any:
@@ -389,22 +363,21 @@ def gather(outputs: Sequence[Any], target_device: DeviceLike, dim: int = 0) -> A
 
 
 def move_to(obj: Any, device: DeviceLike) -> Any:
-    """``obj`` with every tensor moved to ``device`` (differentiable), structure preserved."""
+    """``obj`` with every tensor moved to ``device`` (differentiable)."""
     target = to_device(device)
     return _map_structure(obj, lambda leaf: [leaf.to(target) if isinstance(leaf, Tensor) else leaf], 1, None)[0]
 
 
 def split_or_run_once(split: Callable[[], T], roots: Sequence[tuple[str, Any]]) -> T | None:
-    """``split()``, or ``None`` when the inputs (``(name, value)`` pairs) hold nothing to split, or an object every
-    replica would change (:func:`is_shared_state`): the caller then runs once, unsplit, as ``nn.DataParallel`` does
-    without a batch dimension. Shared by the modules and both strategies."""
+    """``split()``, or ``None`` (run once, unsplit, as ``nn.DataParallel`` does) when the ``(name, value)`` roots
+    hold nothing to split or a :func:`is_shared_state` object; an error for strings alone, whose count is unknown.
+    The one "run once" rule of the modules and both strategies."""
     try:
         return split()
     except SharedStateError:
         return None
     except NothingToSplitError:
         pass
-    # Unless they hold a sequence of strings: one item per sample, it seems, but nothing tells their count.
     for where, value in roots:
         for path, node in iter_nodes(value, where):
             if _is_string_sequence(node):

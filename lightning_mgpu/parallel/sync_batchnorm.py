@@ -34,8 +34,7 @@ _HINT = (
 
 @dataclass(eq=False)
 class _LayerKey:
-    """Identity of one sync layer, shared by its replicas (replication copies ``__dict__`` shallowly, ``deepcopy``
-    does not): the dotted name (for errors) and the class converted from (for reverting)."""
+    """One sync layer's identity, shared by its replicas (not by deep copies): its name and the class converted from."""
 
     name: str | None = None
     original_class: type[_BatchNorm] | None = None
@@ -60,7 +59,7 @@ class SyncBatchNorm(_BatchNorm):
 
     def _check_input_dim(self, input: Tensor) -> None:
         # The converted class's own check; torch.nn.SyncBatchNorm's (at least 2D) for a layer built directly.
-        (_key_of(self).original_class or nn.SyncBatchNorm)._check_input_dim(self, input)
+        (self._sync_key.original_class or nn.SyncBatchNorm)._check_input_dim(self, input)
 
     def _uses_batch_stats(self) -> bool:
         return self.training or (self.running_mean is None and self.running_var is None)
@@ -70,15 +69,14 @@ class SyncBatchNorm(_BatchNorm):
         if replica is None and getattr(self, "_is_replica", False) and self._uses_batch_stats():
             raise RuntimeError(
                 f"SyncBatchNorm layer {_describe(self)} of a replica ran outside its replicas' parallel call, where "
-                "they cannot meet to share the batch's statistics: activation checkpointing (torch.utils.checkpoint, "
-                "gradient_checkpointing_enable()) recomputes the layers of a checkpointed block during the backward "
-                "pass. Keep SyncBatchNorm layers out of checkpointed blocks, or train without sync_batchnorm (each "
-                "device then normalises with its own shard's statistics, as DataParallel does)."
+                "they cannot share the batch's statistics: activation checkpointing (torch.utils.checkpoint, "
+                "gradient_checkpointing_enable()) reruns checkpointed blocks in the backward pass. Keep SyncBatchNorm "
+                "layers out of checkpointed blocks, or train without sync_batchnorm (per-shard statistics)."
             )
         if replica is None or replica.group.size < 2 or not self._uses_batch_stats():
             return super().forward(input)
         self._check_input_dim(input)
-        key = _key_of(self)
+        key = self._sync_key
         call = replica.next_call(key)
         label = f"SyncBatchNorm layer {_describe(self)} (call {call} in this forward)"
         replica.group.require_threads(
@@ -99,15 +97,8 @@ class SyncBatchNorm(_BatchNorm):
         return replica.group.rendezvous(replica.index, (key, call), part, _combine, label, _HINT)
 
 
-def _key_of(layer: SyncBatchNorm) -> _LayerKey:
-    key = layer.__dict__.get("_sync_key")
-    if key is None:  # e.g. a layer unpickled from an object saved without one
-        key = layer._sync_key = _LayerKey()
-    return key
-
-
 def _describe(layer: SyncBatchNorm) -> str:
-    name = _key_of(layer).name
+    name = layer._sync_key.name
     return f"<unnamed, {layer.num_features} features>" if name is None else _quoted(name)
 
 
@@ -118,12 +109,13 @@ def _quoted(name: str) -> str:
 # --- the synchronised forward -------------------------------------------------------------------------------------
 @dataclass
 class _Part:
-    """What one replica brings to the rendezvous of a layer call."""
+    """What one replica brings to a layer call's rendezvous: its layer (replica 0's buffers are the module's own),
+    input, statistics (kernel-specific; None for an empty shard), values per channel, CUDA stream."""
 
-    layer: SyncBatchNorm  # replica 0's buffers are the module's own
+    layer: SyncBatchNorm
     x: Tensor
-    stats: tuple[Tensor, Tensor] | None  # this shard's statistics (kernel-specific), None for an empty shard
-    count: int  # values per channel in this shard
+    stats: tuple[Tensor, Tensor] | None
+    count: int
     stream: torch.cuda.Stream | None
 
 
@@ -191,40 +183,32 @@ class _JointBatchNorm(Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
-        counts, kernels = ctx.counts, ctx.kernels
-        n = len(counts)
-        saved = ctx.saved_tensors
-        xs, weights, stats = saved[:n], saved[n : 2 * n], saved[2 * n :]
-        needs = ctx.needs_input_grad[1:]
-        needs_x, needs_w, needs_b = needs[:n], needs[n : 2 * n], needs[2 * n :]
-        grad_x: list[Tensor | None] = [None] * n
-        grad_w: list[Tensor | None] = [None] * n
-        grad_b: list[Tensor | None] = [None] * n
+        counts, kernels, n = ctx.counts, ctx.kernels, len(ctx.counts)
+        xs, weights, stats = (ctx.saved_tensors[k * n : (k + 1) * n] for k in range(3))
+        needs_x, needs_w, needs_b = (ctx.needs_input_grad[1 + k * n : 1 + (k + 1) * n] for k in range(3))
         input_grad = any(needs_x)
-        active = [i for i in range(n) if counts[i]]
+        grads_x: list[Tensor | None] = [None] * n
+        grads_w: list[Tensor | None] = [None] * n
+        grads_b: list[Tensor | None] = [None] * n
+        sums = []  # per active shard: sum(dy) then sum(dy * (x - mean)), on the first device
         with _streams(ctx.streams):
             dys = [_contiguous(g) for g in grads]
-            sums = {}
-            for i in active:
-                if not (input_grad or needs_w[i] or needs_b[i]):
-                    continue
-                sum_dy, sum_dy_xmu, gw, gb = kernels.backward_reduce(
+            for i in (i for i in range(n) if counts[i] and (input_grad or needs_w[i] or needs_b[i])):
+                sum_dy, sum_dy_xmu, grad_w, grad_b = kernels.backward_reduce(
                     dys[i], xs[i], stats[i], weights[i], input_grad, needs_w[i], needs_b[i]
                 )
-                grad_w[i] = gw if needs_w[i] else None
-                grad_b[i] = gb if needs_b[i] else None
-                if input_grad:  # the sums are undefined (None) when the kernel was told no input gradient is needed
-                    sums[i] = torch.cat([sum_dy, sum_dy_xmu])
-            if input_grad:
-                root = xs[0].device
-                total_sums = torch.stack([sums[i].to(root, non_blocking=True) for i in active]).sum(0)
-                for i in range(n):
-                    if needs_x[i] and not counts[i]:
-                        grad_x[i] = torch.zeros_like(xs[i])
-                    elif needs_x[i]:
-                        sums_i = total_sums.to(xs[i].device, non_blocking=True)
-                        grad_x[i] = kernels.backward_elemt(dys[i], xs[i], stats[i], weights[i], sums_i, sum(counts))
-        return (None, *grad_x, *grad_w, *grad_b)
+                grads_w[i], grads_b[i] = grad_w if needs_w[i] else None, grad_b if needs_b[i] else None
+                if input_grad:  # else the kernel leaves the sums undefined
+                    sums.append(torch.cat([sum_dy, sum_dy_xmu]).to(xs[0].device, non_blocking=True))
+            total_sums = torch.stack(sums).sum(0) if input_grad else None
+            for i in (i for i in range(n) if needs_x[i]):
+                sums_i = total_sums.to(xs[i].device, non_blocking=True)
+                grads_x[i] = (
+                    kernels.backward_elemt(dys[i], xs[i], stats[i], weights[i], sums_i, sum(counts))
+                    if counts[i]
+                    else torch.zeros_like(xs[i])
+                )
+        return (None, *grads_x, *grads_w, *grads_b)
 
 
 @contextlib.contextmanager
@@ -406,7 +390,7 @@ def revert_sync_batchnorm(module: nn.Module, default: type[_BatchNorm] | None = 
     def revert(sub: nn.Module, name: str) -> nn.Module | None:
         if not isinstance(sub, SyncBatchNorm):
             return None
-        cls = _key_of(sub).original_class or default
+        cls = sub._sync_key.original_class or default
         if cls is None:
             raise ValueError(
                 f"SyncBatchNorm layer {_quoted(name)} was built directly, not by convert_sync_batchnorm, so the "
@@ -464,5 +448,5 @@ def uses_sync_batchnorm(module: nn.Module) -> bool:
 
 
 def _name_once(layer: SyncBatchNorm, name: str) -> None:
-    if _key_of(layer).name is None:
-        _key_of(layer).name = name
+    if layer._sync_key.name is None:
+        layer._sync_key.name = name
