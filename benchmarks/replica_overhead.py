@@ -1,6 +1,7 @@
 """Host cost of replication per step, on CPU: one code version against another (``--old-tree``).
 
-Five measurements, on virtual CPU devices (``["cpu"] * N``), one intra-op thread (default: parts 1, 2, 4, 5):
+Four measurements, on virtual CPU devices (``["cpu"] * N``), one intra-op thread (parts 1, 2, 4, 5; part 3 timed the
+per-step parameter node that lasting replicas no longer use, and went with it):
 
 1. **Step overhead on a deep, thin model** (300 × Linear(8, 8) / BatchNorm1d(8) / Tanh: 900 modules, negligible
    compute), in sequential mode and, next to it, in threads mode (the path distinct GPUs take): a
@@ -11,9 +12,6 @@ Five measurements, on virtual CPU devices (``["cpu"] * N``), one intra-op thread
 2. **Replication per step** for the seed PyramidNet and PyramidNet-272 (bottleneck, α=200): the old per-step
    ``replicate(model, devices)`` against ``ReplicaSet(model, devices).prepare(N)`` (after the first build), with
    gradients enabled and under ``torch.no_grad()``, and the time of the first build.
-3. **Where ``prepare`` spends its time** (lasting replicas only): change detection, buffer copies, the parameter
-   node, slot assignment, timed by wrapping those internals, plus a cProfile of ``prepare`` and the parameter node's
-   backward.
 4. **Per-step growth** (lasting replicas only): live objects (``gc.get_objects()``), ``tracemalloc`` current memory
    and RSS over 200 steps of (1).
 5. **Sync + gradient reduction host time** for the two PyramidNets on the meta device (no data: host work only):
@@ -346,127 +344,6 @@ class Worker:
             "api": "flat buffers" if flat_api else "per-step node",
         }
 
-    # --- (3) where prepare() spends its time -----------------------------------------------------------------------
-    def breakdown(self, thin_depth: int, thin_norm: str, replicas: list[int], repeats: int) -> dict[str, Any]:
-        if not self.lasting:
-            return {}
-        torch = self.torch
-        thin = self.thin_model(thin_depth, thin_norm)
-        results: list[dict[str, Any]] = []
-        models = {"thin": thin, **self.models}
-        for name, net in models.items():
-            for n in replicas:
-                replica_set = self.sets.get((name, n)) or self.parallel.ReplicaSet(net, ["cpu"] * n)
-                for grad in (True, False):
-                    if name == "thin" and not grad:
-                        continue  # training step only
-                    parts = self._prepare_parts(replica_set, n, grad, repeats)
-                    modules = sum(1 for _ in net.modules())
-                    units = {
-                        "modules": len(replica_set._originals),
-                        "parameters": len(replica_set._params),
-                        "buffers": sum(1 for b in net.buffers()),
-                    }
-                    results.append(
-                        {"model": name, "replicas": n, "grad": grad, "modules": modules, "units": units, **parts}
-                    )
-        profile = self._cprofile(self.parallel.ReplicaSet(thin, ["cpu"] * max(replicas)), max(replicas), 20)
-        backward = {}
-        params = list(thin.parameters())
-        from lightning_mgpu.parallel import replicas as internals
-
-        for n in replicas:
-            layout = internals._Layout([torch.device("cpu")] * n, torch.device("cpu"))
-            ctx = type("Ctx", (), {"layout": layout, "count": len(params)})()
-            grads = [torch.randn_like(p) for p in params] * n
-            samples = []
-            for _ in range(repeats):
-                start = time.perf_counter()
-                internals._ReplicaParameters.backward(ctx, *grads)
-                samples.append(time.perf_counter() - start)
-            backward[n] = statistics.median(samples) * 1e6
-        return {"prepare": results, "cprofile": profile, "node_backward_us": backward, "thin_parameters": len(params)}
-
-    def _prepare_parts(self, replica_set: Any, n: int, grad: bool, repeats: int) -> dict[str, float]:
-        """Median µs per part of ``prepare(n)``, by wrapping its internals with timers for the duration."""
-        torch = self.torch
-        from lightning_mgpu.parallel import replicas as internals
-
-        acc: dict[str, float] = {}
-
-        def timed(key: str, fn: Any) -> Any:
-            def wrapper(*args: Any, **kwargs: Any) -> Any:
-                start = time.perf_counter()
-                try:
-                    return fn(*args, **kwargs)
-                finally:
-                    acc[key] = acc.get(key, 0.0) + time.perf_counter() - start
-
-            return wrapper
-
-        class NodeProxy:  # replicas.py looks the class up as a module global at call time
-            apply = staticmethod(timed("node", internals._ReplicaParameters.apply))
-
-        saved = {name: getattr(internals, name) for name in ("_ReplicaParameters", "_unlinked", "_fill")}
-        saved_copy = torch._foreach_copy_
-        replica_set._sync_structure = timed("sync", replica_set._sync_structure)
-        replica_set._assign_parameters = timed("assign", replica_set._assign_parameters)
-        internals._ReplicaParameters = NodeProxy
-        internals._unlinked = timed("node", saved["_unlinked"])
-        internals._fill = timed("fill", saved["_fill"])
-        torch._foreach_copy_ = timed("buffers", saved_copy)
-        samples: dict[str, list[float]] = {}
-        try:
-            with torch.set_grad_enabled(grad):
-                replica_set.prepare(n)
-                for _ in range(repeats):
-                    acc.clear()
-                    start = time.perf_counter()
-                    replica_set.prepare(n)
-                    total = time.perf_counter() - start
-                    parts = {
-                        "change_detection": acc.get("sync", 0.0),
-                        "buffer_copies": acc.get("buffers", 0.0),
-                        "parameter_node": acc.get("node", 0.0),
-                        "slot_assignment": acc.get("assign", 0.0) - acc.get("node", 0.0),
-                        "total": total,
-                    }
-                    parts["other"] = total - parts["change_detection"] - parts["buffer_copies"] - acc.get("assign", 0.0)
-                    for key, value in parts.items():
-                        samples.setdefault(key, []).append(value)
-        finally:
-            for name, value in saved.items():
-                setattr(internals, name, value)
-            torch._foreach_copy_ = saved_copy
-            del replica_set._sync_structure, replica_set._assign_parameters
-        return {f"{key}_us": statistics.median(values) * 1e6 for key, values in samples.items()}
-
-    def _cprofile(self, replica_set: Any, n: int, calls: int) -> dict[str, Any]:
-        import cProfile
-        import pstats
-
-        replica_set.prepare(n)
-        profiler = cProfile.Profile()
-        profiler.enable()
-        for _ in range(calls):
-            replica_set.prepare(n)
-        profiler.disable()
-        stats = pstats.Stats(profiler)
-        rows = []
-        for (filename, line, func), (_, ncalls, tottime, cumtime, _) in stats.stats.items():  # type: ignore[attr-defined]
-            where = f"{Path(filename).name}:{line}" if filename != "~" else "built-in"
-            rows.append(
-                {
-                    "function": f"{func} ({where})",
-                    "calls_per_prepare": ncalls / calls,
-                    "tottime_us_per_prepare": tottime / calls * 1e6,
-                    "cumtime_us_per_prepare": cumtime / calls * 1e6,
-                }
-            )
-        rows.sort(key=lambda r: r["tottime_us_per_prepare"], reverse=True)
-        total = sum(r["tottime_us_per_prepare"] for r in rows)
-        return {"replicas": n, "calls": calls, "profiled_total_us_per_prepare": total, "top": rows[:12]}
-
     # --- (4) per-step growth -------------------------------------------------------------------------------------
     def growth(self, n: int, steps: int, every: int, warmup: int) -> dict[str, Any]:
         import gc
@@ -662,17 +539,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if 1 in args.parts:
             report["thin"] = thin_benchmark(args, workers, labels, report)
             report["gc_cost"]["after part 1"] = {label: w.call("gc_cost") for label, w in workers.items()}
-        if 2 in args.parts or 3 in args.parts:
+        if 2 in args.parts:
             report["replicate"] = replicate_benchmark(args, workers, labels, report)
             report["gc_cost"]["after part 2"] = {label: w.call("gc_cost") for label, w in workers.items()}
         if 5 in args.parts:
             report["sync_reduce"] = sync_reduce_benchmark(args, workers, labels, report)
-        if 3 in args.parts:
-            t = time.perf_counter()
-            report["breakdown"] = workers["after"].call(
-                "breakdown", thin_depth=args.depth, thin_norm=args.norm, replicas=args.replicas, repeats=15
-            )
-            report["durations_s"]["breakdown"] = time.perf_counter() - t
         if 4 in args.parts:
             t = time.perf_counter()
             if 1 not in args.parts:
@@ -1111,71 +982,6 @@ def markdown(report: dict[str, Any]) -> str:
 
     if report.get("sync_reduce"):
         lines += sync_reduce_markdown(report["sync_reduce"])
-    breakdown = report.get("breakdown")
-    if breakdown:
-        lines += [
-            "",
-            "## 3. Where `prepare(N)` spends its time (after)",
-            "",
-            "Internals of `ReplicaSet.prepare` wrapped with timers (median of 15 calls, µs): change detection = "
-            "`_sync_structure`; buffer copies = the `torch._foreach_copy_` calls; parameter node = "
-            "`_ReplicaParameters.apply` (grad) or `_unlinked` (no_grad); slot assignment = the rest of "
-            "`_assign_parameters` (layout, per-replica slicing, the per-slot dict stores); other = the rest of "
-            "`prepare`. The timers add about 1 µs per wrapped call.",
-            "",
-            "| model | modules | N | grad | change detection | buffer copies | parameter node | slot assignment | "
-            "other | total |",
-            "|---|---|---|---|---|---|---|---|---|---|",
-        ]
-        for e in breakdown["prepare"]:
-            lines.append(
-                f"| {e['model']} | {e['modules']} | {e['replicas']} | {'enabled' if e['grad'] else 'no_grad'} | "
-                f"{e['change_detection_us']:.0f} | {e['buffer_copies_us']:.0f} | {e['parameter_node_us']:.0f} | "
-                f"{e['slot_assignment_us']:.0f} | {e['other_us']:.0f} | **{e['total_us']:.0f}** |"
-            )
-        lines += [
-            "",
-            "Per unit (µs): change detection per module; buffer copies per buffer copied (replicas 1..N-1); "
-            "parameter node per output tensor (N x parameter tensors); slot assignment per slot (N x parameter "
-            "tensors; it also frees the previous step's aliases, and with them the previous node):",
-            "",
-            "| model | N | grad | change detection / module | buffer copy / buffer | node / output | slot / slot |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for e in breakdown["prepare"]:
-            units = e.get("units")
-            if not units:
-                continue
-            n = e["replicas"]
-            lines.append(
-                f"| {e['model']} | {n} | {'enabled' if e['grad'] else 'no_grad'} | "
-                f"{e['change_detection_us'] / units['modules']:.2f} | "
-                f"{e['buffer_copies_us'] / max(units['buffers'] * (n - 1), 1):.2f} | "
-                f"{e['parameter_node_us'] / max(units['parameters'] * n, 1):.2f} | "
-                f"{e['slot_assignment_us'] / max(units['parameters'] * n, 1):.2f} |"
-            )
-        prof = breakdown["cprofile"]
-        lines += [
-            "",
-            f"cProfile of `prepare({prof['replicas']})` on the thin model, grad enabled ({prof['calls']} calls; "
-            f"profiled total {prof['profiled_total_us_per_prepare']:.0f} µs per call, inflated by the profiler), "
-            "top functions by own time:",
-            "",
-            "| function | calls per prepare | own µs per prepare | cumulative µs per prepare |",
-            "|---|---|---|---|",
-        ]
-        for row in prof["top"]:
-            lines.append(
-                f"| `{row['function']}` | {row['calls_per_prepare']:.0f} | {row['tottime_us_per_prepare']:.0f} | "
-                f"{row['cumtime_us_per_prepare']:.0f} |"
-            )
-        node = ", ".join(f"N={n}: {us:.0f} µs" for n, us in breakdown["node_backward_us"].items())
-        lines += [
-            "",
-            f"Backward of the parameter node on the thin model ({breakdown['thin_parameters']} parameter tensors; "
-            f"sums N replicas' gradients in replica order, called directly): {node}.",
-        ]
-
     growth = report.get("growth")
     if growth:
         first, last = growth["samples"][0], growth["samples"][-1]
@@ -1232,7 +1038,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--old-tree", type=Path, default=None, help="a tree of the old code, timed in a second worker")
-    parser.add_argument("--parts", type=int, nargs="+", default=[1, 2, 4, 5], choices=[1, 2, 3, 4, 5])
+    parser.add_argument("--parts", type=int, nargs="+", default=[1, 2, 4, 5], choices=[1, 2, 4, 5])
     parser.add_argument("--replicas", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--depth", type=int, default=300, help="(Linear, norm, Tanh) blocks of the thin model")
     parser.add_argument("--norm", choices=["batchnorm", "layernorm"], default="batchnorm")

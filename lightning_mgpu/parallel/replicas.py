@@ -421,8 +421,18 @@ _SEQUENTIAL = "they run one after another on the parameters' device, on the orig
 _THREADS = "they run in threads on the parameters' device, over the original parameters' storage"
 _version = operator.attrgetter("_version")
 _runs: tuple[weakref.ref[_Run], ...] = ()  # in progress (replica sets may nest, or run in threads)
-_runs_lock = threading.Lock()
+_runs_lock = threading.RLock()  # re-entered by _forget when the collector drops a run inside a locked section
 _hook: list[Any] = []  # torch's buffer registration hook, installed while runs are in progress
+
+
+def _forget(gone: weakref.ref[_Run] | None = None) -> None:
+    """Drop ended runs (``gone``: one the collector freed unstopped, e.g. a ReplicaSet dropped between
+    ``prepare()`` and ``watch()``); the hook leaves with the last run in progress."""
+    global _runs
+    with _runs_lock:
+        _runs = tuple(ref for ref in _runs if ref is not gone and ref() is not None)
+        if not _runs and _hook:
+            _hook.pop().remove()
 
 
 def _on_buffer(module: nn.Module, name: str, value: Tensor | None) -> None:
@@ -444,17 +454,16 @@ class _Run:
         self.places, self.shared, self.count, self.how = places, shared, count, how
         self.versions = list(map(_version, shared)) if versions is None else versions
         self.rebound: set[tuple[int, int, str]] = set()  # (replica, position, buffer name)
-        with _runs_lock:
+        with _runs_lock:  # in progress first, then the hook: a _forget in between must see this run
+            _runs = (*(ref for ref in _runs if ref() is not None), weakref.ref(self, _forget))
             if not _hook:
                 _hook.append(register_module_buffer_registration_hook(_on_buffer))
-            _runs = (*(ref for ref in _runs if ref() is not None), weakref.ref(self))
 
     def stop(self) -> None:
         global _runs
         with _runs_lock:
-            _runs = tuple(ref for ref in _runs if ref() not in (None, self))
-            if not _runs and _hook:
-                _hook.pop().remove()
+            _runs = tuple(ref for ref in _runs if ref() is not self)
+        _forget()
 
     def written(self) -> int | None:
         """The index in ``shared`` of the first tensor the run changed in place, if any."""

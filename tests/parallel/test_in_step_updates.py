@@ -292,3 +292,15 @@ def test_a_failed_step_keeps_what_replica_0_rebound_and_leaves_nothing_installed
     for _ in range(2):  # as on one device: the failed step's update, then this one's
         reference(batch(6))
     torch.testing.assert_close(model.center, reference.center, rtol=0, atol=0)
+
+
+def test_a_replica_set_dropped_between_prepare_and_watch_leaves_no_hook_installed(collected):
+    # The buffer registration hook is global: a run the collector frees unstopped must take it along, or every
+    # later buffer registration in the process would pay for it.
+    for mode in ("sequential", "threads"):
+        replica_set = ReplicaSet(Centered(), CPU3)
+        replica_set.prepare(execution_mode=mode)
+        assert not nothing_installed()
+        del replica_set
+        gc.collect()
+        assert nothing_installed(), mode
