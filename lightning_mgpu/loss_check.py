@@ -21,7 +21,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from lightning_mgpu.parallel.devices import DeviceLike, to_device
 from lightning_mgpu.parallel.scatter_gather import batch_size_of, move_to, split_batch
 from lightning_mgpu.strategies.loss_normalization import SAMPLES, SUM, LossNormalization, known_rule
-from lightning_mgpu.strategies.step_outputs import LOSS_TERMS_KEY, LOSS_WEIGHT_KEY
+from lightning_mgpu.strategies.step_outputs import LOSS_TERMS_KEY, LOSS_WEIGHT_KEY, combine_losses
 
 #: A rule reproduces the whole batch's loss when it misses by at most this much, relative (float32 rounding).
 RELATIVE_TOLERANCE = 1e-5
@@ -153,7 +153,7 @@ def check_loss_reduction(
     values = [torch.tensor(loss_of(chunk)[0], dtype=torch.float64) for chunk in chunks]
     known = known_rule(module, batch)
     predictions = {  # combined exactly as the strategy combines them, in float64
-        rule.spec(): float(rule.reduce(values, rule.weights(chunks, sizes), torch.device("cpu")))
+        rule.spec(): float(combine_losses(values, rule.weights(chunks, sizes), torch.device("cpu")))
         for rule in _candidates(known, batch, dim)
     }
     return LossCheck(whole, predictions, noise, declared, known, sizes, len(dropout), len(batchnorm))

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from lightning_mgpu.parallel.library_hooks import outermost_transformers_models
 from lightning_mgpu.parallel.modules import count_labels, has_torch_loss_forward
-from lightning_mgpu.parallel.reduce import Weight, reduce_losses
+from lightning_mgpu.parallel.reduce import Weight
 
 Kind = Literal["samples", "sum", "replica_mean", "tokens"]
 IGNORE_INDEX = -100
@@ -82,7 +82,8 @@ class LossNormalization:
         return f"a mean over the labels in {show(self.key)} that are not {self.ignore_index}{weighted}{shift}"
 
     def weights(self, chunks: Sequence[Any], sample_counts: Sequence[int]) -> list[Weight | str]:
-        """Each replica's weight: its sample or label count; ``"sum"`` for a sum, 1 for ``replica_mean``."""
+        """Each replica's weight (see :func:`.step_outputs.combine_losses`): its sample or label count, ``"sum"`` for a
+        sum, 1 for ``replica_mean``."""
         if self.kind == "tokens":
             return [self.count(chunk) for chunk in chunks]
         if self.kind == "sum":
@@ -96,12 +97,6 @@ class LossNormalization:
             labels = labels[..., 1:]
         weight = None if self.class_weight is None else torch.tensor(self.class_weight, dtype=torch.float64)
         return count_labels(labels, self.ignore_index, weight)
-
-    def reduce(self, losses: Sequence[Tensor], weights: Sequence[Any], root: torch.device) -> Tensor:
-        """The devices' losses combined on ``root``, with :meth:`weights`."""
-        if self.kind in ("sum", "replica_mean"):
-            return reduce_losses(losses, None, root, self.kind)
-        return reduce_losses(losses, weights, root, "weighted")
 
 
 _KIND_WORDS = {
