@@ -116,17 +116,6 @@ def _mark_folded(metric: Metric, step_value: Any = None) -> None:
         metric._forward_cache = step_value
 
 
-def _check_mergeable(metric: Metric) -> None:
-    for attr, value in metric.metric_state.items():
-        if not isinstance(value, (Tensor, list)):
-            raise TypeError(
-                f"The torchmetrics metric {type(metric).__name__} keeps its state {attr!r} as a "
-                f"{type(value).__name__}, which cannot be merged across replicas (only tensors and lists of tensors "
-                "can). Update it outside the replicated step (e.g. in on_train_batch_end), or use strategy='dp' or "
-                "'ddp'."
-            )
-
-
 class _Bare(Metric):
     """A metric with nothing of its own: what it sets, every metric sets."""
 
@@ -144,25 +133,6 @@ _METRIC_ATTRS = frozenset(vars(_Bare()))  # nn.Module's and torchmetrics' own bo
 def _plain_attributes(metric: Metric) -> dict[str, Any]:
     """What ``metric`` keeps outside its states and every metric's bookkeeping: merging states cannot carry it."""
     return {k: v for k, v in vars(metric).items() if k not in _METRIC_ATTRS and k not in metric._defaults}
-
-
-def _check_plain_attributes(path: str, clone: Metric, installed: tuple[int, dict[str, Any]]) -> dict[str, Any]:
-    """Refuse a clone whose step rebound or added a plain attribute; return those it set for the first time (absent,
-    ``None`` or ``False`` before: ``MeanIoU``'s inferred ``num_classes``), which one device's metric sets alike.
-    ``installed``: its attribute count and plain attributes when installed."""
-    size, before = installed
-    attrs = vars(clone)
-    if len(attrs) == size and all(map(is_, map(attrs.get, before), before.values())):
-        return {}
-    changed = {k: v for k, v in _plain_attributes(clone).items() if before.get(k, _MISSING) is not v}
-    settled = {k: v for k, v in changed.items() if any(before.get(k, _MISSING) is u for u in (_MISSING, None, False))}
-    if refused := [k for k in changed if k not in settled]:
-        raise TypeError(
-            f"self.{path} ({type(clone).__name__}) changed {', '.join(map(repr, refused))} in a replicated step: "
-            "outside its metric states, the replicas' updates cannot be merged. Update it outside the replicated "
-            "step (e.g. in on_train_batch_end or on_validation_batch_end), or use strategy='dp' or 'ddp'."
-        )
-    return settled
 
 
 def _reset(clone: Metric) -> None:
@@ -215,8 +185,10 @@ def _nodes(path: str, metric: Metric, clones: Sequence[Metric]) -> list[_Node]:
 
 
 def _check_step(node: _Node, clone: Metric, installed: tuple[int, dict[str, Any]]) -> dict[str, Any]:
-    """Refuse what the replicas' states cannot reproduce: changed plain attributes, and torchmetrics' own forward of
-    a wrapper (on one device it resets the wrapped metrics)."""
+    """Refuse what the replicas' states cannot reproduce: torchmetrics' own forward of a wrapper (on one device it
+    resets the wrapped metrics) and a rebound or added plain attribute; return those set for the first time (absent,
+    ``None`` or ``False`` before: ``MeanIoU``'s inferred ``num_classes``), as one device's metric sets them.
+    ``installed``: the clone's attribute count and plain attributes when installed."""
     if node.wraps and clone._forward_cache is not None:
         wrapped = [m for m in clone.modules() if m is not clone and isinstance(m, Metric)]
         if all(m._forward_cache is None for m in wrapped):
@@ -225,7 +197,19 @@ def _check_step(node: _Node, clone: Metric, installed: tuple[int, dict[str, Any]
                 "one device it resets the metrics it wraps, which the replicas cannot reproduce. Call "
                 f"self.{node.path}.update(...) in the step instead, or use strategy='dp' or 'ddp'."
             )
-    return _check_plain_attributes(node.path, clone, installed)
+    size, before = installed
+    attrs = vars(clone)
+    if len(attrs) == size and all(map(is_, map(attrs.get, before), before.values())):
+        return {}
+    changed = {k: v for k, v in _plain_attributes(clone).items() if before.get(k, _MISSING) is not v}
+    settled = {k: v for k, v in changed.items() if any(before.get(k, _MISSING) is u for u in (_MISSING, None, False))}
+    if refused := [k for k in changed if k not in settled]:
+        raise TypeError(
+            f"self.{node.path} ({type(clone).__name__}) changed {', '.join(map(repr, refused))} in a replicated step: "
+            "outside its metric states, the replicas' updates cannot be merged. Update it outside the replicated "
+            "step (e.g. in on_train_batch_end or on_validation_batch_end), or use strategy='dp' or 'ddp'."
+        )
+    return settled
 
 
 class MetricReplicas:
@@ -298,23 +282,28 @@ class MetricReplicas:
         """Fold the used clones' states into one root metric and record the update, with the batch value where the
         metric is logged on_step and the step ran its forward."""
         metric = node.metric
-        states = batch_states[id(metric)] = self._combine_states(metric, clones) if node.folds else {}
+        device, reductions = _metric_device(metric), metric._reductions  # each state's dist_reduce_fx
+        states: dict[str, Any] = {}
+        for attr, fx in reductions.items() if node.folds else ():
+            values = [c.metric_state[attr] for c in clones]
+            if not isinstance(values[0], (Tensor, list)):
+                raise TypeError(
+                    f"The torchmetrics metric {type(metric).__name__} keeps its state {attr!r} as a "
+                    f"{type(values[0]).__name__}, which cannot be merged across replicas (only tensors and lists of "
+                    "tensors can). Update it outside the replicated step (e.g. in on_train_batch_end), or use "
+                    "strategy='dp' or 'ddp'."
+                )
+            states[attr] = _combine(values, fx, device)
+        batch_states[id(metric)] = states
         forwarded = id(metric) in step_values and any(c._forward_cache is not None for c in clones)
         step_value = self._batch_value(metric, batch_states) if forwarded else None
         if states:
             folded = 0 if metric.update_count == 0 else self._contributions.get(id(metric), 1)
-            reductions, device = metric._reductions, _metric_device(metric)
             for attr, value in states.items():
                 current = getattr(metric, attr)
                 setattr(metric, attr, _folded(current, value, reductions[attr], device, folded, len(clones)))
             self._contributions[id(metric)] = folded + len(clones)
         _mark_folded(metric, step_value)
-
-    @staticmethod
-    def _combine_states(metric: Metric, clones: list[Metric]) -> dict[str, Any]:
-        _check_mergeable(clones[0])
-        device, reductions = _metric_device(metric), metric._reductions  # each state's dist_reduce_fx (read only)
-        return {attr: _combine([c.metric_state[attr] for c in clones], fx, device) for attr, fx in reductions.items()}
 
     def _batch_value(self, metric: Metric, batch_states: dict[int, dict[str, Any]]) -> Any:
         """``metric``'s value on this batch alone: a scratch copy of it holding the replicas' combined states."""

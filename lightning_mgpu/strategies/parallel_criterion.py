@@ -76,7 +76,7 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         )
         self.collectives = collectives
         self._eval_rules: dict[str, LossNormalization] = {}
-        self._captures: dict[str, LossCapture | None] = {}
+        self._captures: dict[str, LossCapture] = {}
         self._called: list[Any] | None = None  # this step's returned losses: what each producer's call averaged over
 
     @override
@@ -128,14 +128,12 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         """Each replica's weight by the rule of ``hook``'s losses; ``None`` (merge by sample counts) for
         ``predict_step`` or an evaluation batch without the rule's labels."""
         for capture in self._captures.values():  # every step starts empty: producers also fire in other hooks' steps
-            if capture is not None:
-                capture.take()
+            capture.take()
         if hook == "predict_step":
             return None
         rule = self._rule_for(hook, batch)
         if hook not in self._captures:
-            producers = loss_producers(self.lightning_module, hook)
-            self._captures[hook] = LossCapture(producers, call_weight) if producers else None
+            self._captures[hook] = LossCapture(loss_producers(self.lightning_module, hook), call_weight)
         try:
             return rule.weights(chunks, sizes)
         except ValueError:
@@ -176,8 +174,7 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
     def teardown(self) -> None:
         self._called = None
         for capture in self._captures.values():
-            if capture is not None:
-                capture.remove()
+            capture.remove()
         self._captures.clear()
         self._eval_rules.clear()
         super().teardown()

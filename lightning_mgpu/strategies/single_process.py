@@ -58,11 +58,9 @@ def _collection_lengths(module: nn.Module) -> dict[str, int]:
     """Lengths of ``module``'s list and deque attributes, and of those in a dict whose first value is one."""
     lengths = {}
     for name, value in vars(module).items():
-        if not isinstance(value, (*_GROWABLE, dict)):
-            continue
-        if not isinstance(value, dict):
+        if isinstance(value, _GROWABLE):
             lengths[name] = len(value)
-        elif value and isinstance(next(iter(value.values())), _GROWABLE):
+        elif isinstance(value, dict) and value and isinstance(next(iter(value.values())), _GROWABLE):
             lengths.update({f"{name}[{k!r}]": len(v) for k, v in value.items() if isinstance(v, _GROWABLE)})
     return lengths
 
