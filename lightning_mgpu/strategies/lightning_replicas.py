@@ -149,9 +149,9 @@ def _refuse_compute(path: str, clone: Metric) -> None:
     def guarded(*args: Any, **kwargs: Any) -> Any:
         if clone._should_unsync:
             raise RuntimeError(
-                f"compute() was called on self.{path} inside a replicated step, where it holds only this replica's "
-                f"shard of the batch. Log the metric object instead (self.log(name, self.{path})), or call compute() "
-                "after the step (on_train_batch_end, on_*_epoch_end)."
+                f"compute() was called on self.{path} inside a step run on several replicas, where it holds only "
+                f"this replica's shard of the batch. Log the metric object instead (self.log(name, self.{path})), or "
+                "call compute() after the step (on_train_batch_end, on_*_epoch_end)."
             )
         return compute(*args, **kwargs)
 
