@@ -55,7 +55,8 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         dim: the batch dimension to split along.
         execution_mode: ``"auto"`` (threads on distinct GPUs, else sequential), ``"threads"`` or ``"sequential"``.
 
-    Manual optimization is refused (every replica would step the optimizer): use ``strategy="dp"``.
+    In a step, ``self`` is the device's replica (an attribute rebound there stays on it) and sees its shard. Manual
+    optimization is refused (every replica would step the optimizer): use ``strategy="dp"``.
     """
 
     strategy_name = "parallel_criterion"
