@@ -100,10 +100,8 @@ class LossCheck:
                 "each device normalises its shard with its own batch statistics unless Trainer(sync_batchnorm=True))"
             )
         for spec, error in self.errors().items():
-            lines.append(
-                f"  loss_reduction={spec!r}: the shards' losses combine to {self.predictions[spec]:.8g} "
-                f"(off by {error:.3g})"
-            )
+            combined = self.predictions[spec]
+            lines.append(f"  loss_reduction={spec!r}: shards combine to {combined:.8g}, off by {error:.3g}")
         lines.append(self._verdict(self.fits()))
         return "\n".join(lines)
 
