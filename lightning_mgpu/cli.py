@@ -216,7 +216,7 @@ def main(args: Sequence[str] | None = None, run: bool = True) -> LightningCLI | 
         )
     if args is not None:
         return cli
-    # The process exits next: gloo's threads, still running at exit, can abort it. A ddp process group goes first.
+    # A ddp run's process group goes before the process exits: gloo's threads still running at exit can abort it.
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():

@@ -116,8 +116,8 @@ class DataParallelStrategyBase(SingleProcessParallel):
             self._warn_once(
                 f"unreplicated:{hook}",
                 f"dp: `{hook}` ran on one device: it never called the replicated forward of {names} (`self(...)` for "
-                "the LightningModule). Call `self(...)` and have `forward` call the model, or pass "
-                "DataParallelStrategy(parallel_modules=['model']).",
+                "the LightningModule; `self.model(...)` bypasses it). Call `self(...)` and have `forward` call the "
+                "model, or pass DataParallelStrategy(parallel_modules=['model']).",
             )
         return output
 

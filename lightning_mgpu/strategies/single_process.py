@@ -203,6 +203,7 @@ class SingleProcessParallel:
     @override
     def setup(self, trainer: Any) -> None:
         if self._layer_sync is not None and not self._converted_batchnorm:
+            # Before the optimizers exist; the converted layers keep the same Parameter objects anyway.
             sync_batchnorm.convert_sync_batchnorm(trainer.lightning_module)
             self._converted_batchnorm = True
         super().setup(trainer)  # type: ignore[misc]  # a mixin: ParallelStrategy is next in the MRO
