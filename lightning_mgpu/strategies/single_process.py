@@ -103,13 +103,8 @@ class SingleProcessParallel:
         execution_mode: ExecutionMode = "auto",
         loss_reduction: str = "auto",
     ) -> None:
-        super().__init__(  # type: ignore[call-arg]  # a mixin: ParallelStrategy is next in the MRO
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=None,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-        )
+        # A mixin: ParallelStrategy(accelerator, parallel_devices, cluster_environment, ...) is next in the MRO.
+        super().__init__(accelerator, parallel_devices, None, checkpoint_io, precision_plugin)  # type: ignore[call-arg]
         if execution_mode not in EXECUTION_MODES:
             raise ValueError(f"execution_mode must be one of {EXECUTION_MODES}, got {execution_mode!r}.")
         if not isinstance(dim, int) or isinstance(dim, bool):
