@@ -1,9 +1,8 @@
 """lightning-mgpu: single-process multi-GPU training for PyTorch Lightning 2.
 
 ``import lightning_mgpu`` registers ``strategy="parallel_criterion"`` and ``strategy="dp"`` (alias ``"data_parallel"``)
-with ``lightning.pytorch`` and ``pytorch_lightning`` as each is imported, and imports no Lightning itself.
-``ParallelCriterionStrategy`` / ``DataParallelStrategy`` here are the ``lightning.pytorch`` classes (imported on first
-use); ``pytorch_lightning`` users take them from ``lightning_mgpu.strategies.pytorch_lightning``.
+with ``lightning.pytorch`` and ``pytorch_lightning`` as each is imported, and imports no Lightning itself. The strategy
+classes here are ``lightning.pytorch``'s; ``lightning_mgpu.strategies.pytorch_lightning`` has the others.
 """
 
 from typing import Any
@@ -38,8 +37,7 @@ __version__ = "0.2.0"
 
 
 def __getattr__(name: str) -> Any:
-    """The strategy classes, imported on first use (they import ``lightning.pytorch``), and the loss diagnostic (so
-    that ``python -m lightning_mgpu.loss_check`` runs a module not imported yet)."""
+    """The strategy classes (they import ``lightning.pytorch``) and the loss diagnostic, imported on first use."""
     if name == "check_loss_reduction":
         from lightning_mgpu.loss_check import check_loss_reduction
 
@@ -52,7 +50,7 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    """Every public name, the lazily imported strategy classes included (for ``dir()`` and tab completion)."""
+    """Every public name, the lazily imported ones included."""
     return sorted({*globals(), *__all__})
 
 

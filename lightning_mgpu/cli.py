@@ -1,8 +1,7 @@
 """``python -m lightning_mgpu`` and the ``lightning-mgpu`` script: LightningCLI with this package's strategies.
 
 A missing module of the ``[recipes]`` extra, a ``class_path`` that does not import from the current directory or a
-misspelled strategy is one message and exit status 1, not a traceback. Nothing heavy is imported at the top.
-"""
+misspelled strategy is one message and exit status 1, not a traceback."""
 
 from __future__ import annotations
 
@@ -29,7 +28,7 @@ RECIPES_EXTRA_MODULES = frozenset(
 
 
 class CommandError(RuntimeError):
-    """A config or command line that cannot work here; the message says what to change (printed, exit status 1)."""
+    """A config or command line that cannot work here; the message says what to change."""
 
 
 class MissingExtraError(CommandError):
@@ -38,13 +37,12 @@ class MissingExtraError(CommandError):
     def __init__(self, module: str, command: str) -> None:
         super().__init__(  # `pip install -e` from a clone: the package is not on the index
             f"{command}: the Python package {module!r} is not installed. It comes with lightning-mgpu's [recipes] "
-            "extra, which a plain `pip install` of the package leaves out. Install the extra from the root of your "
-            "lightning-mgpu clone with `pip install -e '.[recipes]'`, then run the command again."
+            "extra: install it from the root of your lightning-mgpu clone with `pip install -e '.[recipes]'`."
         )
 
 
 def missing_extra_module(error: BaseException) -> str | None:
-    """The extra's module whose absence raised ``error`` (or one of the exceptions it was raised from), if any."""
+    """The extra's module whose absence raised ``error`` (or an exception it was raised from), if any."""
     seen: set[int] = set()
     current: BaseException | None = error
     while current is not None and id(current) not in seen:
@@ -58,8 +56,8 @@ def missing_extra_module(error: BaseException) -> str | None:
 
 
 def _config_nodes(args: Sequence[str]) -> Iterator[tuple[str, Any]]:
-    """``(path, node)`` for everything in the YAML configs given with ``-c``/``--config``, paths as
-    ``config['trainer']['strategy']`` (unreadable files are skipped: LightningCLI reports those)."""
+    """``(path, node)`` for everything in the YAML configs given with ``-c``/``--config`` (unreadable files are
+    LightningCLI's to report)."""
     import yaml
 
     from lightning_mgpu.parallel.scatter_gather import iter_nodes
@@ -94,8 +92,8 @@ def _strategy_names(args: Sequence[str]) -> Iterator[str]:
 
 
 def check_strategy_names(command: str, args: Sequence[str]) -> None:
-    """Refuse a strategy name Lightning does not know, naming the closest (Lightning's error lists choices without
-    ours), and a ``pytorch_lightning`` strategy class in this ``lightning.pytorch`` CLI."""
+    """Refuse a strategy name Lightning does not know, naming the closest, and a ``pytorch_lightning`` strategy
+    class in this ``lightning.pytorch`` CLI."""
     from lightning.pytorch.strategies import StrategyRegistry
 
     known = [*StrategyRegistry.available_strategies(), "auto"]
@@ -112,7 +110,6 @@ def check_strategy_names(command: str, args: Sequence[str]) -> None:
 
 
 def _unknown_strategy(command: str, name: str, known: list[str]) -> str:
-    """Why ``trainer.strategy=name`` fails: a class given where a registered name goes, or a misspelled name."""
     if "." in name or isinstance(getattr(lightning_mgpu, name, None), type):  # a class path, or one of ours
         path = name if "." in name else f"lightning_mgpu.{name}"
         return (
@@ -131,7 +128,7 @@ def _unknown_strategy(command: str, name: str, known: list[str]) -> str:
 
 def check_recipes_extra(command: str, args: Sequence[str] = (), modules: Iterable[str] = ("jsonargparse",)) -> None:
     """Raise :class:`MissingExtraError` if ``modules`` (``jsonargparse`` meaning ``jsonargparse[signatures]``), or a
-    module that a config's ``class_path`` imports, is missing: found before LightningCLI's parser error about it."""
+    module that a config's ``class_path`` imports, is missing."""
     from lightning_utilities.core.imports import RequirementCache
 
     for module in modules:
@@ -154,14 +151,14 @@ def check_recipes_extra(command: str, args: Sequence[str] = (), modules: Iterabl
                     f"{err.name!r} here. Recipe class paths (recipes.*) import from the current directory: run the "
                     "command from the root of your lightning-mgpu clone, or put that folder on PYTHONPATH."
                 ) from err
-        except Exception:  # any other problem with the class is LightningCLI's to report, with its context
+        except Exception:  # LightningCLI's to report, with its context
             continue
 
 
 @contextmanager
 def exit_on_command_error(command: str) -> Iterator[None]:
-    """Turn a :class:`CommandError` (a class path that does not import from here, an unknown strategy...) or a missing
-    module of the ``[recipes]`` extra into its message on stderr and exit status 1. Anything else propagates."""
+    """Turn a :class:`CommandError` or a missing module of the ``[recipes]`` extra into its message on stderr and exit
+    status 1."""
     try:
         yield
     except Exception as err:
@@ -175,11 +172,11 @@ def exit_on_command_error(command: str) -> Iterator[None]:
 
 
 def put_cwd_on_sys_path() -> bool:
-    """Put the current directory first on ``sys.path``, as ``python -m`` does (a console script's path starts with
-    ``.venv/bin``, so ``class_path: recipes...`` would not import); ``True`` if it was added."""
+    """Put the current directory first on ``sys.path``, as ``python -m`` does (for ``class_path: recipes...`` in a
+    console script); ``True`` if it was added."""
     try:
         cwd = os.getcwd()
-    except OSError:  # the working directory was deleted: nothing to import from
+    except OSError:  # the working directory was deleted
         return False
     if any(os.path.abspath(entry or os.curdir) == cwd for entry in sys.path):
         return False
@@ -197,7 +194,7 @@ def main(args: Sequence[str], run: bool = True) -> LightningCLI: ...
 
 def main(args: Sequence[str] | None = None, run: bool = True) -> LightningCLI | None:
     """Run LightningCLI over any model/datamodule given by ``class_path``. With ``args`` (in place of ``sys.argv[1:]``)
-    the ``LightningCLI`` is returned, else ``None``: ``sys.exit(main())`` would print an object and exit with 1."""
+    the ``LightningCLI`` is returned, else ``None`` (for ``sys.exit(main())``)."""
     put_cwd_on_sys_path()
     prog = program_name()
     given = sys.argv[1:] if args is None else list(args)
@@ -219,8 +216,7 @@ def main(args: Sequence[str] | None = None, run: bool = True) -> LightningCLI | 
         )
     if args is not None:
         return cli
-    # The process exits next: a ddp run's process group (Lightning keeps it for reuse) goes first, since gloo's threads,
-    # still running at the interpreter's exit, can abort it ("terminate called without an active exception").
+    # A ddp run's process group goes before the process exits: gloo's threads still running at exit can abort it.
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
@@ -235,8 +231,7 @@ def program_name() -> str:
 
 
 def quiet_dependencies() -> None:
-    """Drop what dependencies print on every run that no user can act on (Lightning's logger tips, a deprecation in
-    its own pytree code): for this CLI's process only; the library never filters a user's warnings or logs."""
+    """Drop what dependencies print on every run that no user can act on: for this CLI's process only."""
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)`? is deprecated")  # idempotent
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_drop_tips)  # idempotent
 

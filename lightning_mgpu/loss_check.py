@@ -1,8 +1,7 @@
 """Opt-in diagnostic: which ``loss_reduction`` makes ``parallel_criterion`` reproduce one device for a module's step.
 
-Training never runs this. ``print(lightning_mgpu.check_loss_reduction(module, batch))``, or on a config's first
-training batch: ``python -m lightning_mgpu.loss_check -c config.yaml [--devices 2] [--device cpu] [overrides]``.
-"""
+``print(lightning_mgpu.check_loss_reduction(module, batch))``, or on a config's first training batch:
+``python -m lightning_mgpu.loss_check -c config.yaml [--devices 2] [--device cpu] [overrides]``."""
 
 from __future__ import annotations
 
@@ -21,18 +20,17 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from lightning_mgpu.parallel.devices import DeviceLike, to_device
 from lightning_mgpu.parallel.scatter_gather import batch_size_of, move_to, split_batch
 from lightning_mgpu.strategies.loss_normalization import SAMPLES, SUM, LossNormalization, known_rule
-from lightning_mgpu.strategies.step_outputs import LOSS_TERMS_KEY, LOSS_WEIGHT_KEY
+from lightning_mgpu.strategies.step_outputs import LOSS_TERMS_KEY, LOSS_WEIGHT_KEY, combine_losses
 
-#: A rule reproduces the whole batch's loss when it misses by at most this much, relative (float32 rounding).
-RELATIVE_TOLERANCE = 1e-5
-#: Switched off in the copy: a mask drawn for the whole batch's shape cannot match the masks drawn for its shards.
+RELATIVE_TOLERANCE = 1e-5  # a rule that misses the whole batch's loss by this much reproduces it (float32 rounding)
+#: Switched off in the copy: a mask drawn for the whole batch cannot match the masks drawn for its shards.
 DROPOUT_LAYERS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 
 
 @dataclass
 class LossCheck:
     """The whole batch's loss, each candidate rule's combination of the shards' losses (of ``sizes`` samples), and how
-    much the loss moves under another random seed with the dropout layers off (0 for a deterministic step)."""
+    much the loss moves under another seed with the dropout layers off (0 for a deterministic step)."""
 
     whole: float
     predictions: dict[str, float]
@@ -49,8 +47,7 @@ class LossCheck:
         return dict(sorted(errors.items(), key=lambda item: item[1]))
 
     def fits(self) -> list[str]:
-        """Every candidate that reproduces the whole batch's loss, closest first; none for a random step, whose shards
-        draw other random numbers than the whole batch."""
+        """Every candidate that reproduces the whole batch's loss, closest first; none for a random step."""
         if self.noise:
             return []
         tolerance = RELATIVE_TOLERANCE * abs(self.whole)
@@ -72,9 +69,8 @@ class LossCheck:
         if self.noise:
             return (
                 f"the step is random even with its {self.dropout_off} dropout layer(s) off (its loss moves by "
-                f"{self.noise:.3g} under another seed): the whole batch and its shards draw different random numbers, "
-                "so no rule can be told from another. Make the step deterministic for the check (e.g. attention "
-                "dropout 0 in the model's config, no sampling in the step) and run it again"
+                f"{self.noise:.3g} under another seed), so no rule can be told from another. Make the step "
+                "deterministic for the check (e.g. attention dropout 0, no sampling in the step) and run it again"
             )
         if self.declared is not None:
             return f"the step declares its own weights ({self.declared}): parallel_criterion uses them"
@@ -90,9 +86,8 @@ class LossCheck:
             return f"declare ParallelCriterionStrategy(loss_reduction={fits[0]!r})"
         return (
             "no rule reproduces one device: the step couples samples across the batch (a contrastive loss: "
-            "self.all_gather(..., sync_grads=True) or strategy='dp'; BatchNorm without running statistics: train "
-            "with Trainer(sync_batchnorm=True), which this check does not run), or adds terms normalised differently "
-            "(return 'loss_terms')"
+            "self.all_gather(..., sync_grads=True) or strategy='dp'; BatchNorm without running statistics: "
+            "Trainer(sync_batchnorm=True)), or adds terms normalised differently (return 'loss_terms')"
         )
 
     def __str__(self) -> str:
@@ -105,10 +100,8 @@ class LossCheck:
                 "each device normalises its shard with its own batch statistics unless Trainer(sync_batchnorm=True))"
             )
         for spec, error in self.errors().items():
-            lines.append(
-                f"  loss_reduction={spec!r}: the shards' losses combine to {self.predictions[spec]:.8g} "
-                f"(off by {error:.3g})"
-            )
+            combined = self.predictions[spec]
+            lines.append(f"  loss_reduction={spec!r}: shards combine to {combined:.8g}, off by {error:.3g}")
         lines.append(self._verdict(self.fits()))
         return "\n".join(lines)
 
@@ -124,12 +117,11 @@ def check_loss_reduction(
     seed: int = 0,
 ) -> LossCheck:
     """Run ``training_step`` of a deep copy of ``module`` in train mode (dropout off, BatchNorm on running statistics)
-    on ``batch`` whole and split into ``devices`` unequal shards (all on ``device``); report which rule combines the
-    shards' losses into the whole batch's."""
+    on ``batch`` whole and split into ``devices`` unequal shards on ``device``: which rule combines the shards' losses
+    into the whole batch's."""
     target = to_device(device)
     replica = copy.deepcopy(module).to(target).train()
     dropout = [layer for layer in replica.modules() if isinstance(layer, DROPOUT_LAYERS)]
-    # Batch statistics couple a shard's samples whatever the loss: sync_batchnorm=True settles them in training.
     batchnorm = [m for m in replica.modules() if isinstance(m, _BatchNorm) and m.running_mean is not None]
     for layer in (*dropout, *batchnorm):
         layer.eval()
@@ -153,14 +145,14 @@ def check_loss_reduction(
     values = [torch.tensor(loss_of(chunk)[0], dtype=torch.float64) for chunk in chunks]
     known = known_rule(module, batch)
     predictions = {  # combined exactly as the strategy combines them, in float64
-        rule.spec(): float(rule.reduce(values, rule.weights(chunks, sizes), torch.device("cpu")))
+        rule.spec(): float(combine_losses(values, rule.weights(chunks, sizes), torch.device("cpu")))
         for rule in _candidates(known, batch, dim)
     }
     return LossCheck(whole, predictions, noise, declared, known, sizes, len(dropout), len(batchnorm))
 
 
 def _uneven_sizes(size: int, devices: int) -> list[int]:
-    """Shards of unequal sizes (the first the largest), so that sample and equal weights tell apart."""
+    """Shards of unequal sizes, so that sample and equal weights tell apart."""
     devices = max(1, min(devices, size))
     small = max(1, size // (2 * devices))
     return [size - small * (devices - 1), *([small] * (devices - 1))]
@@ -173,7 +165,7 @@ def _candidates(known: tuple[LossNormalization, str] | None, batch: Any, dim: in
     items = (
         batch.items() if isinstance(batch, Mapping) else enumerate(batch) if isinstance(batch, (list, tuple)) else []
     )
-    for key, value in items:  # possible labels: integer tensors with a batch dimension, but the first input
+    for key, value in items:  # possible labels: integer tensors with a batch dimension, not the first input
         integer = isinstance(value, Tensor) and not (value.is_floating_point() or value.dtype == torch.bool)
         if key == 0 or not integer or value.dim() <= dim:
             continue
@@ -184,7 +176,6 @@ def _candidates(known: tuple[LossNormalization, str] | None, batch: Any, dim: in
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m lightning_mgpu.loss_check -c config.yaml``: the check on the config's first training batch."""
     parser = argparse.ArgumentParser(
         prog="python -m lightning_mgpu.loss_check",
         description="Run a LightningCLI config's training_step on its first training batch, whole and split, and say "
@@ -198,7 +189,6 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     from lightning_mgpu.cli import main as cli_main
 
-    # LightningCLI parses the configs and overrides given here, not this program's own command line.
     command_line, sys.argv = sys.argv, sys.argv[:1]
     try:
         cli = cli_main([*(arg for config in args.config for arg in ("-c", config)), *overrides], run=False)
@@ -208,7 +198,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     datamodule.prepare_data()
     datamodule.setup("fit")
     batch = next(iter(datamodule.train_dataloader()))
-    for hook in ("on_before_batch_transfer", "on_after_batch_transfer"):  # as Lightning runs them: the step's batch
+    for hook in ("on_before_batch_transfer", "on_after_batch_transfer"):  # the step's batch, as Lightning makes it
         owner = datamodule if is_overridden(hook, datamodule) else cli.model
         batch = getattr(owner, hook)(batch, 0)
     print(check_loss_reduction(cli.model, batch, devices=args.devices, device=args.device))

@@ -1,8 +1,5 @@
-"""Register the strategies with every Lightning namespace the project imports, and import none it does not use.
-
-A namespace already imported is registered with at once; the others by an import hook, right after their package
-finishes importing (before any ``Trainer`` can exist).
-"""
+"""Register the strategies with every Lightning namespace the project imports, and import none it does not use:
+a namespace already imported at once, the others by an import hook right after their package finishes importing."""
 
 from __future__ import annotations
 
@@ -31,7 +28,7 @@ def register_strategies(namespace: str | None = None) -> list[str]:
     for name in names:
         if name not in STRATEGY_MODULES:
             raise ValueError(f"Unknown Lightning namespace {name!r}: use one of {sorted(STRATEGY_MODULES)}.")
-        # Importing the strategy module registers its classes; one being imported right now has no `register` yet.
+        # Importing the strategy module registers its classes (one being imported has no `register` yet).
         strategies = importlib.import_module(STRATEGY_MODULES[name])
         if hasattr(strategies, "register"):
             strategies.register()
@@ -67,13 +64,12 @@ class _RegisterAfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
-class _ThenRegister(importlib.abc.Loader):
+class _ThenRegister:
+    """The real loader, registering the strategies once it has run the namespace's module."""
+
     def __init__(self, loader: importlib.abc.Loader, name: str) -> None:
         self._loader = loader
         self._name = name
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
-        return self._loader.create_module(spec)
 
     def exec_module(self, module: ModuleType) -> None:
         self._loader.exec_module(module)
@@ -86,5 +82,5 @@ class _ThenRegister(importlib.abc.Loader):
                 stacklevel=2,
             )
 
-    def __getattr__(self, name: str) -> Any:  # get_resource_reader, is_package... of the real loader
+    def __getattr__(self, name: str) -> Any:  # create_module, get_resource_reader... of the real loader
         return getattr(self._loader, name)

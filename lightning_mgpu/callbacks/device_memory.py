@@ -17,9 +17,8 @@ PEAK_SUFFIX = "_peak_mib"
 
 
 def cpu_memory() -> dict[str, float]:
-    """This process's peak and current resident set size (RSS) in MiB, as ``cpu_peak_mib`` and ``cpu_rss_mib``:
-    Linux's ``VmHWM`` (which :func:`reset_peak_rss` resets) and ``VmRSS``; elsewhere the peak alone, ``ru_maxrss``
-    (not resettable; after ``fork`` + ``exec`` it may still hold the parent's peak)."""
+    """This process's peak and current resident set size in MiB (``cpu_peak_mib``, ``cpu_rss_mib``): Linux's ``VmHWM``
+    and ``VmRSS``; elsewhere the peak alone, ``ru_maxrss`` (not resettable)."""
     names = {"VmHWM": f"cpu{PEAK_SUFFIX}", "VmRSS": "cpu_rss_mib"}
     try:
         with open("/proc/self/status", encoding="ascii") as status:
@@ -68,8 +67,7 @@ def strategy_devices(trainer: L.Trainer) -> list[torch.device]:
 
 def read_device_memory(devices: Sequence[torch.device]) -> dict[str, float]:
     """Peak memory of each device in MiB, keyed ``"<device>_peak_mib"``: on CUDA the allocator's peak allocated and
-    reserved bytes (host-side counters, no synchronisation), on the CPU the process's peak and current RSS
-    (``cpu_rss_mib``). Other device types are skipped."""
+    reserved bytes (no synchronisation), on the CPU the process's peak and current RSS."""
     values: dict[str, float] = {}
     for device in devices:
         if device.type == "cuda":
@@ -81,7 +79,7 @@ def read_device_memory(devices: Sequence[torch.device]) -> dict[str, float]:
 
 
 def reset_device_peaks(devices: Sequence[torch.device]) -> None:
-    """Start a new peak on every device: CUDA allocator peak statistics, or the process's peak RSS on the CPU."""
+    """Start a new peak on every device (on the CPU, the process's peak RSS)."""
     for device in devices:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -93,15 +91,13 @@ class DeviceMemoryMonitor(L.Callback):
     """Log the peak memory of every device the strategy uses, and ``memory/imbalance`` (largest / smallest peak).
 
     Every ``logging_interval`` training batches, to the loggers and ``trainer.callback_metrics``:
-    ``memory/<device>_peak_mib`` per device (on CUDA also ``_reserved_peak_mib``, on the CPU the process's RSS), under
-    ``ddp`` every rank's as ``memory/rank<r>_<device>_peak_mib``. A device listed several times (virtual devices) is
-    reported once and sets ``virtual``: no imbalance then. Logged directly, as ``LearningRateMonitor`` does:
-    ``self.log`` on some batches only would resend stale values.
+    ``memory/<device>_peak_mib`` per device (on CUDA also ``_reserved_peak_mib``), under ``ddp`` every rank's as
+    ``memory/rank<r>_<device>_peak_mib``. A device listed several times (virtual devices) is reported once and sets
+    ``virtual``: no imbalance then. Logged directly, as ``LearningRateMonitor`` does.
 
     Args:
         logging_interval: log every this many training batches; ``None`` or ``0`` turns the monitor off.
-        reset_peak: start a new peak after each log (on the CPU this needs Linux's ``/proc/self/clear_refs``;
-            elsewhere the CPU peak runs from the process's start).
+        reset_peak: start a new peak after each log (on the CPU this needs Linux's ``/proc/self/clear_refs``).
     """
 
     def __init__(self, logging_interval: int | None = 50, reset_peak: bool = False) -> None:
@@ -126,8 +122,7 @@ class DeviceMemoryMonitor(L.Callback):
         if self.virtual and self.enabled:
             rank_zero_info(
                 f"DeviceMemoryMonitor: the strategy's devices {[str(d) for d in listed]} repeat a device; each "
-                f"physical device is reported once ({[str(d) for d in self.devices]}) and memory/imbalance is not "
-                "logged, since replicas on one device share its memory."
+                f"physical device is reported once ({[str(d) for d in self.devices]}), without memory/imbalance."
             )
 
     @override
@@ -138,15 +133,15 @@ class DeviceMemoryMonitor(L.Callback):
             self.log_memory(trainer)
 
     def read_memory(self) -> dict[str, float]:
-        """This process's figures for its devices, in MiB (see :func:`read_device_memory`)."""
+        """This process's figures for its devices, in MiB."""
         return read_device_memory(self.devices)
 
     def reset_peaks(self) -> None:
-        """Start a new peak on every monitored device (also useful before a measured phase)."""
+        """Start a new peak on every monitored device."""
         reset_device_peaks(self.devices)
 
     def log_memory(self, trainer: L.Trainer) -> dict[str, float]:
-        """Read, gather across processes when distributed, log, and return the figures (also kept in ``last``)."""
+        """Read, gather across processes, log, and return the figures (also kept in ``last``)."""
         values = self.read_memory()
         if trainer.world_size > 1:
             values = self._gather(trainer, values)
@@ -165,7 +160,7 @@ class DeviceMemoryMonitor(L.Callback):
         return values
 
     def _gather(self, trainer: L.Trainer, values: dict[str, float]) -> dict[str, float]:
-        """Every process's figures, named ``rank<r>_<device>_...`` (one ``all_gather`` of a few floats)."""
+        """Every process's figures, named ``rank<r>_<device>_...``."""
         device = self.devices[0]
         suffixes = [name.split("_", 1)[1] for name in values]  # "cuda:1_peak_mib" -> "peak_mib"
         index = -1.0 if device.index is None else float(device.index)

@@ -1,9 +1,6 @@
-"""``strategy="dp"``: classic DataParallel, back in Lightning 2.
-
-The ``*_step`` runs once, on the root device; only ``forward`` (or the named submodules') runs replicated, its outputs
-gathered on ``output_device``. Unlike ``nn.DataParallel``, a scalar loss a forward returns per replica is combined by
-the ``loss_reduction`` rule instead of stacked.
-"""
+"""``strategy="dp"``: classic DataParallel, back in Lightning 2. The ``*_step`` runs once, on the root device; only
+``forward`` (or the named submodules') runs replicated, its outputs gathered on ``output_device``; a scalar loss it
+returns per replica is combined by the ``loss_reduction`` rule instead of stacked."""
 
 from __future__ import annotations
 
@@ -77,7 +74,6 @@ class DataParallelStrategyBase(SingleProcessParallel):
         """The device outputs are gathered on."""
         return self.root_device if self._output_device is None else self._output_device
 
-    # --- the parallel forward, installed once per fit/validate/test/predict ------------------------------------------
     @override
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
@@ -96,7 +92,7 @@ class DataParallelStrategyBase(SingleProcessParallel):
 
     @override
     def _replicated_modules(self) -> list[nn.Module]:
-        names = set(self.parallel_modules)  # a wrong name is refused right after, in setup
+        names = set(self.parallel_modules)
         return [m for n, m in self.lightning_module.named_modules() if n in names]
 
     @override
@@ -115,28 +111,26 @@ class DataParallelStrategyBase(SingleProcessParallel):
                 output = getattr(self.lightning_module, hook)(*args, **kwargs)
         finally:
             calls, self._forward_calls = self._forward_calls, None
-        # A step that returned None skipped its batch: no forward is expected then.
         if self._wrapped and calls == 0 and output is not None and hook in ("training_step", "validation_step"):
             names = [n or "self" for n in self.parallel_modules]
             self._warn_once(
                 f"unreplicated:{hook}",
                 f"dp: `{hook}` ran on one device: it never called the replicated forward of {names} (`self(...)` for "
-                "the LightningModule), so nothing ran in parallel. A call such as `self.model(...)` bypasses it: "
-                "call `self(...)` and have `forward` call the model, or pass "
-                "DataParallelStrategy(parallel_modules=['model']).",
+                "the LightningModule; `self.model(...)` bypasses it). Call `self(...)` and have `forward` call the "
+                "model, or pass DataParallelStrategy(parallel_modules=['model']).",
             )
         return output
 
     def _forward(self, target: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         original = _plain_forward(target)
         if self._forward_calls is None:
-            return original(*inputs, **kwargs)  # outside a step (a callback's self(x)): a plain call
+            return original(*inputs, **kwargs)  # outside a step (a callback's self(x))
         self._forward_calls += 1
         roots = argument_roots(inputs, kwargs)
         split = split_or_run_once(lambda: split_arguments(inputs, kwargs, self.parallel_devices, self.dim), roots)
         if split is None:
             self._say_unsplit(f"the inputs of {type(target).__name__}.forward", "the forward", roots)
-            return original(*inputs, **kwargs)  # nothing to split, or a cache every replica would change: run once
+            return original(*inputs, **kwargs)
         args_chunks, kwargs_chunks, sizes = split
         if len(sizes) == 1:
             return original(*args_chunks[0], **kwargs_chunks[0])
@@ -147,9 +141,9 @@ class DataParallelStrategyBase(SingleProcessParallel):
         outputs = self._run_replicated(target, sizes, call)
         chunks = [_arguments(a, k) for a, k in zip(args_chunks, kwargs_chunks, strict=True)]
         weights: dict[str, Any] = {}
-        counted = kwargs.get(ITEM_COUNT) is not None  # calls with num_items_in_batch (training) have their own rule
+        counted = kwargs.get(ITEM_COUNT) is not None  # calls with num_items_in_batch have their own rule
         for path in _floating_scalar_paths(outputs):  # a per-replica loss: combined by its rule, not stacked
-            key = (id(target), path, counted)  # each replicated module's outputs have their own rules
+            key = (id(target), path, counted)
             rule = self._scalar_rules.get(key) or self._rule_for(target, path, _arguments(inputs, kwargs))
             self._scalar_rules[key] = rule
             weights[path] = "sum" if rule.kind == "sum" else rule.weights(chunks, sizes)
@@ -170,8 +164,8 @@ class DataParallelStrategyBase(SingleProcessParallel):
 
 
 class ParallelForward:
-    """The replicated ``forward`` that ``dp`` installs on each target module for a run (removed at teardown). Copies
-    and pickles of the module get a plain bound ``forward``, so an EMA copy never carries the strategy along."""
+    """The replicated ``forward`` that ``dp`` installs on each target module for a run. Copies and pickles of the
+    module get a plain bound ``forward``, so an EMA copy never carries the strategy along."""
 
     def __init__(self, strategy: DataParallelStrategyBase, target: nn.Module) -> None:
         self.strategy = strategy
@@ -196,7 +190,7 @@ def _checked_module_names(names: Sequence[str] | None) -> list[str]:
     if isinstance(names, str):
         raise TypeError(
             f"parallel_modules must be a list of submodule names, got the string {names!r}: write "
-            f"parallel_modules=[{names!r}] for one module ('' is the LightningModule itself)."
+            f"parallel_modules=[{names!r}] ('' is the LightningModule itself)."
         )
     names = [""] if names is None else list(names)
     for position, name in enumerate(names):
@@ -210,8 +204,8 @@ def _checked_module_names(names: Sequence[str] | None) -> list[str]:
     for outer, inner in permutations(names, 2):
         if outer == inner or outer == "" or inner.startswith(f"{outer}."):
             raise ValueError(
-                f"parallel_modules names {outer!r} and {inner!r}, but {inner!r} runs inside {outer!r}: its "
-                "forward would be replicated again inside each replica. Name only the outermost module."
+                f"parallel_modules names {outer!r} and {inner!r}, but {inner!r} runs inside {outer!r}. Name only "
+                "the outermost module."
             )
     return names
 

@@ -1,10 +1,7 @@
 """Lasting replicas of a module run in a LightningModule's step: per replica a ``log`` recorder, its own
-``self.device`` and a clone of every torchmetrics metric. After the step every metric of a clone's tree (a wrapper's
-wrapped metrics too) is folded into the root metric at the same place by each state's ``dist_reduce_fx``, as DDP
-combines ranks (``Metric.merge_state`` refuses ``full_state_update=True`` metrics). What states cannot carry is
-refused with the fix: ``compute()`` on a clone inside the step (it holds one shard), plain attributes a step changes
-(``Running``'s count) and torchmetrics' own ``forward`` of a wrapper (it resets the wrapped metrics).
-"""
+``self.device`` and a clone of every torchmetrics metric. After the step every metric of a clone's tree is folded into
+the root metric at the same place by each state's ``dist_reduce_fx``, as DDP combines ranks (``Metric.merge_state``
+refuses ``full_state_update=True`` metrics). What states cannot carry is refused with the fix."""
 
 from __future__ import annotations
 
@@ -47,13 +44,13 @@ class LightningReplicas:
             replica.__dict__.pop("forward", None)  # dp's parallel forward belongs to the original only
             for sub in replica.modules():
                 if isinstance(sub, self._namespace.lightning_module):
-                    sub.log = recorder.log  # shadows LightningModule.log on this replica only
+                    sub.log = recorder.log
                 if device != root_device and isinstance(sub, self._namespace.device_dtype_mixin):
                     sub._device = device
         self.metrics.install(self.module, replicas, self.devices)
 
     def run(self, count: int, call: Callable[[int, nn.Module], Any], mode: ExecutionMode) -> list[Any]:
-        """``call(i, replica_i)`` for the first ``count`` replicas; a failed step leaves no recorded state behind."""
+        """``call(i, replica_i)`` for the first ``count`` replicas; a failed step leaves no recorded state."""
         replicas = self.replica_set.prepare(count, mode)
         try:
             outputs = run_replicas(
@@ -64,7 +61,7 @@ class LightningReplicas:
             for recorder in self.recorders:
                 recorder.calls.clear()
             raise
-        self.replica_set.watch(outputs)  # the backward pass through them reduces the replicas' gradients
+        self.replica_set.watch(outputs)  # the backward pass through them reduces the gradients
         return outputs
 
     def merge_into(self, root: Any, sample_counts: Sequence[int], implied: Sequence[dict[int, Any]] | None) -> None:
@@ -100,7 +97,7 @@ def _outermost_metrics(module: nn.Module, prefix: str = "") -> list[tuple[str, M
 
 
 def _combine(values: Sequence[Any], reduce_fx: Any, device: torch.device) -> Any:
-    """Combine states the way ``Metric._sync_dist`` combines ranks (lists of tensors for "cat" states stay lists)."""
+    """Combine states as ``Metric._sync_dist`` combines ranks (lists of tensors for "cat" states stay lists)."""
     if isinstance(values[0], list):
         return [t.to(device) for v in values for t in v]
     stacked = [v.to(device) for v in values]
@@ -119,22 +116,11 @@ def _mark_folded(metric: Metric, step_value: Any = None) -> None:
         metric._forward_cache = step_value
 
 
-def _check_mergeable(metric: Metric) -> None:
-    for attr, value in metric.metric_state.items():
-        if not isinstance(value, (Tensor, list)):
-            raise TypeError(
-                f"The torchmetrics metric {type(metric).__name__} keeps its state {attr!r} as a "
-                f"{type(value).__name__}, which cannot be merged across replicas (only tensors and lists of tensors "
-                "can). Update it outside the replicated step (e.g. in on_train_batch_end from the gathered outputs), "
-                "or use strategy='dp' or 'ddp'."
-            )
-
-
 class _Bare(Metric):
     """A metric with nothing of its own: what it sets, every metric sets."""
 
     def update(self) -> None:
-        """Nothing: only the attributes every metric sets are wanted."""
+        """Nothing."""
 
     def compute(self) -> None:
         """Nothing."""
@@ -145,29 +131,8 @@ _METRIC_ATTRS = frozenset(vars(_Bare()))  # nn.Module's and torchmetrics' own bo
 
 
 def _plain_attributes(metric: Metric) -> dict[str, Any]:
-    """What ``metric`` keeps outside its states and the bookkeeping of every metric (e.g. a count of its updates):
-    merging states cannot carry it from the clones to the root metric."""
+    """What ``metric`` keeps outside its states and every metric's bookkeeping: merging states cannot carry it."""
     return {k: v for k, v in vars(metric).items() if k not in _METRIC_ATTRS and k not in metric._defaults}
-
-
-def _check_plain_attributes(path: str, clone: Metric, installed: tuple[int, dict[str, Any]]) -> dict[str, Any]:
-    """Refuse a clone whose step rebound or added a plain attribute; return those it set for the first time (absent,
-    ``None`` or ``False`` before: ``MeanIoU``'s inferred ``num_classes``, FID's ``orig_dtype``), which one device's
-    metric sets alike. ``installed``: its attribute count and plain attributes when installed (identities compared)."""
-    size, before = installed
-    attrs = vars(clone)
-    if len(attrs) == size and all(map(is_, map(attrs.get, before), before.values())):
-        return {}
-    changed = {k: v for k, v in _plain_attributes(clone).items() if before.get(k, _MISSING) is not v}
-    settled = {k: v for k, v in changed.items() if any(before.get(k, _MISSING) is u for u in (_MISSING, None, False))}
-    if refused := [k for k in changed if k not in settled]:
-        raise TypeError(
-            f"self.{path} ({type(clone).__name__}) changed {', '.join(map(repr, refused))} in a replicated step: "
-            "it keeps them outside its metric states, so the replicas' updates cannot be merged "
-            "as one device's would. Update it outside the replicated step (e.g. in on_train_batch_end or "
-            "on_validation_batch_end from the step's gathered outputs), or use strategy='dp' or 'ddp'."
-        )
-    return settled
 
 
 def _reset(clone: Metric) -> None:
@@ -177,17 +142,16 @@ def _reset(clone: Metric) -> None:
 
 
 def _refuse_compute(path: str, clone: Metric) -> None:
-    """Make a direct ``compute()`` on ``clone`` (a replica's shard of the batch) an error; torchmetrics' ``forward``
-    computes the batch value with ``_should_unsync`` off, and that call goes through."""
+    """Make a direct ``compute()`` on ``clone`` (a replica's shard) an error; torchmetrics' ``forward`` computes with
+    ``_should_unsync`` off, and goes through."""
     compute = clone.compute
 
     def guarded(*args: Any, **kwargs: Any) -> Any:
         if clone._should_unsync:
             raise RuntimeError(
-                f"compute() was called on self.{path} inside a step replicated by a multi-device single-process "
-                "strategy, where the metric holds only this replica's shard of the batch (its value would differ "
-                f"from one device's). Log the metric object instead (self.log(name, self.{path})), or call "
-                "compute() on the LightningModule's metric after the step (on_train_batch_end, on_*_epoch_end)."
+                f"compute() was called on self.{path} inside a step run on several replicas, where it holds only "
+                f"this replica's shard of the batch. Log the metric object instead (self.log(name, self.{path})), or "
+                "call compute() after the step (on_train_batch_end, on_*_epoch_end)."
             )
         return compute(*args, **kwargs)
 
@@ -221,19 +185,31 @@ def _nodes(path: str, metric: Metric, clones: Sequence[Metric]) -> list[_Node]:
 
 
 def _check_step(node: _Node, clone: Metric, installed: tuple[int, dict[str, Any]]) -> dict[str, Any]:
-    """Refuse what the replicas' states cannot reproduce: changed plain attributes, and torchmetrics' own forward of
-    a wrapper (a batch value computed without the wrapped metrics' forward: it reset them, so on one device they
-    keep the last batch only)."""
+    """Refuse what the replicas' states cannot reproduce: torchmetrics' own forward of a wrapper (on one device it
+    resets the wrapped metrics) and a rebound or added plain attribute; return those set for the first time (absent,
+    ``None`` or ``False`` before: ``MeanIoU``'s inferred ``num_classes``), as one device's metric sets them.
+    ``installed``: the clone's attribute count and plain attributes when installed."""
     if node.wraps and clone._forward_cache is not None:
         wrapped = [m for m in clone.modules() if m is not clone and isinstance(m, Metric)]
         if all(m._forward_cache is None for m in wrapped):
             raise TypeError(
                 f"self.{node.path}(...) ({type(clone).__name__}) ran torchmetrics' forward in a replicated step: on "
-                "one device that forward resets the metrics it wraps, so compute() gives the last batch's value, "
-                f"which the replicas cannot reproduce. Call self.{node.path}.update(...) in the step instead (its "
-                "value then equals one device's), or use strategy='dp' or 'ddp'."
+                "one device it resets the metrics it wraps, which the replicas cannot reproduce. Call "
+                f"self.{node.path}.update(...) in the step instead, or use strategy='dp' or 'ddp'."
             )
-    return _check_plain_attributes(node.path, clone, installed)
+    size, before = installed
+    attrs = vars(clone)
+    if len(attrs) == size and all(map(is_, map(attrs.get, before), before.values())):
+        return {}
+    changed = {k: v for k, v in _plain_attributes(clone).items() if before.get(k, _MISSING) is not v}
+    settled = {k: v for k, v in changed.items() if any(before.get(k, _MISSING) is u for u in (_MISSING, None, False))}
+    if refused := [k for k in changed if k not in settled]:
+        raise TypeError(
+            f"self.{node.path} ({type(clone).__name__}) changed {', '.join(map(repr, refused))} in a replicated step: "
+            "outside its metric states, the replicas' updates cannot be merged. Update it outside the replicated "
+            "step (e.g. in on_train_batch_end or on_validation_batch_end), or use strategy='dp' or 'ddp'."
+        )
+    return settled
 
 
 class MetricReplicas:
@@ -282,8 +258,8 @@ class MetricReplicas:
         return self._owner.get(id(value)) if isinstance(value, Metric) else None
 
     def merge(self, compute_step_value: set[int]) -> None:
-        """Fold every used clone's states into the root metric at the same place, children before wrappers, then
-        reset the clones. ``compute_step_value``: ids of the root metrics logged with ``on_step``."""
+        """Fold every used clone's states into the root metric at the same place, children first, then reset the
+        clones. ``compute_step_value``: ids of the root metrics logged with ``on_step``."""
         for nodes in self._active:
             used = [
                 (node, [c for c in node.clones if c.update_count or c._forward_cache is not None]) for node in nodes
@@ -303,26 +279,31 @@ class MetricReplicas:
     def _fold(
         self, node: _Node, clones: list[Metric], batch_states: dict[int, dict[str, Any]], step_values: set[int]
     ) -> None:
-        """Fold the used clones' states into one root metric and record the update on it, with the batch value
-        where the metric is logged on_step and the step ran its forward (one device logs none after update alone)."""
+        """Fold the used clones' states into one root metric and record the update, with the batch value where the
+        metric is logged on_step and the step ran its forward."""
         metric = node.metric
-        states = batch_states[id(metric)] = self._combine_states(metric, clones) if node.folds else {}
+        device, reductions = _metric_device(metric), metric._reductions  # each state's dist_reduce_fx
+        states: dict[str, Any] = {}
+        for attr, fx in reductions.items() if node.folds else ():
+            values = [c.metric_state[attr] for c in clones]
+            if not isinstance(values[0], (Tensor, list)):
+                raise TypeError(
+                    f"The torchmetrics metric {type(metric).__name__} keeps its state {attr!r} as a "
+                    f"{type(values[0]).__name__}, which cannot be merged across replicas (only tensors and lists of "
+                    "tensors can). Update it outside the replicated step (e.g. in on_train_batch_end), or use "
+                    "strategy='dp' or 'ddp'."
+                )
+            states[attr] = _combine(values, fx, device)
+        batch_states[id(metric)] = states
         forwarded = id(metric) in step_values and any(c._forward_cache is not None for c in clones)
         step_value = self._batch_value(metric, batch_states) if forwarded else None
         if states:
             folded = 0 if metric.update_count == 0 else self._contributions.get(id(metric), 1)
-            reductions, device = metric._reductions, _metric_device(metric)
             for attr, value in states.items():
                 current = getattr(metric, attr)
                 setattr(metric, attr, _folded(current, value, reductions[attr], device, folded, len(clones)))
             self._contributions[id(metric)] = folded + len(clones)
         _mark_folded(metric, step_value)
-
-    @staticmethod
-    def _combine_states(metric: Metric, clones: list[Metric]) -> dict[str, Any]:
-        _check_mergeable(clones[0])
-        device, reductions = _metric_device(metric), metric._reductions  # each state's dist_reduce_fx (read only)
-        return {attr: _combine([c.metric_state[attr] for c in clones], fx, device) for attr, fx in reductions.items()}
 
     def _batch_value(self, metric: Metric, batch_states: dict[int, dict[str, Any]]) -> Any:
         """``metric``'s value on this batch alone: a scratch copy of it holding the replicas' combined states."""

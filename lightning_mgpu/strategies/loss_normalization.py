@@ -1,8 +1,7 @@
 """How each device's loss is normalised, which decides how the devices' losses combine into the whole batch's.
 
 The rule comes from the step (``loss_weight`` / ``loss_terms``), else ``loss_reduction=``, else what the module's
-objects say (:func:`known_rule`), else a per-sample mean, said once. Nothing here runs user code.
-"""
+objects say (:func:`known_rule`), else a per-sample mean, said once. Nothing here runs user code."""
 
 from __future__ import annotations
 
@@ -19,15 +18,14 @@ from torch import Tensor, nn
 
 from lightning_mgpu.parallel.library_hooks import outermost_transformers_models
 from lightning_mgpu.parallel.modules import count_labels, has_torch_loss_forward
-from lightning_mgpu.parallel.reduce import Weight, reduce_losses
+from lightning_mgpu.parallel.reduce import Weight
 
 Kind = Literal["samples", "sum", "replica_mean", "tokens"]
 IGNORE_INDEX = -100
 Path = tuple[Any, ...]
 #: Batch keys that name the labels, for a criterion module whose targets the batch must supply.
 LABEL_KEYS = ("labels", "label", "targets", "target", "y")
-#: The keyword with which a ``transformers`` loss is a sum over tokens divided by the count given (the whole batch's,
-#: or an accumulation window's): every shard's loss is then a part of one sum.
+#: The keyword with which a ``transformers`` loss is a sum over tokens divided by the count given: a part of one sum.
 ITEM_COUNT = "num_items_in_batch"
 
 
@@ -45,9 +43,8 @@ class LossNormalization:
 
     @classmethod
     def parse(cls, spec: str) -> LossNormalization | None:
-        """A ``loss_reduction`` string; ``"auto"`` gives ``None``. ``<key>`` in ``"tokens:<key>"`` is a dict key, a
-        position in a tuple batch or a dotted path of them (``targets.labels``); ``"tokens:<key>:<ignore_index>"``
-        names an ignore index other than -100 (``"tokens:mask:255"``)."""
+        """A ``loss_reduction`` string; ``"auto"`` gives ``None``. ``<key>`` in ``"tokens:<key>[:<ignore_index>]"`` is a
+        dict key, a position in a tuple batch or a dotted path of them (``targets.labels``)."""
         if not isinstance(spec, str):
             raise TypeError(f"loss_reduction must be a string, got {type(spec).__name__}.")
         name, _, key = spec.partition(":")
@@ -82,7 +79,8 @@ class LossNormalization:
         return f"a mean over the labels in {show(self.key)} that are not {self.ignore_index}{weighted}{shift}"
 
     def weights(self, chunks: Sequence[Any], sample_counts: Sequence[int]) -> list[Weight | str]:
-        """Each replica's weight: its sample or label count; ``"sum"`` for a sum, 1 for ``replica_mean``."""
+        """Each replica's weight (see :func:`.step_outputs.combine_losses`): its sample or label count, ``"sum"`` for a
+        sum, 1 for ``replica_mean``."""
         if self.kind == "tokens":
             return [self.count(chunk) for chunk in chunks]
         if self.kind == "sum":
@@ -97,12 +95,6 @@ class LossNormalization:
         weight = None if self.class_weight is None else torch.tensor(self.class_weight, dtype=torch.float64)
         return count_labels(labels, self.ignore_index, weight)
 
-    def reduce(self, losses: Sequence[Tensor], weights: Sequence[Any], root: torch.device) -> Tensor:
-        """The devices' losses combined on ``root``, with :meth:`weights`."""
-        if self.kind in ("sum", "replica_mean"):
-            return reduce_losses(losses, None, root, self.kind)
-        return reduce_losses(losses, weights, root, "weighted")
-
 
 _KIND_WORDS = {
     "samples": "a mean over samples (weighted by each device's sample count)",
@@ -114,11 +106,11 @@ SUM = LossNormalization("sum")
 
 
 def known_rule(module: nn.Module, batch: Any, method: str = "training_step") -> tuple[LossNormalization, str] | None:
-    """The rule the objects in ``module`` say, with what said it, or ``None``; never runs anything. The one outermost
-    ``transformers`` model says it by its task (a sum when ``batch`` holds ``num_items_in_batch`` for a model that
-    divides by it); else the loss modules ``method`` (or a method it calls) names, when they agree and run torch's own
-    forward: one kept for validation does not decide training."""
-    return _transformers_rule(module, batch) or _criterion_rule(module, batch, method)
+    """The rule the objects in ``module`` say, with what said it, or ``None``: the one outermost ``transformers``
+    model's by its task, else that of the loss modules ``method`` (or a method it calls) names, when they agree and run
+    torch's own forward."""
+    models = outermost_transformers_models(module)
+    return (_model_rule(models[0], batch) if len(models) == 1 else None) or _criterion_rule(module, batch, method)
 
 
 def uncombinable_loss(module: nn.Module) -> str | None:
@@ -135,13 +127,8 @@ def uncombinable_loss(module: nn.Module) -> str | None:
     )
 
 
-def _transformers_rule(module: nn.Module, batch: Any) -> tuple[LossNormalization, str] | None:
-    models = outermost_transformers_models(module)
-    return _model_rule(models[0], batch) if len(models) == 1 else None
-
-
 def _model_rule(model: nn.Module, batch: Any) -> tuple[LossNormalization, str] | None:
-    """The rule a ``transformers`` model's task says for its ``.loss`` on ``batch``'s labels, or ``None``: a sum when
+    """The rule a ``transformers`` model's task says for its loss on ``batch``'s labels, or ``None``: a sum when
     ``batch`` (or a call's arguments) holds ``num_items_in_batch`` for a model that divides by it."""
     if not isinstance(batch, Mapping) or not isinstance(batch.get("labels"), Tensor):
         return None
@@ -179,9 +166,8 @@ def _task_rule(model: nn.Module, labels: Tensor) -> LossNormalization | None:
 
 @functools.cache
 def _divides_by_item_count(model_class: type) -> bool | None:
-    """Whether the model's ``forward`` hands its keyword arguments to ``self.loss_function``, whose cross-entropy
-    divides by ``num_items_in_batch``; ``False`` for one computing its loss otherwise, which ignores it (BERT's MLM
-    head); ``None`` when its source is unreadable."""
+    """Whether the model's ``forward`` hands its keyword arguments to ``self.loss_function`` (which divides by
+    ``num_items_in_batch``; BERT's MLM head does not); ``None`` when its source is unreadable."""
     try:
         source = inspect.getsource(model_class.forward)
     except (OSError, TypeError):
@@ -191,17 +177,16 @@ def _divides_by_item_count(model_class: type) -> bool | None:
 
 def loss_producers(module: nn.Module, method: str) -> list[nn.Module]:
     """The modules whose outputs are losses: the loss modules ``method`` (or a method it calls) names, and the one
-    outermost ``transformers`` model. A logged copy of their output merges by :func:`call_weight`, as one device's
-    value, even when the step does not return it."""
+    outermost ``transformers`` model."""
     models = outermost_transformers_models(module)
     criteria = [m for m in _named_criteria(module, method) if m.reduction != "none"]
     return criteria + (models if len(models) == 1 else [])
 
 
 def call_weight(producer: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any], output: Any) -> Any:
-    """What one call of a loss producer averages over, read from that call: its non-ignored labels (class-weighted)
-    for a cross-entropy, ``"sum"`` for a sum, its samples for another mean, a ``transformers`` model's count by its
-    task (``"sum"`` with ``num_items_in_batch``); ``None`` when the call does not say (a loss module's own forward)."""
+    """What one call of a loss producer averages over: its non-ignored labels (class-weighted) for a cross-entropy,
+    ``"sum"`` for a sum, its samples for another mean, a ``transformers`` model's count by its task; ``None`` when
+    the call does not say (a loss module's own forward)."""
     if isinstance(producer, nn.modules.loss._Loss):
         if producer.reduction == "sum":
             return "sum"
@@ -247,8 +232,7 @@ def _criterion_rule(module: nn.Module, batch: Any, method: str) -> tuple[LossNor
 
 
 def _method_source(module: nn.Module, method: str) -> str | None:
-    """The source of ``method`` and of the methods it calls (one level); ``None`` when unreadable (every loss module
-    then counts)."""
+    """The source of ``method`` and of the methods it calls (one level); ``None`` when unreadable."""
     try:
         source = inspect.getsource(getattr(type(module), method))
     except (AttributeError, OSError, TypeError):
@@ -306,7 +290,7 @@ def lookup(batch: Any, path: Path) -> Tensor:
         except (KeyError, IndexError, TypeError) as err:
             raise ValueError(
                 f"loss_reduction names the labels {show(path)}, but the batch has no such entry ({err!r}). Name a "
-                "dict key (tokens:labels), a position in a tuple batch (tokens:1) or a dotted path (tokens:a.b)."
+                "dict key (tokens:labels), a position in a tuple (tokens:1) or a dotted path (tokens:a.b)."
             ) from None
     if not isinstance(value, Tensor):
         raise ValueError(f"loss_reduction names {show(path)}, which is a {type(value).__name__}, not a tensor.")

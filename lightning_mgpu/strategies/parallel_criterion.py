@@ -1,8 +1,5 @@
-"""``strategy="parallel_criterion"``: every device runs the whole ``*_step`` (forward **and** loss) on its shard.
-
-One scalar loss per device reaches the root, combined by the rule of :mod:`.loss_normalization`: outputs never pile
-up on the root device, as under ``nn.DataParallel``.
-"""
+"""``strategy="parallel_criterion"``: every device runs the whole ``*_step`` (forward **and** loss) on its shard; one
+scalar loss per device reaches the root, combined by the rule of :mod:`.loss_normalization`."""
 
 from __future__ import annotations
 
@@ -52,15 +49,14 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         loss_reduction: how each device's loss is normalised, hence how the losses combine: ``"auto"`` (what the
             module's objects say, else a per-sample mean, said once), ``"samples"``, ``"sum"``, ``"tokens:<key>"`` /
             ``"shifted_tokens:<key>"`` (a mean over the labels ``batch[<key>]`` that are not -100; append
-            ``:<ignore_index>`` for another) or
-            ``"replica_mean"`` (equal weights). A step's ``loss_weight`` / ``loss_terms`` override it.
+            ``:<ignore_index>`` for another) or ``"replica_mean"``. A step's ``loss_weight`` / ``loss_terms`` win.
         collectives: whether the step calls ``self.all_gather``, ``strategy.reduce``, ``broadcast``, ``barrier`` or
-            ``reduce_boolean_decision``; ``None``: read from the module's source code, never by running it.
+            ``reduce_boolean_decision``; ``None``: read from the module's source code.
         dim: the batch dimension to split along.
         execution_mode: ``"auto"`` (threads on distinct GPUs, else sequential), ``"threads"`` or ``"sequential"``.
 
-    In a step, ``self.log`` and torchmetrics attributes see one device's shard, and an attribute rebound stays on that
-    replica. Manual optimization is refused (every replica would step the optimizer): use ``strategy="dp"``.
+    In a step, ``self`` is the device's replica (an attribute rebound there stays on it) and sees its shard. Manual
+    optimization is refused (every replica would step the optimizer): use ``strategy="dp"``.
     """
 
     strategy_name = "parallel_criterion"
@@ -81,16 +77,15 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         )
         self.collectives = collectives
         self._eval_rules: dict[str, LossNormalization] = {}
-        self._captures: dict[str, LossCapture | None] = {}
+        self._captures: dict[str, LossCapture] = {}
         self._called: list[Any] | None = None  # this step's returned losses: what each producer's call averaged over
 
     @override
     def setup(self, trainer: Any) -> None:
         if trainer.state.fn == "fit" and not trainer.lightning_module.automatic_optimization:
             raise self.namespace.misconfiguration(
-                "strategy='parallel_criterion' does not support manual optimization, whatever the device count: "
-                "training_step runs on every device, so each replica would step the optimizer. Use strategy='dp' "
-                "(the step runs once, on the root device) or strategy='ddp'."
+                "strategy='parallel_criterion' does not support manual optimization, whatever the device count: each "
+                "replica would step the optimizer. Use strategy='dp' (the step runs once, on the root device) or 'ddp'."
             )
         super().setup(trainer)
 
@@ -120,12 +115,9 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
                     self._say_rule(outputs, source, args[0])
         if all_or_none(outputs, hook):
             return None
-        if training:
-            rule = self.normalization or SAMPLES
+        if training:  # what each call of the loss's producer averaged over decides, when known
             called, self._called = self._called, None
-            if called is not None:  # what each call of the loss's producer averaged over: it decides
-                rule, weights = (SUM, weights) if called[0] == "sum" else (SAMPLES, called)  # SAMPLES: weighted
-            return reduce_training_outputs(outputs, sizes, self.root_device, rule, weights, self.dim)
+            return reduce_training_outputs(outputs, sizes, self.root_device, called or weights, self.dim)
         if chunks is None:
             return outputs[0]
         # A returned loss merges by the rule, as its logged copies do; other values by sample counts.
@@ -134,17 +126,15 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         return merge_outputs(outputs, self.root_device, self.dim, sizes=sizes, weights=paths)
 
     def _rule_weights(self, hook: str, batch: Any, chunks: list[Any], sizes: list[int]) -> list[Any] | None:
-        """Each replica's weight by the rule of ``hook``'s losses (``None`` for ``predict_step``, or an evaluation
-        batch without the rule's labels: its values merge by sample counts); hooks its loss producers once."""
+        """Each replica's weight by the rule of ``hook``'s losses; ``None`` (merge by sample counts) for
+        ``predict_step`` or an evaluation batch without the rule's labels."""
         for capture in self._captures.values():  # every step starts empty: producers also fire in other hooks' steps
-            if capture is not None:
-                capture.take()
+            capture.take()
         if hook == "predict_step":
             return None
         rule = self._rule_for(hook, batch)
         if hook not in self._captures:
-            producers = loss_producers(self.lightning_module, hook)
-            self._captures[hook] = LossCapture(producers, call_weight) if producers else None
+            self._captures[hook] = LossCapture(loss_producers(self.lightning_module, hook), call_weight)
         try:
             return rule.weights(chunks, sizes)
         except ValueError:
@@ -153,8 +143,8 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
             return None
 
     def _rule_for(self, hook: str, batch: Any) -> LossNormalization:
-        """How ``hook``'s losses are normalised: the training loss's rule; for evaluation, ``loss_reduction`` when
-        given, else what the objects say for that hook (its own loss modules), else a per-sample mean."""
+        """The training loss's rule; for evaluation, ``loss_reduction``, else what the objects say for ``hook``, else
+        a per-sample mean."""
         if hook == "training_step":
             return self.normalization or SAMPLES
         if hook not in self._eval_rules:
@@ -166,8 +156,7 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         return self._eval_rules[hook]
 
     def _implied_weights(self, hook: str, weights: list[Any] | None, outputs: list[Any]) -> list[dict[Any, Any]]:
-        """Per replica, the weights of the logged copies of its losses: those it returned (by ``weights``), and those
-        its loss producers returned (each by its own call, see :class:`.step_outputs.LossCapture`)."""
+        """Per replica, the weights of the logged copies of the losses it returned and its loss producers returned."""
         implied = implied_loss_weights(outputs, weights)
         capture = self._captures.get(hook)
         produced = capture.take() if capture is not None else {}
@@ -186,15 +175,13 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
     def teardown(self) -> None:
         self._called = None
         for capture in self._captures.values():
-            if capture is not None:
-                capture.remove()
+            capture.remove()
         self._captures.clear()
         self._eval_rules.clear()
         super().teardown()
 
     def _split(self, args: tuple[Any, ...]) -> tuple[list[Any] | None, list[int]]:
-        """The batch's shards and sizes; ``(None, [1])`` when the step runs once, on the root (one device, or a
-        batch without a batch dimension)."""
+        """The batch's shards and sizes; ``(None, [1])`` when the step runs once, on the root."""
         devices = self.parallel_devices
         if len(devices) == 1 or not args:
             return None, [1]
@@ -211,7 +198,7 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
             return None
         if self.collectives:
             return "collectives=True"
-        # Read, never run: running the step to find out would run it twice. Only the module's own classes count.
+        # Read, never run (that would run the step twice). Only the module's own classes count.
         for cls in type(module).__mro__:
             if cls.__module__.startswith(_LIBRARIES) or cls is object:
                 continue
@@ -225,8 +212,8 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
 
     # --- the loss rule -----------------------------------------------------------------------------------------------
     def _say_rule(self, outputs: list[Any], source: str | None, batch: Any) -> None:
-        """Once per run: the rule found and where from, or the assumption with its fixes; nothing when the step
-        weights its own loss (``loss_weight`` / ``loss_terms``) or ``loss_reduction`` was given."""
+        """Once per run: the rule found and where from, or the assumption with its fixes; nothing when the step or
+        ``loss_reduction`` declares it."""
         if "rule" in self._announced or self.loss_reduction != "auto":
             return
         self._announced.add("rule")
@@ -238,8 +225,8 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
                 self._say_known_rule("the training loss", SUM, "each call with num_items_in_batch (not its own count)")
             else:
                 self._log(
-                    "parallel_criterion: the training loss is a mean over what each call of the model returning it "
-                    "counts (its own tokens); the devices' values are combined accordingly."
+                    "parallel_criterion: the training loss is a mean over each call's own tokens; the devices' values "
+                    "are combined accordingly."
                 )
         elif source is not None:
             self._say_known_rule("the training loss", self.normalization, source)
@@ -265,9 +252,8 @@ def _returned_loss(output: Any) -> Any:
 
 
 def _returned_call_weights(outputs: list[Any], produced: dict[int, dict[Any, Any]]) -> list[Any] | None:
-    """Per replica, what the loss producer's call that made its returned loss averaged over (a ``transformers``
-    model's tokens, ``"sum"`` for a part of a sum over ``num_items_in_batch``), when every replica's is known and all
-    are of one kind; else ``None`` (the rule decides)."""
+    """Per replica, what the call that produced its returned loss averaged over (tokens, or ``"sum"`` for a part of a
+    sum over ``num_items_in_batch``), when every replica's is known and of one kind; else ``None``."""
     found = [produced.get(i, {}).get(tensor_key(_returned_loss(output))) for i, output in enumerate(outputs)]
     if any(w is None for w in found) or len({w == "sum" for w in found}) > 1:
         return None

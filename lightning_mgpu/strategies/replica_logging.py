@@ -1,15 +1,14 @@
 """``self.log`` from replicas: record per replica (they share the trainer's results), log once on the root module.
 
-One device logs one whole-batch value per step (``reduce_fx`` acts over steps), so: a logged copy of the loss
-merges as the loss does, whatever ``reduce_fx``; another ``"mean"`` is weighted by ``batch_size=``, else by sample
-counts; another ``"sum"``, ``"max"`` or ``"min"`` acts over replicas (the batch's count, maximum, minimum).
-"""
+One device logs one whole-batch value per step, so: a logged copy of the loss merges as the loss does, whatever
+``reduce_fx``; another ``"mean"`` is weighted by ``batch_size=``, else by sample counts; another ``"sum"``, ``"max"``
+or ``"min"`` acts over replicas."""
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from numbers import Complex, Number, Real
 from typing import Any
 
 import torch
@@ -50,8 +49,8 @@ def _reduce_kind(reduce_fx: str | Callable[..., Any]) -> str:
         if any(reduce_fx is a or (isinstance(reduce_fx, str) and reduce_fx.lower() == a) for a in aliases):
             return kind
     raise ValueError(
-        f"self.log(reduce_fx={reduce_fx!r}) is not supported under a multi-device single-process strategy: "
-        "use 'mean', 'sum', 'max' or 'min'."
+        f"self.log(reduce_fx={reduce_fx!r}) is not supported by a single-process multi-device strategy: use "
+        "'mean', 'sum', 'max' or 'min'."
     )
 
 
@@ -107,14 +106,12 @@ def _merge_values(
     implied = [(implied_weights[i] if implied_weights else {}).get(tensor_key(call.value)) for i, call in entries]
     loss = _merged_loss_copy(stacked, implied, device, dtype)
     if kind != "mean":
-        # One device logs the step's whole-batch value; reduce_fx acts over the steps only. A copy of the loss is
-        # the whole-batch loss; other values reduce over the replicas (a count summed, a maximum of maxima).
+        # reduce_fx acts over steps: a copy of the loss is the whole batch's; other values reduce over the replicas.
         return getattr(stacked, kind)() if loss is None else loss, options
     explicit = [call.options.get("batch_size") for _, call in entries]
     counts = [sample_counts[index] for index, _ in entries]
     given = int(sum(float(b) for b in explicit)) if all(b is not None for b in explicit) else None
-    # The step's weight in the epoch mean; Lightning would read it from the batch's first tensor (wrong for a
-    # PerSample list of images).
+    # The step's weight in the epoch mean (Lightning would read it from the batch's first tensor).
     with_batch_size = {**options, "batch_size": sum(counts) if given is None else given}
     if loss is not None:
         # A copy of a mean loss: batch_size= only weights the step in the epoch mean.
@@ -125,8 +122,7 @@ def _merge_values(
 
 
 def _merged_loss_copy(stacked: Tensor, implied: list[Any], device: torch.device, dtype: torch.dtype) -> Tensor | None:
-    """The replicas' values merged as the loss they are copies of merges (``implied``: each one's weight), or
-    ``None`` when they are not all copies of a loss."""
+    """The replicas' values merged as the loss they copy (``implied``: each one's weight), or ``None``."""
     if all(isinstance(b, str) for b in implied):  # a sum loss: one device logs the whole batch's sum
         return stacked.sum()
     if all(isinstance(b, LossTermsTotal) for b in implied):  # the total of loss_terms: each term weighted
@@ -144,9 +140,7 @@ def _as_tensor(name: str, value: Any, enable_graph: bool) -> Tensor:
             )
         value = value.reshape(())
         return value if enable_graph else value.detach()
-    if isinstance(value, numbers.Real) or (
-        isinstance(value, numbers.Number) and not isinstance(value, numbers.Complex)
-    ):
-        # What Lightning's log accepts: numbers (numpy scalars and bools included, complex ones excluded).
+    # What Lightning's log accepts: numbers (numpy scalars, bools and Decimal included, complex ones excluded).
+    if isinstance(value, Real) or (isinstance(value, Number) and not isinstance(value, Complex)):
         return torch.tensor(float(value), dtype=torch.float64)
     raise ValueError(f"self.log({name!r}, ...) got a {type(value).__name__}; log a real number or a scalar tensor.")

@@ -37,8 +37,7 @@ PrecisionPlugin: TypeAlias = Any
 
 @dataclass(frozen=True)
 class LightningNamespace:
-    """The classes an ``isinstance`` check or a raised error must take from the Lightning namespace of the user's
-    ``Trainer`` (``lightning.pytorch`` and ``pytorch_lightning`` are separate copies of Lightning)."""
+    """Classes from the user's Lightning namespace (``lightning.pytorch`` and ``pytorch_lightning`` are copies)."""
 
     name: str
     lightning_module: type
@@ -56,22 +55,18 @@ _ON_ROOT = (
 
 
 def _collection_lengths(module: nn.Module) -> dict[str, int]:
-    """Lengths of ``module``'s list and deque attributes, and of those one level into its dicts (only a dict whose
-    first value is one is read through, so a lookup table costs nothing)."""
+    """Lengths of ``module``'s list and deque attributes, and of those in a dict whose first value is one."""
     lengths = {}
     for name, value in vars(module).items():
-        if not isinstance(value, (*_GROWABLE, dict)):
-            continue
-        if not isinstance(value, dict):
+        if isinstance(value, _GROWABLE):
             lengths[name] = len(value)
-        elif value and isinstance(next(iter(value.values())), _GROWABLE):
+        elif isinstance(value, dict) and value and isinstance(next(iter(value.values())), _GROWABLE):
             lengths.update({f"{name}[{k!r}]": len(v) for k, v in value.items() if isinstance(v, _GROWABLE)})
     return lengths
 
 
 def _rebound_attributes(snapshots: Sequence[tuple[nn.Module, dict[str, Any]]]) -> list[str]:
-    """Attributes that replicas rebound in their step, from ``(replica, its attributes before the step)`` pairs; a
-    plain value rebound to an equal one is not counted (nothing is lost)."""
+    """Attributes the replicas rebound in their step (a plain value rebound to an equal one is not counted)."""
     rebound: list[str] = []
     for replica, before in snapshots:
         current = replica.__dict__
@@ -86,11 +81,7 @@ def _rebound_attributes(snapshots: Sequence[tuple[nn.Module, dict[str, Any]]]) -
 
 
 class SingleProcessParallel:
-    """Shared implementation of ``parallel_criterion`` and ``dp``; mixed in before a Lightning ``ParallelStrategy``.
-
-    Compiled modules run one replica after another (Dynamo is not thread-safe); ``sync_batchnorm`` and collectives in
-    the step need threads (the replicas meet).
-    """
+    """Shared implementation of ``parallel_criterion`` and ``dp``; mixed in before a Lightning ``ParallelStrategy``."""
 
     strategy_name: ClassVar[str] = ""
     aliases: ClassVar[tuple[str, ...]] = ()
@@ -112,13 +103,8 @@ class SingleProcessParallel:
         execution_mode: ExecutionMode = "auto",
         loss_reduction: str = "auto",
     ) -> None:
-        super().__init__(  # type: ignore[call-arg]  # a mixin: ParallelStrategy is next in the MRO
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=None,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-        )
+        # A mixin: ParallelStrategy(accelerator, parallel_devices, cluster_environment, ...) is next in the MRO.
+        super().__init__(accelerator, parallel_devices, None, checkpoint_io, precision_plugin)  # type: ignore[call-arg]
         if execution_mode not in EXECUTION_MODES:
             raise ValueError(f"execution_mode must be one of {EXECUTION_MODES}, got {execution_mode!r}.")
         if not isinstance(dim, int) or isinstance(dim, bool):
@@ -133,7 +119,7 @@ class SingleProcessParallel:
         self._replicated_on: list[torch.device] = []
 
     # --- one Trainer per instance: the connector reads `_accelerator` from an instance it receives, so refuse there ---
-    @property  # Lightning's is a plain attribute-backed property; this one guards reuse
+    @property
     @override
     def accelerator(self) -> Any:
         return self.__dict__.get("_mgpu_accelerator")
@@ -147,9 +133,8 @@ class SingleProcessParallel:
     def _accelerator(self) -> Any:
         if self.__dict__.get("_mgpu_configured"):
             raise self.namespace.misconfiguration(
-                f"This {type(self).__name__} instance already belongs to another Trainer: a strategy instance holds "
-                "one Trainer's accelerator, precision plugin and devices. Create a new instance for each Trainer, "
-                f"or pass strategy={self.strategy_name!r}."
+                f"This {type(self).__name__} instance already belongs to another Trainer. Create a new instance for "
+                f"each Trainer, or pass strategy={self.strategy_name!r}."
             )
         return self.__dict__.get("_mgpu_accelerator")
 
@@ -158,12 +143,9 @@ class SingleProcessParallel:
         self.__dict__["_mgpu_accelerator"] = accelerator
 
     # --- one process: constant ranks (shadowing ParallelStrategy's properties), collectives across the replicas -------
-    global_rank = 0
-    local_rank = 0
-    node_rank = 0
+    global_rank = local_rank = node_rank = 0
     world_size = 1
-    #: Lightning then adds no DistributedSampler and makes ``self.log(sync_dist=True)`` a no-op.
-    is_distributed = False
+    is_distributed = False  # no DistributedSampler; self.log(sync_dist=True) is a no-op
     distributed_sampler_kwargs = None
 
     @property
@@ -206,8 +188,7 @@ class SingleProcessParallel:
         )
 
     def _cli_options(self, init_arg: str) -> str:
-        """LightningCLI options that set ``init_arg`` on this strategy, also when the config names it by string (a
-        string strategy takes no ``init_args``: the class path must come first)."""
+        """LightningCLI options that set ``init_arg`` (a strategy given by name takes no ``init_args``)."""
         cls = type(self)
         short = self.namespace.name == "lightning.pytorch"
         path = f"lightning_mgpu.{cls.__name__}" if short else f"{cls.__module__}.{cls.__name__}"
@@ -224,14 +205,12 @@ class SingleProcessParallel:
         self._say_setup()
 
     def _say_setup(self) -> None:
-        """One line beside Lightning's own ("GPU available: ..."): the replicas and how they run; a warning on one
-        device."""
+        """One line beside Lightning's own ("GPU available: ..."): the replicas and how they run."""
         devices = list(self.parallel_devices)
         if len(devices) == 1:
             warnings.warn(
-                f"{self.strategy_name} is running on one device ({devices[0]}): every step runs unsplit, as without "
-                "the strategy. Pass devices=N for N replicas (Trainer(accelerator='cpu', devices=2) tries 2 virtual "
-                "CPU devices).",
+                f"{self.strategy_name} is running on one device ({devices[0]}), as without the strategy. Pass "
+                "devices=N for N replicas (accelerator='cpu', devices=2 tries 2 virtual CPU devices).",
                 UserWarning,
                 stacklevel=2,
             )
@@ -241,7 +220,7 @@ class SingleProcessParallel:
         meets = self._collectives_reason(self.lightning_module)
         if meets is None and self._layer_sync is not None:
             meets = SYNC_BATCHNORM_THREADS.partition(":")[0]
-        if meets is not None and not threads:  # the first step then says why, once
+        if meets is not None and not threads:
             threads, chosen = True, f" ({meets})"
         physical = len({(d.type, d.index) for d in devices})
         virtual = f"; virtual devices: {physical} physical device(s)" if physical < len(devices) else ""
@@ -252,7 +231,6 @@ class SingleProcessParallel:
             say_split_sensitive_layers(module, self.strategy_name)
 
     def _replicated_modules(self) -> list[nn.Module]:
-        """The modules that run on every replica: the LightningModule's step runs there whole."""
         return [self.lightning_module]
 
     @override
@@ -273,24 +251,22 @@ class SingleProcessParallel:
                 add_note(
                     err,
                     f"Raised in the backward pass of a step that ran replicated on {len(devices)} devices "
-                    f"({', '.join(map(str, devices))}). Autograd keeps no record of which replica created the failing "
-                    "operation; with Trainer(detect_anomaly=True), the forward traceback that anomaly detection prints "
-                    "names it in a frame `replica_<index>`.",
+                    f"({', '.join(map(str, devices))}). With Trainer(detect_anomaly=True) the forward traceback names "
+                    "the replica in a frame `replica_<index>`.",
                 )
             raise
 
     # --- replicated calls --------------------------------------------------------------------------------------------
     def _mode_for(self, replicas: LightningReplicas, count: int) -> ExecutionMode:
-        """Threads or one after another for this call (compiled code needs one thread, collectives many)."""
+        """Threads or one after another (compiled code needs one thread, collectives many)."""
         mode, reason = replicas.replica_set.execution_mode(self.execution_mode, count)
         meets = self._collectives_reason(replicas.module) if count > 1 else None
         if meets is not None and resolve_mode(mode, replicas.devices[:count]) == "sequential":
             if replicas.replica_set.compiled:
                 raise self.namespace.misconfiguration(
-                    f"{meets}, so the replicas must run at the same time (in threads) to meet, but the model is "
-                    "compiled with torch.compile, whose compiler is not thread-safe, so compiled replicas run one "
-                    "after another. Do not compile the model under this strategy, or use strategy='dp' (the step "
-                    "runs once, on the whole batch, where all_gather returns it as it is) or strategy='ddp'."
+                    f"{meets}, so the replicas must run in threads to meet, but the model is compiled with "
+                    "torch.compile, which is not thread-safe. Do not compile the model under this strategy, or use "
+                    "strategy='dp' (the step runs once, on the whole batch) or strategy='ddp'."
                 )
             mode, reason = "threads", f"{meets}: replicas run in threads so that they meet"
         if reason is not None:
@@ -300,7 +276,7 @@ class SingleProcessParallel:
         return mode
 
     def _collectives_reason(self, module: nn.Module) -> str | None:
-        """Why the replicas of ``module`` meet inside a step (collectives), or ``None``."""
+        """Why the replicas of ``module`` meet inside a step, or ``None``."""
         return None
 
     def _run_replicated(
@@ -315,8 +291,7 @@ class SingleProcessParallel:
         replicas = self._replicas.of(module, self.parallel_devices)
         count = len(sample_counts)
         self._replicated_on = replicas.devices[:count]
-        # Accumulating gradients: replicas keep theirs until the backward pass before the optimizer step reduces all,
-        # unless something reads the gradients in between (then every backward pass reduces, as one device accumulates).
+        # Accumulating: replicas keep their gradients until the last backward pass, unless something reads them between.
         root = self.lightning_module
         replicas.replica_set.defer_reduction = (
             root._current_fx_name == "training_step"
@@ -339,28 +314,25 @@ class SingleProcessParallel:
     def _say_replica_state(
         self, module: nn.Module, lengths: dict[str, int], snapshots: Sequence[tuple[nn.Module, dict[str, Any]]]
     ) -> None:
-        """Warn once per attribute of ``module`` whose one-device value the replicated step lost: a shared list, deque
-        or dict of lists that every replica grew, an attribute rebound on the replicas only."""
+        """Warn once per attribute of ``module`` whose one-device value the step lost: a list every replica grew, an
+        attribute rebound on the replicas only."""
         where = f"during a step that ran on {len(snapshots)} replicas"
         for path, length in _collection_lengths(module).items():
             if length > lengths.get(path, 0):
                 self._warn_once(
                     f"list:{path.partition('[')[0]}",
-                    f"`{type(module).__name__}.{path}` grew {where}: each appended its own shard's value, so it holds "
-                    "one entry per device per step, in no fixed order under threads. Collect step outputs "
-                    f"{_ON_ROOT} or use a torchmetrics metric.",
+                    f"`{type(module).__name__}.{path}` grew {where}: it holds one entry per device per step, in no "
+                    f"fixed order. Collect step outputs {_ON_ROOT} or use a torchmetrics metric.",
                 )
         for name in _rebound_attributes(snapshots):
             self._warn_once(
                 f"rebound:{name}",
-                f"`{type(module).__name__}.{name}` was rebound {where}, on the replicas only (each replica has its "
-                "own attributes, and none is copied back), so the module keeps its value from before the step. "
-                f"Update it {_ON_ROOT}, or keep it in a torchmetrics metric, or log it with `self.log`.",
+                f"`{type(module).__name__}.{name}` was rebound {where}, on the replicas only: the module keeps its "
+                f"value from before the step. Update it {_ON_ROOT}, keep it in a torchmetrics metric or log it.",
             )
 
     def _reads_gradients_between_backward_passes(self, root: Any) -> bool:
-        """Whether the LightningModule or a callback overrides ``on_after_backward``, or a parameter has gradient
-        hooks: they must see each backward pass's gradients, as on one device."""
+        """Whether ``on_after_backward`` or a gradient hook must see each backward pass's gradients."""
         if any(p._backward_hooks or p._post_accumulate_grad_hooks for p in root.parameters()):
             return True
         is_overridden = importlib.import_module(f"{self.namespace.name}.utilities.model_helpers").is_overridden
@@ -375,22 +347,19 @@ class SingleProcessParallel:
             warnings.warn(message, UserWarning, stacklevel=3)
 
     def _say_unsplit(self, what: str, runs: str, roots: Sequence[tuple[str, Any]]) -> None:
-        """Said once: ``what`` (the ``(name, value)`` ``roots``) held nothing to split, or a cache every replica would
-        change, so ``runs`` ran once, on the root device."""
+        """Said once: ``what`` held nothing to split, or a cache every replica would change, so ``runs`` ran once."""
         if (held := shared_state(roots)) is not None:
             self._warn_once(
                 f"unsplit:cache:{runs}",
-                f"{self.strategy_name}: {what} holds {held}, a transformers cache that every replica would append its "
-                f"shard's keys and values to, so {runs} runs once, unsplit, on {self.root_device} while it holds one "
-                "(generate(), incremental decoding): nothing runs in parallel then. Calls without a cache are split.",
+                f"{self.strategy_name}: {what} holds {held}, a transformers cache every replica would append to, so "
+                f"{runs} runs once, unsplit, on {self.root_device} while it holds one: nothing runs in parallel then.",
             )
             return
         self._warn_once(
             f"unsplit:{runs}",
-            f"{self.strategy_name}: nothing in {what} can be split along dim {self.dim} (tensors are found in "
-            "tuples, lists, dicts, namedtuples and dataclasses, not in other objects' attributes), so "
-            f"{runs} runs once, on {self.root_device}: nothing runs in parallel. Pass the batch as one of those "
-            "containers (a dataclass keeps its fields and methods), or train on one device.",
+            f"{self.strategy_name}: nothing in {what} can be split along dim {self.dim}, so {runs} runs once, on "
+            f"{self.root_device}: nothing runs in parallel. Pass tensors in tuples, lists, dicts, namedtuples or "
+            "dataclasses.",
         )
 
     def _say_known_rule(self, what: str, rule: LossNormalization, source: str) -> None:
@@ -400,7 +369,7 @@ class SingleProcessParallel:
         )
 
     def _say_assumed_samples(self, what: str, labels: str, alternative: str) -> None:
-        """Said once per ``what`` when nothing declares its rule: the per-sample assumption, and the fixes."""
+        """Said once per ``what``: the per-sample assumption, and the fixes."""
         self._warn_once(
             f"assumed:{what}",
             f"{self.strategy_name}: nothing says how {what} is normalised, so each device's value is weighted by its "
@@ -413,7 +382,6 @@ class SingleProcessParallel:
 
     # --- the four step hooks Lightning calls on the strategy ----------------------------------------------------------
     def _run_step(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Run ``hook`` (``"training_step"``...) the way this strategy spreads it over devices."""
         raise NotImplementedError
 
     @override
@@ -434,7 +402,7 @@ class SingleProcessParallel:
 
     @contextmanager
     def _step_context(self, hook: str) -> Iterator[None]:
-        """The precision plugin's context for ``hook`` (``train_step_context`` for ``training_step``)."""
+        """The precision plugin's context for ``hook``."""
         self._replicated_on = []
         name = hook.replace("training", "train").replace("validation", "val")
         with getattr(self.precision_plugin, f"{name}_context")():

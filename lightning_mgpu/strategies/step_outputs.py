@@ -29,10 +29,8 @@ def tensor_key(value: Any) -> tuple[int, int, tuple[int, ...]] | None:
 
 
 class LossCapture:
-    """Forward hooks on the modules whose outputs are losses (``loss_normalization.loss_producers``): per replica of
-    the step in progress, each loss they returned with the count that call averaged over
-    (``loss_normalization.call_weight``), so that a logged copy merges as one device's value even when the step does
-    not return it (``self.log("val_loss", self.criterion(...))``)."""
+    """Forward hooks on the modules whose outputs are losses: per replica, each loss they returned with what that call
+    averaged over, so that a logged copy merges as one device's value (``self.log("val_loss", criterion(...))``)."""
 
     def __init__(self, producers: Sequence[nn.Module], weigh: Any) -> None:
         # The losses themselves until take(): a freed one's storage could come back as another logged value's.
@@ -45,7 +43,7 @@ class LossCapture:
         loss = output.get("loss") if isinstance(output, Mapping) else output  # a transformers ModelOutput is a Mapping
         if replica is None or tensor_key(loss) is None:
             return
-        # None: the call does not say (a loss module's own forward); the step's rule then weighs it.
+        # None: the call does not say; the step's rule then weighs it.
         self._losses.setdefault(replica.index, []).append((loss, self._weigh(module, args, kwargs, output)))
 
     def take(self) -> dict[int, dict[Any, Any]]:
@@ -60,7 +58,7 @@ class LossCapture:
 
 @dataclass(frozen=True)
 class LossTermsTotal:
-    """A replica's logged total loss made of ``loss_terms``: ``(term loss, weight)`` pairs, merged term by term."""
+    """A replica's logged total of ``loss_terms``: ``(term loss, weight)`` pairs, merged term by term."""
 
     terms: tuple[tuple[Tensor, Any], ...]
 
@@ -78,15 +76,15 @@ def all_or_none(outputs: Sequence[Any], hook: str) -> bool:
     skipped = [i for i, output in enumerate(outputs) if output is None]
     if skipped and len(skipped) < len(outputs):
         raise RuntimeError(
-            f"`{hook}` returned None on replica(s) {skipped} but not on the others. Skipping a batch must be decided "
-            "for the whole batch: return None from every replica (e.g. based on `batch_idx`), or from none."
+            f"`{hook}` returned None on replica(s) {skipped} but not on the others. Skip a batch on every replica "
+            "(e.g. based on `batch_idx`), or on none."
         )
     return bool(skipped)
 
 
 def implied_loss_weights(outputs: Sequence[Any], rule_weights: Sequence[Any] | None) -> list[dict[Any, Any]]:
-    """Per replica, ``{tensor_key(loss): weight}`` for the losses a step returned, so that a logged copy of a loss
-    merges as the loss does: by ``loss_weight``, term by term for ``loss_terms``, else by ``rule_weights``."""
+    """Per replica, ``{tensor_key(loss): weight}`` for the losses a step returned, so that a logged copy merges as the
+    loss does: by ``loss_weight``, term by term for ``loss_terms``, else by ``rule_weights``."""
     implied: list[dict[Any, Any]] = []
     for index, output in enumerate(outputs):
         mapping = output if isinstance(output, Mapping) else {"loss": output}
@@ -106,20 +104,22 @@ def implied_loss_weights(outputs: Sequence[Any], rule_weights: Sequence[Any] | N
     return implied
 
 
+def combine_losses(losses: Sequence[Tensor], weights: Sequence[Any], root: torch.device) -> Tensor:
+    """The replicas' losses on ``root``: summed for ``"sum"`` weights, else their mean weighted by the counts."""
+    if isinstance(weights[0], str):
+        return reduce_losses(losses, None, root, "sum")
+    return reduce_losses(losses, weights, root, "weighted")
+
+
 def reduce_training_outputs(
-    outputs: Sequence[Any],
-    sample_counts: Sequence[int],
-    root: torch.device,
-    rule: Any,
-    rule_weights: Sequence[Any],
-    dim: int = 0,
+    outputs: Sequence[Any], sample_counts: Sequence[int], root: torch.device, weights: Sequence[Any], dim: int = 0
 ) -> Any:
-    """The training step's result on the root: a combined loss, or ``{"loss": ..., **gathered extras}``; ``rule``
-    (a ``LossNormalization``) with ``rule_weights`` combines losses the step did not weight itself."""
+    """The training step's result on the root: a combined loss, or ``{"loss": ..., **gathered extras}``; ``weights``
+    combine the losses the step did not weight itself."""
     single = len(outputs) == 1
     first = outputs[0]
     if isinstance(first, Tensor):
-        return first if single else rule.reduce(list(outputs), rule_weights, root)
+        return first if single else combine_losses(outputs, weights, root)
     if not isinstance(first, Mapping):
         raise TypeError(
             f"`training_step` returned a {type(first).__name__}; return a loss tensor, a dict with 'loss', or None."
@@ -132,7 +132,7 @@ def reduce_training_outputs(
         weights = [o.get(LOSS_WEIGHT_KEY) for o in outputs]
         loss = _reduce_weighted([o["loss"] for o in outputs], weights, "loss_weight", root)
     else:
-        loss = first["loss"] if single else rule.reduce([o["loss"] for o in outputs], rule_weights, root)
+        loss = first["loss"] if single else combine_losses([o["loss"] for o in outputs], weights, root)
     extras = [{k: v for k, v in o.items() if k not in ("loss", LOSS_WEIGHT_KEY, LOSS_TERMS_KEY)} for o in outputs]
     return {"loss": loss, **(extras[0] if single else merge_outputs(extras, root, dim, sizes=sample_counts))}
 
