@@ -46,16 +46,21 @@ class DtypeGroups:
             self.totals[t.dtype] = self.offsets[j] + t.numel()
         self._views = {dtype: self._flat_views(indices) for dtype, indices in self.indices.items()}
 
-    def _flat_views(self, indices: list[int]) -> list[Tensor] | None:
-        """The group's tensors as flat views, or ``None`` if one is not contiguous (then reshaped at every call)."""
-        tensors = [self.tensors[j] for j in indices]
-        return [t.view(-1) for t in tensors] if all(t.is_contiguous() for t in tensors) else None
+    def _flat_views(self, indices: list[int]) -> tuple[list[Tensor | None], list[int]]:
+        """The group's tensors as flat views made once, and the positions of non-contiguous ones (``channels_last``
+        weights: ``None`` there, reshaped at every call)."""
+        views = [self.tensors[j].view(-1) if self.tensors[j].is_contiguous() else None for j in indices]
+        return views, [k for k, v in enumerate(views) if v is None]
 
     def flatten(self) -> dict[torch.dtype, Tensor]:
-        return {
-            dtype: torch.cat(views if views is not None else [self.tensors[j].reshape(-1) for j in self.indices[dtype]])
-            for dtype, views in self._views.items()
-        }
+        flats = {}
+        for dtype, (views, reshaped) in self._views.items():
+            if reshaped:
+                views = list(views)
+                for k in reshaped:
+                    views[k] = self.tensors[self.indices[dtype][k]].reshape(-1)
+            flats[dtype] = torch.cat(views)
+        return flats
 
     def replace(self, j: int, tensor: Tensor) -> None:
         """``tensor`` (shaped like tensor ``j``, same dtype) in place of tensor ``j``."""
@@ -97,7 +102,7 @@ class ReplicaParameters:
                 for j, (p, leaf) in enumerate(zip(self.params, leaves, strict=True)):
                     leaf.grad = alias(flats[p.dtype], groups.offsets[j], p.shape)
             self._root_views = [
-                alias(self._root_grads[p.dtype], groups.offsets[j], p.shape) for j, p in enumerate(params)
+                alias(self._root_grads[p.dtype], groups.offsets[j], p.shape) for j, p in enumerate(self.params)
             ]
         self._first_grads = [leaves[0].grad if leaves else None for leaves in self.leaves]
         self._pointers = list(map(_data_ptr, self.params))

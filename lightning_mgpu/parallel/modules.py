@@ -178,7 +178,8 @@ def _unwrapped(criterion: Any) -> Any:
 
 def _function_defaults(criterion: Any) -> dict[str, Any]:
     """torch's defaults of the options of ``F.cross_entropy`` / ``F.nll_loss`` (or a partial of them), else {}."""
-    return _CLASS_INDEX_DEFAULTS if _unwrapped(criterion) in (F.cross_entropy, F.nll_loss) else {}
+    base = _unwrapped(criterion)  # by identity: a criterion's == may build an object (torchmetrics)
+    return _CLASS_INDEX_DEFAULTS if base is F.cross_entropy or base is F.nll_loss else {}
 
 
 def _criterion_option(criterion: Any, kwargs: dict[str, Any], name: str, default: Any) -> Any:

@@ -12,6 +12,8 @@ import pytest
 
 from benchmarks.compare import main
 
+pytestmark = pytest.mark.xdist_group("test_bench_cli")  # one worker: one module fixture
+
 TINY = "configs/bench/tiny.yaml"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -24,10 +26,8 @@ def png_size(path: Path) -> tuple[int, int]:
     return struct.unpack(">II", data[16:24])
 
 
-@pytest.fixture(scope="module")
-def comparison(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """One benchmark run shared by the tests below: four real strategies and one that does not exist."""
-    out = tmp_path_factory.mktemp("bench")
+def _compare(out: Path) -> dict:
+    """One benchmark run into ``out``: four real strategies and one that does not exist."""
     stderr = io.StringIO()
     with contextlib.redirect_stderr(stderr):
         code = main(
@@ -56,15 +56,22 @@ def comparison(tmp_path_factory: pytest.TempPathFactory) -> dict:
                 str(out / "logs"),
             ]
         )
-    return {
-        "code": code,
-        "out": out,
-        "stderr": stderr.getvalue(),
-        "report": json.loads((out / "report.json").read_text()),
-    }
+    report = json.loads((out / "report.json").read_text())
+    return {"code": code, "out": out, "stderr": stderr.getvalue(), "report": report}
 
 
-def test_every_strategy_is_a_row_and_a_missing_one_does_not_lose_the_others(comparison: dict) -> None:
+def test_one_comparison_run_of_every_strategy(tmp_path: Path) -> None:
+    # One benchmark run (about a minute on two cores) checked by the functions below: one test, so that one
+    # pytest-xdist worker runs it while the other goes on with other tests.
+    comparison = _compare(tmp_path)
+    _every_strategy_is_a_row_and_a_missing_one_does_not_lose_the_others(comparison)
+    _memory_and_transfer_figures(comparison)
+    _report_says_devices_are_virtual(comparison)
+    _chart_is_a_png(comparison)
+    _progress_is_one_line_per_strategy(comparison)
+
+
+def _every_strategy_is_a_row_and_a_missing_one_does_not_lose_the_others(comparison: dict) -> None:
     assert comparison["code"] == 0
     rows = {row["strategy"]: row for row in comparison["report"]["results"]}
     assert list(rows) == ["single", "dp", "parallel_criterion", "ddp", "no_such_strategy"]
@@ -81,7 +88,7 @@ def test_every_strategy_is_a_row_and_a_missing_one_does_not_lose_the_others(comp
     assert "no_such_strategy" in failed["error"] and "Traceback" in failed["log_tail"]
 
 
-def test_memory_and_transfer_figures(comparison: dict) -> None:
+def _memory_and_transfer_figures(comparison: dict) -> None:
     report = comparison["report"]
     rows = {row["strategy"]: row for row in report["results"]}
     grad_bytes = report["model"]["gradient_bytes"]
@@ -111,7 +118,7 @@ def test_memory_and_transfer_figures(comparison: dict) -> None:
     assert comm["parameter_server_seconds_per_step"] == pytest.approx(2 * grad_bytes / (126e9 / 8))
 
 
-def test_report_says_devices_are_virtual(comparison: dict) -> None:
+def _report_says_devices_are_virtual(comparison: dict) -> None:
     report = comparison["report"]
     assert report["virtual_devices"] is True
     assert report["devices"]["replicas"] == ["cpu", "cpu"]
@@ -132,12 +139,12 @@ def test_report_says_devices_are_virtual(comparison: dict) -> None:
     assert "## Communication model" in markdown and "## Failures" in markdown
 
 
-def test_chart_is_a_png(comparison: dict) -> None:
+def _chart_is_a_png(comparison: dict) -> None:
     width, height = png_size(comparison["out"] / "report.png")
     assert width >= 1000 and height >= 500
 
 
-def test_progress_is_one_line_per_strategy(comparison: dict) -> None:
+def _progress_is_one_line_per_strategy(comparison: dict) -> None:
     lines = comparison["stderr"].splitlines()
     progress = [line for line in lines if line.startswith("[")]
     assert [line.split("]")[0] for line in progress] == [f"[{i}/5" for i in range(1, 6)]

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from lightning_mgpu.parallel import DataParallelCriterion, DataParallelModel, ReplicaSet
-from lightning_mgpu.parallel.flat_replicas import ReplicaBuffers, ReplicaParameters
+from lightning_mgpu.parallel.flat_replicas import DtypeGroups, ReplicaBuffers, ReplicaParameters
 
 CPU = torch.device("cpu")
 OTHER = torch.device("cpu", 0)  # compares unequal to CPU: the "other device" path
@@ -547,3 +547,20 @@ def test_a_parameter_reached_with_a_zero_gradient_steps_as_on_one_device(mode, o
     model, seen = train_gated(["cpu"] * 2)
     assert seen == reference_seen == [(False, True)] * 4
     assert_same_parameters(model, reference, tol=1e-12)
+
+
+def test_flattening_reads_contiguous_and_channels_last_tensors_as_they_are_now():
+    # Flat views are made once for contiguous tensors; a channels_last weight is reshaped at every call. Either way
+    # every flatten() sees the tensors' current values, in their order within each dtype.
+    conv = torch.randn(2, 3, 4, 4).to(memory_format=torch.channels_last)
+    bias, other = torch.randn(5), torch.randn(3, dtype=torch.float64)
+    groups = DtypeGroups([conv, bias, other])
+    for _ in range(2):
+        flats = groups.flatten()
+        torch.testing.assert_close(flats[torch.float32], torch.cat([conv.reshape(-1), bias]), rtol=0, atol=0)
+        torch.testing.assert_close(flats[torch.float64], other, rtol=0, atol=0)
+        for tensor in (conv, bias, other):
+            tensor.add_(1)  # an optimizer step, in place
+    params = [nn.Parameter(torch.randn(3)), nn.Parameter(torch.randn(2, 2))]
+    flat = ReplicaParameters(iter(params), [torch.device("cpu")] * 2, torch.device("cpu"))  # any iterable
+    assert [view.shape for view in flat._root_views] == [p.shape for p in params]

@@ -297,3 +297,21 @@ def test_an_opaque_loss_is_said_to_be_sample_weighted_once_and_the_suggested_wei
         recwarn.clear()
         DataParallelCriterion(criterion, ["cpu"] * 3)(model(tokens), target)
         assert not [w for w in recwarn if "sample count" in str(w.message)], criterion
+
+
+def test_a_criterion_whose_equality_builds_an_object_keeps_its_keywords_split():
+    # torchmetrics' Metric (and symbolic objects) answer == with an object: F.cross_entropy is recognised by identity,
+    # so such a criterion's per-sample keyword is split with the outputs, not mistaken for a class weight.
+    class WeightedSquares:
+        def __eq__(self, other):
+            return ["an expression"]
+
+        __hash__ = object.__hash__
+
+        def __call__(self, output, target, weight):
+            return ((output - target) ** 2 * weight).mean()
+
+    output, target, weight = torch.arange(4.0), torch.zeros(4), torch.tensor([1.0, 2.0, 3.0, 4.0])
+    criterion = DataParallelCriterion(WeightedSquares(), ["cpu", "cpu"], weight_fn=lambda o, t: len(o))
+    loss = criterion([output[:2], output[2:]], target, weight=weight)
+    torch.testing.assert_close(loss, WeightedSquares()(output, target, weight))
