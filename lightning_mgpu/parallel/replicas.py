@@ -425,9 +425,9 @@ _runs_lock = threading.RLock()  # re-entered by _forget when the collector drops
 _hook: list[Any] = []  # torch's buffer registration hook, installed while runs are in progress
 
 
-def _forget(gone: weakref.ref[_Run] | None = None) -> None:
-    """Drop ended runs (``gone``: one the collector freed unstopped, e.g. a ReplicaSet dropped between
-    ``prepare()`` and ``watch()``); the hook leaves with the last run in progress."""
+def _forget(gone: weakref.ref[_Run]) -> None:
+    """Drop the run ``gone`` (stopped, or freed unstopped by the collector: a ReplicaSet dropped between
+    ``prepare()`` and ``watch()``) and freed ones; the hook leaves with the last run in progress."""
     global _runs
     with _runs_lock:
         _runs = tuple(ref for ref in _runs if ref is not gone and ref() is not None)
@@ -455,15 +455,13 @@ class _Run:
         self.versions = list(map(_version, shared)) if versions is None else versions
         self.rebound: set[tuple[int, int, str]] = set()  # (replica, position, buffer name)
         with _runs_lock:  # in progress first, then the hook: a _forget in between must see this run
-            _runs = (*(ref for ref in _runs if ref() is not None), weakref.ref(self, _forget))
+            self._ref = weakref.ref(self, _forget)
+            _runs = (*(ref for ref in _runs if ref() is not None), self._ref)
             if not _hook:
                 _hook.append(register_module_buffer_registration_hook(_on_buffer))
 
     def stop(self) -> None:
-        global _runs
-        with _runs_lock:
-            _runs = tuple(ref for ref in _runs if ref() is not self)
-        _forget()
+        _forget(self._ref)
 
     def written(self) -> int | None:
         """The index in ``shared`` of the first tensor the run changed in place, if any."""
