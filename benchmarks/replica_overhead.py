@@ -15,8 +15,8 @@ per-step parameter node that lasting replicas no longer use, and went with it):
 4. **Per-step growth** (lasting replicas only): live objects (``gc.get_objects()``), ``tracemalloc`` current memory
    and RSS over 200 steps of (1).
 5. **Sync + gradient reduction host time** for the two PyramidNets on the meta device (no data: host work only):
-   ``execution_mode`` and ``prepare(N)`` in threads mode plus the reduction of the replicas' gradients onto the
-   originals.
+   ``execution_mode``, ``prepare(N)`` and ``watch`` in threads mode plus the reduction of the replicas' gradients onto
+   the originals.
 
 Steps and replications are timed in wall-clock and in process CPU time (on a shared machine CPU time is the less
 load-sensitive of the two); the garbage collector stays on, and the full collections it runs are counted. Each code
@@ -276,7 +276,8 @@ class Worker:
 
     # --- (5) per-step sync + gradient reduction, host time only (meta device) -------------------------------------
     def sync_reduce(self, model: str, n: int, calls: int) -> dict[str, Any]:
-        """Median µs of one step's sync (``execution_mode`` + ``prepare(n)``, threads) and gradient reduction, on meta.
+        """Median µs of one step's sync (``execution_mode`` + ``prepare(n)`` + ``watch``, threads) and gradient
+        reduction, on meta.
 
         Meta tensors carry no data: every operation costs its host work only (dispatch, Python), which is what a
         GPU's launching thread pays. The replicas' accumulation and the optimizer's ``zero_grad(set_to_none=True)``
@@ -299,6 +300,7 @@ class Worker:
                 t0 = time.perf_counter()
                 mode, _ = replica_set.execution_mode("threads", n)  # what every caller asks first, each step
                 replica_set.prepare(n, mode)
+                replica_set.watch([])  # after the forward: the in-place check's second half
                 t1 = time.perf_counter()
                 with torch.no_grad():
                     for leaves in replica_set._flat.leaves[:n]:
@@ -714,7 +716,8 @@ def sync_reduce_markdown(rows: list[dict[str, Any]]) -> list[str]:
         "",
         "## Per-step sync + gradient reduction, host time (meta device)",
         "",
-        "`execution_mode('threads', N)` and `prepare(N)` (what `DataParallelModel` and the strategies call every step) "
+        "`execution_mode('threads', N)`, `prepare(N)` and `watch` (what `DataParallelModel` and the strategies call "
+        "every step; `watch` after the forward ends the check for parameters changed in place) "
         "plus the reduction of the replicas' gradients onto the originals, on the meta "
         "device (no data: host work only, what a GPU's launching thread pays). "
         + "; ".join(f"**{label}**: {apis[rows[0][label]['api']]}" for label in labels)

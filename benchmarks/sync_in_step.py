@@ -11,7 +11,8 @@ Python code) is one model of "in a step"; this script times the same calls insid
    the host only launches) do not swamp the host time on this CPU. The
    strategy's own calls are timed where they run: ``ReplicaSet.execution_mode`` + ``prepare`` (the sync, before the
    forward) and ``ReplicaParameters.reduce`` (after the backward pass), so the forward and backward passes between
-   them leave the CPU caches as a real step leaves them.
+   them leave the CPU caches as a real step leaves them. ``ReplicaSet.watch`` (right after the forward: the second
+   half of the check for parameters changed in place, and the gradient hooks) counts with the sync.
 2. **The floor.** The checks the sync must make read every module's attribute dicts, every parameter and every buffer
    once per step (a structural change, a rebound attribute, an optimizer replacing tensors, ``requires_grad`` flips,
    in-place changes). One C-level pass over each set, timed right after a real step (cold caches) and back to back
@@ -78,6 +79,7 @@ def in_real_steps(n: int, steps: int, warmup: int, alpha: int) -> dict[str, Any]
     timers = Timers()
     timers.wrap(replicas.ReplicaSet, "execution_mode", "sync")
     timers.wrap(replicas.ReplicaSet, "prepare", "sync")
+    timers.wrap(replicas.ReplicaSet, "watch", "sync")  # the in-place check's second half, after the forward
     timers.wrap(flat_replicas.ReplicaParameters, "reduce", "reduce")
     rows = []
     for step in range(warmup + steps):
@@ -151,7 +153,7 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         "## 1. In real steps (medians over steps, µs)",
         "",
-        "| step (wall) | sync: execution_mode + prepare | reduce | **sync + reduce** |",
+        "| step (wall) | sync: execution_mode + prepare + watch | reduce | **sync + reduce** |",
         "|---|---|---|---|",
         f"| {m['step']:,.0f} | {m['sync']:,.0f} | {m['reduce']:,.0f} | "
         f"**{statistics.median(r['sync_plus_reduce_us']):,.0f}** |",

@@ -4,8 +4,8 @@ operations per device, whatever the model's depth."""
 from __future__ import annotations
 
 import operator
-from collections import deque
-from collections.abc import Sequence
+from collections import Counter, deque
+from collections.abc import Collection, Sequence
 from itertools import repeat
 from typing import Any
 
@@ -67,9 +67,17 @@ class DtypeGroups:
         self.tensors[j] = tensor
         self._views[tensor.dtype] = self._flat_views(self.indices[tensor.dtype])
 
-    def flats(self, device: torch.device, zero: bool = False) -> dict[torch.dtype, Tensor]:
+    def flats(self, device: torch.device, zero: bool = False, rows: int | None = None) -> dict[torch.dtype, Tensor]:
+        """One flat buffer per dtype on ``device`` (``rows`` of them stacked: a 2-D buffer per dtype)."""
         make = torch.zeros if zero else torch.empty
-        return {dtype: make(total, dtype=dtype, device=device) for dtype, total in self.totals.items()}
+        shape = (lambda total: (rows, total)) if rows is not None else (lambda total: (total,))
+        return {dtype: make(shape(total), dtype=dtype, device=device) for dtype, total in self.totals.items()}
+
+    def columns(self, blocks: dict[torch.dtype, Tensor], j: int) -> Tensor:
+        """Tensor ``j``'s columns of 2-D ``blocks`` (one row per copy), an alias with its own version counter: an
+        in-place change of any row's part bumps it."""
+        like, block = self.tensors[j], blocks[self.tensors[j].dtype]
+        return alias(block, self.offsets[j], (len(block), like.numel()), (block.stride(0), 1))
 
     def view(self, flats: dict[torch.dtype, Tensor], j: int) -> Tensor:
         """Tensor ``j``'s part of ``flats`` (one flat tensor per dtype), shaped like it."""
@@ -80,27 +88,44 @@ class DtypeGroups:
 class ReplicaParameters:
     """Every replica's own leaf parameters for the unique original parameters ``params`` (on ``root``).
 
-    :attr:`leaves` ``[i][j]``, replica ``i``'s parameter for ``params[j]``, aliases the original on the root and one
-    flat buffer per device and dtype elsewhere; its ``.grad`` aliases one flat buffer per replica and dtype.
+    :attr:`leaves` ``[i][j]``, replica ``i``'s parameter for ``params[j]``, shares the original's storage and version
+    counter on the root (only its storage for ``renormed`` ones, which an ``Embedding(max_norm=...)`` forward changes
+    in place: replicas that saved it for backward must not see each other's writes) and aliases one flat buffer per
+    device and dtype elsewhere. Its ``.grad`` is replica ``i``'s row of one buffer per device and dtype, a view of an
+    alias per device and parameter spanning the rows, whose version counter counts the accumulations into that
+    parameter's gradients on the device (one read per device and parameter, however many replicas share the device).
     Call :meth:`sync` before a step, :meth:`backward_done` after each backward pass through the replicas and
     :meth:`reduce` when their gradients belong on the originals.
     """
 
-    def __init__(self, params: Sequence[Tensor], devices: Sequence[torch.device], root: torch.device) -> None:
+    def __init__(
+        self,
+        params: Sequence[Tensor],
+        devices: Sequence[torch.device],
+        root: torch.device,
+        renormed: Collection[int] = (),
+    ) -> None:
         self.params = list(params)
         self.devices = list(devices)
         self.root = root
         self._groups = groups = DtypeGroups(self.params)
         self._others = list(dict.fromkeys(d for d in self.devices if d != root))
+        distinct = list(dict.fromkeys(self.devices))
+        self._slots = [distinct.index(d) for d in self.devices]  # replica -> its device's place in ``distinct``
+        rows = [self.devices[:i].count(d) for i, d in enumerate(self.devices)]  # replica -> its row on its device
         with torch.inference_mode(False), torch.no_grad():
             self._storage = {d: groups.flats(d) for d in self._others}  # one per device and dtype
-            self._grads = [groups.flats(d, zero=True) for d in self.devices]  # one per replica and dtype
+            blocks = [groups.flats(d, zero=True, rows=self.devices.count(d)) for d in distinct]
+            self._grads = [
+                {dtype: flat[row] for dtype, flat in blocks[k].items()}
+                for k, row in zip(self._slots, rows, strict=True)
+            ]
+            self._counted = [[groups.columns(block, j) for j in range(len(self.params))] for block in blocks]
             self._root_grads = groups.flats(root)
-            self.leaves = [self._make_leaves(d) for d in self.devices]
-            # Aliases (not views): autograd's accumulation into a leaf's gradient bumps that gradient's counter alone.
-            for flats, leaves in zip(self._grads, self.leaves, strict=True):
+            self.leaves = [self._make_leaves(d, renormed) for d in self.devices]
+            for i, leaves in enumerate(self.leaves):
                 for j, (p, leaf) in enumerate(zip(self.params, leaves, strict=True)):
-                    leaf.grad = alias(flats[p.dtype], groups.offsets[j], p.shape)
+                    leaf.grad = self._counted[self._slots[i]][j][rows[i]].view(p.shape)
             self._root_views = [
                 alias(self._root_grads[p.dtype], groups.offsets[j], p.shape) for j, p in enumerate(self.params)
             ]
@@ -111,11 +136,13 @@ class ReplicaParameters:
         self.active = 0  # how many replicas ran since the last reduction
         self.passes = 0  # backward passes through the replicas since the last reduction
 
-    def _make_leaves(self, device: torch.device) -> list[nn.Parameter]:
+    def _make_leaves(self, device: torch.device, renormed: Collection[int]) -> list[nn.Parameter]:
         leaves = []
         for j, p in enumerate(self.params):
-            if device == self.root:  # the original's own storage, shared
+            if device == self.root and j in renormed:  # written in place in every forward: a counter of its own
                 data = alias(p, 0, p.shape, p.stride())
+            elif device == self.root:  # the original's storage and version counter: a write in a step moves it
+                data = p.detach()
             else:
                 data = alias(self._storage[device][p.dtype], self._groups.offsets[j], p.shape)
             leaves.append(nn.Parameter(data, requires_grad=p.requires_grad))
@@ -130,12 +157,12 @@ class ReplicaParameters:
         self._train_index = [j for j, flag in enumerate(trainable) if flag]
         self._train_params = [self.params[j] for j in self._train_index]
         self._train_views = [self._root_views[j] for j in self._train_index]
-        self._train_grads = [[leaves[j].grad for j in self._train_index] for leaves in self.leaves]
-        self._seen = self._counters(len(self.leaves))
+        self._train_counted = [[counted[j] for j in self._train_index] for counted in self._counted]
+        self._seen = [list(map(_version, counted)) for counted in self._train_counted]
 
-    def _counters(self, count: int) -> list[list[int]]:
-        """Per replica (the first ``count``), its trainable leaves' gradient versions: one step per accumulation."""
-        return [list(map(_version, grads)) for grads in self._train_grads[:count]]
+    def _counters(self, slots: Sequence[int]) -> list[list[int]]:
+        """Per device (of ``slots``), its trainable parameters' gradient versions: one step per accumulation."""
+        return [list(map(_version, self._train_counted[k])) for k in slots]
 
     def sync(self, n: int) -> bool:
         """Bring the first ``n`` replicas' parameters up to date with the originals (``requires_grad``, values).
@@ -179,12 +206,14 @@ class ReplicaParameters:
         self.active = self.passes = 0
         if count == 0 or not self._train_index:
             return
-        counters, seen = self._counters(count), self._seen[:count]
+        replicas_on = Counter(self._slots[:count])  # device -> replicas that ran on it
+        slots = sorted(replicas_on)
+        counters, seen = self._counters(slots), [self._seen[k] for k in slots]
         if counters == seen:
             return
-        expected = passes * len(self._train_index)
+        per_pass = passes * len(self._train_index)  # each replica accumulates each gradient at most once per pass
         everywhere = passes > 0 and all(
-            sum(now) - sum(old) == expected for now, old in zip(counters, seen, strict=True)
+            sum(now) - sum(old) == per_pass * replicas_on[k] for k, now, old in zip(slots, counters, seen, strict=True)
         )
         hooked = any(map(_tensor_hooks, self._train_params)) or any(map(_post_accumulate_hooks, self._train_params))
         fast = everywhere and not hooked  # whole flat buffers at once
@@ -200,7 +229,8 @@ class ReplicaParameters:
                 self._sum_into(count, totals, accumulate=False)
                 self._assign_each(totals, grads, None if everywhere else _reached(counters, seen))
             torch._foreach_zero_([flat for flats in self._grads[:count] for flat in flats.values()])
-        self._seen[:count] = counters  # zeroing the flat buffers leaves the gradients' own counters alone
+        for k, now in zip(slots, counters, strict=True):  # zeroing the rows leaves the counting aliases' counters alone
+            self._seen[k] = now
 
     def _sum_into(self, count: int, targets: dict[torch.dtype, Tensor], accumulate: bool) -> None:
         """``targets`` (flat, per dtype, on the root) += (or =) the first ``count`` replicas' gradients: per device
@@ -247,7 +277,7 @@ class ReplicaParameters:
 
 
 def _reached(counters: list[list[int]], seen: list[list[int]]) -> list[bool]:
-    """Per trainable parameter, whether some replica's backward accumulated into its gradient (versions per replica)."""
+    """Per trainable parameter, whether some replica's backward accumulated into its gradient (versions per device)."""
     changed = [list(map(operator.ne, now, old)) for now, old in zip(counters, seen, strict=True)]
     return [any(column) for column in zip(*changed, strict=True)]
 

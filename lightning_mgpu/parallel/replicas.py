@@ -108,7 +108,6 @@ class ReplicaSet:
         renormed = {id(m.weight) for m in originals if isinstance(m, nn.Embedding) and m.max_norm is not None}
         self._checked = [j for j, p in enumerate(self._params) if id(p) not in renormed]
         self._checked_params = [self._params[j] for j in self._checked]
-        self._leaf_run: tuple[Any, list[Tensor], list[int]] | None = None  # (key, root leaves checked, versions)
         self._sharing = [True] * len(self.devices)  # copies start out holding the original parameters
         shared = self._shared
         self._watch = [_watch_entry(m) if shared is None or not shared(m) else _UNWATCHED for m in originals]
@@ -230,7 +229,7 @@ class ReplicaSet:
             for i in range(n):
                 if not self._sharing[i]:
                     self._point(i, self._params, sharing=True)  # back to the original parameters
-            self._run = _Run(self._places, self._checked_params if n > 1 else [], None, n, _SEQUENTIAL)
+            self._run = _Run(self._places, self._checked_params if n > 1 else [], n, _SEQUENTIAL)
         else:
             self._own_parameters(n)
             self._owning = True
@@ -238,18 +237,10 @@ class ReplicaSet:
         return self.replicas[:n]
 
     def _start_leaf_run(self, n: int) -> None:
-        """A run on the replicas' own leaves; those on the root alias the originals' storage. Only a step changes their
-        version counters (the optimizer steps the originals), so the last clean run's are kept."""
-        on_root = tuple(i for i in range(n) if self.devices[i] == self._root)
-        if len(on_root) < 2:
-            self._run = _Run(self._places, [], [], len(on_root), _THREADS)
-            return
-        if self._leaf_run is None or self._leaf_run[0] != (self._flat, on_root):
-            assert self._flat is not None
-            leaves = [self._flat.leaves[i][j] for i in on_root for j in self._checked]
-            self._leaf_run = ((self._flat, on_root), leaves, list(map(_version, leaves)))
-        _, leaves, versions = self._leaf_run
-        self._run = _Run(self._places, leaves, versions, len(on_root), _THREADS)
+        """A run on the replicas' own leaves; those on the root share the originals' storage and version counters (a
+        write by any of them moves the original's counter)."""
+        on_root = sum(1 for d in self.devices[:n] if d == self._root)
+        self._run = _Run(self._places, self._checked_params if on_root > 1 else [], on_root, _THREADS)
 
     def _end_run(self, adopt: bool) -> _Run | None:
         """Stop recording the run in progress; ``adopt``: buffers it rebound take replica 0's value."""
@@ -266,8 +257,7 @@ class ReplicaSet:
         run = self._end_run(adopt=True)
         written = None if run is None else run.written()
         if written is not None:
-            self._leaf_run = None  # their versions moved
-            raise RuntimeError(self._applied_per_replica(self._checked[written % len(self._checked)], run))
+            raise RuntimeError(self._applied_per_replica(self._checked[written], run))
         if not self._owning or not torch.is_grad_enabled():
             return  # replicas that hold the original parameters need no reduction
         for output in outputs:
@@ -347,7 +337,8 @@ class ReplicaSet:
                         "sparse=False, or run the replicas on one device with execution_mode='sequential' (they then "
                         "share the original parameters and autograd accumulates their sparse gradients)."
                     )
-            flat = self._flat = ReplicaParameters(self._params, self.devices, self._root)
+            renormed = set(range(len(self._params))).difference(self._checked)
+            flat = self._flat = ReplicaParameters(self._params, self.devices, self._root, renormed)
             self._sharing = [True] * len(self.devices)
             flat.sync(n)
         for i in range(n):
@@ -414,7 +405,7 @@ class ReplicaSet:
         """Drop every replica and copy (frees their memory on the other devices); the set is not used again."""
         self._end_run(adopt=False)
         self._copies, self._param_slots, self._buffer_slots, self._rnns, self._places = [], [], [], [], {}
-        self._flat, self._leaf_run, self._buffers = None, None, ReplicaBuffers([], [], [])
+        self._flat, self._buffers = None, ReplicaBuffers([], [], [])
 
 
 _SEQUENTIAL = "they run one after another on the parameters' device, on the original parameters"
@@ -443,16 +434,14 @@ def _on_buffer(module: nn.Module, name: str, value: Tensor | None) -> None:
 
 
 class _Run:
-    """One step's replicas at work: ``shared`` (tensors several replicas hold in one storage) must keep their
-    ``versions``; the buffers they rebind are recorded by torch's global buffer registration hook, installed while
-    runs are in progress."""
+    """One step's replicas at work: ``shared`` (originals whose storage several replicas hold, and whose version
+    counters those replicas' own leaves share) must keep their ``versions``; the buffers they rebind are recorded by
+    torch's global buffer registration hook, installed while runs are in progress."""
 
-    def __init__(
-        self, places: dict[int, tuple[int, int]], shared: list[Tensor], versions: list[int] | None, count: int, how: str
-    ) -> None:
+    def __init__(self, places: dict[int, tuple[int, int]], shared: list[Tensor], count: int, how: str) -> None:
         global _runs
         self.places, self.shared, self.count, self.how = places, shared, count, how
-        self.versions = list(map(_version, shared)) if versions is None else versions
+        self.versions = list(map(_version, shared))
         self.rebound: set[tuple[int, int, str]] = set()  # (replica, position, buffer name)
         with _runs_lock:  # in progress first, then the hook: a _forget in between must see this run
             self._ref = weakref.ref(self, _forget)

@@ -146,6 +146,58 @@ def test_a_parameter_reached_with_an_exactly_zero_gradient_gets_zeros_not_none()
     assert params[2].grad is None
 
 
+def test_one_counter_per_device_and_parameter_counts_every_replica_on_that_device():
+    """Replicas sharing a device share one gradient version counter per parameter: the whole-buffer path needs every
+    replica on the device to have reached every parameter, not as many accumulations as one replica makes."""
+    params = [nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))]
+    flat = ReplicaParameters(params, [CPU, CPU, OTHER, OTHER], CPU)
+    flat.sync(4)
+    for i in range(4):  # as many accumulations per device as one replica reaching both parameters would make
+        flat.leaves[i][0].sum().backward()  # parameter 1: no replica reaches it
+    flat.backward_done()
+    flat.reduce()
+    assert torch.equal(params[0].grad, torch.full((2,), 4.0)) and params[1].grad is None
+
+
+def test_leaves_on_the_root_share_the_originals_version_counters():
+    """A write in a step to one replica's leaf on the root moves the original's counter (one read per parameter finds
+    it, however many replicas share the storage); the other devices' leaves are their own."""
+    params = [nn.Parameter(torch.zeros(2))]
+    flat = ReplicaParameters(params, [CPU, CPU, OTHER], CPU)
+    before = params[0]._version
+    with torch.no_grad():
+        flat.leaves[1][0].add_(1.0)
+    assert params[0]._version == before + 1 and torch.equal(params[0], torch.ones(2))
+    with torch.no_grad():
+        flat.leaves[2][0].add_(1.0)
+    assert params[0]._version == before + 1
+
+
+def test_renormalised_embeddings_keep_their_own_counters_in_threads_on_one_device():
+    """Embedding(max_norm=...) renormalises rows in place in every forward; a tied output layer in another replica
+    saved the weight for backward, and must not fail on that replica's renormalisation (the set-up warning names the
+    layer: results can differ from one device's)."""
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embedding = nn.Embedding(20, 4, max_norm=1.0)
+            self.out = nn.Linear(4, 20, bias=False)
+            self.out.weight = self.embedding.weight
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.out(self.embedding(ids).mean(1))
+
+    torch.manual_seed(0)
+    ids, y = torch.randint(0, 20, (8, 5)), torch.randint(0, 20, (8,))
+    with pytest.warns(UserWarning, match="max_norm"):
+        model = DataParallelModel(Tied(), CPU3, execution_mode="threads")
+    criterion = DataParallelCriterion(nn.CrossEntropyLoss(), CPU3, execution_mode="threads")
+    for _ in range(3):
+        criterion(model(ids), y).backward()
+    assert model.module.embedding.weight.grad is not None
+
+
 def test_frozen_then_unfrozen_parameters_follow_the_originals():
     params = [nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))]
     flat = ReplicaParameters(params, [CPU, OTHER], CPU)
