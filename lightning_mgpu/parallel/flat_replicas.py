@@ -4,7 +4,7 @@ operations per device, whatever the model's depth."""
 from __future__ import annotations
 
 import operator
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Collection, Sequence
 from itertools import repeat
 from typing import Any
@@ -88,12 +88,12 @@ class DtypeGroups:
 class ReplicaParameters:
     """Every replica's own leaf parameters for the unique original parameters ``params`` (on ``root``).
 
-    :attr:`leaves` ``[i][j]``, replica ``i``'s parameter for ``params[j]``, shares the original's storage and version
-    counter on the root (only its storage for ``renormed`` ones, which an ``Embedding(max_norm=...)`` forward changes
-    in place: replicas that saved it for backward must not see each other's writes) and aliases one flat buffer per
-    device and dtype elsewhere. Its ``.grad`` is replica ``i``'s row of one buffer per device and dtype, a view of an
-    alias per device and parameter spanning the rows, whose version counter counts the accumulations into that
-    parameter's gradients on the device (one read per device and parameter, however many replicas share the device).
+    :attr:`leaves` ``[i][j]``, replica ``i``'s parameter for ``params[j]``, shares the original on the root and one
+    flat buffer per device and dtype elsewhere, with the version counter of :meth:`shared_by` (so a write in a step by
+    any replica on a device moves one counter), except ``renormed`` ones, which an ``Embedding(max_norm=...)`` forward
+    changes in place (replicas that saved them for backward must not see each other's writes). Its ``.grad`` is
+    replica ``i``'s row of one buffer per device and dtype, a view of an alias per device and parameter spanning the
+    rows, whose version counter counts the accumulations into that parameter's gradients on the device.
     Call :meth:`sync` before a step, :meth:`backward_done` after each backward pass through the replicas and
     :meth:`reduce` when their gradients belong on the originals.
     """
@@ -115,6 +115,11 @@ class ReplicaParameters:
         rows = [self.devices[:i].count(d) for i, d in enumerate(self.devices)]  # replica -> its row on its device
         with torch.inference_mode(False), torch.no_grad():
             self._storage = {d: groups.flats(d) for d in self._others}  # one per device and dtype
+            # Per other device, each parameter's part of its storage: the replicas there share its version counter.
+            self._parts = {
+                d: [alias(flats[p.dtype], groups.offsets[j], p.shape) for j, p in enumerate(self.params)]
+                for d, flats in self._storage.items()
+            }
             blocks = [groups.flats(d, zero=True, rows=self.devices.count(d)) for d in distinct]
             self._grads = [
                 {dtype: flat[row] for dtype, flat in blocks[k].items()}
@@ -133,20 +138,23 @@ class ReplicaParameters:
         self._pointers = list(map(_data_ptr, self.params))
         self._stamp: int | None = None  # the originals' version sum at the last copy to the other devices
         self._set_trainable(list(map(_requires_grad, self.params)))
-        self.active = 0  # how many replicas ran since the last reduction
-        self.passes = 0  # backward passes through the replicas since the last reduction
+        self.active = 0  # how many replicas ran since the last reduction (its first sync on: see _settled)
+        self._settled = True  # every gradient reduced: the next sync starts counting the replicas that run anew
 
     def _make_leaves(self, device: torch.device, renormed: Collection[int]) -> list[nn.Parameter]:
         leaves = []
         for j, p in enumerate(self.params):
-            if device == self.root and j in renormed:  # written in place in every forward: a counter of its own
-                data = alias(p, 0, p.shape, p.stride())
-            elif device == self.root:  # the original's storage and version counter: a write in a step moves it
-                data = p.detach()
-            else:
-                data = alias(self._storage[device][p.dtype], self._groups.offsets[j], p.shape)
+            # The device's storage and version counter (a write in a step by any replica there moves it), but a
+            # counter of its own for a weight written in place in every forward.
+            shared = self.shared_by(device)[j]
+            data = alias(shared, 0, shared.shape, shared.stride()) if j in renormed else shared.detach()
             leaves.append(nn.Parameter(data, requires_grad=p.requires_grad))
         return leaves
+
+    def shared_by(self, device: torch.device) -> list[Tensor]:
+        """The tensors whose storage and version counters the replicas on ``device`` share, one per parameter (the
+        originals on the root; ``renormed`` parameters' leaves have counters of their own)."""
+        return self.params if device == self.root else self._parts[device]
 
     def _set_trainable(self, trainable: list[bool]) -> None:
         self._trainable = trainable
@@ -171,8 +179,10 @@ class ReplicaParameters:
             return False
         trainable = list(map(_requires_grad, self.params))
         if trainable != self._trainable:
+            self.reduce()  # what the replicas accumulated (between micro-batches) belongs to the originals
             self._set_trainable(trainable)
-        self.active = max(self.active, n)
+        self.active = n if self._settled else max(self.active, n)
+        self._settled = False
         stamp = sum(map(_version, self.params)) if self._others else None  # no others: every replica aliases them
         if stamp != self._stamp:
             with torch.no_grad():
@@ -184,7 +194,6 @@ class ReplicaParameters:
 
     def backward_done(self) -> None:
         """A backward pass through the replicas finished (autograd accumulated into their flat gradients)."""
-        self.passes += 1
         for i, leaves in enumerate(self.leaves[: self.active]):
             if leaves and leaves[0].grad is not self._first_grads[i]:
                 raise RuntimeError(
@@ -202,19 +211,16 @@ class ReplicaParameters:
         no replica's backward reached (no gradient version counter moved) keeps its ``.grad``, as on one device. The
         originals' gradient hooks run as autograd runs them on one device: once per reduction, on the summed gradient.
         """
-        count, passes = self.active, self.passes
-        self.active = self.passes = 0
+        count = self.active  # kept: a second backward pass through a retained graph reduces the same replicas
+        self._settled = True
         if count == 0 or not self._train_index:
             return
-        replicas_on = Counter(self._slots[:count])  # device -> replicas that ran on it
-        slots = sorted(replicas_on)
+        slots = sorted(set(self._slots[:count]))
         counters, seen = self._counters(slots), [self._seen[k] for k in slots]
         if counters == seen:
             return
-        per_pass = passes * len(self._train_index)  # each replica accumulates each gradient at most once per pass
-        everywhere = passes > 0 and all(
-            sum(now) - sum(old) == per_pass * replicas_on[k] for k, now, old in zip(slots, counters, seen, strict=True)
-        )
+        reached = _reached(counters, seen)
+        everywhere = all(reached)  # every parameter has a gradient: whole buffers give each its sum
         hooked = any(map(_tensor_hooks, self._train_params)) or any(map(_post_accumulate_hooks, self._train_params))
         fast = everywhere and not hooked  # whole flat buffers at once
         grads = list(map(_grad, self._train_params))
@@ -227,7 +233,7 @@ class ReplicaParameters:
             else:
                 totals = {dtype: torch.empty_like(flat) for dtype, flat in self._root_grads.items()}
                 self._sum_into(count, totals, accumulate=False)
-                self._assign_each(totals, grads, None if everywhere else _reached(counters, seen))
+                self._assign_each(totals, grads, None if everywhere else reached)
             torch._foreach_zero_([flat for flats in self._grads[:count] for flat in flats.values()])
         for k, now in zip(slots, counters, strict=True):  # zeroing the rows leaves the counting aliases' counters alone
             self._seen[k] = now

@@ -7,6 +7,7 @@ import itertools
 import operator
 import threading
 import weakref
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -229,7 +230,7 @@ class ReplicaSet:
             for i in range(n):
                 if not self._sharing[i]:
                     self._point(i, self._params, sharing=True)  # back to the original parameters
-            self._run = _Run(self._places, self._checked_params if n > 1 else [], n, _SEQUENTIAL)
+            self._run = _Run(self._places, self._checked_params if n > 1 else [], [n], _SEQUENTIAL)
         else:
             self._own_parameters(n)
             self._owning = True
@@ -237,10 +238,13 @@ class ReplicaSet:
         return self.replicas[:n]
 
     def _start_leaf_run(self, n: int) -> None:
-        """A run on the replicas' own leaves; those on the root share the originals' storage and version counters (a
-        write by any of them moves the original's counter)."""
-        on_root = sum(1 for d in self.devices[:n] if d == self._root)
-        self._run = _Run(self._places, self._checked_params if on_root > 1 else [], on_root, _THREADS)
+        """A run on the replicas' own leaves: those on one device share its copy of the parameters and, per parameter,
+        one version counter (:meth:`.flat_replicas.ReplicaParameters.shared_by`), read before and after the step."""
+        assert self._flat is not None
+        counts = Counter(self.devices[:n])
+        shared = [d for d, count in counts.items() if count > 1]
+        tensors = [t for d in shared for t in map(self._flat.shared_by(d).__getitem__, self._checked)]
+        self._run = _Run(self._places, tensors, [counts[d] for d in shared], _THREADS)
 
     def _end_run(self, adopt: bool) -> _Run | None:
         """Stop recording the run in progress; ``adopt``: buffers it rebound take replica 0's value."""
@@ -257,7 +261,8 @@ class ReplicaSet:
         run = self._end_run(adopt=True)
         written = None if run is None else run.written()
         if written is not None:
-            raise RuntimeError(self._applied_per_replica(self._checked[written], run))
+            block, k = divmod(written, len(self._checked))
+            raise RuntimeError(self._applied_per_replica(self._checked[k], run.counts[block], run.how))
         if not self._owning or not torch.is_grad_enabled():
             return  # replicas that hold the original parameters need no reduction
         for output in outputs:
@@ -285,12 +290,12 @@ class ReplicaSet:
         if self._flat is not None:
             self._flat.reduce()
 
-    def _applied_per_replica(self, j: int, run: _Run) -> str:
+    def _applied_per_replica(self, j: int, count: int, how: str) -> str:
         names = {id(p): name for name, p in self.module.named_parameters(remove_duplicate=False)}
         return (
             f"The step changed parameter `{names.get(id(self._params[j]), j)}` in place (under torch.no_grad() or "
-            f"with copy_: e.g. an EMA update of a key, target or teacher network), and {run.count} replicas hold that "
-            f"parameter's storage together ({run.how}), so the change ran once per replica, not once per step. Make "
+            f"with copy_: e.g. an EMA update of a key, target or teacher network), and {count} replicas hold that "
+            f"parameter's storage together ({how}), so the change ran once per replica, not once per step. Make "
             "it once per step, outside the replicated call: in the LightningModule's `on_train_batch_end` hook (it "
             "runs once, on the root module), or, with DataParallelModel, after the DataParallelModel call."
         )
@@ -409,7 +414,7 @@ class ReplicaSet:
 
 
 _SEQUENTIAL = "they run one after another on the parameters' device, on the original parameters"
-_THREADS = "they run in threads on the parameters' device, over the original parameters' storage"
+_THREADS = "they run in threads, and those on one device share its copy of the parameters"
 _version = operator.attrgetter("_version")
 _runs: tuple[weakref.ref[_Run], ...] = ()  # in progress (replica sets may nest, or run in threads)
 _runs_lock = threading.RLock()  # re-entered by _forget when the collector drops a run inside a locked section
@@ -434,13 +439,13 @@ def _on_buffer(module: nn.Module, name: str, value: Tensor | None) -> None:
 
 
 class _Run:
-    """One step's replicas at work: ``shared`` (originals whose storage several replicas hold, and whose version
-    counters those replicas' own leaves share) must keep their ``versions``; the buffers they rebind are recorded by
-    torch's global buffer registration hook, installed while runs are in progress."""
+    """One step's replicas at work: ``shared`` (tensors whose storage and version counters several replicas hold, in
+    blocks of as many, ``counts[b]`` replicas holding block ``b``) must keep their ``versions``; the buffers they rebind
+    are recorded by torch's global buffer registration hook, installed while runs are in progress."""
 
-    def __init__(self, places: dict[int, tuple[int, int]], shared: list[Tensor], count: int, how: str) -> None:
+    def __init__(self, places: dict[int, tuple[int, int]], shared: list[Tensor], counts: list[int], how: str) -> None:
         global _runs
-        self.places, self.shared, self.count, self.how = places, shared, count, how
+        self.places, self.shared, self.counts, self.how = places, shared, counts, how
         self.versions = list(map(_version, shared))
         self.rebound: set[tuple[int, int, str]] = set()  # (replica, position, buffer name)
         with _runs_lock:  # in progress first, then the hook: a _forget in between must see this run

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from lightning_mgpu.parallel import DataParallelCriterion, DataParallelModel, ReplicaSet
+from lightning_mgpu.parallel import replicas as replicas_module
 from lightning_mgpu.parallel.flat_replicas import DtypeGroups, ReplicaBuffers, ReplicaParameters
 
 CPU = torch.device("cpu")
@@ -147,16 +148,47 @@ def test_a_parameter_reached_with_an_exactly_zero_gradient_gets_zeros_not_none()
 
 
 def test_one_counter_per_device_and_parameter_counts_every_replica_on_that_device():
-    """Replicas sharing a device share one gradient version counter per parameter: the whole-buffer path needs every
-    replica on the device to have reached every parameter, not as many accumulations as one replica makes."""
-    params = [nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))]
+    """Replicas sharing a device share one gradient version counter per parameter: a parameter no replica reached keeps
+    ``None``, however many accumulations the others made (a layer reused under reentrant checkpointing accumulates
+    several times in one backward pass)."""
+    params = [nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))]
     flat = ReplicaParameters(params, [CPU, CPU, OTHER, OTHER], CPU)
     flat.sync(4)
-    for i in range(4):  # as many accumulations per device as one replica reaching both parameters would make
-        flat.leaves[i][0].sum().backward()  # parameter 1: no replica reaches it
+    for i, times in enumerate([2, 1, 2, 1]):  # per device, as many accumulations as 2 replicas reaching all 3 make
+        for _ in range(times):  # nested backward passes inside one counted pass; nobody reaches parameter 2
+            (flat.leaves[i][0].sum() + flat.leaves[i][1].sum()).backward()
     flat.backward_done()
     flat.reduce()
-    assert torch.equal(params[0].grad, torch.full((2,), 4.0)) and params[1].grad is None
+    assert torch.equal(params[0].grad, torch.full((2,), 6.0)) and torch.equal(params[1].grad, torch.full((2,), 6.0))
+    assert params[2].grad is None
+
+
+def test_a_second_backward_through_a_retained_graph_reaches_the_originals_at_once():
+    params = [nn.Parameter(torch.ones(2))]
+    flat = ReplicaParameters(params, [CPU, OTHER], CPU)
+    flat.sync(2)
+    loss = sum(leaves[0].pow(2).sum() for leaves in flat.leaves)
+    loss.backward(retain_graph=True)
+    flat.backward_done()
+    flat.reduce()
+    loss.backward()
+    flat.backward_done()
+    flat.reduce()
+    assert torch.equal(params[0].grad, torch.full((2,), 8.0))  # 2 replicas x 2 passes x d(x^2)/dx at 1
+
+
+def test_requires_grad_flipped_between_accumulated_micro_batches_keeps_their_gradients():
+    params = [nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))]
+    flat = ReplicaParameters(params, [CPU, CPU], CPU)
+    flat.sync(2)
+    _backward(flat, [1.0, 2.0])  # micro-batch 1, not reduced yet (accumulating)
+    flat.backward_done()
+    params[1].requires_grad_(False)
+    flat.sync(2)
+    _backward(flat, [1.0, 1.0], used=[0])
+    flat.backward_done()
+    flat.reduce()
+    assert torch.equal(params[0].grad, torch.full((2,), 5.0)) and torch.equal(params[1].grad, torch.full((2,), 3.0))
 
 
 def test_leaves_on_the_root_share_the_originals_version_counters():
@@ -358,6 +390,26 @@ class Tied(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(torch.tanh(self.mid(self.emb(x)))).mean(1)[:, :3]
+
+
+@pytest.mark.parametrize("devices", [CPU3, [CPU, OTHER]])
+def test_two_backward_passes_through_a_retained_graph_equal_one_device(devices, monkeypatch):
+    monkeypatch.setattr(replicas_module, "to_device", lambda d: d if isinstance(d, torch.device) else torch.device(d))
+    grads = []
+    for parallel in (False, True):
+        model = mlp()
+        net = DataParallelModel(model, devices, execution_mode="threads") if parallel else model
+        criterion = DataParallelCriterion(nn.CrossEntropyLoss(), devices) if parallel else nn.CrossEntropyLoss()
+        for step in range(2):
+            x, y = batch(seed=step)
+            loss = criterion(net(x), y)
+            loss.backward(retain_graph=True)
+            loss.backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+            model.zero_grad()
+    for ours, reference in zip(grads[2:], grads[:2], strict=True):
+        for a, b in zip(ours, reference, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 
 
 def test_tied_weights_equal_one_device():

@@ -191,6 +191,16 @@ def test_replicas_with_their_own_copies_update_as_one_device(how, mode, monkeypa
         assert leaf.data_ptr() == original.data_ptr()  # replica 0 still works on the originals
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_two_replicas_sharing_another_devices_copy_raise(mode, monkeypatch):
+    """Replicas 1 and 2 share the other device's copy: the update would run twice on it (once per replica there)."""
+    distinct_devices(monkeypatch)
+    replica_set = ReplicaSet(KeyEncoder("in place"), [CPU, OTHER, OTHER])
+    net = run_on(replica_set, [CPU, OTHER, OTHER], mode)
+    with pytest.raises(RuntimeError, match=r"parameter `key\.weight` in place.*2 replicas hold.*in threads"):
+        net(batch())
+
+
 class Renormed(nn.Module):
     """An embedding that renormalises the rows it looks up in place, in every forward (untied: only lookups read it)."""
 
