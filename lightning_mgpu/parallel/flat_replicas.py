@@ -219,8 +219,12 @@ class ReplicaParameters:
         counters, seen = self._counters(slots), [self._seen[k] for k in slots]
         if counters == seen:
             return
-        reached = _reached(counters, seen)
-        everywhere = all(reached)  # every parameter has a gradient: whole buffers give each its sum
+        reached: list[bool] | None = (
+            None  # every parameter reached by some replica, as replica 0's device usually shows at C speed
+        )
+        if not all(map(operator.ne, counters[0], seen[0])):
+            reached = _reached(counters, seen)
+        everywhere = reached is None or all(reached)  # every parameter has a gradient: whole buffers give each its sum
         hooked = any(map(_tensor_hooks, self._train_params)) or any(map(_post_accumulate_hooks, self._train_params))
         fast = everywhere and not hooked  # whole flat buffers at once
         grads = list(map(_grad, self._train_params))
