@@ -219,9 +219,8 @@ class ReplicaParameters:
         counters, seen = self._counters(slots), [self._seen[k] for k in slots]
         if counters == seen:
             return
-        reached: list[bool] | None = (
-            None  # every parameter reached by some replica, as replica 0's device usually shows at C speed
-        )
+        # None: every parameter reached by some replica, as replica 0's device usually shows at C speed.
+        reached: list[bool] | None = None
         if not all(map(operator.ne, counters[0], seen[0])):
             reached = _reached(counters, seen)
         everywhere = reached is None or all(reached)  # every parameter has a gradient: whole buffers give each its sum
