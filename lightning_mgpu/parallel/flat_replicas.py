@@ -204,12 +204,18 @@ class ReplicaParameters:
                     "create_graph through the replicas."
                 )
 
-    def reduce(self) -> None:
+    @property
+    def pending(self) -> bool:
+        """Replicas ran since the last reduction: what they accumulated, if anything, is not on the originals yet."""
+        return not self._settled
+
+    def reduce(self, run_hooks: bool = True) -> None:
         """Add the replicas' gradients onto the originals' ``.grad`` and zero the replicas' flat gradients.
 
         Order: per device its replicas, then the devices, each moved to the root with one copy per dtype. A parameter
         no replica's backward reached (no gradient version counter moved) keeps its ``.grad``, as on one device. The
-        originals' gradient hooks run as autograd runs them on one device: once per reduction, on the summed gradient.
+        originals' gradient hooks run as autograd runs them on one device: once per reduction, on the summed gradient
+        (``run_hooks=False``: gradients of backward passes that ran before the hooks existed).
         """
         count = self.active  # kept: a second backward pass through a retained graph reduces the same replicas
         self._settled = True
@@ -224,7 +230,8 @@ class ReplicaParameters:
         if not all(map(operator.ne, counters[0], seen[0])):
             reached = _reached(counters, seen)
         everywhere = reached is None or all(reached)  # every parameter has a gradient: whole buffers give each its sum
-        hooked = any(map(_tensor_hooks, self._train_params)) or any(map(_post_accumulate_hooks, self._train_params))
+        params = self._train_params
+        hooked = run_hooks and (any(map(_tensor_hooks, params)) or any(map(_post_accumulate_hooks, params)))
         fast = everywhere and not hooked  # whole flat buffers at once
         grads = list(map(_grad, self._train_params))
         with torch.no_grad():
@@ -236,7 +243,7 @@ class ReplicaParameters:
             else:
                 totals = {dtype: torch.empty_like(flat) for dtype, flat in self._root_grads.items()}
                 self._sum_into(count, totals, accumulate=False)
-                self._assign_each(totals, grads, None if everywhere else reached)
+                self._assign_each(totals, grads, None if everywhere else reached, hooked)
             torch._foreach_zero_([flat for flats in self._grads[:count] for flat in flats.values()])
         for k, now in zip(slots, counters, strict=True):  # zeroing the rows leaves the counting aliases' counters alone
             self._seen[k] = now
@@ -260,17 +267,17 @@ class ReplicaParameters:
                     targets[dtype].add_(flat)
 
     def _assign_each(
-        self, totals: dict[torch.dtype, Tensor], grads: list[Tensor | None], reached: list[bool] | None
+        self, totals: dict[torch.dtype, Tensor], grads: list[Tensor | None], reached: list[bool] | None, hooked: bool
     ) -> None:
         """The general case, one parameter at a time: ``.grad`` set by someone else, parameters not every replica's
-        backward reached (skipped where ``reached`` says none did), or gradient hooks to run as ``AccumulateGrad``
-        does: tensor hooks on the incoming gradient, then post-accumulate hooks."""
+        backward reached (skipped where ``reached`` says none did), or, when ``hooked``, gradient hooks to run as
+        ``AccumulateGrad`` does: tensor hooks on the incoming gradient, then post-accumulate hooks."""
         hits = repeat(True) if reached is None else reached
         for j, p, grad, hit in zip(self._train_index, self._train_params, grads, hits, strict=False):
             if not hit:
                 continue
             part = self._groups.view(totals, j)
-            for hook in (p._backward_hooks or {}).values():
+            for hook in (p._backward_hooks or {}).values() if hooked else ():
                 result = hook(part)
                 part = part if result is None else result
             view = self._root_views[j]
@@ -281,7 +288,7 @@ class ReplicaParameters:
                 view.add_(part)
             else:
                 grad.add_(part.to(grad.dtype))
-            for hook in (p._post_accumulate_grad_hooks or {}).values():
+            for hook in (p._post_accumulate_grad_hooks or {}).values() if hooked else ():
                 hook(p)
 
 

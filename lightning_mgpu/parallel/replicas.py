@@ -284,11 +284,17 @@ class ReplicaSet:
         if not self.defer_reduction:
             self.reduce_gradients()
 
-    def reduce_gradients(self) -> None:
+    def reduce_gradients(self, run_hooks: bool = True) -> None:
         """Add the replicas' gradients accumulated since the last reduction onto the originals' ``.grad`` (runs by
-        itself at the end of every backward pass unless :attr:`defer_reduction` is set, e.g. while accumulating)."""
+        itself at the end of every backward pass unless :attr:`defer_reduction` is set, e.g. while accumulating).
+        ``run_hooks=False``: the gradients come from backward passes that ran before the originals had hooks."""
         if self._flat is not None:
-            self._flat.reduce()
+            self._flat.reduce(run_hooks)
+
+    @property
+    def pending(self) -> bool:
+        """Replicas with their own parameters ran since the last reduction (their gradients may wait for one)."""
+        return self._flat is not None and self._flat.pending
 
     def _applied_per_replica(self, j: int, count: int, how: str) -> str:
         names = {id(p): name for name, p in self.module.named_parameters(remove_duplicate=False)}

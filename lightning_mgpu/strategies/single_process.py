@@ -243,6 +243,19 @@ class SingleProcessParallel:
         super().teardown()  # type: ignore[misc]  # a mixin: ParallelStrategy is next in the MRO
 
     @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        def closure_then_reduce() -> Any:
+            result = closure()
+            # A last micro-batch that skipped its backward pass (training_step returned None) left the reduction of
+            # the earlier ones waiting; their backward passes ran while no hook read them (else none would wait).
+            for replicas in self._replicas.values():
+                if replicas.replica_set.pending:
+                    replicas.replica_set.reduce_gradients(run_hooks=False)
+            return result
+
+        return super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)  # type: ignore[misc]  # mixin
+
+    @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         try:
             return super().backward(closure_loss, optimizer, *args, **kwargs)  # type: ignore[misc]  # mixin
@@ -293,7 +306,12 @@ class SingleProcessParallel:
         self._replicated_on = replicas.devices[:count]
         # Accumulating: replicas keep their gradients until the last backward pass, unless something reads them between.
         root = self.lightning_module
-        replicas.replica_set.defer_reduction = (
+        replica_set = replicas.replica_set
+        if replica_set.defer_reduction and self._reads_gradients_between_backward_passes(root):
+            # A hook arrived (on_train_batch_start) after the backward passes whose reduction waits: on one device their
+            # gradients reached .grad without it.
+            replica_set.reduce_gradients(run_hooks=False)
+        replica_set.defer_reduction = (
             root._current_fx_name == "training_step"
             and root.automatic_optimization
             and root.trainer.fit_loop.epoch_loop._should_accumulate()

@@ -94,10 +94,10 @@ def test_gradient_accumulation_reduces_once_per_optimizer_step_and_equals_one_de
 
     original = flat_replicas.ReplicaParameters.reduce
 
-    def counted(self: Any) -> None:
+    def counted(self: Any, run_hooks: bool = True) -> None:
         if self.active:
             _REDUCTIONS[0] += 1
-        original(self)
+        original(self, run_hooks)
 
     monkeypatch.setattr(flat_replicas.ReplicaParameters, "reduce", counted)
     _REDUCTIONS[0] = 0
@@ -143,6 +143,43 @@ def test_gradient_hooks_and_on_after_backward_see_what_one_device_sees_in_thread
     assert multi.norms == pytest.approx(single.norms, abs=1e-10, rel=0) and len(multi.norms) == 6
     assert multi.hook_calls == single.hook_calls == 6
     assert torch.equal(multi.net[0].weight[:4], base.net[0].weight[:4])  # the hook froze them on every device
+
+
+class SkipsLastMicroBatch(Classifier):
+    """Returns None from the last micro-batch of every accumulation window of 3: the optimizer still steps, on the
+    gradients of the window's first two micro-batches (reduced after the skipped one, not lost into the next window)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        return None if batch_idx % 3 == 2 else super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_skipped_last_micro_batch_keeps_the_windows_gradients_as_on_one_device(strategy):
+    base = seeded(SkipsLastMicroBatch)
+    single, multi = clone(base), clone(base)
+    kwargs = dict(max_epochs=1, limit_val_batches=0, accumulate_grad_batches=3)
+    trainer("auto", 1, **kwargs).fit(single, loader(4, n=36))
+    trainer(_threads(strategy), 3, **kwargs).fit(multi, loader(4, n=36))
+    torch.testing.assert_close(flat_params(multi), flat_params(single), rtol=0, atol=1e-10)
+
+
+class HookedMidWindow(Classifier):
+    """Registers a gradient hook (doubling) on the second micro-batch of the first accumulation window: on one device
+    it acts on the later backward passes only."""
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if batch_idx == 1:
+            self.net[0].weight.register_hook(lambda grad: grad * 2)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_hook_registered_inside_an_accumulation_window_acts_on_later_backward_passes_only(strategy):
+    base = seeded(HookedMidWindow)
+    single, multi = clone(base), clone(base)
+    kwargs = dict(max_epochs=1, limit_val_batches=0, accumulate_grad_batches=2)
+    trainer("auto", 1, **kwargs).fit(single, loader(4, n=24))
+    trainer(_threads(strategy), 3, **kwargs).fit(multi, loader(4, n=24))
+    torch.testing.assert_close(flat_params(multi), flat_params(single), rtol=0, atol=1e-10)
 
 
 class CountsBuilds(Classifier):
