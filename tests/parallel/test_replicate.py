@@ -211,3 +211,29 @@ def test_rnn_and_parametrized_modules():
     assert all(
         w is getattr(original, n) for w, n in zip(original._flat_weights, original._flat_weights_names, strict=True)
     )
+
+
+def test_gradients_with_respect_to_the_parameters_through_autograd_grad_need_linked_replicas():
+    """What the README says: replicas with their own parameters (threads) sum their gradients onto ``.grad``, so
+    ``autograd.grad`` w.r.t. the originals finds no path; ``replicate()`` per call links them, ``create_graph`` too."""
+    import lightning_mgpu
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    x, y = torch.randn(10, 4, dtype=torch.float64), torch.randint(0, 3, (10,))
+    params = list(net.parameters())
+    reference = torch.autograd.grad(nn.functional.cross_entropy(net(x), y), params, create_graph=True)
+    devices = [torch.device("cpu")] * 3
+    replicas = lightning_mgpu.replicate(net, devices)
+    chunks = lightning_mgpu.scatter(x, devices)
+    outputs = lightning_mgpu.run_replicas(
+        [lambda r=r, c=c: r(c) for r, c in zip(replicas, chunks, strict=True)], devices, "threads"
+    )
+    grads = torch.autograd.grad(nn.functional.cross_entropy(torch.cat(outputs), y), params, create_graph=True)
+    for got, expected in zip(grads, reference, strict=True):
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+        assert got.requires_grad  # differentiable again (GradNorm, gradient penalties on the parameters)
+    model = DataParallelModel(net, devices, execution_mode="threads")
+    criterion = DataParallelCriterion(nn.CrossEntropyLoss(), devices)
+    with pytest.raises(RuntimeError, match="not have been used in the graph"):
+        torch.autograd.grad(criterion(model(x), y), params)
