@@ -4,6 +4,7 @@ operations per device, whatever the model's depth."""
 from __future__ import annotations
 
 import operator
+import sys
 from collections import deque
 from collections.abc import Collection, Sequence
 from itertools import repeat
@@ -13,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 _version = operator.attrgetter("_version")
+_OWN_REFERENCES = 3  # of a root view: _root_views, _train_views, and sys.getrefcount's argument
 _requires_grad = operator.attrgetter("requires_grad")
 _grad = operator.attrgetter("grad")
 _tensor_hooks = operator.attrgetter("_backward_hooks")
@@ -110,6 +112,7 @@ class ReplicaParameters:
         self.root = root
         self._groups = groups = DtypeGroups(self.params)
         self._others = list(dict.fromkeys(d for d in self.devices if d != root))
+        self._train_index: list[int] = []  # set by _set_trainable
         distinct = list(dict.fromkeys(self.devices))
         self._slots = [distinct.index(d) for d in self.devices]  # replica -> its device's place in ``distinct``
         rows = [self.devices[:i].count(d) for i, d in enumerate(self.devices)]  # replica -> its row on its device
@@ -126,20 +129,17 @@ class ReplicaParameters:
                 for k, row in zip(self._slots, rows, strict=True)
             ]
             self._counted = [[groups.columns(block, j) for j in range(len(self.params))] for block in blocks]
-            self._root_grads = groups.flats(root)
             self.leaves = [self._make_leaves(d, renormed) for d in self.devices]
             for i, leaves in enumerate(self.leaves):
                 for j, (p, leaf) in enumerate(zip(self.params, leaves, strict=True)):
                     leaf.grad = self._counted[self._slots[i]][j][rows[i]].view(p.shape)
-            self._root_views = [
-                alias(self._root_grads[p.dtype], groups.offsets[j], p.shape) for j, p in enumerate(self.params)
-            ]
+            self._new_root_grads()
         self._first_grads = [leaves[0].grad if leaves else None for leaves in self.leaves]
         self._pointers = list(map(_data_ptr, self.params))
         self._stamp: int | None = None  # the originals' version sum at the last copy to the other devices
         self._set_trainable(list(map(_requires_grad, self.params)))
-        self.active = 0  # how many replicas ran since the last reduction (its first sync on: see _settled)
-        self._settled = True  # every gradient reduced: the next sync starts counting the replicas that run anew
+        self.active = 0  # how many replicas have run: a backward pass through an older graph may reach any of them
+        self._settled = True  # no replica ran since the last reduction
 
     def _make_leaves(self, device: torch.device, renormed: Collection[int]) -> list[nn.Parameter]:
         leaves = []
@@ -150,6 +150,15 @@ class ReplicaParameters:
             data = alias(shared, 0, shared.shape, shared.stride()) if j in renormed else shared.detach()
             leaves.append(nn.Parameter(data, requires_grad=p.requires_grad))
         return leaves
+
+    def _new_root_grads(self) -> None:
+        """The originals' ``.grad`` to be: views of one flat buffer per dtype on the root, reused from step to step."""
+        with torch.inference_mode(False), torch.no_grad():
+            self._root_grads = self._groups.flats(self.root)
+            self._root_views = [
+                alias(self._root_grads[p.dtype], self._groups.offsets[j], p.shape) for j, p in enumerate(self.params)
+            ]
+        self._train_views = [self._root_views[j] for j in self._train_index]
 
     def shared_by(self, device: torch.device) -> list[Tensor]:
         """The tensors whose storage and version counters the replicas on ``device`` share, one per parameter (the
@@ -181,7 +190,7 @@ class ReplicaParameters:
         if trainable != self._trainable:
             self.reduce()  # what the replicas accumulated (between micro-batches) belongs to the originals
             self._set_trainable(trainable)
-        self.active = n if self._settled else max(self.active, n)
+        self.active = max(self.active, n)
         self._settled = False
         stamp = sum(map(_version, self.params)) if self._others else None  # no others: every replica aliases them
         if stamp != self._stamp:
@@ -217,7 +226,7 @@ class ReplicaParameters:
         originals' gradient hooks run as autograd runs them on one device: once per reduction, on the summed gradient
         (``run_hooks=False``: gradients of backward passes that ran before the hooks existed).
         """
-        count = self.active  # kept: a second backward pass through a retained graph reduces the same replicas
+        count = self.active
         self._settled = True
         if count == 0 or not self._train_index:
             return
@@ -234,6 +243,12 @@ class ReplicaParameters:
         hooked = run_hooks and (any(map(_tensor_hooks, params)) or any(map(_post_accumulate_hooks, params)))
         fast = everywhere and not hooked  # whole flat buffers at once
         grads = list(map(_grad, self._train_params))
+        # Views that .grad dropped (zero_grad(set_to_none=True)) but something still holds (gradients kept across
+        # backward passes, as PCGrad keeps them): this step's gradients go to new tensors, as on one device.
+        if any(map(operator.is_, grads, repeat(None))) and any(
+            map(operator.gt, map(sys.getrefcount, self._train_views), repeat(_OWN_REFERENCES))
+        ):
+            self._new_root_grads()
         with torch.no_grad():
             if fast and all(map(operator.is_, grads, repeat(None))):  # after zero_grad(set_to_none=True)
                 deque(map(setattr, self._train_params, repeat("grad"), self._train_views), maxlen=0)

@@ -8,7 +8,7 @@ import operator
 import threading
 import weakref
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
 import torch
@@ -21,7 +21,7 @@ from lightning_mgpu.parallel.devices import DeviceLike, to_device
 from lightning_mgpu.parallel.flat_replicas import DtypeGroups, ReplicaBuffers, ReplicaParameters, Slot
 from lightning_mgpu.parallel.library_hooks import install_output_capturing_hooks
 from lightning_mgpu.parallel.run_replicas import ExecutionMode, resolve_mode
-from lightning_mgpu.parallel.scatter_gather import iter_tensors
+from lightning_mgpu.parallel.scatter_gather import is_dataclass_instance, iter_nodes
 from lightning_mgpu.parallel.sync_batchnorm import SyncBatchNorm, uses_sync_batchnorm
 
 _NEVER_SYNCED = frozenset({"_parameters", "_buffers", "_modules", "_is_replica", "_compiled_call_impl", "forward"})
@@ -79,6 +79,7 @@ class ReplicaSet:
         self._end_run(adopt=True)  # a step that raised before watch(): keep what replica 0 rebound
         install_output_capturing_hooks(self.module)  # before the copies: each would install them again
         self._originals = _walk(self.module, self._shared)
+        self._hooked_leaves: dict[int, weakref.ref[Tensor]] = {}  # outputs that are replica parameters
         _check_initialized(self.module, self._originals)
         self._position = {id(m): k for k, m in enumerate(self._originals)}
         self._params = _unique(p for m in self._originals for p in m._parameters.values() if p is not None)
@@ -265,10 +266,13 @@ class ReplicaSet:
             raise RuntimeError(self._applied_per_replica(self._checked[k], run.counts[block], run.how))
         if not self._owning or not torch.is_grad_enabled():
             return  # replicas that hold the original parameters need no reduction
-        for output in outputs:
-            for _, tensor in iter_tensors(output):
-                if tensor.requires_grad:
-                    tensor.register_hook(self._on_gradient)
+        for tensor in _differentiable(outputs):
+            if tensor.grad_fn is None:  # a replica parameter returned as is keeps its hook: once
+                known = self._hooked_leaves.get(id(tensor))
+                if known is not None and known() is tensor:
+                    continue
+                self._hooked_leaves[id(tensor)] = weakref.ref(tensor)
+            tensor.register_hook(self._on_gradient)
 
     def _on_gradient(self, grad: Tensor) -> None:
         with self._queue_lock:
@@ -510,6 +514,23 @@ def _to_device_coalesced(tensors: Sequence[Tensor], device: torch.device) -> lis
 
 
 _UNWATCHED = (None,) * 8
+_NOT_OPAQUE = (type, Mapping, list, tuple, torch.dtype, torch.device)  # containers iter_nodes opens, or no tensors
+
+
+def _differentiable(outputs: Any, depth: int = 3) -> Iterator[Tensor]:
+    """Tensors that require grad in ``outputs``: in containers, and in the attributes of other objects (a
+    ``torch.distributions`` object's parameters), ``depth`` objects deep."""
+    for _, node in iter_nodes(outputs, "output"):
+        if isinstance(node, Tensor):
+            if node.requires_grad:
+                yield node
+        elif (
+            depth
+            and hasattr(node, "__dict__")
+            and not isinstance(node, _NOT_OPAQUE)
+            and not is_dataclass_instance(node)
+        ):
+            yield from _differentiable(vars(node), depth - 1)
 
 
 def _walk(module: nn.Module, shared: Callable[[nn.Module], bool] | None = None) -> list[nn.Module]:

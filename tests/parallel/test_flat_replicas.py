@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import gc
+from typing import Any
 
 import pytest
 import torch
@@ -175,6 +176,50 @@ def test_a_second_backward_through_a_retained_graph_reaches_the_originals_at_onc
     flat.backward_done()
     flat.reduce()
     assert torch.equal(params[0].grad, torch.full((2,), 8.0))  # 2 replicas x 2 passes x d(x^2)/dx at 1
+
+
+def test_a_graph_of_more_replicas_than_the_last_step_used_reduces_them_all():
+    """A backward pass through an older graph (3 replicas) after a reduction and a step with fewer replicas (2)."""
+    params = [nn.Parameter(torch.ones(2))]
+    flat = ReplicaParameters(params, [CPU, CPU, OTHER], CPU)
+    flat.sync(3)
+    older = sum(leaves[0].sum() for leaves in flat.leaves)
+    flat.reduce()
+    flat.sync(2)
+    (older + sum(leaves[0].sum() for leaves in flat.leaves[:2])).backward()
+    flat.backward_done()
+    flat.reduce()
+    assert torch.equal(params[0].grad, torch.full((2,), 5.0))
+    assert all(float(flat.leaves[i][0].grad.abs().sum()) == 0 for i in range(3))  # nothing left for the next step
+
+
+def test_gradients_kept_across_zero_grad_keep_their_values_and_others_reuse_the_buffer():
+    """``.grad`` are views of one flat buffer reused from step to step; one that something still holds after
+    ``zero_grad(set_to_none=True)`` (PCGrad keeps each task's gradients) is not written again: new tensors instead."""
+    params = [nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(3))]
+    flat = ReplicaParameters(params, [CPU, CPU], CPU)
+    for scale in (1.0, 2.0):  # nothing kept: the same buffer
+        flat.sync(2)
+        _backward(flat, [scale, scale])
+        flat.backward_done()
+        flat.reduce()
+        first = flat._root_grads
+        for p in params:
+            p.grad = None
+    flat.sync(2)
+    _backward(flat, [1.0, 1.0])
+    flat.backward_done()
+    flat.reduce()
+    assert flat._root_grads is first
+    kept = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    flat.sync(2)
+    _backward(flat, [3.0, 3.0])
+    flat.backward_done()
+    flat.reduce()
+    assert flat._root_grads is not first
+    assert torch.equal(kept[0], torch.full((2,), 2.0)) and torch.equal(params[0].grad, torch.full((2,), 6.0))
 
 
 def test_requires_grad_flipped_between_accumulated_micro_batches_keeps_their_gradients():
@@ -410,6 +455,54 @@ def test_two_backward_passes_through_a_retained_graph_equal_one_device(devices, 
     for ours, reference in zip(grads[2:], grads[:2], strict=True):
         for a, b in zip(ours, reference, strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+class GaussianPolicy(nn.Module):
+    """Returns a ``torch.distributions.Normal`` (an RL policy head), or, with ``scale_out``, its mean and its log-std
+    parameter as it is (as CLIP returns its logit scale)."""
+
+    def __init__(self, scale_out: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.scale_out = scale_out
+        self.mean = nn.Linear(4, 2).double()
+        self.log_std = nn.Parameter(torch.zeros(2, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> Any:
+        if self.scale_out:
+            return self.mean(x), self.log_std
+        return torch.distributions.Normal(self.mean(x), self.log_std.exp())
+
+
+def nll(dist: torch.distributions.Normal, target: torch.Tensor) -> torch.Tensor:
+    return -dist.log_prob(target).mean()
+
+
+def scaled(mean: torch.Tensor, log_std: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nll(torch.distributions.Normal(mean, log_std.exp()), target)
+
+
+@pytest.mark.parametrize("scale_out", [False, True])
+def test_outputs_holding_tensors_in_attributes_or_parameters_reach_the_gradients(scale_out):
+    """Tensors inside other objects (a distribution) are found; a parameter returned as it is gets one hook, not one
+    per step."""
+    reference, model = GaussianPolicy(scale_out), GaussianPolicy(scale_out)
+    loss = scaled if scale_out else nll
+    net = DataParallelModel(model, CPU3, execution_mode="threads")
+    criterion = DataParallelCriterion(loss, CPU3, weight_fn=lambda output, targets: len(targets[0]))
+    for step in range(4):
+        x, y = batch(seed=step)
+        target = y.double().unsqueeze(1).expand(-1, 2)
+        out = reference(x)
+        (loss(*out, target) if scale_out else loss(out, target)).backward()
+        criterion(net(x), target).backward()
+        for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-12)
+            a.grad = b.grad = None
+    replica_set = net._replicas.values()[0]
+    j = next(k for k, p in enumerate(replica_set._params) if p is model.log_std)
+    hooks = [len(replica[j]._backward_hooks or {}) for replica in replica_set._flat.leaves]
+    assert hooks == ([1, 1, 1] if scale_out else [0, 0, 0])
 
 
 def test_tied_weights_equal_one_device():
