@@ -198,28 +198,19 @@ def test_gradients_kept_across_zero_grad_keep_their_values_and_others_reuse_the_
     ``zero_grad(set_to_none=True)`` (PCGrad keeps each task's gradients) is not written again: new tensors instead."""
     params = [nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(3))]
     flat = ReplicaParameters(params, [CPU, CPU], CPU)
-    for scale in (1.0, 2.0):  # nothing kept: the same buffer
+    buffers, kept = [], []
+    for step, scale in enumerate((1.0, 2.0, 3.0)):  # .grad kept after the second step only
         flat.sync(2)
         _backward(flat, [scale, scale])
         flat.backward_done()
         flat.reduce()
-        first = flat._root_grads
+        buffers.append(flat._root_grads)
+        if step == 1:
+            kept = [p.grad for p in params]
         for p in params:
-            p.grad = None
-    flat.sync(2)
-    _backward(flat, [1.0, 1.0])
-    flat.backward_done()
-    flat.reduce()
-    assert flat._root_grads is first
-    kept = [p.grad for p in params]
-    for p in params:
-        p.grad = None
-    flat.sync(2)
-    _backward(flat, [3.0, 3.0])
-    flat.backward_done()
-    flat.reduce()
-    assert flat._root_grads is not first
-    assert torch.equal(kept[0], torch.full((2,), 2.0)) and torch.equal(params[0].grad, torch.full((2,), 6.0))
+            p.grad = None if step < 2 else p.grad
+    assert buffers[1] is buffers[0] and buffers[2] is not buffers[1]
+    assert torch.equal(kept[0], torch.full((2,), 4.0)) and torch.equal(params[0].grad, torch.full((2,), 6.0))
 
 
 def test_requires_grad_flipped_between_accumulated_micro_batches_keeps_their_gradients():
