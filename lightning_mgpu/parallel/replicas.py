@@ -514,7 +514,7 @@ def _to_device_coalesced(tensors: Sequence[Tensor], device: torch.device) -> lis
 
 
 _UNWATCHED = (None,) * 8
-_NOT_OPAQUE = (type, Mapping, list, tuple, torch.dtype, torch.device)  # containers iter_nodes opens, or no tensors
+_NOT_OPAQUE = (type, Mapping, list, tuple, torch.dtype, torch.device, nn.Module)  # opened, tensorless, or a model
 
 
 def _differentiable(outputs: Any, depth: int = 3) -> Iterator[Tensor]:
