@@ -14,13 +14,24 @@ import torch
 from torch import Tensor, nn
 
 _version = operator.attrgetter("_version")
-_OWN_REFERENCES = 3  # of a root view: _root_views, _train_views, and sys.getrefcount's argument
 _requires_grad = operator.attrgetter("requires_grad")
 _grad = operator.attrgetter("grad")
 _tensor_hooks = operator.attrgetter("_backward_hooks")
 _post_accumulate_hooks = operator.attrgetter("_post_accumulate_grad_hooks")
 _data_ptr = Tensor.data_ptr
 Slot = tuple[dict[str, Any], str, int]  # (a replica module's _parameters or _buffers, name, index of the original)
+
+
+def _count_in_two_lists() -> int:
+    """What ``sys.getrefcount`` says, through ``map``, of an object held by two lists only (interpreters differ in
+    whether the call's own reference counts): a root view's count when only ``_root_views`` and ``_train_views`` hold
+    it."""
+    first = [object()]
+    second = list(first)
+    return next(map(sys.getrefcount, second))
+
+
+_OWN_REFERENCES = _count_in_two_lists()
 
 
 def alias(base: Tensor, offset: int, shape: torch.Size, stride: Sequence[int] = ()) -> Tensor:
