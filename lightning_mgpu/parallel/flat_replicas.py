@@ -124,6 +124,7 @@ class ReplicaParameters:
         self._groups = groups = DtypeGroups(self.params)
         self._others = list(dict.fromkeys(d for d in self.devices if d != root))
         self._train_index: list[int] = []  # set by _set_trainable
+        self._frozen_index: list[int] = []
         distinct = list(dict.fromkeys(self.devices))
         self._slots = [distinct.index(d) for d in self.devices]  # replica -> its device's place in ``distinct``
         rows = [self.devices[:i].count(d) for i, d in enumerate(self.devices)]  # replica -> its row on its device
@@ -169,7 +170,11 @@ class ReplicaParameters:
             self._root_views = [
                 alias(self._root_grads[p.dtype], self._groups.offsets[j], p.shape) for j, p in enumerate(self.params)
             ]
+        self._index_views()
+
+    def _index_views(self) -> None:
         self._train_views = [self._root_views[j] for j in self._train_index]
+        self._frozen_views = [self._root_views[j] for j in self._frozen_index]
 
     def shared_by(self, device: torch.device) -> list[Tensor]:
         """The tensors whose storage and version counters the replicas on ``device`` share, one per parameter (the
@@ -183,8 +188,10 @@ class ReplicaParameters:
                 if leaf.requires_grad != flag:
                     leaf.requires_grad_(flag)
         self._train_index = [j for j, flag in enumerate(trainable) if flag]
+        self._frozen_index = [j for j, flag in enumerate(trainable) if not flag]
         self._train_params = [self.params[j] for j in self._train_index]
-        self._train_views = [self._root_views[j] for j in self._train_index]
+        self._frozen_params = [self.params[j] for j in self._frozen_index]
+        self._index_views()
         self._train_counted = [[counted[j] for j in self._train_index] for counted in self._counted]
         self._seen = [list(map(_version, counted)) for counted in self._train_counted]
 
@@ -261,7 +268,8 @@ class ReplicaParameters:
         ):
             self._new_root_grads()
         with torch.no_grad():
-            if fast and all(map(operator.is_, grads, repeat(None))):  # after zero_grad(set_to_none=True)
+            # After zero_grad(set_to_none=True), unless a frozen parameter's .grad still is its part of the buffer.
+            if fast and all(map(operator.is_, grads, repeat(None))) and not self._frozen_hold_views():
                 deque(map(setattr, self._train_params, repeat("grad"), self._train_views), maxlen=0)
                 self._sum_into(count, self._root_grads, accumulate=False)
             elif fast and all(map(operator.is_, grads, self._train_views)):  # .grad still the views
@@ -273,6 +281,11 @@ class ReplicaParameters:
             torch._foreach_zero_([flat for flats in self._grads[:count] for flat in flats.values()])
         for k, now in zip(slots, counters, strict=True):  # zeroing the rows leaves the counting aliases' counters alone
             self._seen[k] = now
+
+    def _frozen_hold_views(self) -> bool:
+        """Whether a frozen parameter kept the view of the root's flat buffer it had while trainable as its ``.grad``
+        (frozen between backward passes, as ``toggle_optimizer`` does): a whole-buffer copy would overwrite it."""
+        return any(map(operator.is_, map(_grad, self._frozen_params), self._frozen_views))
 
     def _sum_into(self, count: int, targets: dict[torch.dtype, Tensor], accumulate: bool) -> None:
         """``targets`` (flat, per dtype, on the root) += (or =) the first ``count`` replicas' gradients: per device

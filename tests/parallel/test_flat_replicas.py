@@ -213,6 +213,25 @@ def test_gradients_kept_across_zero_grad_keep_their_values_and_others_reuse_the_
     assert torch.equal(kept[0], torch.full((2,), 4.0)) and torch.equal(params[0].grad, torch.full((2,), 6.0))
 
 
+def test_swapping_the_frozen_parameters_between_backward_passes_keeps_the_earlier_gradients():
+    """``toggle_optimizer`` in a GAN: parameter 0 trains in the first pass, parameter 1 in the second; the first keeps
+    its gradient (its ``.grad`` is its part of the root's buffer, which the second pass must not overwrite)."""
+    params = [nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))]
+    params[1].requires_grad_(False)
+    flat = ReplicaParameters(params, [CPU, CPU], CPU)
+    flat.sync(2)
+    _backward(flat, [1.0, 2.0], used=[0])
+    flat.backward_done()
+    flat.reduce()
+    params[0].requires_grad_(False)
+    params[1].requires_grad_(True)
+    flat.sync(2)
+    _backward(flat, [1.0, 1.0], used=[1])
+    flat.backward_done()
+    flat.reduce()
+    assert torch.equal(params[0].grad, torch.full((2,), 3.0)) and torch.equal(params[1].grad, torch.full((2,), 2.0))
+
+
 def test_requires_grad_flipped_between_accumulated_micro_batches_keeps_their_gradients():
     params = [nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))]
     flat = ReplicaParameters(params, [CPU, CPU], CPU)

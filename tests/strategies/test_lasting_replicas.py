@@ -162,11 +162,25 @@ class HookedMidWindow(Classifier):
             self.net[0].weight.register_hook(lambda grad: grad * 2)
 
 
-@pytest.mark.parametrize(("module", "accumulate"), [(SkipsLastMicroBatch, 3), (HookedMidWindow, 2)])
+class SwapsFrozenLayers(Classifier):
+    """Trains the first layer on even micro-batches and the last on odd ones, as ``toggle_optimizer`` swaps a GAN's
+    halves: the first layer's gradient from the window's first micro-batch must survive the second."""
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.net[0].requires_grad_(batch_idx % 2 == 0)
+        self.net[2].requires_grad_(batch_idx % 2 == 1)
+
+
+@pytest.mark.parametrize(
+    ("module", "accumulate"), [(SkipsLastMicroBatch, 3), (HookedMidWindow, 2), (SwapsFrozenLayers, 2)]
+)
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_accumulation_windows_with_a_skipped_last_step_or_a_new_hook_equal_one_device(module, accumulate, strategy):
+def test_accumulation_windows_with_a_skipped_step_a_new_hook_or_swapped_frozen_layers_equal_one_device(
+    module, accumulate, strategy
+):
     """The reduction waits for a window's last backward pass: a skipped last step still reduces the window's
-    gradients before the optimizer steps, and gradients that waited from before a new hook reach .grad without it."""
+    gradients before the optimizer steps, gradients that waited from before a new hook reach .grad without it, and a
+    layer frozen after its backward pass keeps its gradient."""
     base = seeded(module)
     single, multi = clone(base), clone(base)
     kwargs = dict(max_epochs=1, limit_val_batches=0, accumulate_grad_batches=accumulate)
