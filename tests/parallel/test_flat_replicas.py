@@ -81,6 +81,15 @@ def _backward(flat: ReplicaParameters, per_replica_scale: list[float], used: lis
         sum(leaves[j].sum() * scale for j in chosen).backward()
 
 
+def _pass(flat: ReplicaParameters, scales: list[float], used: list[int] | None = None, reduce: bool = True) -> None:
+    """One step's pass through ``len(scales)`` replicas: sync, backward, then the reduction unless accumulating."""
+    flat.sync(len(scales))
+    _backward(flat, scales, used)
+    flat.backward_done()
+    if reduce:
+        flat.reduce()
+
+
 @pytest.mark.parametrize("devices", [[CPU, CPU, CPU], [CPU, OTHER, OTHER]])
 def test_reduce_adds_every_replica_and_zeroes_them(devices):
     params = [nn.Parameter(torch.zeros(2, 2)), nn.Parameter(torch.zeros(3))]
@@ -200,10 +209,7 @@ def test_gradients_kept_across_zero_grad_keep_their_values_and_others_reuse_the_
     flat = ReplicaParameters(params, [CPU, CPU], CPU)
     buffers, kept = [], []
     for step, scale in enumerate((1.0, 2.0, 3.0)):  # .grad kept after the second step only
-        flat.sync(2)
-        _backward(flat, [scale, scale])
-        flat.backward_done()
-        flat.reduce()
+        _pass(flat, [scale, scale])
         buffers.append(flat._root_grads)
         if step == 1:
             kept = [p.grad for p in params]
@@ -219,30 +225,19 @@ def test_swapping_the_frozen_parameters_between_backward_passes_keeps_the_earlie
     params = [nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))]
     params[1].requires_grad_(False)
     flat = ReplicaParameters(params, [CPU, CPU], CPU)
-    flat.sync(2)
-    _backward(flat, [1.0, 2.0], used=[0])
-    flat.backward_done()
-    flat.reduce()
+    _pass(flat, [1.0, 2.0], used=[0])
     params[0].requires_grad_(False)
     params[1].requires_grad_(True)
-    flat.sync(2)
-    _backward(flat, [1.0, 1.0], used=[1])
-    flat.backward_done()
-    flat.reduce()
+    _pass(flat, [1.0, 1.0], used=[1])
     assert torch.equal(params[0].grad, torch.full((2,), 3.0)) and torch.equal(params[1].grad, torch.full((2,), 2.0))
 
 
 def test_requires_grad_flipped_between_accumulated_micro_batches_keeps_their_gradients():
     params = [nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))]
     flat = ReplicaParameters(params, [CPU, CPU], CPU)
-    flat.sync(2)
-    _backward(flat, [1.0, 2.0])  # micro-batch 1, not reduced yet (accumulating)
-    flat.backward_done()
+    _pass(flat, [1.0, 2.0], reduce=False)  # micro-batch 1, not reduced yet (accumulating)
     params[1].requires_grad_(False)
-    flat.sync(2)
-    _backward(flat, [1.0, 1.0], used=[0])
-    flat.backward_done()
-    flat.reduce()
+    _pass(flat, [1.0, 1.0], used=[0])
     assert torch.equal(params[0].grad, torch.full((2,), 5.0)) and torch.equal(params[1].grad, torch.full((2,), 3.0))
 
 
