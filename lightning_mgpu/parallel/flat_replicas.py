@@ -83,8 +83,10 @@ class DtypeGroups:
     def flats(self, device: torch.device, zero: bool = False, rows: int | None = None) -> dict[torch.dtype, Tensor]:
         """One flat buffer per dtype on ``device`` (``rows`` of them stacked: a 2-D buffer per dtype)."""
         make = torch.zeros if zero else torch.empty
-        shape = (lambda total: (rows, total)) if rows is not None else (lambda total: (total,))
-        return {dtype: make(shape(total), dtype=dtype, device=device) for dtype, total in self.totals.items()}
+        return {
+            dtype: make((total,) if rows is None else (rows, total), dtype=dtype, device=device)
+            for dtype, total in self.totals.items()
+        }
 
     def columns(self, blocks: dict[torch.dtype, Tensor], j: int) -> Tensor:
         """Tensor ``j``'s columns of 2-D ``blocks`` (one row per copy), an alias with its own version counter: an
@@ -151,7 +153,7 @@ class ReplicaParameters:
         self._stamp: int | None = None  # the originals' version sum at the last copy to the other devices
         self._set_trainable(list(map(_requires_grad, self.params)))
         self.active = 0  # how many replicas have run: a backward pass through an older graph may reach any of them
-        self._settled = True  # no replica ran since the last reduction
+        self.pending = False  # replicas ran since the last reduction: their gradients may not be on the originals yet
 
     def _make_leaves(self, device: torch.device, renormed: Collection[int]) -> list[nn.Parameter]:
         leaves = []
@@ -209,7 +211,7 @@ class ReplicaParameters:
             self.reduce()  # what the replicas accumulated (between micro-batches) belongs to the originals
             self._set_trainable(trainable)
         self.active = max(self.active, n)
-        self._settled = False
+        self.pending = True
         stamp = sum(map(_version, self.params)) if self._others else None  # no others: every replica aliases them
         if stamp != self._stamp:
             with torch.no_grad():
@@ -231,11 +233,6 @@ class ReplicaParameters:
                     "create_graph through the replicas."
                 )
 
-    @property
-    def pending(self) -> bool:
-        """Replicas ran since the last reduction: what they accumulated, if anything, is not on the originals yet."""
-        return not self._settled
-
     def reduce(self, run_hooks: bool = True) -> None:
         """Add the replicas' gradients onto the originals' ``.grad`` and zero the replicas' flat gradients.
 
@@ -245,7 +242,7 @@ class ReplicaParameters:
         (``run_hooks=False``: gradients of backward passes that ran before the hooks existed).
         """
         count = self.active
-        self._settled = True
+        self.pending = False
         if count == 0 or not self._train_index:
             return
         slots = sorted(set(self._slots[:count]))

@@ -307,16 +307,18 @@ class SingleProcessParallel:
         # Accumulating: replicas keep their gradients until the last backward pass, unless something reads them between.
         root = self.lightning_module
         replica_set = replicas.replica_set
-        if replica_set.defer_reduction and self._reads_gradients_between_backward_passes(root):
-            # A hook arrived (on_train_batch_start) after the backward passes whose reduction waits: on one device their
-            # gradients reached .grad without it.
-            replica_set.reduce_gradients(run_hooks=False)
-        replica_set.defer_reduction = (
+        waiting = replica_set.defer_reduction  # the last micro-batch's reduction waits
+        accumulating = (
             root._current_fx_name == "training_step"
             and root.automatic_optimization
             and root.trainer.fit_loop.epoch_loop._should_accumulate()
-            and not self._reads_gradients_between_backward_passes(root)
         )
+        reads = (waiting or accumulating) and self._reads_gradients_between_backward_passes(root)
+        if waiting and reads:
+            # A hook arrived (on_train_batch_start) after the backward passes whose reduction waits: on one device their
+            # gradients reached .grad without it.
+            replica_set.reduce_gradients(run_hooks=False)
+        replica_set.defer_reduction = accumulating and not reads
         before = _collection_lengths(module)
         snapshots: list[tuple[nn.Module, dict[str, Any]]] = []
 
