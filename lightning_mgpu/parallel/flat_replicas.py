@@ -197,10 +197,6 @@ class ReplicaParameters:
         self._train_counted = [[counted[j] for j in self._train_index] for counted in self._counted]
         self._seen = [list(map(_version, counted)) for counted in self._train_counted]
 
-    def _counters(self, slots: Sequence[int]) -> list[list[int]]:
-        """Per device (of ``slots``), its trainable parameters' gradient versions: one step per accumulation."""
-        return [list(map(_version, self._train_counted[k])) for k in slots]
-
     def sync(self, n: int) -> bool:
         """Bring the first ``n`` replicas' parameters up to date with the originals (``requires_grad``, values).
         ``False`` (nothing done) when an original's tensor was replaced (``param.data = ...``): rebuild."""
@@ -246,13 +242,16 @@ class ReplicaParameters:
         if count == 0 or not self._train_index:
             return
         slots = sorted(set(self._slots[:count]))
-        counters, seen = self._counters(slots), [self._seen[k] for k in slots]
+        # Per device, its trainable parameters' gradient versions: one step per accumulation there.
+        counters = [list(map(_version, self._train_counted[k])) for k in slots]
+        seen = [self._seen[k] for k in slots]
         if counters == seen:
             return
         # None: every parameter reached by some replica, as replica 0's device usually shows at C speed.
         reached: list[bool] | None = None
-        if not all(map(operator.ne, counters[0], seen[0])):
-            reached = _reached(counters, seen)
+        if not all(map(operator.ne, counters[0], seen[0])):  # per parameter: did some device's counter move?
+            changed = [list(map(operator.ne, now, old)) for now, old in zip(counters, seen, strict=True)]
+            reached = [any(column) for column in zip(*changed, strict=True)]
         everywhere = reached is None or all(reached)  # every parameter has a gradient: whole buffers give each its sum
         params = self._train_params
         hooked = run_hooks and (any(map(_tensor_hooks, params)) or any(map(_post_accumulate_hooks, params)))
@@ -326,12 +325,6 @@ class ReplicaParameters:
                 grad.add_(part.to(grad.dtype))
             for hook in (p._post_accumulate_grad_hooks or {}).values() if hooked else ():
                 hook(p)
-
-
-def _reached(counters: list[list[int]], seen: list[list[int]]) -> list[bool]:
-    """Per trainable parameter, whether some replica's backward accumulated into its gradient (versions per device)."""
-    changed = [list(map(operator.ne, now, old)) for now, old in zip(counters, seen, strict=True)]
-    return [any(column) for column in zip(*changed, strict=True)]
 
 
 class ReplicaBuffers:
