@@ -38,7 +38,6 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_pool.cache_clear)
 
 
-# --- failures -----------------------------------------------------------------------------------------------------
 def add_note(err: BaseException, note: str) -> None:
     """PEP 678 ``err.add_note(note)``, also on Python 3.10 (where tools read ``__notes__`` but tracebacks skip it)."""
     with contextlib.suppress(Exception):  # e.g. a __notes__ that is not a list: the exception itself is unchanged
@@ -73,7 +72,6 @@ def _raise_first_failure(failed: Sequence[tuple[int, BaseException]], devices: S
     raise err
 
 
-# --- run_replicas -------------------------------------------------------------------------------------------------
 @functools.cache
 def replica_frame(index: int) -> Callable[[Callable[[], T]], T]:
     """Calls a function through a frame named ``replica_<index>``, so tracebacks say which replica ran the code (also
