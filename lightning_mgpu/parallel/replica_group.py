@@ -103,7 +103,9 @@ class ReplicaGroup:
         handed_over = False
         try:
             with self._cond:
-                state = self._sites.setdefault(site, _Site(label))
+                state = self._sites.get(site)
+                if state is None:
+                    state = self._sites[site] = _Site(label)
                 state.arrived[index] = value
                 if len(state.arrived) == self.size:
                     del self._sites[site]
