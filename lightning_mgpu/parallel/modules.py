@@ -172,13 +172,10 @@ def _scan(args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device, d
 _CLASS_INDEX_DEFAULTS: dict[str, Any] = {"ignore_index": -100, "weight": None, "reduction": "mean"}
 
 
-def _unwrapped(criterion: Any) -> Any:
-    return criterion.func if isinstance(criterion, functools.partial) else criterion
-
-
 def _function_defaults(criterion: Any) -> dict[str, Any]:
     """torch's defaults of the options of ``F.cross_entropy`` / ``F.nll_loss`` (or a partial of them), else {}."""
-    base = _unwrapped(criterion)  # by identity: a criterion's == may build an object (torchmetrics)
+    base = criterion.func if isinstance(criterion, functools.partial) else criterion
+    # by identity: a criterion's == may build an object (torchmetrics)
     return _CLASS_INDEX_DEFAULTS if base is F.cross_entropy or base is F.nll_loss else {}
 
 
@@ -195,7 +192,7 @@ def _criterion_option(criterion: Any, kwargs: dict[str, Any], name: str, default
 def _weight_is_known(criterion: Any) -> bool:
     """Whether what ``criterion``'s mean averages over is known without running it: torch's own losses (modules,
     ``torch.nn.functional``, partials), not the user's functions or subclasses."""
-    base = _unwrapped(criterion)
+    base = criterion.func if isinstance(criterion, functools.partial) else criterion
     return has_torch_loss_forward(base) or getattr(base, "__module__", None) == F.__name__
 
 

@@ -15,7 +15,6 @@ import sys
 import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
 from typing import Any, Literal, TypeVar, get_args
 
 import torch
@@ -37,13 +36,6 @@ def _pool() -> ThreadPoolExecutor:
 if hasattr(os, "register_at_fork"):
     # A forked child inherits the pool but none of its threads: submit() would wait for them forever. Start over.
     os.register_at_fork(after_in_child=_pool.cache_clear)
-
-
-# --- failures -----------------------------------------------------------------------------------------------------
-@dataclass
-class _Outcome:
-    value: Any = None
-    error: BaseException | None = None
 
 
 def add_note(err: BaseException, note: str) -> None:
@@ -80,7 +72,6 @@ def _raise_first_failure(failed: Sequence[tuple[int, BaseException]], devices: S
     raise err
 
 
-# --- run_replicas -------------------------------------------------------------------------------------------------
 @functools.cache
 def replica_frame(index: int) -> Callable[[Callable[[], T]], T]:
     """Calls a function through a frame named ``replica_<index>``, so tracebacks say which replica ran the code (also
@@ -122,29 +113,30 @@ def run_replicas(
     sequential = len(functions) <= 1 or resolve_mode(execution_mode, targets) == "sequential"
     group = ReplicaGroup(targets, sequential=sequential)
 
-    def run(index: int) -> _Outcome:
+    def run(index: int) -> tuple[Any, BaseException | None]:
+        value, error = None, None
         try:
             with as_replica(group, index), group.turn(index), state.replay(targets[index]):
-                outcome = _Outcome(value=replica_frame(index)(functions[index]))
+                value = replica_frame(index)(functions[index])
         except BaseException as err:  # KeyboardInterrupt too: the caller re-raises it once every replica stopped
-            outcome = _Outcome(error=err)
-        group.depart(index, outcome.error)
-        return outcome
+            error = err
+        group.depart(index, error)
+        return value, error
 
     if sequential:
         outcomes = []
         for i in range(len(functions)):
             outcomes.append(run(i))
-            if outcomes[i].error is not None:  # the replicas after it never run
+            if outcomes[i][1] is not None:  # the replicas after it never run
                 break
     else:
         futures = [_pool().submit(run, i) for i in range(1, len(functions))]
         outcomes = [run(0), *_wait_for_all(futures, group)]
-    _raise_first_failure([(i, o.error) for i, o in enumerate(outcomes) if o.error is not None], targets)
-    return [o.value for o in outcomes]
+    _raise_first_failure([(i, error) for i, (_, error) in enumerate(outcomes) if error is not None], targets)
+    return [value for value, _ in outcomes]
 
 
-def _wait_for_all(futures: Sequence[Future], group: ReplicaGroup) -> list[_Outcome]:
+def _wait_for_all(futures: Sequence[Future], group: ReplicaGroup) -> list[tuple[Any, BaseException | None]]:
     """Every replica's outcome. A first interrupt (Ctrl-C) stops the replicas at their next sync point and keeps
     waiting for them; a second gives up waiting."""
     interrupt: BaseException | None = None

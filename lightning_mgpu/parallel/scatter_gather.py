@@ -79,8 +79,7 @@ def _is_string_sequence(obj: Any) -> bool:
 
 
 def _children(obj: Any) -> tuple[bool, Iterable[tuple[Any, Any]]] | None:
-    """A container's ``(keys are field names, (key, child) pairs)``; None for a leaf. The one place that opens
-    structures (:func:`rebuild` closes them)."""
+    """``(keys are field names, (key, child) pairs)`` of a container, None for a leaf; :func:`rebuild` closes it."""
     if isinstance(obj, Mapping):  # ModelOutput included
         return False, obj.items()
     if is_namedtuple(obj):
@@ -113,7 +112,6 @@ def iter_tensors(obj: Any, path: str = "batch") -> Iterator[tuple[str, Tensor]]:
 
 
 def batch_size_of(obj: Any, dim: int = 0, path: str = "batch") -> int:
-    """:func:`roots_batch_size` of one object."""
     return roots_batch_size([(path, obj)], dim, type(obj).__name__)
 
 
@@ -232,7 +230,7 @@ def _map_structure(
     obj: Any, leaf_fn: Callable[[Any], list[Any]], count: int, batch_size: int | None, plain_lists: bool = True
 ) -> list[Any]:
     """``count`` versions of ``obj``, leaf ``x`` replaced by ``leaf_fn(x)[i]`` in version ``i``. Leaves: tensors,
-    non-containers, and with a ``batch_size`` per-sample lists (plain ones unless ``plain_lists`` is False)."""
+    non-containers, and given a ``batch_size``, per-sample lists (plain ones only if ``plain_lists``)."""
     if isinstance(obj, Tensor) or (isinstance(obj, PerSample) and batch_size is not None):
         return leaf_fn(obj)
     children = _children(obj)
