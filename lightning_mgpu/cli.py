@@ -47,10 +47,9 @@ def missing_extra_module(error: BaseException) -> str | None:
     current: BaseException | None = error
     while current is not None and id(current) not in seen:
         seen.add(id(current))
-        if isinstance(current, ModuleNotFoundError) and current.name:
-            top = current.name.partition(".")[0]
-            if top in RECIPES_EXTRA_MODULES:
-                return top
+        top = (current.name or "").partition(".")[0] if isinstance(current, ModuleNotFoundError) else ""
+        if top in RECIPES_EXTRA_MODULES:
+            return top
         current = current.__cause__ or current.__context__
     return None
 
@@ -135,10 +134,7 @@ def check_recipes_extra(command: str, args: Sequence[str] = (), modules: Iterabl
         requirement = "jsonargparse[signatures]" if module == "jsonargparse" else module
         if not RequirementCache(requirement):
             raise MissingExtraError(requirement, command)
-    for class_path in _class_paths(args):
-        module_name = class_path.rpartition(".")[0]
-        if not module_name:
-            continue
+    for module_name in filter(None, (class_path.rpartition(".")[0] for class_path in _class_paths(args))):
         try:
             importlib.import_module(module_name)
         except ModuleNotFoundError as err:

@@ -187,9 +187,7 @@ class _JointBatchNorm(Function):
         xs, weights, stats = (ctx.saved_tensors[k * n : (k + 1) * n] for k in range(3))
         needs_x, needs_w, needs_b = (ctx.needs_input_grad[1 + k * n : 1 + (k + 1) * n] for k in range(3))
         input_grad = any(needs_x)
-        grads_x: list[Tensor | None] = [None] * n
-        grads_w: list[Tensor | None] = [None] * n
-        grads_b: list[Tensor | None] = [None] * n
+        grads_x, grads_w, grads_b = ([None] * n for _ in range(3))
         sums = []  # per active shard: sum(dy) then sum(dy * (x - mean)), on the first device
         with _streams(ctx.streams):
             dys = [_contiguous(g) for g in grads]
