@@ -34,6 +34,12 @@ def _count_in_two_lists() -> int:
 _OWN_REFERENCES = _count_in_two_lists()
 
 
+def _storage_uses(tensor: Tensor) -> int:
+    """How many tensors hold ``tensor``'s storage (torch's own check, private API: its CUDA graph trees use it to
+    know whether an output's memory is still referenced)."""
+    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
+
+
 def alias(base: Tensor, offset: int, shape: torch.Size, stride: Sequence[int] = ()) -> Tensor:
     """A tensor over ``base``'s storage from element ``offset`` (relative to ``base``; contiguous unless ``stride``),
     with its own version counter (``set_``, not a view: autograd's in-place accumulation into one alias is then
@@ -172,6 +178,7 @@ class ReplicaParameters:
             self._root_views = [
                 alias(self._root_grads[p.dtype], self._groups.offsets[j], p.shape) for j, p in enumerate(self.params)
             ]
+        self._root_uses = list(map(_storage_uses, self._root_grads.values()))  # held by this class alone
         self._index_views()
 
     def _index_views(self) -> None:
@@ -257,10 +264,12 @@ class ReplicaParameters:
         hooked = run_hooks and (any(map(_tensor_hooks, params)) or any(map(_post_accumulate_hooks, params)))
         fast = everywhere and not hooked  # whole flat buffers at once
         grads = list(map(_grad, self._train_params))
-        # Views that .grad dropped (zero_grad(set_to_none=True)) but something still holds (gradients kept across
-        # backward passes, as PCGrad keeps them): this step's gradients go to new tensors, as on one device.
-        if any(map(operator.is_, grads, repeat(None))) and any(
-            map(operator.gt, map(sys.getrefcount, self._train_views), repeat(_OWN_REFERENCES))
+        # Views that .grad dropped (zero_grad(set_to_none=True)) but something still holds, as such or through another
+        # tensor on their storage (gradients kept across backward passes, as PCGrad keeps them, or a `.detach()` of
+        # one kept to compare with the next step's): this step's gradients go to new tensors, as on one device.
+        if any(map(operator.is_, grads, repeat(None))) and (
+            any(map(operator.gt, map(sys.getrefcount, self._train_views), repeat(_OWN_REFERENCES)))
+            or list(map(_storage_uses, self._root_grads.values())) != self._root_uses
         ):
             self._new_root_grads()
         with torch.no_grad():

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from lightning_mgpu.parallel import DataParallelCriterion, DataParallelModel, ReplicaSet
 from lightning_mgpu.parallel import replicas as replicas_module
@@ -217,6 +217,28 @@ def test_gradients_kept_across_zero_grad_keep_their_values_and_others_reuse_the_
             p.grad = None if step < 2 else p.grad
     assert buffers[1] is buffers[0] and buffers[2] is not buffers[1]
     assert torch.equal(kept[0], torch.full((2,), 4.0)) and torch.equal(params[0].grad, torch.full((2,), 6.0))
+
+
+@pytest.mark.parametrize(
+    "keep", [Tensor.detach, lambda g: g.view(-1), lambda g: g.data], ids=["detach", "view", ".data"]
+)
+def test_other_tensors_on_a_dropped_gradients_storage_keep_their_values(keep):
+    """A ``.detach()`` (or view) of a ``.grad`` kept after ``zero_grad(set_to_none=True)`` holds the root buffer's
+    storage through another tensor: as on one device, the next step's gradients go to new tensors, not into it."""
+    params = [nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(3))]
+    flat = ReplicaParameters(params, [CPU, CPU], CPU)
+    _pass(flat, [1.0, 1.0])
+    kept = keep(params[0].grad)
+    for p in params:
+        p.grad = None
+    _pass(flat, [2.0, 2.0])
+    assert torch.equal(kept, torch.full((2,), 2.0)) and torch.equal(params[0].grad, torch.full((2,), 4.0))
+    del kept
+    for p in params:
+        p.grad = None
+    before = flat._root_grads
+    _pass(flat, [1.0, 1.0])
+    assert flat._root_grads is before  # nothing else holds it now: reused
 
 
 def test_swapping_the_frozen_parameters_between_backward_passes_keeps_the_earlier_gradients():
