@@ -197,7 +197,7 @@ def call_weight(producer: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str,
         if isinstance(producer, (nn.CrossEntropyLoss, nn.NLLLoss)) and class_indices:
             return count_labels(target, producer.ignore_index, producer.weight)
         first = args[0] if args else kwargs.get("input")
-        return first.shape[0] if isinstance(first, Tensor) and first.dim() > 0 else None
+        return _mean_count(producer, first, target) if isinstance(first, Tensor) else None
     said = _model_rule(producer, kwargs)  # the producer is the outermost model: no walk of its modules per call
     labels = kwargs.get("labels")
     if said is None or not isinstance(labels, Tensor):
@@ -208,6 +208,34 @@ def call_weight(producer: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str,
     own = _task_rule(producer, labels)
     count = own.count(kwargs) if own is not None else None
     return count if count is not None and bool(torch.as_tensor(kwargs[ITEM_COUNT]).to(count) == count) else "sum"
+
+
+#: torch losses with one value per sample (batch first): their mean is over samples, whatever the other dimensions.
+_PER_SAMPLE_LOSSES = (
+    nn.CosineEmbeddingLoss,
+    nn.MultiLabelMarginLoss,
+    nn.MultiLabelSoftMarginLoss,
+    nn.MultiMarginLoss,
+    nn.TripletMarginLoss,
+    nn.TripletMarginWithDistanceLoss,
+)
+
+
+def _mean_count(criterion: nn.Module, first: Tensor, target: Any) -> int:
+    """How many values a torch loss module's mean divides by (its unreduced output's elements), from its input's
+    shape: CTC's batch is the second dimension of its (T, N, C) input; per-sample losses count samples (batch first);
+    a cross-entropy on probabilities, samples and positions; the others, elements (sequence-first inputs too)."""
+    if isinstance(criterion, nn.CTCLoss):
+        return first.shape[1] if first.dim() == 3 else 1
+    if isinstance(criterion, _PER_SAMPLE_LOSSES) or getattr(criterion, "reduction", None) == "batchmean":
+        return first.shape[0] if first.dim() > 1 else 1
+    if isinstance(criterion, nn.CrossEntropyLoss):
+        return first.numel() // first.shape[1] if first.dim() > 1 else 1
+    try:
+        shape = torch.broadcast_shapes(first.shape, target.shape) if isinstance(target, Tensor) else first.shape
+    except RuntimeError:
+        shape = first.shape
+    return shape.numel()
 
 
 def _named_criteria(module: nn.Module, method: str) -> list[nn.Module]:

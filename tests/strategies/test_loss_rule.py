@@ -213,3 +213,23 @@ def test_a_subclass_with_its_own_forward_says_no_mean_but_still_a_sum():
     assert call_weight(ShiftedCE(), (logits, LABELS), {}, None) is None
     assert call_weight(ShiftedCE(reduction="sum"), (logits, LABELS), {}, None) == "sum"
     assert call_weight(RenamedCE(), (logits.flatten(0, 1), LABELS.flatten()), {}, None).item() == 5
+
+
+# --- what one call of a loss module averages over -------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("criterion", "args", "expected"),
+    [
+        (nn.MSELoss(), (torch.zeros(6, 3, 4), torch.zeros(6, 3, 4)), 72),  # sequence first (T, N, H): elements
+        (nn.MSELoss(), (torch.zeros(3, 4), torch.zeros(3, 1)), 12),  # a broadcast target
+        (nn.BCEWithLogitsLoss(), (torch.zeros(3, 5), torch.zeros(3, 5)), 15),
+        (nn.CTCLoss(), (torch.zeros(6, 3, 5), torch.ones(3, 2, dtype=torch.long)), 3),  # (T, N, C): N samples
+        (nn.TripletMarginLoss(), (torch.zeros(3, 8), torch.zeros(3, 8)), 3),  # one value per sample
+        (nn.KLDivLoss(reduction="batchmean"), (torch.zeros(3, 5), torch.zeros(3, 5)), 3),
+        (nn.CrossEntropyLoss(), (torch.zeros(3, 5, 7), torch.zeros(3, 5, 7)), 21),  # probabilities: samples x positions
+    ],
+    ids=["mse-seq-first", "mse-broadcast", "bce", "ctc", "triplet", "kl-batchmean", "ce-probabilities"],
+)
+def test_a_loss_modules_call_counts_what_its_mean_divides_by(criterion, args, expected):
+    """Per call, the count of the unreduced output's values, from the inputs' shapes: the first dimension is not
+    always the batch (CTC's and a sequence-first RNN's inputs are (T, N, ...))."""
+    assert call_weight(criterion, args, {}, None) == expected
