@@ -16,7 +16,7 @@ from typing_extensions import override
 
 from lightning_mgpu.parallel.merge import merge_outputs
 from lightning_mgpu.parallel.run_replicas import ExecutionMode
-from lightning_mgpu.parallel.scatter_gather import split_batch, split_or_run_once
+from lightning_mgpu.parallel.scatter_gather import split_batch
 from lightning_mgpu.strategies.loss_normalization import (
     SAMPLES,
     SUM,
@@ -27,7 +27,7 @@ from lightning_mgpu.strategies.loss_normalization import (
     loss_producers,
     uncombinable_loss,
 )
-from lightning_mgpu.strategies.single_process import Accelerator, CheckpointIO, PrecisionPlugin, SingleProcessParallel
+from lightning_mgpu.strategies.single_process import SingleProcessParallel
 from lightning_mgpu.strategies.step_outputs import (
     LOSS_TERMS_KEY,
     LOSS_WEIGHT_KEY,
@@ -63,10 +63,10 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
 
     def __init__(
         self,
-        accelerator: Accelerator | None = None,
+        accelerator: Any | None = None,
         parallel_devices: list[torch.device] | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision_plugin: PrecisionPlugin | None = None,
+        checkpoint_io: Any | None = None,
+        precision_plugin: Any | None = None,
         loss_reduction: str = "auto",
         collectives: bool | None = None,
         dim: int = 0,
@@ -96,7 +96,7 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         training = hook == "training_step"
         weights: list[Any] | None = [1]
         with self._step_context(hook):
-            chunks, sizes = self._split(args)
+            chunks, sizes = self._split_batch(args)
             if chunks is None:
                 outputs = [getattr(module, hook)(*args, **kwargs)]
             else:
@@ -180,17 +180,15 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         self._eval_rules.clear()
         super().teardown()
 
-    def _split(self, args: tuple[Any, ...]) -> tuple[list[Any] | None, list[int]]:
+    def _split_batch(self, args: tuple[Any, ...]) -> tuple[list[Any] | None, list[int]]:
         """The batch's shards and sizes; ``(None, [1])`` when the step runs once, on the root."""
-        devices = self.parallel_devices
-        if len(devices) == 1 or not args:
+        if len(self.parallel_devices) == 1 or not args:
             return None, [1]
-        roots = [("batch", args[0])]
-        split = split_or_run_once(lambda: split_batch(args[0], devices, self.dim), roots)
-        if split is None:
-            self._say_unsplit(f"the batch ({type(args[0]).__name__})", "the step", roots)
-            return None, [1]
-        return split
+        what = f"the batch ({type(args[0]).__name__})"
+        split = self._split(
+            lambda: split_batch(args[0], self.parallel_devices, self.dim), [("batch", args[0])], what, "the step"
+        )
+        return (None, [1]) if split is None else split
 
     @override
     def _collectives_reason(self, module: nn.Module) -> str | None:
