@@ -100,12 +100,10 @@ def _combine(values: Sequence[Any], reduce_fx: Any, device: torch.device) -> Any
     """Combine states as ``Metric._sync_dist`` combines ranks (lists of tensors for "cat" states stay lists)."""
     if isinstance(values[0], list):
         return [t.to(device) for v in values for t in v]
-    stacked = [v.to(device) for v in values]
-    if reduce_fx is None:
-        return torch.stack(stacked)
+    moved = [v.to(device) for v in values]
     if reduce_fx is dim_zero_cat:
-        return torch.cat([s.reshape(1) if s.dim() == 0 else s for s in stacked])
-    return reduce_fx(torch.stack(stacked))
+        return dim_zero_cat(moved)
+    return torch.stack(moved) if reduce_fx is None else reduce_fx(torch.stack(moved))
 
 
 def _mark_folded(metric: Metric, step_value: Any = None) -> None:
@@ -141,9 +139,11 @@ def _reset(clone: Metric) -> None:
         clone._forward_cache = None
 
 
-def _refuse_compute(path: str, clone: Metric) -> None:
-    """Make a direct ``compute()`` on ``clone`` (a replica's shard) an error; torchmetrics' ``forward`` computes with
-    ``_should_unsync`` off, and goes through."""
+def _shard_clone(path: str, metric: Metric) -> Metric:
+    """A reset clone of ``metric`` for one replica, on which a direct ``compute()`` (of a shard) is an error;
+    torchmetrics' ``forward`` computes with ``_should_unsync`` off, and goes through."""
+    clone = metric.clone()
+    clone.reset()
     compute = clone.compute
 
     def guarded(*args: Any, **kwargs: Any) -> Any:
@@ -156,6 +156,7 @@ def _refuse_compute(path: str, clone: Metric) -> None:
         return compute(*args, **kwargs)
 
     clone.compute = guarded
+    return clone
 
 
 @dataclass
@@ -229,13 +230,9 @@ class MetricReplicas:
         for path, metric in _outermost_metrics(root):
             clones = []
             for index, (replica, device) in enumerate(zip(replicas, devices, strict=True)):
-                key = (id(metric), index)
-                clone = self._clones.get(key)
+                clone = self._clones.get((id(metric), index))
                 if clone is None:
-                    clone = metric.clone()
-                    clone.reset()
-                    _refuse_compute(path, clone)
-                    self._clones[key] = clone
+                    clone = self._clones[id(metric), index] = _shard_clone(path, metric)
                 clone.to(device)
                 replica.set_submodule(path, clone)
                 clones.append(clone)
