@@ -166,9 +166,14 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
                 if weight is not None:
                     implied[index].setdefault(key, weight)  # what the step returned keeps its own weight
         if hook == "training_step" and self.loss_reduction == "auto":
-            self._called = _returned_call_weights(outputs, produced)
+            # What the call that produced each returned loss averaged over (tokens, or "sum" for a part of a sum over
+            # num_items_in_batch) decides, when every replica's is known and of one kind.
+            keys = [tensor_key(_returned_loss(output)) for output in outputs]
+            found = [produced.get(index, {}).get(key) for index, key in enumerate(keys)]
+            known = all(w is not None for w in found) and len({w == "sum" for w in found}) == 1
+            self._called = found if known else None
             for index, weight in enumerate(self._called or ()):
-                implied[index][tensor_key(_returned_loss(outputs[index]))] = weight
+                implied[index][keys[index]] = weight
         return implied
 
     @override
@@ -247,12 +252,3 @@ def _returned_loss(output: Any) -> Any:
     if not isinstance(output, Mapping):
         return output
     return None if LOSS_WEIGHT_KEY in output or LOSS_TERMS_KEY in output else output.get("loss")
-
-
-def _returned_call_weights(outputs: list[Any], produced: dict[int, dict[Any, Any]]) -> list[Any] | None:
-    """Per replica, what the call that produced its returned loss averaged over (tokens, or ``"sum"`` for a part of a
-    sum over ``num_items_in_batch``), when every replica's is known and of one kind; else ``None``."""
-    found = [produced.get(i, {}).get(tensor_key(_returned_loss(output))) for i, output in enumerate(outputs)]
-    if any(w is None for w in found) or len({w == "sum" for w in found}) > 1:
-        return None
-    return found

@@ -83,7 +83,7 @@ def _step_hook(hook: str) -> Callable[..., Any]:
     def step(self: SingleProcessParallel, *args: Any, **kwargs: Any) -> Any:
         return self._run_step(hook, args, kwargs)
 
-    step.__name__ = step.__qualname__ = hook
+    step.__name__, step.__qualname__ = hook, f"SingleProcessParallel.{hook}"
     return step
 
 
