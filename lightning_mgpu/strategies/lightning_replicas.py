@@ -219,7 +219,7 @@ class MetricReplicas:
     def __init__(self) -> None:
         self._clones: dict[tuple[int, int], Metric] = {}  # (id(root metric), replica index) -> clone
         self._owner: dict[int, Metric] = {}  # id(clone or a metric in it) -> the root metric it stands for
-        self._installed: dict[int, tuple[int, dict[str, Any]]] = {}  # id(clone's metric) -> see _check_plain_attributes
+        self._installed: dict[int, tuple[int, dict[str, Any]]] = {}  # id(clone's metric) -> see _check_step
         self._scratch: dict[int, Metric] = {}  # id(root metric) -> clone used to compute the batch value
         self._active: list[list[_Node]] = []
         self._contributions: dict[int, int] = {}  # id(root metric) -> replica states folded in since its reset
@@ -279,7 +279,8 @@ class MetricReplicas:
         """Fold the used clones' states into one root metric and record the update, with the batch value where the
         metric is logged on_step and the step ran its forward."""
         metric = node.metric
-        device, reductions = _metric_device(metric), metric._reductions  # each state's dist_reduce_fx
+        reductions = metric._reductions  # each state's dist_reduce_fx
+        device = next((v.device for v in metric.metric_state.values() if isinstance(v, Tensor)), metric.device)
         states: dict[str, Any] = {}
         for attr, fx in reductions.items() if node.folds else ():
             values = [c.metric_state[attr] for c in clones]
@@ -327,10 +328,3 @@ def _folded(current: Any, value: Any, reduce_fx: Any, device: torch.device, fold
     if reduce_fx is dim_zero_mean:  # DDP's equal-weight mean over ranks: over every replica state folded in so far
         return (current.to(device) * folded + value * n) / (folded + n)
     return _combine([current, value], reduce_fx, device)
-
-
-def _metric_device(metric: Metric) -> torch.device:
-    for value in metric.metric_state.values():
-        if isinstance(value, Tensor):
-            return value.device
-    return metric.device
