@@ -16,14 +16,9 @@ from typing_extensions import override
 from lightning_mgpu.parallel.devices import DeviceLike, to_device
 from lightning_mgpu.parallel.merge import merge_outputs
 from lightning_mgpu.parallel.run_replicas import ExecutionMode
-from lightning_mgpu.parallel.scatter_gather import (
-    argument_roots,
-    iter_tensors,
-    split_arguments,
-    split_or_run_once,
-)
+from lightning_mgpu.parallel.scatter_gather import argument_roots, iter_tensors, split_arguments
 from lightning_mgpu.strategies.loss_normalization import ITEM_COUNT, SAMPLES, LossNormalization, known_rule
-from lightning_mgpu.strategies.single_process import Accelerator, CheckpointIO, PrecisionPlugin, SingleProcessParallel
+from lightning_mgpu.strategies.single_process import SingleProcessParallel
 
 
 class DataParallelStrategyBase(SingleProcessParallel):
@@ -45,10 +40,10 @@ class DataParallelStrategyBase(SingleProcessParallel):
 
     def __init__(
         self,
-        accelerator: Accelerator | None = None,
+        accelerator: Any | None = None,
         parallel_devices: list[torch.device] | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision_plugin: PrecisionPlugin | None = None,
+        checkpoint_io: Any | None = None,
+        precision_plugin: Any | None = None,
         output_device: DeviceLike | None = None,
         parallel_modules: Sequence[str] | None = ("",),
         loss_reduction: str = "auto",
@@ -126,10 +121,13 @@ class DataParallelStrategyBase(SingleProcessParallel):
         if self._forward_calls is None:
             return original(*inputs, **kwargs)  # outside a step (a callback's self(x))
         self._forward_calls += 1
-        roots = argument_roots(inputs, kwargs)
-        split = split_or_run_once(lambda: split_arguments(inputs, kwargs, self.parallel_devices, self.dim), roots)
+        split = self._split(
+            lambda: split_arguments(inputs, kwargs, self.parallel_devices, self.dim),
+            argument_roots(inputs, kwargs),
+            f"the inputs of {type(target).__name__}.forward",
+            "the forward",
+        )
         if split is None:
-            self._say_unsplit(f"the inputs of {type(target).__name__}.forward", "the forward", roots)
             return original(*inputs, **kwargs)
         args_chunks, kwargs_chunks, sizes = split
         if len(sizes) == 1:

@@ -100,12 +100,10 @@ def _combine(values: Sequence[Any], reduce_fx: Any, device: torch.device) -> Any
     """Combine states as ``Metric._sync_dist`` combines ranks (lists of tensors for "cat" states stay lists)."""
     if isinstance(values[0], list):
         return [t.to(device) for v in values for t in v]
-    stacked = [v.to(device) for v in values]
-    if reduce_fx is None:
-        return torch.stack(stacked)
+    moved = [v.to(device) for v in values]
     if reduce_fx is dim_zero_cat:
-        return torch.cat([s.reshape(1) if s.dim() == 0 else s for s in stacked])
-    return reduce_fx(torch.stack(stacked))
+        return dim_zero_cat(moved)
+    return torch.stack(moved) if reduce_fx is None else reduce_fx(torch.stack(moved))
 
 
 def _mark_folded(metric: Metric, step_value: Any = None) -> None:
@@ -141,9 +139,11 @@ def _reset(clone: Metric) -> None:
         clone._forward_cache = None
 
 
-def _refuse_compute(path: str, clone: Metric) -> None:
-    """Make a direct ``compute()`` on ``clone`` (a replica's shard) an error; torchmetrics' ``forward`` computes with
-    ``_should_unsync`` off, and goes through."""
+def _shard_clone(path: str, metric: Metric) -> Metric:
+    """A reset clone of ``metric`` for one replica, on which a direct ``compute()`` (of a shard) is an error;
+    torchmetrics' ``forward`` computes with ``_should_unsync`` off, and goes through."""
+    clone = metric.clone()
+    clone.reset()
     compute = clone.compute
 
     def guarded(*args: Any, **kwargs: Any) -> Any:
@@ -156,6 +156,7 @@ def _refuse_compute(path: str, clone: Metric) -> None:
         return compute(*args, **kwargs)
 
     clone.compute = guarded
+    return clone
 
 
 @dataclass
@@ -218,7 +219,7 @@ class MetricReplicas:
     def __init__(self) -> None:
         self._clones: dict[tuple[int, int], Metric] = {}  # (id(root metric), replica index) -> clone
         self._owner: dict[int, Metric] = {}  # id(clone or a metric in it) -> the root metric it stands for
-        self._installed: dict[int, tuple[int, dict[str, Any]]] = {}  # id(clone's metric) -> see _check_plain_attributes
+        self._installed: dict[int, tuple[int, dict[str, Any]]] = {}  # id(clone's metric) -> see _check_step
         self._scratch: dict[int, Metric] = {}  # id(root metric) -> clone used to compute the batch value
         self._active: list[list[_Node]] = []
         self._contributions: dict[int, int] = {}  # id(root metric) -> replica states folded in since its reset
@@ -229,13 +230,9 @@ class MetricReplicas:
         for path, metric in _outermost_metrics(root):
             clones = []
             for index, (replica, device) in enumerate(zip(replicas, devices, strict=True)):
-                key = (id(metric), index)
-                clone = self._clones.get(key)
+                clone = self._clones.get((id(metric), index))
                 if clone is None:
-                    clone = metric.clone()
-                    clone.reset()
-                    _refuse_compute(path, clone)
-                    self._clones[key] = clone
+                    clone = self._clones[id(metric), index] = _shard_clone(path, metric)
                 clone.to(device)
                 replica.set_submodule(path, clone)
                 clones.append(clone)
@@ -282,7 +279,8 @@ class MetricReplicas:
         """Fold the used clones' states into one root metric and record the update, with the batch value where the
         metric is logged on_step and the step ran its forward."""
         metric = node.metric
-        device, reductions = _metric_device(metric), metric._reductions  # each state's dist_reduce_fx
+        reductions = metric._reductions  # each state's dist_reduce_fx
+        device = next((v.device for v in metric.metric_state.values() if isinstance(v, Tensor)), metric.device)
         states: dict[str, Any] = {}
         for attr, fx in reductions.items() if node.folds else ():
             values = [c.metric_state[attr] for c in clones]
@@ -330,10 +328,3 @@ def _folded(current: Any, value: Any, reduce_fx: Any, device: torch.device, fold
     if reduce_fx is dim_zero_mean:  # DDP's equal-weight mean over ranks: over every replica state folded in so far
         return (current.to(device) * folded + value * n) / (folded + n)
     return _combine([current, value], reduce_fx, device)
-
-
-def _metric_device(metric: Metric) -> torch.device:
-    for value in metric.metric_state.values():
-        if isinstance(value, Tensor):
-            return value.device
-    return metric.device

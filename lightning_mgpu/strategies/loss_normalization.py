@@ -89,7 +89,19 @@ class LossNormalization:
 
     def count(self, batch: Any) -> Tensor:
         """The labels of ``batch`` this rule averages over."""
-        labels = lookup(batch, self.key)
+        labels = batch
+        for part in self.key:
+            try:
+                labels = labels[part]
+            except (KeyError, IndexError, TypeError) as err:
+                raise ValueError(
+                    f"loss_reduction names the labels {show(self.key)}, but the batch has no such entry ({err!r}). "
+                    "Name a dict key (tokens:labels), a position in a tuple (tokens:1) or a dotted path (tokens:a.b)."
+                ) from None
+        if not isinstance(labels, Tensor):
+            raise ValueError(
+                f"loss_reduction names {show(self.key)}, which is a {type(labels).__name__}, not a tensor."
+            )
         if self.shifted:
             labels = labels[..., 1:]
         weight = None if self.class_weight is None else torch.tensor(self.class_weight, dtype=torch.float64)
@@ -307,22 +319,6 @@ def labels_spec(batch: Any) -> str:
     """How ``loss_reduction`` names this batch's labels (``labels``, ``1``), or ``<labels key>`` when unclear."""
     key = _labels_key(batch)
     return ".".join(map(str, key)) if key is not None else "<labels key>"
-
-
-def lookup(batch: Any, path: Path) -> Tensor:
-    """The tensor at ``path`` (dict keys and positions) in ``batch``."""
-    value = batch
-    for part in path:
-        try:
-            value = value[part]
-        except (KeyError, IndexError, TypeError) as err:
-            raise ValueError(
-                f"loss_reduction names the labels {show(path)}, but the batch has no such entry ({err!r}). Name a "
-                "dict key (tokens:labels), a position in a tuple (tokens:1) or a dotted path (tokens:a.b)."
-            ) from None
-    if not isinstance(value, Tensor):
-        raise ValueError(f"loss_reduction names {show(path)}, which is a {type(value).__name__}, not a tensor.")
-    return value
 
 
 def show(path: Path) -> str:

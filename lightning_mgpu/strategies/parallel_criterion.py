@@ -16,7 +16,7 @@ from typing_extensions import override
 
 from lightning_mgpu.parallel.merge import merge_outputs
 from lightning_mgpu.parallel.run_replicas import ExecutionMode
-from lightning_mgpu.parallel.scatter_gather import split_batch, split_or_run_once
+from lightning_mgpu.parallel.scatter_gather import split_batch
 from lightning_mgpu.strategies.loss_normalization import (
     SAMPLES,
     SUM,
@@ -27,7 +27,7 @@ from lightning_mgpu.strategies.loss_normalization import (
     loss_producers,
     uncombinable_loss,
 )
-from lightning_mgpu.strategies.single_process import Accelerator, CheckpointIO, PrecisionPlugin, SingleProcessParallel
+from lightning_mgpu.strategies.single_process import SingleProcessParallel
 from lightning_mgpu.strategies.step_outputs import (
     LOSS_TERMS_KEY,
     LOSS_WEIGHT_KEY,
@@ -63,10 +63,10 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
 
     def __init__(
         self,
-        accelerator: Accelerator | None = None,
+        accelerator: Any | None = None,
         parallel_devices: list[torch.device] | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision_plugin: PrecisionPlugin | None = None,
+        checkpoint_io: Any | None = None,
+        precision_plugin: Any | None = None,
         loss_reduction: str = "auto",
         collectives: bool | None = None,
         dim: int = 0,
@@ -96,7 +96,7 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         training = hook == "training_step"
         weights: list[Any] | None = [1]
         with self._step_context(hook):
-            chunks, sizes = self._split(args)
+            chunks, sizes = self._split_batch(args)
             if chunks is None:
                 outputs = [getattr(module, hook)(*args, **kwargs)]
             else:
@@ -166,9 +166,14 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
                 if weight is not None:
                     implied[index].setdefault(key, weight)  # what the step returned keeps its own weight
         if hook == "training_step" and self.loss_reduction == "auto":
-            self._called = _returned_call_weights(outputs, produced)
+            # What the call that produced each returned loss averaged over (tokens, or "sum" for a part of a sum over
+            # num_items_in_batch) decides, when every replica's is known and of one kind.
+            keys = [tensor_key(_returned_loss(output)) for output in outputs]
+            found = [produced.get(index, {}).get(key) for index, key in enumerate(keys)]
+            known = all(w is not None for w in found) and len({w == "sum" for w in found}) == 1
+            self._called = found if known else None
             for index, weight in enumerate(self._called or ()):
-                implied[index][tensor_key(_returned_loss(outputs[index]))] = weight
+                implied[index][keys[index]] = weight
         return implied
 
     @override
@@ -180,17 +185,15 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         self._eval_rules.clear()
         super().teardown()
 
-    def _split(self, args: tuple[Any, ...]) -> tuple[list[Any] | None, list[int]]:
+    def _split_batch(self, args: tuple[Any, ...]) -> tuple[list[Any] | None, list[int]]:
         """The batch's shards and sizes; ``(None, [1])`` when the step runs once, on the root."""
-        devices = self.parallel_devices
-        if len(devices) == 1 or not args:
+        if len(self.parallel_devices) == 1 or not args:
             return None, [1]
-        roots = [("batch", args[0])]
-        split = split_or_run_once(lambda: split_batch(args[0], devices, self.dim), roots)
-        if split is None:
-            self._say_unsplit(f"the batch ({type(args[0]).__name__})", "the step", roots)
-            return None, [1]
-        return split
+        what = f"the batch ({type(args[0]).__name__})"
+        split = self._split(
+            lambda: split_batch(args[0], self.parallel_devices, self.dim), [("batch", args[0])], what, "the step"
+        )
+        return (None, [1]) if split is None else split
 
     @override
     def _collectives_reason(self, module: nn.Module) -> str | None:
@@ -249,12 +252,3 @@ def _returned_loss(output: Any) -> Any:
     if not isinstance(output, Mapping):
         return output
     return None if LOSS_WEIGHT_KEY in output or LOSS_TERMS_KEY in output else output.get("loss")
-
-
-def _returned_call_weights(outputs: list[Any], produced: dict[int, dict[Any, Any]]) -> list[Any] | None:
-    """Per replica, what the call that produced its returned loss averaged over (tokens, or ``"sum"`` for a part of a
-    sum over ``num_items_in_batch``), when every replica's is known and of one kind; else ``None``."""
-    found = [produced.get(i, {}).get(tensor_key(_returned_loss(output))) for i, output in enumerate(outputs)]
-    if any(w is None for w in found) or len({w == "sum" for w in found}) > 1:
-        return None
-    return found

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch
 from torch import nn
@@ -25,14 +25,9 @@ from lightning_mgpu.parallel import collectives, sync_batchnorm
 from lightning_mgpu.parallel.modules import say_split_sensitive_layers
 from lightning_mgpu.parallel.replicas import SYNC_BATCHNORM_THREADS, ReplicaCache
 from lightning_mgpu.parallel.run_replicas import EXECUTION_MODES, ExecutionMode, add_note, resolve_mode
-from lightning_mgpu.parallel.scatter_gather import shared_state
+from lightning_mgpu.parallel.scatter_gather import shared_state, split_or_run_once
 from lightning_mgpu.strategies.lightning_replicas import LightningReplicas
 from lightning_mgpu.strategies.loss_normalization import LossNormalization
-
-#: The Trainer's plugins, of either Lightning namespace (so not nameable here); the Trainer fills them in.
-Accelerator: TypeAlias = Any
-CheckpointIO: TypeAlias = Any
-PrecisionPlugin: TypeAlias = Any
 
 
 @dataclass(frozen=True)
@@ -45,6 +40,7 @@ class LightningNamespace:
     device_dtype_mixin: type
 
 
+T = TypeVar("T")
 _GROWABLE = (list, collections.deque)
 _PLAIN = (bool, int, float, str)
 _MISSING = object()
@@ -80,6 +76,17 @@ def _rebound_attributes(snapshots: Sequence[tuple[nn.Module, dict[str, Any]]]) -
     return rebound
 
 
+def _step_hook(hook: str) -> Callable[..., Any]:
+    """The strategy's ``hook`` (``training_step``...), which Lightning calls with the step's arguments."""
+
+    @override
+    def step(self: SingleProcessParallel, *args: Any, **kwargs: Any) -> Any:
+        return self._run_step(hook, args, kwargs)
+
+    step.__name__, step.__qualname__ = hook, f"SingleProcessParallel.{hook}"
+    return step
+
+
 class SingleProcessParallel:
     """Shared implementation of ``parallel_criterion`` and ``dp``; mixed in before a Lightning ``ParallelStrategy``."""
 
@@ -95,13 +102,13 @@ class SingleProcessParallel:
 
     def __init__(
         self,
-        accelerator: Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision_plugin: PrecisionPlugin | None = None,
-        dim: int = 0,
-        execution_mode: ExecutionMode = "auto",
-        loss_reduction: str = "auto",
+        accelerator: Any,
+        parallel_devices: list[torch.device] | None,
+        checkpoint_io: Any,
+        precision_plugin: Any,
+        dim: int,
+        execution_mode: ExecutionMode,
+        loss_reduction: str,
     ) -> None:
         # A mixin: ParallelStrategy(accelerator, parallel_devices, cluster_environment, ...) is next in the MRO.
         super().__init__(accelerator, parallel_devices, None, checkpoint_io, precision_plugin)  # type: ignore[call-arg]
@@ -366,21 +373,26 @@ class SingleProcessParallel:
             self._announced.add(key)
             warnings.warn(message, UserWarning, stacklevel=3)
 
-    def _say_unsplit(self, what: str, runs: str, roots: Sequence[tuple[str, Any]]) -> None:
-        """Said once: ``what`` held nothing to split, or a cache every replica would change, so ``runs`` ran once."""
+    def _split(self, split: Callable[[], T], roots: Sequence[tuple[str, Any]], what: str, runs: str) -> T | None:
+        """``split()``, or ``None`` when ``what`` holds nothing to split or a cache every replica would change: then
+        ``runs`` runs once, on the root, which is said once."""
+        result = split_or_run_once(split, roots)
+        if result is not None:
+            return result
         if (held := shared_state(roots)) is not None:
             self._warn_once(
                 f"unsplit:cache:{runs}",
                 f"{self.strategy_name}: {what} holds {held}, a transformers cache every replica would append to, so "
                 f"{runs} runs once, unsplit, on {self.root_device} while it holds one: nothing runs in parallel then.",
             )
-            return
-        self._warn_once(
-            f"unsplit:{runs}",
-            f"{self.strategy_name}: nothing in {what} can be split along dim {self.dim}, so {runs} runs once, on "
-            f"{self.root_device}: nothing runs in parallel. Pass tensors in tuples, lists, dicts, namedtuples or "
-            "dataclasses.",
-        )
+        else:
+            self._warn_once(
+                f"unsplit:{runs}",
+                f"{self.strategy_name}: nothing in {what} can be split along dim {self.dim}, so {runs} runs once, on "
+                f"{self.root_device}: nothing runs in parallel. Pass tensors in tuples, lists, dicts, namedtuples or "
+                "dataclasses.",
+            )
+        return None
 
     def _say_known_rule(self, what: str, rule: LossNormalization, source: str) -> None:
         self._log(
@@ -404,21 +416,10 @@ class SingleProcessParallel:
     def _run_step(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         raise NotImplementedError
 
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._run_step("training_step", args, kwargs)
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._run_step("validation_step", args, kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._run_step("test_step", args, kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._run_step("predict_step", args, kwargs)
+    training_step = _step_hook("training_step")
+    validation_step = _step_hook("validation_step")
+    test_step = _step_hook("test_step")
+    predict_step = _step_hook("predict_step")
 
     @contextmanager
     def _step_context(self, hook: str) -> Iterator[None]:

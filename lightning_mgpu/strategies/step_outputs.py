@@ -106,9 +106,7 @@ def implied_loss_weights(outputs: Sequence[Any], rule_weights: Sequence[Any] | N
 
 def combine_losses(losses: Sequence[Tensor], weights: Sequence[Any], root: torch.device) -> Tensor:
     """The replicas' losses on ``root``: summed for ``"sum"`` weights, else their mean weighted by the counts."""
-    if isinstance(weights[0], str):
-        return reduce_losses(losses, None, root, "sum")
-    return reduce_losses(losses, weights, root, "weighted")
+    return reduce_losses(losses, weights, root, "sum" if isinstance(weights[0], str) else "weighted")
 
 
 def reduce_training_outputs(
@@ -137,7 +135,7 @@ def reduce_training_outputs(
     return {"loss": loss, **(extras[0] if single else merge_outputs(extras, root, dim, sizes=sample_counts))}
 
 
-def _reduce_weighted(losses: list[Any], weights: list[Any], what: str, root: torch.device) -> Any:
+def _reduce_weighted(losses: Sequence[Any], weights: Sequence[Any], what: str, root: torch.device) -> Any:
     floats = as_float_weights(weights, what)  # checked and read once
     return losses[0] if len(losses) == 1 else reduce_losses(losses, floats, root, "weighted")
 
@@ -158,6 +156,6 @@ def _reduce_terms(outputs: Sequence[Mapping[str, Any]], root: torch.device) -> T
                     f"{LOSS_TERMS_KEY}[{name!r}] must be a (loss, weight) pair, got {type(terms[name]).__name__}."
                 )
             pairs.append(terms[name])
-        losses, weights = [p[0] for p in pairs], [p[1] for p in pairs]
+        losses, weights = zip(*pairs, strict=True)
         reduced.append(_reduce_weighted(losses, weights, f"{LOSS_TERMS_KEY}[{name!r}] weight", root))
     return sum(reduced[1:], reduced[0])
