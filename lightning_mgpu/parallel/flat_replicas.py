@@ -224,6 +224,10 @@ class ReplicaParameters:
             self._stamp = stamp
         return True
 
+    def mark_stale(self) -> None:
+        """Copy the originals to the other devices at the next :meth:`sync`, whatever their version counters say."""
+        self._stamp = None
+
     def backward_done(self) -> None:
         """A backward pass through the replicas finished (autograd accumulated into their flat gradients)."""
         for i, leaves in enumerate(self.leaves[: self.active]):
@@ -389,6 +393,10 @@ class ReplicaBuffers:
                 self._link(i)
         self._stamp = stamp
         self._marks = self._replica_marks()
+
+    def mark_stale(self) -> None:
+        """Copy the originals into every replica at the next :meth:`refresh`, whatever their version counters say."""
+        self._stamp = None
 
     def _copy_into(self, i: int, staged: dict[torch.dtype, Tensor]) -> None:
         """Replica ``i``'s buffers from the originals: one copy per dtype from the flattened originals (``staged``,

@@ -295,6 +295,13 @@ class ReplicaSet:
         if self._flat is not None:
             self._flat.reduce(run_hooks)
 
+    def mark_stale(self) -> None:
+        """Copy every parameter and buffer into the replicas at the next :meth:`prepare`, changed or not: writes
+        through ``.data`` (Lightning's ``WeightAveraging`` swaps weights so) move no version counter."""
+        self._buffers.mark_stale()
+        if self._flat is not None:
+            self._flat.mark_stale()
+
     @property
     def pending(self) -> bool:
         """Replicas with their own parameters ran since the last reduction (their gradients may wait for one)."""

@@ -34,6 +34,7 @@ class LightningReplicas:
         self._namespace = namespace
         self.recorders = [LogRecorder() for _ in self.devices]
         self.metrics = MetricReplicas()
+        self.hook: str | None = None  # the step hook of the last run
         self.replica_set = ReplicaSet(
             module, self.devices, on_build=self._install, overrides=_PER_REPLICA, shared=lambda m: isinstance(m, Metric)
         )

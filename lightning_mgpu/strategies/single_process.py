@@ -76,17 +76,6 @@ def _rebound_attributes(snapshots: Sequence[tuple[nn.Module, dict[str, Any]]]) -
     return rebound
 
 
-def _step_hook(hook: str) -> Callable[..., Any]:
-    """The strategy's ``hook`` (``training_step``...), which Lightning calls with the step's arguments."""
-
-    @override
-    def step(self: SingleProcessParallel, *args: Any, **kwargs: Any) -> Any:
-        return self._run_step(hook, args, kwargs)
-
-    step.__name__, step.__qualname__ = hook, f"SingleProcessParallel.{hook}"
-    return step
-
-
 class SingleProcessParallel:
     """Shared implementation of ``parallel_criterion`` and ``dp``; mixed in before a Lightning ``ParallelStrategy``."""
 
@@ -314,6 +303,9 @@ class SingleProcessParallel:
         # Accumulating: replicas keep their gradients until the last backward pass, unless something reads them between.
         root = self.lightning_module
         replica_set = replicas.replica_set
+        if replicas.hook != root._current_fx_name:  # a new stage: callbacks swap weights in through .data (EMA), which
+            replicas.hook = root._current_fx_name  # moves no version counter: copy everything once
+            replica_set.mark_stale()
         waiting = replica_set.defer_reduction  # the last micro-batch's reduction waits
         accumulating = (
             root._current_fx_name == "training_step"
@@ -416,10 +408,21 @@ class SingleProcessParallel:
     def _run_step(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         raise NotImplementedError
 
-    training_step = _step_hook("training_step")
-    validation_step = _step_hook("validation_step")
-    test_step = _step_hook("test_step")
-    predict_step = _step_hook("predict_step")
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run_step("training_step", args, kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run_step("validation_step", args, kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run_step("test_step", args, kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run_step("predict_step", args, kwargs)
 
     @contextmanager
     def _step_context(self, hook: str) -> Iterator[None]:

@@ -788,3 +788,17 @@ def test_flattening_reads_contiguous_and_channels_last_tensors_as_they_are_now()
     params = [nn.Parameter(torch.randn(3)), nn.Parameter(torch.randn(2, 2))]
     flat = ReplicaParameters(iter(params), [torch.device("cpu")] * 2, torch.device("cpu"))  # any iterable
     assert [view.shape for view in flat._root_views] == [p.shape for p in params]
+
+
+def test_mark_stale_copies_values_written_through_data_into_the_replicas():
+    """A write through ``.data`` moves no version counter, so the sync cannot see it; after ``mark_stale`` the next
+    ``prepare`` copies every buffer (and parameter copy) anyway."""
+    module = nn.BatchNorm1d(2)
+    replica_set = ReplicaSet(module, CPU3)
+    replica_set.prepare(3, "sequential")
+    module.running_mean.data.copy_(torch.tensor([5.0, 6.0]))
+    replica_set.prepare(3, "sequential")
+    assert torch.equal(replica_set.replicas[2].running_mean, torch.zeros(2))  # unseen: why mark_stale exists
+    replica_set.mark_stale()
+    replica_set.prepare(3, "sequential")
+    assert all(torch.equal(r.running_mean, torch.tensor([5.0, 6.0])) for r in replica_set.replicas)

@@ -273,3 +273,46 @@ def test_compiled_network_trains_as_the_eager_one_device_run(strategy, backend):
     torch.testing.assert_close(flat_params(compiled), flat_params(eager), rtol=1e-5, atol=1e-5)
     assert compiled.net._compiled_call_impl is not None  # still compiled, state-dict keys unchanged
     assert set(compiled.state_dict()) == set(eager.state_dict())
+
+
+class AnnealedTemperature(Classifier):
+    """A buffer (annealed in place each epoch) that Lightning's EMAWeightAveraging averages and swaps in for validation
+    through ``.data``, which moves no version counter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("temperature", torch.tensor(1.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x) / self.temperature
+
+    def on_train_epoch_start(self) -> None:
+        with torch.no_grad():
+            self.temperature.mul_(0.5)
+
+
+@pytest.mark.parametrize(
+    "strategy", ["parallel_criterion", "dp", "threads"], ids=["parallel_criterion", "dp", "parallel_criterion-threads"]
+)
+def test_weights_swapped_in_by_lightnings_ema_callback_reach_the_replicas(strategy):
+    from lightning.pytorch.callbacks import Callback, EMAWeightAveraging
+
+    class ValidationLosses(Callback):
+        def __init__(self) -> None:
+            self.losses: list[float] = []
+
+        def on_validation_end(self, trainer: Any, module: Any) -> None:
+            self.losses.append(float(trainer.callback_metrics["val_loss"]))
+
+    base = seeded(AnnealedTemperature)
+    runs = []
+    for module, chosen, devices in ((clone(base), "auto", 1), (clone(base), strategy, 2)):
+        chosen = _threads("parallel_criterion") if chosen == "threads" else chosen
+        losses = ValidationLosses()
+        t = trainer(chosen, devices, max_epochs=2, enable_progress_bar=True)
+        t.callbacks.extend([EMAWeightAveraging(decay=0.5), losses])
+        t.fit(module, loader(10), loader(10, seed=1))
+        runs.append((losses.losses, flat_params(module)))
+    (single_losses, single_params), (losses, params) = runs
+    assert len(losses) == 2 and losses == pytest.approx(single_losses, abs=1e-12)
+    torch.testing.assert_close(params, single_params, rtol=0, atol=1e-12)
