@@ -79,6 +79,8 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         self._eval_rules: dict[str, LossNormalization] = {}
         self._captures: dict[str, LossCapture] = {}
         self._called: list[Any] | None = None  # this step's returned losses: what each producer's call averaged over
+        self._rule_source: str | None = None  # the objects that said the training loss's rule, while it holds
+        self._overruled: str | None = None  # those objects, when a step returned another loss than their output
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -100,19 +102,19 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
             if chunks is None:
                 outputs = [getattr(module, hook)(*args, **kwargs)]
             else:
-                source = None
                 if training and self.normalization is None:
                     known = known_rule(module, args[0])
-                    self.normalization, source = known if known is not None else (SAMPLES, None)
+                    self.normalization, self._rule_source = known if known is not None else (SAMPLES, None)
                 # Computed once per step (token counts: device tensors), for the loss and its logged copies.
                 weights = self._rule_weights(hook, args[0], chunks, sizes)
 
                 def call(index: int, replica: nn.Module) -> Any:
                     return getattr(replica, hook)(chunks[index], *args[1:], **kwargs)
 
-                outputs = self._run_replicated(module, sizes, call, partial(self._implied_weights, hook, weights))
+                implied = partial(self._implied_weights, hook, weights, sizes)
+                outputs = self._run_replicated(module, sizes, call, implied)
                 if training:  # said once the step ran: a step that fails says so by itself
-                    self._say_rule(outputs, source, args[0])
+                    self._say_rule(outputs, self._rule_source, args[0])
         if all_or_none(outputs, hook):
             return None
         if training:  # what each call of the loss's producer averaged over decides, when known
@@ -155,11 +157,20 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
             self._eval_rules[hook] = rule or (known[0] if known is not None else SAMPLES)
         return self._eval_rules[hook]
 
-    def _implied_weights(self, hook: str, weights: list[Any] | None, outputs: list[Any]) -> list[dict[Any, Any]]:
-        """Per replica, the weights of the logged copies of the losses it returned and its loss producers returned."""
-        implied = implied_loss_weights(outputs, weights)
+    def _implied_weights(
+        self, hook: str, weights: list[Any] | None, sizes: list[int], outputs: list[Any]
+    ) -> list[dict[Any, Any]]:
+        """Per replica, the weights of the logged copies of the losses it returned and its loss producers returned.
+        A training loss that is not the output of the objects that said its rule (``criterion(...) + aux``) is
+        weighted per sample from then on, this step included (``weights`` is the list the step reduces with)."""
         capture = self._captures.get(hook)
         produced = capture.take() if capture is not None else {}
+        keys = [tensor_key(_returned_loss(output)) for output in outputs]
+        not_produced = None not in keys and any(key not in produced.get(i, {}) for i, key in enumerate(keys))
+        if hook == "training_step" and self._rule_source is not None and weights is not None and not_produced:
+            self._overruled, self._rule_source, self.normalization = self._rule_source, None, SAMPLES
+            weights[:] = sizes
+        implied = implied_loss_weights(outputs, weights)
         for index, recorded in produced.items():
             for key, weight in recorded.items():
                 weight = weights[index] if weight is None and weights is not None else weight  # the rule's
@@ -168,7 +179,6 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         if hook == "training_step" and self.loss_reduction == "auto":
             # What the call that produced each returned loss averaged over (tokens, or "sum" for a part of a sum over
             # num_items_in_batch) decides, when every replica's is known and of one kind.
-            keys = [tensor_key(_returned_loss(output)) for output in outputs]
             found = [produced.get(index, {}).get(key) for index, key in enumerate(keys)]
             known = all(w is not None for w in found) and len({w == "sum" for w in found}) == 1
             self._called = found if known else None
@@ -178,7 +188,7 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
 
     @override
     def teardown(self) -> None:
-        self._called = None
+        self._called = self._rule_source = self._overruled = None
         for capture in self._captures.values():
             capture.remove()
         self._captures.clear()
@@ -217,6 +227,22 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
     def _say_rule(self, outputs: list[Any], source: str | None, batch: Any) -> None:
         """Once per run: the rule found and where from, or the assumption with its fixes; nothing when the step or
         ``loss_reduction`` declares it."""
+        coupled = (
+            " (with all_gather: exact for a mean over this device's rows of the gathered batch, or a whole-batch "
+            "loss every device computes alike)"
+            if self._collectives_reason(self.lightning_module) is not None
+            else ". A loss that couples samples across the batch (contrastive) needs self.all_gather(..., "
+            "sync_grads=True) in the step, or strategy='dp'"
+        )
+        alternative = "return {'loss': loss, 'loss_weight': <count it averages over>} from training_step" + coupled
+        if self._overruled is not None:  # said whenever it happens, also after the rule was said
+            what, self._overruled = f"the training loss (not the output of {self._overruled} alone)", None
+            self._announced.add("rule")
+            terms = "return {'loss': loss, 'loss_terms': {<name>: (<term's loss>, <count it averages over>), ...}}"
+            self._say_assumed_samples(
+                what, labels_spec(batch), terms + " from training_step (each term weighted apart)"
+            )
+            return
         if "rule" in self._announced or self.loss_reduction != "auto":
             return
         self._announced.add("rule")
@@ -236,15 +262,7 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         elif (uncombinable := uncombinable_loss(self.lightning_module)) is not None:
             warnings.warn(f"parallel_criterion: {uncombinable}.", UserWarning, stacklevel=2)
         else:
-            coupled = (
-                " (with all_gather: exact for a mean over this device's rows of the gathered batch, or a whole-batch "
-                "loss every device computes alike)"
-                if self._collectives_reason(self.lightning_module) is not None
-                else ". A loss that couples samples across the batch (contrastive) needs self.all_gather(..., "
-                "sync_grads=True) in the step, or strategy='dp'"
-            )
-            alternative = "return {'loss': loss, 'loss_weight': <count it averages over>} from training_step"
-            self._say_assumed_samples("the training loss", labels_spec(batch), alternative + coupled)
+            self._say_assumed_samples("the training loss", labels_spec(batch), alternative)
 
 
 def _returned_loss(output: Any) -> Any:

@@ -164,6 +164,25 @@ def test_loss_modules_say_the_rule_and_training_equals_one_device(root, name):
     assert_equal_runs(got, expected)
 
 
+class AddsATerm(WithCriterion):
+    """Returns the criterion's output plus another term: the criterion's rule does not describe that sum."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        logits = self.net(x)
+        return self.criterion(logits, y) + 0.5 * logits.pow(2).mean()
+
+
+def test_a_loss_that_adds_terms_to_a_criterions_output_is_not_given_the_criterions_rule(root):
+    """The step names a CrossEntropyLoss (a token mean over non-ignored labels) but returns more than its output: the
+    returned loss is weighted per sample, said once with the exact fix (``loss_terms``), not given the token rule."""
+    data = lambda: mlp_loader(batch_size=10, loss="ce_mean", ignored=slice(1, None, 3))  # noqa: E731
+    got = fit(seeded(AddsATerm, criterion=nn.CrossEntropyLoss()), "parallel_criterion", 3, data(), root)
+    said = [w for w in got.warnings if "not the output of CrossEntropyLoss (reduction='mean') alone" in w]
+    assert len(said) == 1 and "'loss_terms'" in said[0], got.warnings
+    assert got.decisions() == [] and got.trainer.strategy.normalization.spec() == "samples"
+
+
 # --- 4. no extra calls of user code, no leaked effects ---------------------------------------------------------------
 def make_probe(ns: Any, log_file: str) -> Any:
     """A step with effects everywhere: a dict counter, a set of the labels it saw, a forward hook count, a user

@@ -262,5 +262,5 @@ def test_each_loss_producer_call_says_what_it_averages_over():
     weighted = nn.CrossEntropyLoss(weight=torch.tensor([1.0, 2.0, 4.0]))
     assert call_weight(weighted, (logits,), {"target": labels}, None).item() == 1 + 4 + 2
     assert call_weight(nn.NLLLoss(reduction="sum"), (logits, labels), {}, None) == "sum"
-    assert call_weight(nn.MSELoss(), (logits, logits), {}, None) == 5
+    assert call_weight(nn.MSELoss(), (logits, logits), {}, None) == 15  # a mean over elements
     assert call_weight(nn.CrossEntropyLoss(), (logits, logits.softmax(-1)), {}, None) == 5  # probabilities: samples
