@@ -65,14 +65,18 @@ def merge_and_log(
     metric_owner: Callable[[Any], Metric | None],
     implied_weights: Sequence[dict[int, Any]] | None = None,
 ) -> None:
-    """Merge the replicas' recorded ``log`` calls and log each name once on ``root`` (a LightningModule).
-    ``metric_owner`` maps a metric clone to its root metric; ``implied_weights``: see ``implied_loss_weights``."""
-    by_name: dict[str, list[tuple[int, LogCall]]] = {}
+    """Merge the replicas' recorded ``log`` calls and log them on ``root`` (a LightningModule): the k-th call of a name
+    on every replica merged into one, in order, as one device logs a name once per call (the step's value is the
+    last; the epoch's takes each). ``metric_owner`` maps a metric clone to its root metric; ``implied_weights``: see
+    ``implied_loss_weights``."""
+    calls: dict[tuple[str, int], list[tuple[int, LogCall]]] = {}  # (name, k) -> every replica's k-th call of it
     for index, recorder in enumerate(recorders):
+        made: dict[str, int] = {}
         for call in recorder.calls:
-            by_name.setdefault(call.name, []).append((index, call))
+            made[call.name] = made.get(call.name, 0) + 1
+            calls.setdefault((call.name, made[call.name]), []).append((index, call))
         recorder.calls.clear()
-    for name, entries in by_name.items():
+    for (name, _), entries in calls.items():
         (first_index, first), *others = entries
         options = {**_LOG_DEFAULTS, **first.options}
         expected = _all_but_batch_size(options)
@@ -117,7 +121,8 @@ def _merge_values(
         # A copy of a mean loss: batch_size= only weights the step in the epoch mean.
         by_count = not isinstance(implied[0], (str, LossTermsTotal))
         return loss, options if by_count and given is None else with_batch_size
-    weights = counts if given is None else explicit
+    # Equal values on every replica (a constant such as hparams.batch_size) say nothing about the shards: samples do.
+    weights = counts if given is None or len({float(b) for b in explicit}) == 1 else explicit
     return weighted_mean(stacked, stack_scalars(weights, device, dtype)), with_batch_size
 
 

@@ -50,6 +50,35 @@ def test_batch_size_given_to_log_weights_the_mean_instead_of_sample_counts():
     assert options["batch_size"] == 4
 
 
+def test_the_same_batch_size_on_every_replica_is_a_constant_and_sample_counts_weight_the_mean():
+    """``batch_size=self.hparams.batch_size``: every replica passes the whole batch's size, which says nothing about
+    the shards (4 and 3 samples here): the step's value is one device's, weighted by sample counts."""
+    recorders = [LogRecorder(), LogRecorder()]
+    recorders[0].log("x", torch.tensor(1.0, dtype=torch.float64), batch_size=7)
+    recorders[1].log("x", torch.tensor(4.0, dtype=torch.float64), batch_size=7)
+    root = Root()
+    merge_and_log(root, recorders, [4, 3], lambda _: None)
+    assert root.logged["x"][0].item() == pytest.approx((4 * 1.0 + 3 * 4.0) / 7, rel=0, abs=1e-15)
+
+
+def test_a_name_logged_twice_in_a_step_is_logged_twice_each_call_merged_over_replicas():
+    """One device logs each call (Lightning keeps the last as the step's value and takes every one into the epoch's):
+    the k-th calls of the replicas merge into the root's k-th call, in order."""
+    recorders = [LogRecorder(), LogRecorder()]
+    for recorder, (first, second) in zip(recorders, [(1.0, 10.0), (3.0, 30.0)], strict=True):
+        recorder.log("x", torch.tensor(first, dtype=torch.float64))
+        recorder.log("y", torch.tensor(0.0, dtype=torch.float64))
+        recorder.log("x", torch.tensor(second, dtype=torch.float64))
+    calls: list[tuple[str, float]] = []
+
+    class InOrder(Root):
+        def log(self, name: str, value: Any, **options: Any) -> None:
+            calls.append((name, value.item()))
+
+    merge_and_log(InOrder(), recorders, [1, 3], lambda _: None)
+    assert calls == [("x", 2.5), ("y", 0.0), ("x", 25.0)]
+
+
 def test_a_replica_with_weight_zero_takes_no_part_in_the_mean():
     recorders = [LogRecorder(), LogRecorder()]
     recorders[0].log("x", torch.tensor(2.0), batch_size=5)
