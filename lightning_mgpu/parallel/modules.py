@@ -179,6 +179,13 @@ def _function_defaults(criterion: Any) -> dict[str, Any]:
     return _CLASS_INDEX_DEFAULTS if base is F.cross_entropy or base is F.nll_loss else {}
 
 
+def _whole_keywords(criterion: Any) -> set[str]:
+    """Keywords of a torch loss function that are options, not per-sample values: they go whole to every device."""
+    base = criterion.func if isinstance(criterion, functools.partial) else criterion
+    per_class = {"pos_weight"} if base is F.binary_cross_entropy_with_logits else set()  # one weight per class
+    return per_class | set(_function_defaults(criterion))
+
+
 def _criterion_option(criterion: Any, kwargs: dict[str, Any], name: str, default: Any) -> Any:
     """An option of ``criterion`` for this call: a module's attribute, or for ``F.cross_entropy`` / ``F.nll_loss`` a
     keyword of the call or partial, else torch's default; an opaque function's keywords are no known options."""
@@ -371,9 +378,9 @@ class DataParallelCriterion(nn.Module):
         self, outputs: list[Any], targets: tuple[Any, ...], kwargs: dict[str, Any], devices: list[torch.device]
     ) -> tuple[list[tuple[Any, ...]], list[dict[str, Any]], list[int]]:
         """Targets chunked exactly as the outputs are (by their own batch sizes when every output has one), and each
-        device's samples (0: unknown); options of ``F.cross_entropy`` / ``F.nll_loss`` passed as keywords (the class
-        ``weight``...) go whole."""
-        options = _function_defaults(self.criterion)
+        device's samples (0: unknown); options of torch's loss functions passed as keywords (``F.cross_entropy``'s class
+        ``weight``, ``F.binary_cross_entropy_with_logits``'s ``pos_weight``...) go whole."""
+        options = _whole_keywords(self.criterion)
         whole = {k: v for k, v in kwargs.items() if k in options}
         per_sample = {k: v for k, v in kwargs.items() if k not in options}
         out_sizes = [_safe_batch_size(o, self.dim) for o in outputs]
@@ -386,6 +393,15 @@ class DataParallelCriterion(nn.Module):
                 # non-batch values): every replica gets them whole, on its device.
                 return [move_to(targets, d) for d in devices], [move_to(kwargs, d) for d in devices], out_sizes
             total = sum(out_sizes)  # e.g. a list of class ids, split like the outputs
+        except BatchSplitError as err:
+            if not per_sample:
+                raise
+            raise BatchSplitError(
+                f"{err} Keyword arguments of the criterion call are split like the targets. One that is an option, "
+                "not a per-sample value (a per-class weight), belongs to the criterion: pass a loss module built with "
+                "it (nn.BCEWithLogitsLoss(weight=...), or your own nn.Module holding it as a buffer), which reaches "
+                "every device whole."
+            ) from None
         if all(out_sizes) and sum(out_sizes) != total:
             raise ValueError(
                 f"Outputs and targets do not line up: the per-device outputs hold {out_sizes} samples along dim "

@@ -315,3 +315,35 @@ def test_a_criterion_whose_equality_builds_an_object_keeps_its_keywords_split():
     criterion = DataParallelCriterion(WeightedSquares(), ["cpu", "cpu"], weight_fn=lambda o, t: len(o))
     loss = criterion([output[:2], output[2:]], target, weight=weight)
     torch.testing.assert_close(loss, WeightedSquares()(output, target, weight))
+
+
+@pytest.mark.parametrize("classes", [6, 3], ids=["as-many-classes-as-samples", "fewer-classes"])
+@pytest.mark.parametrize("mode", MODES)
+def test_pos_weight_passed_as_a_keyword_goes_whole_as_torch_defines_it_per_class(mode, classes):
+    """``F.binary_cross_entropy_with_logits(..., pos_weight=w)``: one weight per class by torch's contract, so it is
+    not split like the targets, even when there are as many classes as samples."""
+    torch.manual_seed(0)
+    net = nn.Linear(5, classes).double()
+    x, y = torch.randn(6, 5, dtype=torch.float64), torch.randint(0, 2, (6, classes)).double()
+    pos_weight = torch.linspace(0.5, 3.0, classes, dtype=torch.float64)
+    reference = nn.functional.binary_cross_entropy_with_logits(net(x), y, pos_weight=pos_weight)
+    criterion = DataParallelCriterion(nn.functional.binary_cross_entropy_with_logits, ["cpu"] * 2, execution_mode=mode)
+    loss = criterion(DataParallelModel(net, ["cpu"] * 2, execution_mode=mode)(x), y, pos_weight=pos_weight)
+    assert abs(loss.item() - reference.item()) < TOL
+
+
+def test_a_keyword_option_that_cannot_be_split_is_refused_with_the_fix_that_works():
+    """``weight=`` of ``F.binary_cross_entropy_with_logits`` may be per sample or per class; a per-class one cannot be
+    split like the targets: the error says to build the loss module with it, and that module gives one device's loss."""
+    torch.manual_seed(0)
+    net = nn.Linear(5, 3).double()
+    x, y = torch.randn(6, 5, dtype=torch.float64), torch.rand(6, 3, dtype=torch.float64)
+    weight = torch.tensor([0.5, 1.0, 2.0], dtype=torch.float64)
+    criterion = DataParallelCriterion(nn.functional.binary_cross_entropy_with_logits, ["cpu"] * 2)
+    with pytest.raises(ValueError, match=r"kwargs\['weight'\].*nn\.BCEWithLogitsLoss\(weight=\.\.\.\)"):
+        criterion(DataParallelModel(net, ["cpu"] * 2)(x), y, weight=weight)
+    reference = nn.functional.binary_cross_entropy_with_logits(net(x), y, weight=weight)
+    loss = DataParallelCriterion(nn.BCEWithLogitsLoss(weight=weight), ["cpu"] * 2)(
+        DataParallelModel(net, ["cpu"] * 2)(x), y
+    )
+    assert abs(loss.item() - reference.item()) < TOL
