@@ -22,12 +22,12 @@ _HINT = (
 
 def all_gather(tensor: Tensor, sync_grads: bool = False, *, sequential_hint: str = "") -> Tensor:
     """Every replica's ``tensor``, concatenated along dim 0 in replica order (0-dim: stacked), on this replica's
-    device; with ``sync_grads`` a loss over it backpropagates into every replica's share, as on one device."""
+    device. A loss over it backpropagates into every replica's share, ``sync_grads`` or not: on one device
+    ``all_gather`` is an identity, through which gradients flow (DDP detaches without ``sync_grads``)."""
     replica = _replica("all_gather", sequential_hint)
     if replica is None:
         return tensor
-    value = tensor if sync_grads else tensor.detach()
-    return _meet(replica, "all_gather", value, _gather)
+    return _meet(replica, "all_gather", tensor, _gather)
 
 
 def reduce(tensor: Any, reduce_op: Any = "mean", *, sequential_hint: str = "") -> Any:

@@ -40,7 +40,8 @@ def clip_data(n: int = N, seed: int = 0) -> TensorDataset:
 def make_clip(ns: Any = L, variant: str = "matrix") -> Any:
     """``variant="matrix"``: every device computes the whole-batch loss from the gathered embeddings; ``"rows"``: each
     device its own rows (``lightning_mgpu.local_rows``), averaged over rows; ``"std"``: a loss normalised by the
-    gathered batch's standard deviation."""
+    gathered batch's standard deviation; ``"own_rows_nosync"``: each device's own image rows against every text,
+    gathered without ``sync_grads`` (on one device ``all_gather`` is an identity: gradients flow through it)."""
 
     class CLIP(ns.LightningModule):
         def __init__(self) -> None:
@@ -52,6 +53,13 @@ def make_clip(ns: Any = L, variant: str = "matrix") -> Any:
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             x, t = batch
             zi, zt = F.normalize(self.image(x), dim=-1), F.normalize(self.text(t), dim=-1)
+            if variant == "own_rows_nosync":
+                all_t = self.all_gather(zt)
+                all_t = all_t.flatten(0, 1) if self.trainer.world_size > 1 else all_t
+                labels = torch.arange(len(all_t), device=zi.device)[lightning_mgpu.local_rows(len(zi))]
+                loss = F.cross_entropy(self.scale * zi @ all_t.T, labels)
+                self.log("loss", loss, on_step=True, on_epoch=True)
+                return loss
             all_i = self.all_gather(zi, sync_grads=True)
             all_t = self.all_gather(zt, sync_grads=True)
             if self.trainer.world_size > 1:  # DDP stacks a leading world dimension
@@ -83,7 +91,7 @@ def fit(module: Any, strategy: Any, devices: int, ns: Any = L, root: Path | None
     return trainer, torch.cat([p.detach().flatten() for p in module.parameters()])
 
 
-@pytest.mark.parametrize("variant", ["matrix", "rows", "std"])
+@pytest.mark.parametrize("variant", ["matrix", "rows", "std", "own_rows_nosync"])
 @pytest.mark.parametrize("devices", [2, 3])
 def test_whole_batch_losses_equal_one_device(variant, devices, tmp_path):
     expected_trainer, expected = fit(make_clip(variant=variant), "auto", 1, root=tmp_path)
