@@ -81,6 +81,7 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         self._called: list[Any] | None = None  # this step's returned losses: what each producer's call averaged over
         self._rule_source: str | None = None  # the objects that said the training loss's rule, while it holds
         self._overruled: str | None = None  # those objects, when a step returned another loss than their output
+        self._labels_checked = True  # the labels the rule names are those the objects' calls counted
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -114,7 +115,7 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
                 implied = partial(self._implied_weights, hook, weights, sizes)
                 outputs = self._run_replicated(module, sizes, call, implied)
                 if training:  # said once the step ran: a step that fails says so by itself
-                    self._say_rule(outputs, self._rule_source, args[0])
+                    self._say_rule(outputs, self._rule_source, args[0], weights)
         if all_or_none(outputs, hook):
             return None
         if training:  # what each call of the loss's producer averaged over decides, when known
@@ -168,6 +169,8 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         keys = [tensor_key(_returned_loss(output)) for output in outputs]
         not_produced = None not in keys and any(key not in produced.get(i, {}) for i, key in enumerate(keys))
         if hook == "training_step" and self._rule_source is not None and weights is not None and not_produced:
+            recorded = [list(produced.get(i, {}).values()) for i in range(len(outputs))]
+            self._labels_checked = self.normalization != SAMPLES and _counts_agree(recorded, weights)
             self._overruled, self._rule_source, self.normalization = self._rule_source, None, SAMPLES
             weights[:] = sizes
         implied = implied_loss_weights(outputs, weights)
@@ -224,9 +227,10 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         return None
 
     # --- the loss rule -----------------------------------------------------------------------------------------------
-    def _say_rule(self, outputs: list[Any], source: str | None, batch: Any) -> None:
+    def _say_rule(self, outputs: list[Any], source: str | None, batch: Any, weights: list[Any] | None) -> None:
         """Once per run: the rule found and where from, or the assumption with its fixes; nothing when the step or
-        ``loss_reduction`` declares it."""
+        ``loss_reduction`` declares it. Labels are named only where the loss's own calls counted them (the batch's
+        ``labels`` may not be what the loss was computed on)."""
         coupled = (
             " (with all_gather: exact for a mean over this device's rows of the gathered batch, or a whole-batch "
             "loss every device computes alike)"
@@ -239,9 +243,8 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
             what, self._overruled = f"the training loss (not the output of {self._overruled} alone)", None
             self._announced.add("rule")
             terms = "return {'loss': loss, 'loss_terms': {<name>: (<term's loss>, <count it averages over>), ...}}"
-            self._say_assumed_samples(
-                what, labels_spec(batch), terms + " from training_step (each term weighted apart)"
-            )
+            labels = labels_spec(batch) if self._labels_checked else "<labels key>"
+            self._say_assumed_samples(what, labels, terms + " from training_step (each term weighted apart)")
             return
         if "rule" in self._announced or self.loss_reduction != "auto":
             return
@@ -249,7 +252,14 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         first = outputs[0]
         if isinstance(first, Mapping) and (LOSS_WEIGHT_KEY in first or LOSS_TERMS_KEY in first):
             return
-        if self._called is not None and (source is None or (self._called[0] == "sum") != (self.normalization == SUM)):
+        other_labels = (  # a token rule whose labels are not what the loss's calls counted: name none
+            self.normalization.kind == "tokens"
+            and self._called is not None
+            and not _counts_agree([[w] for w in self._called], weights)
+        )
+        if self._called is not None and (
+            source is None or other_labels or (self._called[0] == "sum") != (self.normalization == SUM)
+        ):
             if self._called[0] == "sum":
                 self._say_known_rule("the training loss", SUM, "each call with num_items_in_batch (not its own count)")
             else:
@@ -263,6 +273,16 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
             warnings.warn(f"parallel_criterion: {uncombinable}.", UserWarning, stacklevel=2)
         else:
             self._say_assumed_samples("the training loss", labels_spec(batch), alternative)
+
+
+def _counts_agree(recorded: list[list[Any]], weights: list[Any] | None) -> bool:
+    """Whether, on every replica, one of the counts its loss calls ``recorded`` is the rule's count ``weights[i]``."""
+    if weights is None or any(isinstance(w, str) for w in weights):
+        return False
+    return all(
+        any(not isinstance(c, str) and c is not None and float(c) == float(w) for c in counts)
+        for counts, w in zip(recorded, weights, strict=True)
+    )
 
 
 def _returned_loss(output: Any) -> Any:

@@ -17,9 +17,10 @@ import lightning.pytorch as L
 import pytest
 import torch
 import torch.nn.functional as F
-from hf_models import N_IN, N_OUT, Run, assert_equal_runs, fit, make_mlp, mlp_loader
+from hf_models import N_IN, N_OUT, STEPS, Run, assert_equal_runs, fit, make_mlp, mlp_loader
 from strategy_models import seeded
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_mgpu
 
@@ -181,6 +182,38 @@ def test_a_loss_that_adds_terms_to_a_criterions_output_is_not_given_the_criterio
     said = [w for w in got.warnings if "not the output of CrossEntropyLoss (reduction='mean') alone" in w]
     assert len(said) == 1 and "'loss_terms'" in said[0], got.warnings
     assert got.decisions() == [] and got.trainer.strategy.normalization.spec() == "samples"
+
+
+class LabelsThenLengths(WithCriterion):
+    """Batches ``(x, labels, lengths)``: the tuple's last integer item is not what the loss counts."""
+
+    def __init__(self, scale: float) -> None:
+        super().__init__(nn.CrossEntropyLoss())
+        self.scale = scale
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y, _ = batch
+        loss = self.criterion(self.net(x), y)
+        return loss if self.scale == 1 else self.scale * loss
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.0], ids=["criterion-output", "scaled"])
+def test_messages_name_only_the_labels_the_loss_counted(root, scale):
+    """The batch's last integer item (lengths) is not the labels: the rule is said without naming it (its own
+    calls' counts are exact), and the notice for a scaled loss does not suggest ``tokens:2``, which would be wrong."""
+    x, y = next(iter(mlp_loader("ce_mean", 10 * STEPS, ignored=slice(1, None, 3))))
+    lengths = torch.arange(len(y)) % 3 + 1
+    loader = DataLoader(TensorDataset(x, y, lengths), batch_size=10)
+    got = fit(seeded(LabelsThenLengths, scale=scale), "parallel_criterion", 3, loader, root)
+    said = " ".join([*got.warnings, *got.info])
+    assert "tokens:2" not in said and "batch[2]" not in said, said
+    if scale == 1:
+        assert got.decisions() == [
+            "parallel_criterion: the training loss is a mean over each call's own tokens; the devices' values are "
+            "combined accordingly."
+        ]
+    else:
+        assert "loss_reduction='sum' | 'tokens:<labels key>'" in said
 
 
 # --- 4. no extra calls of user code, no leaked effects ---------------------------------------------------------------
