@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.lazy import LazyModuleMixin
 from torch.nn.modules.module import register_module_buffer_registration_hook
+from torch.nn.utils.prune import BasePruningMethod
 
 from lightning_mgpu.parallel.compiled import compiled_call, is_compiled, is_optimized_module, optimized_module_replica
 from lightning_mgpu.parallel.devices import DeviceLike, to_device
@@ -94,6 +95,12 @@ class ReplicaSet:
         self.compiled = any(is_compiled(m) for m in self._originals)
         uses_sync_batchnorm(self.module)  # names the sync layers built directly, for their errors
         self._sync_layers = [m for m in self._originals if isinstance(m, SyncBatchNorm)]
+        self._pruned = [  # torch's pruning sets `weight` (orig x mask) in a forward pre-hook: on replicas only
+            (m, hook)
+            for m in self._originals
+            for hook in m._forward_pre_hooks.values()
+            if isinstance(hook, BasePruningMethod)
+        ]
         with torch.inference_mode(False), torch.no_grad():  # copies must be normal tensors, whatever the caller's mode
             for i in range(len(self.devices)):
                 self._build_replica(i, param_index, buffer_index)
@@ -260,6 +267,8 @@ class ReplicaSet:
         """Reduce the replicas' gradients onto the originals after any backward pass that reaches ``outputs`` (this
         step's replica outputs). Raises if the replicas changed parameters in place that several of them hold."""
         run = self._end_run(adopt=True)
+        for module, hook in self._pruned:  # what one device's forward leaves on the module (ModelPruning ranks by it)
+            hook(module, ())
         written = None if run is None else run.written()
         if written is not None:
             block, k = divmod(written, len(self._checked))

@@ -316,3 +316,23 @@ def test_weights_swapped_in_by_lightnings_ema_callback_reach_the_replicas(strate
     (single_losses, single_params), (losses, params) = runs
     assert len(losses) == 2 and losses == pytest.approx(single_losses, abs=1e-12)
     torch.testing.assert_close(params, single_params, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("strategy", ["parallel_criterion", "dp", "threads"])
+def test_lightnings_model_pruning_prunes_as_on_one_device(strategy):
+    """torch's pruning sets each pruned module's ``weight`` in a forward pre-hook, which runs on the replicas; the
+    next pruning call ranks the weights by that attribute of your module, so it must hold what one device's forward
+    left there."""
+    from lightning.pytorch.callbacks import ModelPruning
+
+    base = seeded(Classifier)
+    states = []
+    for module, chosen, devices in ((clone(base), "auto", 1), (clone(base), strategy, 3)):
+        chosen = _threads("parallel_criterion") if chosen == "threads" else chosen
+        t = trainer(chosen, devices, max_epochs=4, enable_progress_bar=True)
+        t.callbacks.append(ModelPruning("l1_unstructured", amount=0.25, make_pruning_permanent=False, verbose=0))
+        t.fit(module, loader(10), loader(10, seed=1))
+        states.append({k: v.detach().clone() for k, v in module.state_dict().items() if k.endswith(("_orig", "_mask"))})
+    assert states[0].keys() == states[1].keys() and len(states[0]) == 8  # weight and bias of two layers
+    for key in states[0]:
+        torch.testing.assert_close(states[1][key], states[0][key], rtol=0, atol=1e-12)
