@@ -231,14 +231,6 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         """Once per run: the rule found and where from, or the assumption with its fixes; nothing when the step or
         ``loss_reduction`` declares it. Labels are named only where the loss's own calls counted them (the batch's
         ``labels`` may not be what the loss was computed on)."""
-        coupled = (
-            " (with all_gather: exact for a mean over this device's rows of the gathered batch, or a whole-batch "
-            "loss every device computes alike)"
-            if self._collectives_reason(self.lightning_module) is not None
-            else ". A loss that couples samples across the batch (contrastive) needs self.all_gather(..., "
-            "sync_grads=True) in the step, or strategy='dp'"
-        )
-        alternative = "return {'loss': loss, 'loss_weight': <count it averages over>} from training_step" + coupled
         if self._overruled is not None:  # said whenever it happens, also after the rule was said
             what, self._overruled = f"the training loss (not the output of {self._overruled} alone)", None
             self._announced.add("rule")
@@ -272,7 +264,15 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         elif (uncombinable := uncombinable_loss(self.lightning_module)) is not None:
             warnings.warn(f"parallel_criterion: {uncombinable}.", UserWarning, stacklevel=2)
         else:
-            self._say_assumed_samples("the training loss", labels_spec(batch), alternative)
+            coupled = (
+                " (with all_gather: exact for a mean over this device's rows of the gathered batch, or a whole-batch "
+                "loss every device computes alike)"
+                if self._collectives_reason(self.lightning_module) is not None
+                else ". A loss that couples samples across the batch (contrastive) needs self.all_gather(..., "
+                "sync_grads=True) in the step, or strategy='dp'"
+            )
+            alternative = "return {'loss': loss, 'loss_weight': <count it averages over>} from training_step"
+            self._say_assumed_samples("the training loss", labels_spec(batch), alternative + coupled)
 
 
 def _counts_agree(recorded: list[list[Any]], weights: list[Any] | None) -> bool:
