@@ -84,7 +84,7 @@ class ReplicaSet:
         _check_initialized(self.module, self._originals)
         self._position = {id(m): k for k, m in enumerate(self._originals)}
         self._params = _unique(p for m in self._originals for p in m._parameters.values() if p is not None)
-        param_index = {id(p): j for j, p in enumerate(self._params)}
+        self._param_index = param_index = {id(p): j for j, p in enumerate(self._params)}
         self._root = self._params[0].device if self._params else self.devices[0]
         buffers = _unique(b for m in self._originals for b in m._buffers.values() if b is not None)
         buffer_index = {id(b): k for k, b in enumerate(buffers)}
@@ -303,6 +303,14 @@ class ReplicaSet:
         ``run_hooks=False``: the gradients come from backward passes that ran before the originals had hooks."""
         if self._flat is not None:
             self._flat.reduce(run_hooks)
+
+    def leaves_of(self, param: Tensor) -> list[Tensor]:
+        """The replicas' own leaves that stand for the original ``param`` in the graph of the last step, for
+        ``backward(inputs=...)``: empty when the replicas held the originals (or ``param`` is none of them)."""
+        j = self._param_index.get(id(param))
+        if not self._owning or self._flat is None or j is None or self._params[j] is not param:
+            return []
+        return [leaves[j] for leaves in self._flat.leaves[: self._flat.active]]
 
     def mark_stale(self) -> None:
         """Copy every parameter and buffer into the replicas at the next :meth:`prepare`, changed or not: writes

@@ -253,6 +253,8 @@ class SingleProcessParallel:
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if kwargs.get("inputs") is not None:  # manual_backward(loss, inputs=[...]) names the module's parameters
+            kwargs["inputs"] = self._replica_inputs(kwargs["inputs"])
         try:
             return super().backward(closure_loss, optimizer, *args, **kwargs)  # type: ignore[misc]  # mixin
         except Exception as err:
@@ -264,6 +266,16 @@ class SingleProcessParallel:
                     "the replica in a frame `replica_<index>`.",
                 )
             raise
+
+    def _replica_inputs(self, inputs: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """``inputs`` with each parameter the replicas hold leaves of their own for (threads, other devices) replaced
+        by those leaves: the graph reaches them, not the parameter; their gradients reach it by the reduction."""
+        replica_sets = [replicas.replica_set for replicas in self._replicas.values()]
+        mapped: list[torch.Tensor] = []
+        for tensor in [inputs] if isinstance(inputs, torch.Tensor) else inputs:
+            leaves = next((found for rs in replica_sets if (found := rs.leaves_of(tensor))), [tensor])
+            mapped.extend(leaves)
+        return mapped
 
     # --- replicated calls --------------------------------------------------------------------------------------------
     def _mode_for(self, replicas: LightningReplicas, count: int) -> ExecutionMode:

@@ -336,3 +336,29 @@ def test_lightnings_model_pruning_prunes_as_on_one_device(strategy):
     assert states[0].keys() == states[1].keys() and len(states[0]) == 8  # weight and bias of two layers
     for key in states[0]:
         torch.testing.assert_close(states[1][key], states[0][key], rtol=0, atol=1e-12)
+
+
+class BackwardIntoOnePart(Classifier):
+    """Manual optimization that backpropagates into the second layer only (``inputs=``), as GAN steps do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        self.manual_backward(nn.functional.cross_entropy(self(x), y), inputs=list(self.net[2].parameters()))
+        optimizer.step()
+
+
+def test_manual_backward_with_inputs_reaches_the_parameters_named_in_threads_mode():
+    """In threads mode the replicas hold leaves of their own, which the graph reaches instead of the parameters that
+    ``inputs=`` names: the strategy names the leaves, and the gradients reach the parameters by the reduction."""
+    base = seeded(BackwardIntoOnePart)
+    single, multi = clone(base), clone(base)
+    trainer("auto", 1, max_epochs=2, enable_progress_bar=True).fit(single, loader(10))
+    trainer(_threads("dp"), 3, max_epochs=2, enable_progress_bar=True).fit(multi, loader(10))
+    torch.testing.assert_close(flat_params(multi), flat_params(single), rtol=0, atol=1e-12)
+    assert not torch.equal(flat_params(single), flat_params(base))  # it trained
