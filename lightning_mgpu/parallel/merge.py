@@ -10,6 +10,7 @@ is an error, never a silent drop.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -128,6 +129,16 @@ class _Merger:
             return self._scalars(outputs, path)
         if not _concatenable(outputs, self.dim):
             return _ragged(outputs, self.dim)
+        held = [o.shape[self.dim] for o in outputs]
+        if self.sizes is not None and all(h != n for h, n in zip(held, self.sizes, strict=True)):
+            warnings.warn(
+                f"{path}: every device's array has {held} along dim {self.dim}, not its sample count "
+                f"{list(self.sizes)}: concatenated along dim {self.dim} anyway, as nn.DataParallel does, which is not "
+                "one device's result when the batch is on another dimension (an LSTM's (layers, batch, hidden) "
+                "state): return it batch first (h_n.transpose(0, 1)).",
+                UserWarning,
+                stacklevel=2,
+            )
         if isinstance(first, Tensor):
             return torch.cat([o.to(self.device) for o in outputs], dim=self.dim)
         return np.concatenate(outputs, axis=self.dim)

@@ -339,3 +339,12 @@ def test_inputs_holding_a_transformers_cache_run_once_on_the_root():
     got = two_calls(lambda **kw: dp_model(**kw)[0])
     assert dp_model.last_split_sizes == ()  # run once, unsplit
     assert torch.allclose(got, expected, atol=1e-12, rtol=0)
+
+
+def test_an_array_without_the_sample_dimension_first_is_concatenated_with_a_warning():
+    """An LSTM's ``(layers, batch, hidden)`` state on even shards: dim 0 holds no samples on any device, so the
+    concatenation (nn.DataParallel's) is not one device's state; said, naming the output and the fix."""
+    states = [torch.zeros(2, 3, 6) for _ in range(3)]
+    with pytest.warns(UserWarning, match=r"output\[1\]: every device's array has \[2, 2, 2\] along dim 0.*transpose"):
+        merged = merge_outputs([(torch.zeros(3, 1), s) for s in states], "cpu", sizes=[3, 3, 3])
+    assert merged[1].shape == (6, 3, 6)
