@@ -172,16 +172,21 @@ def _scan(args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device, d
 _CLASS_INDEX_DEFAULTS: dict[str, Any] = {"ignore_index": -100, "weight": None, "reduction": "mean"}
 
 
+def _unwrapped(criterion: Any) -> Any:
+    """The function a ``functools.partial`` wraps, else ``criterion`` (compared by identity: a criterion's ``==`` may
+    build an object, as torchmetrics' do)."""
+    return criterion.func if isinstance(criterion, functools.partial) else criterion
+
+
 def _function_defaults(criterion: Any) -> dict[str, Any]:
     """torch's defaults of the options of ``F.cross_entropy`` / ``F.nll_loss`` (or a partial of them), else {}."""
-    base = criterion.func if isinstance(criterion, functools.partial) else criterion
-    # by identity: a criterion's == may build an object (torchmetrics)
+    base = _unwrapped(criterion)
     return _CLASS_INDEX_DEFAULTS if base is F.cross_entropy or base is F.nll_loss else {}
 
 
 def _whole_keywords(criterion: Any) -> set[str]:
     """Keywords of a torch loss function that are options, not per-sample values: they go whole to every device."""
-    base = criterion.func if isinstance(criterion, functools.partial) else criterion
+    base = _unwrapped(criterion)
     per_class = {"pos_weight"} if base is F.binary_cross_entropy_with_logits else set()  # one weight per class
     return per_class | set(_function_defaults(criterion))
 
@@ -199,7 +204,7 @@ def _criterion_option(criterion: Any, kwargs: dict[str, Any], name: str, default
 def _weight_is_known(criterion: Any) -> bool:
     """Whether what ``criterion``'s mean averages over is known without running it: torch's own losses (modules,
     ``torch.nn.functional``, partials), not the user's functions or subclasses."""
-    base = criterion.func if isinstance(criterion, functools.partial) else criterion
+    base = _unwrapped(criterion)
     return has_torch_loss_forward(base) or getattr(base, "__module__", None) == F.__name__
 
 

@@ -40,10 +40,10 @@ class DataParallelStrategyBase(SingleProcessParallel):
 
     def __init__(
         self,
-        accelerator: Any | None = None,
+        accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
-        checkpoint_io: Any | None = None,
-        precision_plugin: Any | None = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Any = None,
         output_device: DeviceLike | None = None,
         parallel_modules: Sequence[str] | None = ("",),
         loss_reduction: str = "auto",

@@ -63,10 +63,10 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
 
     def __init__(
         self,
-        accelerator: Any | None = None,
+        accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
-        checkpoint_io: Any | None = None,
-        precision_plugin: Any | None = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Any = None,
         loss_reduction: str = "auto",
         collectives: bool | None = None,
         dim: int = 0,
