@@ -158,17 +158,21 @@ def measure(
 
 
 # --- stages -----------------------------------------------------------------------------------------------------------
-def run_cuda_tests(smoke: bool, timeout_s: float) -> dict[str, Any]:
-    """``pytest -m cuda`` in a subprocess; with ``--smoke`` only its collection (nothing to run without a GPU)."""
-    command = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-m", "cuda", "-p", "no:cacheprovider"]
+def run_cuda_tests(smoke: bool, timeout_s: float, log: Path) -> dict[str, Any]:
+    """``pytest -m cuda`` in a subprocess, its whole output kept in ``log``; with ``--smoke`` only its collection
+    (nothing to run without a GPU)."""
+    command = [sys.executable, "-m", "pytest", "-q", "-rfE", "-n", "0", "-m", "cuda", "-p", "no:cacheprovider"]
     command += ["--co", "tests/parallel/test_cuda.py"] if smoke else ["tests"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # keep carried packages
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     started = time.perf_counter()
     try:
         done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
         code, output = done.returncode, done.stdout + done.stderr
     except subprocess.TimeoutExpired as err:
-        code, output = None, f"timed out after {timeout_s:.0f} s\n{err.stdout or ''}"
+        partial = err.stdout.decode(errors="replace") if isinstance(err.stdout, bytes) else err.stdout or ""
+        code, output = None, f"timed out after {timeout_s:.0f} s\n{partial}"
+    log.write_text(output)
     lines = [line for line in output.splitlines() if line.strip()]
     return {
         "command": " ".join(shlex.quote(c) for c in command),
@@ -176,6 +180,7 @@ def run_cuda_tests(smoke: bool, timeout_s: float) -> dict[str, Any]:
         "summary": lines[-1] if lines else "",
         "tail": lines[-30:],
         "seconds": time.perf_counter() - started,
+        "log": log.name,
     }
 
 
@@ -296,7 +301,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         out.with_suffix(".md").write_text(markdown(report))
 
     if args.tests:
-        report["cuda_tests"] = run_cuda_tests(args.smoke, timeout_s=max(60.0, args.budget_s / 2))
+        report["cuda_tests"] = run_cuda_tests(args.smoke, max(60.0, args.budget_s / 2), out.with_suffix(".pytest.log"))
         save()
     for compiled in [False, True] if args.compile else [False]:
         for name in args.models:
