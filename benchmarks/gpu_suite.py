@@ -7,13 +7,14 @@ It runs, in order, and writes what it found to ``benchmarks/results/gpu_suite_<d
 the versions and the command, after every stage (a run cut short keeps what it measured):
 
 1. ``pytest -m cuda`` (every test that needs a GPU; skipped tests are counted, not hidden);
-2. training throughput of one device against 2 and 4 virtual replicas (``DataParallelModel`` +
-   ``DataParallelCriterion`` on the one device repeated, threads mode), eager and ``torch.compile``-d, on the seed
-   PyramidNet and the seed article's small BERT (masked LM over full logits);
-3. per configuration, host time against device time per step and per replica: host time is the time the launching
-   thread spends in the step (until it returns, before any synchronisation), device time the CUDA-event time of
-   the step; on the CPU both are wall-clock time;
-4. per configuration, the device's peak allocated memory, and per replica the increment over one device.
+2. training throughput of one device, of N shards run one after another on it without a wrapper (the ceiling for
+   N virtual replicas on one device), and of N virtual replicas (``DataParallelModel`` + ``DataParallelCriterion``
+   on the one device repeated, threads mode), N = 2 and 4, eager and ``torch.compile``-d, on the seed PyramidNet
+   and the recipe's small BERT (masked LM over full logits);
+3. per configuration, host time against device time per step: host time is the step's wall time with 2 samples
+   per replica (the device's work is then negligible; timing the host at the real batch measures the device, since
+   the host waits once the launch queue is full), device time the CUDA-event time of the step at the real batch;
+4. per configuration, the device's peak allocated memory.
 
 Steps are timed in windows (the device synchronised at window boundaries only); each figure is the median window.
 A stage that would overrun ``--budget-s`` is skipped and listed as skipped.
@@ -64,18 +65,22 @@ class TokenCrossEntropy(nn.CrossEntropyLoss):
         return super().forward(logits.flatten(0, 1), labels.flatten())
 
 
-def workload(name: str, smoke: bool, device: torch.device) -> tuple[nn.Module, nn.Module, Any, int]:
-    """(model, criterion, one batch (inputs, targets) on ``device``, samples per batch)."""
+def workload(
+    name: str, smoke: bool, device: torch.device, batch: int | None = None
+) -> tuple[nn.Module, nn.Module, Any, int]:
+    """(model, criterion, one batch (inputs, targets) on ``device``, samples per batch); ``batch`` overrides the
+    workload's own batch size."""
     g = torch.Generator().manual_seed(0)
     if name == "pyramidnet":
         from recipes.pyramidnet.model import build_pyramidnet
 
-        batch = 8 if smoke else 128
+        batch = batch or (8 if smoke else 128)
         model = build_pyramidnet("tiny" if smoke else "seed")
         data = (torch.randn(batch, 3, 32, 32, generator=g), torch.randint(0, 10, (batch,), generator=g))
         criterion: nn.Module = nn.CrossEntropyLoss()
     else:
-        batch, seq = (8, 16) if smoke else (128, 128)
+        seq = 16 if smoke else 128
+        batch = batch or (8 if smoke else 128)
         config = dict(vocab_size=512, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64) if smoke else {}
         model = BertMLM(**config)
         vocab = model.model.config.vocab_size
@@ -92,69 +97,103 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure(
-    name: str, replicas: int, compiled: bool, device: torch.device, smoke: bool, windows: int, steps: int
-) -> dict[str, Any]:
-    """Throughput, host/device time per step and peak memory of one configuration (``replicas=1``: plain module)."""
+KINDS = {
+    "one device": "the plain module on the whole batch",
+    "shards": "the plain module run on the N shards one after another in one step, no wrapper: the least work N "
+    "virtual replicas on one device can do (the ceiling for the replicas' throughput there)",
+    "replicas": "DataParallelModel + DataParallelCriterion on the one device repeated N times, threads mode",
+}
+
+
+def _step_function(
+    kind: str, replicas: int, compiled: bool, name: str, smoke: bool, device: torch.device, batch: int | None
+) -> tuple[Any, int]:
+    """A training step of ``kind`` (see ``KINDS``) and its samples per step."""
     torch.manual_seed(0)
-    model, criterion, (x, y), batch = workload(name, smoke, device)
+    model, criterion, (x, y), samples = workload(name, smoke, device, batch)
     model.train()
     if compiled:
         model.compile()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    if replicas == 1:
-        net, loss_fn = model, criterion
-    else:
+    if kind == "replicas":
         devices = [device] * replicas
         net = DataParallelModel(model, devices, execution_mode="threads")
-        loss_fn = DataParallelCriterion(criterion, devices, execution_mode="threads")
-    cuda = device.type == "cuda"
+        loss_fn = DataParallelCriterion(criterion, devices, execution_mode="threads", weight_fn=lambda o, t: len(t[0]))
+    shards = list(zip(x.chunk(replicas), y.chunk(replicas), strict=True))
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
-        loss_fn(net(x), y).backward()
+        if kind == "replicas":
+            loss_fn(net(x), y).backward()
+        elif kind == "shards":
+            for xs, ys in shards:
+                (criterion(model(xs), ys) * (len(xs) / samples)).backward()
+        else:
+            criterion(model(x), y).backward()
         optimizer.step()
 
-    started = time.perf_counter()
+    return step, samples
+
+
+def _timed_windows(step: Any, device: torch.device, windows: int, steps: int) -> tuple[list[float], list[float]]:
+    """Wall seconds per step of each window (the device synchronised at window boundaries only) and CUDA-event
+    seconds of every step (empty on the CPU)."""
     for _ in range(3):  # warm-up (and compilation)
         step()
     _sync(device)
-    warmup_s = time.perf_counter() - started
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
-    host, device_time, rates = [], [], []
+    walls, device_time = [], []
     for _ in range(windows):
         _sync(device)
         events = []
         window_start = time.perf_counter()
         for _ in range(steps):
-            t0 = time.perf_counter()
-            if cuda:
+            if device.type == "cuda":
                 begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 begin.record()
             step()
-            host.append(time.perf_counter() - t0)
-            if cuda:
+            if device.type == "cuda":
                 end.record()
                 events.append((begin, end))
         _sync(device)
-        rates.append(batch * steps / (time.perf_counter() - window_start))
+        walls.append((time.perf_counter() - window_start) / steps)
         device_time += [begin.elapsed_time(end) / 1e3 for begin, end in events]
-    if not cuda:
-        device_time = host  # the CPU runs the work in the launching thread
-    result = {
+    return walls, device_time
+
+
+def measure(
+    name: str, kind: str, replicas: int, compiled: bool, device: torch.device, smoke: bool, windows: int, steps: int
+) -> dict[str, Any]:
+    """Throughput, host and device time per step and peak memory of one configuration.
+
+    Host time is the wall time of the same step with 2 samples per replica: the device's work is then negligible
+    and the step waits on the host's launches alone (at the real batch the launch queue fills and the host waits on
+    the device, so timing the host there measures the device). Device time is the CUDA-event time at the real batch
+    (on the CPU: wall time)."""
+    cuda = device.type == "cuda"
+    started = time.perf_counter()
+    step, batch = _step_function(kind, replicas, compiled, name, smoke, device, None)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    walls, device_time = _timed_windows(step, device, windows, steps)
+    peak = torch.cuda.max_memory_allocated(device) / 2**20 if cuda else None
+    del step
+    probe, _ = _step_function(kind, replicas, compiled, name, smoke, device, 2 * replicas)
+    host, _ = _timed_windows(probe, device, windows, steps)
+    del probe
+    device_ms = statistics.median(device_time if cuda else walls) * 1e3
+    host_ms = statistics.median(host) * 1e3
+    return {
         "model": name,
+        "kind": kind,
         "replicas": replicas,
         "compiled": compiled,
-        "samples_per_s": statistics.median(rates),
-        "host_ms_per_step": statistics.median(host) * 1e3,
-        "device_ms_per_step": statistics.median(device_time) * 1e3,
-        "host_ms_per_replica": statistics.median(host) * 1e3 / replicas,
-        "device_ms_per_replica": statistics.median(device_time) * 1e3 / replicas,
-        "peak_allocated_mb": torch.cuda.max_memory_allocated(device) / 2**20 if cuda else None,
-        "warmup_s": warmup_s,
+        "samples_per_s": batch / statistics.median(walls),
+        "host_ms_per_step": host_ms,
+        "device_ms_per_step": device_ms,
+        "host_to_device": host_ms / device_ms,
+        "peak_allocated_mb": peak,
+        "seconds": time.perf_counter() - started,
     }
-    return result
 
 
 # --- stages -----------------------------------------------------------------------------------------------------------
@@ -235,31 +274,28 @@ def markdown(report: dict[str, Any]) -> str:
         lines += [
             "## 2-4. Throughput, host vs device time, peak memory",
             "",
-            "Replicas: `DataParallelModel` + `DataParallelCriterion` on the one device repeated N times, threads "
-            "mode. Throughput ratio = samples/s against one device of the same model and compile setting. Host time: "
-            "the launching thread's time in the step; device time: CUDA-event time of the step (CPU: both wall-clock). "
-            "Per replica = per step / N. Memory: the device's peak allocated memory during the timed steps; per "
-            "replica = (peak - one device's peak) / (N - 1).",
+            *(f"- **{kind}**: {text}" for kind, text in KINDS.items()),
+            "- ratios: samples/s against one device, and against the N shards, of the same model and compile setting;",
+            "- host ms: the step's wall time with 2 samples per replica (the device's work negligible, the step waits "
+            "on the host's launches); device ms: CUDA-event time of the step at the real batch (CPU: wall time); "
+            "host/device below 1/3 means one process can feed the devices with room to spare;",
+            "- peak MiB: the device's peak allocated memory during the timed steps.",
             "",
-            "| model | compiled | N | samples/s | ratio to 1 device | host ms/step | device ms/step | host/device per "
-            "replica | peak MiB | MiB per extra replica |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "| model | compiled | kind | N | samples/s | ratio to 1 device | ratio to N shards | host ms/step | "
+            "device ms/step | host/device | peak MiB |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
-        single = {(r["model"], r["compiled"]): r for r in rows if r["replicas"] == 1}
+        by = {(r["model"], r["compiled"], r["kind"], r["replicas"]): r for r in rows}
         for r in rows:
-            base = single.get((r["model"], r["compiled"]))
-            ratio = r["samples_per_s"] / base["samples_per_s"] if base else float("nan")
+            one = by.get((r["model"], r["compiled"], "one device", 1))
+            shards = by.get((r["model"], r["compiled"], "shards", r["replicas"]))
+            to_one = f"{r['samples_per_s'] / one['samples_per_s']:.3f}" if one else "-"
+            to_shards = f"{r['samples_per_s'] / shards['samples_per_s']:.3f}" if shards else "-"
             peak = r["peak_allocated_mb"]
-            extra = (
-                (peak - base["peak_allocated_mb"]) / (r["replicas"] - 1)
-                if peak is not None and base and base["peak_allocated_mb"] is not None and r["replicas"] > 1
-                else None
-            )
             lines.append(
-                f"| {r['model']} | {r['compiled']} | {r['replicas']} | {r['samples_per_s']:.1f} | {ratio:.3f} | "
-                f"{r['host_ms_per_step']:.2f} | {r['device_ms_per_step']:.2f} | "
-                f"{r['host_ms_per_replica'] / r['device_ms_per_replica']:.2f} | "
-                f"{'-' if peak is None else f'{peak:.0f}'} | {'-' if extra is None else f'{extra:.0f}'} |"
+                f"| {r['model']} | {r['compiled']} | {r['kind']} | {r['replicas']} | {r['samples_per_s']:.1f} | "
+                f"{to_one} | {to_shards} | {r['host_ms_per_step']:.2f} | {r['device_ms_per_step']:.2f} | "
+                f"{r['host_to_device']:.2f} | {'-' if peak is None else f'{peak:.0f}'} |"
             )
     if report.get("skipped"):
         lines += ["", "Skipped (time budget): " + ", ".join(report["skipped"])]
@@ -305,12 +341,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         save()
     for compiled in [False, True] if args.compile else [False]:
         for name in args.models:
-            for n in args.replicas:
-                label = f"{name} N={n}{' compiled' if compiled else ''}"
+            configurations = [("one device", 1)] if 1 in args.replicas else []
+            configurations += [(kind, n) for n in args.replicas if n > 1 for kind in ("shards", "replicas")]
+            for kind, n in configurations:
+                label = f"{name} {kind} N={n}{' compiled' if compiled else ''}"
                 if time.perf_counter() - started > args.budget_s:
                     report["skipped"].append(label)
                     continue
-                report["runs"].append(measure(name, n, compiled, device, args.smoke, windows, steps))
+                report["runs"].append(measure(name, kind, n, compiled, device, args.smoke, windows, steps))
                 if device.type == "cuda":
                     torch.cuda.empty_cache()  # the next configuration's peak starts from its own allocations
                 print(json.dumps(report["runs"][-1]), flush=True)

@@ -293,8 +293,11 @@ def test_bf16_autocast_within_bf16_tolerance():
         nn.functional.mse_loss(
             torch.cat(DataParallelModel(model, ["cpu"] * 3, execution_mode="threads")(x)).float(), y
         ).backward()
+    # A conv bias that feeds a training-mode BatchNorm has a zero gradient in exact arithmetic: in half precision
+    # both runs hold rounding noise there, which is measured against the model's gradient scale, not its own norm.
+    scale = max(p.grad.norm() for p in reference.parameters())
     for (name, a), (_, b) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
-        assert (a.grad - b.grad).norm() <= 5e-2 * b.grad.norm() + 1e-3, name
+        assert (a.grad - b.grad).norm() <= 5e-2 * b.grad.norm() + 1e-2 * scale, name
     torch.testing.assert_close(model.bn1.running_mean, reference.bn1.running_mean, rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(model.bn1.running_var, reference.bn1.running_var, rtol=1e-2, atol=1e-2)
     assert model.bn1.running_mean.dtype == torch.float32
@@ -538,7 +541,7 @@ def test_cuda_layer_never_blocks_the_host(momentum, channels_last):
     copy). The layer itself serves the 3 virtual replicas, so only its own code runs under the sync debug mode."""
     reference, sync = bn_pair(momentum=momentum)
     reference, sync = reference.to("cuda:0", torch.float32), sync.to("cuda:0", torch.float32)
-    x = torch.randn(10, C, 4, 3, device="cuda:0") * 2 + 1
+    x = torch.randn(10, C, 4, 3, device="cuda:0", dtype=torch.float32) * 2 + 1  # the module fixture sets float64
     if channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
     upstream = torch.randn_like(x)
@@ -581,6 +584,9 @@ def test_cuda_autocast(split, dtype):
         nn.functional.mse_loss(expected.float(), y).backward()
         nn.functional.mse_loss(got.float(), y).backward()
     torch.testing.assert_close(got.float(), expected.float(), rtol=3e-2, atol=3e-2)
+    # A conv bias that feeds a training-mode BatchNorm has a zero gradient in exact arithmetic: in half precision
+    # both runs hold rounding noise there, which is measured against the model's gradient scale, not its own norm.
+    scale = max(p.grad.norm() for p in reference.parameters())
     for (name, a), (_, b) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
-        assert (a.grad - b.grad).norm() <= 5e-2 * b.grad.norm() + 1e-3, name
+        assert (a.grad - b.grad).norm() <= 5e-2 * b.grad.norm() + 1e-2 * scale, name
     torch.testing.assert_close(model.bn1.running_var, reference.bn1.running_var, rtol=1e-2, atol=1e-2)

@@ -28,8 +28,9 @@ def test_smoke_run_on_the_cpu_writes_every_stage(tmp_path: Path, capsys: pytest.
     saved = json.loads(out.read_text())
     assert saved["device"] == "cpu" and saved["versions"]["torch"] and saved["command"].startswith("python ")
     assert "collected" in saved["cuda_tests"]["summary"]  # --smoke collects the cuda tests (none can run here)
-    configs = {(r["model"], r["replicas"], r["compiled"]) for r in report["runs"]}
-    assert configs == {(m, n, c) for m in ("pyramidnet", "bert") for n in (1, 2) for c in (False, True)}
+    configs = {(r["model"], r["kind"], r["replicas"], r["compiled"]) for r in report["runs"]}
+    kinds = [("one device", 1), ("shards", 2), ("replicas", 2)]
+    assert configs == {(m, k, n, c) for m in ("pyramidnet", "bert") for k, n in kinds for c in (False, True)}
     assert all(r["samples_per_s"] > 0 and r["host_ms_per_step"] > 0 for r in report["runs"])
     text = out.with_suffix(".md").read_text()
-    assert "pytest -m cuda" in text and "| bert | True | 2 |" in text
+    assert "pytest -m cuda" in text and "| bert | True | replicas | 2 |" in text
