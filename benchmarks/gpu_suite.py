@@ -1,6 +1,7 @@
 """One command for a machine with a GPU: the CUDA tests, then replica throughput, host/device time and memory.
 
-    python benchmarks/gpu_suite.py                 # on a GPU machine (under 9 minutes on one H100)
+    python benchmarks/gpu_suite.py                 # on a GPU machine (stops starting stages after --budget-s 510)
+    python benchmarks/gpu_suite.py --no-compile    # about 2.5 minutes on one H200 (compiling PyramidNet takes 2)
     python benchmarks/gpu_suite.py --smoke --device cpu   # the same protocol, tiny, on the CPU (tests run this)
 
 It runs, in order, and writes what it found to ``benchmarks/results/gpu_suite_<device>.{json,md}`` with the device,
