@@ -8,7 +8,7 @@ from typing import Any
 import lightning.pytorch as L
 import pytest
 import torch
-from strategy_models import clone, flat_params, trainer
+from strategy_models import clone, flat_params, metrics, trainer
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -70,20 +70,22 @@ def test_detection_batches_train_like_one_device(strategy: str):
 
 
 class ListOfImages(BoxRegression):
-    """Images of different sizes as a PerSample list: Lightning alone would read the batch size off a channel dim."""
+    """Images of different sizes as a PerSample list: Lightning reads the batch size off a channel dim (and warns that
+    the batch is ambiguous) unless ``batch_size=`` says it."""
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         images, targets = batch
         boxes = torch.cat([self(image[None]) for image in images])
         per_image = torch.stack([(b - t["boxes"]).abs().mean() for b, t in zip(boxes, targets, strict=True)])
         self.log("val_loss", per_image.mean())
+        self.log("val_loss_sized", per_image.mean(), batch_size=len(images))
         self.per_image.append(per_image.detach())
 
     def on_validation_epoch_start(self) -> None:
         self.per_image: list[torch.Tensor] = []
 
 
-def test_epoch_means_weight_steps_by_their_per_sample_length():
+def test_epoch_means_weight_steps_as_one_device_and_batch_size_gives_each_its_images():
     g = torch.Generator().manual_seed(1)
     samples = [
         (
@@ -99,8 +101,14 @@ def test_epoch_means_weight_steps_by_their_per_sample_length():
     )
     torch.manual_seed(0)
     module = ListOfImages().double()
+    reference = trainer("auto", 1)
+    with pytest.warns(UserWarning, match="ambiguous collection"):  # Lightning's own, on one device as on several
+        reference.validate(clone(module), loader, verbose=False)
     with pytest.warns(UserWarning, match="grew during a step"):  # per_image: recorded per replica, on purpose
         parallel = trainer("parallel_criterion", 2)
         parallel.validate(module, loader, verbose=False)
     true_mean = torch.cat(module.per_image).mean()  # batches of 5, 5 and 1 images
-    assert float(parallel.callback_metrics["val_loss"]) == pytest.approx(float(true_mean), abs=1e-12)
+    got, ref = metrics(parallel), metrics(reference)
+    assert got["val_loss"] == pytest.approx(ref["val_loss"], rel=0, abs=1e-12)
+    assert got["val_loss_sized"] == pytest.approx(float(true_mean), rel=0, abs=1e-12)
+    assert ref["val_loss_sized"] == pytest.approx(float(true_mean), rel=0, abs=1e-12)
