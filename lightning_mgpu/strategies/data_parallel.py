@@ -36,6 +36,7 @@ class DataParallelStrategyBase(SingleProcessParallel):
     """
 
     strategy_name = "dp"
+    _STEP_PER_REPLICA = False
     aliases = ("data_parallel",)
 
     def __init__(

@@ -18,11 +18,12 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_mgpu.parallel import collectives, sync_batchnorm
 from lightning_mgpu.parallel.modules import say_split_sensitive_layers
+from lightning_mgpu.parallel.replica_group import TAKE_TURNS
 from lightning_mgpu.parallel.replicas import SYNC_BATCHNORM_THREADS, ReplicaCache
 from lightning_mgpu.parallel.run_replicas import EXECUTION_MODES, ExecutionMode, add_note, resolve_mode
 from lightning_mgpu.parallel.scatter_gather import shared_state, split_or_run_once
@@ -61,6 +62,31 @@ def _collection_lengths(module: nn.Module) -> dict[str, int]:
     return lengths
 
 
+_MODULE_REGISTRIES = frozenset(vars(nn.Module()))  # nn.Module's own dicts: parameters, buffers, hooks...
+
+
+def _dict_entries(module: nn.Module) -> dict[tuple[str, Any], Tensor]:
+    """The tensors held in ``module``'s own dict attributes, by (attribute, key)."""
+    return {
+        (name, key): value
+        for name, entries in vars(module).items()
+        if type(entries) is dict and name not in _MODULE_REGISTRIES
+        for key, value in entries.items()
+        if isinstance(value, Tensor)
+    }
+
+
+def _rewritten_entries(module: nn.Module, before: dict[tuple[str, Any], Tensor]) -> list[tuple[str, Any]]:
+    """The (attribute, key) of each tensor in ``module``'s dict attributes that is not the one ``before`` held."""
+    return [place for place, value in _dict_entries(module).items() if before.get(place) is not value]
+
+
+def _scheduler_steps(root: Any) -> list[tuple[str, Any]]:
+    """Each of the trainer's learning-rate schedulers, by class name, with its ``last_epoch`` (how often it stepped)."""
+    configs = root.trainer.lr_scheduler_configs if root._trainer is not None else []
+    return [(type(c.scheduler).__name__, getattr(c.scheduler, "last_epoch", None)) for c in configs]
+
+
 def _rebound_attributes(snapshots: Sequence[tuple[nn.Module, dict[str, Any]]]) -> list[str]:
     """Attributes the replicas rebound in their step (a plain value rebound to an equal one is not counted)."""
     rebound: list[str] = []
@@ -80,6 +106,7 @@ class SingleProcessParallel:
     """Shared implementation of ``parallel_criterion`` and ``dp``; mixed in before a Lightning ``ParallelStrategy``."""
 
     strategy_name: ClassVar[str] = ""
+    _STEP_PER_REPLICA: ClassVar[bool] = True  # the replicated call runs the whole step (dp: the forward alone)
     aliases: ClassVar[tuple[str, ...]] = ()
     namespace: ClassVar[LightningNamespace]
     if TYPE_CHECKING:  # provided by the Lightning ParallelStrategy this class is mixed into
@@ -112,6 +139,7 @@ class SingleProcessParallel:
         self._replicas = ReplicaCache(partial(LightningReplicas, namespace=self.namespace))
         self._converted_batchnorm = False
         self._announced: set[str] = set()
+        self._interleaved = False  # the last replicated call's threads could interleave (set by _mode_for)
         self._replicated_on: list[torch.device] = []
 
     # --- one Trainer per instance: the connector reads `_accelerator` from an instance it receives, so refuse there ---
@@ -294,6 +322,9 @@ class SingleProcessParallel:
             self._warn_once(
                 reason, f"{self.strategy_name}: execution_mode={self.execution_mode!r} overridden: {reason}."
             )
+        # Threads take turns, one whole step each, unless they meet (and hand over) inside it, or turns are off.
+        threads = count > 1 and resolve_mode(mode, replicas.devices[:count]) == "threads"
+        self._interleaved = threads and (not TAKE_TURNS or meets is not None or replicas.replica_set.meets)
         return mode
 
     def _collectives_reason(self, module: nn.Module) -> str | None:
@@ -331,6 +362,8 @@ class SingleProcessParallel:
             replica_set.reduce_gradients(run_hooks=False)
         replica_set.defer_reduction = accumulating and not reads
         before = _collection_lengths(module)
+        entries = _dict_entries(root) if count > 1 else {}
+        steps_before = _scheduler_steps(root) if count > 1 else []
         snapshots: list[tuple[nn.Module, dict[str, Any]]] = []
 
         def watched(index: int, replica: nn.Module) -> Any:
@@ -338,7 +371,20 @@ class SingleProcessParallel:
             return call(index, replica)
 
         outputs = replicas.run(count, watched, self._mode_for(replicas, count))
+        moved = [
+            (b, a) for b, a in zip(steps_before, _scheduler_steps(root) if count > 1 else [], strict=True) if b != a
+        ]
+        if moved:
+            (name, first), (_, last) = moved[0]
+            raise RuntimeError(
+                f"`{root._current_fx_name}` stepped the learning-rate scheduler {name} on each of the {count} replicas "
+                f"(its last_epoch went from {first} to {last} in one step): it advanced {count} times where one device "
+                "advances it once. Step it once per step, on the root: in `on_train_batch_end`, or let Lightning step "
+                "it (configure_optimizers returning {'optimizer': ..., 'lr_scheduler': {'scheduler': ..., "
+                "'interval': 'step'}})."
+            )
         self._say_replica_state(module, before, snapshots)
+        self._say_shared_entries(root, entries)
         replicas.merge_into(root, sample_counts, implied_weights(outputs) if implied_weights is not None else None)
         return outputs
 
@@ -360,6 +406,32 @@ class SingleProcessParallel:
                 f"rebound:{name}",
                 f"`{type(module).__name__}.{name}` was rebound {where}, on the replicas only: the module keeps its "
                 f"value from before the step. Update it {_ON_ROOT}, keep it in a torchmetrics metric or log it.",
+            )
+
+    def _say_shared_entries(self, root: nn.Module, before: dict[tuple[str, Any], Tensor]) -> None:
+        """Warn once per dict attribute of ``root`` (shared by every replica) in which the replicated call wrote
+        tensors: a forward hook's feature maps, say. One replica's entry is what remains."""
+        for name in dict.fromkeys(name for name, _ in _rewritten_entries(root, before)):
+            where = f"`{type(root).__name__}.{name}`"
+            if self._STEP_PER_REPLICA:
+                consequence = (
+                    "the replicas ran interleaved (they hand over at SyncBatchNorm layers or collectives), so a "
+                    "replica may have read another's entry, another shard's tensor, in its step"
+                    if self._interleaved
+                    else "after the step it holds the last replica's entries (one shard)"
+                )
+                fix = (
+                    "Keep such values per replica: from a forward hook, set them on the hooked module, the hook's "
+                    "first argument (`lambda module, args, output: setattr(module, 'features', output)`, read as "
+                    "`self.<layer>.features`), or return them from `forward`"
+                )
+            else:
+                consequence = "the step reads the last replica's entries: one shard's, not the whole batch's"
+                fix = "Return them from `forward`: dp gathers its outputs over the devices"
+            self._warn_once(
+                f"entries:{name}",
+                f"{where} got tensors during a call that ran on several replicas, which share that dict: "
+                f"{consequence}. {fix}.",
             )
 
     def _reads_gradients_between_backward_passes(self, root: Any) -> bool:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torchmetrics
-from strategy_models import NAMESPACES, Classifier, clone, loader, metrics, models, seeded, trainer
+from strategy_models import NAMESPACES, Classifier, clone, loader, make_data, metrics, models, seeded, trainer
 from torch import nn
 
 import lightning_mgpu
@@ -46,6 +46,38 @@ def test_logged_means_skip_zero_weight_shards_and_follow_loss_weight():
         assert got[name] == pytest.approx(ref[name], abs=1e-12), name  # not NaN, not sample-weighted
     assert (got["max_seen"], got["min_seen"], got["n_seen"]) == (4.0, 4.0, 8.0)  # per-replica max/min, summed total
     assert (ref["max_seen"], ref["min_seen"], ref["n_seen"]) == (8.0, 8.0, 8.0)
+
+
+class EpochMeans(Classifier):
+    """Validation logs a mean without ``batch_size=`` from batches whose first entry is not per-sample (Lightning
+    weighs each step by what it reads there, warning that the batch is ambiguous), and one with a constant
+    ``batch_size=``; 11 samples in batches of 5, 5 and 1 (the last one runs on one replica)."""
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        x = batch["x"]
+        self.log("val_inferred_weight", self(x).mean())
+        self.log("val_constant_weight", self(x).mean(), batch_size=4)
+
+
+@pytest.mark.parametrize("devices", [2, 3])
+@pytest.mark.parametrize("first", ["scalar", "images"])
+def test_epoch_means_of_logged_values_weigh_each_step_as_one_device_does(first: str, devices: int):
+    x = make_data(11).tensors[0]
+
+    def collate(rows: list[torch.Tensor]) -> dict[str, Any]:
+        head = torch.tensor(1.0) if first == "scalar" else lightning_mgpu.PerSample([r.view(2, -1) for r in rows])
+        return {"head": head, "x": torch.stack(rows)}
+
+    data = torch.utils.data.DataLoader(list(x), batch_size=5, collate_fn=collate)
+    base = seeded(EpochMeans)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Trying to infer the `batch_size`")
+        ref = trainer("auto", 1, enable_progress_bar=True).validate(clone(base), data, verbose=False)[0]
+        got = trainer("parallel_criterion", devices, enable_progress_bar=True).validate(
+            clone(base), data, verbose=False
+        )
+    for name in ("val_inferred_weight", "val_constant_weight"):
+        assert got[0][name] == pytest.approx(ref[name], rel=0, abs=1e-12), name
 
 
 class Correlation(Classifier):
@@ -326,3 +358,64 @@ def test_an_attribute_rebound_in_the_step_warns_once_and_the_suggested_hook_equa
     fit(reference, "auto", 1)
     assert fit(fixed, "parallel_criterion", 2) == []  # nothing the strategy sets per replica is taken for a rebind
     assert fixed.seen == reference.seen == 30
+
+
+class HookedFeatures(Classifier):
+    """A perceptual or distillation loss on a hidden layer's output: caught by a forward hook in a dict on the module
+    (``how="dict"``, which every replica shares), or as the warning's fixes say: on the hooked layer itself
+    (``"layer"``), or returned from ``forward`` (``"return"``)."""
+
+    def __init__(self, how: str = "dict") -> None:
+        super().__init__()
+        self.how = how
+        self.net = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3))
+        self.features: dict[str, torch.Tensor] = {}
+        if how == "dict":
+            self.net[0].register_forward_hook(lambda module, args, output: self.features.__setitem__("hidden", output))
+        elif how == "layer":
+            self.net[0].register_forward_hook(lambda module, args, output: setattr(module, "features", output))
+
+    def forward(self, x: torch.Tensor) -> Any:
+        if self.how != "return":
+            return self.net(x)
+        hidden = self.net[0](x)
+        return self.net[1:](hidden), hidden
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        if self.how == "return":
+            logits, hidden = self(x)
+        else:
+            logits = self(x)
+            hidden = self.features["hidden"] if self.how == "dict" else self.net[0].features
+        loss = nn.functional.cross_entropy(logits, y) + hidden.pow(2).mean()
+        self.log("loss", loss)
+        return loss
+
+
+@pytest.mark.parametrize(
+    ("strategy", "sync", "says"),
+    [
+        ("parallel_criterion", True, r"a replica may have read another's entry.*setattr\(module"),  # BN hands over
+        ("parallel_criterion", False, r"after the step it holds the last replica's entries.*setattr\(module"),
+        ("dp", False, r"the step reads the last replica's entries.*Return them from `forward`"),
+    ],
+)
+def test_a_dict_that_replicas_share_and_write_tensors_into_is_said_once_with_the_fix(strategy, sync, says):
+    module = seeded(HookedFeatures)
+    with pytest.warns(UserWarning, match=rf"`HookedFeatures.features` got tensors.*{says}") as seen:
+        trainer(strategy, 3, max_steps=2, sync_batchnorm=sync, enable_progress_bar=True).fit(module, loader(7, n=14))
+    assert sum("`HookedFeatures.features` got tensors" in str(w.message) for w in seen) == 1
+
+
+@pytest.mark.parametrize(("strategy", "how"), [("parallel_criterion", "layer"), ("dp", "return")])
+def test_the_fix_the_warning_names_equals_one_device(strategy, how):
+    """Under SyncBatchNorm (parallel_criterion's replicas hand over inside their step), on uneven shards."""
+    base = seeded(HookedFeatures, how=how)
+    single, multi = clone(base), clone(base)
+    trainer("auto", 1, max_steps=3, enable_progress_bar=True).fit(single, loader(7, n=21))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", ".*got tensors during a call")  # nothing to say: no shared dict was written
+        trainer(strategy, 3, max_steps=3, sync_batchnorm=True, enable_progress_bar=True).fit(multi, loader(7, n=21))
+    for (name, a), b in zip(multi.state_dict().items(), single.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12, msg=name)

@@ -84,7 +84,32 @@ def models(namespace: str = "lightning.pytorch") -> SimpleNamespace:
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.SGD(self.parameters(), lr=0.3)
 
-    return SimpleNamespace(KeyEncoder=KeyEncoder, Dino=Dino)
+    class StepsItsScheduler(L.LightningModule):
+        """A warm-up stepped by hand: ``self.lr_schedulers().step()`` in the step, or in ``on_train_batch_end``."""
+
+        def __init__(self, where: str = "training_step") -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.where = where
+            self.net = nn.Linear(N_FEATURES, N_CLASSES)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            if self.where == "training_step":
+                self.lr_schedulers().step()
+            loss = nn.functional.cross_entropy(self.net(x), y)
+            self.log("lr", self.optimizers().param_groups[0]["lr"])
+            return loss
+
+        def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+            if self.where == "on_train_batch_end":  # the fix the error suggests
+                self.lr_schedulers().step()
+
+        def configure_optimizers(self) -> Any:
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.5)
+            return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)]
+
+    return SimpleNamespace(KeyEncoder=KeyEncoder, Dino=Dino, StepsItsScheduler=StepsItsScheduler)
 
 
 def strategy(mode: str, namespace: str = "lightning.pytorch") -> Any:
@@ -129,3 +154,17 @@ def test_a_center_buffer_rebound_from_the_whole_batch_equals_one_device(namespac
 @pytest.mark.parametrize("mode", MODES)
 def test_a_center_buffer_rebound_to_the_same_value_on_every_replica_equals_one_device(mode):
     assert_equal_to_one_device(models().Dino("parameter").double(), mode)
+
+
+@pytest.mark.parametrize("namespace", NAMESPACES)
+@pytest.mark.parametrize("mode", MODES)
+def test_a_scheduler_stepped_in_the_step_is_refused_with_the_fix(mode, namespace):
+    """Each replica would step it: the learning rate decayed 2x / 3x per step, silently."""
+    module = models(namespace).StepsItsScheduler().double()
+    with pytest.raises(RuntimeError, match=r"scheduler StepLR on each of the 2 replicas.*`on_train_batch_end`"):
+        fit(module, strategy(mode, namespace), 2, namespace)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_scheduler_stepped_in_on_train_batch_end_equals_one_device(mode):
+    assert_equal_to_one_device(models().StepsItsScheduler("on_train_batch_end").double(), mode, devices=3)
