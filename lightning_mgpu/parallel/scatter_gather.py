@@ -133,6 +133,12 @@ def roots_batch_size(roots: Sequence[tuple[str, Any]], dim: int = 0, what: str =
         if other != size:
             lists = ", and every PerSample list," if marked else ""
             hint = None if marked else _per_sample_hint(roots, tensors, dim) or _flat_ids_hint(tensors)
+            hint = hint or (
+                "If one of them is not per sample, keep it out of what is split: class weights in the loss module "
+                "(`nn.CrossEntropyLoss(weight=w)`, whose weighting the replicas' losses then follow), other values "
+                "(a temperature) as a buffer of the module (`register_buffer`), a 0-dim tensor or a Python number, "
+                "which every replica gets whole."
+            )
             raise BatchSplitError(
                 f"Cannot split the batch along dim {dim}: {first} but {path} has {shown}. Every tensor with a batch "
                 f"dimension{lists} must have the same batch size." + (f" {hint}" if hint else "")

@@ -47,6 +47,16 @@ def test_batch_sizes_disagree_names_the_key_path():
         batch_size_of(namedtuple("P", "left right")(torch.zeros(2), torch.zeros(3)))
 
 
+def test_a_tensor_that_is_not_per_sample_in_the_batch_is_refused_with_where_to_keep_it():
+    batch = {"x": torch.zeros(5, 3), "y": torch.zeros(5), "class_weights": torch.ones(3)}
+    with pytest.raises(BatchSplitError, match=r"class weights in the loss module.*`register_buffer`.*0-dim tensor"):
+        split_batch(batch, CPU2)
+    assert [c["class_weights"].shape for c in split_batch({**batch, "class_weights": torch.tensor(2.0)}, CPU2)[0]] == [
+        torch.Size([]),
+        torch.Size([]),
+    ]
+
+
 @pytest.mark.parametrize(
     ("device_ids", "error", "pattern"),
     [
