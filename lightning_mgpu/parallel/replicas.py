@@ -68,7 +68,7 @@ class ReplicaSet:
         self._overrides = frozenset(overrides) | _NEVER_SYNCED
         self.builds = 0
         self._structure_checked = False  # by execution_mode(), for the prepare() that follows it
-        self.meets = False  # set by execution_mode()
+        self.meets_at_batchnorm = False  # set by execution_mode()
         self.defer_reduction = False
         self._owning = False
         self._queued = False
@@ -193,7 +193,7 @@ class ReplicaSet:
         the structure first (a layer converted or compiled since the last step counts), for the next :meth:`prepare`."""
         self._sync_structure()
         sync = count > 1 and any(layer._uses_batch_stats() for layer in self._sync_layers)
-        self.meets = sync  # the replicas meet (and hand over) inside their step, at every SyncBatchNorm layer
+        self.meets_at_batchnorm = sync  # the replicas hand over inside their step, at every SyncBatchNorm layer
         if self.compiled and sync:
             raise RuntimeError(
                 "SyncBatchNorm needs the replicas to run at the same time (in threads), but the model is compiled "

@@ -114,25 +114,15 @@ def _merge_values(
         return getattr(stacked, kind)() if loss is None else loss, options
     explicit = [call.options.get("batch_size") for _, call in entries]
     counts = [sample_counts[index] for index, _ in entries]
-    # The step's weight in the epoch mean: without batch_size= Lightning reads it from the whole batch, as on one
-    # device (its warning on an ambiguous batch included).
-    given = None if any(b is None for b in explicit) else _batch_size(explicit, counts)
+    # The step's weight in the epoch mean: the devices' batch_size= summed (each counts its shard), else what Lightning
+    # reads from the whole batch, as on one device (its warning on an ambiguous batch included).
+    given = None if any(b is None for b in explicit) else int(sum(float(b) for b in explicit))
     logged = options if given is None else {**options, "batch_size": given}
     if loss is not None:  # a copy of the loss: batch_size= only weights the step in the epoch mean
         return loss, logged
     # Equal values on every replica (a constant such as hparams.batch_size) say nothing about the shards: samples do.
     weights = explicit if given is not None and len({float(b) for b in explicit}) > 1 else counts
     return weighted_mean(stacked, stack_scalars(weights, device, dtype)), logged
-
-
-def _batch_size(explicit: list[Any], counts: list[int]) -> int:
-    """The whole batch's ``batch_size=`` from the replicas' own: their sum where they count each shard (they differ,
-    or equal the shards' sample counts), else the one value they share (a constant such as ``hparams.batch_size``,
-    which one device logs as such)."""
-    values = [float(b) for b in explicit]
-    if len(set(values)) > 1 or values == [float(c) for c in counts]:
-        return int(sum(values))
-    return int(values[0])
 
 
 def _merged_loss_copy(stacked: Tensor, implied: list[Any], device: torch.device, dtype: torch.dtype) -> Tensor | None:

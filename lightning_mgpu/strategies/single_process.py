@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch
 from torch import Tensor, nn
+from torch.optim.lr_scheduler import LRScheduler
 from typing_extensions import override
 
 from lightning_mgpu.parallel import collectives, sync_batchnorm
@@ -63,28 +64,55 @@ def _collection_lengths(module: nn.Module) -> dict[str, int]:
 
 
 _MODULE_REGISTRIES = frozenset(vars(nn.Module()))  # nn.Module's own dicts: parameters, buffers, hooks...
+_BATCH_END = {"training_step": "on_train_batch_end", "validation_step": "on_validation_batch_end"}
 
 
-def _dict_entries(module: nn.Module) -> dict[tuple[str, Any], Tensor]:
-    """The tensors held in ``module``'s own dict attributes, by (attribute, key)."""
-    return {
-        (name, key): value
-        for name, entries in vars(module).items()
-        if type(entries) is dict and name not in _MODULE_REGISTRIES
-        for key, value in entries.items()
-        if isinstance(value, Tensor)
-    }
+def _dict_attributes(module: nn.Module) -> list[tuple[nn.Module, str, str]]:
+    """(module, attribute, qualified name) of each dict attribute of ``module`` and its submodules (not nn.Module's
+    registries): every replica shares these dicts with the module."""
+    return [
+        (m, name, f"{prefix}.{name}" if prefix else name)
+        for prefix, m in module.named_modules()
+        for name, value in vars(m).items()
+        if isinstance(value, dict) and name not in _MODULE_REGISTRIES
+    ]
 
 
-def _rewritten_entries(module: nn.Module, before: dict[tuple[str, Any], Tensor]) -> list[tuple[str, Any]]:
-    """The (attribute, key) of each tensor in ``module``'s dict attributes that is not the one ``before`` held."""
-    return [place for place, value in _dict_entries(module).items() if before.get(place) is not value]
+def _dict_entries(places: Sequence[tuple[nn.Module, str, str]]) -> dict[tuple[str, Any], Any]:
+    """The values that hold tensors (a tensor, or a tuple or list that starts with one, as an LSTM's output) in the
+    dicts at ``places``, by (qualified name, key)."""
+    entries = {}
+    for module, name, path in places:
+        for key, value in (vars(module).get(name) or {}).items():
+            if isinstance(value, Tensor) or (
+                isinstance(value, (tuple, list)) and value and isinstance(value[0], Tensor)
+            ):
+                entries[(path, key)] = value
+    return entries
 
 
 def _scheduler_steps(root: Any) -> list[tuple[str, Any]]:
-    """Each of the trainer's learning-rate schedulers, by class name, with its ``last_epoch`` (how often it stepped)."""
+    """Each learning-rate scheduler of the trainer or held by ``root``, by class name, with its ``last_epoch`` (how
+    often it stepped)."""
     configs = root.trainer.lr_scheduler_configs if root._trainer is not None else []
-    return [(type(c.scheduler).__name__, getattr(c.scheduler, "last_epoch", None)) for c in configs]
+    held = [value for value in vars(root).values() if isinstance(value, LRScheduler)]
+    schedulers = {id(s): s for s in [*(c.scheduler for c in configs), *held]}.values()
+    return [(type(s).__name__, getattr(s, "last_epoch", None)) for s in schedulers]
+
+
+def _check_scheduler_steps(root: Any, before: list[tuple[str, Any]], count: int) -> None:
+    """Raise if a scheduler stepped during a call that ran on ``count`` > 1 replicas: once per replica."""
+    moved = [(b, a) for b, a in zip(before, _scheduler_steps(root), strict=False) if b != a]
+    if moved:
+        (name, first), (_, last) = moved[0]
+        hook = root._current_fx_name
+        raise RuntimeError(
+            f"`{hook}` stepped the learning-rate scheduler {name} on each of the {count} replicas (its last_epoch went "
+            f"from {first} to {last} in one step): it advanced {count} times where one device advances it once. Step "
+            f"it once per step, on the root: in `{_BATCH_END.get(hook, 'on_train_batch_end')}`, or let Lightning step "
+            "it (configure_optimizers returning {'optimizer': ..., 'lr_scheduler': {'scheduler': ..., 'interval': "
+            "'step'}})."
+        )
 
 
 def _rebound_attributes(snapshots: Sequence[tuple[nn.Module, dict[str, Any]]]) -> list[str]:
@@ -140,6 +168,7 @@ class SingleProcessParallel:
         self._converted_batchnorm = False
         self._announced: set[str] = set()
         self._interleaved = False  # the last replicated call's threads could interleave (set by _mode_for)
+        self._dicts: tuple[int, int, list[tuple[nn.Module, str, str]]] | None = None  # see _dicts_of
         self._replicated_on: list[torch.device] = []
 
     # --- one Trainer per instance: the connector reads `_accelerator` from an instance it receives, so refuse there ---
@@ -324,7 +353,7 @@ class SingleProcessParallel:
             )
         # Threads take turns, one whole step each, unless they meet (and hand over) inside it, or turns are off.
         threads = count > 1 and resolve_mode(mode, replicas.devices[:count]) == "threads"
-        self._interleaved = threads and (not TAKE_TURNS or meets is not None or replicas.replica_set.meets)
+        self._interleaved = threads and (not TAKE_TURNS or meets is not None or replicas.replica_set.meets_at_batchnorm)
         return mode
 
     def _collectives_reason(self, module: nn.Module) -> str | None:
@@ -362,8 +391,8 @@ class SingleProcessParallel:
             replica_set.reduce_gradients(run_hooks=False)
         replica_set.defer_reduction = accumulating and not reads
         before = _collection_lengths(module)
-        entries = _dict_entries(root) if count > 1 else {}
-        steps_before = _scheduler_steps(root) if count > 1 else []
+        dicts = self._dicts_of(root, replica_set.builds) if count > 1 else []
+        entries, steps = _dict_entries(dicts), _scheduler_steps(root) if count > 1 else []
         snapshots: list[tuple[nn.Module, dict[str, Any]]] = []
 
         def watched(index: int, replica: nn.Module) -> Any:
@@ -371,20 +400,10 @@ class SingleProcessParallel:
             return call(index, replica)
 
         outputs = replicas.run(count, watched, self._mode_for(replicas, count))
-        moved = [
-            (b, a) for b, a in zip(steps_before, _scheduler_steps(root) if count > 1 else [], strict=True) if b != a
-        ]
-        if moved:
-            (name, first), (_, last) = moved[0]
-            raise RuntimeError(
-                f"`{root._current_fx_name}` stepped the learning-rate scheduler {name} on each of the {count} replicas "
-                f"(its last_epoch went from {first} to {last} in one step): it advanced {count} times where one device "
-                "advances it once. Step it once per step, on the root: in `on_train_batch_end`, or let Lightning step "
-                "it (configure_optimizers returning {'optimizer': ..., 'lr_scheduler': {'scheduler': ..., "
-                "'interval': 'step'}})."
-            )
+        if count > 1:
+            _check_scheduler_steps(root, steps, count)
         self._say_replica_state(module, before, snapshots)
-        self._say_shared_entries(root, entries)
+        self._say_shared_entries(root, dicts, entries)
         replicas.merge_into(root, sample_counts, implied_weights(outputs) if implied_weights is not None else None)
         return outputs
 
@@ -408,11 +427,19 @@ class SingleProcessParallel:
                 f"value from before the step. Update it {_ON_ROOT}, keep it in a torchmetrics metric or log it.",
             )
 
-    def _say_shared_entries(self, root: nn.Module, before: dict[tuple[str, Any], Tensor]) -> None:
-        """Warn once per dict attribute of ``root`` (shared by every replica) in which the replicated call wrote
-        tensors: a forward hook's feature maps, say. One replica's entry is what remains."""
-        for name in dict.fromkeys(name for name, _ in _rewritten_entries(root, before)):
-            where = f"`{type(root).__name__}.{name}`"
+    def _dicts_of(self, root: nn.Module, builds: int) -> list[tuple[nn.Module, str, str]]:
+        """``root``'s dict attributes (found again when its replicas were rebuilt: a structural change)."""
+        if self._dicts is None or self._dicts[:2] != (id(root), builds):
+            self._dicts = (id(root), builds, _dict_attributes(root))
+        return self._dicts[2]
+
+    def _say_shared_entries(
+        self, root: nn.Module, places: Sequence[tuple[nn.Module, str, str]], before: dict[tuple[str, Any], Any]
+    ) -> None:
+        """Warn once per dict that the module and every replica share, in which the replicated call wrote tensors
+        (a forward hook's feature maps, a step's outputs by index): one replica's entry is what remains."""
+        written = [path for (path, key), value in _dict_entries(places).items() if before.get((path, key)) is not value]
+        for path in dict.fromkeys(written):
             if self._STEP_PER_REPLICA:
                 consequence = (
                     "the replicas ran interleaved (they hand over at SyncBatchNorm layers or collectives), so a "
@@ -423,15 +450,16 @@ class SingleProcessParallel:
                 fix = (
                     "Keep such values per replica: from a forward hook, set them on the hooked module, the hook's "
                     "first argument (`lambda module, args, output: setattr(module, 'features', output)`, read as "
-                    "`self.<layer>.features`), or return them from `forward`"
+                    "`self.<layer>.features`), or return them from `forward`; step outputs: return them and collect "
+                    f"them {_ON_ROOT}"
                 )
             else:
                 consequence = "the step reads the last replica's entries: one shard's, not the whole batch's"
                 fix = "Return them from `forward`: dp gathers its outputs over the devices"
             self._warn_once(
-                f"entries:{name}",
-                f"{where} got tensors during a call that ran on several replicas, which share that dict: "
-                f"{consequence}. {fix}.",
+                f"entries:{path}",
+                f"`{type(root).__name__}.{path}` got tensors during a call that ran on several replicas, which share "
+                f"that dict: {consequence}. {fix}.",
             )
 
     def _reads_gradients_between_backward_passes(self, root: Any) -> bool:

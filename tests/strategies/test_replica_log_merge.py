@@ -59,14 +59,14 @@ def test_the_same_batch_size_on_every_replica_is_a_constant_and_sample_counts_we
     root = Root()
     merge_and_log(root, recorders, [4, 3], lambda _: None)
     assert root.logged["x"][0].item() == pytest.approx((4 * 1.0 + 3 * 4.0) / 7, rel=0, abs=1e-15)
-    assert root.logged["x"][1]["batch_size"] == 7  # as one device logs it: not 14
 
 
-def test_batch_sizes_equal_to_the_shards_sample_counts_count_the_shards():
-    """``batch_size=len(x)`` on even shards: equal values, but the shards' own sizes, so the step's is their sum."""
-    value, options = _merge([1.0, 4.0], counts=[4, 4], batch_size=4)
+def test_equal_batch_sizes_are_summed_for_the_steps_epoch_weight():
+    """``batch_size=n_tokens`` equal on even shards counts each shard: the step's is their sum (a constant is summed
+    too, which scales every step alike)."""
+    value, options = _merge([1.0, 4.0], counts=[4, 4], batch_size=16)
     assert value == pytest.approx(2.5, rel=0, abs=1e-15)
-    assert options["batch_size"] == 8
+    assert options["batch_size"] == 32
 
 
 def test_a_name_logged_twice_in_a_step_is_logged_twice_each_call_merged_over_replicas():

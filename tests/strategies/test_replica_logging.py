@@ -50,13 +50,13 @@ def test_logged_means_skip_zero_weight_shards_and_follow_loss_weight():
 
 class EpochMeans(Classifier):
     """Validation logs a mean without ``batch_size=`` from batches whose first entry is not per-sample (Lightning
-    weighs each step by what it reads there, warning that the batch is ambiguous), and one with a constant
-    ``batch_size=``; 11 samples in batches of 5, 5 and 1 (the last one runs on one replica)."""
+    weighs each step by what it reads there, warning that the batch is ambiguous), and one with ``batch_size=`` the
+    shard's sample count; 11 samples in batches of 5, 5 and 1 (the last one runs on one replica)."""
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         x = batch["x"]
         self.log("val_inferred_weight", self(x).mean())
-        self.log("val_constant_weight", self(x).mean(), batch_size=4)
+        self.log("val_given_weight", self(x).mean(), batch_size=len(x))
 
 
 @pytest.mark.parametrize("devices", [2, 3])
@@ -76,7 +76,7 @@ def test_epoch_means_of_logged_values_weigh_each_step_as_one_device_does(first: 
         got = trainer("parallel_criterion", devices, enable_progress_bar=True).validate(
             clone(base), data, verbose=False
         )
-    for name in ("val_inferred_weight", "val_constant_weight"):
+    for name in ("val_inferred_weight", "val_given_weight"):
         assert got[0][name] == pytest.approx(ref[name], rel=0, abs=1e-12), name
 
 
@@ -369,9 +369,12 @@ class HookedFeatures(Classifier):
         super().__init__()
         self.how = how
         self.net = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3))
-        self.features: dict[str, torch.Tensor] = {}
-        if how == "dict":
-            self.net[0].register_forward_hook(lambda module, args, output: self.features.__setitem__("hidden", output))
+        self.features: dict[str, Any] = {}
+        self.net.features = collections.OrderedDict()  # a feature extractor's own
+        if how in ("dict", "tuple", "submodule"):
+            store = self.net.features if how == "submodule" else self.features
+            wrap = (lambda output: (output,)) if how == "tuple" else (lambda output: output)  # an LSTM's (out, state)
+            self.net[0].register_forward_hook(lambda module, args, output: store.__setitem__("hidden", wrap(output)))
         elif how == "layer":
             self.net[0].register_forward_hook(lambda module, args, output: setattr(module, "features", output))
 
@@ -387,7 +390,12 @@ class HookedFeatures(Classifier):
             logits, hidden = self(x)
         else:
             logits = self(x)
-            hidden = self.features["hidden"] if self.how == "dict" else self.net[0].features
+            hidden = {
+                "dict": lambda: self.features["hidden"],
+                "tuple": lambda: self.features["hidden"][0],
+                "submodule": lambda: self.net.features["hidden"],
+                "layer": lambda: self.net[0].features,
+            }[self.how]()
         loss = nn.functional.cross_entropy(logits, y) + hidden.pow(2).mean()
         self.log("loss", loss)
         return loss
@@ -401,11 +409,12 @@ class HookedFeatures(Classifier):
         ("dp", False, r"the step reads the last replica's entries.*Return them from `forward`"),
     ],
 )
-def test_a_dict_that_replicas_share_and_write_tensors_into_is_said_once_with_the_fix(strategy, sync, says):
-    module = seeded(HookedFeatures)
-    with pytest.warns(UserWarning, match=rf"`HookedFeatures.features` got tensors.*{says}") as seen:
+@pytest.mark.parametrize(("how", "path"), [("dict", "features"), ("tuple", "features"), ("submodule", "net.features")])
+def test_a_dict_that_replicas_share_and_write_tensors_into_is_said_once_with_the_fix(strategy, sync, says, how, path):
+    module = seeded(HookedFeatures, how=how)
+    with pytest.warns(UserWarning, match=rf"`HookedFeatures.{path}` got tensors.*{says}") as seen:
         trainer(strategy, 3, max_steps=2, sync_batchnorm=sync, enable_progress_bar=True).fit(module, loader(7, n=14))
-    assert sum("`HookedFeatures.features` got tensors" in str(w.message) for w in seen) == 1
+    assert sum(f"`HookedFeatures.{path}` got tensors" in str(w.message) for w in seen) == 1
 
 
 @pytest.mark.parametrize(("strategy", "how"), [("parallel_criterion", "layer"), ("dp", "return")])
