@@ -96,7 +96,29 @@ def _stack(values: list[Tensor], device: torch.device) -> Tensor:
 
 
 def _gather(values: list[Tensor], device: torch.device) -> Tensor:
-    return _stack(values, device) if all(v.dim() == 0 for v in values) else torch.cat([v.to(device) for v in values])
+    gathered = (
+        _stack(values, device) if all(v.dim() == 0 for v in values) else torch.cat([v.to(device) for v in values])
+    )
+    _gathered.add(_place(gathered))
+    return gathered
+
+
+_gathered: set[tuple[Any, ...]] = set()  # where the all_gather results of the last replicated call lie
+
+
+def _place(tensor: Tensor) -> tuple[Any, ...]:
+    return tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape)
+
+
+def forget_gathered() -> None:
+    """A new replicated call starts: the last one's ``all_gather`` results are no longer its replicas' outputs."""
+    _gathered.clear()
+
+
+def is_gathered(tensor: Tensor) -> bool:
+    """Whether ``tensor`` (or a detached alias of it) is a result of an ``all_gather`` of the last replicated call:
+    the whole batch, which one device returns once."""
+    return _place(tensor) in _gathered
 
 
 _REDUCTIONS = {"sum": torch.sum, "mean": torch.mean, "max": torch.amax, "min": torch.amin}

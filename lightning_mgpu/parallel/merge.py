@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lightning_mgpu.parallel.collectives import is_gathered
 from lightning_mgpu.parallel.devices import DeviceLike, to_device
 from lightning_mgpu.parallel.reduce import Weight, stack_scalars, weighted_mean
 from lightning_mgpu.parallel.scatter_gather import (
@@ -127,6 +128,8 @@ class _Merger:
         first = outputs[0]
         if first.ndim == 0:
             return self._scalars(outputs, path)
+        if isinstance(first, Tensor) and len(outputs) > 1 and all(map(is_gathered, outputs)):
+            return first.to(self.device)  # every replica's all_gather of the whole batch: one device returns it once
         if not _concatenable(outputs, self.dim):
             return _ragged(outputs, self.dim)
         held = [o.shape[self.dim] for o in outputs]

@@ -19,6 +19,7 @@ from typing import Any, Literal, TypeVar, get_args
 
 import torch
 
+from lightning_mgpu.parallel.collectives import forget_gathered
 from lightning_mgpu.parallel.devices import DeviceLike, to_device
 from lightning_mgpu.parallel.replica_group import PeerFailedError, ReplicaGroup, as_replica
 from lightning_mgpu.parallel.thread_state import ThreadState
@@ -111,6 +112,7 @@ def run_replicas(
         raise ValueError(f"run_replicas got {len(functions)} functions for {len(targets)} devices.")
     state = ThreadState.capture(targets)
     sequential = len(functions) <= 1 or resolve_mode(execution_mode, targets) == "sequential"
+    forget_gathered()
     group = ReplicaGroup(targets, sequential=sequential)
 
     def run(index: int) -> tuple[Any, BaseException | None]:

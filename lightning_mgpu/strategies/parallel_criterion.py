@@ -38,7 +38,10 @@ from lightning_mgpu.strategies.step_outputs import (
     tensor_key,
 )
 
-_COLLECTIVE_CALL = re.compile(r"\.(all_gather|reduce_boolean_decision|barrier|broadcast)\s*\(|strategy\.(reduce)\s*\(")
+# Lightning's collectives (self.all_gather, strategy.reduce...), not torch.distributed's: those see one process here.
+_COLLECTIVE_CALL = re.compile(
+    r"(?<!distributed)(?<!dist)\.(all_gather|reduce_boolean_decision|barrier|broadcast)\s*\(|strategy\.(reduce)\s*\("
+)
 _LIBRARIES = ("lightning.", "pytorch_lightning.", "torch.", "torchmetrics.", "builtins")
 
 

@@ -270,3 +270,65 @@ def test_compiled_replicas_that_must_meet_get_a_clear_error():
     module.net.compile()
     L.Trainer(accelerator="cpu", devices=2, strategy="dp", max_steps=1, logger=False).fit(module, data)
     assert len(gathered) == 1 and torch.equal(gathered[0], torch.ones(4, 3))
+
+
+class GatheredByTorchDistributed(L.LightningModule):
+    """Written for torch.distributed (lightly, open_clip): it gathers only where a process group exists, so under a
+    single-process strategy each device's loss is over its own shard."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(6, 4)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, _ = batch
+        z = F.normalize(self.net(x), dim=-1)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            gathered = [torch.zeros_like(z) for _ in range(torch.distributed.get_world_size())]
+            torch.distributed.all_gather(gathered, z)
+            z = torch.cat(gathered)
+        return F.cross_entropy(z @ z.T, torch.arange(len(z)))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_torch_distributed_collectives_do_not_count_as_the_strategys_and_the_notice_names_the_fix():
+    """The source mentions all_gather, but torch.distributed's: the notice must not call the result exact."""
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="parallel_criterion", max_steps=1, logger=False)
+    with pytest.warns(UserWarning, match=r"needs self\.all_gather\(\.\.\., sync_grads=True\) in the step") as seen:
+        trainer.fit(GatheredByTorchDistributed().double(), DataLoader(clip_data(7), batch_size=7))
+    assert not any("exact for a mean over this device's rows" in str(w.message) for w in seen)
+
+
+class QueuesGatheredKeys(L.LightningModule):
+    """MoCo-style: the step returns the whole batch's keys (``all_gather``), ``on_train_batch_end`` enqueues them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(6, 4)
+        self.queue: list[torch.Tensor] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
+        x, _ = batch
+        keys = self.net(x)
+        return {"loss": keys.pow(2).mean(), "keys": self.all_gather(keys).detach()}
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.queue.append(outputs["keys"])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("devices", [2, 3])
+def test_a_gathered_tensor_the_step_returns_comes_back_once_as_on_one_device(devices):
+    queues = []
+    for strategy, n in (("auto", 1), ("parallel_criterion", devices)):
+        torch.manual_seed(0)
+        module = QueuesGatheredKeys().double()
+        trainer = L.Trainer(accelerator="cpu", devices=n, strategy=strategy, max_steps=3, logger=False)
+        trainer.fit(module, DataLoader(clip_data(), batch_size=BATCH))
+        queues.append(torch.cat(module.queue))
+    assert queues[1].shape == queues[0].shape == (3 * BATCH, 4)  # not devices x the batch
+    torch.testing.assert_close(queues[1], queues[0], rtol=0, atol=1e-12)
