@@ -118,7 +118,7 @@ def forget_gathered() -> None:
 def is_gathered(tensor: Tensor) -> bool:
     """Whether ``tensor`` (or a detached alias of it) is a result of an ``all_gather`` of the last replicated call:
     the whole batch, which one device returns once."""
-    return _place(tensor) in _gathered
+    return tensor.device.type != "meta" and _place(tensor) in _gathered  # meta tensors have no address
 
 
 _REDUCTIONS = {"sum": torch.sum, "mean": torch.mean, "max": torch.amax, "min": torch.amin}

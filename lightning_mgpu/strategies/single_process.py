@@ -24,7 +24,7 @@ from typing_extensions import override
 
 from lightning_mgpu.parallel import collectives, sync_batchnorm
 from lightning_mgpu.parallel.modules import say_split_sensitive_layers
-from lightning_mgpu.parallel.replica_group import TAKE_TURNS
+from lightning_mgpu.parallel.replica_group import TAKE_TURNS, current_replica
 from lightning_mgpu.parallel.replicas import SYNC_BATCHNORM_THREADS, ReplicaCache
 from lightning_mgpu.parallel.run_replicas import EXECUTION_MODES, ExecutionMode, add_note, resolve_mode
 from lightning_mgpu.parallel.scatter_gather import shared_state, split_or_run_once
@@ -200,6 +200,14 @@ class SingleProcessParallel:
     world_size = 1
     is_distributed = False  # no DistributedSampler; self.log(sync_dist=True) is a no-op
     distributed_sampler_kwargs = None
+
+    @property
+    @override
+    def is_global_zero(self) -> bool:
+        """In a replicated call, replica 0 alone (DDP's rank 0): `self.print` and code guarded by it run once per step,
+        on replica 0's shard, not once per replica."""
+        replica = current_replica()
+        return replica is None or replica.index == 0
 
     @property
     @override
@@ -391,8 +399,10 @@ class SingleProcessParallel:
             replica_set.reduce_gradients(run_hooks=False)
         replica_set.defer_reduction = accumulating and not reads
         before = _collection_lengths(module)
+        # What a step could change once per replica: dicts the replicas share with the module, and schedulers.
         dicts = self._dicts_of(root, replica_set.builds) if count > 1 else []
-        entries, steps = _dict_entries(dicts), _scheduler_steps(root) if count > 1 else []
+        entries = _dict_entries(dicts)
+        steps = _scheduler_steps(root) if count > 1 else []
         snapshots: list[tuple[nn.Module, dict[str, Any]]] = []
 
         def watched(index: int, replica: nn.Module) -> Any:

@@ -5,6 +5,7 @@ leaving no state behind, and the warnings for step outputs kept in attributes an
 from __future__ import annotations
 
 import collections
+import importlib
 import warnings
 from typing import Any
 
@@ -428,3 +429,24 @@ def test_the_fix_the_warning_names_equals_one_device(strategy, how):
         trainer(strategy, 3, max_steps=3, sync_batchnorm=True, enable_progress_bar=True).fit(multi, loader(7, n=21))
     for (name, a), b in zip(multi.state_dict().items(), single.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12, msg=name)
+
+
+class PrintsOnGlobalZero(Classifier):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        self.print(f"PRINTED {len(x)}")  # rank-zero only: once per step on one device
+        return nn.functional.cross_entropy(self(x), y)
+
+
+@pytest.mark.parametrize("namespace", NAMESPACES)
+@pytest.mark.parametrize("mode", ["sequential", "threads"])
+def test_self_print_and_global_zero_guards_run_once_per_step(namespace, mode, capsys):
+    """As on one device (and on DDP's rank 0): replica 0 alone is global zero inside the step."""
+    prints = type("Prints", (models(namespace).Classifier,), {"training_step": PrintsOnGlobalZero.training_step})
+    module = seeded(prints)
+    strategy = importlib.import_module(f"lightning_mgpu.strategies.{namespace.replace('.', '_')}")
+    fit = trainer(strategy.ParallelCriterionStrategy(execution_mode=mode), 3, namespace=namespace, max_steps=2)
+    fit.fit(module, loader(7, n=14))
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("PRINTED")]
+    assert printed == ["PRINTED 3", "PRINTED 3"]  # replica 0's shard of each step of 7 samples (3 + 2 + 2)
+    assert fit.is_global_zero  # outside the step, the one process is
