@@ -133,12 +133,18 @@ class _Merger:
         if not _concatenable(outputs, self.dim):
             return _ragged(outputs, self.dim)
         held = [o.shape[self.dim] for o in outputs]
-        if self.sizes is not None and all(h != n for h, n in zip(held, self.sizes, strict=True)):
-            warnings.warn(
-                f"{path}: every device's array has {held} along dim {self.dim}, not its sample count "
-                f"{list(self.sizes)}: concatenated along dim {self.dim} anyway, as nn.DataParallel does, which is not "
-                "one device's result when the batch is on another dimension (an LSTM's (layers, batch, hidden) "
-                "state): return it batch first (h_n.transpose(0, 1)).",
+        # The same size on every device, none its sample count: a dimension that is not the batch's. (Sizes that
+        # differ, as the rows of masked tokens, are per-sample data of varying length.)
+        if (
+            self.sizes is not None
+            and len(set(held)) == 1
+            and all(h != n for h, n in zip(held, self.sizes, strict=True))
+        ):
+            warnings.warn(  # a message without the step's counts: said once per output
+                f"{path}: every device's array has {held[0]} entries along dim {self.dim}, not its sample count: "
+                f"concatenated along dim {self.dim} anyway, as nn.DataParallel does, which is not one device's result "
+                "when the batch is on another dimension (an LSTM's (layers, batch, hidden) state): return it batch "
+                "first (h_n.transpose(0, 1)).",
                 UserWarning,
                 stacklevel=2,
             )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections import OrderedDict, namedtuple
 
 import pytest
@@ -345,6 +346,15 @@ def test_an_array_without_the_sample_dimension_first_is_concatenated_with_a_warn
     """An LSTM's ``(layers, batch, hidden)`` state on even shards: dim 0 holds no samples on any device, so the
     concatenation (nn.DataParallel's) is not one device's state; said, naming the output and the fix."""
     states = [torch.zeros(2, 3, 6) for _ in range(3)]
-    with pytest.warns(UserWarning, match=r"output\[1\]: every device's array has \[2, 2, 2\] along dim 0.*transpose"):
+    with pytest.warns(UserWarning, match=r"output\[1\]: every device's array has 2 entries along dim 0.*transpose"):
         merged = merge_outputs([(torch.zeros(3, 1), s) for s in states], "cpu", sizes=[3, 3, 3])
     assert merged[1].shape == (6, 3, 6)
+
+
+def test_rows_of_varying_length_per_device_are_concatenated_without_a_warning():
+    """An MLM head's masked-token rows (32 and 51 on shards of 16): per-sample data, one device's rows in order."""
+    rows = [torch.randn(32, 5), torch.randn(51, 5)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        merged = merge_outputs(rows, "cpu", sizes=[16, 16])
+    assert torch.equal(merged, torch.cat(rows))
