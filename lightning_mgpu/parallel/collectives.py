@@ -118,7 +118,8 @@ def forget_gathered() -> None:
 def is_gathered(tensor: Tensor) -> bool:
     """Whether ``tensor`` (or a detached alias of it) is a result of an ``all_gather`` of the last replicated call:
     the whole batch, which one device returns once."""
-    return tensor.device.type != "meta" and _place(tensor) in _gathered  # meta tensors have no address
+    # Nothing gathered (every call without all_gather) reads no storage; meta tensors have no address.
+    return bool(_gathered) and tensor.device.type != "meta" and _place(tensor) in _gathered
 
 
 _REDUCTIONS = {"sum": torch.sum, "mean": torch.mean, "max": torch.amax, "min": torch.amin}
