@@ -108,6 +108,28 @@ def check_strategy_names(command: str, args: Sequence[str]) -> None:
             )
 
 
+def check_strategy_arguments(command: str, args: Sequence[str]) -> None:
+    """Refuse ``--trainer.strategy.init_args.*`` for a strategy given by name, which takes no arguments (jsonargparse
+    says "Expected a dot import path string"), with the ``class_path`` option, placed before them, that makes them
+    work."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    first = next((k for k, a in enumerate(args) if a.startswith("--trainer.strategy.init_args.")), None)
+    names = [name for name in _strategy_names(args) if name in StrategyRegistry]
+    if first is None or not names or any(a.startswith("--trainer.strategy.class_path") for a in args[:first]):
+        return
+    entry = StrategyRegistry[names[-1]]
+    cls = entry["strategy"]
+    path = f"{'lightning_mgpu' if cls.__module__.startswith('lightning_mgpu.') else cls.__module__}.{cls.__name__}"
+    registered = "".join(f" --trainer.strategy.init_args.{k}={v}" for k, v in entry["init_params"].items())
+    raise CommandError(
+        f"{command}: {args[first].partition('=')[0]} sets an argument of the strategy, but trainer.strategy is the "
+        f"name {names[-1]!r}, which takes none. Name its class before the init_args options: "
+        f"--trainer.strategy.class_path={path}{registered} (YAML: strategy: {{class_path: {path}, init_args: "
+        "{...}})."
+    )
+
+
 def _unknown_strategy(command: str, name: str, known: list[str]) -> str:
     if "." in name or isinstance(getattr(lightning_mgpu, name, None), type):  # a class path, or one of ours
         path = name if "." in name else f"lightning_mgpu.{name}"
@@ -199,6 +221,7 @@ def main(args: Sequence[str] | None = None, run: bool = True) -> LightningCLI | 
         from lightning.pytorch.cli import LightningCLI  # our strategies register as it imports (see registration.py)
 
         check_strategy_names(prog, given)
+        check_strategy_arguments(prog, given)
         quiet_dependencies()
         cli = LightningCLI(
             model_class=None,

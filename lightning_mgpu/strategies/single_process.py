@@ -279,10 +279,13 @@ class SingleProcessParallel:
         threads = resolve_mode(self.execution_mode, devices) == "threads"
         chosen = " (execution_mode='auto')" if self.execution_mode == "auto" else ""
         meets = self._collectives_reason(self.lightning_module)
+        notice = None if meets is None else _meeting_notice(meets)  # the key of _mode_for's override notice
         if meets is None and self._layer_sync is not None:
-            meets = SYNC_BATCHNORM_THREADS.partition(":")[0]
+            meets, notice = SYNC_BATCHNORM_THREADS.partition(":")[0], SYNC_BATCHNORM_THREADS
         if meets is not None and not threads:
             threads, chosen = True, f" ({meets})"
+            if self.execution_mode == "auto":  # this line says it: no override notice at the first step
+                self._announced.add(notice)
         physical = len({(d.type, d.index) for d in devices})
         virtual = f"; virtual devices: {physical} physical device(s)" if physical < len(devices) else ""
         where = ", ".join(map(str, devices))
@@ -354,7 +357,7 @@ class SingleProcessParallel:
                     "torch.compile, which is not thread-safe. Do not compile the model under this strategy, or use "
                     "strategy='dp' (the step runs once, on the whole batch) or strategy='ddp'."
                 )
-            mode, reason = "threads", f"{meets}: replicas run in threads so that they meet"
+            mode, reason = "threads", _meeting_notice(meets)
         if reason is not None:
             self._warn_once(
                 reason, f"{self.strategy_name}: execution_mode={self.execution_mode!r} overridden: {reason}."
@@ -553,3 +556,8 @@ class SingleProcessParallel:
         name = hook.replace("training", "train").replace("validation", "val")
         with getattr(self.precision_plugin, f"{name}_context")():
             yield
+
+
+def _meeting_notice(meets: str) -> str:
+    """Why replicas that meet inside the step run in threads."""
+    return f"{meets}: replicas run in threads so that they meet"

@@ -98,6 +98,33 @@ def test_a_strategy_class_given_as_a_name_gets_the_class_path_form_that_works(gi
     assert built.trainer.strategy.normalization.spec() == "sum"
 
 
+@pytest.mark.parametrize(
+    ("name", "arguments"),
+    [("parallel_criterion", ["loss_reduction=sum"]), ("ddp_spawn", ["find_unused_parameters=true"])],
+)
+def test_strategy_arguments_for_a_strategy_given_by_name_get_the_class_path_that_works(
+    name, arguments, capsys, monkeypatch, tmp_path
+):
+    """``--trainer.strategy.init_args.*`` where the strategy is a name (the configs' form): one line names the class
+    option to put before them (with the name's registered arguments), and the command built that way runs."""
+    monkeypatch.setattr(sys, "argv", ["lightning-mgpu"])
+    config = ["-c", str(REPO / "configs/pyramidnet/quickstart.yaml"), f"--trainer.default_root_dir={tmp_path}"]
+    given = [f"--trainer.strategy={name}", *(f"--trainer.strategy.init_args.{a}" for a in arguments)]
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["fit", *config, *given])
+    assert exit.value.code == 1
+    (message,) = capsys.readouterr().err.strip().splitlines()
+    suggested = re.search(r"before the init_args options: (.+?) \(YAML", message).group(1).split()
+    built = cli.main([*config, *suggested, *given[1:]], run=False)
+    for argument in arguments:
+        key, value = argument.split("=")
+        assert (
+            str(getattr(built.trainer.strategy, key, None) or built.trainer.strategy._ddp_kwargs[key]).lower() == value
+        )
+    if name == "ddp_spawn":
+        assert built.trainer.strategy._start_method == "spawn"
+
+
 def test_a_pytorch_lightning_class_in_this_cli_names_the_one_to_use(capsys, monkeypatch, tmp_path):
     config = tmp_path / "strategy.yaml"
     config.write_text(

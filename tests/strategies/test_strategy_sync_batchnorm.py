@@ -3,6 +3,7 @@ BatchNorm model trains exactly as on one device (shards 4/3/3), running statisti
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -36,15 +37,21 @@ def _fit(module: Any, strategy: Any, devices: int, namespace: str = "lightning.p
 
 @pytest.mark.parametrize("namespace", NAMESPACES)
 @pytest.mark.parametrize("strategy", ["parallel_criterion", "dp"])
-def test_sync_batchnorm_trains_exactly_as_one_device(strategy, namespace):
+def test_sync_batchnorm_trains_exactly_as_one_device(strategy, namespace, caplog, recwarn):
+    """Equal to one device, running statistics included; the set-up line says the replicas run in threads and why,
+    once (no override warning repeats it at the first step)."""
     base = seeded(normalized_classifier(namespace))
     single, multi = clone(base), clone(base)
     reference = _fit(single, "auto", 1, namespace)
-    overridden = (
-        "execution_mode='auto' overridden: SyncBatchNorm layers make the replicas meet.*replicas run in threads"
-    )
-    with pytest.warns(UserWarning, match=overridden):
+    with caplog.at_level(logging.INFO, logger=namespace):
         synced = _fit(multi, strategy, 3, namespace, sync_batchnorm=True)  # batches of 10: shards 4, 3, 3
+    said = [r.getMessage() for r in caplog.records if "SyncBatchNorm" in r.getMessage()]
+    assert said == [
+        f"{synced.strategy.strategy_name}: 3 replicas on cpu, cpu, cpu; virtual devices: 1 physical device(s); "
+        "replicas run in threads, one per device (SyncBatchNorm layers make the replicas meet inside every BatchNorm "
+        "layer)."
+    ]
+    assert not [w for w in recwarn if "SyncBatchNorm" in str(w.message)]
     torch.testing.assert_close(_state(multi), _state(single), rtol=0, atol=1e-10)  # running statistics included
     got, expected = metrics(synced), metrics(reference)
     for name, value in expected.items():
@@ -60,6 +67,13 @@ def test_without_sync_batchnorm_shards_normalise_alone():
     _fit(single, "auto", 1)
     _fit(multi, "parallel_criterion", 3)
     assert (_state(multi) - _state(single)).abs().max() > 1e-4
+
+
+def test_sync_batchnorm_overriding_an_explicit_sequential_mode_warns():
+    strategy = lightning_mgpu.ParallelCriterionStrategy(execution_mode="sequential")
+    overridden = "execution_mode='sequential' overridden: SyncBatchNorm layers make the replicas meet.*in threads"
+    with pytest.warns(UserWarning, match=overridden):
+        _fit(seeded(normalized_classifier()), strategy, 2, sync_batchnorm=True)
 
 
 def test_sync_batchnorm_with_an_explicit_threads_mode_says_nothing(recwarn):
