@@ -118,7 +118,7 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
                 implied = partial(self._implied_weights, hook, weights, sizes)
                 outputs = self._run_replicated(module, sizes, call, implied)
                 if training:  # said once the step ran: a step that fails says so by itself
-                    self._say_rule(outputs, self._rule_source, args[0], weights)
+                    self._say_rule(outputs, self._rule_source, args[0], weights, (chunks, sizes))
         if all_or_none(outputs, hook):
             return None
         if training:  # what each call of the loss's producer averaged over decides, when known
@@ -230,9 +230,16 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         return None
 
     # --- the loss rule -----------------------------------------------------------------------------------------------
-    def _say_rule(self, outputs: list[Any], source: str | None, batch: Any, weights: list[Any] | None) -> None:
-        """Once per run: the rule found and where from, or the assumption with its fixes; nothing when the step or
-        ``loss_reduction`` declares it. Labels are named only where the loss's own calls counted them (the batch's
+    def _say_rule(
+        self,
+        outputs: list[Any],
+        source: str | None,
+        batch: Any,
+        weights: list[Any] | None,
+        shards: tuple[list[Any], list[int]],
+    ) -> None:
+        """Once per run: the rule found and where from, the declared one, or the assumption with its fixes; nothing
+        when the step declares it. Labels are named only where the loss's own calls counted them (the batch's
         ``labels`` may not be what the loss was computed on)."""
         if self._overruled is not None:  # said whenever it happens, also after the rule was said
             what, self._overruled = f"the training loss (not the output of {self._overruled} alone)", None
@@ -241,11 +248,14 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
             labels = labels_spec(batch) if self._labels_checked else "<labels key>"
             self._say_assumed_samples(what, labels, terms + " from training_step (each term weighted apart)")
             return
-        if "rule" in self._announced or self.loss_reduction != "auto":
+        if "rule" in self._announced:
             return
         self._announced.add("rule")
         first = outputs[0]
         if isinstance(first, Mapping) and (LOSS_WEIGHT_KEY in first or LOSS_TERMS_KEY in first):
+            return
+        if self.loss_reduction != "auto":
+            self._say_declared_rule(batch, weights, *shards)
             return
         other_labels = (  # a token rule whose labels are not what the loss's calls counted: name none
             self.normalization.kind == "tokens"
@@ -276,6 +286,41 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
             )
             alternative = "return {'loss': loss, 'loss_weight': <count it averages over>} from training_step"
             self._say_assumed_samples("the training loss", labels_spec(batch), alternative + coupled)
+
+    def _say_declared_rule(self, batch: Any, weights: list[Any] | None, chunks: list[Any], sizes: list[int]) -> None:
+        """The declared rule, said once; a warning instead where the module's loss objects say another that weighs
+        this batch's devices differently (``'sum'`` declared for a mean ``CrossEntropyLoss`` multiplies the loss by
+        the device count): the declared rule is still used."""
+        declared = self.normalization or SAMPLES
+        known = known_rule(self.lightning_module, batch)
+        if known is not None and weights is not None:
+            rule, source = known
+            try:
+                theirs = rule.weights(chunks, sizes)
+            except ValueError:  # the rule's labels are not in this batch: nothing to compare
+                theirs = weights
+            if not _weigh_alike(weights, theirs):
+                warnings.warn(
+                    f"{self.strategy_name}: loss_reduction={declared.spec()!r} is declared, but {source} says the "
+                    f"training loss is {rule.describe()} (loss_reduction={rule.spec()!r}), which weighs this batch's "
+                    f"devices otherwise; the declared rule is used. If the step returns that loss as it is, leave "
+                    f"loss_reduction at 'auto'.",
+                    UserWarning,
+                    stacklevel=2,
+                )
+                return
+        self._say_known_rule("the training loss", declared, "the declared loss_reduction")
+
+
+def _weigh_alike(first: list[Any], second: list[Any]) -> bool:
+    """Whether two lists of per-device weights combine the devices' losses alike (proportional counts, or both sums);
+    devices without a count to compare count as alike."""
+    if "sum" in first or "sum" in second:
+        return ("sum" in first) == ("sum" in second)
+    a, b = [float(w) for w in first], [float(w) for w in second]
+    if not sum(a) or not sum(b):
+        return True
+    return all(abs(x / sum(a) - y / sum(b)) <= 1e-9 for x, y in zip(a, b, strict=True))
 
 
 def _counts_agree(recorded: list[list[Any]], weights: list[Any] | None) -> bool:

@@ -55,6 +55,12 @@ def assert_decided(run: Run, spec: str) -> None:
     assert run.trainer.strategy.normalization.spec() == spec
 
 
+def assert_declared(run: Run, spec: str) -> None:
+    """The declared rule was said once, as declared, and nothing warned."""
+    assert_decided(run, spec)
+    assert "as the declared loss_reduction says" in run.decisions()[0]
+
+
 def strategy(reduction: str) -> Any:
     return lightning_mgpu.ParallelCriterionStrategy(loss_reduction=reduction)
 
@@ -62,13 +68,13 @@ def strategy(reduction: str) -> Any:
 # --- 1. declared: loss_reduction --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("loss", ["handwritten_sum", "mse_sum", "ce_sum"])
 @pytest.mark.parametrize(("devices", "batch"), SPLITS)
-def test_sum_losses_declared_equal_one_device_silently(root, loss, devices, batch):
+def test_sum_losses_declared_equal_one_device(root, loss, devices, batch):
     """``((net(x) - y) ** 2).sum()``, ``MSELoss(reduction="sum")``, ``cross_entropy(reduction="sum")`` with
     ``loss_reduction="sum"``: summed over devices; the optimized loss, ``self.log("loss", loss)`` (step and epoch)
-    and the parameters equal one device's; no decision line, no notice."""
+    and the parameters equal one device's; one line says the declared rule, no notice."""
     expected = one_device(("mlp", loss, batch), lambda: make_mlp(L, loss), lambda: mlp_loader(loss, batch), root)
     got = fit(make_mlp(L, loss), strategy("sum"), devices, mlp_loader(loss, batch), root)
-    assert notices(got) == [] and got.decisions() == []
+    assert_declared(got, "sum")
     assert_equal_runs(got, expected)
     assert {"loss_step", "loss_epoch"} <= got.final.keys()
 
@@ -163,6 +169,28 @@ def test_loss_modules_say_the_rule_and_training_equals_one_device(root, name):
     got = fit(make(), "parallel_criterion", 3, data(), root)
     assert_decided(got, rule)
     assert_equal_runs(got, expected)
+
+
+@pytest.mark.parametrize(("declared", "clash"), [("sum", True), ("replica_mean", True), ("samples", False)])
+def test_a_declared_rule_the_loss_module_contradicts_is_used_with_one_warning_whose_fix_works(root, declared, clash):
+    """``loss_reduction='sum'`` (or ``replica_mean`` on shards 4/3/3) declared for a mean ``CrossEntropyLoss``: the
+    declared rule is used, and one warning says what the module's loss says and the fix; following it (``auto``)
+    equals one device. ``samples`` weighs these devices as the module's rule does (no ignored labels): said only."""
+    make = lambda: seeded(WithCriterion, criterion=nn.CrossEntropyLoss())  # noqa: E731
+    data = lambda: mlp_loader(batch_size=10, loss="ce_mean")  # noqa: E731
+    got = fit(make(), strategy(declared), 3, data(), root)
+    said = [w for w in got.warnings if f"loss_reduction={declared!r} is declared, but" in w]
+    if not clash:
+        assert said == [] and notices(got) == []
+        assert_declared(got, declared)
+        return
+    assert len(said) == 1 and got.decisions() == [], got.warnings
+    assert "CrossEntropyLoss (reduction='mean') says the training loss is a mean over the labels" in said[0]
+    assert got.trainer.strategy.normalization.spec() == declared
+    assert "leave loss_reduction at 'auto'" in said[0]
+    assert_equal_runs(
+        fit(make(), "parallel_criterion", 3, data(), root), one_device(("declared", declared), make, data, root)
+    )
 
 
 class AddsATerm(WithCriterion):
