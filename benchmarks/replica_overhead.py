@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import operator
 import os
 import platform
 import shlex
@@ -337,7 +338,27 @@ class Worker:
             else:
                 replica_set.prepare(n, "threads")
             warm.append(time.perf_counter() - t0)
+        # The unit of the checks' cost: one Python pass reading an attribute of every parameter tensor, on this CPU.
+        version = operator.attrgetter("_version")
+        passes = []
+        for _ in range(calls + 2):
+            t0 = time.perf_counter()
+            list(map(version, params))
+            passes.append(time.perf_counter() - t0)
+        # What any reduction must do after zero_grad(set_to_none=True), Lightning's default: give every parameter
+        # its .grad again (AccumulateGrad does it in C++ on one device).
+        fresh = [torch.empty_like(p) for p in params]
+        assign = []
+        for _ in range(calls + 2):
+            for p in params:
+                p.grad = None
+            t0 = time.perf_counter()
+            for p, g in zip(params, fresh, strict=True):
+                p.grad = g
+            assign.append(time.perf_counter() - t0)
         return {
+            "grad_assign_us": statistics.median(assign[2:]) * 1e6,
+            "pass_us": statistics.median(passes[2:]) * 1e6,
             "sync_us": statistics.median(sync) * 1e6,
             "warm_sync_us": statistics.median(warm[2:]) * 1e6,
             "reduce_us": statistics.median(reduce) * 1e6,
@@ -696,7 +717,8 @@ def sync_reduce_benchmark(
                 blocks = samples[label]
                 row[label] = {
                     key: statistics.median(b[key] for b in blocks)
-                    for key in ("sync_us", "reduce_us", "total_us", "warm_sync_us")
+                    for key in ("sync_us", "reduce_us", "total_us", "warm_sync_us", "pass_us", "grad_assign_us")
+                    if key in blocks[0]
                 }
                 row[label]["api"] = blocks[0]["api"]
                 row[label]["parameter_tensors"] = blocks[0]["parameter_tensors"]
@@ -725,18 +747,28 @@ def sync_reduce_markdown(rows: list[dict[str, Any]]) -> list[str]:
         "root's `.grad` views are reassigned. sync, reduce and total are timed within a step: the sync after the "
         "previous step's reduction, the reduction after the replicas' accumulation (one meta `add_` per replica and "
         "parameter, Python code that evicts the caches, as a backward pass does). **warm sync**: the same sync "
-        "repeated back to back, the floor of its checks' cost. Target: < 1000 µs for PyramidNet-272 at N = 8.",
+        "repeated back to back, the floor of its checks' cost. **one pass**: `list(map(attrgetter('_version'), "
+        "params))` over the model's parameter tensors, the unit of the checks' cost on this CPU (**total in passes** "
+        "= total / one pass). **assigning .grad**: `p.grad = g` for every parameter, which any reduction does after "
+        "`zero_grad(set_to_none=True)` (Lightning's default; AccumulateGrad does it in C++ on one device). "
+        "Target: < 1000 µs for PyramidNet-272 at N = 8.",
         "",
-        "| model | N | parameter tensors | "
-        + " | ".join(f"{label} sync | {label} reduce | {label} total | {label} warm sync" for label in labels)
+        "| model | N | parameter tensors | one pass | assigning .grad | "
+        + " | ".join(
+            f"{label} sync | {label} reduce | {label} total | {label} warm sync | {label} total in passes"
+            for label in labels
+        )
         + " |",
-        "|---|---|---|" + "---|---|---|---|" * len(labels),
+        "|---|---|---|---|---|" + "---|---|---|---|---|" * len(labels),
     ]
     for row in rows:
-        cells = [row["model"], str(row["replicas"]), str(row[labels[-1]]["parameter_tensors"])]
+        last = row[labels[-1]]
+        cells = [row["model"], str(row["replicas"]), str(last["parameter_tensors"])]
+        cells += [f"{last.get(key, 0):.0f}" for key in ("pass_us", "grad_assign_us")]
         for label in labels:
             v = row[label]
             cells += [f"{v[key]:.0f}" for key in ("sync_us", "reduce_us", "total_us", "warm_sync_us")]
+            cells.append(f"{v['total_us'] / v['pass_us']:.1f}" if v.get("pass_us") else "")
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 

@@ -158,6 +158,7 @@ class ReplicaParameters:
         self._pointers = list(map(_data_ptr, self.params))
         self._stamp: int | None = None  # the originals' version sum at the last copy to the other devices
         self._set_trainable(list(map(_requires_grad, self.params)))
+        self.checked_runs: dict[int, tuple[list[Tensor], list[int]]] = {}  # ReplicaSet's per-count lists of leaves
         self.active = 0  # how many replicas have run: a backward pass through an older graph may reach any of them
         self.pending = False  # replicas ran since the last reduction: their gradients may not be on the originals yet
 

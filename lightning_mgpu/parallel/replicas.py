@@ -250,11 +250,14 @@ class ReplicaSet:
     def _start_leaf_run(self, n: int) -> None:
         """A run on the replicas' own leaves: those on one device share its copy of the parameters and, per parameter,
         one version counter (:meth:`.flat_replicas.ReplicaParameters.shared_by`), read before and after the step."""
-        assert self._flat is not None
-        counts = Counter(self.devices[:n])
-        shared = [d for d, count in counts.items() if count > 1]
-        tensors = [t for d in shared for t in map(self._flat.shared_by(d).__getitem__, self._checked)]
-        self._run = _Run(self._places, tensors, [counts[d] for d in shared], _THREADS)
+        flat = self._flat
+        assert flat is not None
+        if flat.checked_runs.get(n) is None:  # the same tensors every step: listed once per replica count
+            counts = Counter(self.devices[:n])
+            shared = [d for d, count in counts.items() if count > 1]
+            tensors = [t for d in shared for t in map(flat.shared_by(d).__getitem__, self._checked)]
+            flat.checked_runs[n] = (tensors, [counts[d] for d in shared])
+        self._run = _Run(self._places, *flat.checked_runs[n], _THREADS)
 
     def _end_run(self, adopt: bool) -> _Run | None:
         """Stop recording the run in progress; ``adopt``: buffers it rebound take replica 0's value."""
