@@ -59,6 +59,9 @@ class DtypeGroups:
         self.indices: dict[torch.dtype, list[int]] = {}
         self.offsets: list[int] = [0] * len(self.tensors)
         self.totals: dict[torch.dtype, int] = {}
+        # Each tensor's part of a flat buffer has its memory layout (channels_last weights keep theirs: a gradient
+        # laid out otherwise costs autograd a copy per accumulation), or the contiguous one where it has gaps.
+        self.strides = [tuple(t.stride()) if _dense(t) else _contiguous_strides(t.shape) for t in self.tensors]
         for j, t in enumerate(self.tensors):
             self.indices.setdefault(t.dtype, []).append(j)
             self.offsets[j] = self.totals.get(t.dtype, 0)
@@ -66,18 +69,28 @@ class DtypeGroups:
         self._views = {dtype: self._flat_views(indices) for dtype, indices in self.indices.items()}
 
     def _flat_views(self, indices: list[int]) -> tuple[list[Tensor | None], list[int]]:
-        """The group's tensors as flat views made once, and the positions of non-contiguous ones (``channels_last``
-        weights: ``None`` there, reshaped at every call)."""
-        views = [self.tensors[j].view(-1) if self.tensors[j].is_contiguous() else None for j in indices]
+        """The group's tensors as flat views in memory order made once, and the positions of those not laid out as
+        their part (``None`` there, copied into that layout at every call)."""
+        views = [self._memory_order(self.tensors[j], self.strides[j]) for j in indices]
         return views, [k for k, v in enumerate(views) if v is None]
+
+    @staticmethod
+    def _memory_order(tensor: Tensor, strides: tuple[int, ...]) -> Tensor | None:
+        """``tensor``'s elements in memory order, a view, if it is laid out with ``strides``."""
+        if tuple(tensor.stride()) != strides or not _dense(tensor):
+            return None
+        return tensor.as_strided((tensor.numel(),), (1,))
 
     def flatten(self) -> dict[torch.dtype, Tensor]:
         flats = {}
-        for dtype, (views, reshaped) in self._views.items():
-            if reshaped:
+        for dtype, (views, relaid) in self._views.items():
+            if relaid:
                 views = list(views)
-                for k in reshaped:
-                    views[k] = self.tensors[self.indices[dtype][k]].reshape(-1)
+                for k in relaid:
+                    j = self.indices[dtype][k]
+                    tensor = self.tensors[j]
+                    laid = torch.empty_strided(tensor.shape, self.strides[j], dtype=dtype, device=tensor.device)
+                    views[k] = laid.copy_(tensor).as_strided((tensor.numel(),), (1,))
             flats[dtype] = torch.cat(views)
         return flats
 
@@ -101,9 +114,31 @@ class DtypeGroups:
         return alias(block, self.offsets[j], (len(block), like.numel()), (block.stride(0), 1))
 
     def view(self, flats: dict[torch.dtype, Tensor], j: int) -> Tensor:
-        """Tensor ``j``'s part of ``flats`` (one flat tensor per dtype), shaped like it."""
+        """Tensor ``j``'s part of ``flats`` (one flat tensor per dtype), shaped and laid out like it."""
         like, start = self.tensors[j], self.offsets[j]
-        return flats[like.dtype][start : start + like.numel()].view(like.shape)
+        return self.shaped(flats[like.dtype][start : start + like.numel()], j)
+
+    def shaped(self, part: Tensor, j: int) -> Tensor:
+        """``part`` (tensor ``j``'s elements, 1-D, in memory order) as a view shaped and laid out like tensor ``j``."""
+        return part.as_strided(self.tensors[j].shape, self.strides[j])
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _dense(tensor: Tensor) -> bool:
+    """Whether ``tensor``'s elements fill one block of its storage, each once (contiguous in some dimension order)."""
+    step = 1
+    for stride, size in sorted((st, s) for s, st in zip(tensor.shape, tensor.stride(), strict=True) if s != 1):
+        if stride != step:
+            return False
+        step *= size
+    return True
 
 
 class ReplicaParameters:
@@ -140,7 +175,10 @@ class ReplicaParameters:
             self._storage = {d: groups.flats(d) for d in self._others}  # one per device and dtype
             # Per other device, each parameter's part of its storage: the replicas there share its version counter.
             self._parts = {
-                d: [alias(flats[p.dtype], groups.offsets[j], p.shape) for j, p in enumerate(self.params)]
+                d: [
+                    alias(flats[p.dtype], groups.offsets[j], p.shape, groups.strides[j])
+                    for j, p in enumerate(self.params)
+                ]
                 for d, flats in self._storage.items()
             }
             blocks = [groups.flats(d, zero=True, rows=self.devices.count(d)) for d in distinct]
@@ -151,8 +189,8 @@ class ReplicaParameters:
             self._counted = [[groups.columns(block, j) for j in range(len(self.params))] for block in blocks]
             self.leaves = [self._make_leaves(d, renormed) for d in self.devices]
             for i, leaves in enumerate(self.leaves):
-                for j, (p, leaf) in enumerate(zip(self.params, leaves, strict=True)):
-                    leaf.grad = self._counted[self._slots[i]][j][rows[i]].view(p.shape)
+                for j, leaf in enumerate(leaves):
+                    leaf.grad = groups.shaped(self._counted[self._slots[i]][j][rows[i]], j)
             self._new_root_grads()
         self._first_grads = [leaves[0].grad if leaves else None for leaves in self.leaves]
         self._pointers = list(map(_data_ptr, self.params))
@@ -177,7 +215,8 @@ class ReplicaParameters:
         with torch.inference_mode(False), torch.no_grad():
             self._root_grads = self._groups.flats(self.root)
             self._root_views = [
-                alias(self._root_grads[p.dtype], self._groups.offsets[j], p.shape) for j, p in enumerate(self.params)
+                alias(self._root_grads[p.dtype], self._groups.offsets[j], p.shape, self._groups.strides[j])
+                for j, p in enumerate(self.params)
             ]
         self._root_uses = list(map(_storage_uses, self._root_grads.values()))  # held by this class alone
         self._index_views()

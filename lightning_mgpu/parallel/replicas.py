@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import operator
 import threading
+import types
 import weakref
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -16,6 +17,8 @@ from torch import Tensor, nn
 from torch.nn.modules.lazy import LazyModuleMixin
 from torch.nn.modules.module import register_module_buffer_registration_hook
 from torch.nn.utils.prune import BasePruningMethod
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
 
 from lightning_mgpu.parallel.compiled import compiled_call, is_compiled, is_optimized_module, optimized_module_replica
 from lightning_mgpu.parallel.devices import DeviceLike, to_device
@@ -25,7 +28,13 @@ from lightning_mgpu.parallel.run_replicas import ExecutionMode, resolve_mode
 from lightning_mgpu.parallel.scatter_gather import is_dataclass_instance, iter_nodes
 from lightning_mgpu.parallel.sync_batchnorm import SyncBatchNorm, uses_sync_batchnorm
 
-_NEVER_SYNCED = frozenset({"_parameters", "_buffers", "_modules", "_is_replica", "_compiled_call_impl", "forward"})
+_NEVER_SYNCED = frozenset({"_parameters", "_buffers", "_modules", "_is_replica", "_compiled_call_impl"})
+_WEIGHT_HOOKS = (BasePruningMethod, WeightNorm, SpectralNorm)  # forward pre-hooks that set an attribute: `weight`
+
+
+class OriginalOnly:
+    """Base of attribute values that stay on the original module (``dp``'s replicated ``forward``): replicas never
+    get them."""
 
 
 def replicate(module: nn.Module, devices: Sequence[DeviceLike], detach: bool = False) -> list[nn.Module]:
@@ -96,11 +105,11 @@ class ReplicaSet:
         self.compiled = any(is_compiled(m) for m in self._originals)
         uses_sync_batchnorm(self.module)  # names the sync layers built directly, for their errors
         self._sync_layers = [m for m in self._originals if isinstance(m, SyncBatchNorm)]
-        self._pruned = [  # torch's pruning sets `weight` (orig x mask) in a forward pre-hook: on replicas only
+        self._weight_hooks = [  # pruning, weight_norm, spectral_norm set `weight` in a forward pre-hook: on replicas
             (m, hook)
             for m in self._originals
             for hook in m._forward_pre_hooks.values()
-            if isinstance(hook, BasePruningMethod)
+            if isinstance(hook, _WEIGHT_HOOKS)
         ]
         with torch.inference_mode(False), torch.no_grad():  # copies must be normal tensors, whatever the caller's mode
             for i in range(len(self.devices)):
@@ -136,6 +145,7 @@ class ReplicaSet:
             if copy is original or is_optimized_module(original):
                 continue  # shared as is, or a compiled wrapper (its tensors are those of the wrapped module)
             copy._modules = self._children(k, copies)
+            copy.__dict__ = self._for_replica(copy.__dict__, copies)
             copy._parameters = dict(original._parameters)  # the originals until the first prepare()
             for name, param in original._parameters.items():
                 if param is not None:
@@ -272,8 +282,11 @@ class ReplicaSet:
         """Reduce the replicas' gradients onto the originals after any backward pass that reaches ``outputs`` (this
         step's replica outputs). Raises if the replicas changed parameters in place that several of them hold."""
         run = self._end_run(adopt=True)
-        for module, hook in self._pruned:  # what one device's forward leaves on the module (ModelPruning ranks by it)
-            hook(module, ())
+        for module, hook in self._weight_hooks:  # what one device's forward leaves on the module (ModelPruning ranks
+            if isinstance(hook, SpectralNorm):  # by it); replica 0's forward already ran the power iteration
+                setattr(module, hook.name, hook.compute_weight(module, do_power_iteration=False))
+            else:
+                hook(module, ())
         written = None if run is None else run.written()
         if written is not None:
             block, k = divmod(written, len(self._checked))
@@ -424,11 +437,25 @@ class ReplicaSet:
         removed = [key for key in before if key not in current and key not in self._overrides]
         for copies in self._copies:
             replica_dict = copies[k].__dict__
-            replica_dict.update(changed)
+            replica_dict.update(self._for_replica(changed, copies))
             for key in removed:
                 replica_dict.pop(key, None)
         self._watch[k] = _watch_entry(self._originals[k])
         self._flatten_watch()
+
+    def _for_replica(self, attributes: dict[str, Any], copies: Sequence[nn.Module]) -> dict[str, Any]:
+        """``attributes`` for the replica whose modules are ``copies``: without :class:`OriginalOnly` values, and
+        with methods bound to an original module (a ``forward`` replaced on the instance) bound to its copy, else
+        the replica would run on the original's parameters."""
+        kept = {}
+        for key, value in attributes.items():
+            owner = value.__self__ if isinstance(value, types.MethodType) else None
+            k = self._position.get(id(owner))
+            if k is not None and self._originals[k] is owner:
+                kept[key] = types.MethodType(value.__func__, copies[k])
+            elif not isinstance(value, OriginalOnly):
+                kept[key] = value
+        return kept
 
     def _link_parameters(self, n: int) -> None:
         """The first ``n`` replicas' parameters for a one-off step: the trainable ones linked to the originals through

@@ -15,6 +15,7 @@ from typing_extensions import override
 
 from lightning_mgpu.parallel.devices import DeviceLike, to_device
 from lightning_mgpu.parallel.merge import merge_outputs
+from lightning_mgpu.parallel.replicas import OriginalOnly
 from lightning_mgpu.parallel.run_replicas import ExecutionMode
 from lightning_mgpu.parallel.scatter_gather import argument_roots, iter_tensors, split_arguments
 from lightning_mgpu.strategies.loss_normalization import ITEM_COUNT, SAMPLES, LossNormalization, known_rule
@@ -74,17 +75,33 @@ class DataParallelStrategyBase(SingleProcessParallel):
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
         if len(self.parallel_devices) > 1:
-            module = self.lightning_module
-            for name in self.parallel_modules:
-                try:
-                    self._wrapped.append(module.get_submodule(name))
-                except AttributeError as err:
-                    self._wrapped = []
-                    raise ValueError(
-                        f"parallel_modules names {name!r}, which is not a submodule of {type(module).__name__}."
-                    ) from err
-            for target in self._wrapped:
+            self._wrap()
+
+    def _wrap(self) -> None:
+        """Install the replicated ``forward`` on the named submodules, and move it to any that the module replaced
+        since (``self.net = Net()`` between epochs: the new one runs replicated as the old one did)."""
+        module = self.lightning_module
+        targets = []
+        for name in self.parallel_modules:
+            try:
+                targets.append(module.get_submodule(name))
+            except AttributeError as err:
+                self._unwrap()
+                raise ValueError(
+                    f"parallel_modules names {name!r}, which is not a submodule of {type(module).__name__}."
+                ) from err
+        for old in self._wrapped:
+            if all(old is not target for target in targets):
+                old.__dict__.pop("forward", None)
+        for target in targets:
+            if not isinstance(target.__dict__.get("forward"), ParallelForward):
                 target.forward = ParallelForward(self, target)  # an instance attribute: never in state dicts
+        self._wrapped = targets
+
+    def _unwrap(self) -> None:
+        for target in self._wrapped:
+            target.__dict__.pop("forward", None)
+        self._wrapped = []
 
     @override
     def _replicated_modules(self) -> list[nn.Module]:
@@ -93,14 +110,14 @@ class DataParallelStrategyBase(SingleProcessParallel):
 
     @override
     def teardown(self) -> None:
-        for target in self._wrapped:
-            target.__dict__.pop("forward", None)
-        self._wrapped = []
+        self._unwrap()
         self._scalar_rules.clear()
         super().teardown()
 
     @override
     def _run_step(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self._wrapped:
+            self._wrap()
         self._forward_calls = 0
         try:
             with self._step_context(hook):
@@ -162,7 +179,7 @@ class DataParallelStrategyBase(SingleProcessParallel):
         return SAMPLES
 
 
-class ParallelForward:
+class ParallelForward(OriginalOnly):
     """The replicated ``forward`` that ``dp`` installs on each target module for a run. Copies and pickles of the
     module get a plain bound ``forward``, so an EMA copy never carries the strategy along."""
 

@@ -22,7 +22,7 @@ from lightning_mgpu.strategies.replica_logging import LogRecorder, merge_and_log
 if TYPE_CHECKING:
     from lightning_mgpu.strategies.single_process import LightningNamespace
 
-_PER_REPLICA = ("log", "_device", "forward")
+_PER_REPLICA = ("log", "_device")
 
 
 class LightningReplicas:
@@ -42,7 +42,6 @@ class LightningReplicas:
     def _install(self, replicas: list[nn.Module]) -> None:
         root_device = self.devices[0]
         for replica, device, recorder in zip(replicas, self.devices, self.recorders, strict=True):
-            replica.__dict__.pop("forward", None)  # dp's parallel forward belongs to the original only
             for sub in replica.modules():
                 if isinstance(sub, self._namespace.lightning_module):
                     sub.log = recorder.log

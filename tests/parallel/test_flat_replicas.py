@@ -773,21 +773,37 @@ def test_a_parameter_reached_with_a_zero_gradient_steps_as_on_one_device(mode, o
     assert_same_parameters(model, reference, tol=1e-12)
 
 
-def test_flattening_reads_contiguous_and_channels_last_tensors_as_they_are_now():
-    # Flat views are made once for contiguous tensors; a channels_last weight is reshaped at every call. Either way
-    # every flatten() sees the tensors' current values, in their order within each dtype.
+def test_flat_parts_keep_each_tensors_layout_and_flattening_reads_current_values():
+    """A channels_last or transposed tensor's part of a flat buffer is laid out as the tensor is (its flat view is its
+    memory, made once), so the part's view has its strides and values; one with gaps takes the contiguous layout; a
+    replacement laid out otherwise is copied into its part's layout. Every flatten() reads the current values."""
     conv = torch.randn(2, 3, 4, 4).to(memory_format=torch.channels_last)
+    transposed, gapped = torch.randn(3, 4).t(), torch.randn(4, 6)[:, ::2]
     bias, other = torch.randn(5), torch.randn(3, dtype=torch.float64)
-    groups = DtypeGroups([conv, bias, other])
+    tensors = [conv, transposed, gapped, bias, other]
+    groups = DtypeGroups(tensors)
+    assert groups.strides[:3] == [conv.stride(), transposed.stride(), (3, 1)]
     for _ in range(2):
         flats = groups.flatten()
-        torch.testing.assert_close(flats[torch.float32], torch.cat([conv.reshape(-1), bias]), rtol=0, atol=0)
-        torch.testing.assert_close(flats[torch.float64], other, rtol=0, atol=0)
-        for tensor in (conv, bias, other):
+        for j, tensor in enumerate(tensors):
+            part = groups.view(flats, j)
+            assert part.stride() == groups.strides[j]
+            torch.testing.assert_close(part, tensor, rtol=0, atol=0)
+        for tensor in tensors:
             tensor.add_(1)  # an optimizer step, in place
-    params = [nn.Parameter(torch.randn(3)), nn.Parameter(torch.randn(2, 2))]
+    groups.replace(0, conv.contiguous())
+    torch.testing.assert_close(groups.view(groups.flatten(), 0), conv, rtol=0, atol=0)
+
+
+def test_gradients_of_replica_parameters_are_laid_out_as_the_parameters():
+    """The root's ``.grad`` views and every replica leaf's ``.grad`` have the parameter's strides (a channels_last
+    conv weight): autograd accumulates into them without the layout-contract warning or a copy."""
+    params = [nn.Parameter(torch.randn(4, 3, 3, 3).to(memory_format=torch.channels_last)), nn.Parameter(torch.randn(3))]
     flat = ReplicaParameters(iter(params), [torch.device("cpu")] * 2, torch.device("cpu"))  # any iterable
-    assert [view.shape for view in flat._root_views] == [p.shape for p in params]
+    for p, view in zip(params, flat._root_views, strict=True):
+        assert view.shape == p.shape and view.stride() == p.stride()
+    for leaves in flat.leaves:
+        assert [leaf.grad.stride() for leaf in leaves] == [p.stride() for p in params]
 
 
 def test_mark_stale_copies_values_written_through_data_into_the_replicas():

@@ -3,6 +3,7 @@ loss curve; without it, the per-shard statistics drift from the first step."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import lightning.pytorch as L
@@ -55,10 +56,11 @@ def one_device() -> tuple[list[float], torch.Tensor]:
     return _train("auto", 1)
 
 
-def test_sync_batchnorm_follows_the_one_device_loss_curve(one_device):
+def test_sync_batchnorm_follows_the_one_device_loss_curve(one_device, caplog):
     losses, state = one_device
-    with pytest.warns(UserWarning, match="SyncBatchNorm"):
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
         synced_losses, synced_state = _train("parallel_criterion", 3, sync_batchnorm=True)  # batches of 10: 4/3/3
+    assert any("replicas run in threads, one per device (SyncBatchNorm" in r.getMessage() for r in caplog.records)
     assert len(synced_losses) == STEPS
     torch.testing.assert_close(torch.tensor(synced_losses), torch.tensor(losses), rtol=0, atol=1e-9)
     torch.testing.assert_close(synced_state, state, rtol=0, atol=1e-9)  # running statistics included

@@ -4,6 +4,8 @@ compiled networks train under both strategies."""
 from __future__ import annotations
 
 import gc
+import types
+import warnings
 from typing import Any
 
 import pytest
@@ -336,6 +338,69 @@ def test_lightnings_model_pruning_prunes_as_on_one_device(strategy):
     assert states[0].keys() == states[1].keys() and len(states[0]) == 8  # weight and bias of two layers
     for key in states[0]:
         torch.testing.assert_close(states[1][key], states[0][key], rtol=0, atol=1e-12)
+
+
+class Reparametrized(Classifier):
+    """torch's hook-based ``weight_norm`` and ``spectral_norm`` (a forward pre-hook sets ``weight``; spectral norm's
+    power iteration updates buffers), and ``forward`` replaced on submodules between epochs: a bound method, then a
+    closure."""
+
+    def configure_model(self) -> None:  # not in __init__: a module with weight_norm's computed weight cannot be copied
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # deprecated in favour of parametrizations, still used
+            nn.utils.weight_norm(self.net[0])
+        torch.manual_seed(0)  # spectral norm's random start vectors
+        nn.utils.spectral_norm(self.net[2])
+
+    def on_train_epoch_start(self) -> None:
+        if self.current_epoch == 1:
+            halved = lambda layer, x: nn.functional.linear(x, layer.weight * 0.5, layer.bias)  # noqa: E731
+            self.net[2].forward = types.MethodType(halved, self.net[2])
+        if self.current_epoch == 2:
+            self.net[1].forward = lambda x: torch.tanh(2 * x)
+
+
+@pytest.mark.parametrize("strategy", ["parallel_criterion", "dp", "threads"])
+def test_hook_set_weights_and_replaced_forwards_are_as_on_one_device(strategy):
+    """Parameters, spectral norm's buffers, logged metrics and the hook-set ``weight`` attributes (what a callback
+    reads) equal one device's after each forward change."""
+    base = seeded(Reparametrized)
+    single, multi = clone(base), clone(base)
+    reference = _fit(single, "auto", 1)
+    got = _fit(multi, _threads("parallel_criterion") if strategy == "threads" else strategy, 3)
+    for a, b in zip(multi.state_dict().values(), single.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+    for k in (0, 2):
+        torch.testing.assert_close(multi.net[k].weight, single.net[k].weight, rtol=0, atol=1e-10)
+    assert metrics(got) == pytest.approx(metrics(reference), abs=1e-10)
+
+
+class NewBody(Classifier):
+    """Replaces ``self.net`` with a new network at epoch 1 (rebuilding the optimizer), recording the batch sizes the
+    new one's forward sees."""
+
+    def on_train_epoch_start(self) -> None:
+        if self.current_epoch == 1:
+            torch.manual_seed(3)
+            self.net = nn.Sequential(nn.Linear(self.net[0].in_features, 8), nn.Tanh(), nn.Linear(8, 3)).to(self.dtype)
+            self.seen: list[int] = []
+            self.net.register_forward_pre_hook(lambda module, args: self.seen.append(len(args[0])))
+            self.trainer.strategy.setup_optimizers(self.trainer)
+
+
+def test_dp_runs_a_replaced_parallel_module_replicated(recwarn):
+    """``DataParallelStrategy(parallel_modules=["net"])`` and ``self.net = ...`` between epochs: the new network runs
+    replicated on shards 4/3/3 as the old one did, equal to one device, without a warning."""
+    import lightning_mgpu
+
+    base = seeded(NewBody)
+    single, multi = clone(base), clone(base)
+    _fit(single, "auto", 1)
+    _fit(multi, lightning_mgpu.DataParallelStrategy(parallel_modules=["net"]), 3)
+    torch.testing.assert_close(flat_params(multi), flat_params(single), rtol=0, atol=1e-10)
+    # The hook sees the whole batch on the module called, then each shard on the replicas that share its hooks.
+    assert single.seen[:2] == [10, 10] and multi.seen[:8] == [10, 4, 3, 3, 10, 4, 3, 3]
+    assert not [w for w in recwarn if "replicated forward" in str(w.message)]
 
 
 class BackwardIntoOnePart(Classifier):
