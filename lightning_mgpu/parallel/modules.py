@@ -389,6 +389,7 @@ class DataParallelCriterion(nn.Module):
         whole = {k: v for k, v in kwargs.items() if k in options}
         per_sample = {k: v for k, v in kwargs.items() if k not in options}
         out_sizes = [_safe_batch_size(o, self.dim) for o in outputs]
+        _refuse_per_device_targets(targets, out_sizes, self.dim)
         try:
             total = roots_batch_size(argument_roots(targets, per_sample, ("targets", "kwargs")), self.dim)
         except NothingToSplitError:
@@ -427,6 +428,23 @@ class DataParallelCriterion(nn.Module):
                     "the model's inputs."
                 )
         return target_chunks, [{**kw, **move_to(whole, d)} for kw, d in zip(kwarg_chunks, devices, strict=True)], used
+
+
+def _refuse_per_device_targets(targets: tuple[Any, ...], out_sizes: list[int], dim: int) -> None:
+    """Raise where a target is a list of one tensor per device sized as the outputs: another DataParallelModel's
+    outputs (a teacher's), which the criterion would split as one batch."""
+    for index, target in enumerate(targets):
+        if (
+            isinstance(target, list)
+            and len(target) == len(out_sizes) > 1
+            and all(isinstance(t, Tensor) and t.dim() > dim for t in target)
+            and [t.shape[dim] for t in target] == out_sizes
+        ):
+            raise ValueError(
+                f"targets[{index}] is a list of one tensor per device, sized as the outputs ({out_sizes}): another "
+                "DataParallelModel's outputs? DataParallelCriterion splits whole-batch targets itself: pass "
+                "teacher.gather(teacher_outputs) (the whole batch, on its output device), detached if it is a target."
+            )
 
 
 def _as_args(output: Any) -> tuple[Any, ...]:

@@ -114,6 +114,21 @@ def test_criterion_outputs_and_targets_do_not_line_up():
     assert DataParallelCriterion(lambda a, b: a.sum() + 1, CPU2, weight_fn=lambda o, t: 1)(weird).item() == 1.0
 
 
+@pytest.mark.parametrize("batch", [8, 7])
+def test_a_teachers_per_device_outputs_as_targets_get_the_gather_that_works(batch):
+    """Distillation with two DataParallelModels: the teacher's per-device list as the target is named, with the fix
+    (``teacher.gather``), which equals one device."""
+    torch.manual_seed(0)
+    student, teacher = nn.Linear(4, 3).double(), nn.Linear(4, 3).double()
+    parallel_student, parallel_teacher = DataParallelModel(student, CPU2), DataParallelModel(teacher, CPU2)
+    criterion = DataParallelCriterion(nn.MSELoss(), CPU2)
+    x = torch.randn(batch, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"targets\[0\] is a list of one tensor per device.*teacher\.gather\("):
+        criterion(parallel_student(x), parallel_teacher(x))
+    loss = criterion(parallel_student(x), parallel_teacher.gather(parallel_teacher(x)).detach())
+    torch.testing.assert_close(loss, nn.functional.mse_loss(student(x), teacher(x)), rtol=0, atol=1e-15)
+
+
 def test_criterion_given_a_tensor_or_tuple_instead_of_the_list():
     criterion = DataParallelCriterion(nn.MSELoss(), CPU2)
     with pytest.raises(TypeError, match=r"expects the list of per-device outputs .* got Tensor"):
