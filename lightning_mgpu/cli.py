@@ -109,24 +109,53 @@ def check_strategy_names(command: str, args: Sequence[str]) -> None:
 
 
 def check_strategy_arguments(command: str, args: Sequence[str]) -> None:
-    """Refuse ``--trainer.strategy.init_args.*`` for a strategy given by name, which takes no arguments (jsonargparse
-    says "Expected a dot import path string"), with the ``class_path`` option, placed before them, that makes them
-    work."""
+    """Refuse ``--trainer.strategy.init_args...`` where the strategy in force is a name (the last config or option
+    that sets it gave a string), which takes no arguments (jsonargparse says "Expected a dot import path string"),
+    with the ``class_path`` option, placed before them, that makes them work."""
     from lightning.pytorch.strategies import StrategyRegistry
 
-    first = next((k for k, a in enumerate(args) if a.startswith("--trainer.strategy.init_args.")), None)
-    names = [name for name in _strategy_names(args) if name in StrategyRegistry]
-    if first is None or not names or any(a.startswith("--trainer.strategy.class_path") for a in args[:first]):
-        return
-    entry = StrategyRegistry[names[-1]]
+    name: str | None = None  # the strategy in force when it is a name
+    for k, arg in enumerate(args):
+        option = arg.partition("=")[0]
+        if (k and args[k - 1] in ("-c", "--config")) or option == "--config":
+            given = _config_strategy(arg.partition("=")[2] if option == "--config" else arg)
+            name = name if given is _UNSET else given if isinstance(given, str) else None
+        elif option == "--trainer.strategy":
+            name = arg.partition("=")[2] if "=" in arg else (args[k + 1] if k + 1 < len(args) else None)
+        elif option.startswith("--trainer.strategy.class_path"):
+            name = None
+        elif option.startswith("--trainer.strategy.init_args") and name in StrategyRegistry:
+            raise CommandError(_arguments_for_a_name(command, option, name))
+
+
+_UNSET = object()
+
+
+def _config_strategy(file: str) -> Any:
+    """What a config file sets ``trainer.strategy`` to (``_UNSET`` when it sets nothing or cannot be read)."""
+    import yaml
+
+    try:
+        with open(file) as f:
+            config = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError):
+        return _UNSET
+    trainer = config.get("trainer") if isinstance(config, dict) else None
+    return trainer.get("strategy", _UNSET) if isinstance(trainer, dict) else _UNSET
+
+
+def _arguments_for_a_name(command: str, option: str, name: str) -> str:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    entry = StrategyRegistry[name]
     cls = entry["strategy"]
     path = f"{'lightning_mgpu' if cls.__module__.startswith('lightning_mgpu.') else cls.__module__}.{cls.__name__}"
     registered = "".join(f" --trainer.strategy.init_args.{k}={v}" for k, v in entry["init_params"].items())
-    raise CommandError(
-        f"{command}: {args[first].partition('=')[0]} sets an argument of the strategy, but trainer.strategy is the "
-        f"name {names[-1]!r}, which takes none. Name its class before the init_args options: "
-        f"--trainer.strategy.class_path={path}{registered} (YAML: strategy: {{class_path: {path}, init_args: "
-        "{...}})."
+    yaml_args = ", ".join([*(f"{k}: {v}" for k, v in entry["init_params"].items()), "..."])
+    return (
+        f"{command}: {option} sets an argument of the strategy, but trainer.strategy is the name {name!r}, which "
+        f"takes none. Name its class before the init_args options: --trainer.strategy.class_path={path}{registered} "
+        f"(YAML: strategy: {{class_path: {path}, init_args: {{{yaml_args}}}}})."
     )
 
 

@@ -61,7 +61,7 @@ class DtypeGroups:
         self.totals: dict[torch.dtype, int] = {}
         # Each tensor's part of a flat buffer has its memory layout (channels_last weights keep theirs: a gradient
         # laid out otherwise costs autograd a copy per accumulation), or the contiguous one where it has gaps.
-        self.strides = [tuple(t.stride()) if _dense(t) else _contiguous_strides(t.shape) for t in self.tensors]
+        self.strides = list(map(_part_strides, self.tensors))
         for j, t in enumerate(self.tensors):
             self.indices.setdefault(t.dtype, []).append(j)
             self.offsets[j] = self.totals.get(t.dtype, 0)
@@ -77,7 +77,9 @@ class DtypeGroups:
     @staticmethod
     def _memory_order(tensor: Tensor, strides: tuple[int, ...]) -> Tensor | None:
         """``tensor``'s elements in memory order, a view, if it is laid out with ``strides``."""
-        if tuple(tensor.stride()) != strides or not _dense(tensor):
+        if tensor.is_contiguous() and strides == _contiguous_strides(tensor.shape):
+            return tensor.view(-1)
+        if _part_strides(tensor) != strides or not _dense(tensor):
             return None
         return tensor.as_strided((tensor.numel(),), (1,))
 
@@ -121,6 +123,15 @@ class DtypeGroups:
     def shaped(self, part: Tensor, j: int) -> Tensor:
         """``part`` (tensor ``j``'s elements, 1-D, in memory order) as a view shaped and laid out like tensor ``j``."""
         return part.as_strided(self.tensors[j].shape, self.strides[j])
+
+
+def _part_strides(tensor: Tensor) -> tuple[int, ...]:
+    """The strides of ``tensor``'s part of a flat buffer: its own where it is dense and not contiguous, else the
+    contiguous ones; never 0 on a dimension of size 1 (autograd's layout contract refuses that in a gradient)."""
+    contiguous = _contiguous_strides(tensor.shape)
+    if tensor.is_contiguous() or not _dense(tensor):
+        return contiguous
+    return tuple(c if size == 1 else st for size, st, c in zip(tensor.shape, tensor.stride(), contiguous, strict=True))
 
 
 def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:

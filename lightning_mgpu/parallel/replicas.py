@@ -33,8 +33,10 @@ _WEIGHT_HOOKS = (BasePruningMethod, WeightNorm, SpectralNorm)  # forward pre-hoo
 
 
 class OriginalOnly:
-    """Base of attribute values that stay on the original module (``dp``'s replicated ``forward``): replicas never
-    get them."""
+    """Base of attribute values that stay on the original module (``dp``'s replicated ``forward``): replicas get
+    :attr:`replica_value` instead (``None``: nothing, the class attribute serves)."""
+
+    replica_value: Any = None
 
 
 def replicate(module: nn.Module, devices: Sequence[DeviceLike], detach: bool = False) -> list[nn.Module]:
@@ -444,17 +446,18 @@ class ReplicaSet:
         self._flatten_watch()
 
     def _for_replica(self, attributes: dict[str, Any], copies: Sequence[nn.Module]) -> dict[str, Any]:
-        """``attributes`` for the replica whose modules are ``copies``: without :class:`OriginalOnly` values, and
-        with methods bound to an original module (a ``forward`` replaced on the instance) bound to its copy, else
-        the replica would run on the original's parameters."""
+        """``attributes`` for the replica whose modules are ``copies``: :class:`OriginalOnly` values replaced by what
+        replicas get, and methods bound to an original module (a ``forward`` replaced on the instance) bound to its
+        copy, else the replica would run on the original's parameters."""
         kept = {}
         for key, value in attributes.items():
+            if isinstance(value, OriginalOnly) and (value := value.replica_value) is None:
+                continue
             owner = value.__self__ if isinstance(value, types.MethodType) else None
             k = self._position.get(id(owner))
-            if k is not None and self._originals[k] is owner:
-                kept[key] = types.MethodType(value.__func__, copies[k])
-            elif not isinstance(value, OriginalOnly):
-                kept[key] = value
+            kept[key] = (
+                types.MethodType(value.__func__, copies[k]) if k is not None and self._originals[k] is owner else value
+            )
         return kept
 
     def _link_parameters(self, n: int) -> None:

@@ -4,6 +4,7 @@ returns per replica is combined by the ``loss_reduction`` rule instead of stacke
 
 from __future__ import annotations
 
+import copy
 import types
 from collections.abc import Sequence
 from itertools import permutations
@@ -92,15 +93,16 @@ class DataParallelStrategyBase(SingleProcessParallel):
                 ) from err
         for old in self._wrapped:
             if all(old is not target for target in targets):
-                old.__dict__.pop("forward", None)
+                _restore_forward(old)
         for target in targets:
-            if not isinstance(target.__dict__.get("forward"), ParallelForward):
-                target.forward = ParallelForward(self, target)  # an instance attribute: never in state dicts
+            current = target.__dict__.get("forward")  # a forward replaced on the instance runs replicated too
+            if not isinstance(current, ParallelForward):
+                target.forward = ParallelForward(self, target, current)  # an instance attribute: not in state dicts
         self._wrapped = targets
 
     def _unwrap(self) -> None:
         for target in self._wrapped:
-            target.__dict__.pop("forward", None)
+            _restore_forward(target)
         self._wrapped = []
 
     @override
@@ -134,8 +136,7 @@ class DataParallelStrategyBase(SingleProcessParallel):
             )
         return output
 
-    def _forward(self, target: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        original = _plain_forward(target)
+    def _forward(self, target: nn.Module, original: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self._forward_calls is None:
             return original(*inputs, **kwargs)  # outside a step (a callback's self(x))
         self._forward_calls += 1
@@ -180,25 +181,35 @@ class DataParallelStrategyBase(SingleProcessParallel):
 
 
 class ParallelForward(OriginalOnly):
-    """The replicated ``forward`` that ``dp`` installs on each target module for a run. Copies and pickles of the
-    module get a plain bound ``forward``, so an EMA copy never carries the strategy along."""
+    """The replicated ``forward`` that ``dp`` installs on each target module for a run, around the ``forward`` the
+    target had on its instance (``inner``, which the replicas run), else its class's. Copies and pickles of the module
+    get that ``forward`` back, so an EMA copy never carries the strategy along."""
 
-    def __init__(self, strategy: DataParallelStrategyBase, target: nn.Module) -> None:
+    def __init__(self, strategy: DataParallelStrategyBase, target: nn.Module, inner: Any = None) -> None:
         self.strategy = strategy
         self.target = target
+        self.replica_value = inner
 
     def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
-        return self.strategy._forward(self.target, inputs, kwargs)
+        return self.strategy._forward(self.target, _unwrapped_forward(self.target, self.replica_value), inputs, kwargs)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
-        return _plain_forward(memo.get(id(self.target), self.target))
+        target = memo.get(id(self.target), self.target)
+        return _unwrapped_forward(target, copy.deepcopy(self.replica_value, memo))
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return _plain_forward, (self.target,)
+        return _unwrapped_forward, (self.target, self.replica_value)
 
 
-def _plain_forward(target: nn.Module) -> Any:
-    return types.MethodType(type(target).forward, target)
+def _unwrapped_forward(target: nn.Module, inner: Any = None) -> Any:
+    return types.MethodType(type(target).forward, target) if inner is None else inner
+
+
+def _restore_forward(target: nn.Module) -> None:
+    """``target`` with the ``forward`` it had before ``dp`` wrapped it."""
+    current = target.__dict__.pop("forward", None)
+    if isinstance(current, ParallelForward) and current.replica_value is not None:
+        target.__dict__["forward"] = current.replica_value
 
 
 def _checked_module_names(names: Sequence[str] | None) -> list[str]:

@@ -85,6 +85,7 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         self._rule_source: str | None = None  # the objects that said the training loss's rule, while it holds
         self._overruled: str | None = None  # those objects, when a step returned another loss than their output
         self._labels_checked = True  # the labels the rule names are those the objects' calls counted
+        self._returned_produced = False  # the last training step returned its loss objects' output as it is
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -171,6 +172,8 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         produced = capture.take() if capture is not None else {}
         keys = [tensor_key(_returned_loss(output)) for output in outputs]
         not_produced = None not in keys and any(key not in produced.get(i, {}) for i, key in enumerate(keys))
+        if hook == "training_step":  # the returned loss is the loss objects' output as it is
+            self._returned_produced = None not in keys and not not_produced
         if hook == "training_step" and self._rule_source is not None and weights is not None and not_produced:
             recorded = [list(produced.get(i, {}).values()) for i in range(len(outputs))]
             self._labels_checked = self.normalization != SAMPLES and _counts_agree(recorded, weights)
@@ -288,11 +291,11 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
             self._say_assumed_samples("the training loss", labels_spec(batch), alternative + coupled)
 
     def _say_declared_rule(self, batch: Any, weights: list[Any] | None, chunks: list[Any], sizes: list[int]) -> None:
-        """The declared rule, said once; a warning instead where the module's loss objects say another that weighs
-        this batch's devices differently (``'sum'`` declared for a mean ``CrossEntropyLoss`` multiplies the loss by
-        the device count): the declared rule is still used."""
+        """The declared rule, said once; a warning instead where the step returns its loss objects' output as it is
+        and they say another rule that weighs this batch's devices differently (``'sum'`` declared for a mean
+        ``CrossEntropyLoss`` multiplies the loss by the device count): the declared rule is still used."""
         declared = self.normalization or SAMPLES
-        known = known_rule(self.lightning_module, batch)
+        known = known_rule(self.lightning_module, batch) if self._returned_produced else None
         if known is not None and weights is not None:
             rule, source = known
             try:
@@ -300,11 +303,12 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
             except ValueError:  # the rule's labels are not in this batch: nothing to compare
                 theirs = weights
             if not _weigh_alike(weights, theirs):
+                spec = "" if rule.class_weight is not None else f" (loss_reduction={rule.spec()!r})"
                 warnings.warn(
-                    f"{self.strategy_name}: loss_reduction={declared.spec()!r} is declared, but {source} says the "
-                    f"training loss is {rule.describe()} (loss_reduction={rule.spec()!r}), which weighs this batch's "
-                    f"devices otherwise; the declared rule is used. If the step returns that loss as it is, leave "
-                    f"loss_reduction at 'auto'.",
+                    f"{self.strategy_name}: loss_reduction={declared.spec()!r} is declared, but the step returns the "
+                    f"output of {source}, a training loss that is {rule.describe()}{spec}, which weighs this batch's "
+                    "devices otherwise; the declared rule is used. Leave loss_reduction at 'auto' for one device's "
+                    "result.",
                     UserWarning,
                     stacklevel=2,
                 )

@@ -125,6 +125,20 @@ def test_strategy_arguments_for_a_strategy_given_by_name_get_the_class_path_that
         assert built.trainer.strategy._start_method == "spawn"
 
 
+def test_strategy_arguments_after_a_config_that_names_the_class_are_accepted(monkeypatch, tmp_path):
+    """A later config that gives ``class_path`` overrides the first config's strategy name: ``init_args`` options then
+    work and are not refused (the last config or option that sets the strategy decides)."""
+    overlay = tmp_path / "strategy.yaml"
+    overlay.write_text(
+        "trainer:\n  strategy:\n    class_path: lightning_mgpu.ParallelCriterionStrategy\n"
+        "    init_args:\n      loss_reduction: samples\n"
+    )
+    monkeypatch.setattr(sys, "argv", ["lightning-mgpu"])
+    config = ["-c", str(REPO / "configs/pyramidnet/quickstart.yaml"), f"--trainer.default_root_dir={tmp_path}"]
+    built = cli.main([*config, "-c", str(overlay), "--trainer.strategy.init_args.loss_reduction=sum"], run=False)
+    assert built.trainer.strategy.normalization.spec() == "sum"
+
+
 def test_a_pytorch_lightning_class_in_this_cli_names_the_one_to_use(capsys, monkeypatch, tmp_path):
     config = tmp_path / "strategy.yaml"
     config.write_text(

@@ -403,6 +403,35 @@ def test_dp_runs_a_replaced_parallel_module_replicated(recwarn):
     assert not [w for w in recwarn if "replicated forward" in str(w.message)]
 
 
+class TripledForward(Classifier):
+    """Replaces the ``forward`` of ``self.net`` (or of the module itself) on the instance at epoch 1."""
+
+    def __init__(self, target: str = "net") -> None:
+        super().__init__()
+        self.target = target
+
+    def on_train_epoch_start(self) -> None:
+        if self.current_epoch == 1:
+            module = self.get_submodule(self.target)
+            tripled = lambda m, x: type(m).forward(m, x) * 3.0  # noqa: E731
+            module.forward = types.MethodType(tripled, module)
+
+
+@pytest.mark.parametrize("target", ["net", ""])
+def test_dp_runs_a_forward_replaced_on_its_parallel_module_replicated(target):
+    """``dp``'s replicated forward wraps the one you set on the instance (it did replace it: 0.78 off): equal to one
+    device, and the module gets your forward back after fit."""
+    import lightning_mgpu
+
+    base = seeded(TripledForward, target=target)
+    single, multi = clone(base), clone(base)
+    _fit(single, "auto", 1)
+    _fit(multi, lightning_mgpu.DataParallelStrategy(parallel_modules=[target]), 3)
+    torch.testing.assert_close(flat_params(multi), flat_params(single), rtol=0, atol=1e-10)
+    restored = multi.get_submodule(target).__dict__["forward"]
+    assert isinstance(restored, types.MethodType) and restored.__self__ is multi.get_submodule(target)
+
+
 class BackwardIntoOnePart(Classifier):
     """Manual optimization that backpropagates into the second layer only (``inputs=``), as GAN steps do."""
 

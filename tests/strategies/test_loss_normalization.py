@@ -185,12 +185,32 @@ def test_a_declared_rule_the_loss_module_contradicts_is_used_with_one_warning_wh
         assert_declared(got, declared)
         return
     assert len(said) == 1 and got.decisions() == [], got.warnings
-    assert "CrossEntropyLoss (reduction='mean') says the training loss is a mean over the labels" in said[0]
+    returns = "the step returns the output of CrossEntropyLoss (reduction='mean'), a training loss that is a mean"
+    assert returns in said[0]
     assert got.trainer.strategy.normalization.spec() == declared
-    assert "leave loss_reduction at 'auto'" in said[0]
+    assert "Leave loss_reduction at 'auto'" in said[0]
     assert_equal_runs(
         fit(make(), "parallel_criterion", 3, data(), root), one_device(("declared", declared), make, data, root)
     )
+
+
+class SumOfMeans(WithCriterion):
+    """Returns a mean criterion's output times the sample count: a true sum, declared as such."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return self.criterion(self.net(x), y) * len(y)
+
+
+def test_a_declared_rule_for_a_loss_built_from_the_criterions_output_is_not_contradicted(root):
+    """``criterion(...) * n`` declared ``'sum'``: exact, said as declared, and no warning (the returned loss is not the
+    criterion's output, whose rule would be wrong for it)."""
+    make = lambda: seeded(SumOfMeans, criterion=nn.CrossEntropyLoss())  # noqa: E731
+    data = lambda: mlp_loader(batch_size=10, loss="ce_mean")  # noqa: E731
+    got = fit(make(), strategy("sum"), 3, data(), root)
+    assert not [w for w in got.warnings if "is declared, but" in w]
+    assert_declared(got, "sum")
+    assert_equal_runs(got, one_device(("sum_of_means",), make, data, root))
 
 
 class AddsATerm(WithCriterion):
