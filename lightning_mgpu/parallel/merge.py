@@ -142,9 +142,9 @@ class _Merger:
         ):
             warnings.warn(  # a message without the step's counts: said once per output
                 f"{path}: every device's array has {held[0]} entries along dim {self.dim}, not its sample count: "
-                f"concatenated along dim {self.dim} anyway, as nn.DataParallel does, which is not one device's result "
-                "when the batch is on another dimension (an LSTM's (layers, batch, hidden) state): return it batch "
-                "first (h_n.transpose(0, 1)).",
+                f"concatenated along dim {self.dim}, as nn.DataParallel does. That is one device's result for rows "
+                "you selected (as many on each device by chance), not where the batch is on another dimension (an "
+                "LSTM's (layers, batch, hidden) state): return that batch first (h_n.transpose(0, 1)).",
                 UserWarning,
                 stacklevel=2,
             )
@@ -189,6 +189,8 @@ class _Merger:
             return [x for o in outputs for x in o]
         if not is_namedtuple(first) and self._per_sample(outputs):
             return type(first)(move_to(x, self.device) for o in outputs for x in o)
+        if plain_lists and all(isinstance(x, str) for o in outputs for x in o) and not all_equal(outputs):
+            return [x for o in outputs for x in o]  # rows of strings (ids of selected samples): as many on each device
         if not same_shape:
             return ReplicaValues(outputs)
         paths = [f"{path}.{n}" for n in first._fields] if is_namedtuple(first) else None

@@ -132,7 +132,8 @@ def roots_batch_size(roots: Sequence[tuple[str, Any]], dim: int = 0, what: str =
     for path, other, shown in sized:
         if other != size:
             lists = ", and every PerSample list," if marked else ""
-            hint = None if marked else _per_sample_hint(roots, tensors, dim) or _flat_ids_hint(tensors)
+            hints = (_parts_hint, _per_sample_hint, _flat_ids_hint)
+            hint = None if marked else next(filter(None, (h(roots, tensors, dim) for h in hints)), None)
             hint = hint or (
                 "If one of them is not per sample, keep it out of what is split: class weights in the loss module "
                 "(`nn.CrossEntropyLoss(weight=w)`, whose weighting the replicas' losses then follow), other values "
@@ -148,7 +149,33 @@ def roots_batch_size(roots: Sequence[tuple[str, Any]], dim: int = 0, what: str =
     return size
 
 
-def _flat_ids_hint(tensors: Sequence[tuple[str, Tensor]]) -> str | None:
+def _parts_hint(roots: Sequence[tuple[str, Any]], tensors: Sequence[tuple[str, Tensor]], dim: int) -> str | None:
+    """Advice for a batch whose parts are batches of different sizes (a ``CombinedLoader`` of several dataloaders):
+    each part's tensors agree, the parts do not."""
+    if len(roots) != 1 or not isinstance(roots[0][1], (Mapping, list, tuple)) or len(roots[0][1]) < 2:
+        return None
+    root, parts = roots[0]
+    keys = parts.keys() if isinstance(parts, Mapping) else range(len(parts))
+    if not all(isinstance(parts[key], (Mapping, list, tuple)) for key in keys):  # each part a batch of its own
+        return None
+    sizes = {}
+    for key in keys:
+        where = f"{root}[{key!r}]"
+        inside = {t.shape[dim] for p, t in tensors if p.startswith(where) and t.dim() > dim}
+        if len(inside) != 1:
+            return None
+        sizes[where] = inside.pop()
+    if len(set(sizes.values())) < 2:
+        return None
+    shown = ", ".join(f"{where} {size}" for where, size in sizes.items())
+    return (
+        f"Its parts are batches of different sizes ({shown}), as several dataloaders give together (CombinedLoader): "
+        "give every DataLoader the same batch_size and drop_last=True, or use strategy='dp', whose forward splits "
+        "the inputs of each call apart."
+    )
+
+
+def _flat_ids_hint(roots: Sequence[tuple[str, Any]], tensors: Sequence[tuple[str, Tensor]], dim: int) -> str | None:
     """Advice for flat ids with offsets (``nn.EmbeddingBag``'s input), when the batch is 1-D integer tensors."""
     if len(tensors) < 2 or any(t.dim() != 1 or t.is_floating_point() or t.is_complex() for _, t in tensors):
         return None

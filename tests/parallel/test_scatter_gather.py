@@ -351,6 +351,29 @@ def test_an_array_without_the_sample_dimension_first_is_concatenated_with_a_warn
     assert merged[1].shape == (6, 3, 6)
 
 
+@pytest.mark.parametrize(
+    ("ids", "expected"),
+    [
+        ([["id0"], ["id3"]], ["id0", "id3"]),  # ids of the selected samples, as many on each device by chance
+        ([[], ["id0", "id3"]], ["id0", "id3"]),
+        ([["loss", "acc"], ["loss", "acc"]], ["loss", "acc"]),  # names every device returns alike: a structure
+    ],
+)
+def test_lists_of_strings_are_rows_unless_every_device_returns_the_same(ids, expected):
+    merged = merge_outputs([{"ids": i} for i in ids], "cpu", sizes=[3, 3])
+    assert merged == {"ids": expected}
+
+
+def test_a_batch_of_batches_of_different_sizes_is_refused_with_the_fixes_for_several_dataloaders():
+    """A CombinedLoader's ``{"a": (x, y), "b": (x, y)}`` with parts of 6 and 2 samples: the message names the parts and
+    the fixes (equal batch sizes with drop_last, or dp), not a class weight or PerSample."""
+    batch = {"a": (torch.randn(6, 4), torch.arange(6)), "b": (torch.randn(2, 4), torch.arange(2))}
+    pattern = r"parts are batches of different sizes \(batch\['a'\] 6, batch\['b'\] 2\).*drop_last=True.*'dp'"
+    with pytest.raises(lightning_mgpu.BatchSplitError, match=pattern) as info:
+        split_batch(batch, ["cpu"] * 2)
+    assert "PerSample" not in str(info.value) and "class weights" not in str(info.value)
+
+
 def test_rows_of_varying_length_per_device_are_concatenated_without_a_warning():
     """An MLM head's masked-token rows (32 and 51 on shards of 16): per-sample data, one device's rows in order."""
     rows = [torch.randn(32, 5), torch.randn(51, 5)]
