@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightning_mgpu.parallel.devices import DeviceLike, to_device
 
@@ -308,6 +308,7 @@ def _split_roots(
         inferred = batch_size
     if batch_size is not None and batch_size != inferred:
         raise BatchSplitError(f"batch_size={batch_size} was given but the tensors have size {inferred}.")
+    _say_whole_parts(roots, dim, inferred)
     targets = [to_device(d) for d in devices]
     chunks = split_sizes(inferred, len(targets)) if sizes is None else [int(n) for n in sizes]
     if sum(chunks) != inferred or any(n <= 0 for n in chunks) or len(chunks) > len(targets):
@@ -334,6 +335,35 @@ def _split_roots(
         return [leaf] * len(chunks)
 
     return [_map_structure(value, split_leaf, len(chunks), inferred, plain_lists) for _, value in roots], chunks
+
+
+def _say_whole_parts(roots: Sequence[tuple[str, Any]], dim: int, size: int) -> None:
+    """Warn (once per part) where a part that may hold one value per sample goes whole to every device: a tensor
+    without dimension ``dim`` but as long as the batch (1-D labels with ``dim=1``), or an object the split does not
+    open holding tensors of the batch's size along ``dim``."""
+    for root, obj in roots:
+        for path, node in iter_nodes(obj, root):
+            if isinstance(node, Tensor):
+                if not 0 < node.dim() <= dim or size not in node.shape:  # as long as the batch: maybe per sample
+                    continue
+                reason = f"has no dimension {dim} to split"
+            elif (
+                _children(node) is not None or isinstance(node, (PerSample, nn.Module)) or not hasattr(node, "__dict__")
+            ):
+                continue
+            elif any(isinstance(v, Tensor) and v.dim() > dim and v.shape[dim] == size for v in vars(node).values()):
+                kind = type(node).__name__
+                reason = (
+                    f"is an object ({kind}) holding tensors of {size} along dim {dim}, which the split does not open"
+                )
+            else:
+                continue
+            warnings.warn(
+                f"{path} {reason}: every device gets it whole. If it holds one value per sample, pass it as a tensor "
+                f"with the batch on dim {dim}, in a dict, list, tuple or dataclass (or a PerSample list of items).",
+                UserWarning,
+                stacklevel=4,
+            )
 
 
 def split_arguments(

@@ -374,6 +374,36 @@ def test_a_batch_of_batches_of_different_sizes_is_refused_with_the_fixes_for_sev
     assert "PerSample" not in str(info.value) and "class weights" not in str(info.value)
 
 
+class Targets:
+    """Labels held as an attribute of a plain object, which the split does not open."""
+
+    def __init__(self, labels: torch.Tensor) -> None:
+        self.labels = labels
+
+
+@dataclasses.dataclass
+class TargetsRecord:
+    labels: torch.Tensor
+
+
+def test_parts_that_may_be_per_sample_but_go_whole_are_named_once_and_the_fix_splits_them():
+    """An object holding the batch's labels, or 1-D labels with ``dim=1``, goes whole to every device (torch's shape
+    error followed): each is named in a warning with the fix, which splits it; plain per-batch values say nothing."""
+    x, y = torch.randn(7, 4), torch.arange(7)
+    with pytest.warns(UserWarning, match=r"batch\[1\] is an object \(Targets\) holding tensors of 7 along dim 0"):
+        split_batch((x, Targets(y)), ["cpu"] * 2)
+    chunks, _ = split_batch((x, TargetsRecord(y)), ["cpu"] * 2)
+    assert torch.equal(chunks[0][1].labels, y[:4])  # the fix: a dataclass is opened and split
+    with pytest.warns(UserWarning, match=r"batch\[1\] has no dimension 1 to split: every device gets it whole"):
+        split_batch((torch.randn(5, 7, 4), y), ["cpu"] * 2, dim=1)
+    chunks, _ = split_batch((torch.randn(5, 7, 4), y.unsqueeze(0)), ["cpu"] * 2, dim=1)
+    assert torch.equal(chunks[1][1], y.unsqueeze(0)[:, 4:])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        split_batch({"x": x, "t": torch.tensor(2.0), "name": "run", "step": 3, "none": None}, ["cpu"] * 2)
+        split_batch({"x": torch.randn(2, 12), "bias": torch.ones(3)}, ["cpu"] * 2, dim=1)  # not as long as the batch
+
+
 def test_rows_of_varying_length_per_device_are_concatenated_without_a_warning():
     """An MLM head's masked-token rows (32 and 51 on shards of 16): per-sample data, one device's rows in order."""
     rows = [torch.randn(32, 5), torch.randn(51, 5)]
