@@ -77,11 +77,11 @@ class DtypeGroups:
     @staticmethod
     def _memory_order(tensor: Tensor, strides: tuple[int, ...]) -> Tensor | None:
         """``tensor``'s elements in memory order, a view, if it is laid out with ``strides``."""
-        if tensor.is_contiguous() and strides == _contiguous_strides(tensor.shape):
-            return tensor.view(-1)
-        if _part_strides(tensor) != strides or not _dense(tensor):
+        if _part_strides(tensor) != strides:
             return None
-        return tensor.as_strided((tensor.numel(),), (1,))
+        if tensor.is_contiguous():
+            return tensor.view(-1)
+        return tensor.as_strided((tensor.numel(),), (1,)) if _dense(tensor) else None
 
     def flatten(self) -> dict[torch.dtype, Tensor]:
         flats = {}
