@@ -14,6 +14,7 @@ import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from itertools import pairwise
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, overload
 
 import lightning_mgpu
@@ -32,13 +33,59 @@ class CommandError(RuntimeError):
 
 
 class MissingExtraError(CommandError):
-    """A module of the ``[recipes]`` extra is not installed; the message says how to install it."""
+    """A module of the ``[recipes]`` extra is not installed; the message says how to install it, as fits the way
+    lightning-mgpu itself was installed (see :func:`clone_root`)."""
 
     def __init__(self, module: str, command: str) -> None:
-        super().__init__(  # `pip install -e` from a clone: the package is not on the index
-            f"{command}: the Python package {module!r} is not installed. It comes with lightning-mgpu's [recipes] "
-            "extra: install it from the root of your lightning-mgpu clone with `pip install -e '.[recipes]'`."
+        hint = install_extra_hint(clone_root())
+        super().__init__(f"{command}: the Python package {module!r} is not installed. {hint}")
+
+
+def install_extra_hint(root: Path | None) -> str:
+    """How to install the ``[recipes]`` extra: from the clone ``root`` where lightning-mgpu is installed editable (or
+    imported from), else (``None``) next to an installed wheel."""
+    if root is not None:
+        return (
+            "It comes with lightning-mgpu's [recipes] extra: install it from the root of your lightning-mgpu clone "
+            f"({root}) with `pip install -e '.[recipes]'`."
         )
+    return (
+        "It comes with lightning-mgpu's [recipes] extra: `pip install 'lightning-mgpu[recipes]'` adds it to the "
+        f"installed lightning-mgpu, or install the packages themselves: `pip install {RECIPES_EXTRA_REQUIREMENTS}`."
+    )
+
+
+# The [recipes] extra's requirements, as pyproject.toml lists them, for a pip command line.
+RECIPES_EXTRA_REQUIREMENTS = (
+    "'transformers>=4.40' 'tokenizers>=0.15' 'datasets>=2.18' 'jsonargparse[signatures]>=4.27' 'matplotlib>=3.7'"
+)
+
+
+def clone_root(
+    distributions: Iterable[Any] | None = None, package_file: str | os.PathLike[str] | None = None
+) -> Path | None:
+    """The root of the lightning-mgpu clone this package comes from, or ``None`` for an installed wheel.
+
+    A clone is either what an editable install points to (its ``direct_url.json`` says ``dir_info.editable``, as pip
+    writes it: PEP 610) or the folder above the imported package when it holds the project's ``pyproject.toml`` (a
+    clone on ``sys.path``). ``distributions`` and ``package_file`` default to this interpreter's."""
+    import json
+    from importlib import metadata
+    from urllib.parse import unquote, urlparse
+
+    if distributions is None:  # every one: a clone's own *.egg-info on sys.path has no direct_url.json
+        distributions = metadata.distributions(name="lightning-mgpu")
+    for dist in distributions:
+        try:
+            direct = json.loads(dist.read_text("direct_url.json") or "null")
+        except (OSError, ValueError):
+            continue
+        if isinstance(direct, dict) and (direct.get("dir_info") or {}).get("editable"):
+            url = urlparse(str(direct.get("url", "")))
+            if url.scheme == "file" and Path(unquote(url.path)).is_dir():
+                return Path(unquote(url.path))
+    above = Path(package_file or lightning_mgpu.__file__).resolve().parent.parent
+    return above if (above / "pyproject.toml").is_file() and (above / "lightning_mgpu").is_dir() else None
 
 
 def missing_extra_module(error: BaseException) -> str | None:
@@ -61,15 +108,47 @@ def _config_nodes(args: Sequence[str]) -> Iterator[tuple[str, Any]]:
 
     from lightning_mgpu.parallel.scatter_gather import iter_nodes
 
-    files = [b for a, b in pairwise(args) if a in ("-c", "--config")]
-    files += [a.split("=", 1)[1] for a in args if a.startswith("--config=")]
-    for file in files:
+    for file in _config_files(args):
         try:
             with open(file) as f:
                 config = yaml.safe_load(f)
         except (OSError, yaml.YAMLError):
             continue
         yield from iter_nodes(config, "config")
+
+
+def _config_files(args: Sequence[str]) -> list[str]:
+    """The values of ``-c``/``--config`` options, in order."""
+    files = [b for a, b in pairwise(args) if a in ("-c", "--config")]
+    return files + [a.split("=", 1)[1] for a in args if a.startswith("--config=")]
+
+
+def check_config_files(command: str, args: Sequence[str]) -> None:
+    """Refuse a config path that does not exist, saying where recipe configs live and where to run from (jsonargparse
+    prints its whole usage, then ``File does not exist``). A value that is YAML for a mapping is an inline config."""
+    import yaml
+
+    for file in _config_files(args):
+        try:
+            inline = not isinstance(yaml.safe_load(file), str)
+        except yaml.YAMLError:
+            inline = False
+        if inline or os.path.exists(file):
+            continue
+        root = clone_root()
+        where = f"{command}: the config file {file!r} does not exist"
+        where += "." if os.path.isabs(file) else f" (relative to the current directory, {os.getcwd()})."
+        if root is None:
+            raise CommandError(
+                f"{where} Recipe configs (configs/) and their code (recipes/) live in a clone of lightning-mgpu, not "
+                "in the installed package: run the command from the root of a clone, or give the path of a config of "
+                "your own."
+            )
+        found = f" ({file} is there)" if not os.path.isabs(file) and (root / file).is_file() else ""
+        raise CommandError(
+            f"{where} Recipe configs live in configs/ of your lightning-mgpu clone, {root}{found}: run the command "
+            f"from that folder (cd {root}), or give the path of a config of your own."
+        )
 
 
 def _class_paths(args: Sequence[str]) -> Iterator[str]:
@@ -246,6 +325,7 @@ def main(args: Sequence[str] | None = None, run: bool = True) -> LightningCLI | 
     prog = program_name()
     given = sys.argv[1:] if args is None else list(args)
     with exit_on_command_error(prog):
+        check_config_files(prog, given)
         check_recipes_extra(prog, given)
         from lightning.pytorch.cli import LightningCLI  # our strategies register as it imports (see registration.py)
 

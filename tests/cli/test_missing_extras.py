@@ -82,8 +82,8 @@ def _assert_one_clear_paragraph(result: dict, missing: str) -> None:
     assert result["code"] == 1, result
     assert "Traceback" not in message and len(message.splitlines()) == 1, message  # one paragraph, nothing else
     assert f"the Python package {missing!r} is not installed" in message, message
-    assert "pip install -e '.[recipes]'" in message, message  # what works from a clone
-    assert "pip install 'lightning-mgpu[recipes]'" not in message, message  # not on the package index: cannot work
+    assert "pip install -e '.[recipes]'" in message, message  # what works from a clone (this checkout: editable)
+    assert "pip install 'lightning-mgpu[recipes]'" not in message, message  # a wheel's form (test_install_messages)
 
 
 def test_without_any_of_the_extra(tmp_path: Path) -> None:
