@@ -18,10 +18,12 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_mgpu.parallel.devices import DeviceLike, to_device
+from lightning_mgpu.parallel.loss_graph import combine_losses_by_record, read_loss
 from lightning_mgpu.parallel.scatter_gather import batch_size_of, move_to, split_batch
-from lightning_mgpu.strategies.loss_normalization import SAMPLES, SUM, LossNormalization, known_rule
+from lightning_mgpu.strategies.loss_rules import SAMPLES, SUM, LossNormalization, describe
 from lightning_mgpu.strategies.step_outputs import LOSS_TERMS_KEY, LOSS_WEIGHT_KEY, combine_losses
 
+AUTO = "auto"  # the candidate that reads the rule from the loss's autograd record, as loss_reduction="auto" does
 RELATIVE_TOLERANCE = 1e-5  # a rule that misses the whole batch's loss by this much reproduces it (float32 rounding)
 #: Switched off in the copy: a mask drawn for the whole batch cannot match the masks drawn for its shards.
 DROPOUT_LAYERS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
@@ -36,7 +38,7 @@ class LossCheck:
     predictions: dict[str, float]
     noise: float
     declared: str | None  # the step's own weights: the key it returns them under
-    known: tuple[LossNormalization, str] | None  # the rule the strategy finds by itself, and from what
+    known: str | None  # the rule parallel_criterion reads from the shards' autograd records, in words
     sizes: list[int]
     dropout_off: int  # dropout layers switched off for the check
     batchnorm_off: int  # BatchNorm layers put on their running statistics for the check
@@ -74,9 +76,10 @@ class LossCheck:
             )
         if self.declared is not None:
             return f"the step declares its own weights ({self.declared}): parallel_criterion uses them"
-        if self.known is not None and self.known[0].spec() in fits:
-            rule, source = self.known
-            return f"parallel_criterion finds {rule.spec()} (from {source}) by itself: nothing to declare"
+        if self.known is not None and AUTO in fits:
+            return (
+                f"parallel_criterion reads the rule from the loss's autograd record ({self.known}): nothing to declare"
+            )
         if len(fits) > 1:
             return (
                 f"these rules coincide on this batch: {', '.join(map(repr, fits))} ({self._why_alike()}): declare the "
@@ -127,7 +130,7 @@ def check_loss_reduction(
         layer.eval()
     batch = move_to(batch, target)
 
-    def loss_of(part: Any, draw_seed: int = seed) -> tuple[float, str | None]:
+    def loss_of(part: Any, draw_seed: int = seed) -> tuple[Tensor, str | None]:
         torch.manual_seed(draw_seed)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # self.log without a Trainer
@@ -137,17 +140,23 @@ def check_loss_reduction(
         loss = outputs["loss"]
         if not isinstance(loss, Tensor) or loss.numel() != 1:
             raise TypeError(f"training_step returned {type(loss).__name__}, not a scalar loss: nothing to combine.")
-        return float(loss.detach()), declared
+        return loss, declared
 
-    whole, declared = loss_of(batch)
-    noise = abs(loss_of(batch, seed + 1)[0] - whole)
+    whole_loss, declared = loss_of(batch)
+    whole = float(whole_loss.detach())
+    noise = abs(float(loss_of(batch, seed + 1)[0].detach()) - whole)
     chunks, sizes = split_batch(batch, [target] * devices, dim, sizes=_uneven_sizes(batch_size_of(batch, dim), devices))
-    values = [torch.tensor(loss_of(chunk)[0], dtype=torch.float64) for chunk in chunks]
-    known = known_rule(module, batch)
+    losses = [loss_of(chunk)[0] for chunk in chunks]
+    values = [loss.detach().double().cpu() for loss in losses]
     predictions = {  # combined exactly as the strategy combines them, in float64
         rule.spec(): float(combine_losses(values, rule.weights(chunks, sizes), torch.device("cpu")))
-        for rule in _candidates(known, batch, dim)
+        for rule in _candidates(batch, dim)
     }
+    records = [read_loss(loss) for loss in losses]
+    read = combine_losses_by_record(losses, records, sizes, target, scale_gradients=False)
+    known = None if read is None else describe(records[0], read.weights)
+    if read is not None:
+        predictions[AUTO] = float(read.loss.detach())
     return LossCheck(whole, predictions, noise, declared, known, sizes, len(dropout), len(batchnorm))
 
 
@@ -158,10 +167,8 @@ def _uneven_sizes(size: int, devices: int) -> list[int]:
     return [size - small * (devices - 1), *([small] * (devices - 1))]
 
 
-def _candidates(known: tuple[LossNormalization, str] | None, batch: Any, dim: int) -> list[LossNormalization]:
+def _candidates(batch: Any, dim: int) -> list[LossNormalization]:
     rules = [SAMPLES, SUM, LossNormalization("replica_mean")]
-    if known is not None:
-        rules.append(known[0])
     items = (
         batch.items() if isinstance(batch, Mapping) else enumerate(batch) if isinstance(batch, (list, tuple)) else []
     )

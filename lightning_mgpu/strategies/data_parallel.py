@@ -15,11 +15,12 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_mgpu.parallel.devices import DeviceLike, to_device
+from lightning_mgpu.parallel.loss_graph import combine_losses_by_record, read_loss
 from lightning_mgpu.parallel.merge import merge_outputs
 from lightning_mgpu.parallel.replicas import OriginalOnly
 from lightning_mgpu.parallel.run_replicas import ExecutionMode
 from lightning_mgpu.parallel.scatter_gather import argument_roots, iter_tensors, split_arguments
-from lightning_mgpu.strategies.loss_normalization import ITEM_COUNT, SAMPLES, LossNormalization, known_rule
+from lightning_mgpu.strategies.loss_rules import unread_message
 from lightning_mgpu.strategies.single_process import SingleProcessParallel
 
 
@@ -60,7 +61,6 @@ class DataParallelStrategyBase(SingleProcessParallel):
         self.parallel_modules = _checked_module_names(parallel_modules)
         self._wrapped: list[nn.Module] = []
         self._forward_calls: int | None = None  # replicated forward calls in the step in progress; None: no step
-        self._scalar_rules: dict[tuple[int, str, bool], LossNormalization] = {}
 
     @property
     @override
@@ -113,7 +113,6 @@ class DataParallelStrategyBase(SingleProcessParallel):
     @override
     def teardown(self) -> None:
         self._unwrap()
-        self._scalar_rules.clear()
         super().teardown()
 
     @override
@@ -157,27 +156,27 @@ class DataParallelStrategyBase(SingleProcessParallel):
 
         outputs = self._run_replicated(target, sizes, call)
         chunks = [_arguments(a, k) for a, k in zip(args_chunks, kwargs_chunks, strict=True)]
-        weights: dict[str, Any] = {}
-        counted = kwargs.get(ITEM_COUNT) is not None  # calls with num_items_in_batch have their own rule
-        for path in _floating_scalar_paths(outputs):  # a per-replica loss: combined by its rule, not stacked
-            key = (id(target), path, counted)
-            rule = self._scalar_rules.get(key) or self._rule_for(target, path, _arguments(inputs, kwargs))
-            self._scalar_rules[key] = rule
-            weights[path] = "sum" if rule.kind == "sum" else rule.weights(chunks, sizes)
+        weights = {  # a per-replica loss: combined by its rule, not stacked
+            path: self._loss_weights(target, path, outputs, chunks, sizes) for path in _floating_scalar_paths(outputs)
+        }
         return merge_outputs(outputs, self.output_device, self.dim, sizes=sizes, weights=weights)
 
-    def _rule_for(self, target: nn.Module, path: str, arguments: dict[Any, Any]) -> LossNormalization:
-        """``loss_reduction``, else what ``target``'s objects say (said once), else per-sample (said once)."""
+    def _loss_weights(
+        self, target: nn.Module, path: str, outputs: list[Any], chunks: list[Any], sizes: list[int]
+    ) -> Any:
+        """How a scalar the replicas returned merges: by ``loss_reduction``, else as its autograd record says (the
+        merged value itself), else per sample (said once)."""
         if self.normalization is not None:
-            return self.normalization
-        known = known_rule(target, arguments, method="forward")
+            return "sum" if self.normalization.kind == "sum" else self.normalization.weights(chunks, sizes)
+        values = [dict(iter_tensors(output, "output"))[path] for output in outputs]
+        combined = combine_losses_by_record(values, [read_loss(v) for v in values], sizes, self.output_device)
+        if combined is not None:
+            return combined.loss
         where = f"{path} of {type(target).__name__}.forward"
-        if known is not None:
-            self._say_known_rule(where, *known)
-            return known[0]
-        alternative = "compute the loss in the step from the gathered outputs (call the model without labels)"
-        self._say_assumed_samples(where, "<labels argument>", alternative)
-        return SAMPLES
+        why = f"{where} carries no autograd record that says how it was normalised"
+        fix = "; or compute the loss in the step from the gathered outputs (call the model without labels)"
+        self._warn_once(f"unread:{where}", unread_message("dp", why, self._cli_options("loss_reduction=...")) + fix)
+        return sizes
 
 
 class ParallelForward(OriginalOnly):

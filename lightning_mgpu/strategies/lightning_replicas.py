@@ -17,7 +17,7 @@ from torchmetrics.utilities.data import dim_zero_cat, dim_zero_mean
 
 from lightning_mgpu.parallel.replicas import ReplicaSet
 from lightning_mgpu.parallel.run_replicas import ExecutionMode, run_replicas
-from lightning_mgpu.strategies.replica_logging import LogRecorder, merge_and_log
+from lightning_mgpu.strategies.replica_logging import LogRecorder, LossCopy, merge_and_log
 
 if TYPE_CHECKING:
     from lightning_mgpu.strategies.single_process import LightningNamespace
@@ -64,7 +64,7 @@ class LightningReplicas:
         self.replica_set.watch(outputs)  # the backward pass through them reduces the gradients
         return outputs
 
-    def merge_into(self, root: Any, sample_counts: Sequence[int], implied: Sequence[dict[int, Any]] | None) -> None:
+    def merge_into(self, root: Any, sample_counts: Sequence[int], loss_copy: LossCopy | None) -> None:
         """Log every recorded name once on ``root`` and fold the metric clones into the root metrics."""
         recorders = self.recorders[: len(sample_counts)]
         in_training = root._current_fx_name == "training_step"
@@ -76,7 +76,7 @@ class LightningReplicas:
             and (in_training if logged.options.get("on_step") is None else logged.options["on_step"])
         }
         self.metrics.merge(step_metrics)
-        merge_and_log(root, recorders, sample_counts, self.metrics.owner_of, implied)
+        merge_and_log(root, recorders, sample_counts, self.metrics.owner_of, loss_copy)
 
     def release(self) -> None:
         """Free the replicas and metric clones on the other devices."""

@@ -16,7 +16,6 @@ from torch import Tensor
 from torchmetrics import Metric
 
 from lightning_mgpu.parallel.reduce import stack_scalars, weighted_mean
-from lightning_mgpu.strategies.step_outputs import LossTermsTotal, tensor_key
 
 _REDUCE_FX: dict[str, tuple[Any, ...]] = {
     "mean": ("mean", "avg", torch.mean),
@@ -25,6 +24,8 @@ _REDUCE_FX: dict[str, tuple[Any, ...]] = {
     "min": ("min", torch.min, min),
 }
 _LOG_DEFAULTS: dict[str, Any] = {"reduce_fx": "mean", "batch_size": None, "enable_graph": False}
+#: Merges the replicas' logged values of one name as a loss (by its rule), or says ``None``: not a loss.
+LossCopy = Callable[[list[Any]], Tensor | None]
 
 
 @dataclass
@@ -63,12 +64,12 @@ def merge_and_log(
     recorders: Sequence[LogRecorder],
     sample_counts: Sequence[int],
     metric_owner: Callable[[Any], Metric | None],
-    implied_weights: Sequence[dict[int, Any]] | None = None,
+    loss_copy: LossCopy | None = None,
 ) -> None:
     """Merge the replicas' recorded ``log`` calls and log them on ``root`` (a LightningModule): the k-th call of a name
     on every replica merged into one, in order, as one device logs a name once per call (the step's value is the
-    last; the epoch's takes each). ``metric_owner`` maps a metric clone to its root metric; ``implied_weights``: see
-    ``implied_loss_weights``."""
+    last; the epoch's takes each). ``metric_owner`` maps a metric clone to its root metric; ``loss_copy`` merges the
+    values of a name that every replica logged as a loss merges (its rule), or says ``None``."""
     calls: dict[tuple[str, int], list[tuple[int, LogCall]]] = {}  # (name, k) -> every replica's k-th call of it
     for index, recorder in enumerate(recorders):
         made: dict[str, int] = {}
@@ -87,7 +88,9 @@ def merge_and_log(
                     f"on replica {index}); log it the same way."
                 )
         if not isinstance(first.value, Metric):
-            value, options = _merge_values(name, entries, sample_counts, options, implied_weights)
+            everyone = loss_copy is not None and len(entries) == len(recorders)
+            copy = loss_copy([call.value for _, call in entries]) if everyone else None
+            value, options = _merge_values(name, entries, sample_counts, options, copy)
             root.log(name, value, **options)
         elif (owner := metric_owner(first.value)) is not None:
             root.log(name, owner, **options)
@@ -100,15 +103,14 @@ def _merge_values(
     entries: list[tuple[int, LogCall]],
     sample_counts: Sequence[int],
     options: dict[str, Any],
-    implied_weights: Sequence[dict[int, Any]] | None,
+    loss: Tensor | None,
 ) -> tuple[Tensor, dict[str, Any]]:
     kind = _reduce_kind(options["reduce_fx"])
     values = [_as_tensor(name, call.value, options["enable_graph"]) for _, call in entries]
     device = values[0].device
     dtype = torch.promote_types(values[0].dtype, torch.float32) if values[0].is_floating_point() else torch.float32
     stacked = stack_scalars(values, device, dtype)
-    implied = [(implied_weights[i] if implied_weights else {}).get(tensor_key(call.value)) for i, call in entries]
-    loss = _merged_loss_copy(stacked, implied, device, dtype)
+    loss = None if loss is None else loss.detach().to(device, dtype)
     if kind != "mean":
         # reduce_fx acts over steps: a copy of the loss is the whole batch's; other values reduce over the replicas.
         return getattr(stacked, kind)() if loss is None else loss, options
@@ -123,17 +125,6 @@ def _merge_values(
     # Equal values on every replica (a constant such as hparams.batch_size) say nothing about the shards: samples do.
     weights = explicit if given is not None and len({float(b) for b in explicit}) > 1 else counts
     return weighted_mean(stacked, stack_scalars(weights, device, dtype)), logged
-
-
-def _merged_loss_copy(stacked: Tensor, implied: list[Any], device: torch.device, dtype: torch.dtype) -> Tensor | None:
-    """The replicas' values merged as the loss they copy (``implied``: each one's weight), or ``None``."""
-    if all(isinstance(b, str) for b in implied):  # a sum loss: one device logs the whole batch's sum
-        return stacked.sum()
-    if all(isinstance(b, LossTermsTotal) for b in implied):  # the total of loss_terms: each term weighted
-        return LossTermsTotal.merge(implied, device, dtype)
-    if all(b is not None and not isinstance(b, (str, LossTermsTotal)) for b in implied):
-        return weighted_mean(stacked, stack_scalars(implied, device, dtype))
-    return None
 
 
 def _as_tensor(name: str, value: Any, enable_graph: bool) -> Tensor:

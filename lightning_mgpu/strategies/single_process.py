@@ -29,7 +29,8 @@ from lightning_mgpu.parallel.replicas import SYNC_BATCHNORM_THREADS, ReplicaCach
 from lightning_mgpu.parallel.run_replicas import EXECUTION_MODES, ExecutionMode, add_note, resolve_mode
 from lightning_mgpu.parallel.scatter_gather import shared_state, split_or_run_once
 from lightning_mgpu.strategies.lightning_replicas import LightningReplicas
-from lightning_mgpu.strategies.loss_normalization import LossNormalization
+from lightning_mgpu.strategies.loss_rules import LossNormalization
+from lightning_mgpu.strategies.replica_logging import LossCopy
 
 
 @dataclass(frozen=True)
@@ -376,10 +377,10 @@ class SingleProcessParallel:
         module: nn.Module,
         sample_counts: Sequence[int],
         call: Callable[[int, nn.Module], Any],
-        implied_weights: Callable[[list[Any]], list[dict[Any, Any]]] | None = None,
+        loss_copy: Callable[[list[Any]], LossCopy] | None = None,
     ) -> list[Any]:
         """Run ``call(i, replica_i)`` on the first ``len(sample_counts)`` devices; merge logs and metrics into the
-        LightningModule. ``implied_weights``: see ``step_outputs.implied_loss_weights``."""
+        LightningModule. ``loss_copy(outputs)`` merges logged values that are losses by their rule."""
         replicas = self._replicas.of(module, self.parallel_devices)
         count = len(sample_counts)
         self._replicated_on = replicas.devices[:count]
@@ -417,7 +418,7 @@ class SingleProcessParallel:
             _check_scheduler_steps(root, steps, count)
         self._say_replica_state(module, before, snapshots)
         self._say_shared_entries(root, dicts, entries)
-        replicas.merge_into(root, sample_counts, implied_weights(outputs) if implied_weights is not None else None)
+        replicas.merge_into(root, sample_counts, loss_copy(outputs) if loss_copy is not None else None)
         return outputs
 
     def _say_replica_state(
@@ -510,24 +511,6 @@ class SingleProcessParallel:
                 "dataclasses.",
             )
         return None
-
-    def _say_known_rule(self, what: str, rule: LossNormalization, source: str) -> None:
-        self._log(
-            f"{self.strategy_name}: {what} is {rule.describe()}, as {source} says; the devices' values are combined "
-            f"accordingly (loss_reduction={rule.spec()!r})."
-        )
-
-    def _say_assumed_samples(self, what: str, labels: str, alternative: str) -> None:
-        """Said once per ``what``: the per-sample assumption, and the fixes."""
-        self._warn_once(
-            f"assumed:{what}",
-            f"{self.strategy_name}: nothing says how {what} is normalised, so each device's value is weighted by its "
-            "sample count, which equals one device for a per-sample mean. For a sum or a mean over tokens or "
-            f"non-ignored labels, declare it: {type(self).__name__}(loss_reduction='sum' | 'tokens:{labels}' | "
-            f"'shifted_tokens:{labels}' (labels shifted by one position, as causal LMs do), with ':<ignore_index>' "
-            "appended for an ignore index other than -100) (CLI: "
-            f"{self._cli_options('loss_reduction=...')}), or {alternative}.",
-        )
 
     # --- the four step hooks Lightning calls on the strategy ----------------------------------------------------------
     def _run_step(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

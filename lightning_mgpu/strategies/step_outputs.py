@@ -6,54 +6,18 @@ A training step may return ``"loss_weight"`` (the count its mean loss averages o
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from lightning_mgpu.parallel.merge import merge_outputs
 from lightning_mgpu.parallel.reduce import as_float_weights, reduce_losses, stack_scalars, weighted_mean
-from lightning_mgpu.parallel.replica_group import current_replica
 
 LOSS_WEIGHT_KEY = "loss_weight"
 LOSS_TERMS_KEY = "loss_terms"
-
-
-def tensor_key(value: Any) -> tuple[int, int, tuple[int, ...]] | None:
-    """What identifies a logged loss: its storage, offset and shape, so ``loss.detach()`` is recognised as the loss."""
-    if not isinstance(value, Tensor) or value.layout != torch.strided:
-        return None
-    return value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape)
-
-
-class LossCapture:
-    """Forward hooks on the modules whose outputs are losses: per replica, each loss they returned with what that call
-    averaged over, so that a logged copy merges as one device's value (``self.log("val_loss", criterion(...))``)."""
-
-    def __init__(self, producers: Sequence[nn.Module], weigh: Any) -> None:
-        # The losses themselves until take(): a freed one's storage could come back as another logged value's.
-        self._losses: dict[int, list[tuple[Tensor, Any]]] = {}
-        self._weigh = weigh
-        self._handles = [producer.register_forward_hook(self._record, with_kwargs=True) for producer in producers]
-
-    def _record(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-        replica = current_replica()
-        loss = output.get("loss") if isinstance(output, Mapping) else output  # a transformers ModelOutput is a Mapping
-        if replica is None or tensor_key(loss) is None:
-            return
-        # None: the call does not say; the step's rule then weighs it.
-        self._losses.setdefault(replica.index, []).append((loss, self._weigh(module, args, kwargs, output)))
-
-    def take(self) -> dict[int, dict[Any, Any]]:
-        """Per replica index, ``{tensor_key(loss): weight or None}`` for the losses recorded since the last call."""
-        losses, self._losses = self._losses, {}
-        return {index: {tensor_key(loss): weight for loss, weight in recorded} for index, recorded in losses.items()}
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
 
 
 @dataclass(frozen=True)
@@ -82,26 +46,41 @@ def all_or_none(outputs: Sequence[Any], hook: str) -> bool:
     return bool(skipped)
 
 
-def implied_loss_weights(outputs: Sequence[Any], rule_weights: Sequence[Any] | None) -> list[dict[Any, Any]]:
-    """Per replica, ``{tensor_key(loss): weight}`` for the losses a step returned, so that a logged copy merges as the
-    loss does: by ``loss_weight``, term by term for ``loss_terms``, else by ``rule_weights``."""
-    implied: list[dict[Any, Any]] = []
-    for index, output in enumerate(outputs):
-        mapping = output if isinstance(output, Mapping) else {"loss": output}
-        loss = mapping.get("loss")
-        terms = mapping.get(LOSS_TERMS_KEY)
-        weights: dict[Any, Any] = {}
+def same_tensor(value: Any, loss: Any) -> bool:
+    """Whether a logged ``value`` is the tensor ``loss`` (itself, or a view sharing its autograd node)."""
+    if value is loss:
+        return True
+    return (
+        isinstance(value, Tensor)
+        and isinstance(loss, Tensor)
+        and value.grad_fn is not None
+        and (value.grad_fn is loss.grad_fn)
+    )
+
+
+def declared_copy(values: Sequence[Any], outputs: Sequence[Any], root: torch.device) -> Tensor | None:
+    """The replicas' logged ``values`` merged as the loss they are, where the step declares its weights: the loss
+    by ``loss_weight``, the total of ``loss_terms`` term by term, a term by its weight; ``None`` otherwise."""
+    found = []
+    for value, output in zip(values, outputs, strict=True):
+        mapping = output if isinstance(output, Mapping) else {}
+        terms, loss = mapping.get(LOSS_TERMS_KEY), mapping.get("loss")
+        pairs: list[tuple[Any, Any]] = []
         if isinstance(terms, Mapping):
-            pairs = tuple((t[0], t[1]) for t in terms.values() if isinstance(t, (tuple, list)) and len(t) == 2)
-            weights = {tensor_key(term): weight for term, weight in pairs}
-            weights[tensor_key(loss)] = LossTermsTotal(pairs)
+            pairs = [(t[0], t[1]) for t in terms.values() if isinstance(t, (tuple, list)) and len(t) == 2]
+            pairs.append((loss, LossTermsTotal(tuple(pairs))))
         elif LOSS_WEIGHT_KEY in mapping:
-            weights[tensor_key(loss)] = mapping[LOSS_WEIGHT_KEY]
-        elif rule_weights is not None:
-            weights[tensor_key(loss)] = rule_weights[index]
-        weights.pop(None, None)
-        implied.append(weights)
-    return implied
+            pairs = [(loss, mapping[LOSS_WEIGHT_KEY])]
+        found.append(next((weight for tensor, weight in pairs if same_tensor(value, tensor)), None))
+    if any(weight is None for weight in found):
+        return None
+    dtype = torch.promote_types(values[0].dtype, torch.float32)
+    if all(isinstance(weight, LossTermsTotal) for weight in found):
+        return LossTermsTotal.merge(found, root, dtype)
+    if any(isinstance(weight, LossTermsTotal) for weight in found):
+        return None
+    stacked = stack_scalars([v.detach() for v in values], root, dtype)
+    return weighted_mean(stacked, stack_scalars(found, root, dtype))
 
 
 def combine_losses(losses: Sequence[Tensor], weights: Sequence[Any], root: torch.device) -> Tensor:
@@ -110,14 +89,18 @@ def combine_losses(losses: Sequence[Tensor], weights: Sequence[Any], root: torch
 
 
 def reduce_training_outputs(
-    outputs: Sequence[Any], sample_counts: Sequence[int], root: torch.device, weights: Sequence[Any], dim: int = 0
+    outputs: Sequence[Any],
+    sample_counts: Sequence[int],
+    root: torch.device,
+    combine: Callable[[list[Tensor]], Tensor],
+    dim: int = 0,
 ) -> Any:
-    """The training step's result on the root: a combined loss, or ``{"loss": ..., **gathered extras}``; ``weights``
-    combine the losses the step did not weight itself."""
+    """The training step's result on the root: a combined loss, or ``{"loss": ..., **gathered extras}``; ``combine``
+    combines the losses the step did not weight itself."""
     single = len(outputs) == 1
     first = outputs[0]
     if isinstance(first, Tensor):
-        return first if single else combine_losses(outputs, weights, root)
+        return first if single else combine(list(outputs))
     if not isinstance(first, Mapping):
         raise TypeError(
             f"`training_step` returned a {type(first).__name__}; return a loss tensor, a dict with 'loss', or None."
@@ -130,7 +113,7 @@ def reduce_training_outputs(
         weights = [o.get(LOSS_WEIGHT_KEY) for o in outputs]
         loss = _reduce_weighted([o["loss"] for o in outputs], weights, "loss_weight", root)
     else:
-        loss = first["loss"] if single else combine_losses([o["loss"] for o in outputs], weights, root)
+        loss = first["loss"] if single else combine([o["loss"] for o in outputs])
     extras = [{k: v for k, v in o.items() if k not in ("loss", LOSS_WEIGHT_KEY, LOSS_TERMS_KEY)} for o in outputs]
     return {"loss": loss, **(extras[0] if single else merge_outputs(extras, root, dim, sizes=sample_counts))}
 
@@ -141,6 +124,8 @@ def _reduce_weighted(losses: Sequence[Any], weights: Sequence[Any], what: str, r
 
 
 def _reduce_terms(outputs: Sequence[Mapping[str, Any]], root: torch.device) -> Tensor:
+    for index, output in enumerate(outputs):
+        _check_terms_add_up(output, index)
     names = list(outputs[0][LOSS_TERMS_KEY])
     if not names:
         raise ValueError(f"`training_step` returned an empty {LOSS_TERMS_KEY!r} mapping.")
@@ -159,3 +144,26 @@ def _reduce_terms(outputs: Sequence[Mapping[str, Any]], root: torch.device) -> T
         losses, weights = zip(*pairs, strict=True)
         reduced.append(_reduce_weighted(losses, weights, f"{LOSS_TERMS_KEY}[{name!r}] weight", root))
     return sum(reduced[1:], reduced[0])
+
+
+def _check_terms_add_up(output: Mapping[str, Any], index: int) -> None:
+    """``loss_terms`` is a mapping whose terms add up to the returned ``loss`` (when one is returned): a term left
+    out would silently leave the optimised and the logged loss."""
+    terms = output[LOSS_TERMS_KEY]
+    if not isinstance(terms, Mapping):
+        raise TypeError(
+            f"{LOSS_TERMS_KEY!r} must be a dict {{name: (term_loss, count)}}, got a {type(terms).__name__}: write "
+            f"{{'loss': total, {LOSS_TERMS_KEY!r}: {{'mlm': (mlm_loss, n_tokens), 'nsp': (nsp_loss, n_samples)}}}}."
+        )
+    loss = output.get("loss")
+    pairs = [t for t in terms.values() if isinstance(t, (tuple, list)) and len(t) == 2]
+    if not isinstance(loss, Tensor) or len(pairs) != len(terms):
+        return
+    total = sum((torch.as_tensor(t[0]).detach().to(loss.device, loss.dtype) for t in pairs), torch.zeros_like(loss))
+    if not torch.allclose(total, loss.detach(), rtol=1e-5, atol=1e-7):
+        raise ValueError(
+            f"On replica {index}, the terms of {LOSS_TERMS_KEY!r} add up to {float(total):.8g}, but 'loss' is "
+            f"{float(loss):.8g}: a part of the loss would be left out of what is optimised and logged. Give every "
+            "part of the loss as a term (a regulariser of the weights, which every device computes alike: 'reg': (reg, "
+            "1)), or return the terms' sum as 'loss'."
+        )

@@ -1,0 +1,344 @@
+"""How a scalar loss was normalised, read from its own autograd record, and shard losses combined by it.
+
+torch's loss functions and reductions keep their arguments on the loss's graph as saved attributes (``_saved_*``):
+``nll_loss``'s reduction, ignore index, class weight and target, a mean's element count, a division's divisor. Read
+after the step ran and before backward, they say what each shard's loss divides by, so the shards' losses combine
+into the whole batch's exactly: ``sum(w_i * l_i) / sum(w_i)`` per term, a plain sum for sums. Nothing is run again
+and no source is read. A loss adding differently normalised terms (MLM over tokens + NSP over sequences) gets one
+gradient scale per term through a pre-hook on the term's node (``torch.autograd.graph.Node.register_prehook``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from lightning_mgpu.parallel.reduce import stack_scalars, weighted_mean
+
+Node = Any  # torch.autograd.graph.Node
+#: Nodes that pass a scalar's gradient through unchanged (dtype casts under autocast, views of a scalar).
+_PASS = frozenset(
+    [
+        "ToCopyBackward0",
+        "CloneBackward0",
+        "ViewBackward0",
+        "ReshapeAliasBackward0",
+        "UnsafeViewBackward0",
+        "AliasBackward0",
+        "SqueezeBackward0",
+        "SqueezeBackward1",
+        "SqueezeBackward2",
+        "UnsqueezeBackward0",
+    ]
+)
+_MEANS = frozenset({"MeanBackward0", "MeanBackward1"})
+_SUMS = frozenset({"SumBackward0", "SumBackward1"})
+_REDUCTION = {1: "mean", 2: "sum"}  # torch's Reduction enum as saved (0: none)
+
+
+def _signed(value: int) -> int:
+    """A saved integer as torch stores it, unsigned: -100 comes back as 2**64 - 100."""
+    return value - 2**64 if value >= 2**63 else value
+
+
+def _nll(node: Node) -> tuple[Tensor, Callable[[], Tensor]]:
+    target, weight, ignore = node._saved_target, node._saved_weight, _signed(node._saved_ignore_index)
+    kept = target != ignore
+    # Weighted: the class weight of every counted target (the saved total weight has the input's dtype: bf16 rounds).
+    count = kept.sum() if weight is None else torch.where(kept, weight.double()[target.where(kept, 0)], 0).sum()
+    reduction = _REDUCTION[node._saved_reduction]
+    return count, lambda: F.nll_loss(node._saved_self, target, weight, ignore_index=ignore, reduction=reduction)
+
+
+def _elementwise(function: Callable[..., Tensor], *options: str) -> Callable[[Node], tuple[int, Any]]:
+    def read(node: Node) -> tuple[int, Callable[[], Tensor]]:
+        inputs, target = node._saved_self, node._saved_target
+        kwargs = {name: getattr(node, f"_saved_{name}") for name in options}
+        count = torch.broadcast_shapes(inputs.shape, target.shape).numel()
+        return count, lambda: function(inputs, target, reduction=_REDUCTION[node._saved_reduction], **kwargs)
+
+    return read
+
+
+#: The loss nodes the reader knows: what their mean counts and how their value is recomputed from saved tensors.
+LOSS_NODES: dict[str, Callable[[Node], tuple[Any, Callable[[], Tensor]]]] = {
+    "NllLossBackward0": _nll,
+    "NllLoss2DBackward0": _nll,
+    "MseLossBackward0": _elementwise(F.mse_loss),
+    "HuberLossBackward0": _elementwise(F.huber_loss, "delta"),
+    "SmoothL1LossBackward0": _elementwise(F.smooth_l1_loss, "beta"),
+    "BinaryCrossEntropyBackward0": _elementwise(F.binary_cross_entropy, "weight"),
+    "BinaryCrossEntropyWithLogitsBackward0": _elementwise(F.binary_cross_entropy_with_logits, "weight", "pos_weight"),
+}
+
+
+@dataclass
+class Term:
+    """One additive part of a loss: the node where it enters the loss, what its mean divides by (``None``: a sum),
+    its value times its coefficient when saved tensors recompute it, and for ``sum / divisor`` what settles whether
+    the divisor is a count or a constant (the summed tensor's size)."""
+
+    node: Node
+    name: str
+    count: Any
+    coefficient: Any = 1.0
+    value: Callable[[], Tensor] | None = None
+    summed: Any = None
+
+    def contribution(self) -> Tensor | None:
+        return None if self.value is None else self.value() * self.coefficient
+
+
+@dataclass
+class LossRecord:
+    """What a loss's graph says: its terms, or the first node it cannot explain (``unknown``)."""
+
+    terms: list[Term] = field(default_factory=list)
+    unknown: str | None = None
+
+    def signature(self) -> tuple[str, ...]:
+        return tuple(f"{t.name}:{'sum' if t.count is None else 'mean'}" for t in self.terms)
+
+
+def read_loss(loss: Tensor) -> LossRecord | None:
+    """The record of a scalar ``loss``, or ``None`` when it has none (computed without autograd, or detached)."""
+    if not isinstance(loss, Tensor) or loss.grad_fn is None or loss.numel() != 1:
+        return None
+    record = LossRecord()
+    _walk(loss.grad_fn, 1.0, record)
+    by_node: dict[int, Term] = {}
+    for term in record.terms:  # a node reached twice (loss + 0.1 * loss) is one term: one gradient scale
+        if id(term.node) in by_node:
+            by_node[id(term.node)].coefficient = by_node[id(term.node)].coefficient + term.coefficient
+        else:
+            by_node[id(term.node)] = term
+    record.terms = list(by_node.values())
+    return record
+
+
+def _walk(node: Node, coefficient: Any, record: LossRecord) -> None:  # noqa: C901 - one branch per node kind
+    name = type(node).__name__
+    children = [child for child, _ in node.next_functions]
+    if name in LOSS_NODES:
+        if node._saved_reduction not in _REDUCTION:
+            record.unknown = record.unknown or name
+            return
+        count, value = LOSS_NODES[name](node)
+        sums = _REDUCTION[node._saved_reduction] == "sum"
+        record.terms.append(Term(node, name, None if sums else count, coefficient, value))
+    elif name in _MEANS:
+        record.terms.append(Term(node, name, torch.Size(node._saved_self_sym_sizes).numel(), coefficient))
+    elif name in _SUMS:
+        record.terms.append(Term(node, name, None, coefficient))
+    elif name in _PASS:
+        _walk(children[0], coefficient, record)
+    elif name == "NegBackward0":
+        _walk(children[0], -coefficient, record)
+    elif name in ("AddBackward0", "SubBackward0"):
+        alpha = node._saved_alpha * (-1 if name == "SubBackward0" else 1)
+        for child, scale in zip(children, (1, alpha), strict=True):
+            if child is not None:
+                _walk(child, coefficient * scale, record)
+    elif name in ("MulBackward0", "MulBackward1", "DivBackward0", "DivBackward1") and _constant_other(node, children):
+        other = node._saved_other
+        divides = name.startswith("Div")
+        summed = _summed(children[0]) if divides else None
+        if summed is not None:  # sum / divisor: a mean over a count, or a sum over a constant
+            size, value = summed
+            quotient = None if value is None else (lambda: value() / other)
+            record.terms.append(Term(node, "sum / divisor", other, coefficient, quotient, summed=size))
+        else:
+            _walk(children[0], coefficient / other if divides else coefficient * other, record)
+    else:
+        record.unknown = record.unknown or name
+
+
+def _constant_other(node: Node, children: list[Node]) -> bool:
+    """A product or quotient by a value with no gradient: a number, or a one-element tensor (a count, a weight)."""
+    other = node._saved_other
+    return (len(children) < 2 or children[1] is None) and (not isinstance(other, Tensor) or other.numel() == 1)
+
+
+def _summed(node: Node) -> tuple[Any, Callable[[], Tensor] | None] | None:
+    """What a sum (reached through sign changes and casts) adds up: how many values, and for a loss function's
+    ``reduction="sum"`` its recomputed value (a ``transformers`` loss over ``num_items_in_batch``); ``None``: no sum."""
+    sign = 1
+    while type(node).__name__ in _PASS or type(node).__name__ == "NegBackward0":
+        sign = -sign if type(node).__name__ == "NegBackward0" else sign
+        node = node.next_functions[0][0]
+    name = type(node).__name__
+    if name in _SUMS:
+        return int(torch.Size(node._saved_self_sym_sizes).numel()), None
+    if name in LOSS_NODES and _REDUCTION.get(node._saved_reduction) == "sum":
+        count, value = LOSS_NODES[name](node)
+        return count, lambda: value() * sign
+    return None
+
+
+def settle_weights(records: Sequence[LossRecord], sample_counts: Sequence[int]) -> list[list[Any]]:
+    """Per term, each shard's weight: what its mean divides by, or ``None`` for a sum. A ``sum / divisor`` divisor
+    is a count where it differs between shards, equals each shard's sample count, the summed size, or another
+    term's count; else it is a constant (a sum, scaled). Divisors on a CUDA device are counts (a Python number
+    stays on the host), so settling never waits for a GPU."""
+    weights = [[record.terms[t].count for record in records] for t in range(len(records[0].terms))]
+    for t, term in enumerate(records[0].terms):
+        if term.summed is None:
+            continue
+        divisors = weights[t]
+        if any(isinstance(d, Tensor) and d.device.type != "cpu" for d in divisors):
+            continue
+        values = [float(d) for d in divisors]
+        others = [
+            [float(w) for w in other]
+            for o, other in enumerate(weights)
+            if o != t and records[0].terms[o].summed is None and all(w is not None for w in other)
+        ]
+        counts = (
+            len(set(values)) > 1
+            or values == [float(n) for n in sample_counts]
+            or all(v == float(r.terms[t].summed) for v, r in zip(values, records, strict=True))
+            or values in others
+        )
+        if not counts:
+            weights[t] = [None] * len(divisors)
+    return weights
+
+
+@dataclass
+class Combined:
+    """The whole batch's loss, and per term each shard's weight (``None`` in a sum term)."""
+
+    loss: Tensor
+    weights: list[list[Any]]
+
+    def totals(self, root: torch.device) -> tuple[Tensor | None, ...]:
+        """Per term, the whole batch's count (``None`` for a sum)."""
+        return tuple(
+            None if any(w is None for w in term) else stack_scalars(term, root, torch.float64).sum()
+            for term in self.weights
+        )
+
+
+def combine_losses_by_record(
+    losses: Sequence[Tensor],
+    records: Sequence[LossRecord | None],
+    sample_counts: Sequence[int],
+    root: torch.device,
+    scale_gradients: bool = True,
+) -> Combined | None:
+    """The whole batch's loss on ``root`` from the shards' ``losses`` and their records, or ``None`` when the
+    records do not say (no record, a node the reader does not know, shards whose losses were built differently,
+    several terms whose values no saved tensor recomputes). One term: the weighted mean of the losses (or their sum).
+    Several: the weighted value, with a gradient scale per term and shard (``scale_gradients``; else a value only)."""
+    if not _alike(records):
+        return None
+    weights = settle_weights(records, sample_counts)
+    dtype = torch.promote_types(losses[0].dtype, torch.float32)
+    scalars = [loss.reshape(()).to(root, dtype) for loss in losses]
+    if len(weights) == 1:
+        stacked = torch.stack(scalars)
+        if any(w is None for w in weights[0]):
+            return Combined(stacked.sum(), weights)
+        return Combined(weighted_mean(stacked, stack_scalars(weights[0], root, dtype)), weights)
+    values = [_term_values(record, loss) for record, loss in zip(records, losses, strict=True)]
+    if any(v is None for v in values):
+        return None
+    total = torch.zeros((), device=root, dtype=dtype)
+    for t, term_weights in enumerate(weights):
+        shares = _shares(term_weights, root, dtype)
+        total = total + (stack_scalars([v[t] for v in values], root, dtype) * shares).sum()
+        for record, share in zip(records, shares, strict=True) if scale_gradients else ():
+            record.terms[t].node.register_prehook(_scaled_by(share))
+    if not scale_gradients:
+        return Combined(total, weights)
+    joined = torch.stack(scalars).sum()
+    return Combined(total.detach() + (joined - joined.detach()), weights)  # each term's gradient is scaled
+
+
+def _alike(records: Sequence[LossRecord | None]) -> bool:
+    """Whether every shard's record explains its loss, term by term as the others'."""
+    first = records[0]
+    return first is not None and all(
+        r is not None and not r.unknown and r.terms and r.signature() == first.signature() for r in records
+    )
+
+
+def _shares(weights: list[Any], root: torch.device, dtype: torch.dtype) -> Tensor:
+    """Each shard's share of a term: its count over the total (no host sync), or 1 for a sum."""
+    if any(w is None for w in weights):
+        return torch.ones(len(weights), device=root, dtype=dtype)
+    counts = stack_scalars(weights, root, dtype)
+    return torch.where(counts > 0, counts / counts.sum(), torch.zeros_like(counts))
+
+
+def _term_values(record: LossRecord, loss: Tensor) -> list[Tensor] | None:
+    """Each term's part of ``loss``; at most one term with no recomputable value is the remainder."""
+    values = [term.contribution() for term in record.terms]
+    missing = [t for t, v in enumerate(values) if v is None]
+    if len(missing) > 1:
+        return None
+    if missing:
+        known = [v.detach().to(loss.device, loss.dtype) for v in values if v is not None]
+        values[missing[0]] = loss.detach().reshape(()) - sum(known, torch.zeros((), device=loss.device))
+    return [v.detach() for v in values]
+
+
+def _scaled_by(share: Tensor) -> Callable[[tuple[Tensor | None, ...]], tuple[Tensor | None, ...]]:
+    def hook(grad_outputs: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
+        return tuple(None if g is None else g * share.to(g.device, g.dtype) for g in grad_outputs)
+
+    return hook
+
+
+#: Nodes whose result mixes rows of the batch when they run on it in training: per-shard batch statistics.
+_BATCH_STATISTICS = frozenset({"NativeBatchNormBackward0", "CudnnBatchNormBackward0", "MiopenBatchNormBackward0"})
+_REDUCE_OVER_DIM = frozenset({"LogsumexpBackward0", "StdBackward0", "VarBackward0", "MeanBackward1", "SumBackward1"})
+
+
+def coupling(loss: Tensor, samples: int, limit: int = 200_000) -> str | None:
+    """What in ``loss``'s graph mixes the rows of a shard of ``samples`` samples, or ``None``: BatchNorm's batch
+    statistics, a batch-by-batch product (in-batch negatives), a reduction over the batch dimension before the
+    loss. Reading only, about a microsecond a node; meant for the first steps and when the rule changes."""
+    if loss.grad_fn is None or samples < 2:
+        return None
+    seen, stack = set(), [(loss.grad_fn, True)]
+    while stack and len(seen) < limit:
+        node, top = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        found = _couples(node, samples, top)
+        if found is not None:
+            return found
+        name = type(node).__name__
+        below = top and name not in LOSS_NODES and name not in _MEANS and name not in _SUMS
+        stack.extend((child, below) for child, _ in node.next_functions)
+    return None
+
+
+def _couples(node: Node, samples: int, top: bool) -> str | None:
+    name = type(node).__name__
+    if name in _BATCH_STATISTICS and getattr(node, "_saved_training", False):
+        return "BatchNorm in training mode (each device normalises its shard with the shard's statistics)"
+    if name == "MmBackward0":
+        rows, cols = node._saved_self_sym_sizes[0], node._saved_mat2_sym_sizes[1]
+        if rows == cols == samples and not _is_parameter(node.next_functions[1][0]):
+            return "a product of the batch with itself (similarities between samples, as in contrastive losses)"
+    if name in _REDUCE_OVER_DIM and not top and hasattr(node, "_saved_dim"):
+        sizes = node._saved_self_sym_sizes if hasattr(node, "_saved_self_sym_sizes") else node._saved_self.shape
+        dims = [d % len(sizes) for d in node._saved_dim] if len(sizes) > 1 else []
+        if 0 in dims and sizes[0] == samples:
+            return f"a reduction over the batch dimension ({name.removesuffix('Backward0').removesuffix('Backward1')})"
+    return None
+
+
+def _is_parameter(node: Node) -> bool:
+    """Whether a node reaches a leaf (a parameter) through views only: ``linear``'s transposed weight."""
+    while node is not None and type(node).__name__ in ("TBackward0", "PermuteBackward0", "ViewBackward0", *_PASS):
+        node = node.next_functions[0][0]
+    return node is not None and type(node).__name__ == "AccumulateGrad"
