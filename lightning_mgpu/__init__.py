@@ -42,6 +42,10 @@ def __getattr__(name: str) -> Any:
         from lightning_mgpu.loss_check import check_loss_reduction
 
         return check_loss_reduction
+    if name == "ExactLoss":
+        from lightning_mgpu.callbacks.exact_loss import ExactLoss
+
+        return ExactLoss
     if name in ("ParallelCriterionStrategy", "DataParallelStrategy"):
         from lightning_mgpu.strategies import lightning_pytorch
 
@@ -63,6 +67,7 @@ __all__ = [
     "DataParallelCriterion",
     "DataParallelModel",
     "DataParallelStrategy",
+    "ExactLoss",
     "NothingToSplitError",
     "ParallelCriterionStrategy",
     "PeerFailedError",
