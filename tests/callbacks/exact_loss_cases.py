@@ -199,14 +199,23 @@ def run_ddp_cases(root: str) -> None:
     """Each case under ``strategy="ddp"`` on 2 CPU processes; rank 0 prints the distance to the reference."""
     import warnings
 
+    all_reduce, calls = torch.distributed.all_reduce, [0]
+
+    def counted(*args: Any, **kwargs: Any) -> Any:  # every all-reduce of the fit, Lightning's own included
+        calls[0] += 1
+        return all_reduce(*args, **kwargs)
+
+    torch.distributed.all_reduce = counted
     for name, case in DDP_CASES.items():
+        calls[0] = 0
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             trainer, module = fit(**case, strategy="ddp", devices=2, root=Path(root) / name.replace("/", "_"))
         if trainer.is_global_zero:
             said = [str(w.message) for w in caught if "ExactLoss" in str(w.message)]
             error = float((flat(module) - reference(case["loss"])).abs().max())
-            print("CASE " + json.dumps({"name": name, "error": error, "said": said}), flush=True)
+            result = {"name": name, "error": error, "said": said, "all_reduces": calls[0]}
+            print("CASE " + json.dumps(result), flush=True)
     torch.distributed.destroy_process_group()  # else gloo's threads can abort the interpreter's exit
 
 

@@ -191,6 +191,10 @@ def test_ddp_two_processes(tmp_path):
     assert not run.timed_out and run.returncode == 0, run.describe()
     cases = {c["name"]: c for c in (json.loads(line[5:]) for line in run.output.splitlines() if line[:5] == "CASE ")}
     assert len(cases) == 10, run.describe()
+    # The cost across processes: one all-reduce to agree on the rule (first micro-batch), then one per optimizer step.
+    steps = SEQUENCES // GLOBAL_BATCH
+    added = cases["token_mean/ddp+acc"]["all_reduces"] - cases["token_mean/ddp+acc/without"]["all_reduces"]
+    assert added == 1 + steps, cases
     for name, case in cases.items():
         if name == "two_terms/ddp+acc":  # weighted per micro-batch, said once (rank zero)
             assert len(case["said"]) == 1 and "weighted equally" in case["said"][0], case
