@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -145,7 +146,7 @@ def _walk(node: Node, coefficient: Any, record: LossRecord) -> None:  # noqa: C9
             if child is not None:
                 _walk(child, coefficient * scale, record)
     elif name in ("MulBackward0", "MulBackward1", "DivBackward0", "DivBackward1") and _constant_other(node, children):
-        other = node._saved_other
+        other = _as_written(node._saved_other)
         divides = name.startswith("Div")
         summed = _summed(children[0]) if divides else None
         if summed is not None:  # sum / divisor: a mean over a count, or a sum over a constant
@@ -162,6 +163,19 @@ def _constant_other(node: Node, children: list[Node]) -> bool:
     """A product or quotient by a value with no gradient: a number, or a one-element tensor (a count, a weight)."""
     other = node._saved_other
     return (len(children) < 2 or children[1] is None) and (not isinstance(other, Tensor) or other.numel() == 1)
+
+
+def _as_written(value: Any) -> Any:
+    """A Python number the call was given (torch saves it as a 0-dim tensor that promotes as a scalar, a float in the
+    default dtype) as that number: ``0.7`` comes back as float32's 0.699999988, which would shift a logged value.
+    Tensors (a count such as ``mask.sum()``) stay tensors."""
+    if not isinstance(value, Tensor) or value.dim() != 0 or value.dtype == torch.bool or value.is_complex():
+        return value
+    probe = torch.zeros((), dtype=torch.float16 if value.is_floating_point() else torch.int8)
+    if (probe + value).dtype != probe.dtype:
+        return value  # a tensor: it takes part in type promotion, a Python number does not
+    number = value.item()
+    return float(repr(np.float32(number))) if value.dtype == torch.float32 else number
 
 
 def _summed(node: Node) -> tuple[Any, Callable[[], Tensor] | None] | None:
@@ -181,31 +195,26 @@ def _summed(node: Node) -> tuple[Any, Callable[[], Tensor] | None] | None:
 
 
 def settle_weights(records: Sequence[LossRecord], sample_counts: Sequence[int]) -> list[list[Any]]:
-    """Per term, each shard's weight: what its mean divides by, or ``None`` for a sum. A ``sum / divisor`` divisor
-    is a count where it differs between shards, equals each shard's sample count, the summed size, or another
-    term's count; else it is a constant (a sum, scaled). Divisors on a CUDA device are counts (a Python number
-    stays on the host), so settling never waits for a GPU."""
+    """Per term, each shard's weight: what its mean divides by, or ``None`` for a sum. In ``sum / divisor`` a tensor
+    divisor (``mask.sum()``) is a count; a Python number is a count where it is each shard's sample count
+    (``x.shape[0]``), the summed size or another term's count on every shard, else a constant (a scaled sum)."""
     weights = [[record.terms[t].count for record in records] for t in range(len(records[0].terms))]
     for t, term in enumerate(records[0].terms):
-        if term.summed is None:
+        if term.summed is None or any(isinstance(d, Tensor) for d in weights[t]):
             continue
-        divisors = weights[t]
-        if any(isinstance(d, Tensor) and d.device.type != "cpu" for d in divisors):
-            continue
-        values = [float(d) for d in divisors]
+        values = [float(d) for d in weights[t]]
         others = [
             [float(w) for w in other]
             for o, other in enumerate(weights)
             if o != t and records[0].terms[o].summed is None and all(w is not None for w in other)
         ]
         counts = (
-            len(set(values)) > 1
-            or values == [float(n) for n in sample_counts]
+            values == [float(n) for n in sample_counts]
             or all(v == float(r.terms[t].summed) for v, r in zip(values, records, strict=True))
             or values in others
         )
         if not counts:
-            weights[t] = [None] * len(divisors)
+            weights[t] = [None] * len(values)
     return weights
 
 

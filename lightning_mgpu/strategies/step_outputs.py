@@ -160,7 +160,7 @@ def _check_terms_add_up(output: Mapping[str, Any], index: int) -> None:
     if not isinstance(loss, Tensor) or len(pairs) != len(terms):
         return
     total = sum((torch.as_tensor(t[0]).detach().to(loss.device, loss.dtype) for t in pairs), torch.zeros_like(loss))
-    if not torch.allclose(total, loss.detach(), rtol=1e-5, atol=1e-7):
+    if not torch.allclose(total, loss.detach(), rtol=1e-5, atol=1e-7, equal_nan=True):
         raise ValueError(
             f"On replica {index}, the terms of {LOSS_TERMS_KEY!r} add up to {float(total):.8g}, but 'loss' is "
             f"{float(loss):.8g}: a part of the loss would be left out of what is optimised and logged. Give every "

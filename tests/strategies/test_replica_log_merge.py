@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
+from lightning_mgpu.parallel.reduce import stack_scalars, weighted_mean
 from lightning_mgpu.strategies.replica_logging import LogRecorder, merge_and_log
-from lightning_mgpu.strategies.step_outputs import tensor_key
 
 
 class Root:
@@ -118,8 +118,10 @@ def test_a_logged_copy_of_the_loss_merges_as_the_loss_whatever_reduce_fx(reduce_
     for recorder, loss in zip(recorders, losses, strict=True):
         recorder.log("loss", loss.detach(), reduce_fx=reduce_fx)
     root = Root()
-    implied = [{tensor_key(loss): weight} for loss, weight in zip(losses, [3, 1], strict=True)]
-    merge_and_log(root, recorders, [2, 2], lambda _: None, implied)
+    def as_the_loss(values: list[torch.Tensor]) -> torch.Tensor:  # what the strategy gives: the loss's rule
+        return weighted_mean(stack_scalars(values, values[0].device, torch.float64), torch.tensor([3.0, 1.0]))
+
+    merge_and_log(root, recorders, [2, 2], lambda _: None, as_the_loss)
     value, options = root.logged["loss"]
     assert value.item() == pytest.approx((3 * 1.0 + 1 * 4.0) / 4, rel=0, abs=1e-15)  # by the loss's weights
     assert options["reduce_fx"] is reduce_fx  # Lightning applies it over the steps

@@ -10,9 +10,6 @@ from strategy_models import Classifier, clone, flat_params, loader, seeded, trai
 from torch import nn
 
 import lightning_mgpu
-from lightning_mgpu.parallel import run_replicas
-from lightning_mgpu.strategies.loss_normalization import call_weight
-from lightning_mgpu.strategies.step_outputs import LossCapture, tensor_key
 
 
 class DictOutputs(Classifier):
@@ -92,17 +89,21 @@ class TwoTermLoss(Classifier):
 @pytest.mark.parametrize("module_cls", [TokenLoss, TwoTermLoss])
 def test_custom_loss_weights_give_single_device_training(module_cls):
     base = seeded(module_cls)
-    single, multi, sample_weighted = clone(base), clone(base), clone(base)
+    single, multi, undeclared, sample_weighted = clone(base), clone(base), clone(base), clone(base)
     trainer("auto", 1, max_steps=4).fit(single, loader(10))
     trainer("parallel_criterion", 4, max_steps=4).fit(multi, loader(10))
     torch.testing.assert_close(flat_params(multi), flat_params(single), rtol=0, atol=1e-10)
 
-    class SampleWeighted(module_cls):  # the same loss without the weights: differs, so the weights matter
+    class Undeclared(module_cls):  # the same loss without the weights: its autograd record says them
         def training_step(self, batch: Any, batch_idx: int) -> Any:
             return super().training_step(batch, batch_idx)["loss"]
 
-    sample_weighted.__class__ = SampleWeighted
-    trainer("parallel_criterion", 4, max_steps=4).fit(sample_weighted, loader(10))
+    undeclared.__class__ = sample_weighted.__class__ = Undeclared
+    trainer("parallel_criterion", 4, max_steps=4).fit(undeclared, loader(10))
+    torch.testing.assert_close(flat_params(undeclared), flat_params(single), rtol=0, atol=1e-10)
+    # Weighted per sample instead, the run differs: the weights matter.
+    strategy = lightning_mgpu.ParallelCriterionStrategy(loss_reduction="samples")
+    trainer(strategy, 4, max_steps=4).fit(sample_weighted, loader(10))
     assert (flat_params(sample_weighted) - flat_params(single)).abs().max() > 1e-6
 
 
@@ -228,39 +229,3 @@ def _gather(outputs: list, counts: list[int], device: torch.device) -> Any:
     return lightning_mgpu.merge_outputs(outputs, device, sizes=counts)
 
 
-class DictLoss(nn.Module):
-    """Returns its loss under "loss", as a transformers model's ModelOutput does."""
-
-    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {"loss": x.square().mean(), "logits": x}
-
-
-def test_loss_capture_keeps_each_replicas_losses_from_replicated_calls_until_taken():
-    criterion, model = nn.MSELoss(), DictLoss()
-    capture = LossCapture([criterion, model], lambda module, args, kwargs, output: len(args[0]))
-    x = torch.randn(4, 2)
-    criterion(x, x)  # outside a replicated call: no replica to credit
-    outputs = run_replicas(
-        [lambda: (criterion(x, x + 1), model(x)["loss"]), lambda: (criterion(x[:3], x[:3]), model(x[:1])["loss"])],
-        ["cpu"] * 2,
-        "sequential",
-    )
-    taken = capture.take()
-    assert taken == {
-        0: {tensor_key(outputs[0][0]): 4, tensor_key(outputs[0][1]): 4},
-        1: {tensor_key(outputs[1][0]): 3, tensor_key(outputs[1][1]): 1},  # each call's own count
-    }
-    assert capture.take() == {}
-    capture.remove()
-    assert not criterion._forward_hooks and not model._forward_hooks
-
-
-def test_each_loss_producer_call_says_what_it_averages_over():
-    labels = torch.tensor([0, 2, -100, 1, -100])
-    logits = torch.randn(5, 3)
-    assert call_weight(nn.CrossEntropyLoss(), (logits, labels), {}, None).item() == 3
-    weighted = nn.CrossEntropyLoss(weight=torch.tensor([1.0, 2.0, 4.0]))
-    assert call_weight(weighted, (logits,), {"target": labels}, None).item() == 1 + 4 + 2
-    assert call_weight(nn.NLLLoss(reduction="sum"), (logits, labels), {}, None) == "sum"
-    assert call_weight(nn.MSELoss(), (logits, logits), {}, None) == 15  # a mean over elements
-    assert call_weight(nn.CrossEntropyLoss(), (logits, logits.softmax(-1)), {}, None) == 5  # probabilities: samples

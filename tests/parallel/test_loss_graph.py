@@ -1,0 +1,131 @@
+"""The loss's autograd record (:mod:`lightning_mgpu.parallel.loss_graph`): read from shards of a batch, it combines
+their losses into the whole batch's loss and gradient exactly, for torch's loss functions, reductions and sums of
+differently normalised terms; what mixes a shard's rows is named; what it cannot read it says so."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from lightning_mgpu.parallel.loss_graph import combine_losses_by_record, coupling, read_loss
+
+N, C = 10, 5
+GEN = torch.Generator().manual_seed(0)
+X = torch.randn(N, 4, dtype=torch.float64, generator=GEN)
+Y = torch.randint(0, C, (N,), generator=GEN).index_fill(0, torch.tensor([1, 2, 7]), -100)
+ROWS = torch.randint(0, C, (N, 3), generator=GEN)
+ROWS[0, :2] = -100
+ROWS[5] = -100
+DENSE = torch.rand(N, C, dtype=torch.float64, generator=GEN)
+MASK = (torch.rand(N, generator=GEN) > 0.4).double()
+CLASS_WEIGHT = torch.rand(C, dtype=torch.float64, generator=GEN) + 0.5
+
+Loss = Callable[[Tensor, tuple[Tensor, ...]], Tensor]
+
+
+def _ce(logits: Tensor, data: tuple[Tensor, ...], **kwargs) -> Tensor:
+    return F.cross_entropy(logits, data[0], **kwargs)
+
+
+CASES: dict[str, Loss] = {
+    "cross_entropy": lambda z, d: _ce(z, d),
+    "class weights": lambda z, d: _ce(z, d, weight=CLASS_WEIGHT),
+    "label smoothing": lambda z, d: _ce(z, d, label_smoothing=0.1),
+    "weights + smoothing": lambda z, d: _ce(z, d, weight=CLASS_WEIGHT, label_smoothing=0.2),
+    "probability targets": lambda z, d: F.cross_entropy(z, d[2].softmax(1)),
+    "(N, C, L) inputs": lambda z, d: F.cross_entropy(torch.stack([z, 2 * z, -z], 2), d[1]),
+    "ignore_index=250": lambda z, d: F.cross_entropy(z, d[0].where(d[0] != -100, 250), ignore_index=250),
+    "mse_loss": lambda z, d: F.mse_loss(z, d[2]),
+    "l1_loss": lambda z, d: F.l1_loss(z, d[2]),
+    "huber_loss": lambda z, d: F.huber_loss(z, d[2], delta=0.5),
+    "smooth_l1_loss": lambda z, d: F.smooth_l1_loss(z, d[2], beta=0.5),
+    "binary_cross_entropy": lambda z, d: F.binary_cross_entropy(z.sigmoid(), d[2]),
+    "bce with logits, pos_weight": lambda z, d: F.binary_cross_entropy_with_logits(z, d[2], pos_weight=CLASS_WEIGHT),
+    "kl_div batchmean": lambda z, d: F.kl_div(z.log_softmax(1), d[2].softmax(1), reduction="batchmean"),
+    ".mean()": lambda z, d: z.square().mean(),
+    ".sum()": lambda z, d: z.square().sum(),
+    "masked mean": lambda z, d: (z.square().sum(1) * d[3]).sum() / d[3].sum(),
+    "sum / constant": lambda z, d: z.square().sum() / 4.0,
+    "sum / shape[0]": lambda z, d: z.square().sum() / z.shape[0],
+    "0.7 mse + 0.3 ce": lambda z, d: 0.7 * F.mse_loss(z, d[2]) + 0.3 * _ce(z, d),
+    "tokens + samples (BERT pre-training)": lambda z, d: (
+        F.cross_entropy(torch.stack([z, -z, z], 2), d[1]) + _ce(z, (d[0].clamp(min=0),))
+    ),
+    "ce - 0.1 mean": lambda z, d: _ce(z, d) - 0.1 * z.mean(),
+    "ce / 2": lambda z, d: _ce(z, d) / 2,
+    "nll sum / own count": lambda z, d: F.nll_loss(z.log_softmax(1), d[0], reduction="sum") / (d[0] != -100).sum(),
+}
+
+
+def _shards_against_the_whole(loss: Loss, shards: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    weight = torch.randn(C, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    data = (Y, ROWS, DENSE, MASK)
+    whole = loss(X @ weight.T, data)
+    (whole_grad,) = torch.autograd.grad(whole, weight)
+    parts = torch.tensor_split(torch.arange(N), shards)  # uneven: 4, 3, 3
+    losses = [loss(X[p] @ weight.T, tuple(d[p] for d in data)) for p in parts]
+    combined = combine_losses_by_record(losses, [read_loss(x) for x in losses], [len(p) for p in parts], X.device)
+    assert combined is not None, [read_loss(x) for x in losses]
+    (grad,) = torch.autograd.grad(combined.loss, weight)
+    return combined.loss, whole, grad, whole_grad
+
+
+@pytest.mark.parametrize("shards", [2, 3])
+@pytest.mark.parametrize("name", list(CASES))
+def test_shards_combine_into_the_whole_batchs_loss_and_gradient(name: str, shards: int):
+    loss, whole, grad, whole_grad = _shards_against_the_whole(CASES[name], shards)
+    torch.testing.assert_close(loss, whole, rtol=0, atol=1e-12)
+    torch.testing.assert_close(grad, whole_grad, rtol=0, atol=1e-12)
+
+
+def test_each_term_gets_its_own_weight():
+    """MLM over tokens plus NSP over samples: per-shard weights of one term would be off (this is what a single
+    weight per device did)."""
+    weight = torch.ones(C, 4, dtype=torch.float64, requires_grad=True)
+    record = read_loss(CASES["tokens + samples (BERT pre-training)"](X @ weight.T, (Y, ROWS, DENSE, MASK)))
+    assert [term.name for term in record.terms] == ["NllLoss2DBackward0", "NllLossBackward0"]
+    assert int(record.terms[0].count) == int((ROWS != -100).sum()) and int(record.terms[1].count) == N
+
+
+def test_saved_integers_come_back_signed_and_class_weights_count_per_target():
+    logits = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    target = torch.tensor([0, 2, -100, 2])
+    (term,) = read_loss(F.cross_entropy(logits, target, weight=torch.tensor([1.0, 2.0, 4.0]).double())).terms
+    assert float(term.count) == 1 + 4 + 4
+
+
+@pytest.mark.parametrize(
+    ("name", "loss", "says"),
+    [
+        (
+            "InfoNCE",
+            lambda z: F.cross_entropy(F.normalize(z, dim=1) @ F.normalize(z, dim=1).T, torch.arange(N)),
+            "product",
+        ),
+        ("logsumexp over the batch", lambda z: z.logsumexp(0).mean(), "batch dimension"),
+        ("x / x.std(0)", lambda z: F.mse_loss(z / z.std(0), DENSE), "batch dimension"),
+        ("BatchNorm", lambda z: F.mse_loss(torch.nn.BatchNorm1d(C).double()(z), DENSE), "BatchNorm"),
+    ],
+)
+def test_a_loss_that_couples_samples_is_named(name, loss, says):
+    z = X @ torch.randn(C, 4, dtype=torch.float64, requires_grad=True).T
+    assert says in coupling(loss(z), N)
+
+
+def test_per_sample_losses_and_layers_do_not_count_as_coupling():
+    layer = torch.nn.Linear(4, N, bias=False).double()  # output width == batch: not a batch-by-batch product
+    assert coupling(F.mse_loss(layer(X), torch.zeros(N, N, dtype=torch.float64)), N) is None
+    assert coupling(F.cross_entropy(torch.nn.LayerNorm(4).double()(X) @ torch.ones(4, C).double(), Y), N) is None
+
+
+def test_what_it_cannot_read_it_says_and_combines_nothing():
+    z = X.clone().requires_grad_()
+    losses = [z[:5].abs().max(), z[5:].abs().max()]
+    records = [read_loss(x) for x in losses]
+    assert records[0].unknown == "MaxBackward1"
+    assert combine_losses_by_record(losses, records, [5, 5], X.device) is None
+    assert read_loss(z.detach().sum()) is None  # no record at all
