@@ -90,6 +90,7 @@ class Term:
     coefficient: Any = 1.0
     value: Callable[[], Tensor] | None = None
     summed: Any = None
+    of_loss: bool = False  # the sum is a loss function's reduction="sum" (its divisor may be the whole batch's count)
 
     def contribution(self) -> Tensor | None:
         return None if self.value is None else self.value() * self.coefficient
@@ -152,7 +153,7 @@ def _walk(node: Node, coefficient: Any, record: LossRecord) -> None:  # noqa: C9
         if summed is not None:  # sum / divisor: a mean over a count, or a sum over a constant
             size, value = summed
             quotient = None if value is None else (lambda: value() / other)
-            record.terms.append(Term(node, "sum / divisor", other, coefficient, quotient, summed=size))
+            record.terms.append(Term(node, "sum / divisor", other, coefficient, quotient, size, value is not None))
         else:
             _walk(children[0], coefficient / other if divides else coefficient * other, record)
     else:
@@ -195,12 +196,15 @@ def _summed(node: Node) -> tuple[Any, Callable[[], Tensor] | None] | None:
 
 
 def settle_weights(records: Sequence[LossRecord], sample_counts: Sequence[int]) -> list[list[Any]]:
-    """Per term, each shard's weight: what its mean divides by, or ``None`` for a sum. In ``sum / divisor`` a tensor
-    divisor (``mask.sum()``) is a count; a Python number is a count where it is each shard's sample count
-    (``x.shape[0]``), the summed size or another term's count on every shard, else a constant (a scaled sum)."""
+    """Per term, each shard's weight: what its mean divides by, or ``None`` for a sum. In ``sum / divisor``, a tensor
+    dividing a plain sum (``mask.sum()``) is a count. Otherwise (a Python number, or a tensor dividing a loss
+    function's sum, as ``num_items_in_batch`` does) the divisor is a count where it differs between shards or is
+    each shard's own count (sample count, summed size, another term's count), else a constant: a scaled sum (the
+    whole batch's ``num_items_in_batch``, ``sum() / 4``)."""
     weights = [[record.terms[t].count for record in records] for t in range(len(records[0].terms))]
     for t, term in enumerate(records[0].terms):
-        if term.summed is None or any(isinstance(d, Tensor) for d in weights[t]):
+        tensors = any(isinstance(d, Tensor) for d in weights[t])
+        if term.summed is None or (tensors and not term.of_loss):
             continue
         values = [float(d) for d in weights[t]]
         others = [
@@ -209,7 +213,8 @@ def settle_weights(records: Sequence[LossRecord], sample_counts: Sequence[int]) 
             if o != t and records[0].terms[o].summed is None and all(w is not None for w in other)
         ]
         counts = (
-            values == [float(n) for n in sample_counts]
+            len(set(values)) > 1
+            or values == [float(n) for n in sample_counts]
             or all(v == float(r.terms[t].summed) for v, r in zip(values, records, strict=True))
             or values in others
         )
