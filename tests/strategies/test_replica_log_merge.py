@@ -118,6 +118,7 @@ def test_a_logged_copy_of_the_loss_merges_as_the_loss_whatever_reduce_fx(reduce_
     for recorder, loss in zip(recorders, losses, strict=True):
         recorder.log("loss", loss.detach(), reduce_fx=reduce_fx)
     root = Root()
+
     def as_the_loss(values: list[torch.Tensor]) -> torch.Tensor:  # what the strategy gives: the loss's rule
         return weighted_mean(stack_scalars(values, values[0].device, torch.float64), torch.tensor([3.0, 1.0]))
 

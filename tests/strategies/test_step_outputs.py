@@ -227,5 +227,3 @@ def test_lists_of_scalars_are_per_sample_and_dicts_of_batched_tensors_are_struct
 
 def _gather(outputs: list, counts: list[int], device: torch.device) -> Any:
     return lightning_mgpu.merge_outputs(outputs, device, sizes=counts)
-
-
