@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_mgpu.parallel.loss_graph import LossRecord, read_loss
+from lightning_mgpu.parallel.loss_graph import LossRecord, Term, read_loss
 
 # ``ExactLoss`` and ``PytorchLightningExactLoss`` are built on first use (see ``__getattr__`` below).
 __all__ = ["ExactLossHooks", "Rule", "exact_loss_class", "read_rule"]
@@ -76,26 +76,21 @@ def read_rule(loss: Tensor, samples: int | None, sum_divisor: str = "auto") -> R
     return Rule(TERMS, nodes, counts, said)
 
 
-def divides_by_count(divisor: Any, samples: int | None, summed: int) -> tuple[bool, str]:
-    """Whether ``sum / divisor`` (in one micro-batch of ``samples`` samples, summing ``summed`` values) is a mean over
-    a count, and why. torch records a Python number as a CPU scalar tensor of dtype float64 or int64, so: a divisor
-    on another device was computed there (a count: never read, no synchronisation); one equal to the sample count or
-    the summed size is a count; a CPU tensor of another dtype was computed from the data (a count); anything else
-    may be a Python number: a constant, the sum scaled."""
-    if not isinstance(divisor, Tensor):
-        value: float = float(divisor)
-    elif divisor.device.type != "cpu":
-        return True, "a divisor computed on the device: a count"
-    else:
-        value = float(divisor)
-    if value in (float(samples or -1), float(summed)):
-        return True, f"a divisor of {value:g}, the batch's sample count or the summed size: a count"
-    if isinstance(divisor, Tensor) and divisor.dtype not in (torch.float64, torch.int64):
-        return True, f"a {divisor.dtype} divisor, computed from the data (a Python number is float64 or int64): a count"
-    return False, (
-        f"a divisor of {value:g}, which may be a Python number: a constant, the sum scaled (if it counts tokens or "
-        "samples, as mask.sum() does, use ExactLoss(sum_divisor='count'))"
-    )
+def divides_by_count(term: Term, samples: int | None) -> tuple[bool, str]:
+    """Whether a ``sum / divisor`` term (in one micro-batch of ``samples`` samples) is a mean over a count, and why,
+    as the reader settles it across shards: a tensor dividing a plain sum was computed from the data (``mask.sum()``:
+    a count); a tensor dividing a loss function's ``reduction="sum"`` is a count given from outside (as transformers'
+    ``num_items_in_batch``, the whole step's): a constant here; a Python number is a count where it equals the
+    sample count or the summed size, else a constant, the sum scaled."""
+    divisor, hint = term.count, " (if it counts this micro-batch's items, use ExactLoss(sum_divisor='count'))"
+    if isinstance(divisor, Tensor):
+        if term.of_loss:
+            return False, "a tensor dividing a loss function's sum (as num_items_in_batch): a constant" + hint
+        return True, "a tensor divisor, computed from the data (as mask.sum()): a count"
+    summed = term.summed if isinstance(term.summed, int) else None
+    if float(divisor) in (float(samples or -1), float(summed or -1)):
+        return True, f"a divisor of {divisor:g}, the batch's sample count or the summed size: a count"
+    return False, f"a divisor of {divisor:g}, a Python number: a constant, the sum scaled" + hint
 
 
 def _term_counts(record: LossRecord, samples: int | None, sum_divisor: str) -> tuple[list[Any], list[str]]:
@@ -105,7 +100,7 @@ def _term_counts(record: LossRecord, samples: int | None, sum_divisor: str) -> t
         count = term.count
         if term.summed is not None:
             if sum_divisor == "auto":
-                counts_it, why = divides_by_count(count, samples, term.summed)
+                counts_it, why = divides_by_count(term, samples)
             else:
                 counts_it, why = sum_divisor == "count", f"a {sum_divisor}, as sum_divisor={sum_divisor!r} says"
             assumed.append(f"its sum / divisor has {why}")
@@ -209,9 +204,8 @@ class ExactLossHooks:
     - a loss the reader cannot explain keeps Lightning's weighting, said once.
 
     The rule is settled on the first micro-batch (agreed across processes) and said once, with what it assumed: a
-    ``sum / divisor`` divides by a count or by a constant (torch records a Python number as a CPU tensor, so a
-    divisor on the GPU is a count; on the CPU one that is neither the batch's sample count nor the summed size is
-    taken for a constant when its dtype is a Python number's: ``sum_divisor="count"`` says otherwise). Logged values
+    ``sum / divisor`` divides by a count or by a constant (see :func:`divides_by_count`; ``sum_divisor`` says
+    otherwise). Logged values
     are what one device logs per micro-batch: only gradients change. One device without accumulation is exact
     already: nothing is done there. Automatic optimization only.
 

@@ -135,26 +135,25 @@ def test_an_unknown_loss_keeps_lightnings_weighting_said_once(tmp_path):
 
 
 def test_a_sum_over_a_divisor_is_said_once_with_what_was_assumed(tmp_path, caplog):
-    """``(loss * mask).sum() / mask.sum()`` in float64 on the CPU: the divisor (30 tokens in 4 sequences) may be a
-    Python number, so it is taken for a constant, said once with the option that says it counts; with
-    ``sum_divisor="count"`` the steps are one device's."""
+    """``(loss * mask).sum() / mask.sum()``: a tensor divisor dividing a plain sum is a count (said once), so the
+    steps are one device's; ``sum_divisor="constant"`` says otherwise, and then they are not."""
     with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
-        _, module = fit("masked_by_hand", 4, 3, root=tmp_path)
-        _, counted = fit("masked_by_hand", 4, 3, root=tmp_path, sum_divisor="count")
+        _, counted = fit("masked_by_hand", 4, 3, root=tmp_path)
+        _, module = fit("masked_by_hand", 4, 3, root=tmp_path, sum_divisor="constant")
     lines = [r.getMessage() for r in caplog.records if "ExactLoss" in r.getMessage()]
     assert len(lines) == 2, lines
-    assert "a constant, the sum scaled" in lines[0] and "ExactLoss(sum_divisor='count')" in lines[0]
-    assert "a count, as sum_divisor='count' says" in lines[1]
-    assert distance(module, "masked_by_hand") > 1e-3
+    assert "a tensor divisor, computed from the data (as mask.sum()): a count" in lines[0]
+    assert "a constant, as sum_divisor='constant' says" in lines[1]
     assert distance(counted, "masked_by_hand") < EXACT
+    assert distance(module, "masked_by_hand") > 1e-3
 
 
 def test_read_rule_settles_a_sum_over_a_divisor():
-    """``sum / d``: a mean where d is a tensor (a count computed from the data), the batch's sample count or the
-    summed size; a sum scaled by a constant otherwise."""
-    x = torch.randn(4, 3, requires_grad=True)
-    mask = torch.tensor([1.0, 0.0, 1.0, 1.0])
-    assert read_rule((x.sum(1) * mask).sum() / mask.sum(), 4).kind == MEAN  # float32: not a Python number
+    """``sum / d``: a mean where d is a tensor (a count computed from the data), or a number equal to the batch's
+    sample count or the summed size; a sum scaled by a constant otherwise; ``sum_divisor`` overrides."""
+    x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    mask = torch.tensor([1.0, 0.0, 1.0, 1.0], dtype=torch.float64)
+    assert read_rule((x.sum(1) * mask).sum() / mask.sum(), 4).kind == MEAN
     assert read_rule((x.sum(1) * mask).sum() / mask.sum(), 4, "constant").kind == SUM
     assert read_rule(x.sum() / len(x), 4).kind == MEAN
     assert read_rule(x.sum() / x.numel(), 4).kind == MEAN
