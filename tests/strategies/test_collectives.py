@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -301,12 +302,20 @@ class GatheredByTorchDistributed(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def test_torch_distributed_collectives_do_not_count_as_the_strategys_and_the_notice_names_the_fix():
-    """The source mentions all_gather, but torch.distributed's: the notice must not call the result exact."""
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="parallel_criterion", max_steps=1, logger=False)
-    with pytest.warns(UserWarning, match=r"needs self\.all_gather\(\.\.\., sync_grads=True\) in the step") as seen:
-        trainer.fit(GatheredByTorchDistributed().double(), DataLoader(clip_data(7), batch_size=7))
-    assert not any("exact for a mean over this device's rows" in str(w.message) for w in seen)
+def test_torch_distributed_collectives_do_not_count_as_the_strategys_and_the_warning_names_the_fix():
+    """The source mentions all_gather, but torch.distributed's: each device's loss is over its own shard, so the
+    batch-by-batch product couples samples; one warning says so and names the fixes (the step's own all_gather with
+    sync_grads=True, or dp), and nothing calls the result exact."""
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="parallel_criterion", max_steps=2, logger=False)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer.fit(GatheredByTorchDistributed().double(), DataLoader(clip_data(14), batch_size=7))
+    said = [str(w.message) for w in seen if str(w.message).startswith("parallel_criterion:")]
+    assert len(said) == 1, said
+    assert "couples samples" in said[0] and "product of the batch with itself" in said[0], said[0]
+    assert "self.all_gather(..., sync_grads=True)" in said[0] and "strategy='dp'" in said[0], said[0]
+    assert "exact" not in said[0]
+    assert trainer.strategy._collectives_reason(trainer.lightning_module) is None
 
 
 class QueuesGatheredKeys(L.LightningModule):

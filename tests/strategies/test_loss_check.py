@@ -66,23 +66,40 @@ def test_command_line_form_on_a_recipe_config(capsys):
     # PyramidNet's BatchNorm couples a batch's samples in train mode, which no loss rule undoes: the check puts it on
     # running statistics, finds the loss's own rule, and says that training needs sync_batchnorm=True for BatchNorm.
     assert "BatchNorm layer(s) on their running statistics for the check" in out and "sync_batchnorm=True" in out
-    assert "parallel_criterion finds tokens:1 (from CrossEntropyLoss (reduction='mean')) by itself" in out
+    # The rule parallel_criterion reads from the loss's autograd record reproduces one device: nothing to declare.
+    verdict = out.strip().splitlines()[-1]
+    assert "autograd record" in verdict and "cross_entropy" in verdict and "nothing to declare" in verdict, out
+    assert "loss_reduction='auto': shards combine to" in out
+
+
+class _Opaque(torch.autograd.Function):
+    """The identity, as a custom autograd Function: a node whose record says nothing of the loss's normalisation."""
+
+    @staticmethod
+    def forward(ctx: Any, value: torch.Tensor) -> torch.Tensor:
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
 
 
 class _NoisyMean(L.LightningModule):
-    """A per-sample mean behind dropout, and optionally noise drawn in the step itself."""
+    """A per-sample mean behind dropout, optionally noise drawn in the step itself, or behind an ``_Opaque`` node."""
 
-    def __init__(self, noise_in_step: bool = False) -> None:
+    def __init__(self, noise_in_step: bool = False, opaque: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 3)).double()
         self.noise_in_step = noise_in_step
+        self.opaque = opaque
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
         if self.noise_in_step:
             x = x + 0.1 * torch.randn_like(x)
-        return torch.nn.functional.cross_entropy(self.net(x), y)
+        loss = torch.nn.functional.cross_entropy(self.net(x), y)
+        return _Opaque.apply(loss) if self.opaque else loss
 
 
 def _classes(n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,8 +124,20 @@ def test_a_step_random_beyond_dropout_gets_no_rule_and_says_why():
 
 @pytest.mark.parametrize(("size", "why"), [(1, "is not split"), (2, "shards are all of 1 samples")])
 def test_a_batch_too_small_to_tell_rules_apart_says_so(size, why):
+    """A loss whose record says nothing (a custom autograd Function): the candidates coincide on a batch of 1 or of
+    1 + 1 samples, and the report says why and to check a larger batch, instead of naming one rule."""
+    check = lightning_mgpu.check_loss_reduction(_NoisyMean(opaque=True), _classes(size), devices=2)
+    assert check.known is None and "auto" not in check.predictions, str(check)
+    assert why in str(check) and "coincide" in str(check), str(check)
+
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_a_loss_read_from_its_record_needs_nothing_declared_even_on_a_tiny_batch(size):
+    """A plain ``cross_entropy``: what ``parallel_criterion`` reads from its record reproduces one device, whatever
+    the batch, so the report says there is nothing to declare."""
     check = lightning_mgpu.check_loss_reduction(_NoisyMean(), _classes(size), devices=2)
-    assert why in str(check), str(check)
+    assert check.known is not None and "cross_entropy" in check.known, str(check)
+    assert "nothing to declare" in str(check) and "coincide" not in str(check), str(check)
 
 
 def test_the_command_starts_without_python_warnings(tmp_path):

@@ -1,7 +1,8 @@
 """A loss module that subclasses a torch loss with its own ``forward`` (labels shifted, or masked its own way) does not
-count what its ``ignore_index`` / ``weight`` say: its mean has no known rule, so ``parallel_criterion`` says the
-one-line notice, whose fixes (``loss_reduction``, ``loss_weight``) then train as one device; ``reduction="sum"``
-stays a sum. Token-level losses with ``-100`` padding, float64, 7 samples over 2 devices (4 + 3)."""
+count what its ``ignore_index`` / ``weight`` say of the batch's labels: ``parallel_criterion`` reads what it counted
+from the loss's autograd record (the targets torch's ``nll_loss`` saved), so its mean trains as one device with
+nothing declared, as do the declared fixes (``loss_reduction``, ``loss_weight``); ``reduction="sum"`` stays a sum.
+Token-level losses with ``-100`` padding, float64, 7 samples over 2 devices (4 + 3)."""
 
 from __future__ import annotations
 
@@ -71,39 +72,54 @@ def run(root: Any, criterion: nn.Module, strategy: Any = "parallel_criterion", d
     return fit(TokenModel(criterion, **kw), strategy, devices, token_loader("causal_lm", 7), root)
 
 
-def notices(run: Run) -> list[str]:
-    return [w for w in run.warnings if "nothing says how the training loss is normalised" in w]
+def strategy_warnings(run: Run) -> list[str]:
+    return [w for w in run.warnings if w.startswith("parallel_criterion:")]
 
 
-@pytest.mark.parametrize("criterion", [ShiftedCE, RareTokensCE])
-def test_a_subclass_mean_gets_the_notice_not_its_options_rule(root, criterion):
-    """Its ``ignore_index`` would say a mean over ``labels != -100``, which is not what it averages over: no rule is
-    decided from it; the notice names ``shifted_tokens:labels`` and ``loss_weight``, once."""
+def shifted_tokens(labels: torch.Tensor) -> torch.Tensor:
+    return (labels[:, 1:] != IGNORE).sum()
+
+
+def last_labels() -> torch.Tensor:
+    return list(token_loader("causal_lm", 7))[-1]["labels"]
+
+
+@pytest.mark.parametrize(("criterion", "count"), [(ShiftedCE, shifted_tokens), (RareTokensCE, rare_tokens)])
+def test_a_subclass_mean_is_read_from_what_it_counted_and_equals_one_device(root, criterion, count):
+    """Its ``ignore_index`` alone would say a mean over ``labels != -100``, which is not what it averages over; the
+    record holds the targets it counted (shifted, or masked its own way): said once, no warning, exact."""
     got = run(root, criterion())
-    assert got.decisions() == []
-    (notice,) = notices(got)
-    assert "'shifted_tokens:labels'" in notice and "loss_weight" in notice
+    assert strategy_warnings(got) == [], got.warnings
+    (decided,) = got.decisions()
+    assert "as its autograd record says" in decided and "cross_entropy" in decided and "a mean" in decided
+    assert got.trainer.strategy.normalization is None
+    (read,) = got.trainer.strategy.loss_counts
+    assert float(read) == float(count(last_labels()))
+    assert_equal_runs(got, run(root, criterion(), "auto", devices=1))
 
 
-def test_the_notices_loss_reduction_fix_equals_one_device(root):
-    """The declared rule weighs the training loss and the logged validation loss (a call of the subclass, which says
-    nothing by itself) alike."""
+def test_a_declared_shifted_tokens_rule_equals_one_device_in_training_and_validation(root):
+    """The declared rule weighs the training loss and the logged validation loss (a call of the subclass; evaluation
+    runs without autograd, so only the declared rule can say how it is normalised) alike."""
     strategy = lightning_mgpu.ParallelCriterionStrategy(loss_reduction="shifted_tokens:labels")
     loader = token_loader("causal_lm", 7)
     got = fit(ValidatedTokenModel(ShiftedCE()), strategy, 2, loader, root)
-    assert notices(got) == [] and "val_loss" in got.final
+    assert strategy_warnings(got) == [] and "val_loss" in got.final, got.warnings
+    (decided,) = got.decisions()
+    assert "loss_reduction='shifted_tokens:labels'" in decided and "declared" in decided
     assert_equal_runs(got, fit(ValidatedTokenModel(ShiftedCE()), "auto", 1, loader, root))
 
 
-def test_the_notices_loss_weight_fix_equals_one_device(root):
+def test_the_steps_own_loss_weight_equals_one_device(root):
     got = run(root, RareTokensCE(), count=rare_tokens)
-    assert notices(got) == [] and got.decisions() == []
+    assert strategy_warnings(got) == [] and got.decisions() == []
     assert_equal_runs(got, run(root, RareTokensCE(), "auto", devices=1, count=rare_tokens))
 
 
 def test_a_subclass_sum_stays_a_sum_and_equals_one_device(root):
     got = run(root, ShiftedCE(reduction="sum"))
-    assert notices(got) == []
+    assert strategy_warnings(got) == [], got.warnings
     (decided,) = got.decisions()
-    assert "loss_reduction='sum'" in decided and "ShiftedCE" in decided
+    assert "as its autograd record says" in decided and "a sum" in decided
+    assert got.trainer.strategy.loss_counts == (None,)
     assert_equal_runs(got, run(root, ShiftedCE(reduction="sum"), "auto", devices=1))

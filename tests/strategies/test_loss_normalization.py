@@ -1,5 +1,6 @@
-"""The loss rule comes from contracts and static knowledge, never from running the step: exact where it is known,
-one notice where it is assumed, and the user's step runs exactly as often as the strategy's semantics need.
+"""How ``parallel_criterion`` combines the devices' losses: the step's own weights, a declared ``loss_reduction``, the
+returned loss's autograd record, else per-sample weights said in one warning; the user's step runs exactly as often
+as the strategy's semantics need.
 
 Every equivalence check: float64, ``STEPS`` SGD steps, uneven shards (7 over 2 = 4+3, 10 over 3 = 4+3+3), Lightning's
 default callbacks; final parameters, the loss each step optimized and every logged value equal one device's to 1e-10.
@@ -17,7 +18,7 @@ import lightning.pytorch as L
 import pytest
 import torch
 import torch.nn.functional as F
-from hf_models import N_IN, N_OUT, STEPS, Run, assert_equal_runs, fit, make_mlp, mlp_loader
+from hf_models import IGNORE, N_IN, N_OUT, STEPS, Run, assert_equal_runs, fit, make_mlp, mlp_loader
 from strategy_models import seeded
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -43,22 +44,44 @@ def one_device(key: Any, make: Any, data: Any, root: Any) -> Run:
 
 
 def notices(run: Run) -> list[str]:
-    return [w for w in run.warnings if "nothing says how the training loss is normalised" in w]
+    """The one warning for a loss whose rule nothing says: per-sample weights, with the fixes."""
+    return [w for w in run.warnings if "loss is weighted by its sample count" in w]
 
 
-def assert_decided(run: Run, spec: str) -> None:
-    """The rule was printed once (INFO on the namespace's logger), named ``spec``, and nothing warned."""
-    assert notices(run) == []
-    decisions = run.decisions()
-    assert len(decisions) == 1, decisions
-    assert f"loss_reduction={spec!r}" in decisions[0], decisions[0]
-    assert run.trainer.strategy.normalization.spec() == spec
+def strategy_warnings(run: Run) -> list[str]:
+    return [w for w in run.warnings if w.startswith("parallel_criterion:")]
 
 
 def assert_declared(run: Run, spec: str) -> None:
-    """The declared rule was said once, as declared, and nothing warned."""
-    assert_decided(run, spec)
-    assert "as the declared loss_reduction says" in run.decisions()[0]
+    """The declared rule is the strategy's, said once (INFO, naming it and that it was declared), and nothing warned."""
+    assert strategy_warnings(run) == [], run.warnings
+    decisions = run.decisions()
+    assert len(decisions) == 1, decisions
+    assert f"loss_reduction={spec!r}" in decisions[0] and "declared" in decisions[0], decisions[0]
+    assert "autograd record" not in decisions[0]
+    assert run.trainer.strategy.normalization.spec() == spec
+    assert run.trainer.strategy.loss_counts is None
+
+
+def assert_read(run: Run, words: list[str], counts: tuple[float | None, ...]) -> None:
+    """The rule was read from the loss's autograd record: said once (INFO, with ``words``), nothing warned, no
+    declared rule, and ``counts`` (per term, the last batch's whole count; ``None``: a sum) is what was read."""
+    assert strategy_warnings(run) == [], run.warnings
+    decisions = run.decisions()
+    assert len(decisions) == 1, decisions
+    assert "as its autograd record says" in decisions[0], decisions[0]
+    assert all(word in decisions[0] for word in words), (words, decisions[0])
+    strategy = run.trainer.strategy
+    assert strategy.normalization is None
+    read = strategy.loss_counts
+    assert read is not None and len(read) == len(counts), read
+    for got, expected in zip(read, counts, strict=True):
+        assert (got is None) == (expected is None), (read, counts)
+        assert got is None or float(got) == pytest.approx(expected, abs=1e-9, rel=0), (read, counts)
+
+
+def last_batch(loader: DataLoader) -> Any:
+    return list(loader)[-1]
 
 
 def strategy(reduction: str) -> Any:
@@ -71,7 +94,7 @@ def strategy(reduction: str) -> Any:
 def test_sum_losses_declared_equal_one_device(root, loss, devices, batch):
     """``((net(x) - y) ** 2).sum()``, ``MSELoss(reduction="sum")``, ``cross_entropy(reduction="sum")`` with
     ``loss_reduction="sum"``: summed over devices; the optimized loss, ``self.log("loss", loss)`` (step and epoch)
-    and the parameters equal one device's; one line says the declared rule, no notice."""
+    and the parameters equal one device's; one line says the declared rule, no warning."""
     expected = one_device(("mlp", loss, batch), lambda: make_mlp(L, loss), lambda: mlp_loader(loss, batch), root)
     got = fit(make_mlp(L, loss), strategy("sum"), devices, mlp_loader(loss, batch), root)
     assert_declared(got, "sum")
@@ -79,24 +102,50 @@ def test_sum_losses_declared_equal_one_device(root, loss, devices, batch):
     assert {"loss_step", "loss_epoch"} <= got.final.keys()
 
 
-def test_a_handwritten_sum_gets_the_one_line_notice_once(root):
-    """Nothing declares the sum: per-sample weighting, said once in one line (5 steps) with the fixes that work."""
-    got = fit(make_mlp(L, "handwritten_sum"), "parallel_criterion", 3, mlp_loader("handwritten_sum", 10), root)
+# --- 2. read from the loss's autograd record --------------------------------------------------------------------------
+@pytest.mark.parametrize(("devices", "batch"), SPLITS)
+def test_an_undeclared_handwritten_sum_is_read_as_a_sum_and_equals_one_device(root, devices, batch):
+    """``((net(x) - y) ** 2).sum()`` with nothing declared: its record (a ``.sum()``) says a sum, said once in one
+    line (5 steps), no warning, exact."""
+    make, data = lambda: make_mlp(L, "handwritten_sum"), lambda: mlp_loader("handwritten_sum", batch)
+    expected = one_device(("mlp", "handwritten_sum", batch), make, data, root)
+    got = fit(make(), "parallel_criterion", devices, data(), root)
+    assert_read(got, [".sum()", "a sum"], (None,))
+    assert "\n" not in got.decisions()[0]
+    assert_equal_runs(got, expected)
+
+
+@pytest.mark.parametrize(("devices", "batch"), SPLITS)
+def test_handwritten_per_sample_mean_equals_one_device(root, devices, batch):
+    """``F.cross_entropy(out, y)``: read as a mean over its counted targets (here every sample), exact, no warning."""
+    make, data = lambda: make_mlp(L, "ce_mean"), lambda: mlp_loader("ce_mean", batch)
+    expected = one_device(("mlp", "ce_mean", batch), make, data, root)
+    got = fit(make(), "parallel_criterion", devices, data(), root)
+    assert_read(got, ["cross_entropy", "a mean"], (batch,))
+    assert_equal_runs(got, expected)
+
+
+def test_a_loss_its_record_does_not_explain_gets_the_one_line_notice_once(root):
+    """A median of per-sample losses (a node the reader does not know): per-sample weighting, said once in one line
+    (5 steps), naming the node it could not read and the fixes that work (``loss_reduction``, ``loss_weight``)."""
+    got = fit(make_mlp(L, "median"), "parallel_criterion", 3, mlp_loader("median", 10), root)
     (notice,) = notices(got)
-    assert "\n" not in notice
-    assert "loss_reduction='sum'" in notice and "ParallelCriterionStrategy(" in notice and "loss_weight" in notice
-    assert got.trainer.strategy.normalization.spec() == "samples"
+    assert strategy_warnings(got) == [notice]
+    assert "\n" not in notice and "MedianBackward0" in notice
+    assert "loss_reduction='sum'" in notice and "'tokens:<labels key>'" in notice
+    assert "ParallelCriterionStrategy" in notice and "loss_weight" in notice
+    assert got.decisions() == []
+    assert got.trainer.strategy.normalization is None and got.trainer.strategy.loss_counts is None
 
 
 def test_the_notices_command_line_fix_works_on_a_config_that_names_the_strategy(tmp_path):
-    """The notice's CLI options, taken from its text, set ``loss_reduction`` on a config whose strategy is the string
-    ``parallel_criterion`` (the README's form, where ``--trainer.strategy.init_args...`` alone is refused)."""
+    """The notice's CLI options, taken from the text a run printed, set ``loss_reduction`` on a config whose strategy
+    is the string ``parallel_criterion`` (the README's form, where ``--trainer.strategy.init_args...`` alone is
+    refused)."""
     from lightning_mgpu.cli import main as cli_main
 
-    strategy = lightning_mgpu.ParallelCriterionStrategy()
-    with pytest.warns(UserWarning, match="nothing says how") as caught:
-        strategy._say_assumed_samples("the training loss", "labels", "return loss_weight")
-    options = re.search(r"\(CLI: (.+?)\)", str(caught[0].message)).group(1).replace("...", "sum").split()
+    (notice,) = notices(fit(make_mlp(L, "median"), "parallel_criterion", 2, mlp_loader("median", 7), tmp_path))
+    options = re.search(r"\(CLI: (.+?)\)", notice).group(1).replace("...", "sum").split()
     config = tmp_path / "config.yaml"
     config.write_text(
         "model:\n  class_path: lightning.pytorch.demos.boring_classes.BoringModel\n"
@@ -108,23 +157,14 @@ def test_the_notices_command_line_fix_works_on_a_config_that_names_the_strategy(
     assert cli.trainer.strategy.normalization.spec() == "sum"
 
 
-# --- 2. a per-sample mean written by hand: exact, with at most the notice ------------------------------------------
-@pytest.mark.parametrize(("devices", "batch"), SPLITS)
-def test_handwritten_per_sample_mean_equals_one_device(root, devices, batch):
-    make, data = lambda: make_mlp(L, "ce_mean"), lambda: mlp_loader("ce_mean", batch)
-    expected = one_device(("mlp", "ce_mean", batch), make, data, root)
-    got = fit(make_mlp(L, "ce_mean"), "parallel_criterion", devices, mlp_loader("ce_mean", batch), root)
-    assert len(notices(got)) == 1
-    assert_equal_runs(got, expected)
-
-
 def test_a_step_that_weights_its_own_loss_gets_no_notice(root):
     """``{"loss": loss, "loss_weight": n}``: the step declares it; nothing is printed."""
     got = fit(make_mlp(L, "ce_mean", output="loss_weight"), "parallel_criterion", 3, mlp_loader("ce_mean", 10), root)
-    assert notices(got) == [] and got.decisions() == []
+    assert strategy_warnings(got) == [] and got.decisions() == []
+    assert got.trainer.strategy.loss_counts is None
 
 
-# --- 3. static knowledge: loss modules the LightningModule holds ----------------------------------------------------
+# --- 3. loss modules the LightningModule holds: read from the loss they return -------------------------------------
 class WithCriterion(L.LightningModule):
     """An MLP whose loss is a module attribute, as many projects write it."""
 
@@ -144,54 +184,76 @@ class WithCriterion(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
+CLASS_WEIGHT = torch.tensor([0.2, 1.0, 3.0], dtype=torch.float64)
+
+
+def counted(y: torch.Tensor) -> float:
+    return float((y != IGNORE).sum())
+
+
 CRITERIA = {
-    # name: (criterion, data, expected rule)
-    "ce_ignore_index": (lambda: nn.CrossEntropyLoss(), dict(loss="ce_mean", ignored=slice(1, None, 3)), "tokens:1"),
-    "ce_class_weight": (
-        lambda: nn.CrossEntropyLoss(weight=torch.tensor([0.2, 1.0, 3.0], dtype=torch.float64)),
-        dict(loss="ce_mean", ignored=slice(2, None, 4)),
-        "tokens:1",
+    # name: (criterion, data, words the decision says, the last batch's count per term from its labels y)
+    "ce_ignore_index": (
+        lambda: nn.CrossEntropyLoss(),
+        dict(loss="ce_mean", ignored=slice(1, None, 3)),
+        ["cross_entropy", "a mean"],
+        lambda y: (counted(y),),
     ),
-    "nll_ignore_minus_one": (lambda: nn.NLLLoss(ignore_index=-1), dict(loss="ce_mean"), "tokens:1:-1"),
-    "mse_sum": (lambda: nn.MSELoss(reduction="sum"), dict(loss="mse_sum"), "sum"),
-    "mse_mean": (lambda: nn.MSELoss(), dict(loss="mse_sum"), "samples"),
+    "ce_class_weight": (
+        lambda: nn.CrossEntropyLoss(weight=CLASS_WEIGHT),
+        dict(loss="ce_mean", ignored=slice(2, None, 4)),
+        ["cross_entropy", "a mean"],
+        lambda y: (float(CLASS_WEIGHT[y[y != IGNORE]].sum()),),
+    ),
+    "nll_ignore_minus_one": (
+        lambda: nn.NLLLoss(ignore_index=-1),
+        dict(loss="ce_mean"),
+        ["nll_loss", "a mean"],
+        lambda y: (float((y != -1).sum()),),
+    ),
+    "mse_sum": (lambda: nn.MSELoss(reduction="sum"), dict(loss="mse_sum"), ["mse_loss", "a sum"], lambda y: (None,)),
+    "mse_mean": (lambda: nn.MSELoss(), dict(loss="mse_sum"), ["mse_loss", "a mean"], lambda y: (float(y.numel()),)),
 }
 
 
 @pytest.mark.parametrize("name", list(CRITERIA))
 def test_loss_modules_say_the_rule_and_training_equals_one_device(root, name):
     """``CrossEntropyLoss`` with ignored labels and class weights, ``NLLLoss(ignore_index=-1)``, ``MSELoss`` as
-    sum and mean: known from the module's ``reduction`` / ``ignore_index`` / ``weight``, said once, exact."""
-    make_criterion, data_args, rule = CRITERIA[name]
+    sum and mean: read from the loss's record (what it counted, class-weighted), said once, exact."""
+    make_criterion, data_args, words, counts = CRITERIA[name]
     make = lambda: seeded(WithCriterion, criterion=make_criterion())  # noqa: E731
     data = lambda: mlp_loader(batch_size=10, **data_args)  # noqa: E731
     expected = one_device(("criterion", name), make, data, root)
     got = fit(make(), "parallel_criterion", 3, data(), root)
-    assert_decided(got, rule)
+    assert_read(got, words, counts(last_batch(data())[1]))
     assert_equal_runs(got, expected)
 
 
-@pytest.mark.parametrize(("declared", "clash"), [("sum", True), ("replica_mean", True), ("samples", False)])
-def test_a_declared_rule_the_loss_module_contradicts_is_used_with_one_warning_whose_fix_works(root, declared, clash):
+def _first_step_by_shards(make: Any, data: Any, combine: Any) -> float:
+    """The first step's loss from the initial model's losses on the shards 4/3/3 of the first batch, combined."""
+    module = make()
+    x, y = next(iter(data()))
+    with torch.no_grad():
+        losses = [module.criterion(module.net(x[a:b]), y[a:b]) for a, b in ((0, 4), (4, 7), (7, 10))]
+    return float(combine(torch.stack(losses)))
+
+
+@pytest.mark.parametrize(("declared", "combine"), [("sum", torch.sum), ("replica_mean", torch.mean), ("samples", None)])
+def test_a_declared_rule_is_used_as_declared_even_where_the_loss_says_otherwise(root, declared, combine):
     """``loss_reduction='sum'`` (or ``replica_mean`` on shards 4/3/3) declared for a mean ``CrossEntropyLoss``: the
-    declared rule is used, and one warning says what the module's loss says and the fix; following it (``auto``)
-    equals one device. ``samples`` weighs these devices as the module's rule does (no ignored labels): said only."""
+    declared rule wins over the loss's record (the first step optimizes the sum / mean of the shards' losses), said
+    once, no warning; leaving it at ``auto`` equals one device, as does ``samples`` (no ignored labels here)."""
     make = lambda: seeded(WithCriterion, criterion=nn.CrossEntropyLoss())  # noqa: E731
     data = lambda: mlp_loader(batch_size=10, loss="ce_mean")  # noqa: E731
+    expected = one_device(("declared",), make, data, root)
     got = fit(make(), strategy(declared), 3, data(), root)
-    said = [w for w in got.warnings if f"loss_reduction={declared!r} is declared, but" in w]
-    if not clash:
-        assert said == [] and notices(got) == []
-        assert_declared(got, declared)
+    assert_declared(got, declared)
+    if combine is None:
+        assert_equal_runs(got, expected)
         return
-    assert len(said) == 1 and got.decisions() == [], got.warnings
-    returns = "the step returns the output of CrossEntropyLoss (reduction='mean'), a training loss that is a mean"
-    assert returns in said[0]
-    assert got.trainer.strategy.normalization.spec() == declared
-    assert "Leave loss_reduction at 'auto'" in said[0]
-    assert_equal_runs(
-        fit(make(), "parallel_criterion", 3, data(), root), one_device(("declared", declared), make, data, root)
-    )
+    assert got.losses[0] == pytest.approx(_first_step_by_shards(make, data, combine), abs=1e-10, rel=0)
+    assert abs(got.losses[0] - expected.losses[0]) > 1e-3
+    assert_equal_runs(fit(make(), "parallel_criterion", 3, data(), root), expected)
 
 
 class SumOfMeans(WithCriterion):
@@ -202,34 +264,35 @@ class SumOfMeans(WithCriterion):
         return self.criterion(self.net(x), y) * len(y)
 
 
-def test_a_declared_rule_for_a_loss_built_from_the_criterions_output_is_not_contradicted(root):
-    """``criterion(...) * n`` declared ``'sum'``: exact, said as declared, and no warning (the returned loss is not the
-    criterion's output, whose rule would be wrong for it)."""
+def test_a_declared_rule_for_a_loss_built_from_the_criterions_output_equals_one_device(root):
+    """``criterion(...) * n`` declared ``'sum'``: exact, said as declared, and no warning."""
     make = lambda: seeded(SumOfMeans, criterion=nn.CrossEntropyLoss())  # noqa: E731
     data = lambda: mlp_loader(batch_size=10, loss="ce_mean")  # noqa: E731
     got = fit(make(), strategy("sum"), 3, data(), root)
-    assert not [w for w in got.warnings if "is declared, but" in w]
     assert_declared(got, "sum")
     assert_equal_runs(got, one_device(("sum_of_means",), make, data, root))
 
 
 class AddsATerm(WithCriterion):
-    """Returns the criterion's output plus another term: the criterion's rule does not describe that sum."""
+    """Returns the criterion's output plus another term normalised otherwise (a mean over every logit)."""
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
         logits = self.net(x)
-        return self.criterion(logits, y) + 0.5 * logits.pow(2).mean()
+        loss = self.criterion(logits, y) + 0.5 * logits.pow(2).mean()
+        self.log("loss", loss)
+        return loss
 
 
-def test_a_loss_that_adds_terms_to_a_criterions_output_is_not_given_the_criterions_rule(root):
-    """The step names a CrossEntropyLoss (a token mean over non-ignored labels) but returns more than its output: the
-    returned loss is weighted per sample, said once with the exact fix (``loss_terms``), not given the token rule."""
+def test_a_loss_that_adds_terms_to_a_criterions_output_weighs_each_term_by_its_own_count(root):
+    """A ``CrossEntropyLoss`` with ignored labels (a mean over its counted targets) plus a mean over every logit: the
+    record says two terms, each combined by its own count (counted targets; elements), said once, exact."""
+    make = lambda: seeded(AddsATerm, criterion=nn.CrossEntropyLoss())  # noqa: E731
     data = lambda: mlp_loader(batch_size=10, loss="ce_mean", ignored=slice(1, None, 3))  # noqa: E731
-    got = fit(seeded(AddsATerm, criterion=nn.CrossEntropyLoss()), "parallel_criterion", 3, data(), root)
-    said = [w for w in got.warnings if "not the output of CrossEntropyLoss (reduction='mean') alone" in w]
-    assert len(said) == 1 and "'loss_terms'" in said[0], got.warnings
-    assert got.decisions() == [] and got.trainer.strategy.normalization.spec() == "samples"
+    got = fit(make(), "parallel_criterion", 3, data(), root)
+    y = last_batch(data())[1]
+    assert_read(got, ["2 terms", "cross_entropy", ".mean()"], (counted(y), float(len(y) * N_OUT)))
+    assert_equal_runs(got, one_device(("adds_a_term",), make, data, root))
 
 
 class LabelsThenLengths(WithCriterion):
@@ -242,26 +305,23 @@ class LabelsThenLengths(WithCriterion):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y, _ = batch
         loss = self.criterion(self.net(x), y)
+        self.log("loss", loss)
         return loss if self.scale == 1 else self.scale * loss
 
 
 @pytest.mark.parametrize("scale", [1.0, 2.0], ids=["criterion-output", "scaled"])
-def test_messages_name_only_the_labels_the_loss_counted(root, scale):
-    """The batch's last integer item (lengths) is not the labels: the rule is said without naming it (its own
-    calls' counts are exact), and the notice for a scaled loss does not suggest ``tokens:2``, which would be wrong."""
+def test_a_batch_with_other_integer_items_is_combined_by_what_the_loss_counted(root, scale):
+    """The batch's last integer item (lengths) is not the labels: the rule read (the loss's own counted targets,
+    scaled or not) is exact and said without naming the batch's items (no ``tokens:2`` / ``batch[2]``)."""
     x, y = next(iter(mlp_loader("ce_mean", 10 * STEPS, ignored=slice(1, None, 3))))
     lengths = torch.arange(len(y)) % 3 + 1
-    loader = DataLoader(TensorDataset(x, y, lengths), batch_size=10)
-    got = fit(seeded(LabelsThenLengths, scale=scale), "parallel_criterion", 3, loader, root)
+    loader = lambda: DataLoader(TensorDataset(x, y, lengths), batch_size=10)  # noqa: E731
+    make = lambda: seeded(LabelsThenLengths, scale=scale)  # noqa: E731
+    got = fit(make(), "parallel_criterion", 3, loader(), root)
     said = " ".join([*got.warnings, *got.info])
     assert "tokens:2" not in said and "batch[2]" not in said, said
-    if scale == 1:
-        assert got.decisions() == [
-            "parallel_criterion: the training loss is a mean over each call's own tokens; the devices' values are "
-            "combined accordingly."
-        ]
-    else:
-        assert "loss_reduction='sum' | 'tokens:<labels key>'" in said
+    assert_read(got, ["cross_entropy", "a mean"], (counted(last_batch(loader())[1]),))
+    assert_equal_runs(got, one_device(("labels_then_lengths", scale), make, loader, root))
 
 
 # --- 4. no extra calls of user code, no leaked effects ---------------------------------------------------------------
@@ -341,16 +401,18 @@ def test_no_extra_calls_and_no_leaked_effects(root, tmp_path, strategy_name, nam
 # --- 5. the pytorch_lightning namespace ------------------------------------------------------------------------------
 def test_sum_loss_under_pytorch_lightning(root):
     """``import pytorch_lightning as pl``: a ``pl`` strategy with ``loss_reduction="sum"`` equals ``pl``'s one
-    device; the hand-written sum undeclared gets the notice."""
+    device; so does the hand-written sum undeclared, read from its record and said once on ``pl``'s logger."""
     pl = pytest.importorskip("pytorch_lightning")
     from lightning_mgpu.strategies.pytorch_lightning import ParallelCriterionStrategy
 
     data = lambda: mlp_loader("handwritten_sum", 10)  # noqa: E731
     expected = fit(make_mlp(pl, "handwritten_sum"), "auto", 1, data(), root, ns=pl)
     got = fit(make_mlp(pl, "handwritten_sum"), ParallelCriterionStrategy(loss_reduction="sum"), 3, data(), root, ns=pl)
+    assert_declared(got, "sum")
     assert_equal_runs(got, expected)
     undeclared = fit(make_mlp(pl, "handwritten_sum"), "parallel_criterion", 3, data(), root, ns=pl)
-    assert len(notices(undeclared)) == 1
+    assert_read(undeclared, [".sum()", "a sum"], (None,))
+    assert_equal_runs(undeclared, expected)
 
 
 class IgnoresMinusOne(L.LightningModule):
@@ -384,13 +446,18 @@ def _ignoring_batches() -> Any:
 
 
 @pytest.mark.parametrize("reduction", ["auto", "tokens:1:-1"])
-def test_an_ignore_index_other_than_minus_100_is_found_or_declared(reduction):
+def test_an_ignore_index_other_than_minus_100_is_read_or_declared(reduction):
     from strategy_models import flat_params, metrics, trainer
 
     single, multi = IgnoresMinusOne().double(), IgnoresMinusOne().double()
     trainer("auto", 1, max_epochs=1).fit(single, _ignoring_batches())
     run = trainer(strategy(reduction), 3, max_epochs=1, enable_progress_bar=True)
     run.fit(multi, _ignoring_batches())
-    assert run.strategy.normalization.spec() == "tokens:1:-1"
+    if reduction == "auto":  # read from the record: the loss's own ignore index, no declared rule
+        assert run.strategy.normalization is None
+        (count,) = run.strategy.loss_counts
+        assert float(count) == float((last_batch(_ignoring_batches())[1] != -1).sum())
+    else:
+        assert run.strategy.normalization.spec() == "tokens:1:-1" and run.strategy.loss_counts is None
     torch.testing.assert_close(flat_params(multi), flat_params(single), rtol=0, atol=1e-10)
     assert metrics(run)["loss"] == pytest.approx(float(single.trainer.callback_metrics["loss"]), abs=1e-10, rel=0)
