@@ -10,6 +10,7 @@ gradient scale per term through a pre-hook on the term's node (``torch.autograd.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,8 +19,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.overrides import TorchFunctionMode
 
-from lightning_mgpu.parallel.reduce import stack_scalars, weighted_mean
+from lightning_mgpu.parallel.reduce import stack_scalars
 
 Node = Any  # torch.autograd.graph.Node
 #: Nodes that pass a scalar's gradient through unchanged (dtype casts under autocast, views of a scalar).
@@ -247,31 +249,36 @@ def combine_losses_by_record(
 ) -> Combined | None:
     """The whole batch's loss on ``root`` from the shards' ``losses`` and their records, or ``None`` when the
     records do not say (no record, a node the reader does not know, shards whose losses were built differently,
-    several terms whose values no saved tensor recomputes). One term: the weighted mean of the losses (or their sum).
+    several terms whose values no saved tensor recomputes). One term: the shards' losses weighted by their shares.
     Several: the weighted value, with a gradient scale per term and shard (``scale_gradients``; else a value only)."""
     if not _alike(records):
         return None
     weights = settle_weights(records, sample_counts)
     dtype = torch.promote_types(losses[0].dtype, torch.float32)
     scalars = [loss.reshape(()).to(root, dtype) for loss in losses]
+    shares = [
+        _shares(term_weights, [r.terms[t].coefficient for r in records], sample_counts, root, dtype)
+        for t, term_weights in enumerate(weights)
+    ]
     if len(weights) == 1:
-        stacked = torch.stack(scalars)
-        if any(w is None for w in weights[0]):
-            return Combined(stacked.sum(), weights)
-        return Combined(weighted_mean(stacked, stack_scalars(weights[0], root, dtype)), weights)
+        return Combined(_weighted(torch.stack(scalars), shares[0]), weights)
     values = [_term_values(record, loss) for record, loss in zip(records, losses, strict=True)]
     if any(v is None for v in values):
         return None
     total = torch.zeros((), device=root, dtype=dtype)
-    for t, term_weights in enumerate(weights):
-        shares = _shares(term_weights, root, dtype)
-        total = total + (stack_scalars([v[t] for v in values], root, dtype) * shares).sum()
-        for record, share in zip(records, shares, strict=True) if scale_gradients else ():
+    for t, term_shares in enumerate(shares):
+        total = total + _weighted(stack_scalars([v[t] for v in values], root, dtype), term_shares)
+        for record, share in zip(records, term_shares, strict=True) if scale_gradients else ():
             record.terms[t].node.register_prehook(_scaled_by(share))
     if not scale_gradients:
         return Combined(total, weights)
     joined = torch.stack(scalars).sum()
     return Combined(total.detach() + (joined - joined.detach()), weights)  # each term's gradient is scaled
+
+
+def _weighted(values: Tensor, shares: Tensor) -> Tensor:
+    """``sum(share_i * value_i)``; a shard of share 0 (a mean over nothing: NaN) takes no part."""
+    return torch.where(shares > 0, values, torch.zeros_like(values)).mul(shares).sum()
 
 
 def _alike(records: Sequence[LossRecord | None]) -> bool:
@@ -282,12 +289,24 @@ def _alike(records: Sequence[LossRecord | None]) -> bool:
     )
 
 
-def _shares(weights: list[Any], root: torch.device, dtype: torch.dtype) -> Tensor:
-    """Each shard's share of a term: its count over the total (no host sync), or 1 for a sum."""
+def _shares(
+    weights: list[Any], coefficients: list[Any], sample_counts: Sequence[int], root: torch.device, dtype: torch.dtype
+) -> Tensor:
+    """Each shard's share of a term (no host sync for counts): its count over the total (1 for a sum), times the
+    whole batch's multiplier over the shard's where the term is multiplied by a count (``criterion(...) * len(y)``:
+    one device multiplies by the whole batch's)."""
     if any(w is None for w in weights):
-        return torch.ones(len(weights), device=root, dtype=dtype)
-    counts = stack_scalars(weights, root, dtype)
-    return torch.where(counts > 0, counts / counts.sum(), torch.zeros_like(counts))
+        shares = torch.ones(len(weights), device=root, dtype=dtype)
+    else:
+        counts = stack_scalars(weights, root, dtype)
+        shares = torch.where(counts > 0, counts / counts.sum(), torch.zeros_like(counts))
+    if all(not isinstance(c, Tensor) and c == coefficients[0] for c in coefficients):
+        return shares  # one number everywhere: a constant (the common case, read with no sync)
+    values = [float(c) for c in coefficients]
+    if len(set(values)) == 1 and values != [float(n) for n in sample_counts]:
+        return shares  # equal on every shard and no sample count: a constant
+    factors = stack_scalars(values, root, dtype)
+    return torch.where(factors != 0, shares * factors.sum() / factors, torch.zeros_like(shares))
 
 
 def _term_values(record: LossRecord, loss: Tensor) -> list[Tensor] | None:
@@ -356,3 +375,67 @@ def _is_parameter(node: Node) -> bool:
     while node is not None and type(node).__name__ in ("TBackward0", "PermuteBackward0", "ViewBackward0", *_PASS):
         node = node.next_functions[0][0]
     return node is not None and type(node).__name__ == "AccumulateGrad"
+
+
+def _count_targets(target: Tensor, weight: Tensor | None, ignore_index: int) -> Tensor:
+    kept = target != ignore_index
+    return kept.sum() if weight is None else torch.where(kept, weight.double()[target.where(kept, 0)], 0).sum()
+
+
+def _class_loss_count(bound: dict[str, Any]) -> Any:
+    inputs, target = bound["input"], bound["target"]
+    if target.is_floating_point():  # probabilities: a mean over samples (and positions)
+        return inputs.numel() // inputs.shape[1] if inputs.dim() > 1 else 1
+    return _count_targets(target, bound.get("weight"), bound.get("ignore_index", -100))
+
+
+def _elements(bound: dict[str, Any]) -> int:
+    return torch.broadcast_shapes(bound["input"].shape, bound["target"].shape).numel()
+
+
+#: The functional losses whose calls evaluation records, and what their mean divides by, from their arguments.
+_CALL_COUNTS: dict[Any, Callable[[dict[str, Any]], Any]] = {
+    F.cross_entropy: _class_loss_count,
+    F.nll_loss: _class_loss_count,
+    **dict.fromkeys(
+        (F.mse_loss, F.l1_loss, F.huber_loss, F.smooth_l1_loss, F.binary_cross_entropy),
+        _elements,
+    ),
+    F.binary_cross_entropy_with_logits: _elements,
+}
+
+
+class LossCalls(TorchFunctionMode):
+    """Records, while active, the outputs of torch's functional losses with what their mean divides by (``None``
+    for a sum), read from the call's own arguments: evaluation runs without autograd, so its losses carry no graph
+    to read. Only reading: every call runs once, as written."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[int, tuple[Tensor, Any]] = {}
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        output = func(*args, **kwargs)
+        count = _CALL_COUNTS.get(func)
+        if count is not None and isinstance(output, Tensor) and output.dim() == 0:
+            bound = inspect.signature(func).bind(*args, **kwargs).arguments
+            reduction = bound.get("reduction", "mean")
+            if reduction in ("mean", "sum"):
+                self.counts[id(output)] = (output, None if reduction == "sum" else count(bound))
+        return output
+
+    def count_of(self, value: Any) -> tuple[bool, Any]:
+        """Whether ``value`` is a recorded loss output, and its count (``None``: a sum)."""
+        found = self.counts.get(id(value))
+        return (found is not None and found[0] is value), (found[1] if found is not None else None)
+
+
+def recorded_weights(values: Sequence[Any], calls: Sequence[LossCalls]) -> list[Any] | None:
+    """Each shard's count for ``values`` that its loss calls recorded (``"sum"`` for sums), or ``None`` where a
+    value is not a recorded loss output."""
+    found = [recorded.count_of(value) for value, recorded in zip(values, calls, strict=True)]
+    if not all(seen for seen, _ in found):
+        return None
+    counts = [count for _, count in found]
+    return ["sum"] * len(counts) if any(count is None for count in counts) else counts

@@ -4,6 +4,7 @@ returns per replica is combined by the ``loss_reduction`` rule instead of stacke
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import types
 from collections.abc import Sequence
@@ -15,7 +16,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_mgpu.parallel.devices import DeviceLike, to_device
-from lightning_mgpu.parallel.loss_graph import combine_losses_by_record, read_loss
+from lightning_mgpu.parallel.loss_graph import LossCalls, combine_losses_by_record, read_loss, recorded_weights
 from lightning_mgpu.parallel.merge import merge_outputs
 from lightning_mgpu.parallel.replicas import OriginalOnly
 from lightning_mgpu.parallel.run_replicas import ExecutionMode
@@ -151,24 +152,32 @@ class DataParallelStrategyBase(SingleProcessParallel):
         if len(sizes) == 1:
             return original(*args_chunks[0], **kwargs_chunks[0])
 
+        evaluating = not torch.is_grad_enabled()  # no autograd record: the loss calls say their counts
+        calls = [LossCalls() for _ in sizes]
+
         def call(index: int, replica: nn.Module) -> Any:
-            return replica(*args_chunks[index], **kwargs_chunks[index])
+            with calls[index] if evaluating else contextlib.nullcontext():
+                return replica(*args_chunks[index], **kwargs_chunks[index])
 
         outputs = self._run_replicated(target, sizes, call)
         chunks = [_arguments(a, k) for a, k in zip(args_chunks, kwargs_chunks, strict=True)]
         weights = {  # a per-replica loss: combined by its rule, not stacked
-            path: self._loss_weights(target, path, outputs, chunks, sizes) for path in _floating_scalar_paths(outputs)
+            path: self._loss_weights(target, path, outputs, chunks, sizes, calls)
+            for path in _floating_scalar_paths(outputs)
         }
         return merge_outputs(outputs, self.output_device, self.dim, sizes=sizes, weights=weights)
 
     def _loss_weights(
-        self, target: nn.Module, path: str, outputs: list[Any], chunks: list[Any], sizes: list[int]
+        self, target: nn.Module, path: str, outputs: list[Any], chunks: list[Any], sizes: list[int], calls: list[Any]
     ) -> Any:
         """How a scalar the replicas returned merges: by ``loss_reduction``, else as its autograd record says (the
-        merged value itself), else per sample (said once)."""
+        merged value itself) or, in evaluation, the loss call that made it, else per sample (said once)."""
         if self.normalization is not None:
             return "sum" if self.normalization.kind == "sum" else self.normalization.weights(chunks, sizes)
         values = [dict(iter_tensors(output, "output"))[path] for output in outputs]
+        recorded = recorded_weights(values, calls)
+        if recorded is not None:
+            return "sum" if isinstance(recorded[0], str) else recorded
         combined = combine_losses_by_record(values, [read_loss(v) for v in values], sizes, self.output_device)
         if combined is not None:
             return combined.loss

@@ -3,6 +3,7 @@ scalar loss per device reaches the root, combined by the rule of :mod:`.loss_rul
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import re
@@ -14,7 +15,14 @@ import torch
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_mgpu.parallel.loss_graph import Combined, combine_losses_by_record, coupling, read_loss
+from lightning_mgpu.parallel.loss_graph import (
+    Combined,
+    LossCalls,
+    combine_losses_by_record,
+    coupling,
+    read_loss,
+    recorded_weights,
+)
 from lightning_mgpu.parallel.merge import merge_outputs
 from lightning_mgpu.parallel.run_replicas import ExecutionMode
 from lightning_mgpu.parallel.scatter_gather import split_batch
@@ -92,6 +100,7 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
     @override
     def _run_step(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         module = self.lightning_module
+        evaluating, calls = False, []
         with self._step_context(hook):
             chunks, sizes = self._split_batch(args)
             if chunks is None:
@@ -99,15 +108,22 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
             else:
                 # Counted once per step (token counts: device tensors), for the loss and its logged copies.
                 weights = self._declared_weights(hook, chunks, sizes)
+                # Evaluation has no autograd record: its loss calls say their counts while they run.
+                evaluating = hook in ("validation_step", "test_step")
+                calls = [LossCalls() for _ in sizes]  # entered only when evaluating
 
                 def call(index: int, replica: nn.Module) -> Any:
-                    return getattr(replica, hook)(chunks[index], *args[1:], **kwargs)
+                    with calls[index] if evaluating else contextlib.nullcontext():
+                        return getattr(replica, hook)(chunks[index], *args[1:], **kwargs)
 
-                outputs = self._run_replicated(module, sizes, call, partial(self._loss_copy, hook, sizes, weights))
+                copy = partial(self._loss_copy, hook, sizes, weights, calls)
+                outputs = self._run_replicated(module, sizes, call, copy)
+                if evaluating and weights is None:
+                    weights = recorded_weights([_returned_loss(output) for output in outputs], calls)
+        if evaluating and self.normalization is None and not any(c.counts for c in calls):
+            self._say_evaluation_rule(hook)  # no loss call said its count: values merge per sample
         if all_or_none(outputs, hook):
             return None
-        if chunks is not None and weights is None and hook in ("validation_step", "test_step"):
-            self._say_evaluation_rule(hook)
         if hook == "training_step":
             combine = partial(self._combine, sizes, weights)
             return reduce_training_outputs(outputs, sizes, self.root_device, combine, self.dim)
@@ -203,9 +219,12 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
             self._announced.add(key)
             self._log(message)
 
-    def _loss_copy(self, hook: str, sizes: list[int], weights: list[Any] | None, outputs: list[Any]) -> LossCopy:
+    def _loss_copy(
+        self, hook: str, sizes: list[int], weights: list[Any] | None, calls: list[Any], outputs: list[Any]
+    ) -> LossCopy:
         """Merges logged values as the loss they copy: as the step declares, by the declared rule (the returned loss),
-        else by their own autograd record (training); ``None`` for other values (merged per sample)."""
+        by their own autograd record (training) or by the loss call that made them (evaluation); ``None`` for other
+        values (merged per sample)."""
 
         def merge(values: list[Any]) -> Tensor | None:
             declared = declared_copy(values, outputs, self.root_device)
@@ -214,6 +233,9 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
             returned = [_returned_loss(output) for output in outputs]
             if weights is not None and all(same_tensor(v, r) for v, r in zip(values, returned, strict=True)):
                 return combine_losses([v.detach() for v in values], weights, self.root_device)
+            recorded = recorded_weights(values, calls)
+            if recorded is not None:
+                return combine_losses([v.detach() for v in values], recorded, self.root_device)
             if hook != "training_step" or not all(isinstance(v, Tensor) for v in values):
                 return None
             records = [read_loss(value) for value in values]

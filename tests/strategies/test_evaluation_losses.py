@@ -87,7 +87,6 @@ def assert_same(got: dict[str, float], expected: dict[str, float]) -> None:
         assert got[name] == pytest.approx(value, abs=1e-10, rel=0), name
 
 
-@pytest.mark.xfail(strict=True, reason="evaluation runs without autograd: its losses carry no record of their rule yet")
 @pytest.mark.parametrize("namespace", NAMESPACES)
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("returns", [False, True], ids=["logged-only", "returned"])
@@ -98,7 +97,6 @@ def test_logged_evaluation_losses_equal_one_device(namespace, reduction, returns
     assert_same(got, expected)
 
 
-@pytest.mark.xfail(strict=True, reason="evaluation runs without autograd: its losses carry no record of their rule yet")
 def test_a_declared_rule_serves_evaluation_and_an_accuracy_still_merges_by_samples():
     namespace = NAMESPACES[0]
     expected = run(make_module(namespace, "mean", False, log_accuracy=True), "auto", 1, namespace)
@@ -115,7 +113,6 @@ def test_an_evaluation_loss_written_in_the_step_follows_a_declared_rule_when_ret
     assert got["val_loss"] == pytest.approx(expected["val_loss"], abs=1e-10, rel=0)
 
 
-@pytest.mark.xfail(strict=True, reason="evaluation runs without autograd: its losses carry no record of their rule yet")
 def test_the_returned_validation_loss_reaches_callbacks_as_one_devices():
     namespace = NAMESPACES[0]
     L = importlib.import_module(namespace)
@@ -136,7 +133,6 @@ def test_the_returned_validation_loss_reaches_callbacks_as_one_devices():
     assert seen["three"] == pytest.approx(seen["one"], abs=1e-10, rel=0)
 
 
-@pytest.mark.xfail(strict=True, reason="evaluation runs without autograd: its losses carry no record of their rule yet")
 def test_a_transformers_models_logged_validation_loss_equals_one_device():
     namespace = NAMESPACES[0]
     L = importlib.import_module(namespace)
@@ -169,7 +165,6 @@ def test_the_loss_hooks_leave_with_the_run():
     assert not module.criterion._forward_hooks
 
 
-@pytest.mark.xfail(strict=True, reason="evaluation runs without autograd: its losses carry no record of their rule yet")
 def test_each_loss_module_call_merges_by_what_it_averaged_over():
     """One validation step with two loss modules (a token mean and a sum) and the token mean called again on other
     labels, with a shard whose labels are all ignored (its token mean is NaN and must weigh nothing): every logged

@@ -355,12 +355,7 @@ def test_num_items_in_batch_equals_one_device(root, task, strategy, passed):
     got = fit(_counted_module(task, passed, style), strategy, 2, _counted_loader(task, passed), root)
     assert "val_loss" in got.final
     assert got.unreplicated_warnings() == []
-    evaluation = ("without gradients", "no autograd record")  # evaluation: no record (issue 33, open)
-    assert [w for w in got.normalisation_warnings() if not any(e in w for e in evaluation)] == []
-    for run in (got, expected):  # evaluation losses carry no autograd record: merged per sample (issue 33, open)
-        run.final.pop("val_loss")
-        for logged in run.logged:
-            logged.pop("val_loss", None)
+    assert got.normalisation_warnings() == []
     assert_equal_runs(got, expected, atol=TOLERANCE.get(task, 1e-10))
 
 
