@@ -174,7 +174,10 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         if shape == self._read_as:
             return
         self._read_as = shape
-        if combined is None:
+        found = coupling(losses[0], sizes[0])
+        if found is not None:  # no rule is claimed for it
+            self._warn_once(f"coupled:{found}", coupling_message(self.strategy_name, found))
+        elif combined is None:
             first = records[0]
             why = (
                 "the training loss carries no autograd record (computed without gradients, or detached)"
@@ -196,9 +199,6 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
                 f"{self.strategy_name}: the training loss is {said}, as its autograd record says; the devices' losses "
                 "are combined accordingly."
             )
-        found = coupling(losses[0], sizes[0])
-        if found is not None:
-            self._warn_once(f"coupled:{found}", coupling_message(self.strategy_name, found))
 
     def _say_evaluation_rule(self, hook: str) -> None:
         """Said once: evaluation runs without autograd, so its losses carry no record; where the training loss is not a
