@@ -10,7 +10,6 @@ gradient scale per term through a pre-hook on the term's node (``torch.autograd.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,7 +18,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.overrides import TorchFunctionMode
 
 from lightning_mgpu.parallel.reduce import stack_scalars
 
@@ -49,11 +47,16 @@ def _signed(value: int) -> int:
     return value - 2**64 if value >= 2**63 else value
 
 
+def count_targets(target: Tensor, weight: Tensor | None, ignore_index: int) -> Tensor:
+    """What a class-index cross-entropy's mean divides by: its targets that are not ``ignore_index``, each counted by
+    its class weight where there are weights."""
+    kept = target != ignore_index
+    return kept.sum() if weight is None else torch.where(kept, weight.double()[target.where(kept, 0)], 0).sum()
+
+
 def _nll(node: Node) -> tuple[Tensor, Callable[[], Tensor]]:
     target, weight, ignore = node._saved_target, node._saved_weight, _signed(node._saved_ignore_index)
-    kept = target != ignore
-    # Weighted: the class weight of every counted target (the saved total weight has the input's dtype: bf16 rounds).
-    count = kept.sum() if weight is None else torch.where(kept, weight.double()[target.where(kept, 0)], 0).sum()
+    count = count_targets(target, weight, ignore)  # not the saved total weight: it has the input's dtype (bf16 rounds)
     reduction = _REDUCTION[node._saved_reduction]
     return count, lambda: F.nll_loss(node._saved_self, target, weight, ignore_index=ignore, reduction=reduction)
 
@@ -364,7 +367,7 @@ def _couples(node: Node, samples: int, top: bool) -> str | None:
             return "a product of the batch with itself (similarities between samples, as in contrastive losses)"
     if name in _REDUCE_OVER_DIM and not top and hasattr(node, "_saved_dim"):
         sizes = node._saved_self_sym_sizes if hasattr(node, "_saved_self_sym_sizes") else node._saved_self.shape
-        dims = [d % len(sizes) for d in node._saved_dim] if len(sizes) > 1 else []
+        dims = [_signed(d) % len(sizes) for d in node._saved_dim] if len(sizes) > 1 else []
         if 0 in dims and sizes[0] == samples:
             return f"a reduction over the batch dimension ({name.removesuffix('Backward0').removesuffix('Backward1')})"
     return None
@@ -375,67 +378,3 @@ def _is_parameter(node: Node) -> bool:
     while node is not None and type(node).__name__ in ("TBackward0", "PermuteBackward0", "ViewBackward0", *_PASS):
         node = node.next_functions[0][0]
     return node is not None and type(node).__name__ == "AccumulateGrad"
-
-
-def _count_targets(target: Tensor, weight: Tensor | None, ignore_index: int) -> Tensor:
-    kept = target != ignore_index
-    return kept.sum() if weight is None else torch.where(kept, weight.double()[target.where(kept, 0)], 0).sum()
-
-
-def _class_loss_count(bound: dict[str, Any]) -> Any:
-    inputs, target = bound["input"], bound["target"]
-    if target.is_floating_point():  # probabilities: a mean over samples (and positions)
-        return inputs.numel() // inputs.shape[1] if inputs.dim() > 1 else 1
-    return _count_targets(target, bound.get("weight"), bound.get("ignore_index", -100))
-
-
-def _elements(bound: dict[str, Any]) -> int:
-    return torch.broadcast_shapes(bound["input"].shape, bound["target"].shape).numel()
-
-
-#: The functional losses whose calls evaluation records, and what their mean divides by, from their arguments.
-_CALL_COUNTS: dict[Any, Callable[[dict[str, Any]], Any]] = {
-    F.cross_entropy: _class_loss_count,
-    F.nll_loss: _class_loss_count,
-    **dict.fromkeys(
-        (F.mse_loss, F.l1_loss, F.huber_loss, F.smooth_l1_loss, F.binary_cross_entropy),
-        _elements,
-    ),
-    F.binary_cross_entropy_with_logits: _elements,
-}
-
-
-class LossCalls(TorchFunctionMode):
-    """Records, while active, the outputs of torch's functional losses with what their mean divides by (``None``
-    for a sum), read from the call's own arguments: evaluation runs without autograd, so its losses carry no graph
-    to read. Only reading: every call runs once, as written."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: dict[int, tuple[Tensor, Any]] = {}
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        output = func(*args, **kwargs)
-        count = _CALL_COUNTS.get(func)
-        if count is not None and isinstance(output, Tensor) and output.dim() == 0:
-            bound = inspect.signature(func).bind(*args, **kwargs).arguments
-            reduction = bound.get("reduction", "mean")
-            if reduction in ("mean", "sum"):
-                self.counts[id(output)] = (output, None if reduction == "sum" else count(bound))
-        return output
-
-    def count_of(self, value: Any) -> tuple[bool, Any]:
-        """Whether ``value`` is a recorded loss output, and its count (``None``: a sum)."""
-        found = self.counts.get(id(value))
-        return (found is not None and found[0] is value), (found[1] if found is not None else None)
-
-
-def recorded_weights(values: Sequence[Any], calls: Sequence[LossCalls]) -> list[Any] | None:
-    """Each shard's count for ``values`` that its loss calls recorded (``"sum"`` for sums), or ``None`` where a
-    value is not a recorded loss output."""
-    found = [recorded.count_of(value) for value, recorded in zip(values, calls, strict=True)]
-    if not all(seen for seen, _ in found):
-        return None
-    counts = [count for _, count in found]
-    return ["sum"] * len(counts) if any(count is None for count in counts) else counts

@@ -16,7 +16,8 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_mgpu.parallel.devices import DeviceLike, to_device
-from lightning_mgpu.parallel.loss_graph import LossCalls, combine_losses_by_record, read_loss, recorded_weights
+from lightning_mgpu.parallel.loss_calls import LossCalls, recorded_weights
+from lightning_mgpu.parallel.loss_graph import combine_losses_by_record, read_loss
 from lightning_mgpu.parallel.merge import merge_outputs
 from lightning_mgpu.parallel.replicas import OriginalOnly
 from lightning_mgpu.parallel.run_replicas import ExecutionMode

@@ -15,13 +15,12 @@ import torch
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_mgpu.parallel.loss_calls import LossCalls, recorded_weights
 from lightning_mgpu.parallel.loss_graph import (
     Combined,
-    LossCalls,
     combine_losses_by_record,
     coupling,
     read_loss,
-    recorded_weights,
 )
 from lightning_mgpu.parallel.merge import merge_outputs
 from lightning_mgpu.parallel.run_replicas import ExecutionMode

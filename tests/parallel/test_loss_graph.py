@@ -137,3 +137,10 @@ def test_a_term_multiplied_by_each_shards_count_is_multiplied_by_the_whole_batch
     loss, whole, grad, whole_grad = _shards_against_the_whole(lambda z, d: _ce(z, d) * z.shape[0], 3)
     torch.testing.assert_close(loss, whole, rtol=0, atol=1e-12)
     torch.testing.assert_close(grad, whole_grad, rtol=0, atol=1e-12)
+
+
+def test_a_layer_norm_over_the_last_dimension_is_no_coupling():
+    """T5's RMS norm, ``x.pow(2).mean(-1)``: torch saves dim -1 unsigned (2**64 - 1), which is no batch dimension."""
+    z = (X @ torch.randn(C, 4, dtype=torch.float64, requires_grad=True).T).reshape(N, 1, C)
+    normed = z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + 1e-6)
+    assert coupling(F.mse_loss(normed.squeeze(1), DENSE), N) is None

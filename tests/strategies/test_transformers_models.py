@@ -168,13 +168,12 @@ def _dropout_run(root: Any, reduction: str) -> Run:
 
 
 def test_auto_with_dropout_equals_the_declared_run_bit_for_bit(root):
-    """Dropout on (config defaults): the auto run equals, bit for bit, the run with ``loss_reduction`` declared —
-    same dropout masks (no extra forward drew from the RNG), same losses, logs, parameters — in train mode."""
+    """Dropout on (config defaults): the auto run equals the run with ``loss_reduction`` declared to rounding (the two
+    combine in another order) — same dropout masks (no extra forward drew from the RNG: another mask moves the loss
+    by 1e-2), same losses, logs, parameters — in train mode."""
     auto = _dropout_run(root, "auto")
     explicit = _dropout_run(root, EXPECTED_RULE["masked_lm"])
-    assert torch.equal(auto.params, explicit.params)
-    assert auto.losses == explicit.losses
-    assert auto.logged == explicit.logged and auto.final == explicit.final
+    assert_equal_runs(auto, explicit, atol=1e-13)
     assert auto.module.training and all(m.training for m in auto.module.modules())
 
 
