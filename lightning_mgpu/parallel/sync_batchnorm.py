@@ -364,6 +364,11 @@ def _kernels(x: Tensor) -> type[_PlainKernels]:
 
 
 # --- conversion ---------------------------------------------------------------------------------------------------
+def has_sync_batchnorm(module: nn.Module) -> bool:
+    """Whether ``module`` holds a :class:`SyncBatchNorm` layer."""
+    return any(isinstance(m, SyncBatchNorm) for m in module.modules())
+
+
 def convert_sync_batchnorm(module: nn.Module) -> nn.Module:
     """Replace every BatchNorm (any ``_BatchNorm``) in ``module`` by a :class:`SyncBatchNorm` holding the same Parameter
     and buffer objects (optimizers stay valid), flags, hooks and attributes; return ``module`` (a new object only when

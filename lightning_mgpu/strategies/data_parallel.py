@@ -38,6 +38,8 @@ class DataParallelStrategyBase(SingleProcessParallel):
             forward argument (``tokens:labels`` for ``labels=``, ``tokens:1`` for the second positional one).
         dim: the batch dimension of inputs and outputs.
         execution_mode: ``"auto"`` (threads on distinct GPUs, else sequential), ``"threads"`` or ``"sequential"``.
+        sync_batchnorm: BatchNorm layers normalise with the whole batch's statistics, as on one device (their
+            replicas meet at each layer, so they run in threads); ``False``: each shard's own statistics.
     """
 
     strategy_name = "dp"
@@ -55,9 +57,17 @@ class DataParallelStrategyBase(SingleProcessParallel):
         loss_reduction: str = "auto",
         dim: int = 0,
         execution_mode: ExecutionMode = "auto",
+        sync_batchnorm: bool = True,
     ) -> None:
         super().__init__(
-            accelerator, parallel_devices, checkpoint_io, precision_plugin, dim, execution_mode, loss_reduction
+            accelerator,
+            parallel_devices,
+            checkpoint_io,
+            precision_plugin,
+            dim,
+            execution_mode,
+            loss_reduction,
+            sync_batchnorm,
         )
         self._output_device = None if output_device is None else to_device(output_device)  # a clear error now
         self.parallel_modules = _checked_module_names(parallel_modules)

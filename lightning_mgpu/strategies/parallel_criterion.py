@@ -58,6 +58,8 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
             ``reduce_boolean_decision``; ``None``: read once from the module's classes' source code.
         dim: the batch dimension to split along.
         execution_mode: ``"auto"`` (threads on distinct GPUs, else sequential), ``"threads"`` or ``"sequential"``.
+        sync_batchnorm: BatchNorm layers normalise with the whole batch's statistics, as on one device (their
+            replicas meet at each layer, so they run in threads); ``False``: each shard's own statistics.
 
     In a step, ``self`` is the device's replica (an attribute rebound there stays on it) and sees its shard. Manual
     optimization is refused (every replica would step the optimizer): use ``strategy="dp"``.
@@ -75,9 +77,17 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         collectives: bool | None = None,
         dim: int = 0,
         execution_mode: ExecutionMode = "auto",
+        sync_batchnorm: bool = True,
     ) -> None:
         super().__init__(
-            accelerator, parallel_devices, checkpoint_io, precision_plugin, dim, execution_mode, loss_reduction
+            accelerator,
+            parallel_devices,
+            checkpoint_io,
+            precision_plugin,
+            dim,
+            execution_mode,
+            loss_reduction,
+            sync_batchnorm,
         )
         self.collectives = collectives
         #: Per term of the last training step's loss, the whole batch's count (``None`` for a sum term); ``None`` when

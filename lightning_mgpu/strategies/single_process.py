@@ -154,6 +154,7 @@ class SingleProcessParallel:
         dim: int,
         execution_mode: ExecutionMode,
         loss_reduction: str,
+        sync_batchnorm: bool = True,
     ) -> None:
         # A mixin: ParallelStrategy(accelerator, parallel_devices, cluster_environment, ...) is next in the MRO.
         super().__init__(accelerator, parallel_devices, None, checkpoint_io, precision_plugin)  # type: ignore[call-arg]
@@ -165,6 +166,9 @@ class SingleProcessParallel:
         self.execution_mode: ExecutionMode = execution_mode
         self.normalization = LossNormalization.parse(loss_reduction)
         self.loss_reduction = loss_reduction
+        if not isinstance(sync_batchnorm, bool):
+            raise TypeError(f"sync_batchnorm must be True or False, got {sync_batchnorm!r}.")
+        self.sync_batchnorm = sync_batchnorm
         self._replicas = ReplicaCache(partial(LightningReplicas, namespace=self.namespace))
         self._converted_batchnorm = False
         self._announced: set[str] = set()
@@ -259,7 +263,8 @@ class SingleProcessParallel:
     # --- set-up and teardown -----------------------------------------------------------------------------------------
     @override
     def setup(self, trainer: Any) -> None:
-        if self._layer_sync is not None and not self._converted_batchnorm:
+        synchronised = self._layer_sync is not None or (self.sync_batchnorm and len(self.parallel_devices) > 1)
+        if synchronised and not self._converted_batchnorm:
             # Before the optimizers exist; the converted layers keep the same Parameter objects anyway.
             sync_batchnorm.convert_sync_batchnorm(trainer.lightning_module)
             self._converted_batchnorm = True
@@ -281,7 +286,7 @@ class SingleProcessParallel:
         chosen = " (execution_mode='auto')" if self.execution_mode == "auto" else ""
         meets = self._collectives_reason(self.lightning_module)
         notice = None if meets is None else _meeting_notice(meets)  # the key of _mode_for's override notice
-        if meets is None and self._layer_sync is not None:
+        if meets is None and sync_batchnorm.has_sync_batchnorm(self.lightning_module):
             meets, notice = SYNC_BATCHNORM_THREADS.partition(":")[0], SYNC_BATCHNORM_THREADS
         if meets is not None and not threads:
             threads, chosen = True, f" ({meets})"
@@ -291,9 +296,23 @@ class SingleProcessParallel:
         virtual = f"; virtual devices: {physical} physical device(s)" if physical < len(devices) else ""
         where = ", ".join(map(str, devices))
         mode = "in threads, one per device" if threads else "one after another"
-        self._log(f"{self.strategy_name}: {len(devices)} replicas on {where}{virtual}; replicas run {mode}{chosen}.")
+        self._log(
+            f"{self.strategy_name}: {len(devices)} replicas on {where}{virtual}; replicas run {mode}{chosen}"
+            f"{self._batchnorm_words()}."
+        )
         for module in self._replicated_modules():
             say_split_sensitive_layers(module, self.strategy_name)
+
+    def _batchnorm_words(self) -> str:
+        """What the set-up line says of BatchNorm layers, where the module has any."""
+        if sync_batchnorm.has_sync_batchnorm(self.lightning_module):
+            return (
+                f"; BatchNorm synchronised across the replicas, as one device on the whole batch (opt out: "
+                f"{type(self).__name__}(sync_batchnorm=False))"
+            )
+        if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in self.lightning_module.modules()):
+            return "; BatchNorm normalises each shard with its own statistics (sync_batchnorm=False)"
+        return ""
 
     def _replicated_modules(self) -> list[nn.Module]:
         return [self.lightning_module]

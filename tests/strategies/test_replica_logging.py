@@ -414,7 +414,12 @@ class HookedFeatures(Classifier):
 def test_a_dict_that_replicas_share_and_write_tensors_into_is_said_once_with_the_fix(strategy, sync, says, how, path):
     module = seeded(HookedFeatures, how=how)
     with pytest.warns(UserWarning, match=rf"`HookedFeatures.{path}` got tensors.*{says}") as seen:
-        trainer(strategy, 3, max_steps=2, sync_batchnorm=sync, enable_progress_bar=True).fit(module, loader(7, n=14))
+        named = {
+            "parallel_criterion": lightning_mgpu.ParallelCriterionStrategy,
+            "dp": lightning_mgpu.DataParallelStrategy,
+        }
+        chosen = named[strategy](sync_batchnorm=sync)  # synchronised by default: the option opts out
+        trainer(chosen, 3, max_steps=2, enable_progress_bar=True).fit(module, loader(7, n=14))
     assert sum(f"`HookedFeatures.{path}` got tensors" in str(w.message) for w in seen) == 1
 
 

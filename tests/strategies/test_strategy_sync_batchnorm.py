@@ -38,18 +38,19 @@ def _fit(module: Any, strategy: Any, devices: int, namespace: str = "lightning.p
 @pytest.mark.parametrize("namespace", NAMESPACES)
 @pytest.mark.parametrize("strategy", ["parallel_criterion", "dp"])
 def test_sync_batchnorm_trains_exactly_as_one_device(strategy, namespace, caplog, recwarn):
-    """Equal to one device, running statistics included; the set-up line says the replicas run in threads and why,
-    once (no override warning repeats it at the first step)."""
+    """By default (no option anywhere): equal to one device, running statistics included; the set-up line says the
+    replicas run in threads and why, and how to opt out, once (no override warning repeats it at the first step)."""
     base = seeded(normalized_classifier(namespace))
     single, multi = clone(base), clone(base)
     reference = _fit(single, "auto", 1, namespace)
     with caplog.at_level(logging.INFO, logger=namespace):
-        synced = _fit(multi, strategy, 3, namespace, sync_batchnorm=True)  # batches of 10: shards 4, 3, 3
+        synced = _fit(multi, strategy, 3, namespace)  # batches of 10: shards 4, 3, 3
     said = [r.getMessage() for r in caplog.records if "SyncBatchNorm" in r.getMessage()]
     assert said == [
         f"{synced.strategy.strategy_name}: 3 replicas on cpu, cpu, cpu; virtual devices: 1 physical device(s); "
         "replicas run in threads, one per device (SyncBatchNorm layers make the replicas meet inside every BatchNorm "
-        "layer)."
+        "layer); BatchNorm synchronised across the replicas, as one device on the whole batch (opt out: "
+        f"{type(synced.strategy).__name__}(sync_batchnorm=False))."
     ]
     assert not [w for w in recwarn if "SyncBatchNorm" in str(w.message)]
     torch.testing.assert_close(_state(multi), _state(single), rtol=0, atol=1e-10)  # running statistics included
@@ -60,12 +61,14 @@ def test_sync_batchnorm_trains_exactly_as_one_device(strategy, namespace, caplog
     assert set(multi.state_dict()) == set(single.state_dict())  # plain BatchNorm keys in checkpoints
 
 
-def test_without_sync_batchnorm_shards_normalise_alone():
-    """The reason for the option: per-shard statistics drift from one device from the first step."""
+def test_opting_out_of_sync_batchnorm_normalises_each_shard_alone_and_says_so(caplog):
+    """The reason for the default: per-shard statistics drift from one device from the first step."""
     base = seeded(normalized_classifier())
     single, multi = clone(base), clone(base)
     _fit(single, "auto", 1)
-    _fit(multi, "parallel_criterion", 3)
+    with caplog.at_level(logging.INFO):
+        _fit(multi, lightning_mgpu.ParallelCriterionStrategy(sync_batchnorm=False), 3)
+    assert any("BatchNorm normalises each shard with its own statistics" in r.getMessage() for r in caplog.records)
     assert (_state(multi) - _state(single)).abs().max() > 1e-4
 
 
