@@ -253,35 +253,38 @@ def combine_losses_by_record(
     """The whole batch's loss on ``root`` from the shards' ``losses`` and their records, or ``None`` when the
     records do not say (no record, a node the reader does not know, shards whose losses were built differently,
     several terms whose values no saved tensor recomputes). One term: the shards' losses weighted by their shares.
-    Several: the weighted value, with a gradient scale per term and shard (``scale_gradients``; else a value only)."""
+    Several: the weighted value, with a gradient scale per term and shard (``scale_gradients``; else a value only).
+    A few tensor operations in all, whatever the number of terms and shards: no host sync."""
     if not _alike(records):
         return None
     weights = settle_weights(records, sample_counts)
     dtype = torch.promote_types(losses[0].dtype, torch.float32)
-    scalars = [loss.reshape(()).to(root, dtype) for loss in losses]
-    shares = [
-        _shares(term_weights, [r.terms[t].coefficient for r in records], sample_counts, root, dtype)
-        for t, term_weights in enumerate(weights)
-    ]
+    stacked = _on(losses, root, dtype)
+    shares = _shares(weights, records, sample_counts, root, dtype)  # (terms, shards)
     if len(weights) == 1:
-        return Combined(_weighted(torch.stack(scalars), shares[0]), weights)
+        return Combined(_weighted(stacked, shares[0]), weights)
     values = [_term_values(record, loss) for record, loss in zip(records, losses, strict=True)]
     if any(v is None for v in values):
         return None
-    total = torch.zeros((), device=root, dtype=dtype)
-    for t, term_shares in enumerate(shares):
-        total = total + _weighted(stack_scalars([v[t] for v in values], root, dtype), term_shares)
-        for record, share in zip(records, term_shares, strict=True) if scale_gradients else ():
-            record.terms[t].node.register_prehook(_scaled_by(share))
+    total = _weighted(_on([v for shard in values for v in shard], root, dtype).view(len(losses), -1).T, shares)
     if not scale_gradients:
         return Combined(total, weights)
-    joined = torch.stack(scalars).sum()
+    for t, term_shares in enumerate(shares.unbind()):
+        for record, share in zip(records, term_shares.unbind(), strict=True):
+            record.terms[t].node.register_prehook(_scaled_by(share))
+    joined = stacked.sum()
     return Combined(total.detach() + (joined - joined.detach()), weights)  # each term's gradient is scaled
 
 
+def _on(values: Sequence[Any], root: torch.device, dtype: torch.dtype) -> Tensor:
+    """Numbers and one-element tensors as one 1-D tensor on ``root``: one stack, one copy per device met."""
+    tensors = [torch.as_tensor(v).reshape(()) for v in values]
+    return torch.stack([t if t.device == root else t.to(root) for t in tensors]).to(dtype)
+
+
 def _weighted(values: Tensor, shares: Tensor) -> Tensor:
-    """``sum(share_i * value_i)``; a shard of share 0 (a mean over nothing: NaN) takes no part."""
-    return torch.where(shares > 0, values, torch.zeros_like(values)).mul(shares).sum()
+    """``sum(share * value)``; a shard of share 0 (a mean over nothing: NaN) takes no part."""
+    return torch.where(shares > 0, values, 0).mul(shares).sum()
 
 
 def _alike(records: Sequence[LossRecord | None]) -> bool:
@@ -293,35 +296,47 @@ def _alike(records: Sequence[LossRecord | None]) -> bool:
 
 
 def _shares(
-    weights: list[Any], coefficients: list[Any], sample_counts: Sequence[int], root: torch.device, dtype: torch.dtype
+    weights: list[list[Any]],
+    records: Sequence[LossRecord],
+    sample_counts: Sequence[int],
+    root: torch.device,
+    dtype: torch.dtype,
 ) -> Tensor:
-    """Each shard's share of a term (no host sync for counts): its count over the total (1 for a sum), times the
+    """Each term's (rows) share of each shard (columns): its count over the term's total (1 in a sum), times the
     whole batch's multiplier over the shard's where the term is multiplied by a count (``criterion(...) * len(y)``:
     one device multiplies by the whole batch's)."""
-    if any(w is None for w in weights):
-        shares = torch.ones(len(weights), device=root, dtype=dtype)
-    else:
-        counts = stack_scalars(weights, root, dtype)
-        shares = torch.where(counts > 0, counts / counts.sum(), torch.zeros_like(counts))
-    if all(not isinstance(c, Tensor) and c == coefficients[0] for c in coefficients):
-        return shares  # one number everywhere: a constant (the common case, read with no sync)
+    counts = _on([1 if w is None else w for term in weights for w in term], root, dtype).view(len(weights), -1)
+    sums = torch.tensor([any(w is None for w in term) for term in weights], device=root)[:, None]
+    shares = torch.where(sums, counts, torch.where(counts > 0, counts / counts.sum(1, keepdim=True), 0))
+    for t in range(len(weights)):
+        coefficients = [record.terms[t].coefficient for record in records]
+        if any(isinstance(c, Tensor) or c != coefficients[0] for c in coefficients):
+            shares[t] = _by_multiplier(shares[t], coefficients, sample_counts)
+    return shares
+
+
+def _by_multiplier(shares: Tensor, coefficients: list[Any], sample_counts: Sequence[int]) -> Tensor:
+    """A term's shares where the shards multiply it by different numbers: each a count (the whole batch's over the
+    shard's), unless equal on every shard and no sample count (a constant)."""
     values = [float(c) for c in coefficients]
     if len(set(values)) == 1 and values != [float(n) for n in sample_counts]:
-        return shares  # equal on every shard and no sample count: a constant
-    factors = stack_scalars(values, root, dtype)
-    return torch.where(factors != 0, shares * factors.sum() / factors, torch.zeros_like(shares))
+        return shares
+    factors = torch.tensor(values, device=shares.device, dtype=shares.dtype)
+    return torch.where(factors != 0, shares * factors.sum() / factors, 0)
 
 
 def _term_values(record: LossRecord, loss: Tensor) -> list[Tensor] | None:
-    """Each term's part of ``loss``; at most one term with no recomputable value is the remainder."""
-    values = [term.contribution() for term in record.terms]
-    missing = [t for t, v in enumerate(values) if v is None]
+    """Each term's part of ``loss``: recomputed from saved tensors, one term (the one no saved tensor recomputes,
+    else the last) being the remainder; ``None`` where two terms cannot be recomputed."""
+    terms = record.terms
+    missing = [t for t, term in enumerate(terms) if term.value is None]
     if len(missing) > 1:
         return None
-    if missing:
-        known = [v.detach().to(loss.device, loss.dtype) for v in values if v is not None]
-        values[missing[0]] = loss.detach().reshape(()) - sum(known, torch.zeros((), device=loss.device))
-    return [v.detach() for v in values]
+    rest = missing[0] if missing else len(terms) - 1
+    values: list[Any] = [None if t == rest else term.contribution().detach() for t, term in enumerate(terms)]
+    known = sum((v.to(loss.device, loss.dtype) for v in values if v is not None), torch.zeros((), device=loss.device))
+    values[rest] = loss.detach().reshape(()) - known
+    return values
 
 
 def _scaled_by(share: Tensor) -> Callable[[tuple[Tensor | None, ...]], tuple[Tensor | None, ...]]:
