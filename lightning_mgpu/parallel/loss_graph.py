@@ -138,6 +138,8 @@ def _walk(node: Node, coefficient: Any, record: LossRecord) -> None:  # noqa: C9
         count, value = LOSS_NODES[name](node)
         sums = _REDUCTION[node._saved_reduction] == "sum"
         record.terms.append(Term(node, name, None if sums else count, coefficient, value))
+    elif (name in _MEANS or name in _SUMS) and _of_parameters(node):
+        record.terms.append(Term(node, f"{name} of the parameters", 1, coefficient))  # alike on every shard: once
     elif name in _MEANS:
         record.terms.append(Term(node, name, torch.Size(node._saved_self_sym_sizes).numel(), coefficient))
     elif name in _SUMS:
@@ -163,6 +165,31 @@ def _walk(node: Node, coefficient: Any, record: LossRecord) -> None:  # noqa: C9
             _walk(children[0], coefficient / other if divides else coefficient * other, record)
     else:
         record.unknown = record.unknown or name
+
+
+_SAVED: dict[type, list[str]] = {}  # each node type's saved attributes, listed once
+
+
+def _of_parameters(node: Node, limit: int = 64) -> bool:
+    """Whether a reduction reads the parameters alone (a weight regulariser, ``sum(p.pow(2).sum() for p in ...)``):
+    every node below it saves only tensors that require gradients (parameters and what is computed from them) or
+    0-dim constants, so every shard computes the same value, which one device counts once. A node that saves data
+    (a batch, statistics) or a graph larger than ``limit`` nodes says no."""
+    seen, stack = 0, [child for child, _ in node.next_functions]
+    while stack:
+        node = stack.pop()
+        if node is None or type(node).__name__ == "AccumulateGrad":
+            continue
+        seen += 1
+        names = _SAVED.setdefault(type(node), [a for a in dir(node) if a.startswith("_saved_")])
+        for name in names:
+            value = getattr(node, name)
+            if isinstance(value, Tensor) and not value.requires_grad and value.dim() > 0:
+                return False
+        if seen > limit:
+            return False
+        stack.extend(child for child, _ in node.next_functions)
+    return True
 
 
 def _constant_other(node: Node, children: list[Node]) -> bool:
@@ -261,19 +288,50 @@ def combine_losses_by_record(
     dtype = torch.promote_types(losses[0].dtype, torch.float32)
     stacked = _on(losses, root, dtype)
     shares = _shares(weights, records, sample_counts, root, dtype)  # (terms, shards)
+    if scale_gradients:
+        _leave_out_empty_shards(records, weights, shares)
     if len(weights) == 1:
         return Combined(_weighted(stacked, shares[0]), weights)
-    values = [_term_values(record, loss) for record, loss in zip(records, losses, strict=True)]
-    if any(v is None for v in values):
+    possible, rest = _remainder(records, shares)
+    if not possible:
         return None
+    values = [_term_values(record, loss, rest) for record, loss in zip(records, losses, strict=True)]
     total = _weighted(_on([v for shard in values for v in shard], root, dtype).view(len(losses), -1).T, shares)
     if not scale_gradients:
         return Combined(total, weights)
     for t, term_shares in enumerate(shares.unbind()):
         for record, share in zip(records, term_shares.unbind(), strict=True):
             record.terms[t].node.register_prehook(_scaled_by(share))
-    joined = stacked.sum()
-    return Combined(total.detach() + (joined - joined.detach()), weights)  # each term's gradient is scaled
+    # The value is the total; the shards' losses carry each term's scaled gradient (a NaN over nothing included).
+    return Combined(total.detach() + _GradientOnly.apply(stacked.sum()), weights)
+
+
+def _leave_out_empty_shards(records: Sequence[LossRecord], weights: list[list[Any]], shares: Tensor) -> None:
+    """A shard whose count is 0 (no target in its part of a token mean: 0/0) takes no part in backward: a gradient of
+    0 times its NaN would poison the parameters, which one device never sees. Counts on a device are read once
+    (one host sync, only where a count is a tensor: sample counts cannot be 0)."""
+    if not any(isinstance(w, Tensor) for term in weights for w in term):
+        return
+    for t, term_alive in enumerate((shares > 0).tolist()):
+        for record, alive in zip(records, term_alive, strict=True):
+            if not alive:
+                record.terms[t].node.register_prehook(_no_gradient)
+
+
+def _no_gradient(grad_outputs: tuple[Tensor | None, ...]) -> tuple[None, ...]:
+    return (None,) * len(grad_outputs)
+
+
+class _GradientOnly(torch.autograd.Function):
+    """0 in value, the identity in backward: carries gradients beside a value computed apart."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: Tensor) -> Tensor:
+        return torch.zeros_like(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        return grad
 
 
 def _on(values: Sequence[Any], root: torch.device, dtype: torch.dtype) -> Tensor:
@@ -325,18 +383,28 @@ def _by_multiplier(shares: Tensor, coefficients: list[Any], sample_counts: Seque
     return torch.where(factors != 0, shares * factors.sum() / factors, 0)
 
 
-def _term_values(record: LossRecord, loss: Tensor) -> list[Tensor] | None:
-    """Each term's part of ``loss``: recomputed from saved tensors, one term (the one no saved tensor recomputes,
-    else the last) being the remainder; ``None`` where two terms cannot be recomputed."""
-    terms = record.terms
-    missing = [t for t, term in enumerate(terms) if term.value is None]
-    if len(missing) > 1:
-        return None
-    rest = missing[0] if missing else len(terms) - 1
-    values: list[Any] = [None if t == rest else term.contribution().detach() for t, term in enumerate(terms)]
+def _term_values(record: LossRecord, loss: Tensor, rest: int | None) -> list[Tensor]:
+    """Each term's part of ``loss``, recomputed from saved tensors; term ``rest`` is the remainder (with every other
+    term no saved tensor recomputes, which the caller has checked share its weights), those others 0."""
+    values: list[Any] = [
+        None if t == rest else torch.zeros(()) if term.value is None else term.contribution().detach()
+        for t, term in enumerate(record.terms)
+    ]
+    if rest is None:
+        return values
     known = sum((v.to(loss.device, loss.dtype) for v in values if v is not None), torch.zeros((), device=loss.device))
     values[rest] = loss.detach().reshape(()) - known
     return values
+
+
+def _remainder(records: Sequence[LossRecord], shares: Tensor) -> tuple[bool, int | None]:
+    """Whether the terms' values can be had, and the term whose value is the remainder: the one no saved tensor
+    recomputes (several such terms must share their weights, as a regulariser's parts do), or ``None`` when every
+    term is recomputed (a term over nothing, NaN on its shard, then stays out of the others)."""
+    missing = [t for t, term in enumerate(records[0].terms) if any(r.terms[t].value is None for r in records)]
+    if not missing:
+        return True, None
+    return all(torch.equal(shares[missing[0]], shares[t]) for t in missing[1:]), missing[0]
 
 
 def _scaled_by(share: Tensor) -> Callable[[tuple[Tensor | None, ...]], tuple[Tensor | None, ...]]:

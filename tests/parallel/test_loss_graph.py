@@ -144,3 +144,56 @@ def test_a_layer_norm_over_the_last_dimension_is_no_coupling():
     z = (X @ torch.randn(C, 4, dtype=torch.float64, requires_grad=True).T).reshape(N, 1, C)
     normed = z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + 1e-6)
     assert coupling(F.mse_loss(normed.squeeze(1), DENSE), N) is None
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_a_regulariser_of_the_weights_counts_once_as_on_one_device(reduction: str):
+    """``loss + λ * sum(p.pow(2).sum() ...)``: every shard computes the same regulariser, which one device adds once
+    (as a sum it was added once per shard; its parts, which no saved tensor recomputes, are one remainder)."""
+    weight = torch.randn(C, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    bias = torch.zeros(C, dtype=torch.float64, requires_grad=True)
+
+    def loss(x: Tensor, y: Tensor) -> Tensor:
+        data = F.cross_entropy(x @ weight.T + bias, y, reduction=reduction)
+        return data + 1e-1 * sum(p.pow(2).sum() for p in (weight, bias)) + 1e-2 * weight.abs().mean()
+
+    whole = loss(X, Y)
+    whole_grads = torch.autograd.grad(whole, (weight, bias))
+    parts = torch.tensor_split(torch.arange(N), 3)
+    losses = [loss(X[p], Y[p]) for p in parts]
+    records = [read_loss(x) for x in losses]
+    assert sum("of the parameters" in term.name for term in records[0].terms) == 3
+    combined = combine_losses_by_record(losses, records, [len(p) for p in parts], X.device)
+    torch.testing.assert_close(combined.loss, whole, rtol=0, atol=1e-12)
+    for got, expected in zip(torch.autograd.grad(combined.loss, (weight, bias)), whole_grads, strict=True):
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+
+
+def test_an_activation_penalty_is_no_regulariser_of_the_weights():
+    """A penalty on what the batch makes (``h.pow(2).mean()``) depends on the shard: a mean over its elements."""
+    weight = torch.randn(C, 4, dtype=torch.float64, requires_grad=True)
+    hidden = X @ weight.T
+    (term,) = read_loss(hidden.pow(2).mean()).terms
+    assert term.name == "MeanBackward0" and term.count == N * C
+
+
+@pytest.mark.parametrize("name", ["cross_entropy", "masked mean", "tokens + samples (BERT pre-training)"])
+def test_a_shard_with_nothing_to_count_leaves_no_nan_in_the_gradient(name: str):
+    """A shard whose labels are all ignored (or whose mask is empty) has a 0/0 loss; one device never sees it, so
+    it must not reach backward (0 times its NaN gradient is NaN)."""
+    weight = torch.randn(C, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    ignored = Y.clone()
+    ignored[:4] = -100
+    rows = ROWS.clone()
+    rows[:4] = -100
+    mask = MASK.clone()
+    mask[:4] = 0
+    data = (ignored, rows, DENSE, mask)
+    whole = CASES[name](X @ weight.T, data)
+    (whole_grad,) = torch.autograd.grad(whole, weight)
+    parts = torch.tensor_split(torch.arange(N), 3)  # the first shard, rows 0-3, has nothing to count
+    losses = [CASES[name](X[p] @ weight.T, tuple(d[p] for d in data)) for p in parts]
+    combined = combine_losses_by_record(losses, [read_loss(x) for x in losses], [len(p) for p in parts], X.device)
+    (grad,) = torch.autograd.grad(combined.loss, weight)
+    torch.testing.assert_close(combined.loss, whole, rtol=0, atol=1e-12)
+    torch.testing.assert_close(grad, whole_grad, rtol=0, atol=1e-12)
