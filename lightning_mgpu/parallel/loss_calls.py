@@ -9,7 +9,8 @@ as written: the mode only reads.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-from lightning_mgpu.parallel.loss_graph import count_targets
+from lightning_mgpu.parallel.loss_graph import LossRecord, Term, count_targets
 
 
 def _class_loss_count(bound: dict[str, Any]) -> Any:
@@ -31,49 +32,83 @@ def _elements(bound: dict[str, Any]) -> int:
     return torch.broadcast_shapes(bound["input"].shape, bound["target"].shape).numel()
 
 
+def _batch_mean(bound: dict[str, Any]) -> int:  # kl_div(reduction="batchmean")
+    return bound["input"].shape[0] if bound["input"].dim() > 0 else 1
+
+
+def _ctc_samples(bound: dict[str, Any]) -> int:  # a mean over samples of each one's loss over its target length
+    log_probs = bound["log_probs"]
+    return log_probs.shape[1] if log_probs.dim() == 3 else 1
+
+
 #: The functional losses whose calls evaluation records, and what their mean divides by, from their arguments.
 _CALL_COUNTS: dict[Any, Callable[[dict[str, Any]], Any]] = {
     F.cross_entropy: _class_loss_count,
     F.nll_loss: _class_loss_count,
     **dict.fromkeys(
-        (F.mse_loss, F.l1_loss, F.huber_loss, F.smooth_l1_loss, F.binary_cross_entropy),
+        (F.mse_loss, F.l1_loss, F.huber_loss, F.smooth_l1_loss, F.binary_cross_entropy, F.kl_div),
         _elements,
     ),
     F.binary_cross_entropy_with_logits: _elements,
+    F.ctc_loss: _ctc_samples,
 }
+_SIGNS = {"add": 1, "__add__": 1, "__radd__": 1, "sub": -1, "__sub__": -1}
+_SCALES = {"mul": 1, "__mul__": 1, "__rmul__": 1, "div": -1, "__truediv__": -1}
 
 
 class LossCalls(TorchFunctionMode):
-    """Records, while active, the outputs of torch's functional losses with what their mean divides by (``None``
-    for a sum), read from the call's own arguments: evaluation runs without autograd, so its losses carry no graph
-    to read. Only reading: every call runs once, as written."""
+    """Records, while active, the outputs of torch's functional losses with what their mean divides by, read from
+    the call's own arguments, and sums and scalings of them (``mlm + nsp``, ``0.5 * loss``), as a
+    :class:`LossRecord`: evaluation runs without autograd, so its losses carry no graph to read. Only reading: every
+    call runs once, as written."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.counts: dict[int, tuple[Tensor, Any]] = {}
+        self.records: dict[int, tuple[Tensor, LossRecord]] = {}
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if args and (name.startswith("__i") or name.endswith("_")) and self.record_of(args[0]) is not None:
+            del self.records[id(args[0])]  # changed in place (loss += reg): no longer what was recorded
         output = func(*args, **kwargs)
-        count = _CALL_COUNTS.get(func)
-        if count is not None and isinstance(output, Tensor) and output.dim() == 0:
-            bound = inspect.signature(func).bind(*args, **kwargs).arguments
-            reduction = bound.get("reduction", "mean")
-            if reduction in ("mean", "sum"):
-                self.counts[id(output)] = (output, None if reduction == "sum" else count(bound))
+        if isinstance(output, Tensor) and output.dim() == 0 and not kwargs.get("out"):
+            record = self._loss_call(func, args, kwargs, output) if func in _CALL_COUNTS else self._combined(func, args)
+            if record is not None:
+                self.records[id(output)] = (output, record)
         return output
 
-    def count_of(self, value: Any) -> tuple[bool, Any]:
-        """Whether ``value`` is a recorded loss output, and its count (``None``: a sum)."""
-        found = self.counts.get(id(value))
-        return (found is not None and found[0] is value), (found[1] if found is not None else None)
+    def _loss_call(self, func: Any, args: tuple[Any, ...], kwargs: Any, output: Tensor) -> LossRecord | None:
+        bound = inspect.signature(func).bind(*args, **kwargs).arguments
+        reduction = bound.get("reduction", "mean")
+        if reduction not in ("mean", "sum", "batchmean"):
+            return None
+        counts = _batch_mean if reduction == "batchmean" else _CALL_COUNTS[func]
+        count = None if reduction == "sum" else counts(bound)
+        return LossRecord([Term(None, func.__name__, count, 1.0, lambda: output)])
 
+    def _combined(self, func: Any, args: tuple[Any, ...]) -> LossRecord | None:
+        """The record of a sum, difference, product or quotient of recorded losses and numbers."""
+        name = getattr(func, "__name__", "")
+        if len(args) != 2 or (name not in _SIGNS and name not in _SCALES):
+            return None
+        records = [self.record_of(arg) for arg in args]
+        if name in _SIGNS and any(isinstance(arg, (int, float)) and arg == 0 for arg in args):
+            return records[0] or records[1]  # sum(losses) starts from 0
+        if name in _SIGNS and None not in records:  # two losses: their terms
+            sign = _SIGNS[name] if name != "__radd__" else 1
+            second = [replace(t, coefficient=t.coefficient * sign) for t in records[1].terms]
+            return LossRecord([*records[0].terms, *second])
+        scale = args[1] if records[0] is not None else args[0]
+        record = records[0] if records[0] is not None else records[1]
+        if record is None or name not in _SCALES or (name == "__truediv__" and records[0] is None):
+            return None
+        if isinstance(scale, Tensor) and (scale.dim() != 0 or self.record_of(scale) is not None):
+            return None
+        factor = scale if _SCALES[name] > 0 else 1 / scale
+        return LossRecord([replace(t, coefficient=t.coefficient * factor) for t in record.terms])
 
-def recorded_weights(values: Sequence[Any], calls: Sequence[LossCalls]) -> list[Any] | None:
-    """Each shard's count for ``values`` that its loss calls recorded (``"sum"`` for sums), or ``None`` where a
-    value is not a recorded loss output."""
-    found = [recorded.count_of(value) for value, recorded in zip(values, calls, strict=True)]
-    if not all(seen for seen, _ in found):
-        return None
-    counts = [count for _, count in found]
-    return ["sum"] * len(counts) if any(count is None for count in counts) else counts
+    def record_of(self, value: Any) -> LossRecord | None:
+        """The record of ``value`` if it is a recorded loss (the same object), else ``None``."""
+        found = self.records.get(id(value))
+        return found[1] if found is not None and found[0] is value else None

@@ -416,7 +416,13 @@ def _scaled_by(share: Tensor) -> Callable[[tuple[Tensor | None, ...]], tuple[Ten
 
 #: Nodes whose result mixes rows of the batch when they run on it in training: per-shard batch statistics.
 _BATCH_STATISTICS = frozenset({"NativeBatchNormBackward0", "CudnnBatchNormBackward0", "MiopenBatchNormBackward0"})
-_REDUCE_OVER_DIM = frozenset({"LogsumexpBackward0", "StdBackward0", "VarBackward0", "MeanBackward1", "SumBackward1"})
+#: Reductions that mix the rows they reduce over: any of them over the batch dimension couples samples.
+_ACROSS = frozenset(
+    f"{name}Backward{n}"
+    for name in ("Logsumexp", "Std", "Var", "Max", "Min", "Amax", "Amin", "Median", "Nanmedian", "Sort", "Topk")
+    for n in (0, 1)
+)
+_TERMS_OVER_DIM = frozenset({"MeanBackward1", "SumBackward1"})  # at the loss's top they are its terms
 
 
 def coupling(loss: Tensor, samples: int, limit: int = 200_000) -> str | None:
@@ -448,10 +454,11 @@ def _couples(node: Node, samples: int, top: bool) -> str | None:
         rows, cols = node._saved_self_sym_sizes[0], node._saved_mat2_sym_sizes[1]
         if rows == cols == samples and not _is_parameter(node.next_functions[1][0]):
             return "a product of the batch with itself (similarities between samples, as in contrastive losses)"
-    if name in _REDUCE_OVER_DIM and not top and hasattr(node, "_saved_dim"):
+    if name in _ACROSS or (name in _TERMS_OVER_DIM and not top):
         sizes = node._saved_self_sym_sizes if hasattr(node, "_saved_self_sym_sizes") else node._saved_self.shape
-        dims = [_signed(d) % len(sizes) for d in node._saved_dim] if len(sizes) > 1 else []
-        if 0 in dims and sizes[0] == samples:
+        dim = getattr(node, "_saved_dim", None)  # none saved: a reduction over every element
+        dims = [0] if dim is None else [_signed(d) % len(sizes) for d in (dim if isinstance(dim, tuple) else (dim,))]
+        if sizes and sizes[0] == samples and 0 in dims and (len(sizes) > 1 or name in _ACROSS):
             return f"a reduction over the batch dimension ({name.removesuffix('Backward0').removesuffix('Backward1')})"
     return None
 

@@ -16,7 +16,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_mgpu.parallel.devices import DeviceLike, to_device
-from lightning_mgpu.parallel.loss_calls import LossCalls, recorded_weights
+from lightning_mgpu.parallel.loss_calls import LossCalls
 from lightning_mgpu.parallel.loss_graph import combine_losses_by_record, read_loss
 from lightning_mgpu.parallel.merge import merge_outputs
 from lightning_mgpu.parallel.replicas import OriginalOnly
@@ -186,10 +186,10 @@ class DataParallelStrategyBase(SingleProcessParallel):
         if self.normalization is not None:
             return "sum" if self.normalization.kind == "sum" else self.normalization.weights(chunks, sizes)
         values = [dict(iter_tensors(output, "output"))[path] for output in outputs]
-        recorded = recorded_weights(values, calls)
-        if recorded is not None:
-            return "sum" if isinstance(recorded[0], str) else recorded
-        combined = combine_losses_by_record(values, [read_loss(v) for v in values], sizes, self.output_device)
+        records = [
+            read_loss(v) if v.grad_fn is not None else c.record_of(v) for v, c in zip(values, calls, strict=True)
+        ]
+        combined = combine_losses_by_record(values, records, sizes, self.output_device, torch.is_grad_enabled())
         if combined is not None:
             return combined.loss
         where = f"{path} of {type(target).__name__}.forward"

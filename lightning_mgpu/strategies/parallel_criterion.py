@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_mgpu.parallel.loss_calls import LossCalls, recorded_weights
+from lightning_mgpu.parallel.loss_calls import LossCalls
 from lightning_mgpu.parallel.loss_graph import (
     Combined,
     combine_losses_by_record,
@@ -94,7 +94,9 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         #: the rule did not come from the loss's autograd record.
         self.loss_counts: tuple[Tensor | None, ...] | None = None
         self._read_as: tuple[str, ...] | None = None  # the record's shape the rule was last said for
-        self._counted: str | None = None  # the read training rule, where it is not a per-sample mean
+        self._counted: tuple[str, str] | None = (
+            None  # the read training rule, where not a per-sample mean, and its spec
+        )
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -127,9 +129,10 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
 
                 copy = partial(self._loss_copy, hook, sizes, weights, calls)
                 outputs = self._run_replicated(module, sizes, call, copy)
-                if evaluating and weights is None:
-                    weights = recorded_weights([_returned_loss(output) for output in outputs], calls)
-        if evaluating and self.normalization is None and not any(c.counts for c in calls):
+                if evaluating and weights is None:  # a returned loss its calls recorded: merged by them
+                    merged = self._by_record(hook, [_returned_loss(output) for output in outputs], sizes, calls)
+                    weights = merged
+        if evaluating and self.normalization is None and not any(c.records for c in calls):
             self._say_evaluation_rule(hook)  # no loss call said its count: values merge per sample
         if all_or_none(outputs, hook):
             return None
@@ -138,8 +141,8 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
             return reduce_training_outputs(outputs, sizes, self.root_device, combine, self.dim)
         if chunks is None:
             return outputs[0]
-        # A returned loss merges by the declared rule, as its logged copies do; other values by sample counts.
-        by_rule = "sum" if weights is not None and weights[0] == "sum" else weights
+        # A returned loss merges by the declared rule or its record, as its logged copies do; others by sample counts.
+        by_rule = "sum" if isinstance(weights, list) and weights[0] == "sum" else weights
         paths = None if by_rule is None else dict.fromkeys(("output", "output['loss']"), by_rule)
         return merge_outputs(outputs, self.root_device, self.dim, sizes=sizes, weights=paths)
 
@@ -179,7 +182,8 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
     ) -> None:
         """Once per shape of the record (the first step, and when the loss is built otherwise): the rule read, or why
         none was, and whether the graph couples samples across a shard (reading, never running)."""
-        shape = tuple(r.signature() if r is not None else ("",) for r in records)
+        first = records[0]
+        shape = (first.signature() if first is not None else None, combined is None)  # not the shard count
         if shape == self._read_as:
             return
         self._read_as = shape
@@ -187,13 +191,15 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         if found is not None:  # no rule is claimed for it
             self._warn_once(f"coupled:{found}", coupling_message(self.strategy_name, found))
         elif combined is None:
-            first = records[0]
+            alike = all(r is not None and r.signature() == first.signature() for r in records)
             why = (
                 "the training loss carries no autograd record (computed without gradients, or detached)"
                 if first is None
                 else f"the training loss's autograd record does not say how it was normalised ({first.unknown})"
                 if first.unknown
-                else "the devices' training losses were built differently"
+                else "the devices' training losses were built differently (in other branches)"
+                if not alike
+                else "the training loss adds parts of different weights that its record holds no value of"
             )
             self._warn_once(
                 f"unread:{why}", unread_message(self.strategy_name, why, self._cli_options("loss_reduction=..."))
@@ -203,7 +209,8 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
             per_sample = len(combined.weights) == 1 and all(
                 w is not None and float(w) == n for w, n in zip(combined.weights[0], sizes, strict=True)
             )
-            self._counted = None if per_sample else said
+            sums = all(any(w is None for w in term) for term in combined.weights)
+            self._counted = None if per_sample else (said, "'sum'" if sums else "'tokens:<labels key>'")
             self._log(
                 f"{self.strategy_name}: the training loss is {said}, as its autograd record says; the devices' losses "
                 "are combined accordingly."
@@ -214,13 +221,14 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         per-sample mean, a logged evaluation loss computed alike is merged per sample, unlike one device's."""
         if self._counted is None:
             return
+        said, rule = self._counted
+        count = " or log it with self.log(..., batch_size=<the count it averages over>)" if rule != "'sum'" else ""
         self._warn_once(
             "evaluation rule",
-            f"{self.strategy_name}: `{hook}` runs without gradients, so its losses carry no autograd record and the "
-            f"values it logs or returns are merged by sample count, while the training loss is {self._counted}. For "
-            "one device's value of such a loss, declare loss_reduction='tokens:<labels key>' (it serves evaluation "
-            f"too; CLI: {self._cli_options('loss_reduction=...')}) or log it with self.log(..., batch_size=<the count "
-            "it averages over>).",
+            f"{self.strategy_name}: `{hook}` runs without gradients and computes its loss with no call of torch's loss "
+            f"functions, so the values it logs or returns are merged by sample count, while the training loss is "
+            f"{said}. For one device's value of such a loss, declare loss_reduction={rule} (it serves evaluation too; "
+            f"CLI: {self._cli_options('loss_reduction=...')}){count}.",
         )
 
     def _say_once(self, key: str, message: str) -> None:
@@ -240,18 +248,26 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
             if declared is not None:
                 return declared
             returned = [_returned_loss(output) for output in outputs]
-            if weights is not None and all(same_tensor(v, r) for v, r in zip(values, returned, strict=True)):
+            copies = all(same_tensor(v, r) for v, r in zip(values, returned, strict=True))
+            if weights is not None and copies:
                 return combine_losses([v.detach() for v in values], weights, self.root_device)
-            recorded = recorded_weights(values, calls)
-            if recorded is not None:
-                return combine_losses([v.detach() for v in values], recorded, self.root_device)
-            if hook != "training_step" or not all(isinstance(v, Tensor) for v in values):
-                return None
-            records = [read_loss(value) for value in values]
-            combined = combine_losses_by_record(values, records, sizes, self.root_device, scale_gradients=False)
-            return None if combined is None else combined.loss.detach()
+            sources = returned if copies else values  # a detached copy merges as the loss it copies
+            combined = self._by_record(hook, sources, sizes, calls)
+            return None if combined is None else combined.detach()
 
         return merge
+
+    def _by_record(self, hook: str, values: list[Any], sizes: list[int], calls: list[LossCalls]) -> Tensor | None:
+        """``values`` merged as the losses they are, by their autograd record (training) or their loss calls'
+        (evaluation); ``None`` where they have none."""
+        if not all(isinstance(v, Tensor) for v in values):
+            return None
+        if hook == "training_step":
+            records = [read_loss(value) for value in values]
+        else:
+            records = [recorded.record_of(value) for value, recorded in zip(values, calls, strict=True)]
+        combined = combine_losses_by_record(values, records, sizes, self.root_device, scale_gradients=False)
+        return None if combined is None else combined.loss
 
     def _split_batch(self, args: tuple[Any, ...]) -> tuple[list[Any] | None, list[int]]:
         """The batch's shards and sizes; ``(None, [1])`` when the step runs once, on the root."""

@@ -47,14 +47,19 @@ def all_or_none(outputs: Sequence[Any], hook: str) -> bool:
 
 
 def same_tensor(value: Any, loss: Any) -> bool:
-    """Whether a logged ``value`` is the tensor ``loss`` (itself, or a view sharing its autograd node)."""
+    """Whether a logged ``value`` is the tensor ``loss``: itself, a view sharing its autograd node, or
+    ``loss.detach()`` (its storage, offset and shape; the step's outputs keep ``loss`` alive)."""
     if value is loss:
         return True
+    if not isinstance(value, Tensor) or not isinstance(loss, Tensor):
+        return False
+    if value.grad_fn is not None:
+        return value.grad_fn is loss.grad_fn
+    strided = value.layout == loss.layout == torch.strided
     return (
-        isinstance(value, Tensor)
-        and isinstance(loss, Tensor)
-        and value.grad_fn is not None
-        and (value.grad_fn is loss.grad_fn)
+        strided
+        and value.untyped_storage().data_ptr() == loss.untyped_storage().data_ptr()
+        and (value.storage_offset(), value.shape) == (loss.storage_offset(), loss.shape)
     )
 
 

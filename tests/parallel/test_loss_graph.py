@@ -197,3 +197,13 @@ def test_a_shard_with_nothing_to_count_leaves_no_nan_in_the_gradient(name: str):
     (grad,) = torch.autograd.grad(combined.loss, weight)
     torch.testing.assert_close(combined.loss, whole, rtol=0, atol=1e-12)
     torch.testing.assert_close(grad, whole_grad, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "loss",
+    [lambda z: F.cross_entropy(z, Y.clamp(min=0), reduction="none").logsumexp(0), lambda z: z.square().sum(1).max()],
+    ids=["logsumexp over samples", "max over samples"],
+)
+def test_a_reduction_over_samples_at_the_top_is_named_as_coupling(loss):
+    z = X @ torch.randn(C, 4, dtype=torch.float64, requires_grad=True).T
+    assert "batch dimension" in coupling(loss(z), N)

@@ -45,18 +45,27 @@ def make_module(namespace: str, reduction: str, returns: bool, log_accuracy: boo
             self.head = nn.Linear(8, VOCAB)
             # "inline": the loss is written in the step, where no object says its rule
             self.criterion = (
-                nn.functional.cross_entropy if reduction == "inline" else nn.CrossEntropyLoss(reduction=reduction)
+                nn.functional.cross_entropy
+                if reduction in ("inline", "two_terms", "times_count")
+                else nn.CrossEntropyLoss(reduction=reduction)
             )
+            self.reduction = reduction
 
         def loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
             logits = self.head(torch.tanh(self.embed(batch["input_ids"])))
             if log_accuracy:
                 self.log("val_acc", (logits.argmax(-1)[:, 0] == batch["input_ids"][:, 0]).double().mean())
-            return self.criterion(logits.flatten(0, 1), batch["labels"].flatten())
+            loss = self.criterion(logits.flatten(0, 1), batch["labels"].flatten())
+            if self.reduction == "two_terms":  # a token mean plus a mean over samples (BERT's MLM + NSP)
+                loss = 0.5 * loss + nn.functional.mse_loss(logits[:, 0, 0], batch["input_ids"][:, 0].double())
+            if self.reduction == "times_count":  # a sum written as a mean times the sample count
+                loss = loss * len(batch["input_ids"])
+            return loss
 
         def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
             loss = self.loss(batch)
             self.log("train_loss", loss)
+            self.log("train_loss_detached", loss.detach())  # a copy of the loss: merged as the loss
             return loss
 
         def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> Any:
@@ -88,7 +97,7 @@ def assert_same(got: dict[str, float], expected: dict[str, float]) -> None:
 
 
 @pytest.mark.parametrize("namespace", NAMESPACES)
-@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "two_terms", "times_count"])
 @pytest.mark.parametrize("returns", [False, True], ids=["logged-only", "returned"])
 def test_logged_evaluation_losses_equal_one_device(namespace, reduction, returns):
     pytest.importorskip(namespace)
