@@ -73,7 +73,11 @@ class LossCalls(TorchFunctionMode):
             del self.records[id(args[0])]  # changed in place (loss += reg): no longer what was recorded
         output = func(*args, **kwargs)
         if isinstance(output, Tensor) and output.dim() == 0 and not kwargs.get("out"):
-            record = self._loss_call(func, args, kwargs, output) if func in _CALL_COUNTS else self._combined(func, args)
+            record = (
+                self._loss_call(func, args, kwargs, output)
+                if func in _CALL_COUNTS
+                else self._reduction(name, args, kwargs, output) or self._combined(func, args, output)
+            )
             if record is not None:
                 self.records[id(output)] = (output, record)
         return output
@@ -83,12 +87,25 @@ class LossCalls(TorchFunctionMode):
         reduction = bound.get("reduction", "mean")
         if reduction not in ("mean", "sum", "batchmean"):
             return None
-        counts = _batch_mean if reduction == "batchmean" else _CALL_COUNTS[func]
-        count = None if reduction == "sum" else counts(bound)
+        count = (_batch_mean if reduction == "batchmean" else _CALL_COUNTS[func])(bound)
+        if reduction == "sum":  # a sum, or a part of one over a count it is divided by (num_items_in_batch)
+            return LossRecord([Term(None, func.__name__, None, 1.0, lambda: output, count, of_loss=True)])
         return LossRecord([Term(None, func.__name__, count, 1.0, lambda: output)])
 
-    def _combined(self, func: Any, args: tuple[Any, ...]) -> LossRecord | None:
-        """The record of a sum, difference, product or quotient of recorded losses and numbers."""
+    def _reduction(self, name: str, args: tuple[Any, ...], kwargs: Any, output: Tensor) -> LossRecord | None:
+        """``x.sum()`` and ``x.mean()`` over every element of a tensor no loss call made: a sum (its size kept, for
+        a division by a count) or a mean over its elements."""
+        if name not in ("sum", "mean") or len(args) != 1 or kwargs or not isinstance(args[0], Tensor):
+            return None
+        if self.record_of(args[0]) is not None:
+            return None
+        size = args[0].numel()
+        term = Term(None, name, None, 1.0, lambda: output, size) if name == "sum" else Term(None, name, size)
+        return LossRecord([replace(term, value=lambda: output)])
+
+    def _combined(self, func: Any, args: tuple[Any, ...], output: Tensor) -> LossRecord | None:
+        """The record of a sum, difference, product or quotient of recorded losses and numbers; a sum divided by a
+        count is a mean over it (``(l * mask).sum() / mask.sum()``)."""
         name = getattr(func, "__name__", "")
         if len(args) != 2 or (name not in _SIGNS and name not in _SCALES):
             return None
@@ -101,10 +118,13 @@ class LossCalls(TorchFunctionMode):
             return LossRecord([*records[0].terms, *second])
         scale = args[1] if records[0] is not None else args[0]
         record = records[0] if records[0] is not None else records[1]
-        if record is None or name not in _SCALES or (name == "__truediv__" and records[0] is None):
+        if record is None or name not in _SCALES or (_SCALES[name] < 0 and records[0] is None):
             return None
-        if isinstance(scale, Tensor) and (scale.dim() != 0 or self.record_of(scale) is not None):
-            return None
+        if isinstance(scale, Tensor) and (scale.dim() != 0 or (_SCALES[name] > 0 and self.record_of(scale))):
+            return None  # a divisor may be recorded itself: mask.sum()
+        (first, *others) = record.terms
+        if _SCALES[name] < 0 and not others and first.count is None and first.summed is not None:
+            return LossRecord([replace(first, name="sum / divisor", count=scale, value=lambda: output)])
         factor = scale if _SCALES[name] > 0 else 1 / scale
         return LossRecord([replace(t, coefficient=t.coefficient * factor) for t in record.terms])
 
@@ -112,3 +132,15 @@ class LossCalls(TorchFunctionMode):
         """The record of ``value`` if it is a recorded loss (the same object), else ``None``."""
         found = self.records.get(id(value))
         return found[1] if found is not None and found[0] is value else None
+
+
+def once_per_shard_alike(records: list[LossRecord]) -> None:
+    """In evaluation, a sum that every shard computes to the same value (a regulariser of the weights) counts once,
+    as on one device: its weight becomes 1 on each shard (their mean). A data sum equal on every shard to the last
+    bit is a coincidence this accepts."""
+    for t, term in enumerate(records[0].terms):
+        if term.count is None and len(records) > 1:
+            values = [record.terms[t].contribution() for record in records]
+            if all(torch.equal(values[0], value) for value in values[1:]):
+                for record in records:
+                    record.terms[t] = replace(record.terms[t], count=1, summed=None)

@@ -236,8 +236,8 @@ def settle_weights(records: Sequence[LossRecord], sample_counts: Sequence[int]) 
     weights = [[record.terms[t].count for record in records] for t in range(len(records[0].terms))]
     for t, term in enumerate(records[0].terms):
         tensors = any(isinstance(d, Tensor) for d in weights[t])
-        if term.summed is None or (tensors and not term.of_loss):
-            continue
+        if term.summed is None or term.count is None or (tensors and not term.of_loss):
+            continue  # not a division of a sum
         values = [float(d) for d in weights[t]]
         others = [
             [float(w) for w in other]
@@ -368,7 +368,8 @@ def _shares(
     shares = torch.where(sums, counts, torch.where(counts > 0, counts / counts.sum(1, keepdim=True), 0))
     for t in range(len(weights)):
         coefficients = [record.terms[t].coefficient for record in records]
-        if any(isinstance(c, Tensor) or c != coefficients[0] for c in coefficients):
+        numbers = not any(isinstance(c, Tensor) for c in coefficients)
+        if not numbers or len(set(coefficients)) > 1 or coefficients == [float(n) for n in sample_counts]:
             shares[t] = _by_multiplier(shares[t], coefficients, sample_counts)
     return shares
 

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_mgpu.parallel.loss_calls import LossCalls
+from lightning_mgpu.parallel.loss_calls import LossCalls, once_per_shard_alike
 from lightning_mgpu.parallel.loss_graph import (
     Combined,
     combine_losses_by_record,
@@ -266,6 +266,8 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
             records = [read_loss(value) for value in values]
         else:
             records = [recorded.record_of(value) for value, recorded in zip(values, calls, strict=True)]
+            if all(record is not None for record in records):
+                once_per_shard_alike(records)
         combined = combine_losses_by_record(values, records, sizes, self.root_device, scale_gradients=False)
         return None if combined is None else combined.loss
 

@@ -131,10 +131,11 @@ def test_what_it_cannot_read_it_says_and_combines_nothing():
     assert read_loss(z.detach().sum()) is None  # no record at all
 
 
-def test_a_term_multiplied_by_each_shards_count_is_multiplied_by_the_whole_batchs():
+@pytest.mark.parametrize("shards", [2, 3])  # even shards (5, 5): each shard's count alike, still a count
+def test_a_term_multiplied_by_each_shards_count_is_multiplied_by_the_whole_batchs(shards: int):
     """``criterion(...) * len(y)`` (a sum written as a mean times the count): one device multiplies by the whole
     batch's count, so each shard's share is scaled by it over the shard's own (found by a trial: 0.13 off)."""
-    loss, whole, grad, whole_grad = _shards_against_the_whole(lambda z, d: _ce(z, d) * z.shape[0], 3)
+    loss, whole, grad, whole_grad = _shards_against_the_whole(lambda z, d: _ce(z, d) * z.shape[0], shards)
     torch.testing.assert_close(loss, whole, rtol=0, atol=1e-12)
     torch.testing.assert_close(grad, whole_grad, rtol=0, atol=1e-12)
 
