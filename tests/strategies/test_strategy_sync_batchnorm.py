@@ -87,3 +87,31 @@ def test_sync_batchnorm_with_an_explicit_threads_mode_says_nothing(recwarn):
     _fit(multi, strategy, 2, sync_batchnorm=True)
     torch.testing.assert_close(_state(multi), _state(single), rtol=0, atol=1e-10)
     assert not [w for w in recwarn if "SyncBatchNorm" in str(w.message)]
+
+
+def two_view_classifier() -> type:
+    """Two forward passes of one batch in a step (SimCLR's two views), through BatchNorm."""
+    Normalized = normalized_classifier()
+
+    class TwoViews(Normalized):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            x, y = batch
+            first, second = self(x + 0.1), self(x - 0.1)
+            loss = nn.functional.cross_entropy(first, y) + nn.functional.mse_loss(first, second)
+            self.log("train_loss", loss)
+            return loss
+
+    return TwoViews
+
+
+@pytest.mark.parametrize("devices", [2, 3])
+@pytest.mark.parametrize("strategy", ["parallel_criterion", "dp"])
+def test_two_views_through_batchnorm_in_one_step_equal_one_device(strategy, devices):
+    """Several replicated forwards in one step through synchronised BatchNorm (dp's crashed with autograd's in-place
+    error before): parameters, running statistics and the logged loss as on one device."""
+    base = seeded(two_view_classifier())
+    single, multi = clone(base), clone(base)
+    reference = _fit(single, "auto", 1)
+    got = _fit(multi, strategy, devices)
+    torch.testing.assert_close(_state(multi), _state(single), rtol=0, atol=1e-10)
+    assert metrics(got)["train_loss"] == pytest.approx(metrics(reference)["train_loss"], abs=1e-10)
