@@ -369,7 +369,8 @@ def _shares(
     for t in range(len(weights)):
         coefficients = [record.terms[t].coefficient for record in records]
         numbers = not any(isinstance(c, Tensor) for c in coefficients)
-        if not numbers or len(set(coefficients)) > 1 or coefficients == [float(n) for n in sample_counts]:
+        counted = coefficients[0] != 1 and coefficients == [float(n) for n in sample_counts]  # loss * len(x)
+        if not numbers or len(set(coefficients)) > 1 or counted:
             shares[t] = _by_multiplier(shares[t], coefficients, sample_counts)
     return shares
 

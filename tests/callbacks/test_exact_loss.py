@@ -150,8 +150,9 @@ def test_a_sum_over_a_divisor_is_said_once_with_what_was_assumed(tmp_path, caplo
 
 def test_read_rule_settles_a_sum_over_a_divisor():
     """``sum / d``: a mean where d is a tensor (a count computed from the data), or a number equal to the batch's
-    sample count or the summed size; a sum scaled by a constant otherwise; ``sum_divisor`` overrides."""
-    x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    sample count or the summed size; a sum scaled by a constant otherwise; ``sum_divisor`` overrides. ``x`` is made
+    from data, as a model's outputs are (a leaf that requires gradients is a parameter: its reductions count once)."""
+    x = torch.randn(4, 2, dtype=torch.float64) @ torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
     mask = torch.tensor([1.0, 0.0, 1.0, 1.0], dtype=torch.float64)
     assert read_rule((x.sum(1) * mask).sum() / mask.sum(), 4).kind == MEAN
     assert read_rule((x.sum(1) * mask).sum() / mask.sum(), 4, "constant").kind == SUM
