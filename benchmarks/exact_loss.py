@@ -32,33 +32,14 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mgpu.callbacks.exact_loss import ExactLoss, read_rule, scale_gradients
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: its sibling scripts
+from strategy_overhead import StepTimer
+
 RESULTS = Path(__file__).resolve().parent / "results"
 SIZES = {  # name: (vocab, width, sequence length, batch size)
     "tiny": (64, 16, 16, 8),
     "small": (2000, 128, 64, 16),
 }
-
-
-class StepTimer(L.Callback):
-    """Wall time of every training batch after the first ``warmup`` optimizer steps."""
-
-    def __init__(self, warmup: int) -> None:
-        self.warmup = warmup
-        self.times: list[float] = []
-        self._start = 0.0
-
-    def _sync(self, trainer: L.Trainer) -> None:
-        if trainer.strategy.root_device.type == "cuda":
-            torch.cuda.synchronize()
-
-    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
-        self._sync(trainer)
-        self._start = time.perf_counter()
-
-    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        self._sync(trainer)
-        if trainer.global_step >= self.warmup:
-            self.times.append(time.perf_counter() - self._start)
 
 
 class TimedExactLoss(ExactLoss):
