@@ -65,6 +65,7 @@ class LossCalls(TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()
         self.records: dict[int, tuple[Tensor, LossRecord]] = {}
+        self.stacks: dict[int, tuple[Tensor, list[LossRecord]]] = {}  # torch.stack of recorded losses
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -72,11 +73,15 @@ class LossCalls(TorchFunctionMode):
         if args and (name.startswith("__i") or name.endswith("_")) and self.record_of(args[0]) is not None:
             del self.records[id(args[0])]  # changed in place (loss += reg): no longer what was recorded
         output = func(*args, **kwargs)
+        if name == "stack" and args and isinstance(args[0], (list, tuple)) and not kwargs.get("dim"):
+            records = [self.record_of(part) for part in args[0]]
+            if records and None not in records:
+                self.stacks[id(output)] = (output, records)
         if isinstance(output, Tensor) and output.dim() == 0 and not kwargs.get("out"):
             record = (
                 self._loss_call(func, args, kwargs, output)
                 if func in _CALL_COUNTS
-                else self._reduction(name, args, kwargs, output) or self._combined(func, args, output)
+                else self._reduction(name, args, kwargs, output) or self._combined(func, args, kwargs, output)
             )
             if record is not None:
                 self.records[id(output)] = (output, record)
@@ -97,13 +102,17 @@ class LossCalls(TorchFunctionMode):
         a division by a count) or a mean over its elements."""
         if name not in ("sum", "mean") or len(args) != 1 or kwargs or not isinstance(args[0], Tensor):
             return None
-        if self.record_of(args[0]) is not None:
-            return None
+        if self.record_of(args[0]) is not None:  # loss.mean() of a scalar
+            return self.record_of(args[0])
+        stacked = self.stacks.get(id(args[0]))
+        if stacked is not None and stacked[0] is args[0]:  # torch.stack(losses).sum() / .mean()
+            share = 1 / len(stacked[1]) if name == "mean" else 1
+            return LossRecord([replace(t, coefficient=t.coefficient * share) for r in stacked[1] for t in r.terms])
         size = args[0].numel()
         term = Term(None, name, None, 1.0, lambda: output, size) if name == "sum" else Term(None, name, size)
         return LossRecord([replace(term, value=lambda: output)])
 
-    def _combined(self, func: Any, args: tuple[Any, ...], output: Tensor) -> LossRecord | None:
+    def _combined(self, func: Any, args: tuple[Any, ...], kwargs: Any, output: Tensor) -> LossRecord | None:
         """The record of a sum, difference, product or quotient of recorded losses and numbers; a sum divided by a
         count is a mean over it (``(l * mask).sum() / mask.sum()``)."""
         name = getattr(func, "__name__", "")
@@ -113,7 +122,7 @@ class LossCalls(TorchFunctionMode):
         if name in _SIGNS and any(isinstance(arg, (int, float)) and arg == 0 for arg in args):
             return records[0] or records[1]  # sum(losses) starts from 0
         if name in _SIGNS and None not in records:  # two losses: their terms
-            sign = _SIGNS[name] if name != "__radd__" else 1
+            sign = (_SIGNS[name] if name != "__radd__" else 1) * kwargs.get("alpha", 1)  # torch.add(a, b, alpha=)
             second = [replace(t, coefficient=t.coefficient * sign) for t in records[1].terms]
             return LossRecord([*records[0].terms, *second])
         scale = args[1] if records[0] is not None else args[0]
@@ -144,3 +153,13 @@ def once_per_shard_alike(records: list[LossRecord]) -> None:
             if all(torch.equal(values[0], value) for value in values[1:]):
                 for record in records:
                     record.terms[t] = replace(record.terms[t], count=1, summed=None)
+
+
+#: Layers whose evaluation takes a fast path only while no torch function mode is active: reading loss calls there
+#: would change their outputs (padded positions), so evaluation does not read them in a module holding one.
+FAST_PATH_LAYERS = (torch.nn.MultiheadAttention, torch.nn.TransformerEncoderLayer, torch.nn.TransformerEncoder)
+
+
+def can_read_calls(module: torch.nn.Module) -> bool:
+    """Whether evaluation may read ``module``'s loss calls without changing what its layers compute."""
+    return not any(isinstance(layer, FAST_PATH_LAYERS) for layer in module.modules())

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightning_mgpu.parallel.reduce import stack_scalars
 
@@ -38,6 +38,8 @@ _PASS = frozenset(
     ]
 )
 _MEANS = frozenset({"MeanBackward0", "MeanBackward1"})
+_SCALINGS = frozenset({"MulBackward0", "MulBackward1", "DivBackward0", "DivBackward1"})
+_ONCE = " of the parameters"  # a reduction that may read the parameters alone
 _SUMS = frozenset({"SumBackward0", "SumBackward1"})
 _REDUCTION = {1: "mean", 2: "sum"}  # torch's Reduction enum as saved (0: none)
 
@@ -138,8 +140,10 @@ def _walk(node: Node, coefficient: Any, record: LossRecord) -> None:  # noqa: C9
         count, value = LOSS_NODES[name](node)
         sums = _REDUCTION[node._saved_reduction] == "sum"
         record.terms.append(Term(node, name, None if sums else count, coefficient, value))
+    elif (name in _MEANS or name in _SUMS) and _over_scalars(node, coefficient, record):
+        pass  # loss.mean() of a scalar, torch.stack(losses).sum(): the parts are the terms
     elif (name in _MEANS or name in _SUMS) and _of_parameters(node):
-        record.terms.append(Term(node, f"{name} of the parameters", 1, coefficient))  # alike on every shard: once
+        record.terms.append(Term(node, f"{name}{_ONCE}", 1, coefficient))  # if alike on every shard: once
     elif name in _MEANS:
         record.terms.append(Term(node, name, torch.Size(node._saved_self_sym_sizes).numel(), coefficient))
     elif name in _SUMS:
@@ -153,39 +157,35 @@ def _walk(node: Node, coefficient: Any, record: LossRecord) -> None:  # noqa: C9
         for child, scale in zip(children, (1, alpha), strict=True):
             if child is not None:
                 _walk(child, coefficient * scale, record)
-    elif name in ("MulBackward0", "MulBackward1", "DivBackward0", "DivBackward1") and _constant_other(node, children):
+    elif name in _SCALINGS and _constant_other(node, children):
         other = _as_written(node._saved_other)
         divides = name.startswith("Div")
         summed = _summed(children[0]) if divides else None
         if summed is not None:  # sum / divisor: a mean over a count, or a sum over a constant
-            size, value = summed
+            size, value, factor = summed
             quotient = None if value is None else (lambda: value() / other)
-            record.terms.append(Term(node, "sum / divisor", other, coefficient, quotient, size, value is not None))
+            term = Term(node, "sum / divisor", other, coefficient * factor, quotient, size, value is not None)
+            record.terms.append(term)
         else:
             _walk(children[0], coefficient / other if divides else coefficient * other, record)
     else:
         record.unknown = record.unknown or name
 
 
-_SAVED: dict[type, list[str]] = {}  # each node type's saved attributes, listed once
-
-
-def _of_parameters(node: Node, limit: int = 64) -> bool:
-    """Whether a reduction reads the parameters alone (a weight regulariser, ``sum(p.pow(2).sum() for p in ...)``):
-    every node below it saves only tensors that require gradients (parameters and what is computed from them) or
-    0-dim constants, so every shard computes the same value, which one device counts once. A node that saves data
-    (a batch, statistics) or a graph larger than ``limit`` nodes says no."""
+def _of_parameters(node: Node, limit: int = 256) -> bool:
+    """Whether a reduction may read the parameters alone (a weight regulariser, ``sum(p.pow(2).sum() for p in
+    ...)``): every leaf it reaches is an ``nn.Parameter``. A candidate only: data enters without a graph
+    (``lin(x - mu)``), so :func:`combine_losses_by_record` counts it once only where every shard's value is the same."""
     seen, stack = 0, [child for child, _ in node.next_functions]
     while stack:
         node = stack.pop()
-        if node is None or type(node).__name__ == "AccumulateGrad":
+        if node is None:
+            continue
+        if type(node).__name__ == "AccumulateGrad":
+            if not isinstance(node.variable, nn.Parameter):
+                return False  # an input that requires gradients (a PINN's coordinates)
             continue
         seen += 1
-        names = _SAVED.setdefault(type(node), [a for a in dir(node) if a.startswith("_saved_")])
-        for name in names:
-            value = getattr(node, name)
-            if isinstance(value, Tensor) and not value.requires_grad and value.dim() > 0:
-                return False
         if seen > limit:
             return False
         stack.extend(child for child, _ in node.next_functions)
@@ -211,20 +211,47 @@ def _as_written(value: Any) -> Any:
     return float(repr(np.float32(number))) if value.dtype == torch.float32 else number
 
 
-def _summed(node: Node) -> tuple[Any, Callable[[], Tensor] | None] | None:
-    """What a sum (reached through sign changes and casts) adds up: how many values, and for a loss function's
-    ``reduction="sum"`` its recomputed value (a ``transformers`` loss over ``num_items_in_batch``); ``None``: no sum."""
-    sign = 1
-    while type(node).__name__ in _PASS or type(node).__name__ == "NegBackward0":
-        sign = -sign if type(node).__name__ == "NegBackward0" else sign
-        node = node.next_functions[0][0]
-    name = type(node).__name__
-    if name in _SUMS:
-        return int(torch.Size(node._saved_self_sym_sizes).numel()), None
+def _summed(node: Node) -> tuple[Any, Callable[[], Tensor] | None, Any] | None:
+    """What a sum (reached through casts, sign changes and constant factors: ``0.5 * sse / n``) adds up: how many
+    values, for a loss function's ``reduction="sum"`` its recomputed value (a ``transformers`` loss over
+    ``num_items_in_batch``), and the factor on the way; ``None``: no sum."""
+    factor: Any = 1
+    while True:
+        name = type(node).__name__
+        children = [child for child, _ in node.next_functions]
+        if name in _PASS:
+            node = children[0]
+        elif name == "NegBackward0":
+            factor, node = -factor, children[0]
+        elif name in _SCALINGS and _constant_other(node, children):
+            other = _as_written(node._saved_other)
+            factor, node = (factor / other if name.startswith("Div") else factor * other), children[0]
+        else:
+            break
+    if name in _SUMS and not _of_parameters(node):
+        return int(torch.Size(node._saved_self_sym_sizes).numel()), None, factor
     if name in LOSS_NODES and _REDUCTION.get(node._saved_reduction) == "sum":
         count, value = LOSS_NODES[name](node)
-        return count, lambda: value() * sign
+        return count, value, factor
     return None
+
+
+def _over_scalars(node: Node, coefficient: Any, record: LossRecord) -> bool:
+    """A sum or mean over one value, or over stacked scalars (``loss.mean()``, ``torch.stack([a, b]).sum()``): walk
+    the parts instead, a mean's divided by their number. ``False`` for a reduction over more than scalars."""
+    sizes = torch.Size(node._saved_self_sym_sizes)
+    child = node.next_functions[0][0]
+    if sizes.numel() == 1:
+        _walk(child, coefficient, record)
+        return True
+    parts = [part for part, _ in child.next_functions] if type(child).__name__ == "StackBackward0" else []
+    if len(sizes) != 1 or len(parts) != sizes[0] or getattr(child, "_saved_dim", None) not in (0, 2**64 - 1):
+        return False
+    share = coefficient / len(parts) if type(node).__name__ in _MEANS else coefficient
+    for part in parts:
+        if part is not None:
+            _walk(part, share, record)
+    return True
 
 
 def settle_weights(records: Sequence[LossRecord], sample_counts: Sequence[int]) -> list[list[Any]]:
@@ -285,6 +312,7 @@ def combine_losses_by_record(
     if not _alike(records):
         return None
     weights = settle_weights(records, sample_counts)
+    _once_where_alike(records, losses, weights)
     dtype = torch.promote_types(losses[0].dtype, torch.float32)
     stacked = _on(losses, root, dtype)
     shares = _shares(weights, records, sample_counts, root, dtype)  # (terms, shards)
@@ -320,6 +348,26 @@ def _leave_out_empty_shards(records: Sequence[LossRecord], weights: list[list[An
 
 def _no_gradient(grad_outputs: tuple[Tensor | None, ...]) -> tuple[None, ...]:
     return (None,) * len(grad_outputs)
+
+
+def _once_where_alike(records: Sequence[LossRecord], losses: Sequence[Tensor], weights: list[list[Any]]) -> None:
+    """Reductions that may read the parameters alone count once (weight 1 on every shard: their mean) only where
+    every shard's value of them is the same, as a regulariser's is; else they are read as what they are (a sum, a
+    mean over their elements). Their joint value is each shard's remainder: one comparison (a host sync) a step."""
+    candidates = [t for t, term in enumerate(records[0].terms) if term.name.endswith(_ONCE)]
+    if not candidates:
+        return
+    missing = [t for t, term in enumerate(records[0].terms) if term.value is None]
+    alike = False
+    if missing == candidates:
+        rest = [_term_values(r, loss, candidates[0])[candidates[0]] for r, loss in zip(records, losses, strict=True)]
+        scale = max(float(loss.detach().abs().max()) for loss in losses)
+        alike = all(abs(float(r) - float(rest[0])) <= 1e-9 * scale + 1e-12 for r in rest[1:])
+    if not alike:
+        for t in candidates:
+            node = records[0].terms[t].node
+            own = torch.Size(node._saved_self_sym_sizes).numel() if type(node).__name__ in _MEANS else None
+            weights[t] = [own] * len(records)
 
 
 class _GradientOnly(torch.autograd.Function):
@@ -368,18 +416,23 @@ def _shares(
     shares = torch.where(sums, counts, torch.where(counts > 0, counts / counts.sum(1, keepdim=True), 0))
     for t in range(len(weights)):
         coefficients = [record.terms[t].coefficient for record in records]
-        numbers = not any(isinstance(c, Tensor) for c in coefficients)
-        counted = coefficients[0] != 1 and coefficients == [float(n) for n in sample_counts]  # loss * len(x)
-        if not numbers or len(set(coefficients)) > 1 or counted:
+        if any(isinstance(c, Tensor) or c != 1 for c in coefficients):  # each shard's number: settled by value
             shares[t] = _by_multiplier(shares[t], coefficients, sample_counts)
     return shares
 
 
 def _by_multiplier(shares: Tensor, coefficients: list[Any], sample_counts: Sequence[int]) -> Tensor:
-    """A term's shares where the shards multiply it by different numbers: each a count (the whole batch's over the
-    shard's), unless equal on every shard and no sample count (a constant)."""
+    """A term's shares where the shards multiply it by different numbers (or each by its sample count): by the
+    inverse of each shard's sample count (``sse * (1 / len(x))``, ``(bce + kld) / len(x)``: a mean over the batch),
+    the whole batch's count over the shard's (``loss * len(x)``), else a constant."""
     values = [float(c) for c in coefficients]
-    if len(set(values)) == 1 and values != [float(n) for n in sample_counts]:
+    counts = [float(n) for n in sample_counts]
+    inverse = [v * n for v, n in zip(values, counts, strict=True)]
+    if all(abs(x - inverse[0]) <= 1e-9 * abs(inverse[0]) for x in inverse) and (
+        len(set(values)) > 1 or inverse[0] == 1
+    ):
+        return shares * torch.tensor(counts, device=shares.device, dtype=shares.dtype) / sum(counts)
+    if len(set(values)) == 1 and values != counts:
         return shares
     factors = torch.tensor(values, device=shares.device, dtype=shares.dtype)
     return torch.where(factors != 0, shares * factors.sum() / factors, 0)

@@ -16,7 +16,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_mgpu.parallel.devices import DeviceLike, to_device
-from lightning_mgpu.parallel.loss_calls import LossCalls
+from lightning_mgpu.parallel.loss_calls import LossCalls, can_read_calls, once_per_shard_alike
 from lightning_mgpu.parallel.loss_graph import combine_losses_by_record, read_loss
 from lightning_mgpu.parallel.merge import merge_outputs
 from lightning_mgpu.parallel.replicas import OriginalOnly
@@ -163,7 +163,8 @@ class DataParallelStrategyBase(SingleProcessParallel):
         if len(sizes) == 1:
             return original(*args_chunks[0], **kwargs_chunks[0])
 
-        evaluating = not torch.is_grad_enabled()  # no autograd record: the loss calls say their counts
+        # No autograd record: the loss calls say their counts (not with a fast-path layer, whose outputs would change).
+        evaluating = not torch.is_grad_enabled() and can_read_calls(target)
         calls = [LossCalls() for _ in sizes]
 
         def call(index: int, replica: nn.Module) -> Any:
@@ -189,6 +190,8 @@ class DataParallelStrategyBase(SingleProcessParallel):
         records = [
             read_loss(v) if v.grad_fn is not None else c.record_of(v) for v, c in zip(values, calls, strict=True)
         ]
+        if not torch.is_grad_enabled() and all(record is not None for record in records):
+            once_per_shard_alike(records)  # a regulariser every replica computes alike counts once
         combined = combine_losses_by_record(values, records, sizes, self.output_device, torch.is_grad_enabled())
         if combined is not None:
             return combined.loss

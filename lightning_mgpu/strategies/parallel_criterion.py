@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_mgpu.parallel.loss_calls import LossCalls, once_per_shard_alike
+from lightning_mgpu.parallel.loss_calls import LossCalls, can_read_calls, once_per_shard_alike
 from lightning_mgpu.parallel.loss_graph import (
     Combined,
     combine_losses_by_record,
@@ -94,9 +94,8 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         #: the rule did not come from the loss's autograd record.
         self.loss_counts: tuple[Tensor | None, ...] | None = None
         self._read_as: tuple[str, ...] | None = None  # the record's shape the rule was last said for
-        self._counted: tuple[str, str] | None = (
-            None  # the read training rule, where not a per-sample mean, and its spec
-        )
+        self._counted: tuple[str, str] | None = None  # a read training rule other than a per-sample mean, its spec
+        self._readable: dict[int, bool] = {}  # per module: whether evaluation reads its loss calls
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -120,7 +119,7 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
                 # Counted once per step (token counts: device tensors), for the loss and its logged copies.
                 weights = self._declared_weights(hook, chunks, sizes)
                 # Evaluation has no autograd record: its loss calls say their counts while they run.
-                evaluating = hook in ("validation_step", "test_step")
+                evaluating = hook in ("validation_step", "test_step") and self._reads_calls(module)
                 calls = [LossCalls() for _ in sizes]  # entered only when evaluating
 
                 def call(index: int, replica: nn.Module) -> Any:
@@ -216,6 +215,13 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
                 "are combined accordingly."
             )
 
+    def _reads_calls(self, module: nn.Module) -> bool:
+        """Whether evaluation reads ``module``'s loss calls (not with a layer whose fast path that would switch off:
+        its outputs would differ from one device's), checked once per module."""
+        if id(module) not in self._readable:
+            self._readable[id(module)] = can_read_calls(module)
+        return self._readable[id(module)]
+
     def _say_evaluation_rule(self, hook: str) -> None:
         """Said once: evaluation runs without autograd, so its losses carry no record; where the training loss is not a
         per-sample mean, a logged evaluation loss computed alike is merged per sample, unlike one device's."""
@@ -225,8 +231,8 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         count = " or log it with self.log(..., batch_size=<the count it averages over>)" if rule != "'sum'" else ""
         self._warn_once(
             "evaluation rule",
-            f"{self.strategy_name}: `{hook}` runs without gradients and computes its loss with no call of torch's loss "
-            f"functions, so the values it logs or returns are merged by sample count, while the training loss is "
+            f"{self.strategy_name}: `{hook}` runs without gradients and no call of torch's loss functions made what it "
+            "logs or returns, so those values are merged by sample count, while the training loss is "
             f"{said}. For one device's value of such a loss, declare loss_reduction={rule} (it serves evaluation too; "
             f"CLI: {self._cli_options('loss_reduction=...')}){count}.",
         )

@@ -58,6 +58,16 @@ CASES: dict[str, Loss] = {
     "ce - 0.1 mean": lambda z, d: _ce(z, d) - 0.1 * z.mean(),
     "ce / 2": lambda z, d: _ce(z, d) / 2,
     "nll sum / own count": lambda z, d: F.nll_loss(z.log_softmax(1), d[0], reduction="sum") / (d[0] != -100).sum(),
+    # From a review: constant factors between a sum and its divisor, reciprocal multipliers, reductions of scalars.
+    "0.5 * sse / n": lambda z, d: 0.5 * (z - d[2]).pow(2).sum() / len(z),
+    "(bce sum + sse) / n": lambda z, d: (
+        (F.binary_cross_entropy_with_logits(z, d[2], reduction="sum") + z.pow(2).sum()) / len(z)
+    ),
+    "sse * (1 / n)": lambda z, d: (z - d[2]).pow(2).sum() * (1.0 / len(z)),
+    "ce.sum()": lambda z, d: _ce(z, d).sum(),
+    "ce.mean()": lambda z, d: _ce(z, d).mean(),
+    "stack([ce, mse]).sum()": lambda z, d: torch.stack([_ce(z, d), F.mse_loss(z, d[2])]).sum(),
+    "stack([ce, mse]).mean()": lambda z, d: torch.stack([_ce(z, d), F.mse_loss(z, d[2])]).mean(),
 }
 
 
@@ -151,8 +161,8 @@ def test_a_layer_norm_over_the_last_dimension_is_no_coupling():
 def test_a_regulariser_of_the_weights_counts_once_as_on_one_device(reduction: str):
     """``loss + λ * sum(p.pow(2).sum() ...)``: every shard computes the same regulariser, which one device adds once
     (as a sum it was added once per shard; its parts, which no saved tensor recomputes, are one remainder)."""
-    weight = torch.randn(C, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(2), requires_grad=True)
-    bias = torch.zeros(C, dtype=torch.float64, requires_grad=True)
+    weight = torch.nn.Parameter(torch.randn(C, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(2)))
+    bias = torch.nn.Parameter(torch.zeros(C, dtype=torch.float64))
 
     def loss(x: Tensor, y: Tensor) -> Tensor:
         data = F.cross_entropy(x @ weight.T + bias, y, reduction=reduction)
@@ -208,3 +218,42 @@ def test_a_shard_with_nothing_to_count_leaves_no_nan_in_the_gradient(name: str):
 def test_a_reduction_over_samples_at_the_top_is_named_as_coupling(loss):
     z = X @ torch.randn(C, 4, dtype=torch.float64, requires_grad=True).T
     assert "batch dimension" in coupling(loss(z), N)
+
+
+def _parameters_against_the_whole(loss: Callable[[Tensor, Tensor, Tensor], Tensor]) -> None:
+    """``loss(x, y, idx)`` over shards (3, uneven) against the whole batch: value and the parameters' gradients."""
+    torch.manual_seed(4)
+    lin = torch.nn.Linear(4, C).double()
+    extra = torch.nn.Parameter(torch.randn(N, 4, dtype=torch.float64))
+    params = [*lin.parameters(), extra]
+    index = torch.arange(N)
+
+    def run(rows: Tensor) -> Tensor:
+        return loss(lin, extra, (X[rows], Y[rows].clamp(min=0), index[rows]))
+
+    whole = run(index)
+    whole_grads = torch.autograd.grad(whole, params, allow_unused=True)
+    parts = torch.tensor_split(index, 3)
+    losses = [run(p) for p in parts]
+    combined = combine_losses_by_record(losses, [read_loss(x) for x in losses], [len(p) for p in parts], X.device)
+    torch.testing.assert_close(combined.loss, whole, rtol=0, atol=1e-12)
+    for got, expected in zip(torch.autograd.grad(combined.loss, params, allow_unused=True), whole_grads, strict=True):
+        assert (got is None) == (expected is None)
+        if got is not None:
+            torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "loss",
+    [
+        lambda lin, extra, b: ((lin(b[0] - extra[0]) - 1).pow(2)).sum(),  # a learned input offset: data, no graph
+        lambda lin, extra, b: _ce(lin(b[0]), (b[1],)) + 0.01 * extra[b[2]].pow(2).sum(),  # the rows the batch uses
+        lambda lin, extra, b: _ce(lin(b[0]), (b[1],)) + 0.1 * (lin.weight * (X[:C] > 0)).pow(2).sum(),  # a mask
+        lambda lin, extra, b: _ce(lin(b[0]), (b[1],)) + 0.1 * (lin.weight - 1).pow(2).sum(),  # EWC's anchor
+    ],
+    ids=["learned offset", "rows the batch selects", "pruning mask", "anchored weights"],
+)
+def test_reductions_of_parameters_count_once_only_where_every_shard_computes_the_same(loss):
+    """A reduction that reaches parameters only may still read data (``lin(x - mu)``, ``E[idx]``): it counts once
+    only where its value is the same on every shard, as a regulariser's (a mask or an anchor included) is."""
+    _parameters_against_the_whole(loss)

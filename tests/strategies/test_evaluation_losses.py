@@ -46,7 +46,7 @@ def make_module(namespace: str, reduction: str, returns: bool, log_accuracy: boo
             # "inline": the loss is written in the step, where no object says its rule
             self.criterion = (
                 nn.functional.cross_entropy
-                if reduction in ("inline", "two_terms", "times_count")
+                if reduction in ("inline", "two_terms", "times_count", "stacked", "alpha")
                 else nn.CrossEntropyLoss(reduction=reduction)
             )
             self.reduction = reduction
@@ -60,6 +60,11 @@ def make_module(namespace: str, reduction: str, returns: bool, log_accuracy: boo
                 loss = 0.5 * loss + nn.functional.mse_loss(logits[:, 0, 0], batch["input_ids"][:, 0].double())
             if self.reduction == "times_count":  # a sum written as a mean times the sample count
                 loss = loss * len(batch["input_ids"])
+            first = nn.functional.mse_loss(logits[:, 0, 0], batch["input_ids"][:, 0].double())
+            if self.reduction == "stacked":  # nn.DataParallel's habit: a mean of the losses, stacked
+                loss = torch.stack([loss, first]).mean()
+            if self.reduction == "alpha":
+                loss = torch.add(loss, first, alpha=0.5)
             return loss
 
         def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
@@ -97,7 +102,7 @@ def assert_same(got: dict[str, float], expected: dict[str, float]) -> None:
 
 
 @pytest.mark.parametrize("namespace", NAMESPACES)
-@pytest.mark.parametrize("reduction", ["mean", "sum", "two_terms", "times_count"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "two_terms", "times_count", "stacked", "alpha"])
 @pytest.mark.parametrize("returns", [False, True], ids=["logged-only", "returned"])
 def test_logged_evaluation_losses_equal_one_device(namespace, reduction, returns):
     pytest.importorskip(namespace)
@@ -215,3 +220,28 @@ def test_each_loss_module_call_merges_by_what_it_averaged_over():
         t.validate(TwoCriteria().double(), batches(), verbose=False)
         logged[devices] = metrics(t)
     assert_same(logged[2], logged[1])
+
+
+def test_layers_with_a_fast_inference_path_compute_as_on_one_device():
+    """``nn.TransformerEncoderLayer`` takes a fast path in evaluation only while no torch function mode is active;
+    reading loss calls would switch it off and change padded positions' outputs: evaluation does not read there."""
+    L = importlib.import_module(NAMESPACES[0])
+
+    class Encoder(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.embed = nn.Embedding(VOCAB, 8)
+            layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+            self.layer = nn.TransformerEncoder(layer, 2, enable_nested_tensor=True)
+
+        def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+            padded = batch["labels"] == -100
+            hidden = self.layer(self.embed(batch["input_ids"]), src_key_padding_mask=padded)
+            self.log("pooled", hidden[..., 0].abs().mean())  # padded positions included
+
+    results = {}
+    for strategy, devices in (("auto", 1), ("parallel_criterion", 2)):
+        t = trainer(strategy, devices, NAMESPACES[0], enable_progress_bar=True)
+        results[devices] = t.validate(Encoder(), token_batches(1), verbose=False)[0]["pooled"]  # float32: fast path
+    assert results[2] == pytest.approx(results[1], abs=1e-6, rel=0)  # float32
