@@ -254,12 +254,15 @@ def _over_scalars(node: Node, coefficient: Any, record: LossRecord) -> bool:
     return True
 
 
-def settle_weights(records: Sequence[LossRecord], sample_counts: Sequence[int]) -> list[list[Any]]:
+def settle_weights(
+    records: Sequence[LossRecord], sample_counts: Sequence[int], memory: dict[Any, str] | None = None
+) -> list[list[Any]]:
     """Per term, each shard's weight: what its mean divides by, or ``None`` for a sum. In ``sum / divisor``, a tensor
     dividing a plain sum (``mask.sum()``) is a count. Otherwise (a Python number, or a tensor dividing a loss
-    function's sum, as ``num_items_in_batch`` does) the divisor is a count where it differs between shards or is
-    each shard's own count (sample count, summed size, another term's count), else a constant: a scaled sum (the
-    whole batch's ``num_items_in_batch``, ``sum() / 4``)."""
+    function's sum, as ``num_items_in_batch`` does) the divisor is a count where it differs between shards, a
+    constant where it is the same on every shard and no shard's own count (the whole batch's ``num_items_in_batch``,
+    ``sum() / 4``); where it is the same on every shard and each shard's own count (sample count, summed size,
+    another term's count), what an earlier step showed (``memory``, kept by the caller), else a count."""
     weights = [[record.terms[t].count for record in records] for t in range(len(records[0].terms))]
     for t, term in enumerate(records[0].terms):
         tensors = any(isinstance(d, Tensor) for d in weights[t])
@@ -271,15 +274,28 @@ def settle_weights(records: Sequence[LossRecord], sample_counts: Sequence[int]) 
             for o, other in enumerate(weights)
             if o != t and records[0].terms[o].summed is None and all(w is not None for w in other)
         ]
-        counts = (
-            len(set(values)) > 1
-            or values == [float(n) for n in sample_counts]
+        own = (
+            values == [float(n) for n in sample_counts]
             or all(v == float(r.terms[t].summed) for v, r in zip(values, records, strict=True))
             or values in others
         )
-        if not counts:
+        seen = _settle(memory, (records[0].signature(), t, "divisor"), len(set(values)) > 1, own, "count")
+        if seen == "constant":
             weights[t] = [None] * len(values)
     return weights
+
+
+def _settle(memory: dict[Any, str] | None, key: Any, differs: bool, candidate: bool, reading: str) -> str:
+    """What a number that shards divide or multiply by is: ``reading`` (a count, its inverse) where it differs
+    between shards, a constant where it is the same on every shard and not ``candidate``; where it is the same and
+    ``candidate`` (equal to each shard's count: ``/ len(x)`` or ``/ 5.0`` on shards of 5), what an earlier step of
+    the run showed, else ``reading``."""
+    if differs or not candidate:
+        decided = reading if differs else "constant"
+        if memory is not None:
+            memory[key] = decided
+        return decided
+    return memory.get(key, reading) if memory is not None else reading
 
 
 @dataclass
@@ -303,19 +319,21 @@ def combine_losses_by_record(
     sample_counts: Sequence[int],
     root: torch.device,
     scale_gradients: bool = True,
+    memory: dict[Any, str] | None = None,
 ) -> Combined | None:
     """The whole batch's loss on ``root`` from the shards' ``losses`` and their records, or ``None`` when the
     records do not say (no record, a node the reader does not know, shards whose losses were built differently,
     several terms whose values no saved tensor recomputes). One term: the shards' losses weighted by their shares.
     Several: the weighted value, with a gradient scale per term and shard (``scale_gradients``; else a value only).
-    A few tensor operations in all, whatever the number of terms and shards: no host sync."""
+    ``memory`` keeps, across steps, what each number a loss divides or multiplies by was read as. A few tensor
+    operations in all, whatever the number of terms and shards: no host sync."""
     if not _alike(records):
         return None
-    weights = settle_weights(records, sample_counts)
+    weights = settle_weights(records, sample_counts, memory)
     _once_where_alike(records, losses, weights)
     dtype = torch.promote_types(losses[0].dtype, torch.float32)
     stacked = _on(losses, root, dtype)
-    shares = _shares(weights, records, sample_counts, root, dtype)  # (terms, shards)
+    shares = _shares(weights, records, sample_counts, root, dtype, memory)  # (terms, shards)
     if scale_gradients:
         _leave_out_empty_shards(records, weights, shares)
     if len(weights) == 1:
@@ -407,6 +425,7 @@ def _shares(
     sample_counts: Sequence[int],
     root: torch.device,
     dtype: torch.dtype,
+    memory: dict[Any, str] | None = None,
 ) -> Tensor:
     """Each term's (rows) share of each shard (columns): its count over the term's total (1 in a sum), times the
     whole batch's multiplier over the shard's where the term is multiplied by a count (``criterion(...) * len(y)``:
@@ -417,22 +436,29 @@ def _shares(
     for t in range(len(weights)):
         coefficients = [record.terms[t].coefficient for record in records]
         if any(isinstance(c, Tensor) or c != 1 for c in coefficients):  # each shard's number: settled by value
-            shares[t] = _by_multiplier(shares[t], coefficients, sample_counts)
+            key = (records[0].signature(), t, "multiplier")
+            shares[t] = _by_multiplier(shares[t], coefficients, sample_counts, memory, key)
     return shares
 
 
-def _by_multiplier(shares: Tensor, coefficients: list[Any], sample_counts: Sequence[int]) -> Tensor:
-    """A term's shares where the shards multiply it by different numbers (or each by its sample count): by the
-    inverse of each shard's sample count (``sse * (1 / len(x))``, ``(bce + kld) / len(x)``: a mean over the batch),
-    the whole batch's count over the shard's (``loss * len(x)``), else a constant."""
+def _by_multiplier(
+    shares: Tensor, coefficients: list[Any], sample_counts: Sequence[int], memory: dict[Any, str] | None, key: Any
+) -> Tensor:
+    """A term's shares where the shards multiply it by a number: by the inverse of each shard's sample count
+    (``sse * (1 / len(x))``, ``(bce + kld) / len(x)``: a mean over the batch), by a count (``loss * len(x)``: the
+    whole batch's over the shard's), or a constant (see :func:`_settle`)."""
     values = [float(c) for c in coefficients]
     counts = [float(n) for n in sample_counts]
-    inverse = [v * n for v, n in zip(values, counts, strict=True)]
-    if all(abs(x - inverse[0]) <= 1e-9 * abs(inverse[0]) for x in inverse) and (
-        len(set(values)) > 1 or inverse[0] == 1
-    ):
+    products = [v * n for v, n in zip(values, counts, strict=True)]
+    inverse = all(abs(x - products[0]) <= 1e-9 * abs(products[0]) for x in products)
+    differs = len(set(values)) > 1
+    if inverse and (differs or products[0] == 1):
+        reading = _settle(memory, key, differs, products[0] == 1, "inverse")
+    else:
+        reading = _settle(memory, key, differs, values == counts, "count")
+    if reading == "inverse":
         return shares * torch.tensor(counts, device=shares.device, dtype=shares.dtype) / sum(counts)
-    if len(set(values)) == 1 and values != counts:
+    if reading == "constant":
         return shares
     factors = torch.tensor(values, device=shares.device, dtype=shares.dtype)
     return torch.where(factors != 0, shares * factors.sum() / factors, 0)

@@ -192,7 +192,9 @@ class DataParallelStrategyBase(SingleProcessParallel):
         ]
         if not torch.is_grad_enabled() and all(record is not None for record in records):
             once_per_shard_alike(records)  # a regulariser every replica computes alike counts once
-        combined = combine_losses_by_record(values, records, sizes, self.output_device, torch.is_grad_enabled())
+        combined = combine_losses_by_record(
+            values, records, sizes, self.output_device, torch.is_grad_enabled(), self._settled
+        )
         if combined is not None:
             return combined.loss
         where = f"{path} of {type(target).__name__}.forward"

@@ -168,7 +168,7 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
             )
             return combine_losses(losses, weights, self.root_device)
         records = [read_loss(loss) for loss in losses]
-        combined = combine_losses_by_record(losses, records, sizes, self.root_device)
+        combined = combine_losses_by_record(losses, records, sizes, self.root_device, memory=self._settled)
         self._say_read_rule(losses, records, sizes, combined)
         if combined is None:
             self.loss_counts = None
@@ -274,7 +274,7 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
             records = [recorded.record_of(value) for value, recorded in zip(values, calls, strict=True)]
             if all(record is not None for record in records):
                 once_per_shard_alike(records)
-        combined = combine_losses_by_record(values, records, sizes, self.root_device, scale_gradients=False)
+        combined = combine_losses_by_record(values, records, sizes, self.root_device, False, self._settled)
         return None if combined is None else combined.loss
 
     def _split_batch(self, args: tuple[Any, ...]) -> tuple[list[Any] | None, list[int]]:

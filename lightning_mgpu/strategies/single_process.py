@@ -172,6 +172,9 @@ class SingleProcessParallel:
         self._replicas = ReplicaCache(partial(LightningReplicas, namespace=self.namespace))
         self._converted_batchnorm = False
         self._announced: set[str] = set()
+        #: What each number the run's losses divide or multiply by was read as (a count, a constant), by the loss's
+        #: shape: a step whose shards make it ambiguous (a constant equal to every shard's size) follows earlier ones.
+        self._settled: dict[Any, str] = {}
         self._interleaved = False  # the last replicated call's threads could interleave (set by _mode_for)
         self._dicts: tuple[int, int, list[tuple[nn.Module, str, str]]] | None = None  # see _dicts_of
         self._replicated_on: list[torch.device] = []

@@ -257,3 +257,23 @@ def test_reductions_of_parameters_count_once_only_where_every_shard_computes_the
     """A reduction that reaches parameters only may still read data (``lin(x - mu)``, ``E[idx]``): it counts once
     only where its value is the same on every shard, as a regulariser's (a mask or an anchor included) is."""
     _parameters_against_the_whole(loss)
+
+
+def test_a_constant_equal_to_the_shard_size_follows_what_earlier_steps_showed():
+    """``2.0 * kd`` on the last batch's shards of 2 (a constant equal to each shard's size) reads as a constant where
+    an earlier step showed one (shards of 5); with no history a number equal to each shard's size is its count."""
+    memory: dict = {}
+    weight = torch.randn(C, 4, dtype=torch.float64, requires_grad=True)
+
+    def combined(rows: Tensor, parts: int) -> tuple[Tensor, Tensor]:
+        loss = lambda r: 2.0 * F.mse_loss(X[r] @ weight.T, DENSE[r])  # noqa: E731
+        shards = torch.tensor_split(rows, parts)
+        losses = [loss(p) for p in shards]
+        records = [read_loss(x) for x in losses]
+        out = combine_losses_by_record(losses, records, [len(p) for p in shards], X.device, False, memory)
+        return out.loss, loss(rows)
+
+    got, whole = combined(torch.arange(N), 2)  # shards of 5: 2.0 is no count here
+    torch.testing.assert_close(got, whole, rtol=0, atol=1e-12)
+    got, whole = combined(torch.arange(4), 2)  # shards of 2: ambiguous, settled by the step before
+    torch.testing.assert_close(got, whole, rtol=0, atol=1e-12)
