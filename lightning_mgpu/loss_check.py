@@ -152,7 +152,7 @@ def check_loss_reduction(
         rule.spec(): float(combine_losses(values, rule.weights(chunks, sizes), torch.device("cpu")))
         for rule in _candidates(batch, dim)
     }
-    records = [read_loss(loss) for loss in losses]
+    records = [read_loss(loss, size) for loss, size in zip(losses, sizes, strict=True)]
     read = combine_losses_by_record(losses, records, sizes, target, scale_gradients=False)
     known = None if read is None else describe(records[0], read.weights)
     if read is not None:

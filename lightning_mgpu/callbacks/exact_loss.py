@@ -59,7 +59,7 @@ def read_rule(loss: Tensor, samples: int | None, sum_divisor: str = "auto") -> R
     """The rule of a micro-batch's ``loss`` (as Lightning backpropagates it: divided by ``accumulate_grad_batches``)
     from its autograd record; ``samples`` is the micro-batch's sample count and ``sum_divisor`` what a
     ``sum / divisor`` term divides by (``"auto"``, ``"count"``, ``"constant"``; see :func:`divides_by_count`)."""
-    record = read_loss(loss)
+    record = read_loss(loss, samples)
     if record is None or record.unknown or not record.terms:
         why = "it has no autograd record" if record is None else f"its record ends in {record.unknown or 'nothing'}"
         return Rule(KEEP, said=f"the reader cannot explain the training loss ({why}): {_LIGHTNING}")

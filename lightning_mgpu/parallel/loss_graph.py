@@ -11,7 +11,7 @@ gradient scale per term through a pre-hook on the term's node (``torch.autograd.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -109,16 +109,17 @@ class LossRecord:
 
     terms: list[Term] = field(default_factory=list)
     unknown: str | None = None
+    samples: int | None = None  # the shard's sample count, where known: what data looks like in saved tensors
 
     def signature(self) -> tuple[str, ...]:
         return tuple(f"{t.name}:{'sum' if t.count is None else 'mean'}" for t in self.terms)
 
 
-def read_loss(loss: Tensor) -> LossRecord | None:
+def read_loss(loss: Tensor, samples: int | None = None) -> LossRecord | None:
     """The record of a scalar ``loss``, or ``None`` when it has none (computed without autograd, or detached)."""
     if not isinstance(loss, Tensor) or loss.grad_fn is None or loss.numel() != 1:
         return None
-    record = LossRecord()
+    record = LossRecord(samples=samples)
     _walk(loss.grad_fn, 1.0, record)
     by_node: dict[int, Term] = {}
     for term in record.terms:  # a node reached twice (loss + 0.1 * loss) is one term: one gradient scale
@@ -142,7 +143,7 @@ def _walk(node: Node, coefficient: Any, record: LossRecord) -> None:  # noqa: C9
         record.terms.append(Term(node, name, None if sums else count, coefficient, value))
     elif (name in _MEANS or name in _SUMS) and _over_scalars(node, coefficient, record):
         pass  # loss.mean() of a scalar, torch.stack(losses).sum(): the parts are the terms
-    elif (name in _MEANS or name in _SUMS) and _of_parameters(node):
+    elif (name in _MEANS or name in _SUMS) and _of_parameters(node, record.samples):
         record.terms.append(Term(node, f"{name}{_ONCE}", 1, coefficient))  # if alike on every shard: once
     elif name in _MEANS:
         record.terms.append(Term(node, name, torch.Size(node._saved_self_sym_sizes).numel(), coefficient))
@@ -172,10 +173,12 @@ def _walk(node: Node, coefficient: Any, record: LossRecord) -> None:  # noqa: C9
         record.unknown = record.unknown or name
 
 
-def _of_parameters(node: Node, limit: int = 256) -> bool:
+def _of_parameters(node: Node, samples: int | None, limit: int = 256) -> bool:
     """Whether a reduction may read the parameters alone (a weight regulariser, ``sum(p.pow(2).sum() for p in
-    ...)``): every leaf it reaches is an ``nn.Parameter``. A candidate only: data enters without a graph
-    (``lin(x - mu)``), so :func:`combine_losses_by_record` counts it once only where every shard's value is the same."""
+    ...)``): every leaf it reaches is an ``nn.Parameter`` and nothing it saves is data (a tensor without gradient whose
+    first dimension is the shard's ``samples``; any such tensor where that count is unknown). A candidate only: data
+    also enters unsaved (``lin(x - mu)``), so :func:`combine_losses_by_record` counts it once only where every
+    shard's value is the same."""
     seen, stack = 0, [child for child, _ in node.next_functions]
     while stack:
         node = stack.pop()
@@ -186,10 +189,25 @@ def _of_parameters(node: Node, limit: int = 256) -> bool:
                 return False  # an input that requires gradients (a PINN's coordinates)
             continue
         seen += 1
-        if seen > limit:
+        if seen > limit or _saves_data(node, samples):
             return False
         stack.extend(child for child, _ in node.next_functions)
     return True
+
+
+_SAVED: dict[type, list[str]] = {}  # each node type's saved attributes, listed once
+
+
+def _saves_data(node: Node, samples: int | None) -> bool:
+    """Whether a node saves data: a tensor without gradient, batch-shaped where the shard's size is known."""
+    names = _SAVED.setdefault(type(node), [a for a in dir(node) if a.startswith("_saved_")])
+    for name in names:
+        value = getattr(node, name)
+        for tensor in value if isinstance(value, tuple) else (value,):
+            data = isinstance(tensor, Tensor) and not tensor.requires_grad and tensor.dim() > 0
+            if data and (samples is None or tensor.shape[0] == samples):
+                return True
+    return False
 
 
 def _constant_other(node: Node, children: list[Node]) -> bool:
@@ -212,7 +230,7 @@ def _as_written(value: Any) -> Any:
 
 
 def _summed(node: Node) -> tuple[Any, Callable[[], Tensor] | None, Any] | None:
-    """What a sum (reached through casts, sign changes and constant factors: ``0.5 * sse / n``) adds up: how many
+    """What a sum (reached through casts, sign changes and constant products: ``0.5 * sse / n``) adds up: how many
     values, for a loss function's ``reduction="sum"`` its recomputed value (a ``transformers`` loss over
     ``num_items_in_batch``), and the factor on the way; ``None``: no sum."""
     factor: Any = 1
@@ -223,12 +241,11 @@ def _summed(node: Node) -> tuple[Any, Callable[[], Tensor] | None, Any] | None:
             node = children[0]
         elif name == "NegBackward0":
             factor, node = -factor, children[0]
-        elif name in _SCALINGS and _constant_other(node, children):
-            other = _as_written(node._saved_other)
-            factor, node = (factor / other if name.startswith("Div") else factor * other), children[0]
+        elif name in ("MulBackward0", "MulBackward1") and _constant_other(node, children):
+            factor, node = factor * _as_written(node._saved_other), children[0]  # not through a division: its own
         else:
             break
-    if name in _SUMS and not _of_parameters(node):
+    if name in _SUMS:
         return int(torch.Size(node._saved_self_sym_sizes).numel()), None, factor
     if name in LOSS_NODES and _REDUCTION.get(node._saved_reduction) == "sum":
         count, value = LOSS_NODES[name](node)
@@ -381,11 +398,17 @@ def _once_where_alike(records: Sequence[LossRecord], losses: Sequence[Tensor], w
         rest = [_term_values(r, loss, candidates[0])[candidates[0]] for r, loss in zip(records, losses, strict=True)]
         scale = max(float(loss.detach().abs().max()) for loss in losses)
         alike = all(abs(float(r) - float(rest[0])) <= 1e-9 * scale + 1e-12 for r in rest[1:])
-    if not alike:
-        for t in candidates:
-            node = records[0].terms[t].node
-            own = torch.Size(node._saved_self_sym_sizes).numel() if type(node).__name__ in _MEANS else None
-            weights[t] = [own] * len(records)
+    if alike:
+        return
+    for t in candidates:  # read as what they are, on each shard
+        weights[t] = [_own_count(record.terms[t].node) for record in records]
+        for record in records:
+            record.terms[t] = replace(record.terms[t], name=record.terms[t].name.removesuffix(_ONCE))
+
+
+def _own_count(node: Node) -> int | None:
+    """What a reduction divides by: a mean its elements, a sum nothing (``None``)."""
+    return torch.Size(node._saved_self_sym_sizes).numel() if type(node).__name__ in _MEANS else None
 
 
 class _GradientOnly(torch.autograd.Function):

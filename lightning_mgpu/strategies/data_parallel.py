@@ -188,7 +188,8 @@ class DataParallelStrategyBase(SingleProcessParallel):
             return "sum" if self.normalization.kind == "sum" else self.normalization.weights(chunks, sizes)
         values = [dict(iter_tensors(output, "output"))[path] for output in outputs]
         records = [
-            read_loss(v) if v.grad_fn is not None else c.record_of(v) for v, c in zip(values, calls, strict=True)
+            read_loss(v, n) if v.grad_fn is not None else c.record_of(v)
+            for v, c, n in zip(values, calls, sizes, strict=True)
         ]
         if not torch.is_grad_enabled() and all(record is not None for record in records):
             once_per_shard_alike(records)  # a regulariser every replica computes alike counts once

@@ -114,7 +114,10 @@ SUM = LossNormalization("sum")
 def describe(record: LossRecord, weights: Sequence[Sequence[Any]]) -> str:
     """A read rule in words: each term's normalisation, by the node that says it."""
     parts = [
-        f"{_TERM_WORDS.get(term.name, term.name)}: " + ("a sum" if any(w is None for w in term_weights) else "a mean")
+        "a regulariser of the weights: counted once"
+        if term.name.endswith(" of the parameters")
+        else f"{_TERM_WORDS.get(term.name, term.name)}: "
+        + ("a sum" if any(w is None for w in term_weights) else "a mean")
         for term, term_weights in zip(record.terms, weights, strict=True)
     ]
     return parts[0] if len(parts) == 1 else f"a sum of {len(parts)} terms ({'; '.join(parts)}), each weighted apart"

@@ -167,7 +167,7 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
                 f"loss_reduction={self.loss_reduction!r} says; the devices' losses are combined accordingly.",
             )
             return combine_losses(losses, weights, self.root_device)
-        records = [read_loss(loss) for loss in losses]
+        records = [read_loss(loss, size) for loss, size in zip(losses, sizes, strict=True)]
         combined = combine_losses_by_record(losses, records, sizes, self.root_device, memory=self._settled)
         self._say_read_rule(losses, records, sizes, combined)
         if combined is None:
@@ -269,7 +269,7 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         if not all(isinstance(v, Tensor) for v in values):
             return None
         if hook == "training_step":
-            records = [read_loss(value) for value in values]
+            records = [read_loss(value, size) for value, size in zip(values, sizes, strict=True)]
         else:
             records = [recorded.record_of(value) for value, recorded in zip(values, calls, strict=True)]
             if all(record is not None for record in records):

@@ -64,6 +64,8 @@ CASES: dict[str, Loss] = {
         (F.binary_cross_entropy_with_logits(z, d[2], reduction="sum") + z.pow(2).sum()) / len(z)
     ),
     "sse * (1 / n)": lambda z, d: (z - d[2]).pow(2).sum() * (1.0 / len(z)),
+    "masked mean / 3 (accumulation)": lambda z, d: (z.square().sum(1) * d[3]).sum() / d[3].sum() / 3,
+    "sse / 2 / n": lambda z, d: (z - d[2]).pow(2).sum() / 2 / len(z),
     "ce.sum()": lambda z, d: _ce(z, d).sum(),
     "ce.mean()": lambda z, d: _ce(z, d).mean(),
     "stack([ce, mse]).sum()": lambda z, d: torch.stack([_ce(z, d), F.mse_loss(z, d[2])]).sum(),
@@ -235,7 +237,8 @@ def _parameters_against_the_whole(loss: Callable[[Tensor, Tensor, Tensor], Tenso
     whole_grads = torch.autograd.grad(whole, params, allow_unused=True)
     parts = torch.tensor_split(index, 3)
     losses = [run(p) for p in parts]
-    combined = combine_losses_by_record(losses, [read_loss(x) for x in losses], [len(p) for p in parts], X.device)
+    records = [read_loss(x, len(p)) for x, p in zip(losses, parts, strict=True)]  # as the strategy reads them
+    combined = combine_losses_by_record(losses, records, [len(p) for p in parts], X.device)
     torch.testing.assert_close(combined.loss, whole, rtol=0, atol=1e-12)
     for got, expected in zip(torch.autograd.grad(combined.loss, params, allow_unused=True), whole_grads, strict=True):
         assert (got is None) == (expected is None)
