@@ -131,46 +131,61 @@ def read_loss(loss: Tensor, samples: int | None = None) -> LossRecord | None:
     return record
 
 
-def _walk(node: Node, coefficient: Any, record: LossRecord) -> None:  # noqa: C901 - one branch per node kind
+def _walk(node: Node, coefficient: Any, record: LossRecord) -> None:
+    """Add the terms below ``node`` (reached with ``coefficient``) to ``record``; note a node it cannot explain."""
     name = type(node).__name__
     children = [child for child, _ in node.next_functions]
     if name in LOSS_NODES:
-        if node._saved_reduction not in _REDUCTION:
-            record.unknown = record.unknown or name
-            return
-        count, value = LOSS_NODES[name](node)
-        sums = _REDUCTION[node._saved_reduction] == "sum"
-        record.terms.append(Term(node, name, None if sums else count, coefficient, value))
-    elif (name in _MEANS or name in _SUMS) and _over_scalars(node, coefficient, record):
-        pass  # loss.mean() of a scalar, torch.stack(losses).sum(): the parts are the terms
-    elif (name in _MEANS or name in _SUMS) and _of_parameters(node, record.samples):
-        record.terms.append(Term(node, f"{name}{_ONCE}", 1, coefficient))  # if alike on every shard: once
-    elif name in _MEANS:
-        record.terms.append(Term(node, name, torch.Size(node._saved_self_sym_sizes).numel(), coefficient))
-    elif name in _SUMS:
-        record.terms.append(Term(node, name, None, coefficient))
-    elif name in _PASS:
-        _walk(children[0], coefficient, record)
-    elif name == "NegBackward0":
-        _walk(children[0], -coefficient, record)
+        _loss_term(node, name, coefficient, record)
+    elif name in _MEANS or name in _SUMS:
+        _reduction_term(node, name, coefficient, record)
+    elif name in _PASS or name == "NegBackward0":
+        _walk(children[0], -coefficient if name == "NegBackward0" else coefficient, record)
     elif name in ("AddBackward0", "SubBackward0"):
         alpha = node._saved_alpha * (-1 if name == "SubBackward0" else 1)
         for child, scale in zip(children, (1, alpha), strict=True):
             if child is not None:
                 _walk(child, coefficient * scale, record)
     elif name in _SCALINGS and _constant_other(node, children):
-        other = _as_written(node._saved_other)
-        divides = name.startswith("Div")
-        summed = _summed(children[0]) if divides else None
-        if summed is not None:  # sum / divisor: a mean over a count, or a sum over a constant
-            size, value, factor = summed
-            quotient = None if value is None else (lambda: value() / other)
-            term = Term(node, "sum / divisor", other, coefficient * factor, quotient, size, value is not None)
-            record.terms.append(term)
-        else:
-            _walk(children[0], coefficient / other if divides else coefficient * other, record)
+        _scaled(node, name, children[0], coefficient, record)
     else:
         record.unknown = record.unknown or name
+
+
+def _loss_term(node: Node, name: str, coefficient: Any, record: LossRecord) -> None:
+    """A loss function's output: a mean over what it counts, or a sum (``reduction="none"`` is no scalar)."""
+    if node._saved_reduction not in _REDUCTION:
+        record.unknown = record.unknown or name
+        return
+    count, value = LOSS_NODES[name](node)
+    sums = _REDUCTION[node._saved_reduction] == "sum"
+    record.terms.append(Term(node, name, None if sums else count, coefficient, value))
+
+
+def _reduction_term(node: Node, name: str, coefficient: Any, record: LossRecord) -> None:
+    """``.mean()`` / ``.sum()``: over scalars, their parts; of the parameters alone, a regulariser candidate (counted
+    once if alike on every shard); else a mean over its elements, or a sum."""
+    if _over_scalars(node, coefficient, record):
+        return  # loss.mean() of a scalar, torch.stack(losses).sum(): the parts are the terms
+    if _of_parameters(node, record.samples):
+        record.terms.append(Term(node, f"{name}{_ONCE}", 1, coefficient))
+    else:
+        count = torch.Size(node._saved_self_sym_sizes).numel() if name in _MEANS else None
+        record.terms.append(Term(node, name, count, coefficient))
+
+
+def _scaled(node: Node, name: str, child: Node, coefficient: Any, record: LossRecord) -> None:
+    """A product or quotient by a constant: a coefficient, or ``sum / divisor`` (a mean over a count, or a sum over
+    a constant, settled across shards)."""
+    other = _as_written(node._saved_other)
+    divides = name.startswith("Div")
+    summed = _summed(child) if divides else None
+    if summed is None:
+        _walk(child, coefficient / other if divides else coefficient * other, record)
+        return
+    size, value, factor = summed
+    quotient = None if value is None else (lambda: value() / other)
+    record.terms.append(Term(node, "sum / divisor", other, coefficient * factor, quotient, size, value is not None))
 
 
 def _of_parameters(node: Node, samples: int | None, limit: int = 256) -> bool:
