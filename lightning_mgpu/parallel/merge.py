@@ -64,13 +64,14 @@ def merge_outputs(
     dim: int = 0,
     *,
     sizes: Sequence[int] | None = None,
-    weights: Mapping[str, Sequence[Weight] | str] | None = None,
+    weights: Mapping[str, Sequence[Weight] | str | Tensor] | None = None,
 ) -> Any:
     """Merge per-replica ``outputs`` on ``device`` as one device would have returned them (differentiable).
 
     ``sizes``: each replica's sample count (read from its tensors when omitted). ``weights``: per value path (as
     error messages print it, e.g. ``"output['loss']"``), the weights to average that scalar with instead of the
-    sample counts, or ``"sum"`` to add the replicas' values.
+    sample counts, ``"sum"`` to add the replicas' values, or the merged value itself (a tensor: a loss its record
+    combined).
     """
     if isinstance(outputs, (Tensor, Mapping)) or not isinstance(outputs, Sequence) or isinstance(outputs, str):
         raise TypeError(
@@ -94,7 +95,7 @@ class _Merger:
     device: torch.device
     dim: int
     sizes: list[int] | None
-    weights: Mapping[str, Sequence[Weight] | str]
+    weights: Mapping[str, Sequence[Weight] | str | Tensor]
 
     def merge(self, outputs: list[Any], path: str) -> Any:
         nones = [i for i, o in enumerate(outputs) if o is None]
