@@ -8,6 +8,7 @@ as written: the mode only reads.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import replace
@@ -56,6 +57,11 @@ _SIGNS = {"add": 1, "__add__": 1, "__radd__": 1, "sub": -1, "__sub__": -1}
 _SCALES = {"mul": 1, "__mul__": 1, "__rmul__": 1, "div": -1, "__truediv__": -1}
 
 
+@functools.cache
+def _signature(func: Any) -> inspect.Signature:
+    return inspect.signature(func)  # read once per loss function, not at every call
+
+
 class LossCalls(TorchFunctionMode):
     """Records, while active, the outputs of torch's functional losses with what their mean divides by, read from
     the call's own arguments, and sums and scalings of them (``mlm + nsp``, ``0.5 * loss``), as a
@@ -88,7 +94,7 @@ class LossCalls(TorchFunctionMode):
         return output
 
     def _loss_call(self, func: Any, args: tuple[Any, ...], kwargs: Any, output: Tensor) -> LossRecord | None:
-        bound = inspect.signature(func).bind(*args, **kwargs).arguments
+        bound = _signature(func).bind(*args, **kwargs).arguments
         reduction = bound.get("reduction", "mean")
         if reduction not in ("mean", "sum", "batchmean"):
             return None

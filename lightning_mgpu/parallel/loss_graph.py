@@ -215,7 +215,9 @@ _SAVED: dict[type, list[str]] = {}  # each node type's saved attributes, listed 
 
 def _saves_data(node: Node, samples: int | None) -> bool:
     """Whether a node saves data: a tensor without gradient, batch-shaped where the shard's size is known."""
-    names = _SAVED.setdefault(type(node), [a for a in dir(node) if a.startswith("_saved_")])
+    names = _SAVED.get(type(node))
+    if names is None:  # listed once per node type (dir() is slow), not at every step
+        names = _SAVED[type(node)] = [a for a in dir(node) if a.startswith("_saved_")]
     for name in names:
         value = getattr(node, name)
         for tensor in value if isinstance(value, tuple) else (value,):
@@ -231,14 +233,17 @@ def _constant_other(node: Node, children: list[Node]) -> bool:
     return (len(children) < 2 or children[1] is None) and (not isinstance(other, Tensor) or other.numel() == 1)
 
 
+_PROBES = {True: torch.zeros((), dtype=torch.float16), False: torch.zeros((), dtype=torch.int8)}
+
+
 def _as_written(value: Any) -> Any:
     """A Python number the call was given (torch saves it as a 0-dim tensor that promotes as a scalar, a float in the
     default dtype) as that number: ``0.7`` comes back as float32's 0.699999988, which would shift a logged value.
     Tensors (a count such as ``mask.sum()``) stay tensors."""
     if not isinstance(value, Tensor) or value.dim() != 0 or value.dtype == torch.bool or value.is_complex():
         return value
-    probe = torch.zeros((), dtype=torch.float16 if value.is_floating_point() else torch.int8)
-    if (probe + value).dtype != probe.dtype:
+    probe = _PROBES[value.is_floating_point()]
+    if torch.result_type(probe, value) != probe.dtype:  # the promotion alone, no kernel run
         return value  # a tensor: it takes part in type promotion, a Python number does not
     number = value.item()
     return float(repr(np.float32(number))) if value.dtype == torch.float32 else number
