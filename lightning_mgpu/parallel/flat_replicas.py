@@ -155,12 +155,16 @@ def _dense(tensor: Tensor) -> bool:
 class ReplicaParameters:
     """Every replica's own leaf parameters for the unique original parameters ``params`` (on ``root``).
 
-    :attr:`leaves` ``[i][j]``, replica ``i``'s parameter for ``params[j]``, shares the original on the root and one
-    flat buffer per device and dtype elsewhere, with the version counter of :meth:`shared_by` (so a write in a step by
-    any replica on a device moves one counter), except ``renormed`` ones, which an ``Embedding(max_norm=...)`` forward
-    changes in place (replicas that saved them for backward must not see each other's writes). Its ``.grad`` is
-    replica ``i``'s row of one buffer per device and dtype, a view of an alias per device and parameter spanning the
-    rows, whose version counter counts the accumulations into that parameter's gradients on the device.
+    :attr:`leaves` ``[i][j]``, replica ``i``'s parameter for ``params[j]``: the first replica on the root holds the
+    originals' storage and version counters (it stands for the root module, as DDP's rank 0 does); every other replica
+    holds its own copy, one flat buffer per replica and dtype, even on the same device. A replica's in-place change
+    (a target network copied, a momentum encoder updated) then runs on its own copy, as on a DDP rank, and the root
+    keeps the first replica's. Its ``.grad`` is replica ``i``'s row of one buffer per device and dtype, a view of an
+    alias per device and parameter spanning the rows, whose version counter counts the accumulations into that
+    parameter's gradients on the device. Exception: ``renormed`` parameters (an ``Embedding(max_norm=...)`` forward
+    renormalises the rows it looks up, in place: idempotent, and on one device every shard's rows would be) stay over
+    the originals' storage on the root device, each leaf with a version counter of its own; ``sparse`` parameters (an
+    ``Embedding(sparse=True)``'s weight) get sparse gradients of their own, summed at :meth:`reduce` one by one.
     Call :meth:`sync` before a step, :meth:`backward_done` after each backward pass through the replicas and
     :meth:`reduce` when their gradients belong on the originals.
     """
@@ -171,55 +175,59 @@ class ReplicaParameters:
         devices: Sequence[torch.device],
         root: torch.device,
         renormed: Collection[int] = (),
+        sparse: Collection[int] = (),
     ) -> None:
         self.params = list(params)
         self.devices = list(devices)
         self.root = root
         self._groups = groups = DtypeGroups(self.params)
-        self._others = list(dict.fromkeys(d for d in self.devices if d != root))
+        # The replica that holds the originals (the first on the root); every other one owns a copy.
+        self._alias = next((i for i, d in enumerate(self.devices) if d == root), None)
+        self._owners = [i for i in range(len(self.devices)) if i != self._alias]
+        self._sparse = frozenset(sparse)
+        self._renormed = frozenset(renormed)
         self._train_index: list[int] = []  # set by _set_trainable
         self._frozen_index: list[int] = []
         distinct = list(dict.fromkeys(self.devices))
         self._slots = [distinct.index(d) for d in self.devices]  # replica -> its device's place in ``distinct``
         rows = [self.devices[:i].count(d) for i, d in enumerate(self.devices)]  # replica -> its row on its device
         with torch.inference_mode(False), torch.no_grad():
-            self._storage = {d: groups.flats(d) for d in self._others}  # one per device and dtype
-            # Per other device, each parameter's part of its storage: the replicas there share its version counter.
-            self._parts = {
-                d: [
-                    alias(flats[p.dtype], groups.offsets[j], p.shape, groups.strides[j])
-                    for j, p in enumerate(self.params)
-                ]
-                for d, flats in self._storage.items()
-            }
+            self._storage = {i: groups.flats(self.devices[i]) for i in self._owners}  # one per replica and dtype
             blocks = [groups.flats(d, zero=True, rows=self.devices.count(d)) for d in distinct]
             self._grads = [
                 {dtype: flat[row] for dtype, flat in blocks[k].items()}
                 for k, row in zip(self._slots, rows, strict=True)
             ]
             self._counted = [[groups.columns(block, j) for j in range(len(self.params))] for block in blocks]
-            self.leaves = [self._make_leaves(d, renormed) for d in self.devices]
+            self.leaves = [self._make_leaves(i, renormed) for i in range(len(self.devices))]
             for i, leaves in enumerate(self.leaves):
                 for j, leaf in enumerate(leaves):
-                    leaf.grad = groups.shaped(self._counted[self._slots[i]][j][rows[i]], j)
+                    if j not in self._sparse:
+                        leaf.grad = groups.shaped(self._counted[self._slots[i]][j][rows[i]], j)
             self._new_root_grads()
-        self._first_grads = [leaves[0].grad if leaves else None for leaves in self.leaves]
+        dense = next((j for j in range(len(self.params)) if j not in self._sparse), None)
+        self._first_grads = [None if dense is None else leaves[dense].grad for leaves in self.leaves]
+        self._dense = dense
         self._pointers = list(map(_data_ptr, self.params))
-        self._stamp: int | None = None  # the originals' version sum at the last copy to the other devices
+        self._stamp: int | None = None  # the originals' version sum at the last copy to the owning replicas
         self._set_trainable(list(map(_requires_grad, self.params)))
-        self.checked_runs: dict[int, tuple[list[Tensor], list[int]]] = {}  # ReplicaSet's per-count lists of leaves
         self.active = 0  # how many replicas have run: a backward pass through an older graph may reach any of them
         self.pending = False  # replicas ran since the last reduction: their gradients may not be on the originals yet
 
-    def _make_leaves(self, device: torch.device, renormed: Collection[int]) -> list[nn.Parameter]:
-        leaves = []
-        for j, p in enumerate(self.params):
-            # The device's storage and version counter (a write in a step by any replica there moves it), but a
-            # counter of its own for a weight written in place in every forward.
-            shared = self.shared_by(device)[j]
-            data = alias(shared, 0, shared.shape, shared.stride()) if j in renormed else shared.detach()
-            leaves.append(nn.Parameter(data, requires_grad=p.requires_grad))
-        return leaves
+    def _make_leaves(self, i: int, renormed: Collection[int]) -> list[nn.Parameter]:
+        """Replica ``i``'s leaves: over the originals' storage and version counters (the replica that stands for the
+        root), or over its own flat buffers (``renormed`` ones on the root: the originals', see the class)."""
+        return [self._make_leaf(i, j, renormed) for j in range(len(self.params))]
+
+    def _make_leaf(self, i: int, j: int, renormed: Collection[int]) -> nn.Parameter:
+        p = self.params[j]
+        if i == self._alias:
+            data = p.detach()
+        elif j in renormed and self.devices[i] == self.root:
+            data = alias(p, 0, p.shape, p.stride())
+        else:
+            data = self._groups.view(self._storage[i], j)
+        return nn.Parameter(data, requires_grad=p.requires_grad)
 
     def _new_root_grads(self) -> None:
         """The originals' ``.grad`` to be: views of one flat buffer per dtype on the root, reused from step to step."""
@@ -236,19 +244,14 @@ class ReplicaParameters:
         self._train_views = [self._root_views[j] for j in self._train_index]
         self._frozen_views = [self._root_views[j] for j in self._frozen_index]
 
-    def shared_by(self, device: torch.device) -> list[Tensor]:
-        """The tensors whose storage and version counters the replicas on ``device`` share, one per parameter (the
-        originals on the root; ``renormed`` parameters' leaves have counters of their own)."""
-        return self.params if device == self.root else self._parts[device]
-
     def _set_trainable(self, trainable: list[bool]) -> None:
         self._trainable = trainable
         for leaves in self.leaves:
             for leaf, flag in zip(leaves, trainable, strict=True):
                 if leaf.requires_grad != flag:
                     leaf.requires_grad_(flag)
-        self._train_index = [j for j, flag in enumerate(trainable) if flag]
-        self._frozen_index = [j for j, flag in enumerate(trainable) if not flag]
+        self._train_index = [j for j, flag in enumerate(trainable) if flag and j not in self._sparse]
+        self._frozen_index = [j for j, flag in enumerate(trainable) if not flag and j not in self._sparse]
         self._train_params = [self.params[j] for j in self._train_index]
         self._frozen_params = [self.params[j] for j in self._frozen_index]
         self._index_views()
@@ -266,14 +269,42 @@ class ReplicaParameters:
             self._set_trainable(trainable)
         self.active = max(self.active, n)
         self.pending = True
-        stamp = sum(map(_version, self.params)) if self._others else None  # no others: every replica aliases them
+        self.copy_values(n)
+        return True
+
+    def copy_values(self, n: int) -> None:
+        """The originals' values into the first ``n`` replicas' copies, where they or the copies changed since the
+        last copy (also inside a step, after an optimizer step of manual optimization)."""
+        owners = [i for i in self._owners if i < n]
+        # The originals' versions (an optimizer step), and the copies' (a replica's in-place change of its own copy).
+        stamp = (sum(map(_version, self.params)), self._copy_versions(owners)) if owners else None
         if stamp != self._stamp:
             with torch.no_grad():
                 for dtype, staged in self._groups.flatten().items():
-                    for device in self._others:
-                        self._storage[device][dtype].copy_(staged, non_blocking=True)
-            self._stamp = stamp
+                    for i in owners:
+                        self._storage[i][dtype].copy_(staged, non_blocking=True)
+            self._stamp = (stamp[0], self._copy_versions(owners)) if stamp is not None else None
+
+    def keep_rebound_data(self) -> bool:
+        """After a step that rebound a parameter's ``.data`` (MoCo's ``param_k.data = param_k.data * m + ...``): the
+        original takes the replica that stands for it's new value (as one device's parameter would), and every
+        replica gets new leaves over its storage again (their ``.grad`` kept); ``True`` when the caller must point its
+        modules at :attr:`leaves` again. One pointer comparison per parameter, on that replica alone."""
+        if self._alias is None or list(map(_data_ptr, self.leaves[self._alias])) == self._pointers:
+            return False
+        rebound = [j for j, leaf in enumerate(self.leaves[self._alias]) if leaf.data_ptr() != self._pointers[j]]
+        with torch.no_grad():
+            for j in rebound:
+                self.params[j].copy_(self.leaves[self._alias][j])  # moves its version: the copies follow at sync
+        for i, leaves in enumerate(self.leaves):
+            for j in rebound:
+                fresh = self._make_leaf(i, j, self._renormed)
+                fresh.grad, leaves[j] = leaves[j].grad, fresh
         return True
+
+    def _copy_versions(self, owners: list[int]) -> tuple[int, ...]:
+        """The version counters of the ``owners``' flat buffers (their leaves are views of them)."""
+        return tuple(flat._version for i in owners for flat in self._storage[i].values())
 
     def mark_stale(self) -> None:
         """Copy the originals to the other devices at the next :meth:`sync`, whatever their version counters say."""
@@ -282,7 +313,7 @@ class ReplicaParameters:
     def backward_done(self) -> None:
         """A backward pass through the replicas finished (autograd accumulated into their flat gradients)."""
         for i, leaves in enumerate(self.leaves[: self.active]):
-            if leaves and leaves[0].grad is not self._first_grads[i]:
+            if self._dense is not None and leaves[self._dense].grad is not self._first_grads[i]:
                 raise RuntimeError(
                     "A backward pass replaced the gradient tensors of replica parameters instead of accumulating into "
                     "them (create_graph=True does that). Replicas with their own parameters (threads, or devices "
@@ -291,16 +322,19 @@ class ReplicaParameters:
                     "create_graph through the replicas."
                 )
 
-    def reduce(self, run_hooks: bool = True) -> None:
+    def reduce(self, run_hooks: bool = True, only_trainable: bool = False) -> None:
         """Add the replicas' gradients onto the originals' ``.grad`` and zero the replicas' flat gradients.
 
         Order: per device its replicas, then the devices, each moved to the root with one copy per dtype. A parameter
         no replica's backward reached (no gradient version counter moved) keeps its ``.grad``, as on one device. The
         originals' gradient hooks run as autograd runs them on one device: once per reduction, on the summed gradient
-        (``run_hooks=False``: gradients of backward passes that ran before the hooks existed).
+        (``run_hooks=False``: gradients of backward passes that ran before the hooks existed). ``only_trainable``: a
+        parameter frozen on the original since the sync (manual optimization's ``toggle_optimizer``) gets nothing, as
+        on one device, where its backward would not reach it.
         """
         count = self.active
         self.pending = False
+        self._reduce_sparse(count)
         if count == 0 or not self._train_index:
             return
         slots = sorted(set(self._slots[:count]))
@@ -314,6 +348,8 @@ class ReplicaParameters:
         if not all(map(operator.ne, counters[0], seen[0])):  # per parameter: did some device's counter move?
             changed = [list(map(operator.ne, now, old)) for now, old in zip(counters, seen, strict=True)]
             reached = [any(column) for column in zip(*changed, strict=True)]
+        if only_trainable and (now := list(map(_requires_grad, self.params))) != self._trainable:
+            reached = [r and now[j] for r, j in zip(reached or repeat(True), self._train_index, strict=False)]
         everywhere = reached is None or all(reached)  # every parameter has a gradient: whole buffers give each its sum
         params = self._train_params
         hooked = run_hooks and (any(map(_tensor_hooks, params)) or any(map(_post_accumulate_hooks, params)))
@@ -341,6 +377,20 @@ class ReplicaParameters:
             torch._foreach_zero_([flat for flats in self._grads[:count] for flat in flats.values()])
         for k, now in zip(slots, counters, strict=True):  # zeroing the rows leaves the counting aliases' counters alone
             self._seen[k] = now
+
+    def _reduce_sparse(self, count: int) -> None:
+        """Sparse gradients, parameter by parameter: the replicas' sum (in replica order) added to the original's."""
+        for j in sorted(self._sparse):
+            grads = [leaves[j].grad for leaves in self.leaves[:count] if leaves[j].grad is not None]
+            if not grads:
+                continue
+            total = grads[0].to(self.root)
+            for grad in grads[1:]:
+                total = total + grad.to(self.root)
+            param = self.params[j]
+            param.grad = total if param.grad is None else param.grad + total
+            for leaves in self.leaves[:count]:
+                leaves[j].grad = None
 
     def _frozen_hold_views(self) -> bool:
         """Whether a frozen parameter kept the view of the root's flat buffer it had while trainable as its ``.grad``

@@ -122,7 +122,7 @@ class DataParallelModel(nn.Module):
         if reason is not None:
             message = f"DataParallelModel: execution_mode={self.execution_mode!r} overridden: {reason}."
             warnings.warn(message, UserWarning, stacklevel=2)
-        replicas = replica_set.prepare(len(used), mode)
+        replicas = replica_set.prepare(len(used))
         calls = [functools.partial(r, *a, **k) for r, a, k in zip(replicas, args_chunks, kwargs_chunks, strict=True)]
         outputs = run_replicas(calls, used, mode)
         replica_set.watch(outputs)  # the backward pass through them reduces the replicas' gradients
@@ -357,7 +357,7 @@ class DataParallelCriterion(nn.Module):
         if isinstance(criterion, nn.Module) and module_device(criterion) is not None:
             check_module_on(criterion, self.device_ids[0], what="criterion")
             replica_set = self._replicas.of(criterion, devices)
-            replicas: Sequence[Any] = replica_set.prepare(len(devices), mode)
+            replicas: Sequence[Any] = replica_set.prepare(len(devices))
         else:
             replicas = [criterion] * len(outputs)  # stateless: calling one object from several threads is safe
         calls = [

@@ -8,7 +8,6 @@ import operator
 import threading
 import types
 import weakref
-from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -118,6 +117,7 @@ class ReplicaSet:
                 self._build_replica(i, param_index, buffer_index)
         self._buffers = ReplicaBuffers(buffers, self._buffer_slots, self.devices)
         self._flat: ReplicaParameters | None = None  # built on the first step that needs the replicas' own leaves
+        self._pointed = [False] * len(self.devices)  # replicas whose modules hold their own leaves
         originals = self._originals
         self._places = {  # replica modules (not shared ones) -> (replica, position)
             id(c): (i, k)
@@ -125,11 +125,6 @@ class ReplicaSet:
             for k, c in enumerate(copies)
             if c is not originals[k]
         }
-        # Embedding(max_norm=...) renormalises the rows it looks up in place: idempotent, so once per replica is fine.
-        renormed = {id(m.weight) for m in originals if isinstance(m, nn.Embedding) and m.max_norm is not None}
-        self._checked = [j for j, p in enumerate(self._params) if id(p) not in renormed]
-        self._checked_params = [self._params[j] for j in self._checked]
-        self._sharing = [True] * len(self.devices)  # copies start out holding the original parameters
         shared = self._shared
         self._watch = [_watch_entry(m) if shared is None or not shared(m) else _UNWATCHED for m in originals]
         self._flatten_watch()
@@ -227,13 +222,11 @@ class ReplicaSet:
         return mode, reason if resolve_mode(requested, self.devices[:count]) != mode else None
 
     # --- every step --------------------------------------------------------------------------------------------------
-    def prepare(
-        self, n: int | None = None, execution_mode: ExecutionMode = "threads", linked: bool = False
-    ) -> list[nn.Module]:
-        """The first ``n`` replicas (default all), synced with the original for a step run in ``execution_mode``.
+    def prepare(self, n: int | None = None, linked: bool = False) -> list[nn.Module]:
+        """The first ``n`` replicas (default all), synced with the original for a step, in either execution mode.
 
-        Sequential replicas on the parameters' device hold the original parameters; others hold their own leaves
-        (:class:`.flat_replicas.ReplicaParameters`): pass their outputs to :meth:`watch`. ``linked=True``: see
+        Every replica holds its own leaves (:class:`.flat_replicas.ReplicaParameters`; the first on the parameters'
+        device over the originals' storage): pass their outputs to :meth:`watch`. ``linked=True``: see
         :func:`replicate`."""
         n = len(self.devices) if n is None else n
         if not 1 <= n <= len(self.devices):
@@ -243,33 +236,15 @@ class ReplicaSet:
             self._sync_structure()
         self._structure_checked = False
         self._buffers.refresh(n)
-        devices = self.devices[:n]
         self._queued = False
         self._owning = False
         if linked:
             self._link_parameters(n)
-        elif resolve_mode(execution_mode, devices) == "sequential" and all(d == self._root for d in devices):
-            for i in range(n):
-                if not self._sharing[i]:
-                    self._point(i, self._params, sharing=True)  # back to the original parameters
-            self._run = _Run(self._places, self._checked_params if n > 1 else [], [n], _SEQUENTIAL)
         else:
             self._own_parameters(n)
             self._owning = True
-            self._start_leaf_run(n)
+            self._run = _Run(self._places)
         return self.replicas[:n]
-
-    def _start_leaf_run(self, n: int) -> None:
-        """A run on the replicas' own leaves: those on one device share its copy of the parameters and, per parameter,
-        one version counter (:meth:`.flat_replicas.ReplicaParameters.shared_by`), read before and after the step."""
-        flat = self._flat
-        assert flat is not None
-        if flat.checked_runs.get(n) is None:  # the same tensors every step: listed once per replica count
-            counts = Counter(self.devices[:n])
-            shared = [d for d, count in counts.items() if count > 1]
-            tensors = [t for d in shared for t in map(flat.shared_by(d).__getitem__, self._checked)]
-            flat.checked_runs[n] = (tensors, [counts[d] for d in shared])
-        self._run = _Run(self._places, *flat.checked_runs[n], _THREADS)
 
     def _end_run(self, adopt: bool) -> _Run | None:
         """Stop recording the run in progress; ``adopt``: buffers it rebound take replica 0's value."""
@@ -282,19 +257,19 @@ class ReplicaSet:
 
     def watch(self, outputs: Sequence[Any]) -> None:
         """Reduce the replicas' gradients onto the originals after any backward pass that reaches ``outputs`` (this
-        step's replica outputs). Raises if the replicas changed parameters in place that several of them hold."""
-        run = self._end_run(adopt=True)
+        step's replica outputs)."""
+        self._end_run(adopt=True)
         for module, hook in self._weight_hooks:  # what one device's forward leaves on the module (ModelPruning ranks
             if isinstance(hook, SpectralNorm):  # by it); replica 0's forward already ran the power iteration
                 setattr(module, hook.name, hook.compute_weight(module, do_power_iteration=False))
             else:
                 hook(module, ())
-        written = None if run is None else run.written()
-        if written is not None:
-            block, k = divmod(written, len(self._checked))
-            raise RuntimeError(self._applied_per_replica(self._checked[k], run.counts[block], run.how))
+        if self._owning and self._flat is not None and self._flat.keep_rebound_data():
+            for i in range(len(self.devices)):
+                if self._pointed[i]:
+                    self._point(i, self._flat.leaves[i])
         if not self._owning or not torch.is_grad_enabled():
-            return  # replicas that hold the original parameters need no reduction
+            return  # replicas linked to the originals (replicate()) need no reduction
         for tensor in _differentiable(outputs):
             if tensor.grad_fn is None:  # a replica parameter returned as is keeps its hook: once
                 known = self._hooked_leaves.get(id(tensor))
@@ -324,6 +299,18 @@ class ReplicaSet:
         if self._flat is not None:
             self._flat.reduce(run_hooks)
 
+    def after_manual_backward(self) -> None:
+        """Reduce now what a backward pass inside the step (manual optimization) accumulated, to the parameters that
+        are trainable on the originals now."""
+        if self._flat is not None:
+            self._flat.backward_done()
+            self._flat.reduce(only_trainable=True)
+
+    def after_optimizer_step(self, n: int) -> None:
+        """Inside a step, after the optimizer stepped the originals: the first ``n`` replicas' copies follow."""
+        if self._flat is not None:
+            self._flat.copy_values(n)
+
     def leaves_of(self, param: Tensor) -> list[Tensor]:
         """The replicas' own leaves that stand for the original ``param`` in the graph of the last step, for
         ``backward(inputs=...)``: empty when the replicas held the originals (or ``param`` is none of them)."""
@@ -343,16 +330,6 @@ class ReplicaSet:
     def pending(self) -> bool:
         """Replicas with their own parameters ran since the last reduction (their gradients may wait for one)."""
         return self._flat is not None and self._flat.pending
-
-    def _applied_per_replica(self, j: int, count: int, how: str) -> str:
-        names = {id(p): name for name, p in self.module.named_parameters(remove_duplicate=False)}
-        return (
-            f"The step changed parameter `{names.get(id(self._params[j]), j)}` in place (under torch.no_grad() or "
-            f"with copy_: e.g. an EMA update of a key, target or teacher network), and {count} replicas hold that "
-            f"parameter's storage together ({how}), so the change ran once per replica, not once per step. Make "
-            "it once per step, outside the replicated call: in the LightningModule's `on_train_batch_end` hook (it "
-            "runs once, on the root module), or, with DataParallelModel, after the DataParallelModel call."
-        )
 
     def _adopt_buffers(self, rebound: set[tuple[int, int, str]]) -> None:
         """Buffers the step rebound: replica 0's value becomes the original's, and every replica holds the buffers
@@ -386,31 +363,27 @@ class ReplicaSet:
         if flat is None or not flat.sync(n):
             if flat is not None:
                 flat.reduce()  # what the replicas accumulated still belongs to the originals
-            if torch.is_grad_enabled():
-                embeddings = (nn.Embedding, nn.EmbeddingBag)
-                sparse = [type(m).__name__ for m in self._originals if isinstance(m, embeddings) and m.sparse]
-                if sparse:
-                    raise RuntimeError(
-                        f"The model has modules with sparse gradients ({', '.join(sorted(set(sparse)))} with "
-                        "sparse=True), which replicas with their own parameters cannot reduce in flat buffers. Use "
-                        "sparse=False, or run the replicas on one device with execution_mode='sequential' (they then "
-                        "share the original parameters and autograd accumulates their sparse gradients)."
-                    )
-            renormed = set(range(len(self._params))).difference(self._checked)
-            flat = self._flat = ReplicaParameters(self._params, self.devices, self._root, renormed)
-            self._sharing = [True] * len(self.devices)
+            # Embedding(max_norm=...) renormalises the rows it looks up in place: on one device, every shard's rows.
+            renormed = {id(m.weight) for m in self._originals if isinstance(m, nn.Embedding) and m.max_norm is not None}
+            sparse = {
+                id(m.weight) for m in self._originals if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse
+            }
+            indices = [j for j, p in enumerate(self._params) if id(p) in renormed]
+            sparse_indices = [j for j, p in enumerate(self._params) if id(p) in sparse]
+            flat = self._flat = ReplicaParameters(self._params, self.devices, self._root, indices, sparse_indices)
             flat.sync(n)
+            self._pointed = [False] * len(self.devices)
         for i in range(n):
-            if self._sharing[i]:
-                self._point(i, flat.leaves[i], sharing=False)
+            if not self._pointed[i]:
+                self._point(i, flat.leaves[i])
+                self._pointed[i] = True
 
-    def _point(self, i: int, tensors: Sequence[Tensor | None], sharing: bool) -> None:
+    def _point(self, i: int, tensors: Sequence[Tensor | None]) -> None:
         """Replica ``i``'s parameters from ``tensors`` (indexed like the unique originals)."""
         for store, name, j in self._param_slots[i]:
             store[name] = tensors[j]
         for rnn in self._rnns[i]:  # RNNs run on a cached list of their weights, which must hold this replica's tensors
             rnn._flat_weights = [getattr(rnn, wn, None) for wn in rnn._flat_weights_names]
-        self._sharing[i] = sharing
 
     def _sync_structure(self) -> None:
         """Rebuild on a structural change or a (un)compiled module; copy attributes rebound on the originals to every
@@ -428,6 +401,21 @@ class ReplicaSet:
                 self._build()
                 return
             self._copy_attributes(k, saved[0])
+
+    def keep_first_replicas(self, before: dict[str, Any]) -> dict[str, Any]:
+        """Rebind on the original module what replica 0's root module rebound in its step since ``before`` (a copy of
+        its ``__dict__``): the original stands for replica 0, as DDP's rank 0 does; the next :meth:`prepare` hands
+        the values to every replica. Returns them (per-replica ``overrides`` are never taken)."""
+        current = self._copies[0][0].__dict__
+        if len(current) == len(before) and all(map(operator.is_, current.values(), before.values())):
+            return {}  # the common case, checked at C speed
+        rebound = {
+            name: value
+            for name, value in current.items()
+            if name not in self._overrides and value is not before.get(name, _MISSING)
+        }
+        self.module.__dict__.update(rebound)
+        return rebound
 
     def _copy_attributes(self, k: int, before: dict[str, Any]) -> None:
         current = self._originals[k].__dict__
@@ -473,7 +461,8 @@ class ReplicaSet:
                 for k, (i, j) in enumerate(itertools.product(range(n), indices)):
                     tensors[i][j] = outputs[k]
         for i in range(n):
-            self._point(i, tensors[i], sharing=False)
+            self._point(i, tensors[i])
+        self._pointed[:n] = [False] * n  # back to their own leaves at the next prepare()
 
     def release(self) -> None:
         """Drop every replica and copy (frees their memory on the other devices); the set is not used again."""
@@ -482,8 +471,6 @@ class ReplicaSet:
         self._flat, self._buffers = None, ReplicaBuffers([], [], [])
 
 
-_SEQUENTIAL = "they run one after another on the parameters' device, on the original parameters"
-_THREADS = "they run in threads, and those on one device share its copy of the parameters"
 _version = operator.attrgetter("_version")
 _runs: tuple[weakref.ref[_Run], ...] = ()  # in progress (replica sets may nest, or run in threads)
 _runs_lock = threading.RLock()  # re-entered by _forget when the collector drops a run inside a locked section
@@ -508,14 +495,12 @@ def _on_buffer(module: nn.Module, name: str, value: Tensor | None) -> None:
 
 
 class _Run:
-    """One step's replicas at work: ``shared`` (tensors whose storage and version counters several replicas hold, in
-    blocks of as many, ``counts[b]`` replicas holding block ``b``) must keep their ``versions``; the buffers they rebind
-    are recorded by torch's global buffer registration hook, installed while runs are in progress."""
+    """One step's replicas at work: the buffers they rebind are recorded by torch's global buffer registration hook,
+    installed while runs are in progress."""
 
-    def __init__(self, places: dict[int, tuple[int, int]], shared: list[Tensor], counts: list[int], how: str) -> None:
+    def __init__(self, places: dict[int, tuple[int, int]]) -> None:
         global _runs
-        self.places, self.shared, self.counts, self.how = places, shared, counts, how
-        self.versions = list(map(_version, shared))
+        self.places = places
         self.rebound: set[tuple[int, int, str]] = set()  # (replica, position, buffer name)
         with _runs_lock:  # in progress first, then the hook: a _forget in between must see this run
             self._ref = weakref.ref(self, _forget)
@@ -525,11 +510,6 @@ class _Run:
 
     def stop(self) -> None:
         _forget(self._ref)
-
-    def written(self) -> int | None:
-        """The index in ``shared`` of the first tensor the run changed in place, if any."""
-        now = list(map(_version, self.shared))
-        return None if now == self.versions else next(k for k, v in enumerate(now) if v != self.versions[k])
 
 
 class _ReplicaParameters(torch.autograd.Function):
@@ -573,6 +553,7 @@ def _to_device_coalesced(tensors: Sequence[Tensor], device: torch.device) -> lis
 
 
 _UNWATCHED = (None,) * 8
+_MISSING = object()
 _NOT_OPAQUE = (type, Mapping, list, tuple, torch.dtype, torch.device, nn.Module)  # opened, tensorless, or a model
 
 

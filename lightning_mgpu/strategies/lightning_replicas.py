@@ -51,7 +51,7 @@ class LightningReplicas:
 
     def run(self, count: int, call: Callable[[int, nn.Module], Any], mode: ExecutionMode) -> list[Any]:
         """``call(i, replica_i)`` for the first ``count`` replicas; a failed step leaves no recorded state."""
-        replicas = self.replica_set.prepare(count, mode)
+        replicas = self.replica_set.prepare(count)
         try:
             outputs = run_replicas(
                 [lambda i=i, r=r: call(i, r) for i, r in enumerate(replicas)], self.devices[:count], mode

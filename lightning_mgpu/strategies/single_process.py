@@ -45,7 +45,6 @@ class LightningNamespace:
 
 T = TypeVar("T")
 _GROWABLE = (list, collections.deque)
-_PLAIN = (bool, int, float, str)
 _MISSING = object()
 _ON_ROOT = (
     "in `on_train_batch_end` / `on_validation_batch_end` (they run once, on the root, with the whole batch and the "
@@ -116,19 +115,24 @@ def _check_scheduler_steps(root: Any, before: list[tuple[str, Any]], count: int)
         )
 
 
-def _rebound_attributes(snapshots: Sequence[tuple[nn.Module, dict[str, Any]]]) -> list[str]:
-    """Attributes the replicas rebound in their step (a plain value rebound to an equal one is not counted)."""
-    rebound: list[str] = []
-    for replica, before in snapshots:
-        current = replica.__dict__
-        if len(current) == len(before) and all(map(operator.is_, current.values(), before.values())):
-            continue  # the common case, checked at C speed
-        for name, value in current.items():
-            old = before.get(name, _MISSING)
-            if value is old or name in rebound or (type(value) in _PLAIN and type(value) is type(old) and value == old):
-                continue
-            rebound.append(name)
-    return rebound
+def _rebound(replica: nn.Module, before: dict[str, Any]) -> dict[str, Any]:
+    """The attributes ``replica`` rebound since ``before`` (a copy of its ``__dict__``), with their new values."""
+    current = replica.__dict__
+    if len(current) == len(before) and all(map(operator.is_, current.values(), before.values())):
+        return {}  # the common case, checked at C speed
+    return {name: value for name, value in current.items() if value is not before.get(name, _MISSING)}
+
+
+def _alike(a: Any, b: Any) -> bool:
+    """Whether two replicas' values of an attribute are the same value (equal tensors, or equal by ``==``)."""
+    if a is b:
+        return True
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return isinstance(a, Tensor) and isinstance(b, Tensor) and a.shape == b.shape and bool(torch.equal(a, b.to(a)))
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
 
 
 class SingleProcessParallel:
@@ -178,6 +182,7 @@ class SingleProcessParallel:
         self._interleaved = False  # the last replicated call's threads could interleave (set by _mode_for)
         self._dicts: tuple[int, int, list[tuple[nn.Module, str, str]]] | None = None  # see _dicts_of
         self._replicated_on: list[torch.device] = []
+        self._checked_steps: dict[str, int] = {}  # replicated calls per hook: checks run on the first ones
 
     # --- one Trainer per instance: the connector reads `_accelerator` from an instance it receives, so refuse there ---
     @property
@@ -424,31 +429,46 @@ class SingleProcessParallel:
             # gradients reached .grad without it.
             replica_set.reduce_gradients(run_hooks=False)
         replica_set.defer_reduction = accumulating and not reads
-        before = _collection_lengths(module)
-        # What a step could change once per replica: dicts the replicas share with the module, and schedulers.
-        dicts = self._dicts_of(root, replica_set.builds) if count > 1 else []
+        checking = count > 1 and self._first_steps(root._current_fx_name)
+        # On the first steps only: what a step could change once per replica (lists, shared dicts, schedulers).
+        before = _collection_lengths(module) if checking else {}
+        dicts = self._dicts_of(root, replica_set.builds) if checking else []
         entries = _dict_entries(dicts)
-        steps = _scheduler_steps(root) if count > 1 else []
-        snapshots: list[tuple[nn.Module, dict[str, Any]]] = []
+        steps = _scheduler_steps(root) if checking else []
+        snapshots: list[dict[str, Any]] = [{} for _ in range(count)]
 
         def watched(index: int, replica: nn.Module) -> Any:
-            snapshots.append((replica, replica.__dict__.copy()))  # once prepared: what the step may rebind
+            if index == 0 or checking:
+                snapshots[index] = replica.__dict__.copy()  # once prepared: what the step may rebind
             return call(index, replica)
 
         outputs = replicas.run(count, watched, self._mode_for(replicas, count))
-        if count > 1:
+        kept = replica_set.keep_first_replicas(snapshots[0])  # the root module stands for replica 0
+        if checking:
             _check_scheduler_steps(root, steps, count)
-        self._say_replica_state(module, before, snapshots)
-        self._say_shared_entries(root, dicts, entries)
+            self._say_replica_state(
+                module,
+                before,
+                kept,
+                [_rebound(r, b) for r, b in zip(replicas.replica_set.replicas[1:], snapshots[1:], strict=False)],
+            )
+            self._say_shared_entries(root, dicts, entries)
         replicas.merge_into(root, sample_counts, loss_copy(outputs) if loss_copy is not None else None)
         return outputs
 
+    def _first_steps(self, hook: str) -> bool:
+        """Whether this call of ``hook`` is among its first two: the checks of what a step did to the module's state
+        run there (a step does the same things every time), never around every step."""
+        seen = self._checked_steps.get(hook, 0)
+        self._checked_steps[hook] = seen + 1
+        return seen < 2
+
     def _say_replica_state(
-        self, module: nn.Module, lengths: dict[str, int], snapshots: Sequence[tuple[nn.Module, dict[str, Any]]]
+        self, module: nn.Module, lengths: dict[str, int], kept: dict[str, Any], others: Sequence[dict[str, Any]]
     ) -> None:
         """Warn once per attribute of ``module`` whose one-device value the step lost: a list every replica grew, an
-        attribute rebound on the replicas only."""
-        where = f"during a step that ran on {len(snapshots)} replicas"
+        attribute rebound to a value that differs between the replicas (the root keeps replica 0's)."""
+        where = f"during a step that ran on {len(others) + 1} replicas"
         for path, length in _collection_lengths(module).items():
             if length > lengths.get(path, 0):
                 self._warn_once(
@@ -456,11 +476,14 @@ class SingleProcessParallel:
                     f"`{type(module).__name__}.{path}` grew {where}: it holds one entry per device per step, in no "
                     f"fixed order. Collect step outputs {_ON_ROOT} or use a torchmetrics metric.",
                 )
-        for name in _rebound_attributes(snapshots):
+        for name, value in kept.items():
+            if all(name in other and _alike(value, other[name]) for other in others):
+                continue
             self._warn_once(
                 f"rebound:{name}",
-                f"`{type(module).__name__}.{name}` was rebound {where}, on the replicas only: the module keeps its "
-                f"value from before the step. Update it {_ON_ROOT}, keep it in a torchmetrics metric or log it.",
+                f"`{type(module).__name__}.{name}` was rebound {where} to values that differ between the replicas "
+                f"(each computed from its shard): the module keeps replica 0's, where one device keeps the whole "
+                f"batch's. Compute it {_ON_ROOT}, keep it in a torchmetrics metric or log it.",
             )
 
     def _dicts_of(self, root: nn.Module, builds: int) -> list[tuple[nn.Module, str, str]]:

@@ -179,6 +179,6 @@ def test_replicas_on_the_second_gpu_see_the_optimizer_step_and_the_roots_buffers
         sum(o.sum() for o in out).backward()
         opt.step()
         opt.zero_grad()
-    replica = net._replicas.of(model, net.device_ids).prepare(2, "threads")[1]
+    replica = net._replicas.of(model, net.device_ids).prepare(2)[1]
     torch.testing.assert_close(replica[0].weight.cpu(), model[0].weight.cpu(), rtol=0, atol=0)
     torch.testing.assert_close(replica[1].running_mean.cpu(), model[1].running_mean.cpu(), rtol=0, atol=0)

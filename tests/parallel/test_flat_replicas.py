@@ -57,21 +57,24 @@ def assert_same_parameters(a: nn.Module, b: nn.Module, tol: float = 1e-10) -> No
 
 
 # --- units: ReplicaParameters ---------------------------------------------------------------------------------------
-def test_leaves_on_the_root_device_alias_the_originals_and_others_copy_once_per_change():
+def test_the_first_replica_aliases_the_originals_and_every_other_owns_a_copy_synced_once_per_change():
     params = [nn.Parameter(torch.randn(3, 2)), nn.Parameter(torch.randn(4))]
-    flat = ReplicaParameters(params, [CPU, OTHER, OTHER], CPU)
+    flat = ReplicaParameters(params, [CPU, CPU, OTHER], CPU)
     assert all(leaf.data_ptr() == p.data_ptr() for leaf, p in zip(flat.leaves[0], params, strict=True))
-    assert flat.leaves[1][0].data_ptr() == flat.leaves[2][0].data_ptr() != params[0].data_ptr()  # one copy per device
+    ptrs = {flat.leaves[i][0].data_ptr() for i in range(3)}
+    assert len(ptrs) == 3  # a copy per replica, on the root device too
     flat.sync(3)
     assert all(torch.equal(leaf, p) for leaf, p in zip(flat.leaves[2], params, strict=True))
     with torch.no_grad():
         params[1].add_(1.0)  # an optimizer step
     flat.sync(3)
-    assert torch.equal(flat.leaves[1][1], params[1])
-    with torch.no_grad():
-        flat.leaves[1][1].zero_()  # not a change of the originals: no copy
+    assert torch.equal(flat.leaves[1][1], params[1]) and torch.equal(flat.leaves[2][1], params[1])
     flat.sync(3)
+    with torch.no_grad():
+        flat.leaves[1][1].zero_()  # a replica's own change: its copy alone; the original keeps replica 0's
     assert not torch.equal(flat.leaves[1][1], params[1])
+    flat.sync(3)  # and the next step starts from the original again
+    assert torch.equal(flat.leaves[1][1], params[1])
 
 
 def _backward(flat: ReplicaParameters, per_replica_scale: list[float], used: list[int] | None = None) -> None:
@@ -263,18 +266,19 @@ def test_requires_grad_flipped_between_accumulated_micro_batches_keeps_their_gra
     assert torch.equal(params[0].grad, torch.full((2,), 5.0)) and torch.equal(params[1].grad, torch.full((2,), 3.0))
 
 
-def test_leaves_on_the_root_share_the_originals_version_counters():
-    """A write in a step to one replica's leaf on the root moves the original's counter (one read per parameter finds
-    it, however many replicas share the storage); the other devices' leaves are their own."""
+def test_only_the_first_replicas_leaves_share_the_originals_version_counters():
+    """A write in a step to replica 0's leaf is the original's (it stands for the root module); other replicas' leaves,
+    on the root device too, are their own."""
     params = [nn.Parameter(torch.zeros(2))]
     flat = ReplicaParameters(params, [CPU, CPU, OTHER], CPU)
     before = params[0]._version
     with torch.no_grad():
-        flat.leaves[1][0].add_(1.0)
+        flat.leaves[0][0].add_(1.0)
     assert params[0]._version == before + 1 and torch.equal(params[0], torch.ones(2))
     with torch.no_grad():
+        flat.leaves[1][0].add_(1.0)
         flat.leaves[2][0].add_(1.0)
-    assert params[0]._version == before + 1
+    assert params[0]._version == before + 1 and torch.equal(params[0], torch.ones(2))
 
 
 def test_renormalised_embeddings_keep_their_own_counters_in_threads_on_one_device():
@@ -341,7 +345,8 @@ def test_replaced_parameter_tensors_make_the_leaves_stale():
 def test_prepare_checks_the_structure_unless_execution_mode_just_did():
     model = mlp()
     replicas = ReplicaSet(model, CPU3)
-    replicas.prepare(3, replicas.execution_mode("threads", 3)[0])
+    replicas.execution_mode("threads", 3)
+    replicas.prepare(3)
     model[0] = nn.Linear(4, 8).double()
     replicas.prepare(3)  # no execution_mode() before it: prepare() looks itself
     assert replicas.builds == 2
@@ -606,15 +611,20 @@ def test_mixed_dtypes_equal_one_device():
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
 
 
-def test_sparse_gradients_are_refused_with_what_to_do():
-    model = nn.Sequential(nn.Embedding(10, 3, sparse=True))
-    net = DataParallelModel(model, CPU3, execution_mode="threads")
-    with pytest.raises(RuntimeError, match=r"sparse gradients \(Embedding.*sparse=False.*sequential"):
-        net(torch.arange(6))
-    # sequential replicas on one device share the originals: sparse gradients work as on one device
-    out = DataParallelModel(model, CPU3, execution_mode="sequential")(torch.arange(6).view(6, 1))
-    sum(o.sum() for o in out).backward()
+@pytest.mark.parametrize("mode", ["sequential", "threads"])
+def test_sparse_gradients_are_summed_as_on_one_device(mode):
+    """An ``Embedding(sparse=True)``: the replicas' sparse gradients summed onto the original's, twice (accumulated)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 3, sparse=True), nn.Linear(3, 2)).double()
+    reference = copy.deepcopy(model)
+    x = torch.tensor([[1], [2], [2], [7], [9], [1]])
+    net = DataParallelModel(model, CPU3, execution_mode=mode)
+    for _ in range(2):
+        torch.cat(net(x)).pow(2).sum().backward()
+        reference(x).pow(2).sum().backward()
     assert model[0].weight.grad.is_sparse
+    torch.testing.assert_close(model[0].weight.grad.to_dense(), reference[0].weight.grad.to_dense(), rtol=0, atol=1e-12)
+    torch.testing.assert_close(model[1].weight.grad, reference[1].weight.grad, rtol=0, atol=1e-12)
 
 
 def test_buffers_requiring_grad_get_their_gradient_as_under_data_parallel():

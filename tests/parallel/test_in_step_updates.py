@@ -1,10 +1,11 @@
 """Tensors a step changes on its replicas: parameters updated in place (an EMA of a key, target or teacher network)
 and buffers rebound (DINO's ``self.center = ...``).
 
-Replicas that hold one parameter storage together (sequential on one device, threads on one device) would apply an
-in-place update once each: an error naming the parameter (writes through ``.data`` bump no version counter: not seen).
-Replicas with their own copies (other devices) apply it as one device does. ``Embedding(max_norm=...)``'s in-place
-renormalisation is idempotent: no error. A rebound buffer takes replica 0's value, as ``nn.DataParallel`` updates
+Every replica holds its own copy of the parameters (the first, those of the original), in both execution modes and
+on one device too, as a DDP rank does: an in-place update runs once on each copy and the original keeps replica 0's,
+as one device. ``Embedding(max_norm=...)``'s in-place renormalisation of the rows each shard looks up reaches the
+original's storage from every replica on its device (idempotent, as one device on the whole batch). A rebound buffer
+takes replica 0's value, as ``nn.DataParallel`` updates
 buffers from replica 0.
 """
 
@@ -115,31 +116,27 @@ def nothing_installed() -> bool:
 HOWS = ["in place", "copy_", "foreach"]
 
 
-@pytest.mark.parametrize("how", HOWS)
-def test_sequential_replicas_on_the_original_parameters_raise_naming_the_parameter(how, collected):
-    net = DataParallelModel(KeyEncoder(how), CPU3, execution_mode="sequential")
-    with pytest.raises(
-        RuntimeError, match=r"parameter `key\.weight` in place.*3 replicas.*after the DataParallelModel"
-    ):
-        net(batch())
-    assert nothing_installed()
-
-
-@pytest.mark.parametrize("how", HOWS)
-def test_threads_on_one_device_share_the_storage_and_raise(how):
+@pytest.mark.parametrize("devices", [2, 3])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("how", [*HOWS, ".data in place"])
+def test_an_in_step_update_runs_on_each_replicas_own_copy_and_equals_one_device(how, mode, devices, collected):
+    """Every replica holds its own copy of the key network, even on one device, and updates it once per step, as a
+    DDP rank does; the original is replica 0's."""
+    reference = KeyEncoder(how)
+    train(reference, reference)
     model = KeyEncoder(how)
-    net = DataParallelModel(model, CPU3, execution_mode="threads")
-    with pytest.raises(RuntimeError, match=r"parameter `key\.weight` in place.*3 replicas.*in threads"):
-        net(batch())
-    model.how = "none"
-    net(batch())  # a step without the update: no error (the versions checked are read anew after one)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        train(model, DataParallelModel(model, ["cpu"] * devices, execution_mode=mode))
+    assert_same(model, reference)
+    assert nothing_installed()
 
 
 def run_on(replica_set: ReplicaSet, devices: list[Any], mode: str) -> Callable[[torch.Tensor], list[Any]]:
     """A step through ``replica_set`` as the strategies run one: prepare, run the shards, watch."""
 
     def net(x: torch.Tensor) -> list[Any]:
-        replicas = replica_set.prepare(len(devices), mode)
+        replicas = replica_set.prepare(len(devices))
         calls = [lambda r=r, c=c: r(c) for r, c in zip(replicas, x.tensor_split(len(devices)), strict=True)]
         outputs = run_replicas(calls, devices, mode)
         replica_set.watch(outputs)
@@ -192,13 +189,14 @@ def test_replicas_with_their_own_copies_update_as_one_device(how, mode, monkeypa
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_two_replicas_sharing_another_devices_copy_raise(mode, monkeypatch):
-    """Replicas 1 and 2 share the other device's copy: the update would run twice on it (once per replica there)."""
+def test_two_replicas_on_another_device_hold_a_copy_each(mode, monkeypatch):
+    """Replicas 1 and 2 on the other device hold one copy each: the update runs once on each, as one device's."""
     distinct_devices(monkeypatch)
-    replica_set = ReplicaSet(KeyEncoder("in place"), [CPU, OTHER, OTHER])
-    net = run_on(replica_set, [CPU, OTHER, OTHER], mode)
-    with pytest.raises(RuntimeError, match=r"parameter `key\.weight` in place.*2 replicas hold.*in threads"):
-        net(batch())
+    reference = KeyEncoder("in place")
+    train(reference, reference)
+    model = KeyEncoder("in place")
+    train(model, run_on(ReplicaSet(model, [CPU, OTHER, OTHER]), [CPU, OTHER, OTHER], mode))
+    assert_same(model, reference)
 
 
 class Renormed(nn.Module):
@@ -250,7 +248,7 @@ def test_a_rebound_buffer_takes_replica_0s_value_and_every_replica_gets_it_back(
     first(x[:2])  # replica 0's shard on one device
     torch.testing.assert_close(model.center, first.center, rtol=0, atol=0)
     assert nothing_installed()
-    replicas = replica_set.prepare(3, mode)
+    replicas = replica_set.prepare(3)
     assert replicas[0].center is model.center  # replica 0 shares the original again
     for replica in replicas[1:]:
         assert replica.center is not model.center
@@ -309,7 +307,7 @@ def test_a_replica_set_dropped_between_prepare_and_watch_leaves_no_hook_installe
     # later buffer registration in the process would pay for it.
     for mode in ("sequential", "threads"):
         replica_set = ReplicaSet(Centered(), CPU3)
-        replica_set.prepare(execution_mode=mode)
+        replica_set.prepare()
         assert not nothing_installed()
         del replica_set
         gc.collect()

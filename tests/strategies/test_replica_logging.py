@@ -346,19 +346,19 @@ def test_an_attribute_rebound_in_the_step_warns_once_and_the_suggested_hook_equa
         run = trainer(strategy, devices, namespace, max_epochs=1, limit_train_batches=3, limit_val_batches=2)
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
-            run.fit(module, loader(10), loader(10))
+            run.fit(module, loader(9), loader(9))  # shards of 5 and 4: the replicas' counts differ
         return [str(w.message) for w in seen if "was rebound" in str(w.message) or "grew during" in str(w.message)]
 
     rebinding = seeded(CountsInStep)
     said = fit(rebinding, "parallel_criterion", 2)
-    assert rebinding.seen == 0  # what the warning is about
+    assert rebinding.seen == 15  # replica 0's, as DDP's rank 0 keeps its own: what the warning is about
     assert len(said) == 1 and said[0].startswith("`CountsInStep.seen` was rebound during a step that ran on 2 replicas")
-    assert "on the replicas only" in said[0] and "keeps its value from before the step" in said[0]
+    assert "differ between the replicas" in said[0] and "keeps replica 0's" in said[0]
     assert "on_train_batch_end" in said[0]
     reference, fixed = seeded(CountsOnRoot), seeded(CountsOnRoot)
     fit(reference, "auto", 1)
     assert fit(fixed, "parallel_criterion", 2) == []  # nothing the strategy sets per replica is taken for a rebind
-    assert fixed.seen == reference.seen == 30
+    assert fixed.seen == reference.seen == 27
 
 
 class HookedFeatures(Classifier):

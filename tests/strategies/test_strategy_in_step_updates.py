@@ -1,8 +1,9 @@
-"""A step that changes the module's own tensors, under ``parallel_criterion`` against one device.
+"""A step that changes the module's own tensors, under ``parallel_criterion`` and ``dp`` against one device.
 
-An EMA key encoder updated in ``training_step`` (MoCo, BYOL, mean teacher) ran once per replica on the virtual devices'
-shared parameters: now an error that names the parameter and says where the update belongs (``on_train_batch_end``,
-which equals one device). DINO's center buffer rebound in the step (``self.center = ...``) equals one device.
+Every replica owns its parameters, as a DDP rank does (on one device too): an EMA key encoder updated in the step or
+in ``forward`` (MoCo, BYOL, mean teacher; in place or through ``.data``) and a DQN's target network copied in the step
+run once per replica on its own copy, and the root keeps replica 0's: equal to one device. DINO's center buffer rebound
+in the step (``self.center = ...``) equals one device.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import copy
 import functools
 import importlib
+import warnings
 from types import SimpleNamespace
 from typing import Any
 
@@ -29,29 +31,44 @@ def models(namespace: str = "lightning.pytorch") -> SimpleNamespace:
     class KeyEncoder(L.LightningModule):
         """A query network trained by the loss, a key network that follows it by EMA (``how``: where and how)."""
 
-        def __init__(self, how: str = "in place") -> None:
+        def __init__(self, how: str = "in place", where: str = "training_step") -> None:
             super().__init__()
             torch.manual_seed(0)
-            self.how = how
+            self.how, self.where = how, where
             self.query = nn.Linear(N_FEATURES, N_CLASSES)
             self.key = copy.deepcopy(self.query).requires_grad_(False)
+            self.updates = 0
 
         def update_key(self) -> None:
+            self.updates += 1
+            if self.how == "target copy":  # a DQN's target network, copied every other step
+                if self.updates % 2 == 0:
+                    self.key.load_state_dict(self.query.state_dict())
+                return
             with torch.no_grad():
                 for pk, pq in zip(self.key.parameters(), self.query.parameters(), strict=True):
-                    pk.mul_(M).add_(pq, alpha=1 - M)
+                    if self.how == ".data":  # MoCo's momentum update
+                        pk.data = pk.data * M + pq.data * (1 - M)
+                    else:
+                        pk.mul_(M).add_(pq, alpha=1 - M)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.where == "forward":  # bolts' MoCo updates its key encoder in forward
+                self.update_key()
+            return self.query(x) - self.key(x)
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             x, y = batch
-            if self.how != "on_train_batch_end":
+            if self.where == "training_step":
                 self.update_key()
-            logits = self.query(x)
-            loss = nn.functional.cross_entropy(logits, y) + (logits - self.key(x)).pow(2).mean()
+            difference = self(x)
+            loss = nn.functional.cross_entropy(self.query(x), y) + difference.pow(2).mean()
             self.log("loss", loss)
+            self.log("updates", float(self.updates))
             return loss
 
         def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-            if self.how == "on_train_batch_end":  # the fix the error suggests
+            if self.where == "on_train_batch_end":
                 self.update_key()
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -117,9 +134,10 @@ def models(namespace: str = "lightning.pytorch") -> SimpleNamespace:
     return SimpleNamespace(KeyEncoder=KeyEncoder, Dino=Dino, StepsItsScheduler=StepsItsScheduler)
 
 
-def strategy(mode: str, namespace: str = "lightning.pytorch") -> Any:
+def strategy(mode: str, namespace: str = "lightning.pytorch", name: str = "parallel_criterion") -> Any:
     module = importlib.import_module(f"lightning_mgpu.strategies.{namespace.replace('.', '_')}")
-    return module.ParallelCriterionStrategy(execution_mode=mode)
+    cls = module.ParallelCriterionStrategy if name == "parallel_criterion" else module.DataParallelStrategy
+    return cls(execution_mode=mode)
 
 
 def fit(module: Any, how: Any, devices: int, namespace: str = "lightning.pytorch") -> Any:
@@ -128,26 +146,37 @@ def fit(module: Any, how: Any, devices: int, namespace: str = "lightning.pytorch
     return t
 
 
-def assert_equal_to_one_device(base: Any, mode: str, devices: int = 2, namespace: str = "lightning.pytorch") -> Any:
+def assert_equal_to_one_device(
+    base: Any, mode: str, devices: int = 2, namespace: str = "lightning.pytorch", name: str = "parallel_criterion"
+) -> Any:
     single, multi = copy.deepcopy(base), copy.deepcopy(base)
     reference = fit(single, "auto", 1, namespace)
-    got = fit(multi, strategy(mode, namespace), devices, namespace)
-    for (name, a), b in zip(multi.state_dict().items(), single.state_dict().values(), strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-12, msg=name)
+    got = fit(multi, strategy(mode, namespace, name), devices, namespace)
+    for (key, a), b in zip(multi.state_dict().items(), single.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12, msg=key)
     assert metrics(got) == pytest.approx(metrics(reference), rel=0, abs=1e-12)
     return multi
 
 
+@pytest.mark.parametrize("devices", [2, 3])
 @pytest.mark.parametrize("mode", MODES)
-def test_an_ema_in_the_step_on_shared_parameters_names_the_parameter_and_the_fix(mode):
-    module = models().KeyEncoder().double()
-    with pytest.raises(RuntimeError, match=r"parameter `key\.weight` in place.*2 replicas.*`on_train_batch_end`"):
-        fit(module, strategy(mode), 2)
+@pytest.mark.parametrize("how", ["in place", ".data", "target copy"])
+@pytest.mark.parametrize(("name", "where"), [("parallel_criterion", "training_step"), ("dp", "forward")])
+def test_an_in_step_update_of_a_network_equals_one_device(name, where, how, mode, devices):
+    """Each replica updates its own copy once per step (dp: in its replicated ``forward``); the root keeps replica 0's,
+    and its plain attributes (the update count) too."""
+    module = models().KeyEncoder(how, where).double()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*(rebound|in place).*")
+        trained = assert_equal_to_one_device(module, mode, devices, name=name)
+    assert trained.updates == 8  # 2 epochs of 4 steps: once per step, as on one device
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_the_ema_in_on_train_batch_end_equals_one_device(mode):
-    assert_equal_to_one_device(models().KeyEncoder("on_train_batch_end").double(), mode, devices=3)
+@pytest.mark.parametrize("namespace", NAMESPACES)
+def test_the_update_in_on_train_batch_end_equals_one_device(namespace):
+    assert_equal_to_one_device(
+        models(namespace).KeyEncoder(where="on_train_batch_end").double(), "threads", 3, namespace
+    )
 
 
 @pytest.mark.parametrize("namespace", NAMESPACES)
