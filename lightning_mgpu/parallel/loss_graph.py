@@ -480,23 +480,31 @@ def _shares(
         coefficients = [record.terms[t].coefficient for record in records]
         if any(isinstance(c, Tensor) or c != 1 for c in coefficients):  # each shard's number: settled by value
             key = (records[0].signature(), t, "multiplier")
-            shares[t] = _by_multiplier(shares[t], coefficients, sample_counts, memory, key)
+            summed = any(w is None for w in weights[t])
+            shares[t] = _by_multiplier(shares[t], coefficients, sample_counts, memory, key, summed)
     return shares
 
 
 def _by_multiplier(
-    shares: Tensor, coefficients: list[Any], sample_counts: Sequence[int], memory: dict[Any, str] | None, key: Any
+    shares: Tensor,
+    coefficients: list[Any],
+    sample_counts: Sequence[int],
+    memory: dict[Any, str] | None,
+    key: Any,
+    summed: bool,
 ) -> Tensor:
     """A term's shares where the shards multiply it by a number: by the inverse of each shard's sample count
     (``sse * (1 / len(x))``, ``(bce + kld) / len(x)``: a mean over the batch), by a count (``loss * len(x)``: the
-    whole batch's over the shard's), or a constant (see :func:`_settle`)."""
+    whole batch's over the shard's), or a constant (see :func:`_settle`). A mean (not ``summed``) multiplied by the
+    same number on every shard is not read as divided by a count (``(ce_a + ce_b) / 2`` on shards of 2 averages two
+    means), unless the numbers differ between shards."""
     values = [float(c) for c in coefficients]
     counts = [float(n) for n in sample_counts]
     products = [v * n for v, n in zip(values, counts, strict=True)]
     inverse = all(abs(x - products[0]) <= 1e-9 * abs(products[0]) for x in products)
     differs = len(set(values)) > 1
     if inverse and (differs or products[0] == 1):
-        reading = _settle(memory, key, differs, products[0] == 1, "inverse")
+        reading = _settle(memory, key, differs, products[0] == 1 and summed, "inverse")
     else:
         reading = _settle(memory, key, differs, values == counts, "count")
     if reading == "inverse":

@@ -280,3 +280,28 @@ def test_a_constant_equal_to_the_shard_size_follows_what_earlier_steps_showed():
     torch.testing.assert_close(got, whole, rtol=0, atol=1e-12)
     got, whole = combined(torch.arange(4), 2)  # shards of 2: ambiguous, settled by the step before
     torch.testing.assert_close(got, whole, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("shards", [2, 3])
+@pytest.mark.parametrize("divide", [True, False])
+def test_means_averaged_by_a_number_equal_to_the_shard_size_stay_means(shards: int, divide: bool):
+    """CLIP's symmetric loss, ``(ce(z, y) + ce(z.T, y)) / 2``, on shards of 2 samples: the 1/2 equals the inverse of
+    the shard size, but a mean divided by its own count would be no loss anyone writes (it was read so, halving the
+    loss on 2 devices)."""
+    weight = torch.randn(C, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    x, y = X[: 2 * shards], Y[: 2 * shards]
+
+    def loss(xs: Tensor, ys: Tensor) -> Tensor:
+        z = xs @ weight.T
+        both = F.cross_entropy(z, ys) + F.cross_entropy(2 * z, ys)
+        return both / 2 if divide else both * 0.5
+
+    whole = loss(x, y)
+    parts = torch.tensor_split(torch.arange(2 * shards), shards)
+    losses = [loss(x[p], y[p]) for p in parts]
+    combined = combine_losses_by_record(losses, [read_loss(v) for v in losses], [2] * shards, X.device, memory={})
+    assert combined is not None
+    torch.testing.assert_close(combined.loss, whole, rtol=0, atol=1e-12)
+    torch.testing.assert_close(
+        torch.autograd.grad(combined.loss, weight)[0], torch.autograd.grad(whole, weight)[0], rtol=0, atol=1e-12
+    )
