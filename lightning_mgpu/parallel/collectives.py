@@ -5,18 +5,43 @@ replicated call, or with one replica, each is an identity."""
 from __future__ import annotations
 
 import builtins
-from collections.abc import Callable
+import collections
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from lightning_mgpu.parallel.replica_group import RendezvousError, ReplicaContext, current_replica
+from lightning_mgpu.parallel.replica_group import PeerFailedError, RendezvousError, ReplicaContext, current_replica
 from lightning_mgpu.parallel.scatter_gather import move_to
 
 _HINT = (
     "Every replica must call the same collectives (all_gather, reduce, broadcast, barrier) in the same order: "
     "branch on something every replica shares, not on one shard's values or size."
+)
+
+
+class CollectiveShapeError(RendezvousError):
+    """The replicas passed a collective tensors whose shapes it cannot combine; raised in the replica(s) whose shape
+    differs from the others' (they fail with :class:`PeerFailedError`, naming it)."""
+
+
+_GATHER_SHAPES = (
+    "all_gather concatenates the replicas' tensors along dim 0 (0-dim ones are stacked), so every dim but dim 0 must "
+    "match, and all of them are 0-dim or none; dim 0 may differ (uneven shards)."
+)
+_SQUEEZED = (
+    "A tensor that is 0-dim in some replicas only is often `.squeeze()` of a shard of one sample, which drops its "
+    "batch dim: squeeze a named dim (`.squeeze(1)`) or keep `(len(x), ...)`."
+)
+_SHARD_SIZED = (
+    "A size taken from the shard (its longest sequence, its count of something) differs by replica: pad to a size "
+    "every replica shares, a fixed one or the largest (`self.trainer.strategy.reduce(torch.tensor(n), "
+    "reduce_op='max')`)."
+)
+_REDUCE_SHAPES = (
+    "reduce combines the replicas' tensors elementwise, so each must pass the same shape: reduce a per-shard value "
+    "(`t.sum()`, with reduce_op='sum'), or gather per-sample values with `self.all_gather`."
 )
 
 
@@ -27,7 +52,7 @@ def all_gather(tensor: Tensor, sync_grads: bool = False, *, sequential_hint: str
     replica = _replica("all_gather", sequential_hint)
     if replica is None:
         return tensor
-    return _meet(replica, "all_gather", tensor, _gather)
+    return _meet(replica, "all_gather", tensor, _gather, _gather_refusals)
 
 
 def reduce(tensor: Any, reduce_op: Any = "mean", *, sequential_hint: str = "") -> Any:
@@ -37,7 +62,13 @@ def reduce(tensor: Any, reduce_op: Any = "mean", *, sequential_hint: str = "") -
     replica = _replica("reduce", sequential_hint)
     if replica is None or not isinstance(tensor, Tensor):
         return tensor
-    return _meet(replica, f"reduce({op})", tensor, lambda values, device: _REDUCTIONS[op](_stack(values, device), 0))
+    return _meet(
+        replica,
+        f"reduce({op})",
+        tensor,
+        lambda values, device: _REDUCTIONS[op](_stack(values, device), 0),
+        _reduce_refusals,
+    )
 
 
 def broadcast(obj: Any, src: int = 0, *, sequential_hint: str = "") -> Any:
@@ -74,8 +105,28 @@ def _replica(name: str, sequential_hint: str) -> ReplicaContext | None:
     return replica
 
 
-def _meet(replica: ReplicaContext, name: str, value: Any, combine: Callable[[list[Any], torch.device], Any]) -> Any:
-    """Meet the other replicas; return ``combine(values in replica order, this replica's device)``."""
+class _Refused:
+    """What a replica gets from a collective that cannot combine the values: the error it raises, so that the replica
+    at fault raises the error that names the cause, whichever replica arrived last and checked."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: RendezvousError) -> None:
+        self.error = error
+
+
+Refusals = Callable[[str, list[Any]], "list[_Refused] | None"]
+
+
+def _meet(
+    replica: ReplicaContext,
+    name: str,
+    value: Any,
+    combine: Callable[[list[Any], torch.device], Any],
+    refusals: Refusals | None = None,
+) -> Any:
+    """Meet the other replicas; return ``combine(values in replica order, this replica's device)``, or raise what
+    ``refusals(where, values)`` says each replica raises when the values cannot be combined."""
     call = replica.next_call("collective")
     label = f"collective {call} of this step"
 
@@ -84,11 +135,51 @@ def _meet(replica: ReplicaContext, name: str, value: Any, combine: Callable[[lis
         if len(set(names)) > 1:
             calls = ", ".join(f"replica {i}: {n}" for i, n in enumerate(names))
             raise RendezvousError(f"The replicas called different collectives as {label} ({calls}). {_HINT}")
-        return [combine(list(values), device) for device in replica.group.devices]
+        refused = refusals(f"{name} ({label})", list(values)) if refusals is not None else None
+        return refused or [combine(list(values), device) for device in replica.group.devices]
 
-    return replica.group.rendezvous(
+    result = replica.group.rendezvous(
         replica.index, ("collective", call), (name, value), checked, f"{name} ({label})", _HINT
     )
+    if isinstance(result, _Refused):
+        raise result.error
+    return result
+
+
+def _differing(keys: list[Hashable]) -> list[int]:
+    """The replicas whose key differs from the most common one (on a tie, the earliest replica's of those)."""
+    counts = collections.Counter(keys)
+    common = max(counts, key=lambda key: (counts[key], -keys.index(key)))
+    return [i for i, key in enumerate(keys) if key != common]
+
+
+def _shape_refusals(where: str, values: list[Tensor], keys: list[Hashable], why: str) -> list[_Refused] | None:
+    """Each replica's error when ``keys`` (what of each replica's shape must match) differ; ``None`` when they match.
+    The message names the collective, every replica's shape and the replica(s) that differ."""
+    differing = _differing(keys)
+    if not differing:
+        return None
+    shapes = ", ".join(f"replica {i}: {tuple(v.shape)}" for i, v in enumerate(values))
+    which = f"replica {differing[0]}" if len(differing) == 1 else f"replicas {differing}"
+    cause = (
+        f"{where}: the replicas passed tensors whose shapes cannot be combined ({shapes}); {which} "
+        f"differ{'s' if len(differing) == 1 else ''} from the others. {why}"
+    )
+    peer = f"{where}: {which} passed a tensor of another shape ({shapes}); its error is the one to read."
+    errors = [CollectiveShapeError(cause) if i in differing else PeerFailedError(peer) for i in range(len(keys))]
+    return [_Refused(error) for error in errors]
+
+
+def _gather_refusals(where: str, values: list[Tensor]) -> list[_Refused] | None:
+    """``all_gather``'s: all but dim 0 must match, and the number of dims (0-dim tensors are stacked)."""
+    ranks = {v.dim() for v in values}
+    why = f"{_GATHER_SHAPES} {_SQUEEZED if 0 in ranks and len(ranks) > 1 else _SHARD_SIZED}"
+    return _shape_refusals(where, values, [(v.dim(), tuple(v.shape[1:])) for v in values], why)
+
+
+def _reduce_refusals(where: str, values: list[Tensor]) -> list[_Refused] | None:
+    """``reduce``'s: every shape must match (the replicas' tensors combine elementwise)."""
+    return _shape_refusals(where, values, [tuple(v.shape) for v in values], _REDUCE_SHAPES)
 
 
 def _stack(values: list[Tensor], device: torch.device) -> Tensor:
