@@ -2,15 +2,21 @@
 over such structures. Tensors split along ``dim`` as ``torch.tensor_split`` does (10 over 4: 3, 3, 2, 2), lists of
 plain items as long as the batch (ids) alike; anything else goes whole to every replica. Inputs holding a
 ``transformers`` cache, which each replica would append to, run once, unsplit (:class:`SharedStateError`).
+
+Given the sample counts the batch may hold (``samples``: its DataLoader's batch size, then its last batch's), a list
+or tuple of that many items of one outline (a collate_fn that returns its samples as they are: lightning-bolts-style
+SimCLR ``((view1, view2), label)`` pairs) is split by item, as :class:`PerSample` is, where the tensors inside would
+otherwise be cut along their own first dimension; a batch whose other parts disagree with that count is refused.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import warnings
-from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections import Counter, defaultdict
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -91,20 +97,28 @@ def _children(obj: Any) -> tuple[bool, Iterable[tuple[Any, Any]]] | None:
     return None
 
 
+def _child_path(path: str, key: Any, by_field: bool) -> str:
+    return f"{path}.{key}" if by_field else f"{path}[{key!r}]"
+
+
 def iter_nodes(
-    obj: Any, path: str = "batch", per_sample: list[tuple[str, PerSample]] | None = None
+    obj: Any,
+    path: str = "batch",
+    per_sample: list[tuple[str, Sequence[Any]]] | None = None,
+    items: Collection[int] = (),
 ) -> Iterator[tuple[str, Any]]:
     """``(key path, node)`` for ``obj`` and everything in it, outermost first, paths as errors print them
-    (``batch['mask']``, ``output.logits``). :class:`PerSample` lists go to a given ``per_sample`` list instead."""
-    if per_sample is not None and isinstance(obj, PerSample):
+    (``batch['mask']``, ``output.logits``). :class:`PerSample` lists, and the sequences whose ``id`` is in ``items``
+    (split by item too), go to a given ``per_sample`` list instead."""
+    if per_sample is not None and (isinstance(obj, PerSample) or id(obj) in items):
         per_sample.append((path, obj))
         return
     yield path, obj
     children = _children(obj)
     if children is not None:
-        by_field, items = children
-        for key, child in items:
-            yield from iter_nodes(child, f"{path}.{key}" if by_field else f"{path}[{key!r}]", per_sample)
+        by_field, pairs = children
+        for key, child in pairs:
+            yield from iter_nodes(child, _child_path(path, key, by_field), per_sample, items)
 
 
 def iter_tensors(obj: Any, path: str = "batch") -> Iterator[tuple[str, Tensor]]:
@@ -115,10 +129,13 @@ def batch_size_of(obj: Any, dim: int = 0, path: str = "batch") -> int:
     return roots_batch_size([(path, obj)], dim, type(obj).__name__)
 
 
-def roots_batch_size(roots: Sequence[tuple[str, Any]], dim: int = 0, what: str = "no tensor argument") -> int:
+def roots_batch_size(
+    roots: Sequence[tuple[str, Any]], dim: int = 0, what: str = "no tensor argument", *, samples: Sequence[int] = ()
+) -> int:
     """The length of the :class:`PerSample` lists, else the size along ``dim`` that every tensor having it shares,
-    of the ``(name, value)`` roots; a :class:`BatchSplitError` naming both key paths when two disagree."""
-    marked: list[tuple[str, PerSample]] = []
+    of the ``(name, value)`` roots; a :class:`BatchSplitError` naming both key paths when two disagree, with the fix
+    (``samples``, the DataLoader's counts where known, tells which part is the odd one)."""
+    marked: list[tuple[str, Sequence[Any]]] = []
     tensors = [(p, n) for path, obj in roots for p, n in iter_nodes(obj, path, marked) if isinstance(n, Tensor)]
     sized = [(p, len(seq), f"{len(seq)} items") for p, seq in marked]  # PerSample lists first: they set the size
     sized += [(p, t.shape[dim], f"size {t.shape[dim]}") for p, t in tensors if t.dim() > dim]
@@ -128,25 +145,89 @@ def roots_batch_size(roots: Sequence[tuple[str, Any]], dim: int = 0, what: str =
             f"(got {what}). Pass tensors, or collections of tensors, with the batch along dim {dim}."
         )
     first_path, size, _ = sized[0]
-    first = f"{first_path} is a PerSample of {size} items" if marked else f"{first_path} has size {size}"
-    for path, other, shown in sized:
-        if other != size:
-            lists = ", and every PerSample list," if marked else ""
-            hints = (_parts_hint, _per_sample_hint, _flat_ids_hint)
-            hint = None if marked else next(filter(None, (h(roots, tensors, dim) for h in hints)), None)
-            hint = hint or (
-                "If one of them is not per sample, keep it out of what is split: class weights in the loss module "
-                "(`nn.CrossEntropyLoss(weight=w)`, whose weighting the replicas' losses then follow), other values "
-                "(a temperature) as a buffer of the module (`register_buffer`), a 0-dim tensor or a Python number, "
-                "which every replica gets whole."
-            )
-            raise BatchSplitError(
-                f"Cannot split the batch along dim {dim}: {first} but {path} has {shown}. Every tensor with a batch "
-                f"dimension{lists} must have the same batch size." + (f" {hint}" if hint else "")
-            )
+    mismatch = next(((path, shown) for path, other, shown in sized if other != size), None)
+    if mismatch is not None:
+        first = f"{first_path} is a PerSample of {size} items" if marked else f"{first_path} has size {size}"
+        lists = ", and every PerSample list," if marked else ""
+        hint = None if marked else _mismatch_hint(roots, tensors, dim, samples)
+        raise BatchSplitError(
+            f"Cannot split the batch along dim {dim}: {first} but {mismatch[0]} has {mismatch[1]}. Every tensor with "
+            f"a batch dimension{lists} must have the same batch size." + (f" {hint}" if hint else "")
+        )
     if marked and not size:
         raise BatchSplitError(f"Cannot split an empty batch: {first_path} is an empty PerSample.")
     return size
+
+
+def _mismatch_hint(
+    roots: Sequence[tuple[str, Any]], tensors: Sequence[tuple[str, Tensor]], dim: int, samples: Sequence[int]
+) -> str:
+    """The advice for tensors of different batch sizes: the first specific one that fits, else the general one."""
+    hints: list[Callable[[Sequence[tuple[str, Any]], Sequence[tuple[str, Tensor]], int], str | None]] = [
+        _parts_hint,
+        functools.partial(_count_hint, samples=samples),
+        _per_sample_hint,
+        _flat_ids_hint,
+    ]
+    if dim:  # labels shaped (B, 1) beside (T, B, F) inputs: their samples are on dim 0
+        hints.insert(0, functools.partial(_batch_dim_hint, samples=samples))
+    return next(filter(None, (h(roots, tensors, dim) for h in hints)), None) or (
+        "If one of them is not per sample, keep it out of what is split: class weights in the loss module "
+        "(`nn.CrossEntropyLoss(weight=w)`, whose weighting the replicas' losses then follow), other values "
+        "(a temperature) as a buffer of the module (`register_buffer`), a 0-dim tensor or a Python number, "
+        "which every replica gets whole."
+    )
+
+
+def _batch_dim_hint(
+    roots: Sequence[tuple[str, Any]], tensors: Sequence[tuple[str, Tensor]], dim: int, samples: Sequence[int]
+) -> str | None:
+    """Advice for a tensor whose samples are on another dimension than ``dim`` (``(B, 1)`` labels beside ``(T, B, F)``
+    inputs with ``dim=1``): where they are, and how to put them on ``dim`` and back. The batch size is the
+    DataLoader's where known (``samples``), else the size most tensors have along ``dim``."""
+    along = [(p, t.shape[dim]) for p, t in tensors if t.dim() > dim]
+    batch = set(samples) or {Counter(n for _, n in along).most_common(1)[0][0]}
+    where = next((p for p, n in along if n in batch), None)
+    for path, t in tensors:
+        if where is None or t.dim() <= dim or t.shape[dim] in batch:
+            continue
+        axis = next((a for a, n in enumerate(t.shape) if n in batch and a != dim), None)
+        if axis is None:
+            continue
+        moved = list(t.shape)
+        moved.insert(dim, moved.pop(axis))
+        return (
+            f"{path} has shape {tuple(t.shape)}: its {t.shape[axis]} samples are on dim {axis}, not on dim {dim}, "
+            f"which the batch is split along ({where} has {t.shape[axis]} there). Put them on dim {dim} in your "
+            f"collate_fn, `.movedim({axis}, {dim})` (shape {tuple(moved)}), and back in the step, "
+            f"`.movedim({dim}, {axis})`: each device then gets its samples' rows. (Kept out of the batch, every device "
+            "would get all of them.)"
+        )
+    return None
+
+
+def _count_hint(
+    roots: Sequence[tuple[str, Any]], tensors: Sequence[tuple[str, Tensor]], dim: int, samples: Sequence[int]
+) -> str | None:
+    """Advice for a sequence of items of one outline, none of them a batch, as long as none of the DataLoader's
+    counts, beside tensors that hold one: it cannot hold one item per sample."""
+    counted = [(p, t.shape[dim]) for p, t in tensors if t.dim() > dim and t.shape[dim] in samples]
+    if not counted:
+        return None
+    for root, obj in roots:
+        for where, seq in iter_nodes(obj, root):
+            if not _one_outline(seq) or len(seq) in samples or not _unbatched(seq, samples, dim):
+                continue
+            path, count = next(((p, n) for p, n in counted if not p.startswith(f"{where}[")), (None, 0))
+            if path is None:
+                continue
+            return (
+                f"{where} is a {_container(seq)} of {len(seq)} {_kind_name(seq)}, but the DataLoader's batch holds "
+                f"{count} samples ({path} has {count}): a sequence split by item must hold one item per sample. "
+                f"Return every sample's item from your collate_fn ({count} of them); if its items are not samples, "
+                f"stack its tensors with the batch on dim {dim}, or keep it out of the batch (a buffer of the module)."
+            )
+    return None
 
 
 def _parts_hint(roots: Sequence[tuple[str, Any]], tensors: Sequence[tuple[str, Tensor]], dim: int) -> str | None:
@@ -213,6 +294,135 @@ def _is_plain_sequence(obj: Any) -> bool:
     return isinstance(obj, (list, tuple)) and not is_namedtuple(obj) and bool(obj)
 
 
+def _is_plain_items(obj: Any) -> bool:
+    """A list or tuple of plain items only (ids, strings, numbers): no container, no tensor."""
+    return (
+        isinstance(obj, (list, tuple))
+        and not is_namedtuple(obj)
+        and all(_children(x) is None and not isinstance(x, Tensor) for x in obj)
+    )
+
+
+def _outline(obj: Any) -> Any:
+    """A hashable outline of ``obj``: its containers' types and keys (a sequence's: its items' outlines), its tensors'
+    numbers of dimensions, its other leaves' types; a sequence of plain items whatever its length. The samples of one
+    data set share it."""
+    if isinstance(obj, Tensor):
+        return Tensor, obj.dim()
+    children = _children(obj)
+    if children is None:
+        return type(obj)
+    if _is_plain_items(obj):
+        return type(obj), "plain items"
+    by_field, pairs = children
+    keyed = by_field or isinstance(obj, Mapping)
+    return type(obj), tuple((key if keyed else None, _outline(child)) for key, child in pairs)
+
+
+def _batched(obj: Any, count: int, dim: int) -> bool:
+    """Whether every part of ``obj`` holds ``count`` samples (tensors with ``count`` along ``dim``, sequences of
+    ``count`` plain items, containers of such parts), as ``default_collate``'s structures do; a sample's item does not
+    (its image's channels, its label: a number)."""
+    if isinstance(obj, Tensor):
+        return obj.dim() > dim and obj.shape[dim] == count
+    children = _children(obj)
+    if children is None:
+        return False
+    if isinstance(obj, PerSample) or _is_plain_items(obj):
+        return len(obj) == count
+    values = [child for _, child in children[1]]
+    return bool(values) and all(_batched(value, count, dim) for value in values)
+
+
+def _one_outline(seq: Any) -> bool:
+    """A list or tuple (not a :class:`PerSample`) holding tensors, whose items share one :func:`_outline`."""
+    if not _is_plain_sequence(seq) or isinstance(seq, PerSample) or not contains_tensor(seq):
+        return False
+    first = _outline(seq[0])
+    return all(_outline(item) == first for item in seq[1:])
+
+
+def _unbatched(seq: Sequence[Any], counts: Iterable[int], dim: int) -> bool:
+    """Whether no item of ``seq`` holds a batch of any of ``counts`` samples."""
+    return not any(_batched(item, count, dim) for count in counts for item in seq)
+
+
+def _samples_sequence(seq: Any, count: int, dim: int, counts: Sequence[int]) -> bool:
+    """Whether ``seq`` holds one item per sample of a batch of ``count``: a list or tuple of ``count`` items of one
+    outline, holding tensors, that are not batches themselves (of any of the DataLoader's ``counts``: a full batch's
+    two stacked views are no last batch of two samples): no tensor item is a batch, and not every container item is
+    (a detection target may hold as many boxes as the batch has samples). A tuple whose items are such sequences is
+    ``zip(*batch)``'s tuple of per-field tuples (``(images, targets)``), not samples; a list of them is (a
+    collate_fn's own list)."""
+    if not isinstance(seq, (list, tuple)) or len(seq) != count or not _one_outline(seq):
+        return False
+    batched = (any(_batched(item, n, dim) for n in counts) for item in seq)  # lazy: any() and all() stop early
+    if any(batched) if isinstance(seq[0], Tensor) else all(batched):
+        return False
+    return not (isinstance(seq, tuple) and all(_samples_sequence(item, count, dim, counts) for item in seq))
+
+
+def _find_samples(
+    obj: Any, path: str, count: int, dim: int, counts: Sequence[int]
+) -> Iterator[tuple[str, Sequence[Any]]]:
+    """``(key path, sequence)`` for the outermost sequences in ``obj`` that hold one item per sample of ``count``."""
+    if isinstance(obj, (Tensor, PerSample)):
+        return
+    if _samples_sequence(obj, count, dim, counts):
+        yield path, obj
+        return
+    children = _children(obj)
+    if children is not None:
+        by_field, pairs = children
+        for key, child in pairs:
+            yield from _find_samples(child, _child_path(path, key, by_field), count, dim, counts)
+
+
+def _sample_items(roots: Sequence[tuple[str, Any]], dim: int, samples: Sequence[int]) -> list[tuple[str, Any]]:
+    """The sequences to split by item, for the first of the DataLoader's counts (``samples``) that any sequence holds
+    one item per sample of; none where none does (the batch size is then the tensors'). A batch whose other parts
+    disagree with that count is refused."""
+    for count in samples:
+        found = [hit for root, obj in roots for hit in _find_samples(obj, root, count, dim, samples)]
+        if found:
+            _check_count(roots, dim, count, found)
+            return found
+    return []
+
+
+def _check_count(roots: Sequence[tuple[str, Any]], dim: int, count: int, found: list[tuple[str, Any]]) -> None:
+    """A :class:`BatchSplitError` where a tensor outside the sequences ``found`` or a :class:`PerSample` list holds
+    another number of samples than ``count``, naming both and the fix."""
+    ids = {id(seq) for _, seq in found}
+    marked: list[tuple[str, Sequence[Any]]] = []
+    for root, obj in roots:
+        for path, node in iter_nodes(obj, root, marked, ids):
+            if isinstance(node, Tensor) and node.dim() > dim and node.shape[dim] != count:
+                raise BatchSplitError(_count_conflict(found[0], count, dim, path, f"size {node.shape[dim]}"))
+    for path, seq in marked:
+        if isinstance(seq, PerSample) and len(seq) != count:
+            raise BatchSplitError(_count_conflict(found[0], count, dim, path, f"{len(seq)} items (a PerSample)"))
+
+
+def _count_conflict(found: tuple[str, Any], count: int, dim: int, path: str, shown: str) -> str:
+    where, seq = found
+    return (
+        f"Cannot split the batch along dim {dim}: {where} is a {_container(seq)} of {count} {_kind_name(seq)}, one "
+        f"per sample of the DataLoader's batch ({count} samples), so it is split by item, but {path} has {shown} "
+        f"along dim {dim}. Every part of the batch must hold the same {count} samples: stack per-sample tensors with "
+        f"the batch on dim {dim} in your collate_fn (or put each sample's part into its item), and keep what is not "
+        "per sample out of the batch (a buffer of the module, a Python number)."
+    )
+
+
+def _container(seq: Sequence[Any]) -> str:
+    return "tuple" if isinstance(seq, tuple) else "list"
+
+
+def _kind_name(seq: Sequence[Any]) -> str:
+    return "dicts" if isinstance(seq[0], Mapping) else type(seq[0]).__name__ + "s"
+
+
 def argument_roots(
     args: Sequence[Any], kwargs: Mapping[str, Any], names: tuple[str, str] = ("args", "kwargs")
 ) -> list[tuple[str, Any]]:
@@ -260,16 +470,24 @@ def rebuild(template: Any, values: Sequence[Any] | Mapping[str, Any]) -> Any:
 
 
 def _map_structure(
-    obj: Any, leaf_fn: Callable[[Any], list[Any]], count: int, batch_size: int | None, plain_lists: bool = True
+    obj: Any,
+    leaf_fn: Callable[[Any], list[Any]],
+    count: int,
+    batch_size: int | None,
+    plain_lists: bool = True,
+    items: Collection[int] = (),
 ) -> list[Any]:
     """``count`` versions of ``obj``, leaf ``x`` replaced by ``leaf_fn(x)[i]`` in version ``i``. Leaves: tensors,
-    non-containers, and given a ``batch_size``, per-sample lists (plain ones only if ``plain_lists``)."""
-    if isinstance(obj, Tensor) or (isinstance(obj, PerSample) and batch_size is not None):
+    non-containers, the sequences whose ``id`` is in ``items``, and given a ``batch_size``, per-sample lists (plain
+    ones only if ``plain_lists``)."""
+    if isinstance(obj, Tensor) or (isinstance(obj, PerSample) and batch_size is not None) or id(obj) in items:
         return leaf_fn(obj)
     children = _children(obj)
     if children is None or (plain_lists and _is_per_sample_list(obj, batch_size)):
         return leaf_fn(obj)
-    mapped = [(key, _map_structure(child, leaf_fn, count, batch_size, plain_lists)) for key, child in children[1]]
+    mapped = [
+        (key, _map_structure(child, leaf_fn, count, batch_size, plain_lists, items)) for key, child in children[1]
+    ]
     if isinstance(obj, Mapping):
         return [rebuild(obj, {key: values[i] for key, values in mapped}) for i in range(count)]
     return [rebuild(obj, [values[i] for _, values in mapped]) for i in range(count)]
@@ -282,10 +500,14 @@ def split_batch(
     batch_size: int | None = None,
     *,
     sizes: Sequence[int] | None = None,
+    samples: Sequence[int] = (),
 ) -> tuple[list[Any], list[int]]:
     """``(chunks, sizes)``: ``obj`` split into one chunk per device, moved there (differentiably); fewer chunks for a
-    smaller batch. ``sizes`` imposes the chunk sizes (to split targets as the outputs were)."""
-    (chunks,), sizes = _split_roots([("batch", obj)], devices, dim, batch_size, sizes, type(obj).__name__)
+    smaller batch. ``sizes`` imposes the chunk sizes (to split targets as the outputs were). ``samples``: the sample
+    counts the batch may hold, as its DataLoader says (its batch size, then its last batch's): a sequence of that many
+    items of one outline is then split by item, and a batch whose other parts disagree is refused."""
+    roots = [("batch", obj)]
+    (chunks,), sizes = _split_roots(roots, devices, dim, batch_size, sizes, type(obj).__name__, samples=samples)
     return chunks, sizes
 
 
@@ -297,18 +519,17 @@ def _split_roots(
     sizes: Sequence[int] | None,
     what: str,
     plain_lists: bool = True,
+    samples: Sequence[int] = (),
 ) -> tuple[list[list[Any]], list[int]]:
     """Each root's chunks, split with one batch size, and the chunk sizes. A given ``batch_size`` serves when nothing
-    tells it (a list of ids). ``plain_lists=False``: plain lists go whole to every chunk (torch's ``scatter``)."""
-    try:
-        inferred = roots_batch_size(roots, dim, what)
-    except NothingToSplitError:
-        if batch_size is None:
-            raise
-        inferred = batch_size
+    tells it (a list of ids). ``plain_lists=False``: plain lists go whole to every chunk (torch's ``scatter``).
+    ``samples``: the DataLoader's counts (:func:`split_batch`)."""
+    found = _sample_items(roots, dim, samples) if plain_lists else []
+    items = {id(seq) for _, seq in found}
+    inferred = len(found[0][1]) if found else _tensors_batch_size(roots, dim, batch_size, what, samples)
     if batch_size is not None and batch_size != inferred:
         raise BatchSplitError(f"batch_size={batch_size} was given but the tensors have size {inferred}.")
-    _say_whole_parts(roots, dim, inferred)
+    _say_whole_parts(roots, dim, inferred, items)
     targets = [to_device(d) for d in devices]
     chunks = split_sizes(inferred, len(targets)) if sizes is None else [int(n) for n in sizes]
     if sum(chunks) != inferred or any(n <= 0 for n in chunks) or len(chunks) > len(targets):
@@ -325,6 +546,8 @@ def _split_roots(
             return [p.to(d) for p, d in zip(parts, targets, strict=False)]
         if isinstance(leaf, PerSample):  # before the plain-list rule: slices stay PerSample
             return [PerSample(move_to(leaf[s], d)) for s, d in zip(slices, targets, strict=False)]
+        if id(leaf) in items:  # one item per sample: slices of the same type
+            return [move_to(leaf[s], d) for s, d in zip(slices, targets, strict=False)]
         if plain_lists and _is_per_sample_list(leaf, inferred):
             return [leaf[s] for s in slices]
         if is_shared_state(leaf):
@@ -334,15 +557,28 @@ def _split_roots(
             )
         return [leaf] * len(chunks)
 
-    return [_map_structure(value, split_leaf, len(chunks), inferred, plain_lists) for _, value in roots], chunks
+    mapped = [_map_structure(value, split_leaf, len(chunks), inferred, plain_lists, items) for _, value in roots]
+    return mapped, chunks
 
 
-def _say_whole_parts(roots: Sequence[tuple[str, Any]], dim: int, size: int) -> None:
+def _tensors_batch_size(
+    roots: Sequence[tuple[str, Any]], dim: int, batch_size: int | None, what: str, samples: Sequence[int]
+) -> int:
+    """:func:`roots_batch_size`, or a given ``batch_size`` where no tensor tells it (a list of ids)."""
+    try:
+        return roots_batch_size(roots, dim, what, samples=samples)
+    except NothingToSplitError:
+        if batch_size is None:
+            raise
+        return batch_size
+
+
+def _say_whole_parts(roots: Sequence[tuple[str, Any]], dim: int, size: int, items: Collection[int] = ()) -> None:
     """Warn (once per part) where a part that may hold one value per sample goes whole to every device: a tensor
     without dimension ``dim`` but as long as the batch (1-D labels with ``dim=1``), or an object the split does not
-    open holding tensors of the batch's size along ``dim``."""
+    open holding tensors of the batch's size along ``dim``. Sequences split by item (``items``) are not opened."""
     for root, obj in roots:
-        for path, node in iter_nodes(obj, root):
+        for path, node in iter_nodes(obj, root, [], items):
             if isinstance(node, Tensor):
                 if not 0 < node.dim() <= dim or size not in node.shape:  # as long as the batch: maybe per sample
                     continue
@@ -375,10 +611,11 @@ def split_arguments(
     *,
     sizes: Sequence[int] | None = None,
     names: tuple[str, str] = ("args", "kwargs"),
+    samples: Sequence[int] = (),
 ) -> tuple[list[tuple[Any, ...]], list[dict[str, Any]], list[int]]:
     """:func:`split_batch` for call arguments (one batch size): per-device args and kwargs, and the sizes."""
     roots = argument_roots(args, kwargs, names)
-    chunks, sizes = _split_roots(roots, devices, dim, batch_size, sizes, "no tensor argument")
+    chunks, sizes = _split_roots(roots, devices, dim, batch_size, sizes, "no tensor argument", samples=samples)
     per_device = [[c[i] for c in chunks] for i in range(len(sizes))]  # each device's chunk of every argument
     n = len(args)
     return [tuple(c[:n]) for c in per_device], [dict(zip(kwargs, c[n:], strict=True)) for c in per_device], sizes

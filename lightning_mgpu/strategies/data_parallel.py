@@ -22,6 +22,7 @@ from lightning_mgpu.parallel.merge import merge_outputs
 from lightning_mgpu.parallel.replicas import OriginalOnly
 from lightning_mgpu.parallel.run_replicas import ExecutionMode
 from lightning_mgpu.parallel.scatter_gather import argument_roots, iter_tensors, split_arguments
+from lightning_mgpu.strategies.loader_batch import step_sample_counts
 from lightning_mgpu.strategies.loss_rules import unread_message
 from lightning_mgpu.strategies.single_process import SingleProcessParallel
 
@@ -151,8 +152,9 @@ class DataParallelStrategyBase(SingleProcessParallel):
         if self._forward_calls is None:
             return original(*inputs, **kwargs)  # outside a step (a callback's self(x))
         self._forward_calls += 1
+        samples = step_sample_counts(self.lightning_module)  # a list of per-sample items is split by item
         split = self._split(
-            lambda: split_arguments(inputs, kwargs, self.parallel_devices, self.dim),
+            lambda: split_arguments(inputs, kwargs, self.parallel_devices, self.dim, samples=samples),
             argument_roots(inputs, kwargs),
             f"the inputs of {type(target).__name__}.forward",
             "the forward",

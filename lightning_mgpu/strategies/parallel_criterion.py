@@ -25,6 +25,7 @@ from lightning_mgpu.parallel.loss_graph import (
 from lightning_mgpu.parallel.merge import merge_outputs
 from lightning_mgpu.parallel.run_replicas import ExecutionMode
 from lightning_mgpu.parallel.scatter_gather import split_batch
+from lightning_mgpu.strategies.loader_batch import step_sample_counts
 from lightning_mgpu.strategies.loss_rules import SAMPLES, coupling_message, describe, unread_message
 from lightning_mgpu.strategies.replica_logging import LossCopy
 from lightning_mgpu.strategies.single_process import SingleProcessParallel
@@ -278,12 +279,17 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         return None if combined is None else combined.loss
 
     def _split_batch(self, args: tuple[Any, ...]) -> tuple[list[Any] | None, list[int]]:
-        """The batch's shards and sizes; ``(None, [1])`` when the step runs once, on the root."""
+        """The batch's shards and sizes; ``(None, [1])`` when the step runs once, on the root. The DataLoader's sample
+        counts (cached per loader) let a list of per-sample items be split by item, and refuse what disagrees."""
         if len(self.parallel_devices) == 1 or not args:
             return None, [1]
+        samples = step_sample_counts(self.lightning_module, args)
         what = f"the batch ({type(args[0]).__name__})"
         split = self._split(
-            lambda: split_batch(args[0], self.parallel_devices, self.dim), [("batch", args[0])], what, "the step"
+            lambda: split_batch(args[0], self.parallel_devices, self.dim, samples=samples),
+            [("batch", args[0])],
+            what,
+            "the step",
         )
         return (None, [1]) if split is None else split
 

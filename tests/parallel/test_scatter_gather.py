@@ -411,3 +411,128 @@ def test_rows_of_varying_length_per_device_are_concatenated_without_a_warning():
         warnings.simplefilter("error")
         merged = merge_outputs(rows, "cpu", sizes=[16, 16])
     assert torch.equal(merged, torch.cat(rows))
+
+
+# --- the DataLoader's sample count (``samples=``): per-sample items split by item -------------------------------------
+def simclr_pairs(n: int, channels: int = 3, labels: bool = True) -> list:
+    """A collate_fn's per-sample items as they are: ``((view1, view2), label)`` (lightning-bolts-style SimCLR)."""
+    g = torch.Generator().manual_seed(n)
+    views = [(torch.randn(channels, 8, 8, generator=g), torch.randn(channels, 8, 8, generator=g)) for _ in range(n)]
+    return [(v, i) for i, v in enumerate(views)] if labels else views
+
+
+@pytest.mark.parametrize(
+    ("n", "samples", "devices", "expected"),
+    [
+        (5, (5,), 2, [3, 2]),  # a full batch
+        (4, (4,), 2, [2, 2]),
+        (3, (3,), 2, [2, 1]),  # as many samples as channels: the labels (numbers) say they are samples
+        (2, (4, 2), 3, [1, 1]),  # the last batch of a DataLoader of 10 by 4
+        (7, (7,), 3, [3, 2, 2]),
+    ],
+)
+def test_per_sample_items_as_long_as_the_loader_batch_are_split_by_item(n, samples, devices, expected):
+    batch = simclr_pairs(n)
+    chunks, sizes = split_batch(batch, ["cpu"] * devices, samples=samples)
+    assert sizes == expected
+    assert all(type(chunk) is list for chunk in chunks)
+    assert_same([item for chunk in chunks for item in chunk], batch)  # every image whole, in order
+
+
+def test_per_sample_items_split_by_item_in_a_structure_and_through_call_arguments():
+    pairs = simclr_pairs(5)
+    chunks, sizes = split_batch({"pairs": tuple(pairs), "y": torch.arange(5)}, ["cpu"] * 2, samples=(5,))
+    assert (
+        sizes == [3, 2] and chunks[1]["pairs"] == tuple(pairs[3:]) and torch.equal(chunks[1]["y"], torch.arange(3, 5))
+    )
+    args, kwargs, sizes = split_arguments((pairs,), {"scale": 2.0}, ["cpu"] * 2, samples=(5,))
+    assert sizes == [3, 2] and args[1][0] == pairs[3:] and kwargs[1] == {"scale": 2.0}
+
+
+def test_zip_collated_detection_batches_split_by_item_with_the_loader_count():
+    """``tuple(zip(*samples))`` (torchvision's detection collate): per-field tuples of per-sample items, each split by
+    item, also when a target holds as many boxes as the batch has samples."""
+    images = tuple(torch.randn(3, 6 + i, 5) for i in range(4))
+    targets = tuple({"boxes": torch.randn(k, 4), "labels": torch.arange(k)} for k in (1, 4, 2, 3))
+    chunks, sizes = split_batch((images, targets), ["cpu"] * 2, samples=(4,))
+    assert sizes == [2, 2] and type(chunks[0]) is tuple and type(chunks[0][0]) is tuple
+    assert_same(chunks[1], (images[2:], targets[2:]))
+
+
+@pytest.mark.parametrize(
+    "batch",
+    [
+        [[torch.randn(4, 3, 8, 8), torch.randn(4, 3, 8, 8)], torch.arange(4)],  # default_collate's SimCLR batch
+        (torch.randn(4, 3, 8, 8), torch.randn(4, 3, 8, 8)),  # two stacked views, no labels
+        [torch.randn(4, 2), torch.randn(4, 2)],
+        (torch.randn(4, 6), torch.randint(0, 3, (4,))),
+    ],
+)
+def test_batches_collated_along_dim_0_are_split_as_before_under_any_loader_count(batch):
+    """A full batch of 4 from a DataLoader whose last batch holds 2: its two stacked views are no last batch of two
+    samples (split by item, each device would get one view of every sample)."""
+    expected, _ = split_batch(batch, ["cpu"] * 2)
+    for samples in [(4,), (4, 2)]:
+        chunks, sizes = split_batch(batch, ["cpu"] * 2, samples=samples)
+        assert sizes == [2, 2]
+        for chunk, chunk_before in zip(chunks, expected, strict=True):
+            assert_same(chunk, chunk_before)
+
+
+def test_lists_split_as_before_where_the_loader_count_says_nothing():
+    """Items of several outlines, lists of plain ids and a coincidence the labels do not settle keep today's split."""
+    mixed = [torch.randn(3, 8, 8), torch.randn(3, 4), 3]  # three fields, not three samples
+    chunks, sizes = split_batch(mixed, ["cpu"] * 2, samples=(3,))
+    assert sizes == [2, 1] and chunks[0][0].shape == (2, 8, 8) and chunks[0][2] == 3
+    ids = ["a", "b", "c", "d"]
+    chunks, _ = split_batch((torch.zeros(4, 2), ids), ["cpu"] * 2, samples=(4,))
+    assert [c[1] for c in chunks] == [["a", "b"], ["c", "d"]]
+    # Unlabelled views with as many channels as samples: nothing tells them from a collated batch (mark PerSample).
+    chunks, sizes = split_batch(simclr_pairs(3, labels=False), ["cpu"] * 2, samples=(3,))
+    assert chunks[0][0][0].shape == (2, 8, 8)
+    chunks, sizes = split_batch(lightning_mgpu.PerSample(simclr_pairs(3, labels=False)), ["cpu"] * 2, samples=(3,))
+    assert sizes == [2, 1] and chunks[0][0][0].shape == (3, 8, 8)
+
+
+def test_a_tensor_beside_per_sample_items_that_disagrees_with_the_loader_count_is_refused_naming_both():
+    batch = (simclr_pairs(5), torch.ones(3))  # class weights travelling in the batch
+    with pytest.raises(BatchSplitError) as info:
+        split_batch(batch, ["cpu"] * 2, samples=(5,))
+    message = str(info.value)
+    assert "batch[0] is a list of 5 tuples, one per sample of the DataLoader's batch (5 samples), so it is split " in (
+        message
+    )
+    assert (
+        "but batch[1] has size 3 along dim 0" in message and "keep what is not per sample out of the batch" in message
+    )
+    with pytest.raises(BatchSplitError, match=r"batch\[1\] has 4 items \(a PerSample\) along dim 0"):
+        split_batch((simclr_pairs(5), lightning_mgpu.PerSample(range(4))), ["cpu"] * 2, samples=(5,))
+
+
+def test_a_list_of_items_not_as_long_as_the_loader_batch_beside_its_tensors_is_refused_naming_it_and_the_fix():
+    batch = (torch.arange(5), simclr_pairs(4))  # a collate_fn that lost a sample's pair
+    with pytest.raises(BatchSplitError) as info:
+        split_batch(batch, ["cpu"] * 2, samples=(5,))
+    message = str(info.value)
+    assert "batch[1] is a list of 4 tuples, but the DataLoader's batch holds 5 samples (batch[0] has 5)" in message
+    assert "Return every sample's item from your collate_fn (5 of them)" in message
+    with pytest.raises(BatchSplitError) as info:  # without the count: the message of before
+        split_batch(batch, ["cpu"] * 2)
+    assert "DataLoader" not in str(info.value)
+
+
+@pytest.mark.parametrize("samples", [(4,), ()])
+def test_dim_1_labels_with_their_samples_on_dim_0_are_told_where_they_are_and_how_to_move_them(samples):
+    """``(T, B, F)`` inputs with ``(B, 1)`` labels under ``dim=1``: the labels' samples are on dim 0 (the advice of
+    before, to keep them out of the split, would give every device all of them); the fix given splits them."""
+    x, y = torch.randn(7, 4, 5), torch.arange(4.0).unsqueeze(1)
+    with pytest.raises(BatchSplitError) as info:
+        split_batch((x, y), ["cpu"] * 2, dim=1, samples=samples)
+    message = str(info.value)
+    assert "batch[1] has shape (4, 1): its 4 samples are on dim 0, not on dim 1, which the batch is split along " in (
+        message
+    )
+    assert "`.movedim(0, 1)` (shape (1, 4)), and back in the step, `.movedim(1, 0)`" in message
+    assert "keep it out of what is split" not in message
+    chunks, sizes = split_batch((x, y.movedim(0, 1)), ["cpu"] * 2, dim=1, samples=samples)
+    assert sizes == [2, 2] and torch.equal(chunks[1][1].movedim(1, 0), y[2:])
