@@ -1,8 +1,8 @@
 """``self.log`` from replicas: record per replica (they share the trainer's results), log once on the root module.
 
-One device logs one whole-batch value per step, so: a logged copy of the loss merges as the loss does, whatever
-``reduce_fx``; another ``"mean"`` is weighted by ``batch_size=``, else by sample counts; another ``"sum"``, ``"max"``
-or ``"min"`` acts over replicas."""
+One device logs one whole-batch value per step, so: a logged copy of the loss merges as the loss does, and a value a
+metric's call returned is that call's value on the whole batch, whatever ``reduce_fx``; another ``"mean"`` is weighted
+by ``batch_size=``, else by sample counts; another ``"sum"``, ``"max"`` or ``"min"`` acts over replicas."""
 
 from __future__ import annotations
 
@@ -26,6 +26,8 @@ _REDUCE_FX: dict[str, tuple[Any, ...]] = {
 _LOG_DEFAULTS: dict[str, Any] = {"reduce_fx": "mean", "batch_size": None, "enable_graph": False}
 #: Merges the replicas' logged values of one name as a loss (by its rule), or says ``None``: not a loss.
 LossCopy = Callable[[list[Any]], Tensor | None]
+#: One device's value of what a replica's metric call returned and logged: ``(the call's key, value)``, else ``None``.
+StepValue = Callable[[Any], tuple[Any, Any] | None]
 
 
 @dataclass
@@ -65,11 +67,13 @@ def merge_and_log(
     sample_counts: Sequence[int],
     metric_owner: Callable[[Any], Metric | None],
     loss_copy: LossCopy | None = None,
+    step_value: StepValue | None = None,
 ) -> None:
     """Merge the replicas' recorded ``log`` calls and log them on ``root`` (a LightningModule): the k-th call of a name
     on every replica merged into one, in order, as one device logs a name once per call (the step's value is the
     last; the epoch's takes each). ``metric_owner`` maps a metric clone to its root metric; ``loss_copy`` merges the
-    values of a name that every replica logged as a loss merges (its rule), or says ``None``."""
+    values of a name that every replica logged as a loss merges (its rule), or says ``None``; ``step_value`` gives
+    one device's value of what a metric's call returned."""
     calls: dict[tuple[str, int], list[tuple[int, LogCall]]] = {}  # (name, k) -> every replica's k-th call of it
     for index, recorder in enumerate(recorders):
         made: dict[str, int] = {}
@@ -78,24 +82,84 @@ def merge_and_log(
             calls.setdefault((call.name, made[call.name]), []).append((index, call))
         recorder.calls.clear()
     for (name, _), entries in calls.items():
-        (first_index, first), *others = entries
-        options = {**_LOG_DEFAULTS, **first.options}
-        expected = _all_but_batch_size(options)
-        for index, call in others:
-            if (got := _all_but_batch_size(call.options)) != expected:
-                raise ValueError(
-                    f"Replicas logged {name!r} with different options ({expected} on replica {first_index} vs {got} "
-                    f"on replica {index}); log it the same way."
-                )
+        options = _checked_options(name, entries)
+        first = entries[0][1]
         if not isinstance(first.value, Metric):
-            everyone = loss_copy is not None and len(entries) == len(recorders)
-            copy = loss_copy([call.value for _, call in entries]) if everyone else None
+            copy = _one_device_copy(entries, len(recorders), loss_copy, step_value)
             value, options = _merge_values(name, entries, sample_counts, options, copy)
             root.log(name, value, **options)
         elif (owner := metric_owner(first.value)) is not None:
-            root.log(name, owner, **options)
+            root.log(name, owner, **options)  # Lightning itself refuses one outside its attributes, as on one device
         else:
-            raise ValueError(f"{name!r}: a replica logged a Metric that is not an attribute of the LightningModule.")
+            raise ValueError(
+                f"{name!r}: a replica logged a Metric that the LightningModule does not hold (as an attribute, or in "
+                "a dict, list or tuple attribute): one made inside the step holds only its replica's shard."
+            )
+
+
+def _checked_options(name: str, entries: list[tuple[int, LogCall]]) -> dict[str, Any]:
+    """The options every replica logged ``name`` with (``batch_size=`` may differ: each counts its shard)."""
+    (first_index, first), *others = entries
+    options = {**_LOG_DEFAULTS, **first.options}
+    expected = _all_but_batch_size(options)
+    for index, call in others:
+        if (got := _all_but_batch_size(call.options)) != expected:
+            raise ValueError(
+                f"Replicas logged {name!r} with different options ({expected} on replica {first_index} vs {got} "
+                f"on replica {index}); log it the same way."
+            )
+    return options
+
+
+def _one_device_copy(
+    entries: list[tuple[int, LogCall]], replicas: int, loss_copy: LossCopy | None, step_value: StepValue | None
+) -> Tensor | None:
+    """One device's value of a name whose every replica logged what one metric call returned (that call's value on
+    the whole batch), or a copy of the loss (merged by its rule); ``None`` for other values."""
+    if step_value is not None:
+        found = [step_value(call.value) for _, call in entries]
+        keys = {None if f is None else f[0] for f in found}
+        if None not in keys and len(keys) == 1:
+            return torch.as_tensor(found[0][1])  # type: ignore[index]
+    if loss_copy is None or len(entries) != replicas:
+        return None
+    return loss_copy([call.value for _, call in entries])
+
+
+def merge_scalars(
+    entries: list[tuple[int, Any]],
+    weights: list[Any] | None,
+    kind: str,
+    *,
+    sample_counts: Sequence[int],
+    replicas: int,
+    loss_copy: LossCopy | None,
+) -> Tensor | None:
+    """The replicas' scalar inputs of one call of an aggregation metric (``MeanMetric``, ``SumMetric``...), merged into
+    the input one device's call gets, as ``self.log(value, reduce_fx=kind, batch_size=weight)`` merges them: a copy of
+    the loss as the loss; else a mean weighted by ``weights`` where they differ, else by sample counts, and a sum, max
+    or min over the replicas. ``None`` where a value or weight is not one number, and for ``"cat"`` of what is not a
+    loss (those fold as any metric's states)."""
+    values = [value for _, value in entries]
+    if not all(map(_is_scalar, values)) or (weights is not None and not all(map(_is_scalar, weights))):
+        return None
+    everyone = len(entries) == replicas and all(isinstance(v, Tensor) for v in values)
+    copy = loss_copy(values) if loss_copy is not None and everyone else None
+    if copy is None and kind == "cat":
+        return None
+    options = {**_LOG_DEFAULTS, "reduce_fx": "mean" if kind == "cat" else kind}
+    calls = [
+        (index, LogCall("", value, {"batch_size": None if weights is None else weights[k]}))
+        for k, (index, value) in enumerate(entries)
+    ]
+    merged, _ = _merge_values(f"{kind} metric input", calls, sample_counts, options, copy)
+    return merged
+
+
+def _is_scalar(value: Any) -> bool:
+    if isinstance(value, Tensor):
+        return value.numel() == 1
+    return isinstance(value, Real) or (isinstance(value, Number) and not isinstance(value, Complex))
 
 
 def _merge_values(
@@ -110,7 +174,8 @@ def _merge_values(
     device = values[0].device
     dtype = torch.promote_types(values[0].dtype, torch.float32) if values[0].is_floating_point() else torch.float32
     stacked = stack_scalars(values, device, dtype)
-    loss = None if loss is None else loss.detach().to(device, dtype)
+    if loss is not None:  # one device's value, in its own dtype (a metric may make a float32 0 of a float64 state)
+        loss = loss.detach().to(device, torch.promote_types(loss.dtype, torch.float32))
     if kind != "mean":
         # reduce_fx acts over steps: a copy of the loss is the whole batch's; other values reduce over the replicas.
         return getattr(stacked, kind)() if loss is None else loss, options
