@@ -62,8 +62,9 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         sync_batchnorm: BatchNorm layers normalise with the whole batch's statistics, as on one device (their
             replicas meet at each layer, so they run in threads); ``False``: each shard's own statistics.
 
-    In a step, ``self`` is the device's replica (an attribute rebound there stays on it) and sees its shard. Manual
-    optimization is refused (every replica would step the optimizer): use ``strategy="dp"``.
+    In a step, ``self`` is the device's replica and sees its shard; the LightningModule stands for replica 0 (an
+    attribute rebound there takes replica 0's value). Under manual optimization the replicas meet at each
+    ``manual_backward`` (one backward pass of the combined loss) and ``opt.step()`` (one step, on the root).
     """
 
     strategy_name = "parallel_criterion"
@@ -97,15 +98,7 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         self._read_as: tuple[str, ...] | None = None  # the record's shape the rule was last said for
         self._counted: tuple[str, str] | None = None  # a read training rule other than a per-sample mean, its spec
         self._readable: dict[int, bool] = {}  # per module: whether evaluation reads its loss calls
-
-    @override
-    def setup(self, trainer: Any) -> None:
-        if trainer.state.fn == "fit" and not trainer.lightning_module.automatic_optimization:
-            raise self.namespace.misconfiguration(
-                "strategy='parallel_criterion' does not support manual optimization, whatever the device count: each "
-                "replica would step the optimizer. Use strategy='dp' (the step runs once, on the root device) or 'ddp'."
-            )
-        super().setup(trainer)
+        self._shards: tuple[list[int], list[Any] | None] = ([], None)  # the step's sample counts and declared weights
 
     # --- the step ----------------------------------------------------------------------------------------------------
     @override
@@ -127,7 +120,10 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
                     with calls[index] if evaluating else contextlib.nullcontext():
                         return getattr(replica, hook)(chunks[index], *args[1:], **kwargs)
 
-                copy = partial(self._loss_copy, hook, sizes, weights, calls)
+                self._shards = (sizes, weights)  # for manual_backward's meeting of the replicas
+                manual = hook == "training_step" and not module.automatic_optimization
+                # Manual optimization: the backward passes freed the losses' records: logged values merge per sample.
+                copy = None if manual else partial(self._loss_copy, hook, sizes, weights, calls)
                 outputs = self._run_replicated(module, sizes, call, copy)
                 if evaluating and weights is None:  # a returned loss its calls recorded: merged by them
                     merged = self._by_record(hook, [_returned_loss(output) for output in outputs], sizes, calls)
@@ -136,7 +132,7 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
             self._say_evaluation_rule(hook)  # no loss call said its count: values merge per sample
         if all_or_none(outputs, hook):
             return None
-        if hook == "training_step":
+        if hook == "training_step" and module.automatic_optimization:
             combine = partial(self._combine, sizes, weights)
             return reduce_training_outputs(outputs, sizes, self.root_device, combine, self.dim)
         if chunks is None:
@@ -145,6 +141,11 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         by_rule = "sum" if isinstance(weights, list) and weights[0] == "sum" else weights
         paths = None if by_rule is None else dict.fromkeys(("output", "output['loss']"), by_rule)
         return merge_outputs(outputs, self.root_device, self.dim, sizes=sizes, weights=paths)
+
+    @override
+    def _combine_replica_losses(self, losses: list[Tensor]) -> Tensor:
+        sizes, weights = self._shards
+        return self._combine(sizes, weights, losses)
 
     def _declared_weights(self, hook: str, chunks: list[Any], sizes: list[int]) -> list[Any] | None:
         """Each replica's weight by the declared ``loss_reduction``; ``None`` when none is declared, for
@@ -188,8 +189,9 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
             return
         self._read_as = shape
         found = coupling(losses[0], sizes[0])
-        if found is not None:  # no rule is claimed for it
-            self._warn_once(f"coupled:{found}", coupling_message(self.strategy_name, found))
+        if found is not None:  # no rule is claimed for it; a torch.distributed gather said at set-up is the cause
+            if "torch.distributed" not in self._announced:
+                self._warn_once(f"coupled:{found}", coupling_message(self.strategy_name, found))
         elif combined is None:
             alike = all(r is not None and r.signature() == first.signature() for r in records)
             why = (

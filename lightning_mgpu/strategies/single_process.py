@@ -6,7 +6,6 @@ device (``parallel_devices[0]``); the LightningModule is stored unwrapped, so ch
 
 from __future__ import annotations
 
-import collections
 import importlib
 import logging
 import operator
@@ -28,6 +27,13 @@ from lightning_mgpu.parallel.replica_group import TAKE_TURNS, current_replica
 from lightning_mgpu.parallel.replicas import SYNC_BATCHNORM_THREADS, ReplicaCache
 from lightning_mgpu.parallel.run_replicas import EXECUTION_MODES, ExecutionMode, add_note, resolve_mode
 from lightning_mgpu.parallel.scatter_gather import shared_state, split_or_run_once
+from lightning_mgpu.strategies import manual_optimization
+from lightning_mgpu.strategies.checks import (
+    HeldObjects,
+    distributed_gather_message,
+    distributed_gathers,
+    held_objects_message,
+)
 from lightning_mgpu.strategies.lightning_replicas import LightningReplicas
 from lightning_mgpu.strategies.loss_rules import LossNormalization
 from lightning_mgpu.strategies.replica_logging import LossCopy
@@ -44,23 +50,11 @@ class LightningNamespace:
 
 
 T = TypeVar("T")
-_GROWABLE = (list, collections.deque)
 _MISSING = object()
 _ON_ROOT = (
     "in `on_train_batch_end` / `on_validation_batch_end` (they run once, on the root, with the whole batch and the "
     "gathered outputs)"
 )
-
-
-def _collection_lengths(module: nn.Module) -> dict[str, int]:
-    """Lengths of ``module``'s list and deque attributes, and of those in a dict whose first value is one."""
-    lengths = {}
-    for name, value in vars(module).items():
-        if isinstance(value, _GROWABLE):
-            lengths[name] = len(value)
-        elif isinstance(value, dict) and value and isinstance(next(iter(value.values())), _GROWABLE):
-            lengths.update({f"{name}[{k!r}]": len(v) for k, v in value.items() if isinstance(v, _GROWABLE)})
-    return lengths
 
 
 _MODULE_REGISTRIES = frozenset(vars(nn.Module()))  # nn.Module's own dicts: parameters, buffers, hooks...
@@ -292,7 +286,7 @@ class SingleProcessParallel:
             return
         threads = resolve_mode(self.execution_mode, devices) == "threads"
         chosen = " (execution_mode='auto')" if self.execution_mode == "auto" else ""
-        meets = self._collectives_reason(self.lightning_module)
+        meets = self._why_replicas_meet(self.lightning_module, "training_step")
         notice = None if meets is None else _meeting_notice(meets)  # the key of _mode_for's override notice
         if meets is None and sync_batchnorm.has_sync_batchnorm(self.lightning_module):
             meets, notice = SYNC_BATCHNORM_THREADS.partition(":")[0], SYNC_BATCHNORM_THREADS
@@ -310,6 +304,8 @@ class SingleProcessParallel:
         )
         for module in self._replicated_modules():
             say_split_sensitive_layers(module, self.strategy_name)
+        if self._STEP_PER_REPLICA and (found := distributed_gathers(self.lightning_module)):  # dp: the step runs once
+            self._warn_once("torch.distributed", distributed_gather_message(self.strategy_name, found))
 
     def _batchnorm_words(self) -> str:
         """What the set-up line says of BatchNorm layers, where the module has any."""
@@ -349,6 +345,32 @@ class SingleProcessParallel:
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self._STEP_PER_REPLICA and current_replica() is not None:  # manual_backward inside a replicated step
+            return self._backward_across_replicas(closure_loss, optimizer, args, kwargs)
+        return self._backward_on_root(closure_loss, optimizer, args, kwargs)
+
+    def _backward_across_replicas(
+        self, loss: torch.Tensor, optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> torch.Tensor:
+        """The replicas meet: their losses combined by the loss rule, one backward pass through all of them, the
+        gradients reduced onto the originals (those trainable now), as one device's ``manual_backward`` leaves them."""
+
+        def backward_once(losses: list[torch.Tensor]) -> torch.Tensor:
+            combined = self._combine_replica_losses(losses)
+            self._backward_on_root(combined, optimizer, args, kwargs)
+            for replicas in self._replicas.values():
+                replicas.replica_set.after_manual_backward()
+            return combined
+
+        return manual_optimization.meet("manual_backward", loss, backward_once)
+
+    def _combine_replica_losses(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """The step's replicas' losses as one loss on the root (by the strategy's loss rule)."""
+        raise NotImplementedError
+
+    def _backward_on_root(
+        self, closure_loss: torch.Tensor, optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> torch.Tensor:
         if kwargs.get("inputs") is not None:  # manual_backward(loss, inputs=[...]) names the module's parameters
             kwargs["inputs"] = self._replica_inputs(kwargs["inputs"])
         try:
@@ -377,7 +399,7 @@ class SingleProcessParallel:
     def _mode_for(self, replicas: LightningReplicas, count: int) -> ExecutionMode:
         """Threads or one after another (compiled code needs one thread, collectives many)."""
         mode, reason = replicas.replica_set.execution_mode(self.execution_mode, count)
-        meets = self._collectives_reason(replicas.module) if count > 1 else None
+        meets = self._why_replicas_meet(replicas.module, self.lightning_module._current_fx_name) if count > 1 else None
         if meets is not None and resolve_mode(mode, replicas.devices[:count]) == "sequential":
             if replicas.replica_set.compiled:
                 raise self.namespace.misconfiguration(
@@ -394,6 +416,12 @@ class SingleProcessParallel:
         threads = count > 1 and resolve_mode(mode, replicas.devices[:count]) == "threads"
         self._interleaved = threads and (not TAKE_TURNS or meets is not None or replicas.replica_set.meets_at_batchnorm)
         return mode
+
+    def _why_replicas_meet(self, module: nn.Module, hook: str) -> str | None:
+        """Why the replicas of ``module`` meet inside a ``hook`` call (so they run in threads), or ``None``."""
+        if self._STEP_PER_REPLICA and hook == "training_step" and not self.lightning_module.automatic_optimization:
+            return "manual optimization: the replicas meet at each manual_backward and optimizer step"
+        return self._collectives_reason(module)
 
     def _collectives_reason(self, module: nn.Module) -> str | None:
         """Why the replicas of ``module`` meet inside a step, or ``None``."""
@@ -431,13 +459,18 @@ class SingleProcessParallel:
         replica_set.defer_reduction = accumulating and not reads
         checking = count > 1 and self._first_steps(root._current_fx_name)
         # On the first steps only: what a step could change once per replica (lists, shared dicts, schedulers).
-        before = _collection_lengths(module) if checking else {}
+        held = HeldObjects(module) if checking else None
         dicts = self._dicts_of(root, replica_set.builds) if checking else []
         entries = _dict_entries(dicts)
         steps = _scheduler_steps(root) if checking else []
         snapshots: list[dict[str, Any]] = [{} for _ in range(count)]
 
+        manual = self._STEP_PER_REPLICA and not root.automatic_optimization and root._current_fx_name == "training_step"
+
         def watched(index: int, replica: nn.Module) -> Any:
+            if manual:  # the replicas meet at the shared optimizers
+                after_step = partial(replica_set.after_optimizer_step, count)
+                replica.__dict__.update(manual_optimization.replica_overrides(root, current_replica(), after_step))
             if index == 0 or checking:
                 snapshots[index] = replica.__dict__.copy()  # once prepared: what the step may rebind
             return call(index, replica)
@@ -448,7 +481,7 @@ class SingleProcessParallel:
             _check_scheduler_steps(root, steps, count)
             self._say_replica_state(
                 module,
-                before,
+                held,
                 kept,
                 [_rebound(r, b) for r, b in zip(replicas.replica_set.replicas[1:], snapshots[1:], strict=False)],
             )
@@ -464,18 +497,17 @@ class SingleProcessParallel:
         return seen < 2
 
     def _say_replica_state(
-        self, module: nn.Module, lengths: dict[str, int], kept: dict[str, Any], others: Sequence[dict[str, Any]]
+        self, module: nn.Module, held: HeldObjects | None, kept: dict[str, Any], others: Sequence[dict[str, Any]]
     ) -> None:
-        """Warn once per attribute of ``module`` whose one-device value the step lost: a list every replica grew, an
-        attribute rebound to a value that differs between the replicas (the root keeps replica 0's)."""
+        """Warn once about what the step did to ``module``'s state that one device would not: Python objects it holds
+        changed once per replica (a list grown, an environment stepped), an attribute rebound to values that differ
+        between the replicas (the root keeps replica 0's)."""
         where = f"during a step that ran on {len(others) + 1} replicas"
-        for path, length in _collection_lengths(module).items():
-            if length > lengths.get(path, 0):
-                self._warn_once(
-                    f"list:{path.partition('[')[0]}",
-                    f"`{type(module).__name__}.{path}` grew {where}: it holds one entry per device per step, in no "
-                    f"fixed order. Collect step outputs {_ON_ROOT} or use a torchmetrics metric.",
-                )
+        changes = [c for c in held.changes() if c.key not in self._announced] if held is not None else []
+        if changes:
+            hook = self.lightning_module._current_fx_name if self._STEP_PER_REPLICA else "forward"
+            self._warn_once(changes[0].key, held_objects_message(type(module).__name__, changes, len(others) + 1, hook))
+            self._announced.update(c.key for c in changes)
         for name, value in kept.items():
             if all(name in other and _alike(value, other[name]) for other in others):
                 continue

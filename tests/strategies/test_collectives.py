@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_mgpu
 from benchmarks.compare.process_group import run_in_process_group
+from lightning_mgpu.parallel.collectives import CollectiveShapeError
 from lightning_mgpu.parallel.replica_group import RendezvousError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -303,17 +304,17 @@ class GatheredByTorchDistributed(L.LightningModule):
 
 
 def test_torch_distributed_collectives_do_not_count_as_the_strategys_and_the_warning_names_the_fix():
-    """The source mentions all_gather, but torch.distributed's: each device's loss is over its own shard, so the
-    batch-by-batch product couples samples; one warning says so and names the fixes (the step's own all_gather with
-    sync_grads=True, or dp), and nothing calls the result exact."""
+    """The source mentions all_gather, but torch.distributed's: each device's loss is over its own shard. One warning,
+    at set-up, names the torch.distributed call and the fixes (the step's own all_gather with sync_grads=True, or
+    dp); the coupling it causes is not said again, and nothing calls the result exact."""
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="parallel_criterion", max_steps=2, logger=False)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         trainer.fit(GatheredByTorchDistributed().double(), DataLoader(clip_data(14), batch_size=7))
     said = [str(w.message) for w in seen if str(w.message).startswith("parallel_criterion:")]
     assert len(said) == 1, said
-    assert "couples samples" in said[0] and "product of the batch with itself" in said[0], said[0]
-    assert "self.all_gather(..., sync_grads=True)" in said[0] and "strategy='dp'" in said[0], said[0]
+    assert "torch.distributed.all_gather" in said[0] and "gathers nothing here" in said[0], said[0]
+    assert "self.all_gather(z, sync_grads=True)" in said[0] and "strategy='dp'" in said[0], said[0]
     assert "exact" not in said[0]
     assert trainer.strategy._collectives_reason(trainer.lightning_module) is None
 
@@ -349,3 +350,32 @@ def test_a_gathered_tensor_the_step_returns_comes_back_once_as_on_one_device(dev
         queues.append(torch.cat(module.queue))
     assert queues[1].shape == queues[0].shape == (3 * BATCH, 4)  # not devices x the batch
     torch.testing.assert_close(queues[1], queues[0], rtol=0, atol=1e-12)
+
+
+# --- shapes the collectives cannot combine ----------------------------------------------------------------------------
+def _gathers_a_square_per_shard(module: Any, x: torch.Tensor) -> None:
+    module.all_gather(x.new_zeros(len(x), len(x)))  # a non-batch dim taken from the shard
+
+
+def _gathers_a_squeezed_sum(module: Any, x: torch.Tensor) -> None:
+    module.all_gather(x.sum(1).squeeze())  # 0-dim on a shard of one sample
+
+
+@pytest.mark.parametrize(
+    ("check", "devices", "batch", "shapes", "differs", "hint"),
+    [
+        (_gathers_a_square_per_shard, 2, 7, "replica 0: (4, 4), replica 1: (3, 3)", 1, "pad to a size"),
+        (_gathers_a_squeezed_sum, 3, 5, "replica 0: (2,), replica 1: (2,), replica 2: ()", 2, "`.squeeze()`"),
+    ],
+    ids=["non_batch_dim", "0_dim_vs_1_dim"],
+)
+def test_a_step_that_gathers_shapes_that_differ_beyond_dim_0_names_each_shape_and_the_replica(
+    check, devices, batch, shapes, differs, hint
+):
+    with pytest.raises(CollectiveShapeError) as raised:
+        run_probe(check, devices=devices, batch=batch)
+    message = str(raised.value)
+    assert message.startswith("all_gather (collective 1 of this step): the replicas passed tensors whose shapes")
+    assert f"({shapes}); replica {differs} differs from the others" in message and hint in message
+    assert raised.value.replica_index == differs
+    assert f"Caught CollectiveShapeError in replica {differs}" in "\n".join(raised.value.__notes__)

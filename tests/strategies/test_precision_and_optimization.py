@@ -86,18 +86,12 @@ class ManualOptimization(Classifier):
         self.log("train_loss", loss)
 
 
-def test_manual_optimization_is_refused_under_parallel_criterion():
-    from lightning.pytorch.utilities.exceptions import MisconfigurationException
-
-    with pytest.raises(MisconfigurationException, match=r"does not support manual optimization.*strategy='dp'"):
-        trainer("parallel_criterion", 2, max_steps=1).fit(seeded(ManualOptimization), loader(10))
-
-
-def test_manual_optimization_works_under_dp():
+@pytest.mark.parametrize("strategy", ["parallel_criterion", "dp"])
+def test_manual_optimization_equals_one_device(strategy):
     base = seeded(ManualOptimization)
     single, multi = clone(base), clone(base)
     trainer("auto", 1, max_steps=3).fit(single, loader(10))
-    t = trainer("dp", 3, max_steps=3)
+    t = trainer(strategy, 3, max_steps=3)
     t.fit(multi, loader(10))
     torch.testing.assert_close(flat_params(multi), flat_params(single), rtol=0, atol=1e-10)
     assert float(t.callback_metrics["train_loss"]) > 0

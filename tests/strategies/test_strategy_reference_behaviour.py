@@ -859,19 +859,11 @@ class Manual(Classifier):
         optimizer.step()
 
 
+@pytest.mark.parametrize("strategy", ["parallel_criterion", "dp"])
 @pytest.mark.parametrize("devices", [1, 2])
-def test_manual_optimization_is_refused_by_parallel_criterion_at_every_device_count(tmp_path, devices):
-    trainer = make_trainer("parallel_criterion", devices, tmp_path, max_steps=1, enable_checkpointing=False)
-    with pytest.raises(
-        MisconfigurationException, match=r"does not support manual optimization, whatever the device count[\s\S]*'dp'"
-    ):
-        trainer.fit(seeded(Manual), loader(4))
-
-
-@pytest.mark.parametrize("devices", [1, 2])
-def test_manual_optimization_trains_under_dp_as_on_one_device(tmp_path, devices):
+def test_manual_optimization_trains_as_on_one_device(tmp_path, strategy, devices):
     reference = seeded(Manual)
     make_trainer("auto", 1, tmp_path, max_steps=2, enable_checkpointing=False).fit(reference, loader(4))
     module = seeded(Manual)
-    make_trainer("dp", devices, tmp_path, max_steps=2, enable_checkpointing=False).fit(module, loader(4))
+    make_trainer(strategy, devices, tmp_path, max_steps=2, enable_checkpointing=False).fit(module, loader(4))
     assert torch.allclose(flat_params(module), flat_params(reference), rtol=0, atol=1e-12)
