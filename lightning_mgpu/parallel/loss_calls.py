@@ -62,6 +62,17 @@ def _signature(func: Any) -> inspect.Signature:
     return inspect.signature(func)  # read once per loss function, not at every call
 
 
+_IN_PLACE_OPERATORS = frozenset(
+    f"__i{op}__" for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or", "xor")
+) | {"__setitem__"}
+
+
+def _in_place(name: str) -> bool:
+    """Whether torch's function ``name`` changes its first argument in place (``add_``, ``__iadd__``), not a read
+    (``__get__`` of ``.shape``, ``__int__``, ``__index__``)."""
+    return name in _IN_PLACE_OPERATORS or (name.endswith("_") and not name.endswith("__"))
+
+
 class LossCalls(TorchFunctionMode):
     """Records, while active, the outputs of torch's functional losses with what their mean divides by, read from
     the call's own arguments, and sums and scalings of them (``mlm + nsp``, ``0.5 * loss``), as a
@@ -76,7 +87,7 @@ class LossCalls(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        if args and (name.startswith("__i") or name.endswith("_")) and self.record_of(args[0]) is not None:
+        if args and _in_place(name) and self.record_of(args[0]) is not None:
             del self.records[id(args[0])]  # changed in place (loss += reg): no longer what was recorded
         output = func(*args, **kwargs)
         if name == "stack" and args and isinstance(args[0], (list, tuple)) and not kwargs.get("dim"):

@@ -46,7 +46,7 @@ def make_module(namespace: str, reduction: str, returns: bool, log_accuracy: boo
             # "inline": the loss is written in the step, where no object says its rule
             self.criterion = (
                 nn.functional.cross_entropy
-                if reduction in ("inline", "two_terms", "times_count", "stacked", "alpha")
+                if reduction in ("inline", "two_terms", "times_count", "stacked", "alpha", "reads")
                 else nn.CrossEntropyLoss(reduction=reduction)
             )
             self.reduction = reduction
@@ -65,6 +65,8 @@ def make_module(namespace: str, reduction: str, returns: bool, log_accuracy: boo
                 loss = torch.stack([loss, first]).mean()
             if self.reduction == "alpha":
                 loss = torch.add(loss, first, alpha=0.5)
+            if self.reduction == "reads":  # reading the loss (.shape, .dtype, int()) leaves it what it was
+                assert loss.shape == () and loss.dtype == torch.float64 and int(loss.detach().mul(0)) == 0
             return loss
 
         def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
@@ -99,6 +101,14 @@ def assert_same(got: dict[str, float], expected: dict[str, float]) -> None:
     assert got.keys() == expected.keys()
     for name, value in expected.items():
         assert got[name] == pytest.approx(value, abs=1e-10, rel=0), name
+
+
+def test_reading_a_token_mean_loss_in_evaluation_keeps_its_count():
+    """``loss.shape`` goes through torch's ``__get__``, whose name ends in ``_`` as in-place ops' do: it was taken for
+    an in-place change, the count was dropped and the logged ``val_loss`` came out NaN on 3 devices."""
+    expected = run(make_module(NAMESPACES[0], "reads", True), "auto", 1, NAMESPACES[0])
+    got = run(make_module(NAMESPACES[0], "reads", True), "parallel_criterion", 3, NAMESPACES[0])
+    assert_same(got, expected)
 
 
 @pytest.mark.parametrize("namespace", NAMESPACES)
