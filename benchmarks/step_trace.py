@@ -40,7 +40,6 @@ import logging
 import os
 import platform
 import shlex
-import subprocess
 import sys
 import tempfile
 import time
@@ -57,6 +56,8 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_mgpu
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: its sibling benchmark is imported as benchmarks.host_overhead
+    sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "benchmarks" / "results"
 PACKAGE_DIR = str(Path(lightning_mgpu.__file__).resolve().parent)
 PACKAGE_PARENT = Path(PACKAGE_DIR).parent
@@ -227,29 +228,6 @@ def trace_step(strategy: str, window: str, args: argparse.Namespace) -> dict[str
     return result
 
 
-def git_state() -> str:
-    def git(*a: str) -> str:
-        try:
-            return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, check=False).stdout.strip()
-        except OSError:
-            return ""
-
-    head = git("rev-parse", "--short", "HEAD") or "unknown"
-    dirty = bool(git("status", "--porcelain", "--", "lightning_mgpu"))
-    return head + (" + uncommitted changes in lightning_mgpu/" if dirty else "")
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-    except OSError:
-        out = ""
-    for line in out.splitlines():
-        if line.startswith("Model name:"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
-
-
 def markdown(report: dict[str, Any]) -> str:
     env, cfg = report["environment"], report["config"]
     h = HISTORICAL
@@ -323,6 +301,8 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    from benchmarks.host_overhead import git_state, machine_info  # after ROOT is on sys.path
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
     parser.add_argument("--windows", nargs="+", choices=WINDOWS, default=list(WINDOWS))
@@ -353,7 +333,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "wall_s": time.perf_counter() - start,
         "config": {"batch_index": args.batch_index, "batch_size": args.batch_size, "devices": 2},
         "environment": {
-            "cpu_model": cpu_model(),
+            "cpu_model": machine_info()["cpu_model"],
             "cpus": os.cpu_count(),
             "python": platform.python_version(),
             "torch": torch.__version__,
