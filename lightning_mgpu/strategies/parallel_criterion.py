@@ -99,12 +99,14 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         self._counted: tuple[str, str] | None = None  # a read training rule other than a per-sample mean, its spec
         self._readable: dict[int, bool] = {}  # per module: whether evaluation reads its loss calls
         self._shards: tuple[list[int], list[Any] | None] = ([], None)  # the step's sample counts and declared weights
+        self._records: dict[tuple[int, int], tuple[Any, Any]] = {}  # this step's read losses, see _read
 
     # --- the step ----------------------------------------------------------------------------------------------------
     @override
     def _run_step(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         module = self.lightning_module
         evaluating, calls = False, []
+        self._records.clear()
         with self._step_context(hook):
             chunks, sizes = self._split_batch(args)
             if chunks is None:
@@ -169,7 +171,7 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
                 f"loss_reduction={self.loss_reduction!r} says; the devices' losses are combined accordingly.",
             )
             return combine_losses(losses, weights, self.root_device)
-        records = [read_loss(loss, size) for loss, size in zip(losses, sizes, strict=True)]
+        records = [self._read(loss, size) for loss, size in zip(losses, sizes, strict=True)]
         combined = combine_losses_by_record(losses, records, sizes, self.root_device, memory=self._settled)
         self._say_read_rule(losses, records, sizes, combined)
         if combined is None:
@@ -217,6 +219,13 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
                 f"{self.strategy_name}: the training loss is {said}, as its autograd record says; the devices' losses "
                 "are combined accordingly."
             )
+
+    def _read(self, loss: Any, size: int) -> Any:
+        """``read_loss(loss, size)``, once per tensor and step (a logged copy of the loss and the loss itself)."""
+        key = (id(loss), size)
+        if key not in self._records:
+            self._records[key] = (loss, read_loss(loss, size))  # the tensor kept: its id stays its own
+        return self._records[key][1]
 
     def _reads_calls(self, module: nn.Module) -> bool:
         """Whether evaluation reads ``module``'s loss calls (not with a layer whose fast path that would switch off:
@@ -272,7 +281,7 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         if not all(isinstance(v, Tensor) for v in values):
             return None
         if hook == "training_step":
-            records = [read_loss(value, size) for value, size in zip(values, sizes, strict=True)]
+            records = [self._read(value, size) for value, size in zip(values, sizes, strict=True)]
         else:
             records = [recorded.record_of(value) for value, recorded in zip(values, calls, strict=True)]
             if all(record is not None for record in records):
