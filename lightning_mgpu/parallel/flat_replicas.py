@@ -157,7 +157,9 @@ class ReplicaParameters:
 
     :attr:`leaves` ``[i][j]``, replica ``i``'s parameter for ``params[j]``: the first replica on the root holds the
     originals' storage and version counters (it stands for the root module, as DDP's rank 0 does); every other replica
-    holds its own copy, one flat buffer per replica and dtype, even on the same device. A replica's in-place change
+    holds its own copy, one flat buffer per replica and dtype, even on the same device (each leaf an alias with a
+    version counter of its own, as separate parameters have: a write into one leaves the others' saved tensors valid for
+    backward, a DQN's target network copied after its loss was computed). A replica's in-place change
     (a target network copied, a momentum encoder updated) then runs on its own copy, as on a DDP rank, and the root
     keeps the first replica's. Its ``.grad`` is replica ``i``'s row of one buffer per device and dtype, a view of an
     alias per device and parameter spanning the rows, whose version counter counts the accumulations into that
@@ -225,8 +227,9 @@ class ReplicaParameters:
             data = p.detach()
         elif j in renormed and self.devices[i] == self.root:
             data = alias(p, 0, p.shape, p.stride())
-        else:
-            data = self._groups.view(self._storage[i], j)
+        else:  # its part of the replica's flat buffer, with a version counter of its own, as a parameter has
+            groups = self._groups
+            data = alias(self._storage[i][p.dtype], groups.offsets[j], p.shape, groups.strides[j])
         return nn.Parameter(data, requires_grad=p.requires_grad)
 
     def _new_root_grads(self) -> None:
@@ -303,8 +306,8 @@ class ReplicaParameters:
         return True
 
     def _copy_versions(self, owners: list[int]) -> tuple[int, ...]:
-        """The version counters of the ``owners``' flat buffers (their leaves are views of them)."""
-        return tuple(flat._version for i in owners for flat in self._storage[i].values())
+        """Per replica of ``owners``, the sum of its leaves' version counters (an in-place change of any of them)."""
+        return tuple(sum(map(_version, self.leaves[i])) for i in owners)
 
     def mark_stale(self) -> None:
         """Copy the originals to the other devices at the next :meth:`sync`, whatever their version counters say."""

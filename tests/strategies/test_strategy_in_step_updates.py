@@ -35,7 +35,9 @@ def models(namespace: str = "lightning.pytorch") -> SimpleNamespace:
             super().__init__()
             torch.manual_seed(0)
             self.how, self.where = how, where
-            self.query = nn.Linear(N_FEATURES, N_CLASSES)
+            # Two layers: backward needs the second layer's weight, saved by the graph (a copy into the key network
+            # must not look like a change of it).
+            self.query = nn.Sequential(nn.Linear(N_FEATURES, 8), nn.Tanh(), nn.Linear(8, N_CLASSES))
             self.key = copy.deepcopy(self.query).requires_grad_(False)
             self.updates = 0
 
@@ -63,6 +65,8 @@ def models(namespace: str = "lightning.pytorch") -> SimpleNamespace:
                 self.update_key()
             difference = self(x)
             loss = nn.functional.cross_entropy(self.query(x), y) + difference.pow(2).mean()
+            if self.where == "after_loss":  # Lightning's DQN example copies its target network after the loss
+                self.update_key()
             self.log("loss", loss)
             self.log("updates", float(self.updates))
             return loss
@@ -170,6 +174,15 @@ def test_an_in_step_update_of_a_network_equals_one_device(name, where, how, mode
         warnings.filterwarnings("error", message=".*(rebound|in place).*")
         trained = assert_equal_to_one_device(module, mode, devices, name=name)
     assert trained.updates == 8  # 2 epochs of 4 steps: once per step, as on one device
+
+
+@pytest.mark.parametrize("devices", [2, 3])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", ["parallel_criterion", "dp"])
+def test_a_target_network_copied_after_the_loss_equals_one_device(name, mode, devices):
+    """The copy writes into the target's parameters after the graph saved the online network's: a replica's
+    parameters are separate tensors (each its own version counter), as on one device, so backward still runs."""
+    assert_equal_to_one_device(models().KeyEncoder("target copy", "after_loss").double(), mode, devices, name=name)
 
 
 @pytest.mark.parametrize("namespace", NAMESPACES)
