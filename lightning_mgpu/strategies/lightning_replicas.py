@@ -585,7 +585,10 @@ class MetricReplicas:
         return calls
 
     def _scratch_of(self, metric: Metric) -> Metric:
-        if (scratch := self._scratch.get(id(metric))) is None:
+        """A copy of ``metric`` to compute on, made again when the metric moved or changed dtype since (Lightning's
+        ``64-true`` converts metrics after the module was built)."""
+        scratch = self._scratch.get(id(metric))
+        if scratch is None or scratch.dtype != metric.dtype or scratch.device != metric.device:
             scratch = self._scratch[id(metric)] = metric.clone()
         return scratch
 
