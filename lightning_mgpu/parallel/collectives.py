@@ -206,6 +206,11 @@ def forget_gathered() -> None:
     _gathered.clear()
 
 
+def gathered_in_call() -> bool:
+    """Whether the last replicated call gathered tensors (``all_gather``): its replicas may hold the whole batch."""
+    return bool(_gathered)
+
+
 def is_gathered(tensor: Tensor) -> bool:
     """Whether ``tensor`` (or a detached alias of it) is a result of an ``all_gather`` of the last replicated call:
     the whole batch, which one device returns once."""

@@ -357,17 +357,22 @@ def combine_losses_by_record(
     root: torch.device,
     scale_gradients: bool = True,
     memory: dict[Any, str] | None = None,
+    gathered: bool = False,
 ) -> Combined | None:
     """The whole batch's loss on ``root`` from the shards' ``losses`` and their records, or ``None`` when the
     records do not say (no record, a node the reader does not know, shards whose losses were built differently,
     several terms whose values no saved tensor recomputes). One term: the shards' losses weighted by their shares.
     Several: the weighted value, with a gradient scale per term and shard (``scale_gradients``; else a value only).
-    ``memory`` keeps, across steps, what each number a loss divides or multiplies by was read as. A few tensor
-    operations in all, whatever the number of terms and shards: no host sync."""
+    ``memory`` keeps, across steps, what each number a loss divides or multiplies by was read as. ``gathered``: the
+    shards gathered each other's tensors in this step (``all_gather``), so a sum may be the whole batch's on every
+    shard. A few tensor operations in all, whatever the number of terms and shards: no host sync (but one where a
+    term reads the parameters alone, or sums after a gather)."""
     if not _alike(records):
         return None
     weights = settle_weights(records, sample_counts, memory)
     _once_where_alike(records, losses, weights)
+    if gathered:
+        _whole_batch_sums_once(records, losses, weights)
     dtype = torch.promote_types(losses[0].dtype, torch.float32)
     stacked = _on(losses, root, dtype)
     shares = _shares(weights, records, sample_counts, root, dtype, memory)  # (terms, shards)
@@ -424,6 +429,22 @@ def _once_where_alike(records: Sequence[LossRecord], losses: Sequence[Tensor], w
         weights[t] = [_own_count(record.terms[t].node) for record in records]
         for record in records:
             record.terms[t] = replace(record.terms[t], name=record.terms[t].name.removesuffix(_ONCE))
+
+
+def _whole_batch_sums_once(records: Sequence[LossRecord], losses: Sequence[Tensor], weights: list[list[Any]]) -> None:
+    """After an ``all_gather``, a sum whose value is the same on every shard is the whole batch's, computed by each
+    (Barlow Twins' loss over the gathered cross-correlation): counted once (weight 1 on every shard: their mean), as
+    one device computes it once. A sum over each shard's own rows differs between shards and stays a sum."""
+    missing = [t for t, term in enumerate(records[0].terms) if term.value is None]
+    for t in range(len(weights)):
+        if not all(w is None for w in weights[t]) or (t in missing and missing != [t]):
+            continue  # not a sum, or its value cannot be had apart from another term's
+        values = [
+            _term_values(r, loss, t if t in missing else None)[t] for r, loss in zip(records, losses, strict=True)
+        ]
+        scale = max(abs(float(v)) for v in values)
+        if scale > 0 and all(abs(float(v) - float(values[0])) <= 1e-12 * scale for v in values[1:]):
+            weights[t] = [1] * len(values)
 
 
 def _own_count(node: Node) -> int | None:

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_mgpu.parallel import collectives
 from lightning_mgpu.parallel.loss_calls import LossCalls, can_read_calls, once_per_shard_alike
 from lightning_mgpu.parallel.loss_graph import (
     Combined,
@@ -172,7 +173,9 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
             )
             return combine_losses(losses, weights, self.root_device)
         records = [self._read(loss, size) for loss, size in zip(losses, sizes, strict=True)]
-        combined = combine_losses_by_record(losses, records, sizes, self.root_device, memory=self._settled)
+        combined = combine_losses_by_record(
+            losses, records, sizes, self.root_device, memory=self._settled, gathered=collectives.gathered_in_call()
+        )
         self._say_read_rule(losses, records, sizes, combined)
         if combined is None:
             self.loss_counts = None
@@ -286,7 +289,8 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
             records = [recorded.record_of(value) for value, recorded in zip(values, calls, strict=True)]
             if all(record is not None for record in records):
                 once_per_shard_alike(records)
-        combined = combine_losses_by_record(values, records, sizes, self.root_device, False, self._settled)
+        gathered = collectives.gathered_in_call()
+        combined = combine_losses_by_record(values, records, sizes, self.root_device, False, self._settled, gathered)
         return None if combined is None else combined.loss
 
     def _split_batch(self, args: tuple[Any, ...]) -> tuple[list[Any] | None, list[int]]:

@@ -379,3 +379,41 @@ def test_a_step_that_gathers_shapes_that_differ_beyond_dim_0_names_each_shape_an
     assert f"({shapes}); replica {differs} differs from the others" in message and hint in message
     assert raised.value.replica_index == differs
     assert f"Caught CollectiveShapeError in replica {differs}" in "\n".join(raised.value.__notes__)
+
+
+class CrossCorrelation(L.LightningModule):
+    """Barlow Twins' loss: every device computes the whole batch's cross-correlation from ``all_gather`` and reduces
+    it by ``.sum()`` (or ``.mean()``): the same value on every device, which one device computes once."""
+
+    def __init__(self, reduce: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.reduce = reduce
+        self.net = nn.Linear(4, 3)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        z = self.all_gather(self.net(batch[0]), sync_grads=True)
+        centered = z - z.mean(0)
+        c = centered.T @ centered / len(z)
+        off = (c - torch.eye(3, dtype=c.dtype)).pow(2)
+        loss = off.sum() if self.reduce == "sum" else off.mean()
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+@pytest.mark.parametrize("devices", [2, 3])
+@pytest.mark.parametrize("reduce", ["sum", "mean"])
+def test_a_whole_batch_loss_every_device_computes_from_all_gather_counts_once(reduce, devices):
+    """A sum over gathered rows was added once per device: the loss and its gradient N times one device's."""
+    data = TensorDataset(torch.randn(22, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64))
+    runs = {}
+    for strategy, n in (("auto", 1), ("parallel_criterion", devices)):
+        module = CrossCorrelation(reduce).double()
+        trainer = L.Trainer(accelerator="cpu", devices=n, strategy=strategy, max_epochs=2, logger=False)
+        trainer.fit(module, DataLoader(data, batch_size=7))
+        runs[strategy] = (module.net.weight.detach().clone(), float(trainer.callback_metrics["train_loss"]))
+    torch.testing.assert_close(runs["parallel_criterion"][0], runs["auto"][0], rtol=0, atol=1e-12)
+    assert runs["parallel_criterion"][1] == pytest.approx(runs["auto"][1], rel=0, abs=1e-12)
