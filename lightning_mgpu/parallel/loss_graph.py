@@ -435,16 +435,17 @@ def _whole_batch_sums_once(records: Sequence[LossRecord], losses: Sequence[Tenso
     """After an ``all_gather``, a sum whose value is the same on every shard is the whole batch's, computed by each
     (Barlow Twins' loss over the gathered cross-correlation): counted once (weight 1 on every shard: their mean), as
     one device computes it once. A sum over each shard's own rows differs between shards and stays a sum."""
+    sums = [t for t in range(len(weights)) if all(w is None for w in weights[t])]
     missing = [t for t, term in enumerate(records[0].terms) if term.value is None]
-    for t in range(len(weights)):
-        if not all(w is None for w in weights[t]) or (t in missing and missing != [t]):
-            continue  # not a sum, or its value cannot be had apart from another term's
-        values = [
-            _term_values(r, loss, t if t in missing else None)[t] for r, loss in zip(records, losses, strict=True)
-        ]
+    # Terms no saved tensor recomputes go together (their joint value is the remainder): only if all are sums.
+    groups = [[t] for t in sums if t not in missing] + ([missing] if missing and set(missing) <= set(sums) else [])
+    for group in groups:
+        rest = group[0] if group == missing else None
+        values = [_term_values(r, loss, rest)[group[0]] for r, loss in zip(records, losses, strict=True)]
         scale = max(abs(float(v)) for v in values)
         if scale > 0 and all(abs(float(v) - float(values[0])) <= 1e-12 * scale for v in values[1:]):
-            weights[t] = [1] * len(values)
+            for t in group:
+                weights[t] = [1] * len(values)
 
 
 def _own_count(node: Node) -> int | None:
