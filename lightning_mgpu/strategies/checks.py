@@ -18,6 +18,7 @@ import collections
 import dis
 import functools
 import inspect
+import itertools
 import re
 import sys
 import types
@@ -314,10 +315,15 @@ def _lightning_attributes(cls: type) -> frozenset[str]:
     return frozenset()
 
 
+_ENTRIES_READ = 1024  # a larger dict (a vocabulary, a cache) is compared by its length alone: the check stays cheap
+
+
 def _state(value: Any) -> Any:
     """What :func:`_compare` compares: a collection's size (a sequence's last entry, a dict's collections' sizes), or
     an object's attributes and the sizes of its collections."""
     if isinstance(value, dict):
+        if len(value) > _ENTRIES_READ:
+            return len(value), {}, {}
         return len(value), {k: _size(v) for k, v in value.items() if isinstance(v, _CONTAINERS)}, dict(value)
     if isinstance(value, _CONTAINERS):
         return _size(value)
@@ -367,10 +373,10 @@ def _dict_changes(
     length, sizes, entries = before
     changes = [
         HeldChange(f"{path}[{key!r}]", type(entry).__name__, detail, _verb(detail), _verb(detail) == "grew")
-        for key, entry in value.items()
+        for key, entry in (value.items() if sizes else ())  # only the dicts whose collections were read
         if isinstance(entry, _CONTAINERS) and (detail := _size_change(sizes.get(key, (0, _MISSING)), _size(entry)))
     ]
-    new = list(value.values())[length:]
+    new = list(itertools.islice(value.values(), length, length + _ENTRIES_READ))
     if not changes and new and not any(_holds_tensors(v) or isinstance(v, (bool, type(None))) for v in new):
         changes.append(HeldChange(path, type(value).__name__, f"{_entries(len(new))} more", "grew", True))
     rebound = [repr(k) for k, old in entries.items() if k in value and _rebound_entry(old, value[k])]

@@ -125,10 +125,11 @@ def _outermost_metrics(module: nn.Module, prefix: str = "") -> list[tuple[str, M
 
 # --- metrics held in plain containers --------------------------------------------------------------------------------
 _CONTAINER_DEPTH = 3  # dicts, lists and tuples searched this deep: {"train": {"f1": F1Score()}}
+_CONTAINER_SIZE = 1024  # and up to this many entries each: a vocabulary or a cache the module holds is no metric holder
 
 
 def _is_container(value: Any) -> bool:
-    return isinstance(value, (dict, list)) or type(value) is tuple
+    return (isinstance(value, (dict, list)) or type(value) is tuple) and len(value) <= _CONTAINER_SIZE
 
 
 def _items(container: Any) -> Any:

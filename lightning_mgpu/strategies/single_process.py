@@ -57,6 +57,7 @@ _ON_ROOT = (
 )
 
 
+_ENTRIES_READ = 1024
 _MODULE_REGISTRIES = frozenset(vars(nn.Module()))  # nn.Module's own dicts: parameters, buffers, hooks...
 _BATCH_END = {"training_step": "on_train_batch_end", "validation_step": "on_validation_batch_end"}
 
@@ -77,7 +78,10 @@ def _dict_entries(places: Sequence[tuple[nn.Module, str, str]]) -> dict[tuple[st
     dicts at ``places``, by (qualified name, key)."""
     entries = {}
     for module, name, path in places:
-        for key, value in (vars(module).get(name) or {}).items():
+        held = vars(module).get(name) or {}
+        if len(held) > _ENTRIES_READ:  # a vocabulary or a cache: not a forward hook's few feature maps
+            continue
+        for key, value in held.items():
             if isinstance(value, Tensor) or (
                 isinstance(value, (tuple, list)) and value and isinstance(value[0], Tensor)
             ):
