@@ -323,7 +323,7 @@ def _state(value: Any) -> Any:
     an object's attributes and the sizes of its collections."""
     if isinstance(value, dict):
         if len(value) > _ENTRIES_READ:
-            return len(value), {}, {}
+            return len(value), None, {}
         return len(value), {k: _size(v) for k, v in value.items() if isinstance(v, _CONTAINERS)}, dict(value)
     if isinstance(value, _CONTAINERS):
         return _size(value)
@@ -365,7 +365,7 @@ def _verb(detail: str) -> str:
 
 
 def _dict_changes(
-    path: str, value: dict[Any, Any], before: tuple[int, dict[Any, Any], dict[Any, Any]]
+    path: str, value: dict[Any, Any], before: tuple[int, dict[Any, Any] | None, dict[Any, Any]]
 ) -> list[HeldChange]:
     """A dict's collections that changed (``outputs['loss']``); else the dict itself, where entries other than
     tensors (a dict of tensors is the shared-entries check's) or flags (a library's warned-once dict) were added, or
@@ -373,7 +373,7 @@ def _dict_changes(
     length, sizes, entries = before
     changes = [
         HeldChange(f"{path}[{key!r}]", type(entry).__name__, detail, _verb(detail), _verb(detail) == "grew")
-        for key, entry in (value.items() if sizes else ())  # only the dicts whose collections were read
+        for key, entry in (value.items() if sizes is not None else ())  # only the dicts whose entries were read
         if isinstance(entry, _CONTAINERS) and (detail := _size_change(sizes.get(key, (0, _MISSING)), _size(entry)))
     ]
     new = list(itertools.islice(value.values(), length, length + _ENTRIES_READ))
