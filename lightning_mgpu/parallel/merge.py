@@ -135,14 +135,16 @@ class _Merger:
             return _ragged(outputs, self.dim)
         held = [o.shape[self.dim] for o in outputs]
         # The same size on every device, none its sample count: a dimension that is not the batch's. (Sizes that
-        # differ, as the rows of masked tokens, are per-sample data of varying length.)
+        # differ, as the rows of masked tokens, are per-sample data of varying length; the same multiple of every
+        # device's count is its samples flattened with another dimension, as a language model's (batch * time).)
         if (
             self.sizes is not None
             and len(set(held)) == 1
             and all(h != n for h, n in zip(held, self.sizes, strict=True))
+            and not _flattened(held, self.sizes)
         ):
             warnings.warn(  # a message without the step's counts: said once per output
-                f"{path}: every device's array has {held[0]} entries along dim {self.dim}, not its sample count: "
+                f"{path}: every device's array has as many entries along dim {self.dim}, none its sample count: "
                 f"concatenated along dim {self.dim}, as nn.DataParallel does. That is one device's result for rows "
                 "you selected (as many on each device by chance), not where the batch is on another dimension (an "
                 "LSTM's (layers, batch, hidden) state): return that batch first (h_n.transpose(0, 1)).",
@@ -244,6 +246,13 @@ def _is_scalar(value: Any) -> bool:
     return isinstance(value, (str, bytes, int, float, bool, type(None), np.number)) or (
         isinstance(value, (Tensor, np.ndarray)) and value.ndim == 0
     )
+
+
+def _flattened(held: Sequence[int], sizes: Sequence[int]) -> bool:
+    """Whether every device's size is the same whole multiple of its sample count: its samples flattened with another
+    dimension (a language model's ``(batch * time, vocab)`` logits), which concatenate as one device's."""
+    multiples = {h // n if n and h % n == 0 else None for h, n in zip(held, sizes, strict=True)}
+    return len(multiples) == 1 and None not in multiples
 
 
 def _concatenable(outputs: Sequence[Any], dim: int) -> bool:

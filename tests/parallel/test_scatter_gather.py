@@ -346,9 +346,21 @@ def test_an_array_without_the_sample_dimension_first_is_concatenated_with_a_warn
     """An LSTM's ``(layers, batch, hidden)`` state on even shards: dim 0 holds no samples on any device, so the
     concatenation (nn.DataParallel's) is not one device's state; said, naming the output and the fix."""
     states = [torch.zeros(2, 3, 6) for _ in range(3)]
-    with pytest.warns(UserWarning, match=r"output\[1\]: every device's array has 2 entries along dim 0.*transpose"):
+    with pytest.warns(
+        UserWarning, match=r"output\[1\]: every device's array has as many entries along dim 0.*transpose"
+    ):
         merged = merge_outputs([(torch.zeros(3, 1), s) for s in states], "cpu", sizes=[3, 3, 3])
     assert merged[1].shape == (6, 3, 6)
+
+
+def test_samples_flattened_with_time_concatenate_without_a_word():
+    """A language model's ``(batch * time, vocab)`` logits: the same multiple of every device's count, one device's
+    result once concatenated (Lightning's demo Transformer under dp warned at every shard size)."""
+    logits = [torch.randn(3 * 30, 5) for _ in range(2)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        merged = merge_outputs(logits, "cpu", sizes=[3, 3])
+    torch.testing.assert_close(merged, torch.cat(logits))
 
 
 @pytest.mark.parametrize(
