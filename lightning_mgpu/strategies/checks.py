@@ -22,7 +22,7 @@ import itertools
 import re
 import sys
 import types
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,7 +74,7 @@ def distributed_gathers(module: nn.Module) -> list[str]:
         what = _flag_finding(sub)
         if what is None and not _opted_out(sub):
             entries = _STEP_ENTRIES if sub is module else ("forward",)
-            what = _code_finding(type(sub), entries)
+            what = _code_finding(type(sub), entries, "gather")
         if what is not None:
             found.setdefault(what, []).append(f"self.{path}" if path else "self")
     return [f"{_paths(paths)} {what}" for what, paths in found.items()]
@@ -98,47 +98,53 @@ def _opted_out(module: nn.Module) -> bool:
 
 
 @functools.cache
-def _code_finding(cls: type, entries: tuple[str, ...]) -> str | None:
+def _code_finding(cls: type, entries: tuple[str, ...], kind: str) -> str | None:
     """``"(MoCo) calls torch.distributed.all_gather through MoCo.training_step -> concat_all_gather"``, or ``None``:
     read once per class from the bytecode of its ``entries`` methods (those of its user-defined base classes too,
-    which ``super()`` reaches) and of what they call."""
+    which ``super()`` reaches) and of what they call, for a call of ``kind`` (see :data:`_WANTED`)."""
+    wanted = _WANTED[kind]
     for klass in cls.__mro__:
         for name in entries if not _is_library(klass) else ():
             function = _unwrap(vars(klass).get(name))
-            route = _route(function, cls, _MAX_DEPTH, set()) if isinstance(function, types.FunctionType) else None
+            route = (
+                _route(function, cls, _MAX_DEPTH, set(), wanted) if isinstance(function, types.FunctionType) else None
+            )
             if route is not None:
                 *through, call = [function.__qualname__, *route]
                 return f"({cls.__name__}) calls {call} through {' -> '.join(through)}"
     return None
 
 
-def _route(target: Any, owner: type | None, depth: int, seen: set[int]) -> list[str] | None:
-    """The names from ``target`` (a function, or a class whose methods are read) to a ``torch.distributed``
-    collective it calls, ending with the collective's name; ``None`` when none is found within ``depth`` calls."""
+Wanted = Callable[[Any], "str | None"]
+
+
+def _route(target: Any, owner: type | None, depth: int, seen: set[int], wanted: Wanted) -> list[str] | None:
+    """The names from ``target`` (a function, or a class whose methods are read) to a call ``wanted`` names (a
+    ``torch.distributed`` collective), ending with that name; ``None`` when none is found within ``depth`` calls."""
     if depth == 0 or id(target) in seen:
         return None
     seen.add(id(target))
     if isinstance(target, type):
-        return _class_route(target, depth, seen)
+        return _class_route(target, depth, seen, wanted)
     for chain in _chains(target.__code__):
         for obj in _resolve(chain, target, owner):
-            if _is_gather(obj):
-                return [_gather_name(obj)]
+            if (name := wanted(obj)) is not None:
+                return [name]
             if _is_user_code(obj):
-                route = _route(obj, obj if isinstance(obj, type) else owner, depth - 1, seen)
+                route = _route(obj, obj if isinstance(obj, type) else owner, depth - 1, seen, wanted)
                 if route is not None:
                     return [_name(obj), *route]
     return None
 
 
-def _class_route(cls: type, depth: int, seen: set[int]) -> list[str] | None:
+def _class_route(cls: type, depth: int, seen: set[int], wanted: Wanted) -> list[str] | None:
     """:func:`_route` through the methods a user class (an autograd Function, a helper class) defines."""
     for klass in cls.__mro__:
         if _is_library(klass):
             continue
         for value in vars(klass).values():
             function = _unwrap(value)
-            route = _route(function, cls, depth, seen) if isinstance(function, types.FunctionType) else None
+            route = _route(function, cls, depth, seen, wanted) if isinstance(function, types.FunctionType) else None
             if route is not None:
                 return route
     return None
@@ -206,13 +212,23 @@ def _unwrap(value: Any) -> Any:
     return value
 
 
-def _is_gather(obj: Any) -> bool:
+def _gather(obj: Any) -> str | None:
+    """``"torch.distributed.all_gather"`` for a ``torch.distributed`` collective, else ``None``."""
     module = getattr(obj, "__module__", None) or ""
-    return callable(obj) and module.startswith("torch.distributed") and getattr(obj, "__name__", "") in _GATHERS
+    if not (callable(obj) and module.startswith("torch.distributed") and getattr(obj, "__name__", "") in _GATHERS):
+        return None
+    return f"torch.distributed{'.nn' if module.startswith('torch.distributed.nn') else ''}.{obj.__name__}"
 
 
-def _gather_name(obj: Any) -> str:
-    return f"torch.distributed{'.nn' if obj.__module__.startswith('torch.distributed.nn') else ''}.{obj.__name__}"
+def _functional_metric(obj: Any) -> str | None:
+    """``"torchmetrics.functional.f1_score"`` for a function of ``torchmetrics.functional``, else ``None``."""
+    module = getattr(obj, "__module__", None) or ""
+    if not (isinstance(obj, types.FunctionType) and module.startswith("torchmetrics.functional")):
+        return None
+    return f"torchmetrics.functional.{obj.__name__}"
+
+
+_WANTED: dict[str, Wanted] = {"gather": _gather, "functional metric": _functional_metric}
 
 
 def _is_user_code(obj: Any) -> bool:
@@ -221,6 +237,27 @@ def _is_user_code(obj: Any) -> bool:
 
 def _name(obj: Any) -> str:
     return obj.__name__ if isinstance(obj, type) else obj.__qualname__
+
+
+_LOGGED_STEPS = ("training_step", "validation_step", "test_step")
+
+
+def functional_metrics(module: nn.Module) -> str | None:
+    """Where ``module``'s step calls a ``torchmetrics.functional`` metric (read once per class, never run)."""
+    what = _code_finding(type(module), _LOGGED_STEPS, "functional metric")
+    return None if what is None else f"`self` {what}"
+
+
+def functional_metric_message(strategy_name: str, finding: str) -> str:
+    """The notice for :func:`functional_metrics`' finding under ``parallel_criterion``, with a fix that equals one
+    device: the metric's object, whose logged value the strategy computes from the replicas' combined states."""
+    return (
+        f"{strategy_name}: {finding}. Each device computes it on its own shard, and a logged value of it merges as "
+        "a sample-weighted mean of the devices' values, which equals one device's only for a mean over samples (not "
+        "for F1, precision, recall, AUROC, a macro average). For one device's value, use the metric's object: "
+        "`self.f1 = torchmetrics.F1Score(...)` in `__init__`, then `self.log('f1', self.f1(preds, y))` or "
+        "`self.f1.update(preds, y); self.log('f1', self.f1)` in the step (its states are combined across the devices)."
+    )
 
 
 def distributed_gather_message(strategy_name: str, findings: Sequence[str]) -> str:
@@ -423,10 +460,6 @@ _BATCH_HOOKS = {
     "test_step": "on_test_batch",
     "predict_step": "on_predict_batch",
 }
-_ON_ROOT = (
-    "in `on_train_batch_end` / `on_validation_batch_end` (they run once, on the root, with the whole batch and the "
-    "gathered outputs)"
-)
 
 
 def held_objects_message(owner: str, changes: Sequence[HeldChange], replicas: int, hook: str = "training_step") -> str:
@@ -447,9 +480,13 @@ def held_objects_message(owner: str, changes: Sequence[HeldChange], replicas: in
             "`on_train_batch_start` / `on_train_batch_end`."
         )
     if all(c.collection for c in changes):
+        batch_end = f"{_BATCH_HOOKS.get(hook, 'on_train_batch')}_end"
         return (
-            f"{said}: {'they hold' if several else 'it holds'} one entry per device per step, in no fixed order. "
-            f"Collect step outputs {_ON_ROOT} or use a torchmetrics metric."
+            f"{said}: {'they hold' if several else 'it holds'} one entry per device per step (each of its shard), "
+            f"so a per-step value computed from {'them' if several else 'it'} (a mean of the step losses, a count) "
+            f"differs from one device's, while per-sample values concatenated in order do not. Collect step outputs "
+            f"in `{batch_end}(outputs, ...)`, which runs once, on the root, with the gathered outputs, or use a "
+            "torchmetrics metric."
         )
     return f"{said}: {_per_replica(several, replicas)} {_once_on_root(_BATCH_HOOKS.get(hook, 'on_train_batch'))}"
 

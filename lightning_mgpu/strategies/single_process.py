@@ -32,6 +32,8 @@ from lightning_mgpu.strategies.checks import (
     HeldObjects,
     distributed_gather_message,
     distributed_gathers,
+    functional_metric_message,
+    functional_metrics,
     held_objects_message,
 )
 from lightning_mgpu.strategies.lightning_replicas import LightningReplicas
@@ -308,8 +310,12 @@ class SingleProcessParallel:
         )
         for module in self._replicated_modules():
             say_split_sensitive_layers(module, self.strategy_name)
-        if self._STEP_PER_REPLICA and (found := distributed_gathers(self.lightning_module)):  # dp: the step runs once
+        if not self._STEP_PER_REPLICA:  # dp: the step runs once, on the whole batch
+            return
+        if found := distributed_gathers(self.lightning_module):
             self._warn_once("torch.distributed", distributed_gather_message(self.strategy_name, found))
+        if metric := functional_metrics(self.lightning_module):
+            self._warn_once("functional metric", functional_metric_message(self.strategy_name, metric))
 
     def _batchnorm_words(self) -> str:
         """What the set-up line says of BatchNorm layers, where the module has any."""

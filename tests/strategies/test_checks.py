@@ -27,8 +27,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import torchmetrics
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+from torchmetrics.functional.classification import multiclass_f1_score
 
 import lightning_mgpu
 from lightning_mgpu.strategies import checks
@@ -538,8 +540,8 @@ def test_the_message_for_lists_keeps_the_collect_on_the_root_fix():
     change = checks.HeldChange("_losses", "list", "4 entries more", "grew", True)
     message = held_objects_message("KeepsOutputs", [change], 2, "validation_step")
     assert message.startswith("`KeepsOutputs._losses` grew during a step that ran on 2 replicas (`_losses` (list): ")
-    assert "it holds one entry per device per step, in no fixed order" in message
-    assert "Collect step outputs in `on_train_batch_end` / `on_validation_batch_end`" in message
+    assert "it holds one entry per device per step (each of its shard)" in message
+    assert "Collect step outputs in `on_validation_batch_end(outputs, ...)`" in message
     assert "torchmetrics" in message
 
 
@@ -649,3 +651,39 @@ def test_a_dqn_stepping_its_environment_in_the_step_is_said_once_naming_env_and_
     assert len(said) == 1, said
     assert said[0].startswith("`DQNLike.env` changed and `DQNLike.buffer` grew during a step that ran on 2 replicas")
     assert "`on_train_batch_start`" in said[0]
+
+
+# --- torchmetrics.functional in a step ------------------------------------------------------------------------------
+class FunctionalF1(L.LightningModule):
+    """Macro F1 from ``torchmetrics.functional`` logged in the step (each device's value is its shard's), beside the
+    metric object's value (the fix the notice names)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.net = nn.Linear(8, 3)
+        self.f1 = torchmetrics.classification.MulticlassF1Score(3, average="macro")
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        logits = self.net(batch[0])
+        self.log("f1_functional", multiclass_f1_score(logits, batch[1], 3, average="macro"))
+        self.log("f1_object", self.f1(logits, batch[1]))
+
+
+@pytest.mark.parametrize("devices", [2, 3])
+def test_a_functional_metric_in_the_step_is_said_at_set_up_and_its_object_equals_one_device(devices):
+    x = torch.randn(46, 8, generator=torch.Generator().manual_seed(0))
+    data = DataLoader(TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long()), batch_size=10)
+    logged, said = {}, {}
+    for strategy, n in (("auto", 1), ("parallel_criterion", devices), ("dp", devices)):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            trainer = L.Trainer(accelerator="cpu", devices=n, strategy=strategy, precision="64-true", logger=False)
+            logged[strategy] = trainer.validate(FunctionalF1(), data, verbose=False)[0]
+        said[strategy] = [str(w.message) for w in seen if "torchmetrics.functional" in str(w.message)]
+    assert len(said["parallel_criterion"]) == 1 and said["auto"] == said["dp"] == []
+    message = said["parallel_criterion"][0]
+    assert "multiclass_f1_score through FunctionalF1.validation_step" in message and "torchmetrics.F1Score" in message
+    assert logged["parallel_criterion"]["f1_object"] == pytest.approx(logged["auto"]["f1_object"], abs=1e-12)
+    assert logged["dp"]["f1_functional"] == pytest.approx(logged["auto"]["f1_functional"], abs=1e-12)
+    assert abs(logged["parallel_criterion"]["f1_functional"] - logged["auto"]["f1_functional"]) > 1e-3  # the hazard
