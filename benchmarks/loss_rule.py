@@ -386,6 +386,10 @@ def markdown(report: dict[str, Any]) -> str:
     lines += [
         "",
         "Issue 33's baseline: parallel_criterion 2.3x, dp 1.3x the default; target parallel_criterion <= 1.3x.",
+    ]
+    if not bert["timings"]:  # --parts mlp
+        return "\n".join(lines) + "\n"
+    lines += [
         "",
         "## 2. The loss rule per step: BERT pre-training's loss",
         "",
