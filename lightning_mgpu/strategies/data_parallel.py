@@ -144,7 +144,8 @@ class DataParallelStrategyBase(SingleProcessParallel):
                 f"unreplicated:{hook}",
                 f"dp: `{hook}` ran on one device: it never called the replicated forward of {names} (`self(...)` for "
                 "the LightningModule; `self.model(...)` bypasses it). Call `self(...)` and have `forward` call the "
-                "model, or pass DataParallelStrategy(parallel_modules=['model']).",
+                "model, or pass DataParallelStrategy(parallel_modules=[...]) naming the submodules the step calls "
+                f"(this module's, with parameters: {', '.join(map(repr, _submodules(self.lightning_module)))}).",
             )
         return output
 
@@ -237,6 +238,12 @@ def _restore_forward(target: nn.Module) -> None:
     current = target.__dict__.pop("forward", None)
     if isinstance(current, ParallelForward) and current.replica_value is not None:
         target.__dict__["forward"] = current.replica_value
+
+
+def _submodules(module: nn.Module) -> list[str]:
+    """The names of ``module``'s children that hold parameters (the ones a step is likely to call), for a message."""
+    named = [name for name, child in module.named_children() if any(True for _ in child.parameters())]
+    return named or ["model"]
 
 
 def _checked_module_names(names: Sequence[str] | None) -> list[str]:
