@@ -449,6 +449,12 @@ class SingleProcessParallel:
         replicas = self._replicas.of(module, self.parallel_devices)
         count = len(sample_counts)
         self._replicated_on = replicas.devices[:count]
+        if count < len(self.parallel_devices) and "fewer samples than devices" not in self._announced:
+            self._announced.add("fewer samples than devices")  # said once: BoringModel's batches of 1 sample
+            self._log(
+                f"{self.strategy_name}: a batch of {sum(sample_counts)} sample(s) ran on {count} of the "
+                f"{len(self.parallel_devices)} devices (at least one sample per device); the others had nothing to do."
+            )
         # Accumulating: replicas keep their gradients until the last backward pass, unless something reads them between.
         root = self.lightning_module
         replica_set = replicas.replica_set

@@ -687,3 +687,18 @@ def test_a_functional_metric_in_the_step_is_said_at_set_up_and_its_object_equals
     assert logged["parallel_criterion"]["f1_object"] == pytest.approx(logged["auto"]["f1_object"], abs=1e-12)
     assert logged["dp"]["f1_functional"] == pytest.approx(logged["auto"]["f1_functional"], abs=1e-12)
     assert abs(logged["parallel_criterion"]["f1_functional"] - logged["auto"]["f1_functional"]) > 1e-3  # the hazard
+
+
+@pytest.mark.parametrize("strategy", ["parallel_criterion"])
+def test_a_batch_smaller_than_the_device_count_is_said_once(strategy, caplog):
+    """Lightning's BoringModel loads batches of 1 sample: on 3 devices one replica runs; said once, as information."""
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    trainer = L.Trainer(accelerator="cpu", devices=3, strategy=strategy, max_steps=3, logger=False)
+    with caplog.at_level("INFO"):
+        trainer.fit(BoringModel(), DataLoader(torch.randn(8, 32), batch_size=1), [])
+    said = [r.getMessage() for r in caplog.records if "ran on 1 of the 3 devices" in r.getMessage()]
+    assert said == [
+        f"{strategy}: a batch of 1 sample(s) ran on 1 of the 3 devices (at least one sample per device); "
+        "the others had nothing to do."
+    ]
