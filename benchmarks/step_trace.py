@@ -316,14 +316,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.batch_index < 1:
         parser.error("--batch-index must be >= 1 (the period window starts at the previous batch)")
     torch.set_num_threads(1)
-    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    lightning_logger = logging.getLogger("lightning.pytorch")
+    level = lightning_logger.level
+    lightning_logger.setLevel(logging.WARNING)  # quiet runs; restored after (main() also runs inside the tests)
     start = time.perf_counter()
     traces = {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for strategy in args.strategies:
-            for window in args.windows:
-                traces[f"{strategy}/{window}"] = trace_step(strategy, window, args)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for strategy in args.strategies:
+                for window in args.windows:
+                    traces[f"{strategy}/{window}"] = trace_step(strategy, window, args)
+    finally:
+        lightning_logger.setLevel(level)
     report = {
         "command": "OMP_NUM_THREADS={} python benchmarks/step_trace.py{}".format(
             os.environ.get("OMP_NUM_THREADS", "<unset>"),
