@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import operator
 import re
 from collections.abc import Mapping
 from functools import partial
@@ -101,6 +102,7 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         self._readable: dict[int, bool] = {}  # per module: whether evaluation reads its loss calls
         self._shards: tuple[list[int], list[Any] | None] = ([], None)  # the step's sample counts and declared weights
         self._records: dict[tuple[int, int], tuple[Any, Any]] = {}  # this step's read losses, see _read
+        self._combined: tuple[list[Tensor], Tensor] | None = None  # this step's training losses and their combination
 
     # --- the step ----------------------------------------------------------------------------------------------------
     @override
@@ -108,6 +110,7 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         module = self.lightning_module
         evaluating, calls = False, []
         self._records.clear()
+        self._combined = None
         with self._step_context(hook):
             chunks, sizes = self._split_batch(args)
             if chunks is None:
@@ -172,6 +175,9 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
                 f"loss_reduction={self.loss_reduction!r} says; the devices' losses are combined accordingly.",
             )
             return combine_losses(losses, weights, self.root_device)
+        done = self._combined
+        if done is not None and len(done[0]) == len(losses) and all(map(operator.is_, done[0], losses)):
+            return done[1]  # combined already for its logged copy, in this step
         records = [self._read(loss, size) for loss, size in zip(losses, sizes, strict=True)]
         combined = combine_losses_by_record(
             losses, records, sizes, self.root_device, memory=self._settled, gathered=collectives.gathered_in_call()
@@ -179,9 +185,12 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         self._say_read_rule(losses, records, sizes, combined)
         if combined is None:
             self.loss_counts = None
-            return combine_losses(losses, SAMPLES.weights([], sizes), self.root_device)
-        self.loss_counts = combined.totals(self.root_device)
-        return combined.loss
+            result = combine_losses(losses, SAMPLES.weights([], sizes), self.root_device)
+        else:
+            self.loss_counts = combined.totals(self.root_device)
+            result = combined.loss
+        self._combined = (list(losses), result)
+        return result
 
     def _say_read_rule(
         self, losses: list[Tensor], records: list[Any], sizes: list[int], combined: Combined | None
@@ -272,6 +281,8 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
             copies = all(same_tensor(v, r) for v, r in zip(values, returned, strict=True))
             if weights is not None and copies:
                 return combine_losses([v.detach() for v in values], weights, self.root_device)
+            if copies and hook == "training_step":  # the training loss itself: combined once, for both
+                return self._combine(sizes, None, returned).detach()
             sources = returned if copies else values  # a detached copy merges as the loss it copies
             combined = self._by_record(hook, sources, sizes, calls)
             return None if combined is None else combined.detach()
