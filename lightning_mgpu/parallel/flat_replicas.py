@@ -319,10 +319,11 @@ class ReplicaParameters:
             if self._dense is not None and leaves[self._dense].grad is not self._first_grads[i]:
                 raise RuntimeError(
                     "A backward pass replaced the gradient tensors of replica parameters instead of accumulating into "
-                    "them (create_graph=True does that). Replicas with their own parameters (threads, or devices "
-                    "other than the parameters' own) cannot reduce such gradients: run the replicas with "
-                    "execution_mode='sequential' on the parameters' device, or compute higher-order gradients without "
-                    "create_graph through the replicas."
+                    "them (backward(create_graph=True) does that). Replicas hold their own parameters and reduce "
+                    "their gradients from flat buffers, so they cannot reduce such gradients. Take higher-order "
+                    "gradients with torch.autograd.grad(..., create_graph=True), which leaves .grad alone (a gradient "
+                    "penalty), or, in plain PyTorch, replicate per call with lightning_mgpu.replicate(model, devices), "
+                    "whose replicas are linked to the originals."
                 )
 
     def reduce(self, run_hooks: bool = True, only_trainable: bool = False) -> None:

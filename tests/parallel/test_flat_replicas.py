@@ -828,3 +828,26 @@ def test_mark_stale_copies_values_written_through_data_into_the_replicas():
     replica_set.mark_stale()
     replica_set.prepare(3, "sequential")
     assert all(torch.equal(r.running_mean, torch.tensor([5.0, 6.0])) for r in replica_set.replicas)
+
+
+@pytest.mark.parametrize("mode", ["sequential", "threads"])
+def test_a_gradient_penalty_through_the_replicas_equals_one_device(mode):
+    """WGAN-GP's ``autograd.grad(critic(x).sum(), x, create_graph=True)``: it leaves ``.grad`` alone, so replicas that
+    own their parameters reduce the penalty's gradient as any other."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+    reference = copy.deepcopy(net)
+    x = torch.randn(6, 4, dtype=torch.float64)
+
+    def loss(out: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+        (grad,) = torch.autograd.grad(out.sum(), inputs, create_graph=True)
+        return out.mean() + ((grad.norm(dim=1) - 1) ** 2).mean()
+
+    inputs = x.clone().requires_grad_(True)
+    loss(reference(inputs), inputs).backward()
+    inputs = x.clone().requires_grad_(True)
+    loss(torch.cat(DataParallelModel(net, CPU3, execution_mode=mode)(inputs)), inputs).backward()
+    for p, q in zip(net.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-12)
+    with pytest.raises(RuntimeError, match=r"create_graph=True.*torch\.autograd\.grad.*lightning_mgpu\.replicate"):
+        torch.cat(DataParallelModel(net, CPU3, execution_mode=mode)(x)).sum().backward(create_graph=True)
