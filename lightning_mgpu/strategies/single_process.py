@@ -552,13 +552,16 @@ class SingleProcessParallel:
                     "the replicas ran interleaved (they hand over at SyncBatchNorm layers or collectives), so a "
                     "replica may have read another's entry, another shard's tensor, in its step"
                     if self._interleaved
-                    else "after the step it holds the last replica's entries (one shard)"
+                    else "after the step it holds the last replica's entries (one shard's, where they are computed "
+                    "from the shard)"
                 )
                 fix = (
                     "Keep such values per replica: from a forward hook, set them on the hooked module, the hook's "
                     "first argument (`lambda module, args, output: setattr(module, 'features', output)`, read as "
                     "`self.<layer>.features`), or return them from `forward`; step outputs: return them and collect "
-                    f"them {_ON_ROOT}"
+                    f"them {_ON_ROOT}. A cache of values alike on every replica (a memo of positions) is unaffected on "
+                    "one device's virtual replicas, but on distinct GPUs an entry may lie on another replica's "
+                    "device: key it by device, or hold it as a buffer (`register_buffer(..., persistent=False)`)"
                 )
             else:
                 consequence = "the step reads the last replica's entries: one shard's, not the whole batch's"
