@@ -6,6 +6,7 @@ the replicas meet where one device would touch the shared optimizer state.
 - ``opt.step()`` (of ``self.optimizers()``): the optimizer steps once, on the root, after every replica arrived; the
   replicas' copies are synced before any of them goes on.
 - ``clip_gradients``: replica 0 alone clips the originals' gradients (before the step, which waits for it).
+- ``self.lr_schedulers()``: the schedulers, stepped by replica 0 alone.
 - ``toggle_optimizer`` / ``untoggle_optimizer``: replica 0 alone sets ``requires_grad`` on the original parameters (the
   others would record each other's toggled state); a gradient reaches only parameters left trainable, as on one device.
 
@@ -90,10 +91,35 @@ def replica_overrides(module: Any, replica: ReplicaContext | None, after_step: C
                 wrapped[id(optimizer)] = ReplicaOptimizer(optimizer, after_step, first)
         return [wrapped[id(o)] for o in found] if many else wrapped[id(found)]
 
+    def lr_schedulers() -> Any:
+        found = module.lr_schedulers()
+        if found is None:
+            return None
+        many = isinstance(found, list)
+        schedulers = [_FirstSteps(s, first) for s in (found if many else [found])]
+        return schedulers if many else schedulers[0]
+
     return {
         "optimizers": optimizers,
+        "lr_schedulers": lr_schedulers,
         **{name: _on_first(first, getattr(module, name)) for name in _ONCE},
     }
+
+
+class _FirstSteps:
+    """What ``self.lr_schedulers()`` returns on a replica: the scheduler, stepped by replica 0 alone (every replica
+    would step it once per step, where one device steps it once)."""
+
+    def __init__(self, scheduler: Any, first: bool) -> None:
+        self._scheduler = scheduler
+        self._first = first
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        if self._first:
+            self._scheduler.step(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._scheduler, name)
 
 
 _ONCE = ("toggle_optimizer", "untoggle_optimizer", "clip_gradients")  # they act on the originals: once, by replica 0

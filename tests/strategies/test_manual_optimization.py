@@ -33,11 +33,11 @@ def models(namespace: str = "lightning.pytorch") -> SimpleNamespace:
         """Lightning's ``generative_adversarial_net`` example, made tiny: a generator with BatchNorm, a discriminator,
         binary cross-entropy, the generator and the discriminator stepped in turn."""
 
-        def __init__(self, clip: bool = False, norm: bool = True) -> None:
+        def __init__(self, clip: bool = False, norm: bool = True, schedule: bool = False) -> None:
             super().__init__()
             torch.manual_seed(0)
             self.automatic_optimization = False
-            self.clip = clip
+            self.clip, self.schedule = clip, schedule
             self.generator = nn.Sequential(
                 nn.Linear(LATENT, 8),
                 nn.BatchNorm1d(8) if norm else nn.Identity(),
@@ -78,11 +78,18 @@ def models(namespace: str = "lightning.pytorch") -> SimpleNamespace:
             opt_d.step()
             opt_d.zero_grad()
             self.untoggle_optimizer(opt_d)
+            if self.schedule:  # manual optimization steps its schedulers itself, as Lightning documents
+                for scheduler in self.lr_schedulers():
+                    scheduler.step()
+                self.log("lr_g", opt_g.param_groups[0]["lr"])
 
         def configure_optimizers(self) -> Any:
             opt_g = torch.optim.Adam(self.generator.parameters(), lr=0.01, betas=(0.5, 0.999))
             opt_d = torch.optim.Adam(self.discriminator.parameters(), lr=0.01, betas=(0.5, 0.999))
-            return [opt_g, opt_d], []
+            if not self.schedule:
+                return [opt_g, opt_d], []
+            decay = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.8) for o in (opt_g, opt_d)]
+            return [opt_g, opt_d], decay
 
     return SimpleNamespace(L=L, GAN=GAN)
 
@@ -133,6 +140,13 @@ def test_a_two_optimizer_gan_equals_one_device(strategy, devices):
 @pytest.mark.parametrize("namespace", NAMESPACES)
 def test_gradient_clipping_between_backward_and_step_equals_one_device(namespace):
     assert_equal_to_one_device("parallel_criterion", 3, namespace, clip=True)
+
+
+@pytest.mark.parametrize("devices", [2, 3])
+def test_schedulers_stepped_in_the_step_step_once_as_on_one_device(devices):
+    """Manual optimization steps its schedulers in the step: once per step, not once per replica."""
+    trainer = assert_equal_to_one_device("parallel_criterion", devices, schedule=True)
+    assert float(trainer.callback_metrics["lr_g"]) == pytest.approx(0.01 * 0.8**10, rel=1e-12)
 
 
 def test_sequential_execution_is_overridden_so_that_the_replicas_meet():
