@@ -8,7 +8,7 @@ import operator
 import threading
 import types
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
 import torch
@@ -406,14 +406,7 @@ class ReplicaSet:
         """Rebind on the original module what replica 0's root module rebound in its step since ``before`` (a copy of
         its ``__dict__``): the original stands for replica 0, as DDP's rank 0 does; the next :meth:`prepare` hands
         the values to every replica. Returns them (per-replica ``overrides`` are never taken)."""
-        current = self._copies[0][0].__dict__
-        if len(current) == len(before) and all(map(operator.is_, current.values(), before.values())):
-            return {}  # the common case, checked at C speed
-        rebound = {
-            name: value
-            for name, value in current.items()
-            if name not in self._overrides and value is not before.get(name, _MISSING)
-        }
+        rebound = rebound_attributes(self._copies[0][0], before, self._overrides)
         self.module.__dict__.update(rebound)
         return rebound
 
@@ -554,6 +547,17 @@ def _to_device_coalesced(tensors: Sequence[Tensor], device: torch.device) -> lis
 
 _UNWATCHED = (None,) * 8
 _MISSING = object()
+
+
+def rebound_attributes(module: nn.Module, before: dict[str, Any], skip: Collection[str] = ()) -> dict[str, Any]:
+    """The attributes ``module`` rebound since ``before`` (a copy of its ``__dict__``), with their new values, but
+    those in ``skip``."""
+    current = module.__dict__
+    if len(current) == len(before) and all(map(operator.is_, current.values(), before.values())):
+        return {}  # the common case, checked at C speed
+    return {n: v for n, v in current.items() if n not in skip and v is not before.get(n, _MISSING)}
+
+
 _NOT_OPAQUE = (type, Mapping, list, tuple, torch.dtype, torch.device, nn.Module)  # opened, tensorless, or a model
 
 

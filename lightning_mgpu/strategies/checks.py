@@ -352,14 +352,16 @@ def _lightning_attributes(cls: type) -> frozenset[str]:
     return frozenset()
 
 
-_ENTRIES_READ = 1024  # a larger dict (a vocabulary, a cache) is compared by its length alone: the check stays cheap
+ENTRIES_READ = 1024
+"""The most entries of a container the module holds that a check reads: a larger one (a vocabulary, a cache) is
+compared by its length alone, so that the first steps' checks stay cheap."""
 
 
 def _state(value: Any) -> Any:
     """What :func:`_compare` compares: a collection's size (a sequence's last entry, a dict's collections' sizes), or
     an object's attributes and the sizes of its collections."""
     if isinstance(value, dict):
-        if len(value) > _ENTRIES_READ:
+        if len(value) > ENTRIES_READ:
             return len(value), None, {}
         return len(value), {k: _size(v) for k, v in value.items() if isinstance(v, _CONTAINERS)}, dict(value)
     if isinstance(value, _CONTAINERS):
@@ -413,7 +415,7 @@ def _dict_changes(
         for key, entry in (value.items() if sizes is not None else ())  # only the dicts whose entries were read
         if isinstance(entry, _CONTAINERS) and (detail := _size_change(sizes.get(key, (0, _MISSING)), _size(entry)))
     ]
-    new = list(itertools.islice(value.values(), length, length + _ENTRIES_READ))
+    new = list(itertools.islice(value.values(), length, length + ENTRIES_READ))
     if not changes and new and not any(_holds_tensors(v) or isinstance(v, (bool, type(None))) for v in new):
         changes.append(HeldChange(path, type(value).__name__, f"{_entries(len(new))} more", "grew", True))
     rebound = [repr(k) for k, old in entries.items() if k in value and _rebound_entry(old, value[k])]

@@ -25,6 +25,7 @@ from torchmetrics.utilities.data import dim_zero_cat, dim_zero_mean
 
 from lightning_mgpu.parallel.replicas import ReplicaSet
 from lightning_mgpu.parallel.run_replicas import ExecutionMode, run_replicas
+from lightning_mgpu.strategies.checks import ENTRIES_READ
 from lightning_mgpu.strategies.replica_logging import LogRecorder, LossCopy, merge_and_log, merge_scalars
 
 if TYPE_CHECKING:
@@ -125,11 +126,11 @@ def _outermost_metrics(module: nn.Module, prefix: str = "") -> list[tuple[str, M
 
 # --- metrics held in plain containers --------------------------------------------------------------------------------
 _CONTAINER_DEPTH = 3  # dicts, lists and tuples searched this deep: {"train": {"f1": F1Score()}}
-_CONTAINER_SIZE = 1024  # and up to this many entries each: a vocabulary or a cache the module holds is no metric holder
 
 
 def _is_container(value: Any) -> bool:
-    return (isinstance(value, (dict, list)) or type(value) is tuple) and len(value) <= _CONTAINER_SIZE
+    """A dict, list or tuple that may hold metrics (a larger one, a vocabulary or a cache, is not searched)."""
+    return (isinstance(value, (dict, list)) or type(value) is tuple) and len(value) <= ENTRIES_READ
 
 
 def _items(container: Any) -> Any:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import operator
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -24,11 +23,12 @@ from typing_extensions import override
 from lightning_mgpu.parallel import collectives, sync_batchnorm
 from lightning_mgpu.parallel.modules import say_split_sensitive_layers
 from lightning_mgpu.parallel.replica_group import TAKE_TURNS, current_replica
-from lightning_mgpu.parallel.replicas import SYNC_BATCHNORM_THREADS, ReplicaCache
+from lightning_mgpu.parallel.replicas import SYNC_BATCHNORM_THREADS, ReplicaCache, rebound_attributes
 from lightning_mgpu.parallel.run_replicas import EXECUTION_MODES, ExecutionMode, add_note, resolve_mode
 from lightning_mgpu.parallel.scatter_gather import shared_state, split_or_run_once
 from lightning_mgpu.strategies import manual_optimization
 from lightning_mgpu.strategies.checks import (
+    ENTRIES_READ,
     HeldObjects,
     distributed_gather_message,
     distributed_gathers,
@@ -59,7 +59,6 @@ _ON_ROOT = (
 )
 
 
-_ENTRIES_READ = 1024
 _MODULE_REGISTRIES = frozenset(vars(nn.Module()))  # nn.Module's own dicts: parameters, buffers, hooks...
 _BATCH_END = {"training_step": "on_train_batch_end", "validation_step": "on_validation_batch_end"}
 
@@ -81,7 +80,7 @@ def _dict_entries(places: Sequence[tuple[nn.Module, str, str]]) -> dict[tuple[st
     entries = {}
     for module, name, path in places:
         held = vars(module).get(name) or {}
-        if len(held) > _ENTRIES_READ:  # a vocabulary or a cache: not a forward hook's few feature maps
+        if len(held) > ENTRIES_READ:  # a vocabulary or a cache: not a forward hook's few feature maps
             continue
         for key, value in held.items():
             if isinstance(value, Tensor) or (
@@ -119,14 +118,6 @@ def _check_scheduler_steps(root: Any, before: list[tuple[str, Any]], count: int,
             "it (configure_optimizers returning {'optimizer': ..., 'lr_scheduler': {'scheduler': ..., 'interval': "
             "'step'}})."
         )
-
-
-def _rebound(replica: nn.Module, before: dict[str, Any]) -> dict[str, Any]:
-    """The attributes ``replica`` rebound since ``before`` (a copy of its ``__dict__``), with their new values."""
-    current = replica.__dict__
-    if len(current) == len(before) and all(map(operator.is_, current.values(), before.values())):
-        return {}  # the common case, checked at C speed
-    return {name: value for name, value in current.items() if value is not before.get(name, _MISSING)}
 
 
 def _alike(a: Any, b: Any) -> bool:
@@ -505,7 +496,10 @@ class SingleProcessParallel:
                 module,
                 held,
                 kept,
-                [_rebound(r, b) for r, b in zip(replicas.replica_set.replicas[1:], snapshots[1:], strict=False)],
+                [
+                    rebound_attributes(r, b)
+                    for r, b in zip(replicas.replica_set.replicas[1:], snapshots[1:], strict=False)
+                ],
             )
             self._say_shared_entries(root, dicts, entries)
         replicas.merge_into(root, sample_counts, loss_copy(outputs) if loss_copy is not None else None)
