@@ -464,7 +464,6 @@ class ReplicaSet:
         self._flat, self._buffers = None, ReplicaBuffers([], [], [])
 
 
-_version = operator.attrgetter("_version")
 _runs: tuple[weakref.ref[_Run], ...] = ()  # in progress (replica sets may nest, or run in threads)
 _runs_lock = threading.RLock()  # re-entered by _forget when the collector drops a run inside a locked section
 _hook: list[Any] = []  # torch's buffer registration hook, installed while runs are in progress

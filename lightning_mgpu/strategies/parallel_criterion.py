@@ -107,10 +107,16 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
     # --- the step ----------------------------------------------------------------------------------------------------
     @override
     def _run_step(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        try:
+            return self._step(hook, args, kwargs)
+        finally:  # what the step read and combined holds its graphs: not kept past it
+            self._records.clear()
+            self._combined = None
+
+    def _step(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """One replicated step: split, run, combine the losses, merge the outputs."""
         module = self.lightning_module
         evaluating, calls = False, []
-        self._records.clear()
-        self._combined = None
         with self._step_context(hook):
             chunks, sizes = self._split_batch(args)
             if chunks is None:
