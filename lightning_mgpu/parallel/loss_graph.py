@@ -42,6 +42,7 @@ _SCALINGS = frozenset({"MulBackward0", "MulBackward1", "DivBackward0", "DivBackw
 _ONCE = " of the parameters"  # a reduction that may read the parameters alone
 _SUMS = frozenset({"SumBackward0", "SumBackward1"})
 _REDUCTION = {1: "mean", 2: "sum"}  # torch's Reduction enum as saved (0: none)
+_NLL = frozenset({"NllLossBackward0", "NllLoss2DBackward0"})
 
 
 def _signed(value: int) -> int:
@@ -58,9 +59,13 @@ def count_targets(target: Tensor, weight: Tensor | None, ignore_index: int) -> T
 
 def _nll(node: Node) -> tuple[Tensor, Callable[[], Tensor]]:
     target, weight, ignore = node._saved_target, node._saved_weight, _signed(node._saved_ignore_index)
-    count = count_targets(target, weight, ignore)  # not the saved total weight: it has the input's dtype (bf16 rounds)
+    inputs = node._saved_self
+    # The saved total weight is what the mean divided by, in the input's dtype: exact in float32 and float64 (no
+    # operation to count), rounded in half precision (bf16 reads 2736 for 2731): there, counted from the targets.
+    exact = inputs.dtype in (torch.float32, torch.float64) and node._saved_reduction == 1
+    count = node._saved_total_weight if exact else count_targets(target, weight, ignore)
     reduction = _REDUCTION[node._saved_reduction]
-    return count, lambda: F.nll_loss(node._saved_self, target, weight, ignore_index=ignore, reduction=reduction)
+    return count, lambda: F.nll_loss(inputs, target, weight, ignore_index=ignore, reduction=reduction)
 
 
 def _elementwise(function: Callable[..., Tensor], *options: str) -> Callable[[Node], tuple[int, Any]]:
@@ -342,12 +347,12 @@ class Combined:
     loss: Tensor
     weights: list[list[Any]]
 
-    def totals(self, root: torch.device) -> tuple[Tensor | None, ...]:
-        """Per term, the whole batch's count (``None`` for a sum)."""
-        return tuple(
-            None if any(w is None for w in term) else stack_scalars(term, root, torch.float64).sum()
-            for term in self.weights
-        )
+
+def term_totals(weights: list[list[Any]], root: torch.device) -> tuple[Tensor | None, ...]:
+    """Per term, the whole batch's count (``None`` for a sum), from each shard's weight (:attr:`Combined.weights`)."""
+    return tuple(
+        None if any(w is None for w in term) else stack_scalars(term, root, torch.float64).sum() for term in weights
+    )
 
 
 def combine_losses_by_record(
@@ -375,6 +380,8 @@ def combine_losses_by_record(
         _whole_batch_sums_once(records, losses, weights)
     dtype = torch.promote_types(losses[0].dtype, torch.float32)
     stacked = _on(losses, root, dtype)
+    if len(weights) == 1 and all(r.terms[0].coefficient == 1 for r in records) and _mean_safe(records[0], weights[0]):
+        return Combined(_one_mean(stacked, weights[0], root, dtype), weights)  # the common case, in few operations
     shares = _shares(weights, records, sample_counts, root, dtype, memory)  # (terms, shards)
     if scale_gradients:
         _leave_out_empty_shards(records, weights, shares)
@@ -394,20 +401,47 @@ def combine_losses_by_record(
     return Combined(total.detach() + _GradientOnly.apply(stacked.sum()), weights)
 
 
+def _mean_safe(record: LossRecord, counts: list[Any]) -> bool:
+    """Whether a one-term loss combines as a plain weighted mean: a sum, numbers, or ``nll_loss``'s counts without
+    class weights (an empty shard's NaN gradient is no concern there, see :func:`_leave_out_empty_shards`)."""
+    term = record.terms[0]
+    plain = not any(isinstance(c, Tensor) for c in counts)
+    return plain or (term.name in _NLL and term.node._saved_weight is None)
+
+
+def _one_mean(losses: Tensor, counts: list[Any], root: torch.device, dtype: torch.dtype) -> Tensor:
+    """One term's whole-batch value: ``sum(count_i * loss_i) / sum(count_i)`` (a sum where ``counts`` are
+    ``None``); a shard that counts nothing (its mean is NaN) takes no part."""
+    if any(c is None for c in counts):
+        return losses.sum()
+    if not any(isinstance(c, Tensor) for c in counts):
+        total = float(sum(counts))
+        shares = [c / total for c in counts]
+        if all(shares):
+            return torch.dot(losses, torch.tensor(shares, dtype=dtype, device=root))
+    weights = _on(counts, root, dtype)
+    return torch.dot(torch.where(weights > 0, losses, 0), weights) / weights.sum()
+
+
 def _leave_out_empty_shards(records: Sequence[LossRecord], weights: list[list[Any]], shares: Tensor) -> None:
-    """A shard whose count is 0 (no target in its part of a token mean: 0/0) takes no part in backward: a gradient of
-    0 times its NaN would poison the parameters, which one device never sees. Counts on a device are read once
-    (one host sync, only where a count is a tensor: sample counts cannot be 0)."""
-    if not any(isinstance(w, Tensor) for term in weights for w in term):
-        return
-    for t, term_alive in enumerate((shares > 0).tolist()):
-        for record, alive in zip(records, term_alive, strict=True):
-            if not alive:
-                record.terms[t].node.register_prehook(_no_gradient)
+    """A shard whose count is 0 (no target in its part of a token mean: 0/0) takes no part in backward: its term's
+    node divides a gradient of 0 by that 0, and the NaN would poison the parameters, which one device never sees. The
+    node's gradients are replaced by 0 there, in backward: no host sync. (``nll_loss`` without class weights writes
+    no gradient for ignored targets: it needs none.)"""
+    for t, term in enumerate(weights):
+        if not any(isinstance(w, Tensor) for w in term) or (
+            records[0].terms[t].name in _NLL and records[0].terms[t].node._saved_weight is None
+        ):
+            continue
+        for record, share in zip(records, shares[t].unbind(), strict=True):
+            record.terms[t].node.register_hook(_zero_where_empty(share))
 
 
-def _no_gradient(grad_outputs: tuple[Tensor | None, ...]) -> tuple[None, ...]:
-    return (None,) * len(grad_outputs)
+def _zero_where_empty(share: Tensor) -> Callable[[tuple[Tensor | None, ...], Any], tuple[Tensor | None, ...]]:
+    def hook(grad_inputs: tuple[Tensor | None, ...], _: Any) -> tuple[Tensor | None, ...]:
+        return tuple(None if g is None else torch.where(share.to(g.device) > 0, g, 0) for g in grad_inputs)
+
+    return hook
 
 
 def _once_where_alike(records: Sequence[LossRecord], losses: Sequence[Tensor], weights: list[list[Any]]) -> None:
@@ -466,9 +500,14 @@ class _GradientOnly(torch.autograd.Function):
 
 
 def _on(values: Sequence[Any], root: torch.device, dtype: torch.dtype) -> Tensor:
-    """Numbers and one-element tensors as one 1-D tensor on ``root``: one stack, one copy per device met."""
-    tensors = [torch.as_tensor(v).reshape(()) for v in values]
-    return torch.stack([t if t.device == root else t.to(root) for t in tensors]).to(dtype)
+    """Numbers and one-element tensors as one 1-D tensor on ``root`` in ``dtype``: one operation where they are
+    numbers, or scalars on ``root`` already (a copy per other device met)."""
+    if not any(isinstance(v, Tensor) for v in values):
+        return torch.tensor(values, dtype=dtype, device=root)
+    tensors = [torch.as_tensor(v, device=root) for v in values]
+    if any(t.device != root or t.dim() != 0 for t in tensors):
+        tensors = [t.to(root).reshape(()) for t in tensors]
+    return torch.stack(tensors).to(dtype)
 
 
 def _weighted(values: Tensor, shares: Tensor) -> Tensor:
@@ -495,9 +534,8 @@ def _shares(
     """Each term's (rows) share of each shard (columns): its count over the term's total (1 in a sum), times the
     whole batch's multiplier over the shard's where the term is multiplied by a count (``criterion(...) * len(y)``:
     one device multiplies by the whole batch's)."""
-    counts = _on([1 if w is None else w for term in weights for w in term], root, dtype).view(len(weights), -1)
-    sums = torch.tensor([any(w is None for w in term) for term in weights], device=root)[:, None]
-    shares = torch.where(sums, counts, torch.where(counts > 0, counts / counts.sum(1, keepdim=True), 0))
+    rows = [_term_shares(term, root, dtype) for term in weights]
+    shares = rows[0][None] if len(rows) == 1 else torch.stack(rows)
     for t in range(len(weights)):
         coefficients = [record.terms[t].coefficient for record in records]
         if any(isinstance(c, Tensor) or c != 1 for c in coefficients):  # each shard's number: settled by value
@@ -505,6 +543,17 @@ def _shares(
             summed = any(w is None for w in weights[t])
             shares[t] = _by_multiplier(shares[t], coefficients, sample_counts, memory, key, summed)
     return shares
+
+
+def _term_shares(weights: list[Any], root: torch.device, dtype: torch.dtype) -> Tensor:
+    """One term's share of each shard: its count over the term's total (0 where it counts nothing), 1 in a sum."""
+    if any(w is None for w in weights):
+        return torch.ones(len(weights), dtype=dtype, device=root)
+    if not any(isinstance(w, Tensor) for w in weights):
+        total = float(sum(weights))
+        return torch.tensor([w / total if w > 0 else 0.0 for w in weights], dtype=dtype, device=root)
+    counts = _on(weights, root, dtype)
+    return torch.nan_to_num(counts / counts.sum(), nan=0.0)  # counts are >= 0: NaN only where all are 0
 
 
 def _by_multiplier(

@@ -23,6 +23,7 @@ from lightning_mgpu.parallel.loss_graph import (
     combine_losses_by_record,
     coupling,
     read_loss,
+    term_totals,
 )
 from lightning_mgpu.parallel.merge import merge_outputs
 from lightning_mgpu.parallel.run_replicas import ExecutionMode
@@ -94,15 +95,19 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
             sync_batchnorm,
         )
         self.collectives = collectives
-        #: Per term of the last training step's loss, the whole batch's count (``None`` for a sum term); ``None`` when
-        #: the rule did not come from the loss's autograd record.
-        self.loss_counts: tuple[Tensor | None, ...] | None = None
+        self._read_weights: list[list[Any]] | None = None  # per term, each shard's weight in the last training step
         self._read_as: tuple[str, ...] | None = None  # the record's shape the rule was last said for
         self._counted: tuple[str, str] | None = None  # a read training rule other than a per-sample mean, its spec
         self._readable: dict[int, bool] = {}  # per module: whether evaluation reads its loss calls
         self._shards: tuple[list[int], list[Any] | None] = ([], None)  # the step's sample counts and declared weights
         self._records: dict[tuple[int, int], tuple[Any, Any]] = {}  # this step's read losses, see _read
         self._combined: tuple[list[Tensor], Tensor] | None = None  # this step's training losses and their combination
+
+    @property
+    def loss_counts(self) -> tuple[Tensor | None, ...] | None:
+        """Per term of the last training step's loss, the whole batch's count (``None`` for a sum term); ``None`` when
+        the rule did not come from the loss's autograd record. Counted when asked, not at every step."""
+        return None if self._read_weights is None else term_totals(self._read_weights, self.root_device)
 
     # --- the step ----------------------------------------------------------------------------------------------------
     @override
@@ -174,7 +179,7 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
     def _combine(self, sizes: list[int], weights: list[Any] | None, losses: list[Tensor]) -> Tensor:
         """The training losses on the root: by the declared rule, else by their autograd record, else per sample."""
         if weights is not None:
-            self.loss_counts = None
+            self._read_weights = None
             self._say_once(
                 "rule",
                 f"{self.strategy_name}: the training loss is {self.normalization.describe()}, as the declared "
@@ -189,11 +194,10 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
             losses, records, sizes, self.root_device, memory=self._settled, gathered=collectives.gathered_in_call()
         )
         self._say_read_rule(losses, records, sizes, combined)
+        self._read_weights = None if combined is None else combined.weights  # numbers and counts, no graph
         if combined is None:
-            self.loss_counts = None
             result = combine_losses(losses, SAMPLES.weights([], sizes), self.root_device)
         else:
-            self.loss_counts = combined.totals(self.root_device)
             result = combined.loss
         self._combined = (list(losses), result)
         return result
