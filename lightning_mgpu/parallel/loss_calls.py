@@ -170,6 +170,7 @@ def once_per_shard_alike(records: list[LossRecord]) -> None:
             if all(torch.equal(values[0], value) for value in values[1:]):
                 for record in records:
                     record.terms[t] = replace(record.terms[t], count=1, summed=None)
+                    record._signature = None
 
 
 #: Layers whose evaluation takes a fast path only while no torch function mode is active: reading loss calls there

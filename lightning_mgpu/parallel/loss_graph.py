@@ -105,7 +105,10 @@ class Term:
     of_loss: bool = False  # the sum is a loss function's reduction="sum" (its divisor may be the whole batch's count)
 
     def contribution(self) -> Tensor | None:
-        return None if self.value is None else self.value() * self.coefficient
+        if self.value is None:
+            return None
+        unit = isinstance(self.coefficient, (int, float)) and self.coefficient == 1
+        return self.value() if unit else self.value() * self.coefficient
 
 
 @dataclass
@@ -115,9 +118,13 @@ class LossRecord:
     terms: list[Term] = field(default_factory=list)
     unknown: str | None = None
     samples: int | None = None  # the shard's sample count, where known: what data looks like in saved tensors
+    _signature: tuple[str, ...] | None = field(default=None, repr=False, compare=False)
 
     def signature(self) -> tuple[str, ...]:
-        return tuple(f"{t.name}:{'sum' if t.count is None else 'mean'}" for t in self.terms)
+        """The record's shape: each term's node and whether it is a mean (kept until its terms change)."""
+        if self._signature is None:
+            self._signature = tuple(f"{t.name}:{'sum' if t.count is None else 'mean'}" for t in self.terms)
+        return self._signature
 
 
 def read_loss(loss: Tensor, samples: int | None = None) -> LossRecord | None:
@@ -394,9 +401,10 @@ def combine_losses_by_record(
     total = _weighted(_on([v for shard in values for v in shard], root, dtype).view(len(losses), -1).T, shares)
     if not scale_gradients:
         return Combined(total, weights)
-    for t, term_shares in enumerate(shares.unbind()):
-        for record, share in zip(records, term_shares.unbind(), strict=True):
-            record.terms[t].node.register_prehook(_scaled_by(share))
+    each = iter(shares.flatten().unbind())  # term by term, shard by shard: one view per share
+    for t in range(len(weights)):
+        for record in records:
+            record.terms[t].node.register_prehook(_scaled_by(next(each)))
     # The value is the total; the shards' losses carry each term's scaled gradient (a NaN over nothing included).
     return Combined(total.detach() + _GradientOnly.apply(stacked.sum()), weights)
 
@@ -463,6 +471,7 @@ def _once_where_alike(records: Sequence[LossRecord], losses: Sequence[Tensor], w
         weights[t] = [_own_count(record.terms[t].node) for record in records]
         for record in records:
             record.terms[t] = replace(record.terms[t], name=record.terms[t].name.removesuffix(_ONCE))
+            record._signature = None
 
 
 def _whole_batch_sums_once(records: Sequence[LossRecord], losses: Sequence[Tensor], weights: list[list[Any]]) -> None:
@@ -534,8 +543,7 @@ def _shares(
     """Each term's (rows) share of each shard (columns): its count over the term's total (1 in a sum), times the
     whole batch's multiplier over the shard's where the term is multiplied by a count (``criterion(...) * len(y)``:
     one device multiplies by the whole batch's)."""
-    rows = [_term_shares(term, root, dtype) for term in weights]
-    shares = rows[0][None] if len(rows) == 1 else torch.stack(rows)
+    shares = _all_shares(weights, root, dtype)
     for t in range(len(weights)):
         coefficients = [record.terms[t].coefficient for record in records]
         if any(isinstance(c, Tensor) or c != 1 for c in coefficients):  # each shard's number: settled by value
@@ -543,6 +551,15 @@ def _shares(
             summed = any(w is None for w in weights[t])
             shares[t] = _by_multiplier(shares[t], coefficients, sample_counts, memory, key, summed)
     return shares
+
+
+def _all_shares(weights: list[list[Any]], root: torch.device, dtype: torch.dtype) -> Tensor:
+    """Each term's (rows) share of each shard (columns), in a few operations where every term is a mean."""
+    if len(weights) > 1 and not any(w is None for term in weights for w in term):
+        counts = _on([w for term in weights for w in term], root, dtype).view(len(weights), -1)
+        return torch.nan_to_num(counts / counts.sum(1, keepdim=True), nan=0.0)  # counts >= 0: NaN where all are 0
+    rows = [_term_shares(term, root, dtype) for term in weights]
+    return rows[0][None] if len(rows) == 1 else torch.stack(rows)
 
 
 def _term_shares(weights: list[Any], root: torch.device, dtype: torch.dtype) -> Tensor:
