@@ -7,6 +7,10 @@ running the step again:
   code gathers nothing and each replica computes it on its own shard, unlike one device on the whole batch. Found by
   reading the bytecode of the user's own step and ``forward`` methods and of what they call, once per class: no source
   file needed, nothing run.
+* :class:`StepChecks`, over the first two replicated calls of each hook (a step does the same things every time):
+  what the step did to the module's state that one device would not — :class:`HeldObjects`, dict entries the replicas
+  share, schedulers stepped per replica, attributes rebound to values that differ between replicas. Never around
+  every step.
 * :class:`HeldObjects`, over the first replicated steps: plain Python objects the module holds (an environment, a replay
   buffer, a list of outputs) that the step changed. Every replica shares them with the module, so a step changes them
   once per replica, each time with its own shard.
@@ -26,7 +30,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor, nn
+from torch.optim.lr_scheduler import LRScheduler
 
 # --- what is the user's code --------------------------------------------------------------------------------------
 _LIBRARIES = frozenset(
@@ -519,3 +525,177 @@ def _once_on_root(batch: str) -> str:
         f"that plays the environment and yields batches from the buffer). Return per-step values from the step and "
         f"collect them in `{batch}_end(outputs, ...)`."
     )
+
+
+# --- the first replicated steps -----------------------------------------------------------------------------------
+_ON_ROOT = (
+    "in `on_train_batch_end` / `on_validation_batch_end` (they run once, on the root, with the whole batch and the "
+    "gathered outputs)"
+)
+
+
+class StepChecks:
+    """Around the first two replicated calls of each hook (:meth:`before` / :meth:`after`), what the call did to the
+    module's state that one device would not: Python objects it holds changed once per replica, tensors written into
+    dicts every replica shares, learning-rate schedulers stepped once per replica (an error), attributes rebound to
+    values that differ between replicas. Each said once (``warn_once(key, message)``, keys in ``announced``).
+    ``step_per_replica``: the step itself runs per replica (``parallel_criterion``), not only ``forward`` (``dp``)."""
+
+    def __init__(self, step_per_replica: bool, announced: set[str], warn_once: Callable[[str, str], None]) -> None:
+        self._step_per_replica = step_per_replica
+        self._announced = announced
+        self._warn_once = warn_once
+        self._calls: dict[str, int] = {}  # replicated calls per hook
+        self._dicts: tuple[int, int, list[tuple[nn.Module, str, str]]] | None = None  # (root, builds, dict attributes)
+        self._before: tuple[Any, ...] | None = None
+
+    def before(self, hook: str, module: nn.Module, root: Any, builds: int) -> bool:
+        """Snapshot what the call may change, if it is among the first two of ``hook``; whether it is."""
+        seen = self._calls.get(hook, 0)
+        self._calls[hook] = seen + 1
+        if seen >= 2:
+            return False
+        if self._dicts is None or self._dicts[:2] != (id(root), builds):  # found again after a structural change
+            self._dicts = (id(root), builds, _dict_attributes(root))
+        dicts = self._dicts[2]
+        self._before = (module, root, HeldObjects(module), dicts, _dict_entries(dicts), _scheduler_steps(root))
+        return True
+
+    def after(
+        self, hook: str, kept: dict[str, Any], others: Sequence[dict[str, Any]], *, manual: bool, interleaved: bool
+    ) -> None:
+        """Say what the call changed: ``kept`` are the attributes replica 0 rebound (the module keeps them),
+        ``others`` the other replicas'."""
+        assert self._before is not None, "after() without before()"
+        (module, root, held, dicts, entries, steps), self._before = self._before, None
+        count = len(others) + 1
+        _check_scheduler_steps(root, hook, steps, count, manual)
+        self._say_held(module, held, count, hook if self._step_per_replica else "forward")
+        self._say_rebound(module, kept, others)
+        self._say_shared_entries(root, dicts, entries, interleaved)
+
+    def _say_held(self, module: nn.Module, held: HeldObjects, count: int, hook: str) -> None:
+        changes = [c for c in held.changes() if c.key not in self._announced]
+        if changes:
+            self._warn_once(changes[0].key, held_objects_message(type(module).__name__, changes, count, hook))
+            self._announced.update(c.key for c in changes)
+
+    def _say_rebound(self, module: nn.Module, kept: dict[str, Any], others: Sequence[dict[str, Any]]) -> None:
+        for name, value in kept.items():
+            if all(name in other and _alike(value, other[name]) for other in others):
+                continue
+            self._warn_once(
+                f"rebound:{name}",
+                f"`{type(module).__name__}.{name}` was rebound during a step that ran on {len(others) + 1} replicas "
+                "to values that differ between the replicas (each computed from its shard): the module keeps replica "
+                f"0's, where one device keeps the whole batch's. Compute it {_ON_ROOT}, keep it in a torchmetrics "
+                "metric or log it.",
+            )
+
+    def _say_shared_entries(
+        self,
+        root: nn.Module,
+        places: Sequence[tuple[nn.Module, str, str]],
+        before: dict[tuple[str, Any], Any],
+        interleaved: bool,
+    ) -> None:
+        """Once per dict that the module and every replica share, in which the replicated call wrote tensors (a
+        forward hook's feature maps, a step's outputs by index): one replica's entry is what remains."""
+        written = [path for (path, key), value in _dict_entries(places).items() if before.get((path, key)) is not value]
+        for path in dict.fromkeys(written):
+            consequence, fix = _shared_entries_advice(self._step_per_replica, interleaved)
+            self._warn_once(
+                f"entries:{path}",
+                f"`{type(root).__name__}.{path}` got tensors during a call that ran on several replicas, which share "
+                f"that dict: {consequence}. {fix}.",
+            )
+
+
+def _shared_entries_advice(step_per_replica: bool, interleaved: bool) -> tuple[str, str]:
+    """What a write into a dict the replicas share leaves, and how to keep such values as one device does."""
+    if not step_per_replica:
+        return (
+            "the step reads the last replica's entries: one shard's, not the whole batch's",
+            "Return them from `forward`: dp gathers its outputs over the devices",
+        )
+    consequence = (
+        "the replicas ran interleaved (they hand over at SyncBatchNorm layers or collectives), so a replica may have "
+        "read another's entry, another shard's tensor, in its step"
+        if interleaved
+        else "after the step it holds the last replica's entries (one shard's, where they are computed from the shard)"
+    )
+    fix = (
+        "Keep such values per replica: from a forward hook, set them on the hooked module, the hook's first argument "
+        "(`lambda module, args, output: setattr(module, 'features', output)`, read as `self.<layer>.features`), or "
+        f"return them from `forward`; step outputs: return them and collect them {_ON_ROOT}. A cache of values alike "
+        "on every replica (a memo of positions) is unaffected on one device's virtual replicas, but on distinct GPUs "
+        "an entry may lie on another replica's device: key it by device, or hold it as a buffer "
+        "(`register_buffer(..., persistent=False)`)"
+    )
+    return consequence, fix
+
+
+def _dict_attributes(module: nn.Module) -> list[tuple[nn.Module, str, str]]:
+    """(module, attribute, qualified name) of each dict attribute of ``module`` and its submodules (not nn.Module's
+    registries): every replica shares these dicts with the module."""
+    return [
+        (m, name, f"{prefix}.{name}" if prefix else name)
+        for prefix, m in module.named_modules()
+        for name, value in vars(m).items()
+        if isinstance(value, dict) and name not in _MODULE_REGISTRIES
+    ]
+
+
+def _dict_entries(places: Sequence[tuple[nn.Module, str, str]]) -> dict[tuple[str, Any], Any]:
+    """The values that hold tensors (a tensor, or a tuple or list that starts with one, as an LSTM's output) in the
+    dicts at ``places``, by (qualified name, key)."""
+    entries = {}
+    for module, name, path in places:
+        held = vars(module).get(name) or {}
+        if len(held) > ENTRIES_READ:  # a vocabulary or a cache: not a forward hook's few feature maps
+            continue
+        for key, value in held.items():
+            if _holds_tensors(value):
+                entries[(path, key)] = value
+    return entries
+
+
+def _scheduler_steps(root: Any) -> list[tuple[str, Any]]:
+    """Each learning-rate scheduler of the trainer or held by ``root``, by class name, with its ``last_epoch`` (how
+    often it stepped)."""
+    configs = root.trainer.lr_scheduler_configs if getattr(root, "_trainer", None) is not None else []
+    held = [value for value in vars(root).values() if isinstance(value, LRScheduler)]
+    schedulers = {id(s): s for s in [*(c.scheduler for c in configs), *held]}.values()
+    return [(type(s).__name__, getattr(s, "last_epoch", None)) for s in schedulers]
+
+
+def _check_scheduler_steps(root: Any, hook: str, before: list[tuple[str, Any]], count: int, manual: bool) -> None:
+    """Raise if a scheduler stepped during a call that ran on ``count`` > 1 replicas: once per replica. Under manual
+    optimization ``self.lr_schedulers()`` steps once (replica 0's), so only a move by a multiple of ``count`` (a
+    scheduler the module holds, stepped by every replica) is one."""
+    moved = [
+        (b, a)
+        for b, a in zip(before, _scheduler_steps(root), strict=False)
+        if b != a and not (manual and isinstance(a[1], int) and isinstance(b[1], int) and (a[1] - b[1]) % count)
+    ]
+    if moved:
+        (name, first), (_, last) = moved[0]
+        batch_end = _BATCH_HOOKS.get(hook, "on_train_batch") + "_end"
+        raise RuntimeError(
+            f"`{hook}` stepped the learning-rate scheduler {name} on each of the {count} replicas (its last_epoch went "
+            f"from {first} to {last} in one step): it advanced {count} times where one device advances it once. Step "
+            f"it once per step, on the root: in `{batch_end}`, or let Lightning step it (configure_optimizers "
+            "returning {'optimizer': ..., 'lr_scheduler': {'scheduler': ..., 'interval': 'step'}})."
+        )
+
+
+def _alike(a: Any, b: Any) -> bool:
+    """Whether two replicas' values of an attribute are the same value (equal tensors, or equal by ``==``)."""
+    if a is b:
+        return True
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return isinstance(a, Tensor) and isinstance(b, Tensor) and a.shape == b.shape and bool(torch.equal(a, b.to(a)))
+    try:
+        return bool(a == b)
+    except Exception:
+        return False

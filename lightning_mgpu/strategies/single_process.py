@@ -16,8 +16,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch
-from torch import Tensor, nn
-from torch.optim.lr_scheduler import LRScheduler
+from torch import nn
 from typing_extensions import override
 
 from lightning_mgpu.parallel import collectives, sync_batchnorm
@@ -28,13 +27,11 @@ from lightning_mgpu.parallel.run_replicas import EXECUTION_MODES, ExecutionMode,
 from lightning_mgpu.parallel.scatter_gather import shared_state, split_or_run_once
 from lightning_mgpu.strategies import manual_optimization
 from lightning_mgpu.strategies.checks import (
-    ENTRIES_READ,
-    HeldObjects,
+    StepChecks,
     distributed_gather_message,
     distributed_gathers,
     functional_metric_message,
     functional_metrics,
-    held_objects_message,
 )
 from lightning_mgpu.strategies.lightning_replicas import LightningReplicas
 from lightning_mgpu.strategies.loss_rules import LossNormalization
@@ -53,83 +50,6 @@ class LightningNamespace:
 
 T = TypeVar("T")
 _MISSING = object()
-_ON_ROOT = (
-    "in `on_train_batch_end` / `on_validation_batch_end` (they run once, on the root, with the whole batch and the "
-    "gathered outputs)"
-)
-
-
-_MODULE_REGISTRIES = frozenset(vars(nn.Module()))  # nn.Module's own dicts: parameters, buffers, hooks...
-_BATCH_END = {"training_step": "on_train_batch_end", "validation_step": "on_validation_batch_end"}
-
-
-def _dict_attributes(module: nn.Module) -> list[tuple[nn.Module, str, str]]:
-    """(module, attribute, qualified name) of each dict attribute of ``module`` and its submodules (not nn.Module's
-    registries): every replica shares these dicts with the module."""
-    return [
-        (m, name, f"{prefix}.{name}" if prefix else name)
-        for prefix, m in module.named_modules()
-        for name, value in vars(m).items()
-        if isinstance(value, dict) and name not in _MODULE_REGISTRIES
-    ]
-
-
-def _dict_entries(places: Sequence[tuple[nn.Module, str, str]]) -> dict[tuple[str, Any], Any]:
-    """The values that hold tensors (a tensor, or a tuple or list that starts with one, as an LSTM's output) in the
-    dicts at ``places``, by (qualified name, key)."""
-    entries = {}
-    for module, name, path in places:
-        held = vars(module).get(name) or {}
-        if len(held) > ENTRIES_READ:  # a vocabulary or a cache: not a forward hook's few feature maps
-            continue
-        for key, value in held.items():
-            if isinstance(value, Tensor) or (
-                isinstance(value, (tuple, list)) and value and isinstance(value[0], Tensor)
-            ):
-                entries[(path, key)] = value
-    return entries
-
-
-def _scheduler_steps(root: Any) -> list[tuple[str, Any]]:
-    """Each learning-rate scheduler of the trainer or held by ``root``, by class name, with its ``last_epoch`` (how
-    often it stepped)."""
-    configs = root.trainer.lr_scheduler_configs if root._trainer is not None else []
-    held = [value for value in vars(root).values() if isinstance(value, LRScheduler)]
-    schedulers = {id(s): s for s in [*(c.scheduler for c in configs), *held]}.values()
-    return [(type(s).__name__, getattr(s, "last_epoch", None)) for s in schedulers]
-
-
-def _check_scheduler_steps(root: Any, before: list[tuple[str, Any]], count: int, manual: bool = False) -> None:
-    """Raise if a scheduler stepped during a call that ran on ``count`` > 1 replicas: once per replica. Under manual
-    optimization ``self.lr_schedulers()`` steps once (replica 0's), so only a move by a multiple of ``count`` (a
-    scheduler the module holds, stepped by every replica) is one."""
-    moved = [
-        (b, a)
-        for b, a in zip(before, _scheduler_steps(root), strict=False)
-        if b != a and not (manual and isinstance(a[1], int) and isinstance(b[1], int) and (a[1] - b[1]) % count)
-    ]
-    if moved:
-        (name, first), (_, last) = moved[0]
-        hook = root._current_fx_name
-        raise RuntimeError(
-            f"`{hook}` stepped the learning-rate scheduler {name} on each of the {count} replicas (its last_epoch went "
-            f"from {first} to {last} in one step): it advanced {count} times where one device advances it once. Step "
-            f"it once per step, on the root: in `{_BATCH_END.get(hook, 'on_train_batch_end')}`, or let Lightning step "
-            "it (configure_optimizers returning {'optimizer': ..., 'lr_scheduler': {'scheduler': ..., 'interval': "
-            "'step'}})."
-        )
-
-
-def _alike(a: Any, b: Any) -> bool:
-    """Whether two replicas' values of an attribute are the same value (equal tensors, or equal by ``==``)."""
-    if a is b:
-        return True
-    if isinstance(a, Tensor) or isinstance(b, Tensor):
-        return isinstance(a, Tensor) and isinstance(b, Tensor) and a.shape == b.shape and bool(torch.equal(a, b.to(a)))
-    try:
-        return bool(a == b)
-    except Exception:
-        return False
 
 
 class SingleProcessParallel:
@@ -177,9 +97,8 @@ class SingleProcessParallel:
         #: shape: a step whose shards make it ambiguous (a constant equal to every shard's size) follows earlier ones.
         self._settled: dict[Any, str] = {}
         self._interleaved = False  # the last replicated call's threads could interleave (set by _mode_for)
-        self._dicts: tuple[int, int, list[tuple[nn.Module, str, str]]] | None = None  # see _dicts_of
         self._replicated_on: list[torch.device] = []
-        self._checked_steps: dict[str, int] = {}  # replicated calls per hook: checks run on the first ones
+        self._checks = StepChecks(self._STEP_PER_REPLICA, self._announced, self._warn_once)
 
     # --- one Trainer per instance: the connector reads `_accelerator` from an instance it receives, so refuse there ---
     @property
@@ -470,12 +389,9 @@ class SingleProcessParallel:
             # gradients reached .grad without it.
             replica_set.reduce_gradients(run_hooks=False)
         replica_set.defer_reduction = accumulating and not reads
-        checking = count > 1 and self._first_steps(root._current_fx_name)
+        hook = root._current_fx_name
         # On the first steps only: what a step could change once per replica (lists, shared dicts, schedulers).
-        held = HeldObjects(module) if checking else None
-        dicts = self._dicts_of(root, replica_set.builds) if checking else []
-        entries = _dict_entries(dicts)
-        steps = _scheduler_steps(root) if checking else []
+        checking = self._checks.before(hook, module, root, replica_set.builds) if count > 1 else False
         snapshots: list[dict[str, Any]] = [{} for _ in range(count)]
 
         manual = self._STEP_PER_REPLICA and not root.automatic_optimization and root._current_fx_name == "training_step"
@@ -491,86 +407,10 @@ class SingleProcessParallel:
         outputs = replicas.run(count, watched, self._mode_for(replicas, count))
         kept = replica_set.keep_first_replicas(snapshots[0])  # the root module stands for replica 0
         if checking:
-            _check_scheduler_steps(root, steps, count, manual)
-            self._say_replica_state(
-                module,
-                held,
-                kept,
-                [
-                    rebound_attributes(r, b)
-                    for r, b in zip(replicas.replica_set.replicas[1:], snapshots[1:], strict=False)
-                ],
-            )
-            self._say_shared_entries(root, dicts, entries)
+            others = [rebound_attributes(r, b) for r, b in zip(replica_set.replicas[1:], snapshots[1:], strict=False)]
+            self._checks.after(hook, kept, others, manual=manual, interleaved=self._interleaved)
         replicas.merge_into(root, sample_counts, loss_copy(outputs) if loss_copy is not None else None)
         return outputs
-
-    def _first_steps(self, hook: str) -> bool:
-        """Whether this call of ``hook`` is among its first two: the checks of what a step did to the module's state
-        run there (a step does the same things every time), never around every step."""
-        seen = self._checked_steps.get(hook, 0)
-        self._checked_steps[hook] = seen + 1
-        return seen < 2
-
-    def _say_replica_state(
-        self, module: nn.Module, held: HeldObjects | None, kept: dict[str, Any], others: Sequence[dict[str, Any]]
-    ) -> None:
-        """Warn once about what the step did to ``module``'s state that one device would not: Python objects it holds
-        changed once per replica (a list grown, an environment stepped), an attribute rebound to values that differ
-        between the replicas (the root keeps replica 0's)."""
-        where = f"during a step that ran on {len(others) + 1} replicas"
-        changes = [c for c in held.changes() if c.key not in self._announced] if held is not None else []
-        if changes:
-            hook = self.lightning_module._current_fx_name if self._STEP_PER_REPLICA else "forward"
-            self._warn_once(changes[0].key, held_objects_message(type(module).__name__, changes, len(others) + 1, hook))
-            self._announced.update(c.key for c in changes)
-        for name, value in kept.items():
-            if all(name in other and _alike(value, other[name]) for other in others):
-                continue
-            self._warn_once(
-                f"rebound:{name}",
-                f"`{type(module).__name__}.{name}` was rebound {where} to values that differ between the replicas "
-                f"(each computed from its shard): the module keeps replica 0's, where one device keeps the whole "
-                f"batch's. Compute it {_ON_ROOT}, keep it in a torchmetrics metric or log it.",
-            )
-
-    def _dicts_of(self, root: nn.Module, builds: int) -> list[tuple[nn.Module, str, str]]:
-        """``root``'s dict attributes (found again when its replicas were rebuilt: a structural change)."""
-        if self._dicts is None or self._dicts[:2] != (id(root), builds):
-            self._dicts = (id(root), builds, _dict_attributes(root))
-        return self._dicts[2]
-
-    def _say_shared_entries(
-        self, root: nn.Module, places: Sequence[tuple[nn.Module, str, str]], before: dict[tuple[str, Any], Any]
-    ) -> None:
-        """Warn once per dict that the module and every replica share, in which the replicated call wrote tensors
-        (a forward hook's feature maps, a step's outputs by index): one replica's entry is what remains."""
-        written = [path for (path, key), value in _dict_entries(places).items() if before.get((path, key)) is not value]
-        for path in dict.fromkeys(written):
-            if self._STEP_PER_REPLICA:
-                consequence = (
-                    "the replicas ran interleaved (they hand over at SyncBatchNorm layers or collectives), so a "
-                    "replica may have read another's entry, another shard's tensor, in its step"
-                    if self._interleaved
-                    else "after the step it holds the last replica's entries (one shard's, where they are computed "
-                    "from the shard)"
-                )
-                fix = (
-                    "Keep such values per replica: from a forward hook, set them on the hooked module, the hook's "
-                    "first argument (`lambda module, args, output: setattr(module, 'features', output)`, read as "
-                    "`self.<layer>.features`), or return them from `forward`; step outputs: return them and collect "
-                    f"them {_ON_ROOT}. A cache of values alike on every replica (a memo of positions) is unaffected on "
-                    "one device's virtual replicas, but on distinct GPUs an entry may lie on another replica's "
-                    "device: key it by device, or hold it as a buffer (`register_buffer(..., persistent=False)`)"
-                )
-            else:
-                consequence = "the step reads the last replica's entries: one shard's, not the whole batch's"
-                fix = "Return them from `forward`: dp gathers its outputs over the devices"
-            self._warn_once(
-                f"entries:{path}",
-                f"`{type(root).__name__}.{path}` got tensors during a call that ran on several replicas, which share "
-                f"that dict: {consequence}. {fix}.",
-            )
 
     def _reads_gradients_between_backward_passes(self, root: Any) -> bool:
         """Whether ``on_after_backward`` or a gradient hook must see each backward pass's gradients."""
