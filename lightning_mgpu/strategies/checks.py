@@ -245,6 +245,33 @@ def _name(obj: Any) -> str:
     return obj.__name__ if isinstance(obj, type) else obj.__qualname__
 
 
+#: Lightning's collectives as a module calls them (``self.all_gather``, ``self.trainer.strategy.barrier``...).
+_LIGHTNING_COLLECTIVES = frozenset({"all_gather", "reduce_boolean_decision", "barrier", "broadcast"})
+
+
+@functools.cache
+def lightning_collectives(cls: type) -> str | None:
+    """Where the module's own classes (not a library's) call Lightning's collectives, which make the replicas meet
+    inside a step (so they run in threads): ``"MoCo calls all_gather in the module's code"``. Read once per class
+    from the bytecode of every function it defines (the names a call goes through, not what they resolve to: an
+    attribute of ``self.trainer`` cannot be looked up without running it), never run; ``torch.distributed``'s
+    calls of those names are not Lightning's."""
+    for klass in cls.__mro__:
+        if _is_library(klass):
+            continue
+        for value in vars(klass).values():
+            function = _unwrap(value)
+            if not isinstance(function, types.FunctionType):
+                continue
+            for chain in _chains(function.__code__):
+                *through, last = [str(name) for _, name in chain]
+                if "distributed" in through or "dist" in through:
+                    continue
+                if (last in _LIGHTNING_COLLECTIVES and through) or (last == "reduce" and "strategy" in through):
+                    return f"{klass.__name__} calls {last} in the module's code"
+    return None
+
+
 _LOGGED_STEPS = ("training_step", "validation_step", "test_step")
 
 

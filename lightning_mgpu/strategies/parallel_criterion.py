@@ -4,10 +4,7 @@ scalar loss per device reaches the root, combined by the rule of :mod:`.loss_rul
 from __future__ import annotations
 
 import contextlib
-import functools
-import inspect
 import operator
-import re
 from collections.abc import Mapping
 from functools import partial
 from typing import Any
@@ -28,6 +25,7 @@ from lightning_mgpu.parallel.loss_graph import (
 from lightning_mgpu.parallel.merge import merge_outputs
 from lightning_mgpu.parallel.run_replicas import ExecutionMode
 from lightning_mgpu.parallel.scatter_gather import split_batch
+from lightning_mgpu.strategies.checks import lightning_collectives
 from lightning_mgpu.strategies.loader_batch import step_sample_counts
 from lightning_mgpu.strategies.loss_rules import SAMPLES, coupling_message, describe, unread_message
 from lightning_mgpu.strategies.replica_logging import LossCopy
@@ -41,12 +39,6 @@ from lightning_mgpu.strategies.step_outputs import (
     reduce_training_outputs,
     same_tensor,
 )
-
-# Lightning's collectives (self.all_gather, strategy.reduce...), not torch.distributed's: those see one process here.
-_COLLECTIVE_CALL = re.compile(
-    r"(?<!distributed)(?<!dist)\.(all_gather|reduce_boolean_decision|barrier|broadcast)\s*\(|strategy\.(reduce)\s*\("
-)
-_LIBRARIES = ("lightning.", "pytorch_lightning.", "torch.", "torchmetrics.", "builtins")
 
 
 class ParallelCriterionStrategyBase(SingleProcessParallel):
@@ -335,23 +327,7 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
             return None
         if self.collectives:
             return "collectives=True"
-        return _collectives_in(type(module))
-
-
-@functools.cache
-def _collectives_in(module_class: type) -> str | None:
-    """Whether the module's own classes (not a library's) call Lightning's collectives: read once per class, never
-    run (that would run the step twice)."""
-    for cls in module_class.__mro__:
-        if cls.__module__.startswith(_LIBRARIES) or cls is object:
-            continue
-        try:
-            match = _COLLECTIVE_CALL.search(inspect.getsource(cls))
-        except (OSError, TypeError):  # no source to read (a class defined in an interactive session)
-            continue
-        if match is not None:
-            return f"{cls.__name__} calls {match.group(1) or match.group(2)} in the module's code"
-    return None
+        return lightning_collectives(type(module))
 
 
 def _returned_loss(output: Any) -> Any:
