@@ -7,6 +7,7 @@ classes here are ``lightning.pytorch``'s; ``lightning_mgpu.strategies.pytorch_li
 
 from typing import Any
 
+from lightning_mgpu import integrations  # noqa: F401  (registers what replicas need of other libraries)
 from lightning_mgpu.parallel import (
     BatchSplitError,
     DataParallelCriterion,

@@ -22,13 +22,22 @@ from torch.nn.utils.weight_norm import WeightNorm
 from lightning_mgpu.parallel.compiled import compiled_call, is_compiled, is_optimized_module, optimized_module_replica
 from lightning_mgpu.parallel.devices import DeviceLike, to_device
 from lightning_mgpu.parallel.flat_replicas import DtypeGroups, ReplicaBuffers, ReplicaParameters, Slot
-from lightning_mgpu.parallel.library_hooks import install_output_capturing_hooks
 from lightning_mgpu.parallel.run_replicas import ExecutionMode, resolve_mode
 from lightning_mgpu.parallel.scatter_gather import is_dataclass_instance, iter_nodes
 from lightning_mgpu.parallel.sync_batchnorm import SyncBatchNorm, uses_sync_batchnorm
 
 _NEVER_SYNCED = frozenset({"_parameters", "_buffers", "_modules", "_is_replica", "_compiled_call_impl"})
 _WEIGHT_HOOKS = (BasePruningMethod, WeightNorm, SpectralNorm)  # forward pre-hooks that set an attribute: `weight`
+
+
+_BEFORE_BUILDING: list[Callable[[nn.Module], None]] = []
+
+
+def before_building_replicas(prepare: Callable[[nn.Module], None]) -> None:
+    """Run ``prepare(module)`` on the original module each time its replicas are built: a library's one-time set-up
+    that the copies would otherwise each repeat (see :mod:`lightning_mgpu.integrations`)."""
+    if prepare not in _BEFORE_BUILDING:
+        _BEFORE_BUILDING.append(prepare)
 
 
 class OriginalOnly:
@@ -89,7 +98,8 @@ class ReplicaSet:
     # --- build -------------------------------------------------------------------------------------------------------
     def _build(self) -> None:
         self._end_run(adopt=True)  # a step that raised before watch(): keep what replica 0 rebound
-        install_output_capturing_hooks(self.module)  # before the copies: each would install them again
+        for prepare in _BEFORE_BUILDING:  # a library's set-up of the originals, before the copies repeat it
+            prepare(self.module)
         self._originals = _walk(self.module, self._shared)
         self._hooked_leaves: dict[int, weakref.ref[Tensor]] = {}  # outputs that are replica parameters
         _check_initialized(self.module, self._originals)

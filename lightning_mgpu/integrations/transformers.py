@@ -1,13 +1,15 @@
-"""Library set-up that replicas must find done on the originals: ``transformers`` installs its output-capturing hooks
-on a model's first ``output_hidden_states`` call and marks it. Replicas share the originals' hook dicts but copy their
-attributes, so unmarked replicas would install the hooks again, onto the originals too (hidden states returned twice).
-"""
+"""What the replicas need to know of ``transformers``, kept out of the pure-torch layer: it installs its
+output-capturing hooks on a model's first ``output_hidden_states`` call and marks it. Replicas share the originals'
+hook dicts but copy their attributes, so unmarked replicas would install the hooks again, onto the originals too
+(hidden states returned twice): the hooks are installed on the originals before replicas are built."""
 
 from __future__ import annotations
 
 import sys
 
 from torch import nn
+
+from lightning_mgpu.parallel.replicas import before_building_replicas
 
 
 def outermost_transformers_models(module: nn.Module) -> list[nn.Module]:
@@ -38,3 +40,6 @@ def install_output_capturing_hooks(module: nn.Module) -> None:
         return
     for model in models:
         maybe_install_capturing_hooks(model)
+
+
+before_building_replicas(install_output_capturing_hooks)
