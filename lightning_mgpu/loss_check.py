@@ -23,9 +23,9 @@ from lightning_mgpu.parallel.scatter_gather import batch_size_of, move_to, split
 from lightning_mgpu.strategies.loss_rules import SAMPLES, SUM, LossNormalization, describe
 from lightning_mgpu.strategies.step_outputs import LOSS_TERMS_KEY, LOSS_WEIGHT_KEY, combine_losses
 
-AUTO = "auto"  # the candidate that reads the rule from the loss's autograd record, as loss_reduction="auto" does
+AUTO = "auto"  # the rule read from the loss's autograd record, as loss_reduction="auto" reads it
 RELATIVE_TOLERANCE = 1e-5  # a rule that misses the whole batch's loss by this much reproduces it (float32 rounding)
-#: Switched off in the copy: a mask drawn for the whole batch cannot match the masks drawn for its shards.
+#: Off in the copy: a mask drawn for the whole batch cannot match the masks drawn for its shards.
 DROPOUT_LAYERS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 
 
@@ -37,7 +37,7 @@ class LossCheck:
     whole: float
     predictions: dict[str, float]
     noise: float
-    declared: str | None  # the step's own weights: the key it returns them under
+    declared: str | None  # the key the step returns its own weights under
     known: str | None  # the rule parallel_criterion reads from the shards' autograd records, in words
     sizes: list[int]
     dropout_off: int  # dropout layers switched off for the check
@@ -50,10 +50,8 @@ class LossCheck:
 
     def fits(self) -> list[str]:
         """Every candidate that reproduces the whole batch's loss, closest first; none for a random step."""
-        if self.noise:
-            return []
         tolerance = RELATIVE_TOLERANCE * abs(self.whole)
-        return [spec for spec, error in self.errors().items() if error <= tolerance]
+        return [] if self.noise else [spec for spec, error in self.errors().items() if error <= tolerance]
 
     @property
     def rule(self) -> str | None:
@@ -89,8 +87,8 @@ class LossCheck:
             return f"declare ParallelCriterionStrategy(loss_reduction={fits[0]!r})"
         return (
             "no rule reproduces one device: the step couples samples across the batch (a contrastive loss: "
-            "self.all_gather(..., sync_grads=True) or strategy='dp'; BatchNorm without running statistics: "
-            "Trainer(sync_batchnorm=True)), or adds terms normalised differently (return 'loss_terms')"
+            "self.all_gather(..., sync_grads=True) or strategy='dp'), or adds terms normalised differently (return "
+            "'loss_terms')"
         )
 
     def __str__(self) -> str:
@@ -99,14 +97,14 @@ class LossCheck:
             lines.append(f"  ({self.dropout_off} dropout layer(s) switched off for the check)")
         if self.batchnorm_off:
             lines.append(
-                f"  ({self.batchnorm_off} BatchNorm layer(s) on their running statistics for the check: in training "
-                "each device normalises its shard with its own batch statistics unless Trainer(sync_batchnorm=True))"
+                f"  ({self.batchnorm_off} BatchNorm layer(s) on their running statistics for the check; in training "
+                "parallel_criterion computes their statistics over the whole batch, as sync_batchnorm=True by default)"
             )
         for spec, error in self.errors().items():
-            combined = self.predictions[spec]
-            lines.append(f"  loss_reduction={spec!r}: shards combine to {combined:.8g}, off by {error:.3g}")
-        lines.append(self._verdict(self.fits()))
-        return "\n".join(lines)
+            lines.append(
+                f"  loss_reduction={spec!r}: shards combine to {self.predictions[spec]:.8g}, off by {error:.3g}"
+            )
+        return "\n".join([*lines, self._verdict(self.fits())])
 
 
 def check_loss_reduction(
@@ -124,7 +122,7 @@ def check_loss_reduction(
     into the whole batch's."""
     target = to_device(device)
     replica = copy.deepcopy(module).to(target).train()
-    dropout = [layer for layer in replica.modules() if isinstance(layer, DROPOUT_LAYERS)]
+    dropout = [m for m in replica.modules() if isinstance(m, DROPOUT_LAYERS)]
     batchnorm = [m for m in replica.modules() if isinstance(m, _BatchNorm) and m.running_mean is not None]
     for layer in (*dropout, *batchnorm):
         layer.eval()
@@ -137,10 +135,9 @@ def check_loss_reduction(
             output = replica.training_step(part, batch_idx)
         outputs = output if isinstance(output, Mapping) else {"loss": output}
         declared = next((key for key in (LOSS_WEIGHT_KEY, LOSS_TERMS_KEY) if key in outputs), None)
-        loss = outputs["loss"]
-        if not isinstance(loss, Tensor) or loss.numel() != 1:
-            raise TypeError(f"training_step returned {type(loss).__name__}, not a scalar loss: nothing to combine.")
-        return loss, declared
+        if not isinstance(outputs["loss"], Tensor) or outputs["loss"].numel() != 1:
+            raise TypeError(f"training_step returned {type(outputs['loss']).__name__}, not a scalar loss.")
+        return outputs["loss"], declared
 
     whole_loss, declared = loss_of(batch)
     whole = float(whole_loss.detach())
@@ -148,15 +145,15 @@ def check_loss_reduction(
     chunks, sizes = split_batch(batch, [target] * devices, dim, sizes=_uneven_sizes(batch_size_of(batch, dim), devices))
     losses = [loss_of(chunk)[0] for chunk in chunks]
     values = [loss.detach().double().cpu() for loss in losses]
-    predictions = {  # combined exactly as the strategy combines them, in float64
+    predictions = {  # combined as the strategy combines them, in float64
         rule.spec(): float(combine_losses(values, rule.weights(chunks, sizes), torch.device("cpu")))
         for rule in _candidates(batch, dim)
     }
     records = [read_loss(loss, size) for loss, size in zip(losses, sizes, strict=True)]
     read = combine_losses_by_record(losses, records, sizes, target, scale_gradients=False)
-    known = None if read is None else describe(records[0], read.weights)
     if read is not None:
         predictions[AUTO] = float(read.loss.detach())
+    known = None if read is None else describe(records[0], read.weights)
     return LossCheck(whole, predictions, noise, declared, known, sizes, len(dropout), len(batchnorm))
 
 
@@ -168,18 +165,17 @@ def _uneven_sizes(size: int, devices: int) -> list[int]:
 
 
 def _candidates(batch: Any, dim: int) -> list[LossNormalization]:
+    """The declarable rules: samples, sum, equal weights, and tokens of each integer tensor but the first input (a
+    causal LM's shifted tokens too, for rows of tokens)."""
     rules = [SAMPLES, SUM, LossNormalization("replica_mean")]
-    items = (
-        batch.items() if isinstance(batch, Mapping) else enumerate(batch) if isinstance(batch, (list, tuple)) else []
-    )
-    for key, value in items:  # possible labels: integer tensors with a batch dimension, not the first input
+    items = batch.items() if isinstance(batch, Mapping) else enumerate(batch) if isinstance(batch, list | tuple) else ()
+    for key, value in items:
         integer = isinstance(value, Tensor) and not (value.is_floating_point() or value.dtype == torch.bool)
-        if key == 0 or not integer or value.dim() <= dim:
-            continue
-        rules.append(LossNormalization("tokens", (key,)))
-        if value.dim() > dim + 1:  # rows of tokens: a causal LM's shift is possible
-            rules.append(LossNormalization("tokens", (key,), shifted=True))
-    return list(dict.fromkeys(rules))
+        if key != 0 and integer and value.dim() > dim:
+            rules.append(LossNormalization("tokens", (key,)))
+            if value.dim() > dim + 1:
+                rules.append(LossNormalization("tokens", (key,), shifted=True))
+    return rules
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -196,7 +192,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     from lightning_mgpu.cli import main as cli_main
 
-    command_line, sys.argv = sys.argv, sys.argv[:1]
+    command_line, sys.argv = sys.argv, sys.argv[:1]  # LightningCLI warns when it sees both argv and its args
     try:
         cli = cli_main([*(arg for config in args.config for arg in ("-c", config)), *overrides], run=False)
     finally:
@@ -206,8 +202,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     datamodule.setup("fit")
     batch = next(iter(datamodule.train_dataloader()))
     for hook in ("on_before_batch_transfer", "on_after_batch_transfer"):  # the step's batch, as Lightning makes it
-        owner = datamodule if is_overridden(hook, datamodule) else cli.model
-        batch = getattr(owner, hook)(batch, 0)
+        batch = getattr(datamodule if is_overridden(hook, datamodule) else cli.model, hook)(batch, 0)
     print(check_loss_reduction(cli.model, batch, devices=args.devices, device=args.device))
 
 

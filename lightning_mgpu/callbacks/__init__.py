@@ -28,12 +28,4 @@ def __dir__() -> list[str]:
     return sorted({*globals(), *__all__})
 
 
-__all__ = [
-    "DeviceMemoryMonitor",
-    "ExactLoss",
-    "PytorchLightningExactLoss",
-    "distinct_devices",
-    "imbalance",
-    "read_device_memory",
-    "reset_device_peaks",
-]
+__all__ = sorted(_WHERE)

@@ -18,20 +18,22 @@ PEAK_SUFFIX = "_peak_mib"
 
 def cpu_memory() -> dict[str, float]:
     """This process's peak and current resident set size in MiB (``cpu_peak_mib``, ``cpu_rss_mib``): Linux's ``VmHWM``
-    and ``VmRSS``; elsewhere the peak alone, ``ru_maxrss`` (not resettable)."""
-    names = {"VmHWM": f"cpu{PEAK_SUFFIX}", "VmRSS": "cpu_rss_mib"}
+    and ``VmRSS``; elsewhere the peak alone, ``ru_maxrss`` (not resettable; none on Windows)."""
     try:
         with open("/proc/self/status", encoding="ascii") as status:
             fields = dict(line.split(":", 1) for line in status)
-        return {name: int(fields[key].split()[0]) / 1024 for key, name in names.items()}  # in KiB
+        return {
+            name: int(fields[key].split()[0]) / 1024
+            for key, name in (("VmHWM", "cpu_peak_mib"), ("VmRSS", "cpu_rss_mib"))
+        }
     except (OSError, ValueError, IndexError, KeyError):
         pass
     try:
         import resource
     except ImportError:  # Windows
         return {}
-    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {f"cpu{PEAK_SUFFIX}": maxrss / MIB if sys.platform == "darwin" else maxrss / 1024}  # bytes on macOS
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # bytes on macOS, KiB elsewhere
+    return {f"cpu{PEAK_SUFFIX}": maxrss / (MIB if sys.platform == "darwin" else 1024)}
 
 
 def reset_peak_rss() -> bool:
@@ -47,22 +49,18 @@ def reset_peak_rss() -> bool:
 def imbalance(peaks: Mapping[str, float]) -> float | None:
     """Largest / smallest peak: 1.0 is perfectly even. ``None`` for fewer than two devices or a zero peak."""
     values = list(peaks.values())
-    if len(values) < 2 or min(values) <= 0:
-        return None
-    return max(values) / min(values)
+    return max(values) / min(values) if len(values) > 1 and min(values) > 0 else None
 
 
 def distinct_devices(devices: Sequence[torch.device]) -> list[torch.device]:
     """``devices`` without repeats, in order (``cpu`` and ``cpu:0`` are one device)."""
-    normalised = [torch.device("cpu") if d.type == "cpu" else d for d in devices]
-    return list(dict.fromkeys(normalised))
+    return list(dict.fromkeys(torch.device("cpu") if d.type == "cpu" else d for d in devices))
 
 
 def strategy_devices(trainer: L.Trainer) -> list[torch.device]:
     """Devices this process drives, repeats kept: a single-process strategy's ``parallel_devices``, else the root."""
-    strategy = trainer.strategy
-    listed = getattr(strategy, "parallel_devices", None) if trainer.world_size == 1 else None
-    return list(listed or [strategy.root_device])
+    listed = getattr(trainer.strategy, "parallel_devices", None) if trainer.world_size == 1 else None
+    return list(listed or [trainer.strategy.root_device])
 
 
 def read_device_memory(devices: Sequence[torch.device]) -> dict[str, float]:
@@ -72,7 +70,7 @@ def read_device_memory(devices: Sequence[torch.device]) -> dict[str, float]:
     for device in devices:
         if device.type == "cuda":
             values[f"{device}{PEAK_SUFFIX}"] = torch.cuda.max_memory_allocated(device) / MIB
-            values[f"{device}_reserved_peak_mib"] = torch.cuda.max_memory_reserved(device) / MIB
+            values[f"{device}_reserved{PEAK_SUFFIX}"] = torch.cuda.max_memory_reserved(device) / MIB
         elif device.type == "cpu":
             values.update(cpu_memory())
     return values
@@ -93,7 +91,7 @@ class DeviceMemoryMonitor(L.Callback):
     Every ``logging_interval`` training batches, to the loggers and ``trainer.callback_metrics``:
     ``memory/<device>_peak_mib`` per device (on CUDA also ``_reserved_peak_mib``), under ``ddp`` every rank's as
     ``memory/rank<r>_<device>_peak_mib``. A device listed several times (virtual devices) is reported once and sets
-    ``virtual``: no imbalance then. Logged directly, as ``LearningRateMonitor`` does.
+    ``virtual``: no imbalance then. Logged directly, as ``LearningRateMonitor`` does (whatever ``log_every_n_steps``).
 
     Args:
         logging_interval: log every this many training batches; ``None`` or ``0`` turns the monitor off.
@@ -145,13 +143,12 @@ class DeviceMemoryMonitor(L.Callback):
         values = self.read_memory()
         if trainer.world_size > 1:
             values = self._gather(trainer, values)
-        if not self.virtual:  # replicas on one device share its memory: nothing to compare
-            peaks = {k: v for k, v in values.items() if k.endswith(PEAK_SUFFIX) and "_reserved" not in k}
-            ratio = imbalance(peaks)
-            if ratio is not None:
-                values["imbalance"] = ratio
+        peaks = {k: v for k, v in values.items() if k.endswith(PEAK_SUFFIX) and "_reserved" not in k}
+        ratio = None if self.virtual else imbalance(peaks)  # replicas on one device share its memory
+        if ratio is not None:
+            values["imbalance"] = ratio
         metrics = {f"memory/{name}": value for name, value in values.items()}
-        for logger in trainer.loggers:
+        for logger in trainer.loggers:  # at the step self.log uses (Lightning's LearningRateMonitor reads it alike)
             logger.log_metrics(metrics, step=trainer.fit_loop.epoch_loop._batches_that_stepped)
         trainer.callback_metrics.update({name: torch.tensor(value) for name, value in metrics.items()})
         if self.reset_peak:
@@ -160,15 +157,13 @@ class DeviceMemoryMonitor(L.Callback):
         return values
 
     def _gather(self, trainer: L.Trainer, values: dict[str, float]) -> dict[str, float]:
-        """Every process's figures, named ``rank<r>_<device>_...``."""
+        """Every process's figures, named ``rank<r>_<device>_...`` (each process monitors its one device)."""
         device = self.devices[0]
         suffixes = [name.split("_", 1)[1] for name in values]  # "cuda:1_peak_mib" -> "peak_mib"
-        index = -1.0 if device.index is None else float(device.index)
-        local = torch.tensor([index, *values.values()], dtype=torch.float64, device=trainer.strategy.root_device)
-        gathered = trainer.strategy.all_gather(local).reshape(-1, local.numel()).cpu()
+        local = torch.tensor([-1 if device.index is None else device.index, *values.values()], dtype=torch.float64)
+        gathered = trainer.strategy.all_gather(local.to(trainer.strategy.root_device)).reshape(-1, local.numel())
         merged: dict[str, float] = {}
-        for rank, row in enumerate(gathered.tolist()):
-            label = device.type if row[0] < 0 else f"{device.type}:{int(row[0])}"
-            for suffix, value in zip(suffixes, row[1:], strict=True):
-                merged[f"rank{rank}_{label}_{suffix}"] = value
+        for rank, (index, *row) in enumerate(gathered.tolist()):
+            label = device.type if index < 0 else f"{device.type}:{int(index)}"
+            merged.update({f"rank{rank}_{label}_{suffix}": value for suffix, value in zip(suffixes, row, strict=True)})
         return merged

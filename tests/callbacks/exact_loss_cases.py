@@ -86,6 +86,12 @@ def masked_by_hand(net: TokenNet, batch: Any) -> Tensor:
     return (per_token * mask).sum() / mask.sum()
 
 
+def token_sum(net: TokenNet, batch: Any) -> Tensor:
+    """A sum over tokens (scaled, to keep SGD's steps small)."""
+    tokens, targets, _ = batch
+    return 0.01 * _token_ce(net, net(tokens)[0], targets, reduction="sum")
+
+
 def two_terms(net: TokenNet, batch: Any) -> Tensor:
     """A token mean plus a sequence mean (as BERT's MLM + NSP): two different counts."""
     tokens, targets, labels = batch
@@ -99,7 +105,7 @@ def unknown(net: TokenNet, batch: Any) -> Tensor:
 
 
 LOSSES: dict[str, Callable[[TokenNet, Any], Tensor]] = {
-    f.__name__: f for f in (token_mean, weighted, sample_mean, masked_by_hand, two_terms, unknown)
+    f.__name__: f for f in (token_mean, weighted, sample_mean, masked_by_hand, token_sum, two_terms, unknown)
 }
 
 
@@ -107,12 +113,12 @@ def flat(module: nn.Module) -> Tensor:
     return torch.cat([p.detach().flatten() for p in module.parameters()])
 
 
-def reference(loss: str, steps: int = SEQUENCES // GLOBAL_BATCH) -> Tensor:
-    """One device, plain PyTorch: each optimizer step on the whole global batch of 12 sequences."""
+def reference(loss: str, global_batch: int = GLOBAL_BATCH) -> Tensor:
+    """One device, plain PyTorch: each optimizer step on the whole global batch (of 12 sequences unless said)."""
     net, data = TokenNet(), dataset()
     optimizer = torch.optim.SGD(net.parameters(), lr=LR)
-    for step in range(steps):
-        batch = data[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH]
+    for step in range(SEQUENCES // global_batch):
+        batch = data[step * global_batch : (step + 1) * global_batch]
         optimizer.zero_grad()
         LOSSES[loss](net, batch).backward()
         optimizer.step()

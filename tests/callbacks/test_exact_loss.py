@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from exact_loss_cases import GLOBAL_BATCH, LOSSES, SEQUENCES, TokenNet, dataset, fit, flat, reference
+from exact_loss_cases import GLOBAL_BATCH, LOSSES, SEQUENCES, TokenNet, dataset, fit, flat, module_class, reference
 
 from benchmarks.compare.process_group import run_in_process_group
 from lightning_mgpu.callbacks.exact_loss import MEAN, SUM, TERMS, exact_loss_class, read_rule
@@ -81,8 +81,6 @@ def test_one_device_with_accumulation_equals_the_global_batch(tmp_path, loss):
         callbacks=[exact_loss, reading()],
         default_root_dir=tmp_path,
     )
-    from exact_loss_cases import module_class
-
     module = module_class()(loss)
     module.batch_size = 4
     with warnings.catch_warnings(record=True) as caught:
@@ -110,6 +108,15 @@ def test_parallel_criterion_with_accumulation(tmp_path, loss):
     assert distance(module, loss) < EXACT
 
 
+@pytest.mark.parametrize(("batch_size", "accumulate"), [(4, 3), (3, 3)])
+def test_a_sum_stays_a_sum_whatever_the_micro_batch_size(tmp_path, batch_size, accumulate):
+    """Lightning divides the loss by accumulate_grad_batches: read as ``sum / divisor``, that division is no count,
+    even where it equals the micro-batch's sample count (3 and 3: it was read as a mean over samples, 6e-2 off)."""
+    _, module, words = fit_recording("token_sum", batch_size, accumulate, root=tmp_path)
+    assert words == []
+    torch.testing.assert_close(flat(module), reference("token_sum", batch_size * accumulate), rtol=0, atol=EXACT)
+
+
 def test_dp_with_accumulation(tmp_path):
     """Under dp the step (and the loss) runs once, on the root: the callback reads that loss as on one device."""
     _, module, words = fit_recording("token_mean", 4, 3, strategy="dp", devices=2, root=tmp_path)
@@ -134,6 +141,27 @@ def test_an_unknown_loss_keeps_lightnings_weighting_said_once(tmp_path):
     torch.testing.assert_close(flat(module), flat(expected), rtol=0, atol=1e-12)
 
 
+def test_a_loss_that_changes_form_is_said_once(tmp_path):
+    """A micro-batch whose loss differs in form from the first (here: one the reader cannot explain) is said once and
+    read as the first's kind over the whole loss (a per-sample mean): training goes on."""
+    import lightning.pytorch as L
+
+    class Changing(module_class()):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return LOSSES["token_mean" if batch_idx == 0 else "unknown"](self.net, batch)
+
+    module = Changing("token_mean")
+    module.batch_size = 4
+    callbacks = [exact_loss_class()()]
+    trainer = L.Trainer(max_epochs=1, accumulate_grad_batches=3, callbacks=callbacks, default_root_dir=tmp_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module)
+    words = said(caught)
+    assert len(words) == 1 and "differs in form" in words[0] and "PowBackward0" in words[0], words
+    assert torch.isfinite(flat(module)).all()
+
+
 def test_a_sum_over_a_divisor_is_said_once_with_what_was_assumed(tmp_path, caplog):
     """``(loss * mask).sum() / mask.sum()``: a tensor divisor dividing a plain sum is a count (said once), so the
     steps are one device's; ``sum_divisor="constant"`` says otherwise, and then they are not."""
@@ -142,8 +170,8 @@ def test_a_sum_over_a_divisor_is_said_once_with_what_was_assumed(tmp_path, caplo
         _, module = fit("masked_by_hand", 4, 3, root=tmp_path, sum_divisor="constant")
     lines = [r.getMessage() for r in caplog.records if "ExactLoss" in r.getMessage()]
     assert len(lines) == 2, lines
-    assert "a tensor divisor, computed from the data (as mask.sum()): a count" in lines[0]
-    assert "a constant, as sum_divisor='constant' says" in lines[1]
+    assert "sum / divisor is read as a count" in lines[0] and "sum_divisor='constant'" in lines[0]  # the other reading
+    assert "sum / divisor is read as a constant" in lines[1] and "sum_divisor='constant'" in lines[1]
     assert distance(counted, "masked_by_hand") < EXACT
     assert distance(module, "masked_by_hand") > 1e-3
 
@@ -172,8 +200,21 @@ def test_pytorch_lightning_namespace(tmp_path):
     assert issubclass(flavour, pl.Callback) and not issubclass(flavour, L.Callback)
     _, module, words = fit_recording("weighted", 4, 3, namespace="pytorch_lightning", root=tmp_path)
     assert words == [] and distance(module, "weighted") < EXACT
-    with pytest.raises(TypeError, match="PytorchLightningExactLoss"):
-        pl.Trainer(callbacks=[exact_loss_class()()], logger=False).fit(module)
+    # The hooks read only what both Trainers have: the other namespace's class works too (only type checks differ).
+    module = module_class("pytorch_lightning")("weighted")
+    module.batch_size = 4
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        accumulate_grad_batches=3,
+        logger=False,
+        callbacks=[exact_loss_class()()],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module)
+    assert distance(module, "weighted") < EXACT
 
 
 def test_ddp_two_processes(tmp_path):
