@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lightning_mgpu.cli import check_recipes_extra, exit_on_command_error, put_cwd_on_sys_path
+from lightning_mgpu.cli import exit_on_missing_extra
 
 DEFAULT_STRATEGIES = ("single", "dp", "parallel_criterion", "ddp")
 DEFAULT_OUT = Path("lightning_logs/strategy_comparison")
@@ -172,11 +172,11 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         parser.error(f"config file(s) not found: {', '.join(missing)}")
     command = "python -m benchmarks.compare"
-    with exit_on_command_error(command):
-        # Checked here, before any worker starts: every worker would fail the same way. Class paths resolve from the
-        # current directory, as in the workers (``python -m`` puts it on their path).
-        put_cwd_on_sys_path()
-        check_recipes_extra(command, [a for c in args.config for a in ("--config", c)], ("jsonargparse", "matplotlib"))
+    with exit_on_missing_extra(command):
+        # Checked here, before any worker starts: every worker would fail the same way.
+        import jsonargparse  # noqa: F401
+        import matplotlib  # noqa: F401
+
         return _run(args, argv, cli_args, parser)
 
 

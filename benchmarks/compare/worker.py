@@ -27,7 +27,7 @@ import torch
 from benchmarks.compare.comm import ring_allreduce_bytes
 from benchmarks.compare.devices import plan_devices
 from benchmarks.compare.strategies import StrategySetup, strategy_setup
-from lightning_mgpu.cli import MissingExtraError, missing_extra_module
+from lightning_mgpu.cli import missing_extra_message
 
 # Trainer arguments the benchmark decides; every other trainer setting of the config is kept.
 CONTROLLED = frozenset(
@@ -262,9 +262,8 @@ def run(args: argparse.Namespace, cli_args: list[str]) -> dict[str, Any]:
 
 def _failure(args: argparse.Namespace, err: BaseException) -> dict[str, Any]:
     message = f"{type(err).__name__}: {err}".strip()
-    missing = missing_extra_module(err)
-    if missing is not None:
-        message = str(MissingExtraError(missing, "the benchmark's worker"))
+    if missing := missing_extra_message(err, "the benchmark's worker"):
+        message = missing
     elif isinstance(err, SystemExit):  # LightningCLI's parser printed its reason to the log, then exited
         message = f"LightningCLI rejected the configuration (exit status {err.code}): see the log's last lines"
     oom = isinstance(err, torch.cuda.OutOfMemoryError) or "out of memory" in message.lower()

@@ -12,7 +12,7 @@ import yaml
 
 import lightning_mgpu
 from benchmarks.compare.process_group import run_in_process_group
-from lightning_mgpu.cli import main, put_cwd_on_sys_path
+from lightning_mgpu.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = {"class_path": "lightning.pytorch.demos.boring_classes.BoringModel"}
@@ -105,11 +105,11 @@ def test_console_script_runs_a_recipe_config_from_the_current_directory(tmp_path
 
 
 def test_current_directory_goes_on_sys_path_once(tmp_path, monkeypatch):
+    """First, as ``python -m`` puts it (the console script's path lacks it), and once over several calls."""
     monkeypatch.chdir(tmp_path)
     cwd = os.getcwd()
-    monkeypatch.setattr(sys, "path", ["/elsewhere"])
-    assert put_cwd_on_sys_path() and sys.path == [cwd, "/elsewhere"]  # first, as `python -m` puts it
-    assert not put_cwd_on_sys_path() and sys.path == [cwd, "/elsewhere"]
-    for spelling in ("", ".", "sub/.."):  # already there under another spelling: left alone
-        monkeypatch.setattr(sys, "path", ["/elsewhere", spelling])
-        assert not put_cwd_on_sys_path() and sys.path == ["/elsewhere", spelling]
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if os.path.abspath(p or os.curdir) != cwd])
+    cfg = _write(tmp_path / "cfg.yaml", {})
+    for _ in range(2):
+        main(["-c", str(cfg)], run=False)
+    assert sys.path[0] == cwd and sys.path.count(cwd) == 1

@@ -1,5 +1,6 @@
 """What a new user reads in the first minutes: the strategy's set-up line, the one-device warning, the command's
-name, its messages for a misspelled strategy and for a recipe run from outside the clone, the public names."""
+name, the errors (Lightning's and jsonargparse's) for a misspelled strategy, for strategy arguments given to a name and
+for a recipe run from outside the clone, the public names."""
 
 from __future__ import annotations
 
@@ -54,110 +55,105 @@ def test_a_multi_device_strategy_on_one_device_warns(namespace, tmp_path):
         _fit_boring(ns, 1, tmp_path)
 
 
-def test_the_command_names_itself_as_the_user_ran_it(capsys, monkeypatch):
-    monkeypatch.setattr(sys, "argv", [str(REPO / "lightning_mgpu" / "__main__.py"), "--help"])
-    with pytest.raises(SystemExit):
-        cli.main()
-    assert capsys.readouterr().out.startswith("usage: python -m lightning_mgpu ")
-    monkeypatch.setattr(sys, "argv", ["/venv/bin/lightning-mgpu"])
-    assert cli.program_name() == "lightning-mgpu"
-
-
 @pytest.mark.parametrize(
-    ("given", "meant"),
+    ("argv0", "usage"),
     [
-        ("parallel_criterium", "parallel_criterion"),
-        ("DP", "dp"),
-        ("DDP", "ddp"),
-        ("ParallelCriterion", "parallel_criterion"),
+        (str(REPO / "lightning_mgpu" / "__main__.py"), "python -m lightning_mgpu"),
+        ("/venv/bin/lightning-mgpu", "lightning-mgpu"),
     ],
 )
-def test_a_misspelled_strategy_gets_the_registered_names(given, meant, capsys, monkeypatch):
-    monkeypatch.setattr(sys, "argv", ["lightning-mgpu"])
-    with pytest.raises(SystemExit) as exit:
-        cli.main(["fit", "-c", str(REPO / "configs/pyramidnet/quickstart.yaml"), f"--trainer.strategy={given}"])
-    assert exit.value.code == 1
-    (message,) = capsys.readouterr().err.strip().splitlines()
-    assert f"unknown strategy {given!r}. Did you mean {meant!r}?" in message
+def test_the_command_names_itself_as_the_user_ran_it(argv0, usage, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", [argv0, "--help"])
+    with pytest.raises(SystemExit):
+        cli.main()
+    assert capsys.readouterr().out.startswith(f"usage: {usage} ")
 
 
-@pytest.mark.parametrize("given", ["lightning_mgpu.ParallelCriterionStrategy", "ParallelCriterionStrategy"])
-def test_a_strategy_class_given_as_a_name_gets_the_class_path_form_that_works(given, capsys, monkeypatch, tmp_path):
-    """``--trainer.strategy=<a class>`` is a registered name to Lightning: one line says where a class goes, and the
-    options it suggests run."""
+QUICKSTART = ["-c", str(REPO / "configs/pyramidnet/quickstart.yaml")]
+
+
+@pytest.mark.parametrize("given", ["parallel_criterium", "data-parallel", "lightning_mgpu.ParallelCriterionStrategy"])
+def test_an_unknown_strategy_name_is_named_in_lightnings_error(given, monkeypatch, tmp_path):
+    """A misspelled name, or a class given as a name, is Lightning's own error, which names it (lower-cased)."""
     monkeypatch.setattr(sys, "argv", ["lightning-mgpu"])
-    config = ["-c", str(REPO / "configs/pyramidnet/quickstart.yaml"), f"--trainer.default_root_dir={tmp_path}"]
-    with pytest.raises(SystemExit) as exit:
-        cli.main(["fit", *config, f"--trainer.strategy={given}"])
-    assert exit.value.code == 1
-    (message,) = capsys.readouterr().err.strip().splitlines()
-    suggested = re.search(r"goes in (\S+)", message).group(1)
-    assert suggested == "--trainer.strategy.class_path=lightning_mgpu.ParallelCriterionStrategy"
-    built = cli.main([*config, suggested, "--trainer.strategy.init_args.loss_reduction=sum"], run=False)
-    assert type(built.trainer.strategy).__name__ == "ParallelCriterionStrategy"
-    assert built.trainer.strategy.normalization.spec() == "sum"
+    with pytest.raises(ValueError, match=re.escape(f"invalid strategy name: `strategy={given.lower()!r}`")):
+        cli.main([*QUICKSTART, f"--trainer.default_root_dir={tmp_path}", f"--trainer.strategy={given}"], run=False)
 
 
 @pytest.mark.parametrize(
-    ("name", "arguments"),
-    [("parallel_criterion", ["loss_reduction=sum"]), ("ddp_spawn", ["find_unused_parameters=true"])],
+    ("given", "expected"), [("DP", "DataParallelStrategy"), ("Parallel_Criterion", "ParallelCriterionStrategy")]
 )
-def test_strategy_arguments_for_a_strategy_given_by_name_get_the_class_path_that_works(
-    name, arguments, capsys, monkeypatch, tmp_path
-):
-    """``--trainer.strategy.init_args.*`` where the strategy is a name (the configs' form): one line names the class
-    option to put before them (with the name's registered arguments), and the command built that way runs."""
+def test_a_strategy_name_in_another_case_is_the_registered_one(given, expected, monkeypatch, tmp_path):
+    """As in ``Trainer(strategy=...)``, which lower-cases a name."""
     monkeypatch.setattr(sys, "argv", ["lightning-mgpu"])
-    config = ["-c", str(REPO / "configs/pyramidnet/quickstart.yaml"), f"--trainer.default_root_dir={tmp_path}"]
-    given = [f"--trainer.strategy={name}", *(f"--trainer.strategy.init_args.{a}" for a in arguments)]
+    built = cli.main([*QUICKSTART, f"--trainer.default_root_dir={tmp_path}", f"--trainer.strategy={given}"], run=False)
+    assert type(built.trainer.strategy).__name__ == expected
+
+
+@pytest.mark.parametrize(
+    ("name", "class_path", "arguments"),
+    [
+        ("parallel_criterion", "lightning_mgpu.ParallelCriterionStrategy", ["loss_reduction=sum"]),
+        (
+            "ddp_spawn",
+            "lightning.pytorch.strategies.DDPStrategy",
+            ["start_method=spawn", "find_unused_parameters=true"],
+        ),
+    ],
+)
+def test_strategy_arguments_go_with_a_class_path_not_a_name(name, class_path, arguments, capsys, monkeypatch, tmp_path):
+    """``--trainer.strategy.init_args.*`` where the strategy is a name (the configs' form) is jsonargparse's error,
+    which names the key and the name; with ``--trainer.strategy.class_path`` before them they work."""
+    monkeypatch.setattr(sys, "argv", ["lightning-mgpu"])
+    config = [*QUICKSTART, f"--trainer.default_root_dir={tmp_path}"]
+    options = [f"--trainer.strategy.init_args.{a}" for a in arguments]
     with pytest.raises(SystemExit) as exit:
-        cli.main(["fit", *config, *given])
-    assert exit.value.code == 1
-    (message,) = capsys.readouterr().err.strip().splitlines()
-    suggested = re.search(r"before the init_args options: (.+?) \(YAML", message).group(1).split()
-    built = cli.main([*config, *suggested, *given[1:]], run=False)
-    for argument in arguments:
-        key, value = argument.split("=")
-        assert (
-            str(getattr(built.trainer.strategy, key, None) or built.trainer.strategy._ddp_kwargs[key]).lower() == value
-        )
-    if name == "ddp_spawn":
-        assert built.trainer.strategy._start_method == "spawn"
+        cli.main(["fit", *config, f"--trainer.strategy={name}", *options])
+    assert exit.value.code == 2
+    error = capsys.readouterr().err
+    assert 'Parser key "trainer.strategy"' in error and name in error, error
+    strategy = cli.main([*config, f"--trainer.strategy.class_path={class_path}", *options], run=False).trainer.strategy
+    if name == "parallel_criterion":
+        assert strategy.normalization.spec() == "sum"
+    else:
+        assert strategy._start_method == "spawn" and strategy._ddp_kwargs["find_unused_parameters"] is True
 
 
 def test_strategy_arguments_after_a_config_that_names_the_class_are_accepted(monkeypatch, tmp_path):
     """A later config that gives ``class_path`` overrides the first config's strategy name: ``init_args`` options then
-    work and are not refused (the last config or option that sets the strategy decides)."""
+    work (the last config or option that sets the strategy decides)."""
     overlay = tmp_path / "strategy.yaml"
     overlay.write_text(
         "trainer:\n  strategy:\n    class_path: lightning_mgpu.ParallelCriterionStrategy\n"
         "    init_args:\n      loss_reduction: samples\n"
     )
     monkeypatch.setattr(sys, "argv", ["lightning-mgpu"])
-    config = ["-c", str(REPO / "configs/pyramidnet/quickstart.yaml"), f"--trainer.default_root_dir={tmp_path}"]
+    config = [*QUICKSTART, f"--trainer.default_root_dir={tmp_path}"]
     built = cli.main([*config, "-c", str(overlay), "--trainer.strategy.init_args.loss_reduction=sum"], run=False)
     assert built.trainer.strategy.normalization.spec() == "sum"
 
 
-def test_a_pytorch_lightning_class_in_this_cli_names_the_one_to_use(capsys, monkeypatch, tmp_path):
+def test_a_pytorch_lightning_class_in_this_cli_is_refused_by_name(capsys, monkeypatch, tmp_path):
+    """This tool runs ``lightning.pytorch``'s Trainer: jsonargparse says the class is no ``Strategy`` of it."""
     config = tmp_path / "strategy.yaml"
-    config.write_text(
-        "trainer:\n  strategy:\n    class_path: lightning_mgpu.strategies.pytorch_lightning.ParallelCriterionStrategy\n"
-    )
+    path = "lightning_mgpu.strategies.pytorch_lightning.ParallelCriterionStrategy"
+    config.write_text(f"trainer:\n  strategy:\n    class_path: {path}\n")
     monkeypatch.setattr(sys, "argv", ["lightning-mgpu"])
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as exit:
         cli.main(["fit", "-c", str(config)])
-    assert "use class_path: lightning_mgpu.ParallelCriterionStrategy" in capsys.readouterr().err
+    assert exit.value.code == 2
+    error = capsys.readouterr().err
+    assert 'Parser key "trainer.strategy"' in error and f"{path} does not correspond to a subclass of Strategy" in error
 
 
-def test_a_recipe_run_from_outside_the_clone_says_where_to_run_it(tmp_path):
+def test_a_recipe_run_from_outside_the_clone_names_the_module_it_cannot_import(tmp_path):
+    """Recipe class paths import from the current directory: jsonargparse names the class path and ``recipes``."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    command = [sys.executable, "-m", "lightning_mgpu", "fit", "-c", str(REPO / "configs/pyramidnet/quickstart.yaml")]
+    command = [sys.executable, "-m", "lightning_mgpu", "fit", *QUICKSTART]
     run = run_in_process_group(command, 120, cwd=tmp_path, env={**env, "OMP_NUM_THREADS": "1"}, log=tmp_path / "log")
-    assert run.returncode == 1, run.describe()
-    (message,) = [line for line in run.output.splitlines() if line.strip()]
-    assert message.startswith("python -m lightning_mgpu: cannot import 'recipes."), message
-    assert "run the command from the root of your lightning-mgpu clone" in message
+    assert run.returncode == 2, run.describe()
+    assert "Problem with given class_path 'recipes.pyramidnet." in run.output, run.describe()
+    assert "No module named 'recipes'" in run.output and "Traceback" not in run.output, run.describe()
 
 
 def test_public_names_are_listed_and_exported():
