@@ -22,9 +22,8 @@ from lightning_mgpu.parallel.collectives import is_gathered
 from lightning_mgpu.parallel.devices import DeviceLike, to_device
 from lightning_mgpu.parallel.reduce import Weight, stack_scalars, weighted_mean
 from lightning_mgpu.parallel.scatter_gather import (
-    BatchSplitError,
     PerSample,
-    batch_size_of,
+    agreed_size,
     contains_tensor,
     is_dataclass_instance,
     is_namedtuple,
@@ -48,16 +47,6 @@ class ReplicaValues(list):
         )
 
 
-def _ragged(outputs: list[Any], dim: int) -> ReplicaValues:
-    values = ReplicaValues(outputs)  # most often each shard padded to its own longest sequence
-    values.hint = (
-        f"Their shapes {[tuple(o.shape) for o in outputs]} differ beyond dim {dim}, the batch dimension: if each "
-        "replica padded to its own longest sequence, pad to one length (pad_packed_sequence(..., total_length=...), "
-        "a fixed max_length in the collate function), so that they concatenate in batch order."
-    )
-    return values
-
-
 def merge_outputs(
     outputs: Sequence[Any],
     device: DeviceLike,
@@ -73,7 +62,7 @@ def merge_outputs(
     sample counts, ``"sum"`` to add the replicas' values, or the merged value itself (a tensor: a loss its record
     combined).
     """
-    if isinstance(outputs, (Tensor, Mapping)) or not isinstance(outputs, Sequence) or isinstance(outputs, str):
+    if isinstance(outputs, (Tensor, Mapping, str)) or not isinstance(outputs, Sequence):
         raise TypeError(
             f"merge_outputs() takes the list of per-replica outputs (one entry per device), got a "
             f"{type(outputs).__name__}. Pass e.g. merge_outputs([out_0, out_1], device) or the list DataParallelModel "
@@ -83,10 +72,8 @@ def merge_outputs(
         raise ValueError("merge_outputs() needs at least one output.")
     if sizes is not None and len(sizes) != len(outputs):
         raise ValueError(f"merge_outputs() got {len(outputs)} outputs but {len(sizes)} sizes.")
-    try:
-        counts = list(sizes) if sizes is not None else [batch_size_of(o, dim, "output") for o in outputs]
-    except BatchSplitError:  # an output with no batch size: no sample counts
-        counts = None
+    counts = list(sizes) if sizes is not None else [agreed_size(o, dim) for o in outputs]
+    counts = None if None in counts else counts  # an output with no batch size: no sample counts
     return _Merger(to_device(device), dim, counts, weights or {}).merge(list(outputs), "output")
 
 
@@ -98,17 +85,17 @@ class _Merger:
     weights: Mapping[str, Sequence[Weight] | str | Tensor]
 
     def merge(self, outputs: list[Any], path: str) -> Any:
-        nones = [i for i, o in enumerate(outputs) if o is None]
+        first, nones = outputs[0], [i for i, o in enumerate(outputs) if o is None]
         if nones:
-            if len(nones) == len(outputs):
-                return None
-            raise _partial(path, "None", nones, len(outputs))
-        first = outputs[0]
+            if len(nones) < len(outputs):
+                raise _partial(path, "None", nones, len(outputs))
+            return None
         if isinstance(first, PerSample):
             _check_kind(outputs, path, PerSample, "a PerSample list")
             return PerSample(move_to(item, self.device) for o in outputs for item in o)
         if isinstance(first, (Tensor, np.ndarray)):
-            return self._arrays(outputs, path)
+            _check_kind(outputs, path)
+            return self._arrays(outputs, path) if first.ndim else self._scalars(outputs, path)
         if isinstance(first, (int, float, np.number)):  # bool included
             return self._scalars(outputs, path)
         if isinstance(first, Mapping):
@@ -116,44 +103,40 @@ class _Merger:
         if isinstance(first, (list, tuple)):
             return self._sequence(outputs, path)
         if is_dataclass_instance(first):
-            return self._dataclasses(outputs, path)
+            _check_kind(outputs, path)
+            names = [f.name for f in dataclasses.fields(first)]
+            return rebuild(first, [self.merge([getattr(o, n) for o in outputs], f"{path}.{n}") for n in names])
         return first if all_equal(outputs) else ReplicaValues(outputs)
 
-    def _dataclasses(self, outputs: list[Any], path: str) -> Any:
-        _check_kind(outputs, path)
-        names = [f.name for f in dataclasses.fields(outputs[0])]
-        return rebuild(outputs[0], [self.merge([getattr(o, n) for o in outputs], f"{path}.{n}") for n in names])
-
     def _arrays(self, outputs: list[Any], path: str) -> Any:
-        _check_kind(outputs, path)
-        first = outputs[0]
-        if first.ndim == 0:
-            return self._scalars(outputs, path)
+        first, dim = outputs[0], self.dim
         if isinstance(first, Tensor) and len(outputs) > 1 and all(map(is_gathered, outputs)):
             return first.to(self.device)  # every replica's all_gather of the whole batch: one device returns it once
-        if not _concatenable(outputs, self.dim):
-            return _ragged(outputs, self.dim)
-        held = [o.shape[self.dim] for o in outputs]
+        rest = first.shape[:dim] + first.shape[dim + 1 :]
+        if any(o.ndim <= dim or o.shape[:dim] + o.shape[dim + 1 :] != rest for o in outputs):
+            values = ReplicaValues(outputs)  # most often each shard padded to its own longest sequence
+            values.hint = (
+                f"Their shapes {[tuple(o.shape) for o in outputs]} differ beyond dim {dim}, the batch dimension: if "
+                "each replica padded to its own longest sequence, pad to one length (pad_packed_sequence(..., "
+                "total_length=...), a fixed max_length in the collate function), so that they concatenate in order."
+            )
+            return values
         # The same size on every device, none its sample count: a dimension that is not the batch's. (Sizes that
         # differ, as the rows of masked tokens, are per-sample data of varying length; the same multiple of every
         # device's count is its samples flattened with another dimension, as a language model's (batch * time).)
-        if (
-            self.sizes is not None
-            and len(set(held)) == 1
-            and all(h != n for h, n in zip(held, self.sizes, strict=True))
-            and not _flattened(held, self.sizes)
-        ):
+        held = [o.shape[dim] for o in outputs]
+        if self.sizes and len(set(held)) == 1 and set(held).isdisjoint(self.sizes) and not _flattened(held, self.sizes):
             warnings.warn(  # a message without the step's counts: said once per output
-                f"{path}: every device's array has as many entries along dim {self.dim}, none its sample count: "
-                f"concatenated along dim {self.dim}, as nn.DataParallel does. That is one device's result for rows "
-                "you selected (as many on each device by chance), not where the batch is on another dimension (an "
+                f"{path}: every device's array has as many entries along dim {dim}, none its sample count: "
+                f"concatenated along dim {dim}, as nn.DataParallel does. That is one device's result for rows you "
+                "selected (as many on each device by chance), not where the batch is on another dimension (an "
                 "LSTM's (layers, batch, hidden) state): return that batch first (h_n.transpose(0, 1)).",
                 UserWarning,
                 stacklevel=2,
             )
         if isinstance(first, Tensor):
-            return torch.cat([o.to(self.device) for o in outputs], dim=self.dim)
-        return np.concatenate(outputs, axis=self.dim)
+            return torch.cat([o.to(self.device) for o in outputs], dim=dim)
+        return np.concatenate(outputs, axis=dim)
 
     def _scalars(self, outputs: list[Any], path: str) -> Any:
         if all_equal(outputs):
@@ -163,14 +146,13 @@ class _Merger:
         weights = self.weights.get(path, self.sizes)
         if isinstance(weights, Tensor):  # the caller's merged value (a loss combined by its rule)
             return weights
-        if weights is None:
-            weights = [1] * len(outputs)
+        weights = [1] * len(outputs) if weights is None else weights
         if any(isinstance(o, Tensor) for o in outputs):
-            values = [torch.as_tensor(o).to(self.device).reshape(()) for o in outputs]
+            values = torch.stack([torch.as_tensor(o).to(self.device).reshape(()) for o in outputs])
             if isinstance(weights, str):  # "sum": a sum over each replica's samples
-                return torch.stack(values).sum()
-            dtype = torch.promote_types(values[0].dtype, torch.float32)
-            return weighted_mean(stack_scalars(values, self.device, dtype), stack_scalars(weights, self.device, dtype))
+                return values.sum()
+            dtype = torch.promote_types(values.dtype, torch.float32)
+            return weighted_mean(values.to(dtype), stack_scalars(weights, self.device, dtype))
         if isinstance(weights, str):
             return sum(outputs)
         floats = [float(w) for w in weights]
@@ -178,19 +160,17 @@ class _Merger:
 
     def _mapping(self, outputs: list[Any], path: str) -> Any:
         _check_kind(outputs, path, Mapping, "a mapping")
-        first = outputs[0]
         for key in dict.fromkeys(k for o in outputs for k in o):  # every key, in order of first appearance
             missing = [i for i, o in enumerate(outputs) if key not in o]
             if missing:
                 raise _partial(f"{path}[{key!r}]", "no value", missing, len(outputs), what="key")
-        return rebuild(first, {k: self.merge([o[k] for o in outputs], f"{path}[{k!r}]") for k in first})
+        return rebuild(outputs[0], {k: self.merge([o[k] for o in outputs], f"{path}[{k!r}]") for k in outputs[0]})
 
     def _sequence(self, outputs: list[Any], path: str) -> Any:
         first = outputs[0]
-        plain_lists = all(isinstance(o, list) for o in outputs) and not any(contains_tensor(o) for o in outputs)
+        plain_lists = all(isinstance(o, list) for o in outputs) and not any(map(contains_tensor, outputs))
         same_shape = all(type(o) is type(first) and len(o) == len(first) for o in outputs)
-        # Plain items (ids): one list in batch order, unless sample counts may tell a fixed structure from them.
-        if plain_lists and (self.sizes is None or not same_shape):
+        if plain_lists and (self.sizes is None or not same_shape):  # plain items (ids): one list in batch order
             return [x for o in outputs for x in o]
         if not is_namedtuple(first) and self._per_sample(outputs):
             return type(first)(move_to(x, self.device) for o in outputs for x in o)
@@ -206,24 +186,19 @@ class _Merger:
         """A list or tuple with one item per sample on every replica, not a fixed structure such as ``(preds, y)``:
         lengths equal to sample counts that differ between replicas settle it; else strings (and in lists, numbers)
         are per-sample, records are unless every tensor in them is batched, tensors are when ragged."""
-        sizes = self.sizes
+        sizes, dim = self.sizes, self.dim
         if sizes is None or any(len(o) != n for o, n in zip(outputs, sizes, strict=True)):
             return False
-        if len(set(sizes)) > 1:
-            return True
-        n = sizes[0]
         items = [item for o in outputs for item in o]
-        if all(isinstance(x, str) for x in items):
+        if len(set(sizes)) > 1 or all(isinstance(x, str) for x in items):
             return True
-        if isinstance(outputs[0], list) and all(_is_scalar(x) for x in items):
+        if isinstance(outputs[0], list) and all(map(_is_scalar, items)):
             return True
-        if all(isinstance(x, Mapping) for x in items) or all(is_dataclass_instance(x) for x in items):
+        if all(isinstance(x, Mapping) for x in items) or all(map(is_dataclass_instance, items)):
             tensors = [t for x in items for _, t in iter_tensors(x)]
-            return not tensors or not all(t.ndim > self.dim and t.shape[self.dim] == n for t in tensors)
+            return not tensors or not all(t.ndim > dim and t.shape[dim] == sizes[0] for t in tensors)
         if all(isinstance(x, (Tensor, np.ndarray)) for x in items):
-            return all(x.ndim > 0 for x in items) and not all(
-                x.ndim > self.dim and x.shape[self.dim] == n for x in items
-            )
+            return all(x.ndim > 0 for x in items) and not all(x.ndim > dim and x.shape[dim] == sizes[0] for x in items)
         return False
 
 
@@ -243,9 +218,9 @@ def all_equal(values: Sequence[Any]) -> bool:
 
 
 def _is_scalar(value: Any) -> bool:
-    return isinstance(value, (str, bytes, int, float, bool, type(None), np.number)) or (
-        isinstance(value, (Tensor, np.ndarray)) and value.ndim == 0
-    )
+    if isinstance(value, (Tensor, np.ndarray)):
+        return value.ndim == 0
+    return isinstance(value, (str, bytes, int, float, bool, type(None), np.number))
 
 
 def _flattened(held: Sequence[int], sizes: Sequence[int]) -> bool:
@@ -253,16 +228,6 @@ def _flattened(held: Sequence[int], sizes: Sequence[int]) -> bool:
     dimension (a language model's ``(batch * time, vocab)`` logits), which concatenate as one device's."""
     multiples = {h // n if n and h % n == 0 else None for h, n in zip(held, sizes, strict=True)}
     return len(multiples) == 1 and None not in multiples
-
-
-def _concatenable(outputs: Sequence[Any], dim: int) -> bool:
-    """Arrays that agree on every dimension but ``dim``."""
-    first = outputs[0]
-    return all(
-        o.ndim == first.ndim > dim
-        and all(a == b for d, (a, b) in enumerate(zip(o.shape, first.shape, strict=True)) if d != dim)
-        for o in outputs
-    )
 
 
 def _partial(path: str, value: str, replicas: list[int], total: int, what: str = "value") -> ValueError:

@@ -22,23 +22,21 @@ LOSS_REDUCTIONS = get_args(LossReduction)
 def as_float_weights(weights: Sequence[Weight], what: str = "loss weight") -> list[float]:
     """Weights as Python floats (a host sync for tensors, which zero-weight detection needs anyway), each a number or
     a one-element tensor, finite and >= 0, not all 0 (the weighted mean is undefined); else an error naming it."""
-    for index, weight in enumerate(weights):
-        is_number = isinstance(weight, (int, float)) and not isinstance(weight, bool)
-        if not (is_number or (isinstance(weight, Tensor) and weight.numel() == 1)):
-            shown = f"a tensor of shape {tuple(weight.shape)}" if isinstance(weight, Tensor) else repr(weight)
+    for i, w in enumerate(weights):
+        one_element = isinstance(w, (int, float)) or (isinstance(w, Tensor) and w.numel() == 1)
+        if isinstance(w, bool) or not one_element:
+            shown = f"a tensor of shape {tuple(w.shape)}" if isinstance(w, Tensor) else repr(w)
             raise TypeError(
-                f"The {what} of replica {index} is {shown}; it must be a number or a one-element tensor: the count "
+                f"The {what} of replica {i} is {shown}; it must be a number or a one-element tensor: the count "
                 "(samples, valid tokens...) that replica's mean loss averages over."
             )
     floats = [float(w) for w in weights]
-    bad = [(i, w) for i, w in enumerate(floats) if not math.isfinite(w) or w < 0]
-    if bad:
+    if bad := [f"{w} on replica {i}" for i, w in enumerate(floats) if not math.isfinite(w) or w < 0]:
         raise ValueError(
             f"The {what}s must be finite and >= 0 (each is the count a replica's mean loss averages over), got "
-            + ", ".join(f"{w} on replica {i}" for i, w in bad)
-            + "."
+            f"{', '.join(bad)}."
         )
-    if not any(w > 0 for w in floats):
+    if not any(floats):
         raise ValueError(
             "Every replica has loss weight 0 (e.g. no valid target in the whole batch): the weighted mean is "
             "undefined. Skip such a batch (return None from training_step) or give it a weight."
@@ -49,25 +47,12 @@ def as_float_weights(weights: Sequence[Weight], what: str = "loss weight") -> li
 def weighted_mean(values: Tensor, weights: Tensor) -> Tensor:
     """The one weighted mean, ``sum(w_i * v_i) / sum(w_i)`` over 1-D tensors on one device, with no host sync; an
     entry of weight 0 takes no part (its NaN mean over no valid token cannot poison the result)."""
-    kept = weights > 0
-    return torch.where(kept, values, torch.zeros_like(values)).mul(weights).sum() / weights.sum()
+    return torch.where(weights > 0, values, torch.zeros_like(values)).mul(weights).sum() / weights.sum()
 
 
 def stack_scalars(values: Sequence[Weight], device: torch.device, dtype: torch.dtype) -> Tensor:
     """Numbers or one-element tensors as one 1-D tensor on ``device``, for :func:`weighted_mean` (no host sync)."""
     return torch.stack([torch.as_tensor(value).to(device, dtype).reshape(()) for value in values])
-
-
-def _scalar_on(loss: Tensor, device: torch.device, index: int) -> Tensor:
-    if not isinstance(loss, Tensor):
-        raise TypeError(f"The loss of replica {index} is a {type(loss).__name__}, expected a scalar tensor.")
-    if loss.numel() != 1:
-        raise ValueError(
-            f"The loss of replica {index} has shape {tuple(loss.shape)}; only scalar losses can be reduced. "
-            "Reduce it to a scalar (e.g. `.mean()`), or gather per-sample losses instead."
-        )
-    loss = loss.reshape(()).to(device)
-    return loss.to(torch.promote_types(loss.dtype, torch.float32))  # never reduce in half precision or integers
 
 
 def reduce_losses(
@@ -83,17 +68,25 @@ def reduce_losses(
         raise ValueError(f"Unknown loss reduction {reduction!r}: choose one of {LOSS_REDUCTIONS}.")
     if not losses:
         raise ValueError("reduce_losses() needs at least one loss.")
-    # A first loss that is no tensor has no device: the TypeError below names it.
     root = to_device(device) if device is not None else getattr(losses[0], "device", torch.device("cpu"))
     scalars = [_scalar_on(loss, root, i) for i, loss in enumerate(losses)]
-    if reduction == "sum":
-        return torch.stack(scalars).sum()
-    if reduction == "replica_mean" or weights is None:
-        return torch.stack(scalars).mean()
+    if reduction != "weighted" or weights is None:
+        return torch.stack(scalars).sum() if reduction == "sum" else torch.stack(scalars).mean()
     if len(weights) != len(losses):
         raise ValueError(f"Got {len(weights)} weights for {len(losses)} losses.")
-    values = as_float_weights(weights)
     # A replica with weight 0 is left out of the graph too: backward through a mean over nothing is NaN.
-    kept = [(s, w) for s, w in zip(scalars, values, strict=True) if w > 0]
+    kept = [(s, w) for s, w in zip(scalars, as_float_weights(weights), strict=True) if w > 0]
     stacked = torch.stack([s for s, _ in kept])
     return weighted_mean(stacked, torch.tensor([w for _, w in kept], dtype=stacked.dtype, device=root))
+
+
+def _scalar_on(loss: Tensor, device: torch.device, index: int) -> Tensor:
+    if not isinstance(loss, Tensor):
+        raise TypeError(f"The loss of replica {index} is a {type(loss).__name__}, expected a scalar tensor.")
+    if loss.numel() != 1:
+        raise ValueError(
+            f"The loss of replica {index} has shape {tuple(loss.shape)}; only scalar losses can be reduced. "
+            "Reduce it to a scalar (e.g. `.mean()`), or gather per-sample losses instead."
+        )
+    loss = loss.reshape(()).to(device)
+    return loss.to(torch.promote_types(loss.dtype, torch.float32))  # never reduce in half precision or integers

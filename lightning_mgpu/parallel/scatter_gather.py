@@ -1,22 +1,21 @@
-"""Split a batch (nested mappings, sequences, namedtuples, dataclasses) into per-device chunks, and the one walker
-over such structures. Tensors split along ``dim`` as ``torch.tensor_split`` does (10 over 4: 3, 3, 2, 2), lists of
-plain items as long as the batch (ids) alike; anything else goes whole to every replica. Inputs holding a
-``transformers`` cache, which each replica would append to, run once, unsplit (:class:`SharedStateError`).
+"""Split a batch into per-device chunks; the one walker over batch structures; torch's ``scatter`` and ``gather``.
 
-Given the sample counts the batch may hold (``samples``: its DataLoader's batch size, then its last batch's), a list
-or tuple of that many items of one outline (a collate_fn that returns its samples as they are: lightning-bolts-style
-SimCLR ``((view1, view2), label)`` pairs) is split by item, as :class:`PerSample` is, where the tensors inside would
-otherwise be cut along their own first dimension; a batch whose other parts disagree with that count is refused.
+Containers: mappings (``transformers``' ``ModelOutput`` and ``BatchEncoding`` too), namedtuples, lists, tuples and
+dataclasses. The walker is ours, not ``torch.utils._pytree``'s: its registry knows neither dataclasses nor mapping
+subclasses, and error messages need key paths. Tensors split along ``dim`` as ``torch.tensor_split`` does (10 over 4:
+3, 3, 2, 2); a :class:`PerSample` list, a list of plain items (ids) or a tuple of strings as long as the batch split
+by item; anything else goes whole to every replica. Given the DataLoader's sample counts (``samples``: its batch size,
+then its last batch's), a list or tuple of that many items of one outline (a collate_fn that returns its samples as
+they are: SimCLR's ``((view1, view2), label)`` pairs) splits by item too, rather than cutting each image's channels.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import itertools
 import warnings
 from collections import Counter, defaultdict
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from itertools import accumulate
 from typing import Any, TypeVar
 
 import torch
@@ -25,6 +24,8 @@ from torch import Tensor, nn
 from lightning_mgpu.parallel.devices import DeviceLike, to_device
 
 T = TypeVar("T")
+Roots = Sequence[tuple[str, Any]]  # (name as messages print it, value): a batch, or a call's arguments
+Paths = list[tuple[str, Tensor]]
 
 
 class BatchSplitError(ValueError):
@@ -44,6 +45,7 @@ class PerSample(list):
     by item and concatenated back. Its length is the batch size, which every batched tensor must agree with."""
 
 
+# --- the walker -------------------------------------------------------------------------------------------------------
 def is_namedtuple(obj: Any) -> bool:
     """A ``namedtuple`` / ``typing.NamedTuple`` instance: a fixed structure, never a per-sample sequence."""
     return isinstance(obj, tuple) and hasattr(obj, "_fields")
@@ -53,402 +55,48 @@ def is_dataclass_instance(obj: Any) -> bool:
     return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
 
 
-def is_shared_state(obj: Any) -> bool:
-    """A ``transformers`` cache (``DynamicCache``...), known by its base class's name: parallel/ never imports it."""
-    return any(c.__name__ == "Cache" and c.__module__ == "transformers.cache_utils" for c in type(obj).__mro__)
-
-
-def shared_state(roots: Sequence[tuple[str, Any]]) -> str | None:
-    """Where the inputs (``(name, value)`` pairs) hold a :func:`is_shared_state` object, with its type; else None."""
-    found = (f"{p} ({type(n).__name__})" for root, v in roots for p, n in iter_nodes(v, root) if is_shared_state(n))
-    return next(found, None)
-
-
-def contains_tensor(obj: Any) -> bool:
-    return any(True for _ in iter_tensors(obj))
-
-
-def _is_per_sample_list(obj: Any, batch_size: int | None) -> bool:
-    """A list of plain items (ids) or a tuple of strings with one item per sample: split like a tensor. Tuples of
-    numbers are more often options (``size=(16, 16)``); a list of batch-long sequences is ``default_collate``'s
-    structure, whose sequences are split."""
-    if batch_size is None or not isinstance(obj, (list, tuple)) or len(obj) != batch_size:
-        return False
-    if isinstance(obj, tuple):
-        return _is_string_sequence(obj)
-    collated = all(_is_plain_sequence(item) and len(item) == batch_size for item in obj)
-    return not collated and not contains_tensor(obj)
-
-
-def _is_string_sequence(obj: Any) -> bool:
-    return _is_plain_sequence(obj) and all(isinstance(x, str) for x in obj)
-
-
 def _children(obj: Any) -> tuple[bool, Iterable[tuple[Any, Any]]] | None:
     """``(keys are field names, (key, child) pairs)`` of a container, None for a leaf; :func:`rebuild` closes it."""
-    if isinstance(obj, Mapping):  # ModelOutput included
+    if isinstance(obj, Tensor):
+        return None
+    if isinstance(obj, Mapping):  # ModelOutput (a dataclass too) included
         return False, obj.items()
-    if is_namedtuple(obj):
-        return True, zip(obj._fields, obj, strict=True)
     if isinstance(obj, (list, tuple)):
-        return False, enumerate(obj)
+        return (True, zip(obj._fields, obj, strict=True)) if is_namedtuple(obj) else (False, enumerate(obj))
     if is_dataclass_instance(obj):
         return True, ((f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj))
     return None
 
 
-def _child_path(path: str, key: Any, by_field: bool) -> str:
-    return f"{path}.{key}" if by_field else f"{path}[{key!r}]"
+def _labelled(path: str, obj: Any) -> list[tuple[str, Any]]:
+    """``(key path, child)`` for each child of ``obj``."""
+    by_field, pairs = _children(obj) or (False, ())
+    return [(f"{path}.{k}" if by_field else f"{path}[{k!r}]", child) for k, child in pairs]
 
 
-def iter_nodes(
-    obj: Any,
-    path: str = "batch",
-    per_sample: list[tuple[str, Sequence[Any]]] | None = None,
-    items: Collection[int] = (),
-) -> Iterator[tuple[str, Any]]:
+def iter_nodes(obj: Any, path: str = "batch", closed: Callable[[Any], bool] | None = None) -> Iterator[tuple[str, Any]]:
     """``(key path, node)`` for ``obj`` and everything in it, outermost first, paths as errors print them
-    (``batch['mask']``, ``output.logits``). :class:`PerSample` lists, and the sequences whose ``id`` is in ``items``
-    (split by item too), go to a given ``per_sample`` list instead."""
-    if per_sample is not None and (isinstance(obj, PerSample) or id(obj) in items):
-        per_sample.append((path, obj))
-        return
-    yield path, obj
-    children = _children(obj)
-    if children is not None:
-        by_field, pairs = children
-        for key, child in pairs:
-            yield from iter_nodes(child, _child_path(path, key, by_field), per_sample, items)
+    (``batch['mask']``, ``output.logits``); a node for which ``closed(node)`` is True is not opened."""
+    stack = [(path, obj)]
+    while stack:
+        path, node = stack.pop()
+        yield path, node
+        if closed is None or not closed(node):
+            stack += reversed(_labelled(path, node))
 
 
 def iter_tensors(obj: Any, path: str = "batch") -> Iterator[tuple[str, Tensor]]:
     return ((p, node) for p, node in iter_nodes(obj, path) if isinstance(node, Tensor))
 
 
-def batch_size_of(obj: Any, dim: int = 0, path: str = "batch") -> int:
-    return roots_batch_size([(path, obj)], dim, type(obj).__name__)
-
-
-def roots_batch_size(
-    roots: Sequence[tuple[str, Any]], dim: int = 0, what: str = "no tensor argument", *, samples: Sequence[int] = ()
-) -> int:
-    """The length of the :class:`PerSample` lists, else the size along ``dim`` that every tensor having it shares,
-    of the ``(name, value)`` roots; a :class:`BatchSplitError` naming both key paths when two disagree, with the fix
-    (``samples``, the DataLoader's counts where known, tells which part is the odd one)."""
-    marked: list[tuple[str, Sequence[Any]]] = []
-    tensors = [(p, n) for path, obj in roots for p, n in iter_nodes(obj, path, marked) if isinstance(n, Tensor)]
-    sized = [(p, len(seq), f"{len(seq)} items") for p, seq in marked]  # PerSample lists first: they set the size
-    sized += [(p, t.shape[dim], f"size {t.shape[dim]}") for p, t in tensors if t.dim() > dim]
-    if not sized:
-        raise NothingToSplitError(
-            f"Cannot split the batch along dim {dim}: it holds no tensor with a dimension {dim} "
-            f"(got {what}). Pass tensors, or collections of tensors, with the batch along dim {dim}."
-        )
-    first_path, size, _ = sized[0]
-    mismatch = next(((path, shown) for path, other, shown in sized if other != size), None)
-    if mismatch is not None:
-        first = f"{first_path} is a PerSample of {size} items" if marked else f"{first_path} has size {size}"
-        lists = ", and every PerSample list," if marked else ""
-        hint = None if marked else _mismatch_hint(roots, tensors, dim, samples)
-        raise BatchSplitError(
-            f"Cannot split the batch along dim {dim}: {first} but {mismatch[0]} has {mismatch[1]}. Every tensor with "
-            f"a batch dimension{lists} must have the same batch size." + (f" {hint}" if hint else "")
-        )
-    if marked and not size:
-        raise BatchSplitError(f"Cannot split an empty batch: {first_path} is an empty PerSample.")
-    return size
-
-
-def _mismatch_hint(
-    roots: Sequence[tuple[str, Any]], tensors: Sequence[tuple[str, Tensor]], dim: int, samples: Sequence[int]
-) -> str:
-    """The advice for tensors of different batch sizes: the first specific one that fits, else the general one."""
-    hints: list[Callable[[Sequence[tuple[str, Any]], Sequence[tuple[str, Tensor]], int], str | None]] = [
-        _parts_hint,
-        functools.partial(_count_hint, samples=samples),
-        _per_sample_hint,
-        _flat_ids_hint,
-    ]
-    if dim:  # labels shaped (B, 1) beside (T, B, F) inputs: their samples are on dim 0
-        hints.insert(0, functools.partial(_batch_dim_hint, samples=samples))
-    return next(filter(None, (h(roots, tensors, dim) for h in hints)), None) or (
-        "If one of them is not per sample, keep it out of what is split: class weights in the loss module "
-        "(`nn.CrossEntropyLoss(weight=w)`, whose weighting the replicas' losses then follow), other values "
-        "(a temperature) as a buffer of the module (`register_buffer`), a 0-dim tensor or a Python number, "
-        "which every replica gets whole."
-    )
-
-
-def _batch_dim_hint(
-    roots: Sequence[tuple[str, Any]], tensors: Sequence[tuple[str, Tensor]], dim: int, samples: Sequence[int]
-) -> str | None:
-    """Advice for a tensor whose samples are on another dimension than ``dim`` (``(B, 1)`` labels beside ``(T, B, F)``
-    inputs with ``dim=1``): where they are, and how to put them on ``dim`` and back. The batch size is the
-    DataLoader's where known (``samples``), else the size most tensors have along ``dim``."""
-    along = [(p, t.shape[dim]) for p, t in tensors if t.dim() > dim]
-    batch = set(samples) or {Counter(n for _, n in along).most_common(1)[0][0]}
-    where = next((p for p, n in along if n in batch), None)
-    for path, t in tensors:
-        if where is None or t.dim() <= dim or t.shape[dim] in batch:
-            continue
-        axis = next((a for a, n in enumerate(t.shape) if n in batch and a != dim), None)
-        if axis is None:
-            continue
-        moved = list(t.shape)
-        moved.insert(dim, moved.pop(axis))
-        return (
-            f"{path} has shape {tuple(t.shape)}: its {t.shape[axis]} samples are on dim {axis}, not on dim {dim}, "
-            f"which the batch is split along ({where} has {t.shape[axis]} there). Put them on dim {dim} in your "
-            f"collate_fn, `.movedim({axis}, {dim})` (shape {tuple(moved)}), and back in the step, "
-            f"`.movedim({dim}, {axis})`: each device then gets its samples' rows. (Kept out of the batch, every device "
-            "would get all of them.)"
-        )
-    return None
-
-
-def _count_hint(
-    roots: Sequence[tuple[str, Any]], tensors: Sequence[tuple[str, Tensor]], dim: int, samples: Sequence[int]
-) -> str | None:
-    """Advice for a sequence of items of one outline, none of them a batch, as long as none of the DataLoader's
-    counts, beside tensors that hold one: it cannot hold one item per sample."""
-    counted = [(p, t.shape[dim]) for p, t in tensors if t.dim() > dim and t.shape[dim] in samples]
-    if not counted:
-        return None
-    for root, obj in roots:
-        for where, seq in iter_nodes(obj, root):
-            if not _one_outline(seq) or len(seq) in samples or not _unbatched(seq, samples, dim):
-                continue
-            path, count = next(((p, n) for p, n in counted if not p.startswith(f"{where}[")), (None, 0))
-            if path is None:
-                continue
-            return (
-                f"{where} is a {_container(seq)} of {len(seq)} {_kind_name(seq)}, but the DataLoader's batch holds "
-                f"{count} samples ({path} has {count}): a sequence split by item must hold one item per sample. "
-                f"Return every sample's item from your collate_fn ({count} of them); if its items are not samples, "
-                f"stack its tensors with the batch on dim {dim}, or keep it out of the batch (a buffer of the module)."
-            )
-    return None
-
-
-def _parts_hint(roots: Sequence[tuple[str, Any]], tensors: Sequence[tuple[str, Tensor]], dim: int) -> str | None:
-    """Advice for a batch whose parts are batches of different sizes (a ``CombinedLoader`` of several dataloaders):
-    each part's tensors agree, the parts do not."""
-    if len(roots) != 1 or not isinstance(roots[0][1], (Mapping, list, tuple)) or len(roots[0][1]) < 2:
-        return None
-    root, parts = roots[0]
-    keys = parts.keys() if isinstance(parts, Mapping) else range(len(parts))
-    if not all(isinstance(parts[key], (Mapping, list, tuple)) for key in keys):  # each part a batch of its own
-        return None
-    sizes = {}
-    for key in keys:
-        where = f"{root}[{key!r}]"
-        inside = {t.shape[dim] for p, t in tensors if p.startswith(where) and t.dim() > dim}
-        if len(inside) != 1:
-            return None
-        sizes[where] = inside.pop()
-    if len(set(sizes.values())) < 2:
-        return None
-    shown = ", ".join(f"{where} {size}" for where, size in sizes.items())
-    return (
-        f"Its parts are batches of different sizes ({shown}), as several dataloaders give together (CombinedLoader): "
-        "give every DataLoader the same batch_size and drop_last=True, or use strategy='dp', whose forward splits "
-        "the inputs of each call apart."
-    )
-
-
-def _flat_ids_hint(roots: Sequence[tuple[str, Any]], tensors: Sequence[tuple[str, Tensor]], dim: int) -> str | None:
-    """Advice for flat ids with offsets (``nn.EmbeddingBag``'s input), when the batch is 1-D integer tensors."""
-    if len(tensors) < 2 or any(t.dim() != 1 or t.is_floating_point() or t.is_complex() for _, t in tensors):
-        return None
-    return (
-        "If these are flat ids with offsets (as nn.EmbeddingBag takes), pass one item per sample instead, e.g. "
-        "lightning_mgpu.PerSample(list_of_bags) from your collate_fn, and flatten it in forward."
-    )
-
-
-def _per_sample_hint(roots: Sequence[tuple[str, Any]], tensors: Sequence[tuple[str, Tensor]], dim: int) -> str | None:
-    """Advice to mark a list with :class:`PerSample` when that settles it: a list of dicts, dataclasses or tensors
-    as long as the batch size of a tensor outside it, holding a tensor of another size."""
-    for root, obj in roots:
-        for where, seq in iter_nodes(obj, root):
-            if not _is_plain_sequence(seq) or not (
-                any(all(isinstance(x, k) for x in seq) for k in (Mapping, Tensor))
-                or all(is_dataclass_instance(x) for x in seq)
-            ):
-                continue
-            inside = [t for p, t in tensors if p.startswith(f"{where}[") and t.dim() > dim]
-            outside = {t.shape[dim] for p, t in tensors if not p.startswith(f"{where}[") and t.dim() > dim}
-            if len(seq) in outside and any(t.shape[dim] != len(seq) for t in inside):
-                kind = "dicts" if isinstance(seq[0], Mapping) else type(seq[0]).__name__ + "s"
-                container = "tuple" if isinstance(seq, tuple) else "list"
-                return (
-                    f"{where} is a {container} of {len(seq)} {kind}, as many as the batch: if it holds one item per "
-                    "sample (e.g. detection targets, images of different sizes), wrap it in "
-                    "lightning_mgpu.PerSample(...) in your collate_fn so that it is split by item."
-                )
-    return None
-
-
-def _is_plain_sequence(obj: Any) -> bool:
-    """A non-empty list or tuple that is not a namedtuple (a fixed structure)."""
-    return isinstance(obj, (list, tuple)) and not is_namedtuple(obj) and bool(obj)
-
-
-def _is_plain_items(obj: Any) -> bool:
-    """A list or tuple of plain items only (ids, strings, numbers): no container, no tensor."""
-    return (
-        isinstance(obj, (list, tuple))
-        and not is_namedtuple(obj)
-        and all(_children(x) is None and not isinstance(x, Tensor) for x in obj)
-    )
-
-
-def _outline(obj: Any) -> Any:
-    """A hashable outline of ``obj``: its containers' types and keys (a sequence's: its items' outlines), its tensors'
-    numbers of dimensions, its other leaves' types; a sequence of plain items whatever its length. The samples of one
-    data set share it."""
-    if isinstance(obj, Tensor):
-        return Tensor, obj.dim()
-    children = _children(obj)
-    if children is None:
-        return type(obj)
-    if _is_plain_items(obj):
-        return type(obj), "plain items"
-    by_field, pairs = children
-    keyed = by_field or isinstance(obj, Mapping)
-    return type(obj), tuple((key if keyed else None, _outline(child)) for key, child in pairs)
-
-
-def _batched(obj: Any, count: int, dim: int) -> bool:
-    """Whether every part of ``obj`` holds ``count`` samples (tensors with ``count`` along ``dim``, sequences of
-    ``count`` plain items, containers of such parts), as ``default_collate``'s structures do; a sample's item does not
-    (its image's channels, its label: a number)."""
-    if isinstance(obj, Tensor):
-        return obj.dim() > dim and obj.shape[dim] == count
-    children = _children(obj)
-    if children is None:
-        return False
-    if isinstance(obj, PerSample) or _is_plain_items(obj):
-        return len(obj) == count
-    values = [child for _, child in children[1]]
-    return bool(values) and all(_batched(value, count, dim) for value in values)
-
-
-def _one_outline(seq: Any) -> bool:
-    """A list or tuple (not a :class:`PerSample`) holding tensors, whose items share one :func:`_outline`."""
-    if not _is_plain_sequence(seq) or isinstance(seq, PerSample) or not contains_tensor(seq):
-        return False
-    first = _outline(seq[0])
-    return all(_outline(item) == first for item in seq[1:])
-
-
-def _unbatched(seq: Sequence[Any], counts: Iterable[int], dim: int) -> bool:
-    """Whether no item of ``seq`` holds a batch of any of ``counts`` samples."""
-    return not any(_batched(item, count, dim) for count in counts for item in seq)
-
-
-def _samples_sequence(seq: Any, count: int, dim: int, counts: Sequence[int]) -> bool:
-    """Whether ``seq`` holds one item per sample of a batch of ``count``: a list or tuple of ``count`` items of one
-    outline, holding tensors, that are not batches themselves (of any of the DataLoader's ``counts``: a full batch's
-    two stacked views are no last batch of two samples): no tensor item is a batch, and not every container item is
-    (a detection target may hold as many boxes as the batch has samples). A tuple whose items are such sequences is
-    ``zip(*batch)``'s tuple of per-field tuples (``(images, targets)``), not samples; a list of them is (a
-    collate_fn's own list)."""
-    if not isinstance(seq, (list, tuple)) or len(seq) != count or not _one_outline(seq):
-        return False
-    batched = (any(_batched(item, n, dim) for n in counts) for item in seq)  # lazy: any() and all() stop early
-    if any(batched) if isinstance(seq[0], Tensor) else all(batched):
-        return False
-    return not (isinstance(seq, tuple) and all(_samples_sequence(item, count, dim, counts) for item in seq))
-
-
-def _find_samples(
-    obj: Any, path: str, count: int, dim: int, counts: Sequence[int]
-) -> Iterator[tuple[str, Sequence[Any]]]:
-    """``(key path, sequence)`` for the outermost sequences in ``obj`` that hold one item per sample of ``count``."""
-    if isinstance(obj, (Tensor, PerSample)):
-        return
-    if _samples_sequence(obj, count, dim, counts):
-        yield path, obj
-        return
-    children = _children(obj)
-    if children is not None:
-        by_field, pairs = children
-        for key, child in pairs:
-            yield from _find_samples(child, _child_path(path, key, by_field), count, dim, counts)
-
-
-def _sample_items(roots: Sequence[tuple[str, Any]], dim: int, samples: Sequence[int]) -> list[tuple[str, Any]]:
-    """The sequences to split by item, for the first of the DataLoader's counts (``samples``) that any sequence holds
-    one item per sample of; none where none does (the batch size is then the tensors'). A batch whose other parts
-    disagree with that count is refused."""
-    for count in samples:
-        found = [hit for root, obj in roots for hit in _find_samples(obj, root, count, dim, samples)]
-        if found:
-            _check_count(roots, dim, count, found)
-            return found
-    return []
-
-
-def _check_count(roots: Sequence[tuple[str, Any]], dim: int, count: int, found: list[tuple[str, Any]]) -> None:
-    """A :class:`BatchSplitError` where a tensor outside the sequences ``found`` or a :class:`PerSample` list holds
-    another number of samples than ``count``, naming both and the fix."""
-    ids = {id(seq) for _, seq in found}
-    marked: list[tuple[str, Sequence[Any]]] = []
-    for root, obj in roots:
-        for path, node in iter_nodes(obj, root, marked, ids):
-            if isinstance(node, Tensor) and node.dim() > dim and node.shape[dim] != count:
-                raise BatchSplitError(_count_conflict(found[0], count, dim, path, f"size {node.shape[dim]}"))
-    for path, seq in marked:
-        if isinstance(seq, PerSample) and len(seq) != count:
-            raise BatchSplitError(_count_conflict(found[0], count, dim, path, f"{len(seq)} items (a PerSample)"))
-
-
-def _count_conflict(found: tuple[str, Any], count: int, dim: int, path: str, shown: str) -> str:
-    where, seq = found
-    return (
-        f"Cannot split the batch along dim {dim}: {where} is a {_container(seq)} of {count} {_kind_name(seq)}, one "
-        f"per sample of the DataLoader's batch ({count} samples), so it is split by item, but {path} has {shown} "
-        f"along dim {dim}. Every part of the batch must hold the same {count} samples: stack per-sample tensors with "
-        f"the batch on dim {dim} in your collate_fn (or put each sample's part into its item), and keep what is not "
-        "per sample out of the batch (a buffer of the module, a Python number)."
-    )
-
-
-def _container(seq: Sequence[Any]) -> str:
-    return "tuple" if isinstance(seq, tuple) else "list"
-
-
-def _kind_name(seq: Sequence[Any]) -> str:
-    return "dicts" if isinstance(seq[0], Mapping) else type(seq[0]).__name__ + "s"
-
-
-def argument_roots(
-    args: Sequence[Any], kwargs: Mapping[str, Any], names: tuple[str, str] = ("args", "kwargs")
-) -> list[tuple[str, Any]]:
-    """``(name, value)`` for each argument of a call, as error messages name them (``args[0]``)."""
-    return [
-        *((f"{names[0]}[{i}]", a) for i, a in enumerate(args)),
-        *((f"{names[1]}[{k!r}]", v) for k, v in kwargs.items()),
-    ]
-
-
-def split_sizes(batch_size: int, num_devices: int) -> list[int]:
-    """Per-replica sizes as ``torch.tensor_split`` makes them, with no empty chunk (tiny batches use fewer)."""
-    if batch_size <= 0:
-        raise BatchSplitError(
-            "Cannot split an empty batch (batch size 0): there is nothing to run. Leave empty batches out where they "
-            "are made (the sampler or collate_fn)."
-        )
-    if num_devices <= 0:
-        raise ValueError(f"num_devices must be >= 1, got {num_devices}.")
-    used = min(batch_size, num_devices)
-    base, extra = divmod(batch_size, used)
-    return [base + (1 if i < extra else 0) for i in range(used)]
+def contains_tensor(obj: Any) -> bool:
+    return any(isinstance(node, Tensor) for _, node in iter_nodes(obj))
 
 
 def rebuild(template: Any, values: Sequence[Any] | Mapping[str, Any]) -> Any:
     """A container of ``template``'s type holding ``values`` (a mapping for mappings)."""
+    if type(template) in (list, tuple, dict):
+        return type(template)(values)
     if isinstance(template, defaultdict):
         return defaultdict(template.default_factory, values)
     if is_namedtuple(template):
@@ -459,8 +107,7 @@ def rebuild(template: Any, values: Sequence[Any] | Mapping[str, Any]) -> Any:
         try:
             return type(template)(values)
         except TypeError:  # a subclass with another constructor: rebuilt as its base type
-            base = dict if isinstance(template, Mapping) else list if isinstance(template, list) else tuple
-            return base(values)
+            return (dict if isinstance(template, Mapping) else list if isinstance(template, list) else tuple)(values)
     fields = list(zip(dataclasses.fields(template), values, strict=True))  # a dataclass: else a TypeError
     obj = type(template)(**{f.name: v for f, v in fields if f.init})
     for f, v in fields:
@@ -469,28 +116,343 @@ def rebuild(template: Any, values: Sequence[Any] | Mapping[str, Any]) -> Any:
     return obj
 
 
-def _map_structure(
-    obj: Any,
-    leaf_fn: Callable[[Any], list[Any]],
-    count: int,
-    batch_size: int | None,
-    plain_lists: bool = True,
-    items: Collection[int] = (),
-) -> list[Any]:
-    """``count`` versions of ``obj``, leaf ``x`` replaced by ``leaf_fn(x)[i]`` in version ``i``. Leaves: tensors,
-    non-containers, the sequences whose ``id`` is in ``items``, and given a ``batch_size``, per-sample lists (plain
-    ones only if ``plain_lists``)."""
-    if isinstance(obj, Tensor) or (isinstance(obj, PerSample) and batch_size is not None) or id(obj) in items:
-        return leaf_fn(obj)
-    children = _children(obj)
-    if children is None or (plain_lists and _is_per_sample_list(obj, batch_size)):
-        return leaf_fn(obj)
-    mapped = [
-        (key, _map_structure(child, leaf_fn, count, batch_size, plain_lists, items)) for key, child in children[1]
-    ]
+def _map(obj: Any, leaf: Callable[[Any], Sequence[Any]], count: int, opened: Callable[[Any], bool]) -> list[Any]:
+    """``count`` copies of ``obj``, each leaf ``x`` replaced by ``leaf(x)[i]`` in copy ``i``; a container for which
+    ``opened`` is False is a leaf."""
+    children = None if isinstance(obj, Tensor) or not opened(obj) else _children(obj)
+    if children is None:
+        return leaf(obj)
+    keys, columns = [], []
+    for key, child in children[1]:
+        keys.append(key)
+        columns.append(_map(child, leaf, count, opened))
+    rows = zip(*columns, strict=True) if columns else [()] * count
     if isinstance(obj, Mapping):
-        return [rebuild(obj, {key: values[i] for key, values in mapped}) for i in range(count)]
-    return [rebuild(obj, [values[i] for _, values in mapped]) for i in range(count)]
+        return [rebuild(obj, dict(zip(keys, row, strict=True))) for row in rows]
+    return [rebuild(obj, row) for row in rows]
+
+
+def move_to(obj: Any, device: DeviceLike) -> Any:
+    """``obj`` with every tensor moved to ``device`` (differentiably)."""
+    target = to_device(device)
+    return _map(obj, lambda x: [x.to(target) if isinstance(x, Tensor) else x], 1, lambda x: True)[0]
+
+
+# --- the batch size -------------------------------------------------------------------------------------------------
+def argument_roots(
+    args: Sequence[Any], kwargs: Mapping[str, Any], names: tuple[str, str] = ("args", "kwargs")
+) -> Roots:
+    """``(name, value)`` for each argument of a call, as error messages name them (``args[0]``)."""
+    return [(f"{names[0]}[{i}]", a) for i, a in enumerate(args)] + [
+        (f"{names[1]}[{k!r}]", v) for k, v in kwargs.items()
+    ]
+
+
+def batch_size_of(obj: Any, dim: int = 0, path: str = "batch") -> int:
+    return roots_batch_size([(path, obj)], dim, type(obj).__name__)
+
+
+def _add_sizes(obj: Any, dim: int, sizes: set[int]) -> set[int]:
+    """``sizes`` with the sizes along ``dim`` of the tensors in ``obj`` and the lengths of its PerSample lists."""
+    if isinstance(obj, Tensor):
+        sizes.update(obj.shape[dim : dim + 1])
+    elif isinstance(obj, PerSample):
+        sizes.add(len(obj))
+    else:
+        for _, child in (_children(obj) or (0, ()))[1]:
+            _add_sizes(child, dim, sizes)
+    return sizes
+
+
+def agreed_size(obj: Any, dim: int = 0) -> int | None:
+    """The size along ``dim`` that every tensor having it and every PerSample list in ``obj`` agree on; else None."""
+    sizes = _add_sizes(obj, dim, set())
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def _sized(roots: Roots, dim: int, items: Collection[int] = ()) -> tuple[list[tuple[str, list[Any]]], Paths]:
+    """The PerSample lists and the tensors in the roots, with their key paths (those lists, and the sequences whose
+    ``id`` is in ``items``, not opened)."""
+    marked, tensors = [], []
+    for root, obj in roots:
+        for path, node in iter_nodes(obj, root, lambda n: isinstance(n, PerSample) or id(n) in items):
+            if isinstance(node, (PerSample, Tensor)):
+                (marked if isinstance(node, PerSample) else tensors).append((path, node))
+    return marked, tensors
+
+
+def roots_batch_size(
+    roots: Roots, dim: int = 0, what: str = "no tensor argument", *, samples: Sequence[int] = ()
+) -> int:
+    """The length of the PerSample lists, else the size along ``dim`` that every tensor having it shares; else a
+    :class:`BatchSplitError` naming two parts that disagree, with the fix (``samples``: the DataLoader's counts)."""
+    sizes = set().union(*(_add_sizes(obj, dim, set()) for _, obj in roots))
+    if len(sizes) == 1 and 0 not in sizes:
+        return sizes.pop()
+    marked, tensors = _sized(roots, dim)
+    sized = [(p, len(s), f"{len(s)} items") for p, s in marked]  # PerSample lists first: they set the size
+    sized += [(p, t.shape[dim], f"size {t.shape[dim]}") for p, t in tensors if t.dim() > dim]
+    if not sized:
+        raise NothingToSplitError(
+            f"Cannot split the batch along dim {dim}: it holds no tensor with a dimension {dim} (got {what}). Pass "
+            f"tensors, or collections of tensors, with the batch along dim {dim}."
+        )
+    first, size, _ = sized[0]
+    odd = next(((path, shown) for path, n, shown in sized if n != size), None)
+    if odd is not None:
+        said = f"{first} is a PerSample of {size} items" if marked else f"{first} has size {size}"
+        raise BatchSplitError(
+            f"Cannot split the batch along dim {dim}: {said} but {odd[0]} has {odd[1]}. Every tensor with a batch "
+            f"dimension{', and every PerSample list,' if marked else ''} must have the same batch size."
+            + ("" if marked else f" {_Advice(roots, tensors, dim, samples)}")
+        )
+    if marked and not size:
+        raise BatchSplitError(f"Cannot split an empty batch: {first} is an empty PerSample.")
+    return size
+
+
+# --- sequences split by item ------------------------------------------------------------------------------------------
+def _plain(obj: Any) -> bool:
+    """A non-empty list or tuple that is not a namedtuple (a fixed structure)."""
+    return isinstance(obj, (list, tuple)) and not is_namedtuple(obj) and bool(obj)
+
+
+def _strings(obj: Any) -> bool:
+    return _plain(obj) and all(isinstance(x, str) for x in obj)
+
+
+def _plain_items(obj: Any) -> bool:
+    """A list or tuple of plain items only (ids, strings, numbers): no container, no tensor."""
+    if not isinstance(obj, (list, tuple)) or is_namedtuple(obj):
+        return False
+    return not any(isinstance(x, Tensor) or _children(x) is not None for x in obj)
+
+
+def _per_sample_list(obj: Any, size: int) -> bool:
+    """A list of plain items (ids) or a tuple of strings with one item per sample: split like a tensor. Tuples of
+    numbers are more often options (``size=(16, 16)``); a list of batch-long sequences is ``default_collate``'s
+    structure, whose sequences are split."""
+    if not _plain(obj) or len(obj) != size:
+        return False
+    if isinstance(obj, tuple):
+        return _strings(obj)
+    return not all(_plain(item) and len(item) == size for item in obj) and not contains_tensor(obj)
+
+
+def _outline(obj: Any) -> Any:
+    """A hashable outline (containers' types and keys, tensors' numbers of dimensions, other leaves' types; a sequence
+    of plain items whatever its length), which the samples of one data set share."""
+    children = _children(obj)
+    if children is None or _plain_items(obj):
+        return (Tensor, obj.dim()) if isinstance(obj, Tensor) else type(obj) if children is None else (type(obj), "")
+    keyed = children[0] or isinstance(obj, Mapping)
+    return type(obj), tuple((key if keyed else None, _outline(child)) for key, child in children[1])
+
+
+def _batched(obj: Any, count: int, dim: int) -> bool:
+    """Whether every part of ``obj`` holds ``count`` samples (tensors with ``count`` along ``dim``, sequences of
+    ``count`` plain items), as ``default_collate``'s structures do; a sample's own item does not."""
+    if isinstance(obj, Tensor):
+        return obj.shape[dim : dim + 1] == (count,)
+    if isinstance(obj, PerSample) or _plain_items(obj):
+        return len(obj) == count
+    values = [child for _, child in (_children(obj) or (0, ()))[1]]
+    return bool(values) and all(_batched(value, count, dim) for value in values)
+
+
+def _one_outline(seq: Any) -> bool:
+    """A list or tuple (not a PerSample) holding tensors, whose items share one outline."""
+    if not _plain(seq) or isinstance(seq, PerSample) or not contains_tensor(seq):
+        return False
+    return len({_outline(item) for item in seq}) == 1
+
+
+def _samples_sequence(seq: Any, count: int, dim: int, counts: Sequence[int]) -> bool:
+    """Whether ``seq`` holds one item per sample of a batch of ``count``: ``count`` items of one outline, holding
+    tensors, that are not batches of any of the DataLoader's ``counts`` themselves (a full batch's two stacked views
+    are no last batch of two samples): no tensor item is, and not every container item is (a detection target may
+    hold as many boxes as the batch has samples). A tuple of such sequences is ``zip(*batch)``'s per-field tuples."""
+    if not isinstance(seq, (list, tuple)) or len(seq) != count or not _one_outline(seq):
+        return False
+    batched = (any(_batched(item, n, dim) for n in counts) for item in seq)
+    if any(batched) if isinstance(seq[0], Tensor) else all(batched):
+        return False
+    return not (isinstance(seq, tuple) and all(_samples_sequence(item, count, dim, counts) for item in seq))
+
+
+def _find_samples(obj: Any, path: str, count: int, dim: int, counts: Sequence[int]) -> list[tuple[str, Any]]:
+    """``(key path, sequence)`` for the outermost sequences in ``obj`` that hold one item per sample of ``count``."""
+    if isinstance(obj, (Tensor, PerSample)):
+        return []
+    if _samples_sequence(obj, count, dim, counts):
+        return [(path, obj)]
+    return [hit for p, child in _labelled(path, obj) for hit in _find_samples(child, p, count, dim, counts)]
+
+
+def _sample_items(roots: Roots, dim: int, samples: Sequence[int]) -> list[tuple[str, Any]]:
+    """The outermost sequences holding one item per sample, for the first of the DataLoader's counts that any does;
+    none where none does. A tensor or PerSample list that disagrees with that count is refused."""
+    for count in samples:
+        found = [hit for root, obj in roots for hit in _find_samples(obj, root, count, dim, samples)]
+        if not found:
+            continue
+        marked, tensors = _sized(roots, dim, {id(seq) for _, seq in found})
+        odd = [(p, f"size {t.shape[dim]}") for p, t in tensors if t.shape[dim : dim + 1] not in ((count,), ())]
+        odd += [(p, f"{len(seq)} items (a PerSample)") for p, seq in marked if len(seq) != count]
+        if odd:
+            raise BatchSplitError(
+                f"Cannot split the batch along dim {dim}: {found[0][0]} is a {_kind(found[0][1])}, one per sample of "
+                f"the DataLoader's batch ({count} samples), so it is split by item, but {odd[0][0]} has {odd[0][1]} "
+                f"along dim {dim}. Every part of the batch must hold the same {count} samples: stack per-sample "
+                f"tensors with the batch on dim {dim} in your collate_fn (or put each sample's part into its item), "
+                "and keep what is not per sample out of the batch (a buffer of the module, a Python number)."
+            )
+        return found
+    return []
+
+
+def _kind(seq: Sequence[Any]) -> str:
+    """``"list of 5 tuples"``, as messages describe a sequence."""
+    items = "dicts" if isinstance(seq[0], Mapping) else type(seq[0]).__name__ + "s"
+    return f"{'tuple' if isinstance(seq, tuple) else 'list'} of {len(seq)} {items}"
+
+
+# --- advice for batch sizes that disagree -----------------------------------------------------------------------------
+@dataclasses.dataclass
+class _Advice:
+    """What to do about tensors of different batch sizes: the first specific advice that fits, else the general one.
+    ``samples``: the DataLoader's counts, where known."""
+
+    roots: Roots
+    tensors: Paths
+    dim: int
+    samples: Sequence[int]
+
+    def __str__(self) -> str:
+        dim_hint = [self.batch_dim] if self.dim else []  # (B, 1) labels beside (T, B, F) inputs, dim=1
+        for hint in [*dim_hint, self.parts, self.count, self.per_sample, self.flat_ids]:
+            if said := hint():
+                return said
+        return (
+            "If one of them is not per sample, keep it out of what is split: class weights in the loss module "
+            "(`nn.CrossEntropyLoss(weight=w)`, whose weighting the replicas' losses then follow), other values (a "
+            "temperature) as a buffer of the module (`register_buffer`), a 0-dim tensor or a Python number."
+        )
+
+    def along(self, inside: str = "", outside: str | None = None) -> list[tuple[str, int]]:
+        """``(path, size along dim)`` of the tensors having ``dim`` under the path ``inside``, not ``outside``."""
+        return [
+            (p, t.shape[self.dim])
+            for p, t in self.tensors
+            if t.dim() > self.dim and p.startswith(inside) and not (outside and p.startswith(outside))
+        ]
+
+    def sequences(self) -> Iterator[tuple[str, Any]]:
+        return ((p, n) for root, obj in self.roots for p, n in iter_nodes(obj, root) if _plain(n))
+
+    def batch_dim(self) -> str | None:
+        """A tensor whose samples are on another dimension than ``dim``: where, and how to move them there and back.
+        The batch size is the DataLoader's where known, else the size most tensors have along ``dim``."""
+        dim, along = self.dim, self.along()
+        batch = set(self.samples) or {Counter(n for _, n in along).most_common(1)[0][0]}
+        where = next((p for p, n in along if n in batch), None)
+        for path, t in self.tensors if where else ():
+            axis = next((a for a, n in enumerate(t.shape) if n in batch and a != dim), None)
+            if t.dim() > dim and t.shape[dim] not in batch and axis is not None:
+                moved = [*t.shape[:axis], *t.shape[axis + 1 :]]
+                moved.insert(dim, t.shape[axis])
+                return (
+                    f"{path} has shape {tuple(t.shape)}: its {t.shape[axis]} samples are on dim {axis}, not on dim "
+                    f"{dim}, which the batch is split along ({where} has {t.shape[axis]} there). Put them on dim "
+                    f"{dim} in your collate_fn, `.movedim({axis}, {dim})` (shape {tuple(moved)}), and back in the "
+                    f"step, `.movedim({dim}, {axis})`: each device then gets its samples' rows (kept out of the "
+                    "batch, every device would get all of them)."
+                )
+        return None
+
+    def parts(self) -> str | None:
+        """A batch whose parts are batches of different sizes (a ``CombinedLoader`` of several dataloaders)."""
+        (root, parts), *others = self.roots
+        keys = parts.keys() if isinstance(parts, Mapping) else range(len(parts)) if _plain(parts) else ()
+        if others or len(keys) < 2 or not all(isinstance(parts[k], (Mapping, list, tuple)) for k in keys):
+            return None
+        sizes = {f"{root}[{k!r}]": {n for _, n in self.along(f"{root}[{k!r}]")} for k in keys}
+        if any(len(s) != 1 for s in sizes.values()) or len({min(s) for s in sizes.values()}) < 2:
+            return None
+        return (
+            f"Its parts are batches of different sizes ({', '.join(f'{w} {min(s)}' for w, s in sizes.items())}), as "
+            "several dataloaders give together (CombinedLoader): give every DataLoader the same batch_size and "
+            "drop_last=True, or use strategy='dp', whose forward splits the inputs of each call apart."
+        )
+
+    def count(self) -> str | None:
+        """A sequence of items of one outline, none a batch, as long as none of the DataLoader's counts, beside
+        tensors that hold one: it cannot hold one item per sample."""
+        counts, dim = self.samples, self.dim
+        for where, seq in self.sequences() if any(n in counts for _, n in self.along()) else ():
+            if not _one_outline(seq) or len(seq) in counts or any(_batched(x, n, dim) for n in counts for x in seq):
+                continue
+            path, count = next(((p, n) for p, n in self.along(outside=f"{where}[") if n in counts), ("", 0))
+            if path:
+                return (
+                    f"{where} is a {_kind(seq)}, but the DataLoader's batch holds {count} samples ({path} has "
+                    f"{count}): a sequence split by item must hold one item per sample. Return every sample's item "
+                    f"from your collate_fn ({count} of them); if its items are not samples, stack its tensors with "
+                    f"the batch on dim {dim}, or keep it out of the batch (a buffer of the module)."
+                )
+        return None
+
+    def per_sample(self) -> str | None:
+        """A list of dicts, dataclasses or tensors as long as the batch size of a tensor outside it, holding a tensor
+        of another size: marking it :class:`PerSample` settles it."""
+        kinds = (lambda x: isinstance(x, Mapping), lambda x: isinstance(x, Tensor), is_dataclass_instance)
+        for where, seq in self.sequences():
+            if not any(all(map(kind, seq)) for kind in kinds):
+                continue
+            outside = {n for _, n in self.along(outside=f"{where}[")}
+            if len(seq) in outside and any(n != len(seq) for _, n in self.along(f"{where}[")):
+                return (
+                    f"{where} is a {_kind(seq)}, as many as the batch: if it holds one item per sample (e.g. detection "
+                    "targets, images of different sizes), wrap it in lightning_mgpu.PerSample(...) in your collate_fn "
+                    "so that it is split by item."
+                )
+        return None
+
+    def flat_ids(self) -> str | None:
+        """Flat ids with offsets (``nn.EmbeddingBag``'s input), when the batch is 1-D integer tensors."""
+        if len(self.tensors) < 2 or any(
+            t.dim() != 1 or t.is_floating_point() or t.is_complex() for _, t in self.tensors
+        ):
+            return None
+        return (
+            "If these are flat ids with offsets (as nn.EmbeddingBag takes), pass one item per sample instead, e.g. "
+            "lightning_mgpu.PerSample(list_of_bags) from your collate_fn, and flatten it in forward."
+        )
+
+
+# --- the split --------------------------------------------------------------------------------------------------------
+def split_sizes(batch_size: int, num_devices: int) -> list[int]:
+    """Per-replica sizes as ``torch.tensor_split`` makes them, with no empty chunk (tiny batches use fewer)."""
+    if batch_size <= 0:
+        raise BatchSplitError(
+            "Cannot split an empty batch (batch size 0): there is nothing to run. Leave empty batches out where they "
+            "are made (the sampler or collate_fn)."
+        )
+    if num_devices <= 0:
+        raise ValueError(f"num_devices must be >= 1, got {num_devices}.")
+    base, extra = divmod(batch_size, min(batch_size, num_devices))
+    return [base + (i < extra) for i in range(min(batch_size, num_devices))]
+
+
+def is_shared_state(obj: Any) -> bool:
+    """A ``transformers`` cache (``DynamicCache``...), known by its base class's name: parallel/ never imports it."""
+    return any(c.__name__ == "Cache" and c.__module__ == "transformers.cache_utils" for c in type(obj).__mro__)
+
+
+def shared_state(roots: Roots) -> str | None:
+    """Where the roots hold a :func:`is_shared_state` object, with its type; else None."""
+    found = (f"{p} ({type(n).__name__})" for root, v in roots for p, n in iter_nodes(v, root) if is_shared_state(n))
+    return next(found, None)
 
 
 def split_batch(
@@ -506,100 +468,8 @@ def split_batch(
     smaller batch. ``sizes`` imposes the chunk sizes (to split targets as the outputs were). ``samples``: the sample
     counts the batch may hold, as its DataLoader says (its batch size, then its last batch's): a sequence of that many
     items of one outline is then split by item, and a batch whose other parts disagree is refused."""
-    roots = [("batch", obj)]
-    (chunks,), sizes = _split_roots(roots, devices, dim, batch_size, sizes, type(obj).__name__, samples=samples)
+    (chunks,), sizes = _split_roots([("batch", obj)], devices, dim, batch_size, sizes, type(obj).__name__, samples)
     return chunks, sizes
-
-
-def _split_roots(
-    roots: Sequence[tuple[str, Any]],
-    devices: Sequence[DeviceLike],
-    dim: int,
-    batch_size: int | None,
-    sizes: Sequence[int] | None,
-    what: str,
-    plain_lists: bool = True,
-    samples: Sequence[int] = (),
-) -> tuple[list[list[Any]], list[int]]:
-    """Each root's chunks, split with one batch size, and the chunk sizes. A given ``batch_size`` serves when nothing
-    tells it (a list of ids). ``plain_lists=False``: plain lists go whole to every chunk (torch's ``scatter``).
-    ``samples``: the DataLoader's counts (:func:`split_batch`)."""
-    found = _sample_items(roots, dim, samples) if plain_lists else []
-    items = {id(seq) for _, seq in found}
-    inferred = len(found[0][1]) if found else _tensors_batch_size(roots, dim, batch_size, what, samples)
-    if batch_size is not None and batch_size != inferred:
-        raise BatchSplitError(f"batch_size={batch_size} was given but the tensors have size {inferred}.")
-    _say_whole_parts(roots, dim, inferred, items)
-    targets = [to_device(d) for d in devices]
-    chunks = split_sizes(inferred, len(targets)) if sizes is None else [int(n) for n in sizes]
-    if sum(chunks) != inferred or any(n <= 0 for n in chunks) or len(chunks) > len(targets):
-        raise BatchSplitError(
-            f"Cannot split a batch of {inferred} into chunks of {chunks} over {len(targets)} device(s): the "
-            "sizes must be positive, one per device at most, and add up to the batch size."
-        )
-    bounds = list(itertools.accumulate(chunks[:-1]))
-    slices = [slice(a, b) for a, b in itertools.pairwise([0, *bounds, inferred])]
-
-    def split_leaf(leaf: Any) -> list[Any]:
-        if isinstance(leaf, Tensor):
-            parts = torch.tensor_split(leaf, bounds, dim=dim) if bounds and leaf.dim() > dim else [leaf] * len(chunks)
-            return [p.to(d) for p, d in zip(parts, targets, strict=False)]
-        if isinstance(leaf, PerSample):  # before the plain-list rule: slices stay PerSample
-            return [PerSample(move_to(leaf[s], d)) for s, d in zip(slices, targets, strict=False)]
-        if id(leaf) in items:  # one item per sample: slices of the same type
-            return [move_to(leaf[s], d) for s, d in zip(slices, targets, strict=False)]
-        if plain_lists and _is_per_sample_list(leaf, inferred):
-            return [leaf[s] for s in slices]
-        if is_shared_state(leaf):
-            raise SharedStateError(
-                f"Cannot split inputs that hold a {type(leaf).__name__}: every replica would change that one object "
-                "(appending its shard's keys and values to the cache)."
-            )
-        return [leaf] * len(chunks)
-
-    mapped = [_map_structure(value, split_leaf, len(chunks), inferred, plain_lists, items) for _, value in roots]
-    return mapped, chunks
-
-
-def _tensors_batch_size(
-    roots: Sequence[tuple[str, Any]], dim: int, batch_size: int | None, what: str, samples: Sequence[int]
-) -> int:
-    """:func:`roots_batch_size`, or a given ``batch_size`` where no tensor tells it (a list of ids)."""
-    try:
-        return roots_batch_size(roots, dim, what, samples=samples)
-    except NothingToSplitError:
-        if batch_size is None:
-            raise
-        return batch_size
-
-
-def _say_whole_parts(roots: Sequence[tuple[str, Any]], dim: int, size: int, items: Collection[int] = ()) -> None:
-    """Warn (once per part) where a part that may hold one value per sample goes whole to every device: a tensor
-    without dimension ``dim`` but as long as the batch (1-D labels with ``dim=1``), or an object the split does not
-    open holding tensors of the batch's size along ``dim``. Sequences split by item (``items``) are not opened."""
-    for root, obj in roots:
-        for path, node in iter_nodes(obj, root, [], items):
-            if isinstance(node, Tensor):
-                if not 0 < node.dim() <= dim or size not in node.shape:  # as long as the batch: maybe per sample
-                    continue
-                reason = f"has no dimension {dim} to split"
-            elif (
-                _children(node) is not None or isinstance(node, (PerSample, nn.Module)) or not hasattr(node, "__dict__")
-            ):
-                continue
-            elif any(isinstance(v, Tensor) and v.dim() > dim and v.shape[dim] == size for v in vars(node).values()):
-                kind = type(node).__name__
-                reason = (
-                    f"is an object ({kind}) holding tensors of {size} along dim {dim}, which the split does not open"
-                )
-            else:
-                continue
-            warnings.warn(
-                f"{path} {reason}: every device gets it whole. If it holds one value per sample, pass it as a tensor "
-                f"with the batch on dim {dim}, in a dict, list, tuple or dataclass (or a PerSample list of items).",
-                UserWarning,
-                stacklevel=4,
-            )
 
 
 def split_arguments(
@@ -615,18 +485,122 @@ def split_arguments(
 ) -> tuple[list[tuple[Any, ...]], list[dict[str, Any]], list[int]]:
     """:func:`split_batch` for call arguments (one batch size): per-device args and kwargs, and the sizes."""
     roots = argument_roots(args, kwargs, names)
-    chunks, sizes = _split_roots(roots, devices, dim, batch_size, sizes, "no tensor argument", samples=samples)
+    chunks, sizes = _split_roots(roots, devices, dim, batch_size, sizes, "no tensor argument", samples)
     per_device = [[c[i] for c in chunks] for i in range(len(sizes))]  # each device's chunk of every argument
     n = len(args)
     return [tuple(c[:n]) for c in per_device], [dict(zip(kwargs, c[n:], strict=True)) for c in per_device], sizes
 
 
+def _split_roots(
+    roots: Roots,
+    devices: Sequence[DeviceLike],
+    dim: int,
+    batch_size: int | None,
+    sizes: Sequence[int] | None,
+    what: str,
+    samples: Sequence[int] = (),
+    plain_lists: bool = True,
+) -> tuple[list[list[Any]], list[int]]:
+    """Each root's chunks, split with one batch size, and the chunk sizes. A given ``batch_size`` serves when nothing
+    tells it (a list of ids). ``plain_lists=False``: plain lists go whole to every chunk (torch's ``scatter``)."""
+    found = _sample_items(roots, dim, samples) if plain_lists and samples else []
+    try:
+        size = len(found[0][1]) if found else roots_batch_size(roots, dim, what, samples=samples)
+    except NothingToSplitError:
+        if batch_size is None:
+            raise
+        size = batch_size
+    if batch_size is not None and batch_size != size:
+        raise BatchSplitError(f"batch_size={batch_size} was given but the tensors have size {size}.")
+    split = _Split(dim, size, [to_device(d) for d in devices], {id(seq) for _, seq in found}, plain_lists, sizes)
+    mapped = [_map(value, split.leaf, len(split.chunks), split.opened) for _, value in roots]
+    for leaf, reason in split.whole:
+        path = next(p for root, value in roots for p, n in iter_nodes(value, root) if n is leaf)
+        warnings.warn(
+            f"{path} {reason}: every device gets it whole. If it holds one value per sample, pass it as a tensor with "
+            f"the batch on dim {dim}, in a dict, list, tuple or dataclass (or a PerSample list of items).",
+            UserWarning,
+            stacklevel=3,
+        )
+    return mapped, split.chunks
+
+
+class _Split:
+    """How one batch is split: chunk sizes and bounds, devices, the sequences split by item (``items``: their ids),
+    and the parts that go whole though they may hold one value per sample (``whole``, said once split)."""
+
+    def __init__(
+        self, dim: int, size: int, targets: list[torch.device], items: set[int], plain: bool, sizes: Any
+    ) -> None:
+        self.chunks = split_sizes(size, len(targets)) if sizes is None else [int(n) for n in sizes]
+        if sizes is not None and (sum(self.chunks) != size or min(self.chunks) <= 0 or len(sizes) > len(targets)):
+            raise BatchSplitError(
+                f"Cannot split a batch of {size} into chunks of {self.chunks} over {len(targets)} device(s): the "
+                "sizes must be positive, one per device at most, and add up to the batch size."
+            )
+        self.dim, self.size, self.targets, self.items, self.plain = dim, size, targets, items, plain
+        self.bounds = list(accumulate(self.chunks[:-1]))
+        self.whole: list[tuple[Any, str]] = []
+
+    def opened(self, node: Any) -> bool:
+        """Whether ``node`` is split part by part, not as one leaf."""
+        if isinstance(node, PerSample) or id(node) in self.items:
+            return False
+        return not (self.plain and _per_sample_list(node, self.size))
+
+    def leaf(self, leaf: Any) -> list[Any]:
+        """``leaf``'s chunks, one per device, moved there."""
+        dim, targets, n = self.dim, self.targets, len(self.chunks)
+        if isinstance(leaf, Tensor):
+            if self.bounds and leaf.dim() > dim:
+                return [p.to(d) for p, d in zip(torch.tensor_split(leaf, self.bounds, dim), targets, strict=False)]
+            if 0 < leaf.dim() <= dim and self.size in leaf.shape:
+                self.whole.append((leaf, f"has no dimension {dim} to split"))
+            return [leaf.to(d) for d in targets[:n]]
+        if isinstance(leaf, (list, tuple)):  # a PerSample, one item per sample, or plain items (ids): by item
+            parts = [leaf[a:b] for a, b in zip([0, *self.bounds], [*self.bounds, self.size], strict=True)]
+            if isinstance(leaf, PerSample):
+                return [PerSample(move_to(part, d)) for part, d in zip(parts, targets, strict=False)]
+            return (
+                [move_to(part, d) for part, d in zip(parts, targets, strict=False)] if id(leaf) in self.items else parts
+            )
+        if is_shared_state(leaf):
+            raise SharedStateError(
+                f"Cannot split inputs that hold a {type(leaf).__name__}: every replica would change that one object "
+                "(appending its shard's keys and values to the cache)."
+            )
+        attributes = vars(leaf).values() if hasattr(leaf, "__dict__") and not isinstance(leaf, nn.Module) else ()
+        if any(isinstance(v, Tensor) and v.shape[dim : dim + 1] == (self.size,) for v in attributes):
+            said = f"holding tensors of {self.size} along dim {dim}, which the split does not open"
+            self.whole.append((leaf, f"is an object ({type(leaf).__name__}) {said}"))
+        return [leaf] * n
+
+
+def split_or_run_once(split: Callable[[], T], roots: Roots) -> T | None:
+    """``split()``, or ``None`` (run once, unsplit, as ``nn.DataParallel`` does) when the roots hold nothing to split
+    or a :func:`is_shared_state` object; an error for strings alone, whose count is unknown. The one "run once" rule
+    of the modules and both strategies."""
+    try:
+        return split()
+    except SharedStateError:
+        return None
+    except NothingToSplitError:
+        strings = next(((p, n) for root, v in roots for p, n in iter_nodes(v, root) if _strings(n)), None)
+    if strings is not None:
+        raise BatchSplitError(
+            f"Cannot split the batch: it holds no tensor with a batch dimension, only {strings[0]}, a sequence of "
+            f"{len(strings[1])} strings, and nothing says that it holds one item per sample. Wrap it in "
+            "lightning_mgpu.PerSample(...) in your collate_fn (or before the call) so that it is split by item."
+        )
+    return None
+
+
+# --- torch.nn.parallel's contracts ------------------------------------------------------------------------------------
 def scatter(inputs: Any, target_devices: Sequence[DeviceLike], dim: int = 0) -> list[Any]:
     """``torch.nn.parallel.scatter``'s contract on any devices, chunks balanced as by :func:`split_batch`; plain lists
     and inputs without a batch dimension go whole to every device, as torch passes them."""
     try:
-        (chunks,), _ = _split_roots([("inputs", inputs)], target_devices, dim, None, None, "", plain_lists=False)
-        return chunks
+        return _split_roots([("inputs", inputs)], target_devices, dim, None, None, "", plain_lists=False)[0][0]
     except NothingToSplitError:
         return [inputs for _ in target_devices]
 
@@ -634,55 +608,21 @@ def scatter(inputs: Any, target_devices: Sequence[DeviceLike], dim: int = 0) -> 
 def gather(outputs: Sequence[Any], target_device: DeviceLike, dim: int = 0) -> Any:
     """``torch.nn.parallel.gather``'s contract on any devices (differentiable): tensors concatenated along ``dim``,
     0-dim ones stacked with torch's warning, containers field by field, ``None`` kept."""
-    device = to_device(target_device)
-
-    def gather_map(values: Sequence[Any]) -> Any:
-        first = values[0]
-        if isinstance(first, Tensor):
-            if dim == 0 and all(t.dim() == 0 for t in values):
-                warnings.warn(
-                    "Was asked to gather along dimension 0, but all input tensors were scalars; will instead unsqueeze "
-                    "and return a vector.",
-                    stacklevel=2,
-                )
-                values = [t.view(1) for t in values]
-            return torch.cat([t.to(device) for t in values], dim=dim)
-        if first is None:
-            return None
-        if isinstance(first, dict):
-            if not all(len(first) == len(d) for d in values):
-                raise ValueError("All dicts must have the same number of keys")
-            return type(first)((k, gather_map([d[k] for d in values])) for k in first)
-        if is_namedtuple(first):
-            return type(first)._make(map(gather_map, zip(*values, strict=True)))
-        return type(first)(map(gather_map, zip(*values, strict=True)))
-
-    return gather_map(outputs)
-
-
-def move_to(obj: Any, device: DeviceLike) -> Any:
-    """``obj`` with every tensor moved to ``device`` (differentiable)."""
-    target = to_device(device)
-    return _map_structure(obj, lambda leaf: [leaf.to(target) if isinstance(leaf, Tensor) else leaf], 1, None)[0]
-
-
-def split_or_run_once(split: Callable[[], T], roots: Sequence[tuple[str, Any]]) -> T | None:
-    """``split()``, or ``None`` (run once, unsplit, as ``nn.DataParallel`` does) when the ``(name, value)`` roots
-    hold nothing to split or a :func:`is_shared_state` object; an error for strings alone, whose count is unknown.
-    The one "run once" rule of the modules and both strategies."""
-    try:
-        return split()
-    except SharedStateError:
+    first, device = outputs[0], to_device(target_device)
+    if isinstance(first, Tensor):
+        if dim == 0 and all(t.dim() == 0 for t in outputs):
+            warnings.warn(
+                "Was asked to gather along dimension 0, but all input tensors were scalars; will instead unsqueeze "
+                "and return a vector.",
+                stacklevel=2,
+            )
+            outputs = [t.view(1) for t in outputs]
+        return torch.cat([t.to(device) for t in outputs], dim=dim)
+    if first is None:
         return None
-    except NothingToSplitError:
-        pass
-    for where, value in roots:
-        for path, node in iter_nodes(value, where):
-            if _is_string_sequence(node):
-                raise BatchSplitError(
-                    f"Cannot split the batch: it holds no tensor with a batch dimension, only {path}, a sequence of "
-                    f"{len(node)} strings, and nothing says that it holds one item per sample. Wrap it in "
-                    "lightning_mgpu.PerSample(...) in your collate_fn (or before the call) so that it is split by "
-                    "item across the devices."
-                )
-    return None
+    if isinstance(first, dict):
+        if not all(len(first) == len(d) for d in outputs):
+            raise ValueError("All dicts must have the same number of keys")
+        return type(first)((k, gather([d[k] for d in outputs], device, dim)) for k in first)
+    items = (gather(values, device, dim) for values in zip(*outputs, strict=True))
+    return type(first)._make(items) if is_namedtuple(first) else type(first)(items)
