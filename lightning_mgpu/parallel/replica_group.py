@@ -1,15 +1,18 @@
-"""The replicas of one ``run_replicas`` call and the rendezvous where they meet. A replica that finishes or raises
-*departs* and wakes those waiting for it, so one that skips a sync point fails its peers clearly instead of hanging."""
+"""The replicas of one ``run_replicas`` call and their rendezvous: one :class:`threading.Barrier`, at which every
+replica's k-th sync point meets the others'. A replica that finishes or raises aborts the barrier, so those waiting
+for it, or arriving later, fail with an error that names it instead of hanging."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
-import time
+import weakref
+from collections import Counter
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -24,8 +27,8 @@ TURN_PATIENCE_S = float(os.environ.get("LIGHTNING_MGPU_TURN_PATIENCE_S", 2))
 
 
 class RendezvousError(RuntimeError):
-    """The replicas of one call cannot meet at a sync point (one skipped it, they reached sync points in different
-    orders, they run sequentially, or a wait outlived :data:`RENDEZVOUS_TIMEOUT_S`)."""
+    """The replicas of one call cannot meet at a sync point (one skipped it, they reached different sync points, they
+    run sequentially, or a wait outlived :data:`RENDEZVOUS_TIMEOUT_S`)."""
 
 
 class PeerFailedError(RendezvousError):
@@ -33,14 +36,13 @@ class PeerFailedError(RendezvousError):
     ``run_replicas`` re-raises the other replica's exception instead."""
 
 
-@dataclass(eq=False, slots=True)
-class _Site:
-    """One sync point (e.g. the k-th call of one SyncBatchNorm layer) where every replica must arrive."""
-
+class _Arrival(NamedTuple):
+    site: Hashable
     label: str
-    arrived: dict[int, Any] = field(default_factory=dict)
-    results: list[Any] | None = None
-    failed_in: int | None = None  # the replica whose combine step raised
+    hint: str
+    value: Any
+    combine: Callable[[list[Any]], Sequence[Any]]
+    order: int
 
 
 class ReplicaGroup:
@@ -54,11 +56,16 @@ class ReplicaGroup:
         # hands at every torch call, which costs as much as the calls on a launch-bound step.
         self._turn = threading.Lock() if TAKE_TURNS and not sequential else None
         self._turn_holder: int | None = None
-        self._cond = threading.Condition()
+        # Its action through a weak reference: a bound method would make each call's group a garbage cycle.
+        group = weakref.ref(self)
+        self._barrier = threading.Barrier(max(self.size, 1), action=lambda: group()._combine())  # type: ignore[union-attr]
+        self._arrivals: list[_Arrival | None] = [None] * self.size
+        self._results: list[Any] = []
+        self._reached = [0] * self.size  # sync points each replica reached
+        self._arrival_order = itertools.count()
+        self._met = 0  # meetings completed
         self._departed: dict[int, BaseException | None] = {}  # index -> its exception, None when it finished
-        self._waiting: dict[int, _Site] = {}
-        self._sites: dict[Hashable, _Site] = {}
-        self._interrupted: BaseException | None = None
+        self._failure: str | None = None  # why the barrier broke, when not a departure
 
     @contextmanager
     def turn(self, index: int) -> Iterator[None]:
@@ -97,98 +104,73 @@ class ReplicaGroup:
         label: str,
         hint: str,
     ) -> Any:
-        """Meet the other replicas at ``site``; return ``combine(values in replica order)[index]``. The last to arrive
-        runs ``combine`` once for all (e.g. one autograd node spanning the replicas); the others wait, giving up their
-        turn. A replica that cannot arrive fails the waiters with an error naming ``label``, then ``hint``."""
-        handed_over = False
+        """Meet the other replicas at ``site``; return ``combine(values in replica order)[index]``. ``combine`` runs
+        once for all (e.g. one autograd node spanning the replicas) while every replica waits, its turn given up; the
+        last to arrive goes on first. A replica that reaches another site, or cannot arrive, fails them with an error
+        naming ``label`` and ``hint``."""
+        if self.size > 1:  # a backstop: callers say how to run in threads first
+            self.require_threads(label, "Run the replicas in threads (execution_mode='threads').")
+        self._arrivals[index] = _Arrival(site, label, hint, value, combine, next(self._arrival_order))
+        self._reached[index] += 1
+        handed_over = self._give_turn(index)
         try:
-            with self._cond:
-                state = self._sites.get(site)
-                if state is None:
-                    state = self._sites[site] = _Site(label)
-                state.arrived[index] = value
-                if len(state.arrived) == self.size:
-                    del self._sites[site]
-                    values = [state.arrived[i] for i in range(self.size)]
-                    state.arrived.clear()  # results are all waiters need now: drop the references
-                    try:
-                        state.results = list(combine(values))
-                    except BaseException:
-                        state.failed_in = index
-                        raise
-                    finally:
-                        self._cond.notify_all()
-                    return state.results[index]
-                self._waiting[index] = state
-                handed_over = self._give_turn(index)
-                try:
-                    return self._wait(state, index, label, hint)
-                finally:
-                    del self._waiting[index]
+            self._barrier.wait(RENDEZVOUS_TIMEOUT_S)
+        except threading.BrokenBarrierError:
+            if self._met < self._reached[index]:  # else a departure aborted the barrier after this meeting completed
+                raise self._why_broken(index, label, hint) from None
         finally:
-            if handed_over:  # taken back outside the lock: the replica holding the turn may need the lock to arrive
+            if handed_over and self._turn_holder != index:
                 self._take_turn(index)
+        return self._results[index]
 
-    def _wait(self, state: _Site, index: int, label: str, hint: str) -> Any:
-        """Replica ``index``'s result at ``state``, once the last replica combined; called with the lock held."""
-        deadline = time.monotonic() + RENDEZVOUS_TIMEOUT_S
-        while state.results is None:
-            failure = self._diagnose(state, hint)
-            if failure is not None:
-                self._cond.notify_all()  # the others re-check: this replica leaves
-                raise failure
-            remaining = deadline - time.monotonic()
-            if (remaining <= 0 or not self._cond.wait(remaining)) and state.results is None:
-                missing = [i for i in range(self.size) if i not in state.arrived]
-                raise RendezvousError(
-                    f"{label}: replica {index} waited {RENDEZVOUS_TIMEOUT_S:.0f} s for replica(s) {missing}, which "
-                    "neither arrived nor finished (a replica blocked outside this group?). If one legitimately needs "
-                    "longer, raise the environment variable LIGHTNING_MGPU_RENDEZVOUS_TIMEOUT_S."
-                )
-        return state.results[index]
+    def _combine(self) -> None:
+        """The barrier's action, run in the last thread to enter the barrier while the others wait in it."""
+        arrivals, self._arrivals = self._arrivals, [None] * self.size  # drop the references once combined
+        # The last to arrive (while holding its turn) goes on first, as if it had never waited: a fixed order.
+        self._take_turn(max(range(self.size), key=lambda i: arrivals[i].order))
+        try:
+            if len({a.site for a in arrivals}) > 1:
+                where = "; ".join(f"replica {i} at {a.label}" for i, a in enumerate(arrivals))
+                raise RendezvousError(f"The replicas reached different sync points: {where}. {arrivals[0].hint}")
+            self._results = list(arrivals[-1].combine([a.value for a in arrivals]))
+        except BaseException:
+            self._failure = "the replica that combined the values here raised; its error is the one to read."
+            raise
+        self._met += 1
 
-    def _diagnose(self, state: _Site, hint: str) -> RendezvousError | None:
-        """Why ``state`` can never complete, or None while it still can. Called with the lock held."""
-        if state.failed_in is not None:
-            return PeerFailedError(
-                f"{state.label}: replica {state.failed_in} failed while combining the replicas' values here; its "
-                "error is the one to read."
-            )
-        if self._interrupted is not None:
-            return PeerFailedError(f"{state.label}: stopped waiting because the caller was interrupted.")
-        waiters = sorted(state.arrived)
-        missing = [i for i in range(self.size) if i not in state.arrived]
+    def _why_broken(self, index: int, label: str, hint: str) -> RendezvousError:
+        """Why the meeting at ``label`` cannot complete for replica ``index``."""
+        if self._failure is not None:
+            return PeerFailedError(f"{label}: {self._failure}")
+        missing = [i for i in range(self.size) if self._reached[i] < self._reached[index]]
         raised = [i for i in missing if self._departed.get(i) is not None]
         if raised:
-            first = self._departed[raised[0]]
             return PeerFailedError(
-                f"{state.label}: replica(s) {waiters} stopped waiting because replica(s) {raised} raised "
-                f"{type(first).__name__} before reaching this point; that error is the one to read."
+                f"{label}: replica {index} stopped waiting because replica(s) {raised} raised "
+                f"{type(self._departed[raised[0]]).__name__} before reaching this point; that error is the one to read."
             )
         finished = [i for i in missing if i in self._departed]
         if finished:
             return RendezvousError(
-                f"{state.label}: replica(s) {waiters} waited here for replica(s) {finished}, which finished without "
-                f"reaching it. {hint}"
+                f"{label}: replica {index} waited here for replica(s) {finished}, which finished without reaching it. "
+                f"{hint}"
             )
-        live = [i for i in range(self.size) if i not in self._departed]
-        stuck = {i: site for i, site in self._waiting.items() if site.results is None and site.failed_in is None}
-        if all(i in stuck for i in live) and len({id(site) for site in stuck.values()}) > 1:
-            where = "; ".join(f"replica {i} waits at {stuck[i].label}" for i in live)
-            return RendezvousError(f"The replicas wait at different sync points and can never meet: {where}. {hint}")
-        return None
+        return RendezvousError(
+            f"{label}: replica {index} waited {RENDEZVOUS_TIMEOUT_S:g} s for replica(s) {missing}, which neither "
+            "arrived nor finished (a replica blocked outside this group?). If one legitimately needs longer, raise "
+            "the environment variable LIGHTNING_MGPU_RENDEZVOUS_TIMEOUT_S."
+        )
 
     def depart(self, index: int, error: BaseException | None) -> None:
-        """Record that replica ``index`` finished (``error=None``) or raised ``error``; wake its waiting peers."""
-        with self._cond:
-            self._departed[index] = error
-            self._cond.notify_all()
+        """Record that replica ``index`` finished (``error=None``) or raised ``error``: it reaches no more sync points,
+        so the barrier breaks for the replicas waiting at one or arriving later."""
+        self._departed[index] = error
+        self._barrier.abort()
 
     def interrupt(self, reason: BaseException) -> None:
         """The caller was interrupted: replicas waiting at (or reaching) a sync point stop with PeerFailedError."""
-        with self._cond:
-            self._interrupted = reason
-            self._cond.notify_all()
+        self._failure = f"stopped waiting because the caller was interrupted ({type(reason).__name__})."
+        self._barrier.abort()
 
 
 @dataclass
@@ -197,13 +179,12 @@ class ReplicaContext:
 
     group: ReplicaGroup
     index: int
-    calls: dict[Hashable, int] = field(default_factory=dict)
+    calls: Counter[Hashable] = field(default_factory=Counter)
 
     def next_call(self, key: Hashable) -> int:
         """1 for this replica's first call with ``key``, 2 for its second...: pairs the k-th calls of all replicas."""
-        count = self.calls.get(key, 0) + 1
-        self.calls[key] = count
-        return count
+        self.calls[key] += 1
+        return self.calls[key]
 
 
 _LOCAL = threading.local()

@@ -2,9 +2,10 @@
 
 The k-th call of a layer in each replica meets the others'; the last to arrive runs one autograd node over every
 replica's input (statistics weighted by shard size, running statistics on replica 0's buffers, the module's own), so
-backward needs no rendezvous. Outside a replicated call, with one replica, or in eval mode with running statistics,
-the layer is ``BatchNorm``. Limits: replicas in threads, calling the sync layers in the same order; one ``backward``
-over the outputs (no double backward, no checkpointed segments holding sync layers).
+backward needs no rendezvous. The node runs torch's batch-norm primitives (those of ``torch.nn.SyncBatchNorm``) on
+CUDA and the same steps in plain tensor ops elsewhere. Outside a replicated call, with one replica, or in eval mode
+with running statistics, the layer is ``BatchNorm``. Limits: replicas in threads, calling the sync layers in the same
+order; one ``backward`` over the outputs (no double backward, no checkpointed segments holding sync layers).
 """
 
 from __future__ import annotations
@@ -12,14 +13,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
 from torch.autograd.function import Function, FunctionCtx, once_differentiable
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
-from typing_extensions import override
 
 from lightning_mgpu.parallel.replica_group import current_replica
 
@@ -29,6 +29,16 @@ _HINT = (
     "Every replica must call each SyncBatchNorm layer the same number of times and in the same order (its statistics "
     "span the replicas): branch on something every replica shares, not on one shard's values or size, or keep that "
     "layer a plain BatchNorm (revert_sync_batchnorm)."
+)
+_SEQUENTIAL_HINT = (
+    "Run it with execution_mode='threads' instead of execution_mode='sequential' (DataParallelModel, "
+    "DataParallelCriterion and the lightning_mgpu strategies switch by themselves), or put the layer in eval mode."
+)
+_CHECKPOINTED = (
+    "of a replica ran outside its replicas' parallel call, where they cannot share the batch's statistics: activation "
+    "checkpointing (torch.utils.checkpoint, gradient_checkpointing_enable()) reruns checkpointed blocks in the "
+    "backward pass. Keep SyncBatchNorm layers out of checkpointed blocks, or train without sync_batchnorm (per-shard "
+    "statistics)."
 )
 
 
@@ -65,36 +75,24 @@ class SyncBatchNorm(_BatchNorm):
         return self.training or (self.running_mean is None and self.running_var is None)
 
     def forward(self, input: Tensor) -> Tensor:
-        replica = current_replica()
-        if replica is None and getattr(self, "_is_replica", False) and self._uses_batch_stats():
-            raise RuntimeError(
-                f"SyncBatchNorm layer {_describe(self)} of a replica ran outside its replicas' parallel call, where "
-                "they cannot share the batch's statistics: activation checkpointing (torch.utils.checkpoint, "
-                "gradient_checkpointing_enable()) reruns checkpointed blocks in the backward pass. Keep SyncBatchNorm "
-                "layers out of checkpointed blocks, or train without sync_batchnorm (per-shard statistics)."
-            )
-        if replica is None or replica.group.size < 2 or not self._uses_batch_stats():
+        replica, synced = current_replica(), self._uses_batch_stats()
+        if replica is None and synced and getattr(self, "_is_replica", False):  # torch's replicas set _is_replica
+            raise RuntimeError(f"SyncBatchNorm layer {_describe(self)} {_CHECKPOINTED}")
+        if replica is None or replica.group.size < 2 or not synced:
             return super().forward(input)
         self._check_input_dim(input)
-        key = self._sync_key
-        call = replica.next_call(key)
+        call = replica.next_call(self._sync_key)
         label = f"SyncBatchNorm layer {_describe(self)} (call {call} in this forward)"
-        replica.group.require_threads(
-            label,
-            "Run it with execution_mode='threads' instead of execution_mode='sequential' (DataParallelModel, "
-            "DataParallelCriterion and the lightning_mgpu strategies switch by themselves), or put the layer in eval "
-            "mode.",
-        )
+        replica.group.require_threads(label, _SEQUENTIAL_HINT)
         if input.size(1) != self.num_features:
             raise ValueError(
                 f"{label} expects {self.num_features} channels (dim 1) but got input of shape {input.shape}."
             )
         x = _contiguous(input)
         count = x.numel() // x.size(1)
-        stats = _kernels(x).local_stats(x.detach(), self.eps) if count else None
-        stream = torch.cuda.current_stream(x.device) if x.is_cuda else None
-        part = _Part(self, x, stats, count, stream)
-        return replica.group.rendezvous(replica.index, (key, call), part, _combine, label, _HINT)
+        stats = _ops(x).batch_norm_stats(x.detach(), self.eps) if count else None
+        part = _Part(self, x, stats, count, torch.cuda.current_stream(x.device) if x.is_cuda else None)
+        return replica.group.rendezvous(replica.index, (self._sync_key, call), part, _combine, label, _HINT)
 
 
 def _describe(layer: SyncBatchNorm) -> str:
@@ -106,11 +104,10 @@ def _quoted(name: str) -> str:
     return repr(name) if name else "<the root module>"
 
 
-# --- the synchronised forward -------------------------------------------------------------------------------------
-@dataclass
-class _Part:
+# --- the synchronised forward and backward ------------------------------------------------------------------------
+class _Part(NamedTuple):
     """What one replica brings to a layer call's rendezvous: its layer (replica 0's buffers are the module's own),
-    input, statistics (kernel-specific; None for an empty shard), values per channel, CUDA stream."""
+    input, mean and inverse std (None for an empty shard), values per channel, CUDA stream."""
 
     layer: SyncBatchNorm
     x: Tensor
@@ -120,15 +117,10 @@ class _Part:
 
 
 def _combine(parts: list[_Part]) -> tuple[Tensor, ...]:
-    """Run by the last replica to arrive: the joint node over every replica's input, outputs in replica order."""
-    layer = parts[0].layer
-    if len({p.x.is_cuda for p in parts}) > 1:  # their statistics come from different kernels
-        raise RuntimeError(
-            f"SyncBatchNorm layer {_describe(layer)}: the replicas' inputs are on devices of different types "
-            f"({[str(p.x.device) for p in parts]}); put every replica on devices of one type."
-        )
-    total = sum(p.count for p in parts)
-    if total == 0 or (layer.training and total == 1):
+    """The rendezvous's combine step, once per layer call: the joint node over every replica's input, outputs in
+    replica order. (Replicas are on devices of one type: the modules check it.)"""
+    layer, total = parts[0].layer, sum(p.count for p in parts)
+    if total <= 1:  # as BatchNorm, whenever it normalises with batch statistics
         raise ValueError(
             f"Expected more than 1 value per channel when training, got {total} over all replicas "
             f"(SyncBatchNorm layer {_describe(layer)})"
@@ -139,74 +131,79 @@ def _combine(parts: list[_Part]) -> tuple[Tensor, ...]:
         return _JointBatchNorm.apply(parts, *tensors)
 
 
-def _update_running(layer: _BatchNorm, mean: Tensor, var: Tensor, total: int) -> None:
-    """BatchNorm's update of ``layer``'s running statistics, with the unbiased variance of the whole batch; no host
-    synchronisation (momentum None: the cumulative average's factor 1 / num_batches_tracked stays on the device)."""
-    dtype = layer.running_mean.dtype
-    mean, unbiased = mean.to(dtype), (var * (total / (total - 1))).to(dtype)
-    if layer.momentum is None and layer.num_batches_tracked is not None:
-        factor = layer.num_batches_tracked.to(torch.float64).reciprocal().to(dtype)
-        layer.running_mean.mul_(1 - factor).add_(mean * factor)
-        layer.running_var.mul_(1 - factor).add_(unbiased * factor)
-    else:
-        momentum = 0.0 if layer.momentum is None else layer.momentum  # as BatchNorm: no momentum nor counter, no update
-        layer.running_mean.mul_(1 - momentum).add_(mean, alpha=momentum)
-        layer.running_var.mul_(1 - momentum).add_(unbiased, alpha=momentum)
-
-
 class _JointBatchNorm(Function):
     """One autograd node spanning every replica of a layer call: inputs ``(*xs, *weights, *biases)``, one output per
-    replica, each on its replica's device. Backward combines the replicas' gradient sums in replica order."""
+    replica, each on its replica's device. Backward sums the replicas' gradient sums in replica order."""
 
     @staticmethod
     def forward(ctx: FunctionCtx, parts: list[_Part], *tensors: Tensor | None) -> tuple[Tensor, ...]:
-        n, layer, kernels = len(parts), parts[0].layer, _kernels(parts[0].x)
+        n, layer, ops = len(parts), parts[0].layer, _ops(parts[0].x)
         xs, weights, biases = tensors[:n], tensors[n : 2 * n], tensors[2 * n :]
-        active = [p for p in parts if p.count]
-        running = layer if layer.training and layer.track_running_stats and layer.running_mean is not None else None
-        if running is not None and running.num_batches_tracked is not None:
-            running.num_batches_tracked.add_(1)
-        mean, invstd = kernels.joint_stats(
-            [p.stats for p in active], [p.count for p in active], xs[0].device, layer.eps, running
+        root, active = xs[0].device, [p for p in parts if p.count]
+        means, invstds = (torch.stack([p.stats[k].to(root, non_blocking=True) for p in active]) for k in range(2))
+        counts = torch.tensor([p.count for p in active], dtype=means.dtype)  # copied without blocking the host:
+        counts = (counts.pin_memory() if root.type == "cuda" else counts).to(root, non_blocking=True)
+        mean, invstd = ops.batch_norm_gather_stats_with_counts(
+            means, means, invstds, None, None, 0.0, layer.eps, counts
         )
-        joint = torch.cat([mean, invstd])  # the kernels' ``stats``: one tensor per device, mean then inverse std
-        stats = [joint.to(x.device, non_blocking=True) for x in xs]  # no copy for replicas on its device
+        _update_running(layer, mean, invstd, sum(p.count for p in parts))
+        joint = torch.stack([mean, invstd])
+        stats = [joint.to(x.device, non_blocking=True) for x in xs]  # one copy per other device
         outputs = [
-            kernels.normalize(x, weight, bias, stats_i, layer.eps) if p.count else torch.empty_like(x)
+            ops.batch_norm_elemt(x, weight, bias, *stats_i, layer.eps) if p.count else torch.empty_like(x)
             for p, x, weight, bias, stats_i in zip(parts, xs, weights, biases, stats, strict=True)
         ]
         # No reference to the parts is kept past the forward.
-        ctx.kernels, ctx.counts, ctx.streams = kernels, [p.count for p in parts], [p.stream for p in parts]
+        ctx.ops, ctx.counts, ctx.streams = ops, [p.count for p in parts], [p.stream for p in parts]
         ctx.save_for_backward(*xs, *weights, *stats)
         return tuple(outputs)
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
-        counts, kernels, n = ctx.counts, ctx.kernels, len(ctx.counts)
+        ops, counts, n = ctx.ops, ctx.counts, len(ctx.counts)
         xs, weights, stats = (ctx.saved_tensors[k * n : (k + 1) * n] for k in range(3))
         needs_x, needs_w, needs_b = (ctx.needs_input_grad[1 + k * n : 1 + (k + 1) * n] for k in range(3))
-        input_grad = any(needs_x)
-        grads_x, grads_w, grads_b = ([None] * n for _ in range(3))
-        sums = []  # per active shard: sum(dy) then sum(dy * (x - mean)), on the first device
+        input_grad, grads_x, grads_w, grads_b, sums = any(needs_x), [None] * n, [None] * n, [None] * n, []
         with _streams(ctx.streams):
             dys = [_contiguous(g) for g in grads]
             for i in (i for i in range(n) if counts[i] and (input_grad or needs_w[i] or needs_b[i])):
-                sum_dy, sum_dy_xmu, grad_w, grad_b = kernels.backward_reduce(
-                    dys[i], xs[i], stats[i], weights[i], input_grad, needs_w[i], needs_b[i]
+                sum_dy, sum_dy_xmu, grads_w[i], grads_b[i] = ops.batch_norm_backward_reduce(
+                    dys[i], xs[i], *stats[i], weights[i], input_grad, needs_w[i], needs_b[i]
                 )
-                grads_w[i], grads_b[i] = grad_w if needs_w[i] else None, grad_b if needs_b[i] else None
-                if input_grad:  # else the kernel leaves the sums undefined
-                    sums.append(torch.cat([sum_dy, sum_dy_xmu]).to(xs[0].device, non_blocking=True))
+                if input_grad:  # else the sums are left undefined
+                    sums.append(torch.stack([sum_dy, sum_dy_xmu]).to(xs[0].device, non_blocking=True))
             total_sums = torch.stack(sums).sum(0) if input_grad else None
             for i in (i for i in range(n) if needs_x[i]):
+                weight = weights[i] if weights[i] is None else weights[i].to(stats[i].dtype)  # as the kernel takes it
+                # The kernel divides by the sum of `count`: the whole batch's, made on the device (no copy).
+                count = torch.full((1,), sum(counts), dtype=torch.int32, device=xs[i].device)
                 sums_i = total_sums.to(xs[i].device, non_blocking=True)
                 grads_x[i] = (
-                    kernels.backward_elemt(dys[i], xs[i], stats[i], weights[i], sums_i, sum(counts))
+                    ops.batch_norm_backward_elemt(dys[i], xs[i], *stats[i], weight, *sums_i, count)
                     if counts[i]
                     else torch.zeros_like(xs[i])
                 )
         return (None, *grads_x, *grads_w, *grads_b)
+
+
+def _update_running(layer: _BatchNorm, mean: Tensor, invstd: Tensor, total: int) -> None:
+    """BatchNorm's update of ``layer``'s counter and running statistics, with the whole batch's unbiased variance; no
+    host synchronisation (momentum None: the cumulative average's factor 1 / num_batches_tracked stays a tensor)."""
+    if not (layer.training and layer.track_running_stats):
+        return
+    tracked = layer.num_batches_tracked
+    if tracked is not None:
+        tracked.add_(1)
+    if layer.running_mean is None:
+        return
+    dtype = layer.running_mean.dtype
+    factor: Any = layer.momentum if layer.momentum is not None else 0.0  # as BatchNorm: no momentum nor counter
+    if layer.momentum is None and tracked is not None:
+        factor = tracked.to(torch.float64).reciprocal().to(dtype)
+    unbiased = (invstd.pow(-2) - layer.eps) * (total / (total - 1))
+    layer.running_mean.lerp_(mean.to(dtype), factor)
+    layer.running_var.lerp_(unbiased.to(dtype), factor)
 
 
 @contextlib.contextmanager
@@ -214,11 +211,8 @@ def _streams(streams: Sequence[torch.cuda.Stream | None]) -> Iterator[None]:
     """Make each replica's CUDA stream (captured when it arrived) current on its device while one thread works on
     every device: so the work is ordered with what the replica's own thread queued before and queues after."""
     with contextlib.ExitStack() as stack:
-        entered: set[Any] = set()
-        for stream in streams:
-            if stream is not None and stream.device not in entered:
-                entered.add(stream.device)
-                stack.enter_context(torch.cuda.stream(stream))
+        for stream in {s.device: s for s in reversed(streams) if s is not None}.values():  # the first per device
+            stack.enter_context(torch.cuda.stream(stream))
         yield
 
 
@@ -228,139 +222,69 @@ def _contiguous(t: Tensor) -> Tensor:
     return t if any(t.is_contiguous(memory_format=layout) for layout in layouts) else t.contiguous()
 
 
-# --- kernels ------------------------------------------------------------------------------------------------------
+# --- torch's batch-norm primitives, in plain tensor ops where torch has none (the CPU) -----------------------------
+def _ops(x: Tensor) -> Any:
+    return torch if x.is_cuda else _PlainOps
+
+
 def _shape(x: Tensor) -> tuple[int, ...]:
     """Broadcast shape of a per-channel vector against ``x``."""
     return (1, x.size(1)) + (1,) * (x.dim() - 2)
-
-
-def _dims(x: Tensor) -> list[int]:
-    """Every dim but the channels."""
-    return [0, *range(2, x.dim())]
 
 
 def _upcast(x: Tensor) -> Tensor:
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
 
-class _PlainKernels:
-    """The joint node's per-device steps in plain tensor ops, for devices without torch's batch-norm primitives (the
-    CPU); statistics in float32 at least. ``local_stats`` returns a pair that only the same class combines."""
+class _PlainOps:
+    """``torch.batch_norm_*`` (CUDA only) with their signatures and results, statistics in float32 at least; the
+    node passes ``batch_norm_gather_stats_with_counts`` no running statistics (:func:`_update_running` updates them)."""
 
     @staticmethod
-    def local_stats(x: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-        var, mean = torch.var_mean(_upcast(x), _dims(x), correction=0)
-        return mean, var
+    def batch_norm_stats(x: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+        var, mean = torch.var_mean(_upcast(x), [0, *range(2, x.dim())], correction=0)
+        return mean, (var + eps).rsqrt()
 
     @staticmethod
-    def joint_stats(
-        stats: Sequence[tuple[Tensor, Tensor]],
-        counts: Sequence[int],
-        root: torch.device,
-        eps: float,
-        running: _BatchNorm | None,
-    ) -> tuple[Tensor, Tensor]:
-        """Mean and inverse std of the whole batch on ``root``; updates the running statistics of ``running``."""
-        means = torch.stack([mean.to(root) for mean, _ in stats])
-        variances = torch.stack([var.to(root) for _, var in stats])
-        total = sum(counts)
-        weights = torch.tensor([c / total for c in counts], dtype=means.dtype, device=root).unsqueeze(1)
+    def batch_norm_gather_stats_with_counts(
+        x: Tensor, means: Tensor, invstds: Tensor, *args: Any
+    ) -> tuple[Tensor, ...]:
+        *_, eps, counts = args  # after running_mean, running_var, momentum: None, None, 0.0
+        weights = (counts / counts.sum()).unsqueeze(1)
         mean = (weights * means).sum(0)
-        var = (weights * (variances + (means - mean).square())).sum(0)  # within-shard + between-shard variance
-        if running is not None:
-            _update_running(running, mean, var, total)
-        return mean, torch.rsqrt(var + eps)
+        var = (weights * (invstds.pow(-2) - eps + (means - mean).square())).sum(0)  # within- plus between-shard
+        return mean, (var + eps).rsqrt()
 
     @staticmethod
-    def normalize(x: Tensor, weight: Tensor | None, bias: Tensor | None, stats: Tensor, eps: float) -> Tensor:
-        mean, invstd = stats.chunk(2)
-        shape = _shape(x)
+    def batch_norm_elemt(x: Tensor, weight: Tensor | None, bias: Tensor | None, *stats_eps: Any) -> Tensor:
+        (mean, invstd, _), shape = stats_eps, _shape(x)
         scale = invstd if weight is None else invstd * weight.to(invstd.dtype)
         y = (_upcast(x) - mean.view(shape)) * scale.view(shape)
-        if bias is not None:
-            y = y + bias.to(y.dtype).view(shape)
-        return y.to(x.dtype)
+        return (y if bias is None else y + bias.to(y.dtype).view(shape)).to(x.dtype)
 
     @staticmethod
-    def backward_reduce(
-        dy: Tensor, x: Tensor, stats: Tensor, weight: Tensor | None, *needs: bool
-    ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
-        """This shard's ``sum(dy)``, ``sum(dy * (x - mean))`` per channel, and its weight and bias gradients."""
-        mean, invstd = stats.chunk(2)
-        dims = _dims(x)
-        dy32 = dy.to(mean.dtype)
-        sum_dy = dy32.sum(dims)
-        sum_dy_xmu = (dy32 * (_upcast(x) - mean.view(_shape(x)))).sum(dims)
-        _, weight_g, bias_g = needs
+    def batch_norm_backward_reduce(
+        dy: Tensor, x: Tensor, mean: Tensor, invstd: Tensor, weight: Tensor | None, *needs: bool
+    ) -> tuple[Tensor | None, ...]:
+        """``sum(dy)``, ``sum(dy * (x - mean))`` per channel, and the weight and bias gradients (where ``needs``)."""
+        dims, dy, (_, weight_g, bias_g) = [0, *range(2, x.dim())], dy.to(mean.dtype), needs
+        sum_dy, sum_dy_xmu = dy.sum(dims), (dy * (_upcast(x) - mean.view(_shape(x)))).sum(dims)
         grad_weight = (sum_dy_xmu * invstd).to(weight.dtype) if weight_g and weight is not None else None
         grad_bias = sum_dy.to(weight.dtype) if bias_g and weight is not None else None
         return sum_dy, sum_dy_xmu, grad_weight, grad_bias
 
     @staticmethod
-    def backward_elemt(dy: Tensor, x: Tensor, stats: Tensor, weight: Tensor | None, sums: Tensor, total: int) -> Tensor:
-        """The input gradient, given ``sums`` (``sum(dy)`` then ``sum(dy * (x - mean))``) over the whole batch
-        (``total`` values per channel)."""
-        (mean, invstd), (sum_dy, sum_dy_xmu) = stats.chunk(2), sums.chunk(2)
-        shape = _shape(x)
-        scale = invstd if weight is None else invstd * weight.to(invstd.dtype)
+    def batch_norm_backward_elemt(
+        dy: Tensor, x: Tensor, mean: Tensor, invstd: Tensor, weight: Tensor | None, *sums_count: Tensor
+    ) -> Tensor:
+        """The input gradient, given the whole batch's ``sum(dy)``, ``sum(dy * (x - mean))`` and ``count``."""
+        (sum_dy, sum_dy_xmu, count), shape = sums_count, _shape(x)
+        total, scale = count.sum(), invstd if weight is None else invstd * weight
         xmu = _upcast(x) - mean.view(shape)
-        mean_dy, mean_dy_xmu = (sum_dy / total).view(shape), (sum_dy_xmu / total).view(shape)
-        grad = dy.to(mean.dtype) - mean_dy - xmu * invstd.square().view(shape) * mean_dy_xmu
-        return (grad * scale.view(shape)).to(x.dtype)
-
-
-class _CudaKernels(_PlainKernels):
-    """torch's batch-norm primitives (those of ``torch.nn.SyncBatchNorm``): fused kernels, statistics in the
-    accumulation type (float32 for half/bfloat16), no host synchronisation."""
-
-    @staticmethod
-    @override
-    def local_stats(x: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-        return torch.batch_norm_stats(x, eps)  # mean, invstd
-
-    @staticmethod
-    @override
-    def joint_stats(stats, counts, root, eps, running):
-        means = torch.stack([mean.to(root, non_blocking=True) for mean, _ in stats])
-        invstds = torch.stack([invstd.to(root, non_blocking=True) for _, invstd in stats])
-        # The kernel reads counts (and updates running stats) in the running stats' dtype, or else in the dtype of its
-        # first argument: pass the statistics there, so counts stay float32/64 (never half) without running stats.
-        fused = running is not None and running.momentum is not None and running.running_mean.dtype == means.dtype
-        counts_dtype = running.running_mean.dtype if fused else means.dtype
-        # One small asynchronous copy from pinned memory: a plain torch.tensor(..., device=root) would block the host.
-        counts_tensor = torch.tensor(counts, dtype=counts_dtype).pin_memory().to(root, non_blocking=True)
-        if fused:
-            return torch.batch_norm_gather_stats_with_counts(
-                means, means, invstds, running.running_mean, running.running_var, running.momentum, eps, counts_tensor
-            )
-        mean, invstd = torch.batch_norm_gather_stats_with_counts(
-            means, means, invstds, None, None, 0.0, eps, counts_tensor
+        grad = (
+            dy.to(mean.dtype) - (sum_dy / total).view(shape) - xmu * (invstd.square() * sum_dy_xmu / total).view(shape)
         )
-        if running is not None:
-            _update_running(running, mean, invstd.pow(-2).sub_(eps), sum(counts))
-        return mean, invstd
-
-    @staticmethod
-    @override
-    def normalize(x, weight, bias, stats, eps):
-        return torch.batch_norm_elemt(x, weight, bias, *stats.chunk(2), eps)
-
-    @staticmethod
-    @override
-    def backward_reduce(dy, x, stats, weight, *needs):
-        return torch.batch_norm_backward_reduce(dy, x, *stats.chunk(2), weight, *needs)
-
-    @staticmethod
-    @override
-    def backward_elemt(dy, x, stats, weight, sums, total):
-        weight = None if weight is None else weight.to(stats.dtype)  # the kernel takes it in the statistics' dtype
-        # The kernel divides the sums by the sum of `count`: the whole batch's count, made on the device (no copy).
-        count = torch.full((1,), total, dtype=torch.int32, device=x.device)
-        return torch.batch_norm_backward_elemt(dy, x, *stats.chunk(2), weight, *sums.chunk(2), count)
-
-
-def _kernels(x: Tensor) -> type[_PlainKernels]:
-    return _CudaKernels if x.is_cuda else _PlainKernels
+        return (grad * scale.view(shape)).to(x.dtype)
 
 
 # --- conversion ---------------------------------------------------------------------------------------------------
@@ -407,22 +331,14 @@ def revert_sync_batchnorm(module: nn.Module, default: type[_BatchNorm] | None = 
 
 
 def _replace_layers(module: nn.Module, replace: Callable[[nn.Module, str], nn.Module | None]) -> nn.Module:
-    """``module`` with each submodule for which ``replace(sub, dotted_name)`` returns a layer swapped for it (children
-    of swapped layers are not visited). A module used at several places is replaced once, by one new object."""
-    done: dict[int, nn.Module] = {}
-
-    def visit(sub: nn.Module, name: str) -> nn.Module:
-        if id(sub) not in done:
-            new = replace(sub, name)
-            if new is None:
-                new = sub
-                for child_name, child in list(sub._modules.items()):
-                    if child is not None:
-                        sub._modules[child_name] = visit(child, f"{name}.{child_name}" if name else child_name)
-            done[id(sub)] = new
-        return done[id(sub)]
-
-    return visit(module, "")
+    """``module`` with each submodule for which ``replace(sub, dotted_name)`` returns a layer swapped for it; a module
+    used at several places is offered once (under its first name) and replaced everywhere by one new object."""
+    new = {id(sub): layer for name, sub in module.named_modules() if (layer := replace(sub, name)) is not None}
+    for path, sub in list(module.named_modules(remove_duplicate=False)):
+        if path and id(sub) in new:
+            parent, _, leaf = path.rpartition(".")
+            setattr(module.get_submodule(parent), leaf, new[id(sub)])
+    return new.get(id(module), module)
 
 
 def _retype(layer: _BatchNorm, cls: type[_BatchNorm], name: str) -> Any:

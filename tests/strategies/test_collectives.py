@@ -249,7 +249,7 @@ def _raise(module: Any, x: torch.Tensor) -> None:
     ("check", "error", "match"),
     [
         (_skip, RendezvousError, r"all_gather \(collective 1 of this step\).*finished without reaching it"),
-        (_reorder, RendezvousError, r"called different collectives.*barrier.*reduce\(mean\)"),
+        (_reorder, RendezvousError, r"different sync points.*barrier.*reduce\(mean\)"),
         (_raise, KeyError, "replica 1 fails"),
     ],
 )
