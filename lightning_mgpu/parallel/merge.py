@@ -54,13 +54,16 @@ def merge_outputs(
     *,
     sizes: Sequence[int] | None = None,
     weights: Mapping[str, Sequence[Weight] | str | Tensor] | None = None,
+    counts: bool = False,
 ) -> Any:
     """Merge per-replica ``outputs`` on ``device`` as one device would have returned them (differentiable).
 
     ``sizes``: each replica's sample count (read from its tensors when omitted). ``weights``: per value path (as
     error messages print it, e.g. ``"output['loss']"``), the weights to average that scalar with instead of the
     sample counts, ``"sum"`` to add the replicas' values, or the merged value itself (a tensor: a loss its record
-    combined).
+    combined). Integers that differ between replicas, or equal their sample counts, are counts and add up (one device
+    counts the whole batch); the same integer on every replica is kept (a constant passed whole), unless ``counts``
+    says every integer is a count (a step's ``correct``, which may be equal on every shard).
     """
     if isinstance(outputs, (Tensor, Mapping, str)) or not isinstance(outputs, Sequence):
         raise TypeError(
@@ -72,9 +75,9 @@ def merge_outputs(
         raise ValueError("merge_outputs() needs at least one output.")
     if sizes is not None and len(sizes) != len(outputs):
         raise ValueError(f"merge_outputs() got {len(outputs)} outputs but {len(sizes)} sizes.")
-    counts = list(sizes) if sizes is not None else [agreed_size(o, dim) for o in outputs]
-    counts = None if None in counts else counts  # an output with no batch size: no sample counts
-    return _Merger(to_device(device), dim, counts, weights or {}).merge(list(outputs), "output")
+    sample_counts = list(sizes) if sizes is not None else [agreed_size(o, dim) for o in outputs]
+    sample_counts = None if None in sample_counts else sample_counts  # an output with no batch size: no sample counts
+    return _Merger(to_device(device), dim, sample_counts, weights or {}, counts).merge(list(outputs), "output")
 
 
 @dataclasses.dataclass
@@ -83,6 +86,7 @@ class _Merger:
     dim: int
     sizes: list[int] | None
     weights: Mapping[str, Sequence[Weight] | str | Tensor]
+    counts: bool = False  # every integer is a count
 
     def merge(self, outputs: list[Any], path: str) -> Any:
         first, nones = outputs[0], [i for i, o in enumerate(outputs) if o is None]
@@ -139,6 +143,11 @@ class _Merger:
         return np.concatenate(outputs, axis=dim)
 
     def _scalars(self, outputs: list[Any], path: str) -> Any:
+        if path not in self.weights and all(map(_is_count, outputs)) and self._counts(outputs, path):
+            # A count of each shard's samples (correct, total, len(x)): one device counts the whole batch.
+            if any(isinstance(o, Tensor) for o in outputs):
+                return torch.stack([torch.as_tensor(o).to(self.device).reshape(()) for o in outputs]).sum()
+            return sum(outputs)
         if all_equal(outputs):
             return outputs[0]
         if all(isinstance(o, bool) for o in outputs):
@@ -157,6 +166,24 @@ class _Merger:
             return sum(outputs)
         floats = [float(w) for w in weights]
         return sum(float(o) * w for o, w in zip(outputs, floats, strict=True) if w > 0) / sum(floats)
+
+    def _counts(self, outputs: list[Any], path: str) -> bool:
+        """Whether the replicas' integers are counts, which add up: they differ, or each is its replica's sample count
+        (``len(x)``). The same integer on every replica otherwise is kept, as a constant passed whole to every replica
+        comes back; said once, since a count can be the same on every shard."""
+        values = [int(o) for o in outputs]
+        if self.counts or len(set(values)) > 1 or values == self.sizes:
+            return True
+        if len(values) > 1 and self.sizes is not None:
+            warnings.warn(
+                f"{path}: the same integer on every device, not its sample count: kept as one value, as a constant (an "
+                "epoch, an index) comes back. If it counts the shard's samples, one device's count is the devices' "
+                "sum: integers that differ between devices, or equal their sample counts, are summed so. Return "
+                "per-sample values instead ((pred == y), which concatenates) and count them where you read them.",
+                UserWarning,
+                stacklevel=2,
+            )
+        return False
 
     def _mapping(self, outputs: list[Any], path: str) -> Any:
         _check_kind(outputs, path, Mapping, "a mapping")
@@ -215,6 +242,13 @@ def all_equal(values: Sequence[Any]) -> bool:
         return all(bool(v == first) for v in rest)
     except Exception:
         return all(v is first for v in rest)
+
+
+def _is_count(value: Any) -> bool:
+    """An integer (a Python or numpy int, a 0-dim integer tensor), not a bool."""
+    if isinstance(value, Tensor):
+        return not (value.is_floating_point() or value.is_complex() or value.dtype == torch.bool)
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 def _is_scalar(value: Any) -> bool:

@@ -151,7 +151,7 @@ def unread_message(strategy: str, why: str, options: str) -> str:
 def coupling_message(strategy: str, what: str) -> str:
     """What is said once for a loss whose graph mixes the rows of a device's shard."""
     fix = (
-        "Trainer(sync_batchnorm=True) (statistics over the whole batch)"
+        "the strategy's default sync_batchnorm=True, or Trainer(sync_batchnorm=True) (statistics over the whole batch)"
         if what.startswith("BatchNorm")
         else "strategy='dp' (the loss runs on the whole batch), or self.all_gather(..., sync_grads=True) in the step "
         "to compute it over the whole batch"

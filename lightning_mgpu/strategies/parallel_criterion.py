@@ -149,7 +149,7 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         # A returned loss merges by the declared rule or its record, as its logged copies do; others by sample counts.
         by_rule = "sum" if isinstance(weights, list) and weights[0] == "sum" else weights
         paths = None if by_rule is None else dict.fromkeys(("output", "output['loss']"), by_rule)
-        return merge_outputs(outputs, self.root_device, self.dim, sizes=sizes, weights=paths)
+        return merge_outputs(outputs, self.root_device, self.dim, sizes=sizes, weights=paths, counts=True)
 
     @override
     def _combine_replica_losses(self, losses: list[Tensor]) -> Tensor:

@@ -130,12 +130,28 @@ def test_zero_dim_tensors_are_replicated_and_averaged_back_by_sample_count():
     assert merge_outputs([{"n": torch.tensor(4.0)}, {"n": torch.tensor(4.0)}], "cpu")["n"].item() == 4.0  # equal: as is
 
 
+@pytest.mark.parametrize("as_tensor", [False, True])
+def test_integer_step_outputs_are_counts_that_add_up_as_one_device_counts(as_tensor):
+    """correct / total / len(x) returned from a step: one device's count over the whole batch is the shards' sum."""
+    wrap = torch.tensor if as_tensor else int
+    out = [{"correct": wrap(4), "total": wrap(6)}, {"correct": wrap(3), "total": wrap(5)}]
+    merged = merge_outputs(out, "cpu", sizes=[6, 5])
+    assert int(merged["correct"]) == 7 and int(merged["total"]) == 11
+    even = merge_outputs([{"total": wrap(5)}, {"total": wrap(5)}], "cpu", sizes=[5, 5])  # len(x) on even shards
+    assert int(even["total"]) == 10
+    with pytest.warns(UserWarning, match=r"output\['epoch'\]: the same integer on every device.*\(pred == y\)"):
+        same = merge_outputs([{"epoch": wrap(3)}, {"epoch": wrap(3)}], "cpu", sizes=[5, 5])  # a constant: kept
+    assert int(same["epoch"]) == 3
+
+
 def test_non_tensor_values_passed_whole_and_gathered():
     marker = object()
     chunks, _ = split_batch((torch.zeros(6, 2), marker, "text", 4, ["a", "b"]), ["cpu"] * 3)
     assert all(c[1] is marker and c[2] == "text" and c[3] == 4 and c[4] == ["a", "b"] for c in chunks)
-    # Different numbers are averaged by sample count (here 1 each); other values come back one per replica.
-    assert merge_outputs([{"x": torch.zeros(1), "k": 1}, {"x": torch.zeros(1), "k": 2}], "cpu")["k"] == 1.5
+    # Different numbers are averaged by sample count (here 1 each), integers that differ (counts) summed; other values
+    # come back one per replica.
+    assert merge_outputs([{"x": torch.zeros(1), "k": 1.0}, {"x": torch.zeros(1), "k": 2.0}], "cpu")["k"] == 1.5
+    assert merge_outputs([{"x": torch.zeros(1), "k": 1}, {"x": torch.zeros(1), "k": 2}], "cpu")["k"] == 3
     merged = merge_outputs([{"x": torch.zeros(1), "k": "a"}, {"x": torch.zeros(1), "k": "b"}], "cpu")["k"]
     assert isinstance(merged, lightning_mgpu.ReplicaValues) and list(merged) == ["a", "b"]
     # Lists of plain items with no tensor beside them are concatenated.
