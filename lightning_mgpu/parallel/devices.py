@@ -13,9 +13,17 @@ DeviceLike = int | str | torch.device
 
 def to_device(device: DeviceLike) -> torch.device:
     """One device from an int (CUDA index), a string (``"cuda:1"``, ``"cpu"``) or a ``torch.device``."""
-    device = _parse(device)
-    if device.type == "cpu":
-        # Tensors always report `cpu` (no index), and torch.device("cpu:0") != torch.device("cpu").
+    if isinstance(device, bool) or not isinstance(device, (int, str, torch.device)):
+        raise TypeError(
+            f"Invalid device {device!r}: expected an int index, a string such as 'cuda:0', or a torch.device."
+        )
+    if isinstance(device, int) and device < 0:
+        raise ValueError(f"Invalid device index {device}: CUDA device indices are >= 0.")
+    try:
+        device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    except RuntimeError as err:
+        raise ValueError(f"Invalid device string {device!r}: use e.g. 'cpu', 'cuda:0' or an int index.") from err
+    if device.type == "cpu":  # tensors report `cpu` (no index), and torch.device("cpu:0") != torch.device("cpu")
         return torch.device("cpu")
     if device.type != "cuda":
         return device
@@ -27,23 +35,6 @@ def to_device(device: DeviceLike) -> torch.device:
             f"Device {device} was requested but only {torch.cuda.device_count()} CUDA device(s) are visible."
         )
     return torch.device("cuda", index)
-
-
-def _parse(device: DeviceLike) -> torch.device:
-    if isinstance(device, int) and not isinstance(device, bool):
-        if device < 0:
-            raise ValueError(f"Invalid device index {device}: CUDA device indices are >= 0.")
-        return torch.device("cuda", device)
-    if isinstance(device, str):
-        try:
-            return torch.device(device)
-        except RuntimeError as err:
-            raise ValueError(f"Invalid device string {device!r}: use e.g. 'cpu', 'cuda:0' or an int index.") from err
-    if not isinstance(device, torch.device):
-        raise TypeError(
-            f"Invalid device {device!r}: expected an int index, a string such as 'cuda:0', or a torch.device."
-        )
-    return device
 
 
 def resolve_devices(
@@ -60,11 +51,8 @@ def resolve_devices(
     devices = [to_device(d) for d in device_ids]
     if not devices:
         raise ValueError("device_ids is empty: pass at least one device (e.g. [0, 1] or ['cpu', 'cpu']), or None.")
-    types = {d.type for d in devices}
-    if len(types) > 1:
-        raise ValueError(
-            f"device_ids mixes device types {sorted(types)} ({[str(d) for d in devices]}): use devices of one type."
-        )
+    if len({d.type for d in devices}) > 1:
+        raise ValueError(f"device_ids mixes device types ({[str(d) for d in devices]}): use devices of one type.")
     return devices
 
 
@@ -76,7 +64,7 @@ def module_device(module: torch.nn.Module) -> torch.device | None:
 
 def check_module_on(module: torch.nn.Module, device: torch.device, what: str = "module") -> None:
     """Raise if any parameter or buffer of ``module`` is not on ``device`` (the root device)."""
-    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+    for name, tensor in chain(module.named_parameters(), module.named_buffers()):
         if tensor.device != device:  # device comes from to_device: a CPU one has no index, as tensors report
             raise ValueError(
                 f"The {what} must have all parameters and buffers on the root device {device} (device_ids[0]), "

@@ -18,6 +18,8 @@ from torch import Tensor, nn
 
 from lightning_mgpu.parallel.compiled import is_compiled
 from lightning_mgpu.parallel.devices import DeviceLike, check_module_on, module_device, resolve_devices, to_device
+from lightning_mgpu.parallel.loss_calls import LossCalls, once_per_shard_alike
+from lightning_mgpu.parallel.loss_graph import combine_losses_by_record, count_targets, read_loss
 from lightning_mgpu.parallel.merge import merge_outputs
 from lightning_mgpu.parallel.reduce import reduce_losses
 from lightning_mgpu.parallel.replicas import ReplicaCache, ReplicaSet
@@ -124,15 +126,32 @@ class DataParallelModel(nn.Module):
             warnings.warn(message, UserWarning, stacklevel=2)
         replicas = replica_set.prepare(len(used))
         calls = [functools.partial(r, *a, **k) for r, a, k in zip(replicas, args_chunks, kwargs_chunks, strict=True)]
-        outputs = run_replicas(calls, used, mode)
-        replica_set.watch(outputs)  # the backward pass through them reduces the replicas' gradients
-        return outputs
+        return _run_watched(replica_set, calls, used, mode)
 
     def gather(self, outputs: Sequence[Any]) -> Any:
         """Concatenate per-device outputs on ``output_device`` (for metrics, logging), with the last call's split
         sizes, which tell per-sample lists of plain items (ids) from fixed ones."""
         sizes = self.last_split_sizes if len(self.last_split_sizes) == len(outputs) else None
         return merge_outputs(outputs, self.output_device, self.dim, sizes=sizes)
+
+
+def _run_watched(
+    replica_set: ReplicaSet | None, calls: list[Callable[[], Any]], devices: list[torch.device], mode: ExecutionMode
+) -> list[Any]:
+    """The replicas' results, watched: the backward pass through them reduces the replicas' gradients. A failed run
+    ends at once, keeping what replica 0 rebound, rather than at the next call (its hooks are global)."""
+    outputs: list[Any] = []
+    try:
+        outputs = run_replicas(calls, devices, mode)
+    finally:
+        if replica_set is not None:
+            replica_set.watch(outputs)
+    return outputs
+
+
+def _unrecorded(output: Any) -> bool:
+    """Whether a loss on ``output`` will carry no autograd record: without gradients, or an output without them."""
+    return not torch.is_grad_enabled() or not any(t.requires_grad for _, t in iter_tensors(output))
 
 
 def _safe_batch_size(obj: Any, dim: int) -> int:
@@ -169,79 +188,51 @@ def _scan(args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device, d
     return on_device, size
 
 
-_CLASS_INDEX_DEFAULTS: dict[str, Any] = {"ignore_index": -100, "weight": None, "reduction": "mean"}
-
-
-def _unwrapped(criterion: Any) -> Any:
-    """The function a ``functools.partial`` wraps, else ``criterion`` (compared by identity: a criterion's ``==`` may
-    build an object, as torchmetrics' do)."""
+def _base(criterion: Any) -> Any:
+    """The function a ``functools.partial`` wraps, else ``criterion``."""
     return criterion.func if isinstance(criterion, functools.partial) else criterion
 
 
-def _function_defaults(criterion: Any) -> dict[str, Any]:
-    """torch's defaults of the options of ``F.cross_entropy`` / ``F.nll_loss`` (or a partial of them), else {}."""
-    base = _unwrapped(criterion)
-    return _CLASS_INDEX_DEFAULTS if base is F.cross_entropy or base is F.nll_loss else {}
-
-
-def _whole_keywords(criterion: Any) -> set[str]:
-    """Keywords of a torch loss function that are options, not per-sample values: they go whole to every device."""
-    base = _unwrapped(criterion)
-    per_class = {"pos_weight"} if base is F.binary_cross_entropy_with_logits else set()  # one weight per class
-    return per_class | set(_function_defaults(criterion))
-
-
-def _criterion_option(criterion: Any, kwargs: dict[str, Any], name: str, default: Any) -> Any:
-    """An option of ``criterion`` for this call: a module's attribute, or for ``F.cross_entropy`` / ``F.nll_loss`` a
-    keyword of the call or partial, else torch's default; an opaque function's keywords are no known options."""
-    defaults = _function_defaults(criterion)
-    if not defaults:
-        return getattr(criterion, name, default)
+def _reduction(criterion: Any, kwargs: dict[str, Any]) -> str:
+    """The reduction of a call: its ``reduction=`` keyword, a partial's, else the criterion's attribute, else mean."""
     keywords = criterion.keywords if isinstance(criterion, functools.partial) else {}
-    return {**defaults, **keywords, **kwargs}.get(name, default)
+    return kwargs.get("reduction", keywords.get("reduction", getattr(criterion, "reduction", "mean")))
 
 
-def _weight_is_known(criterion: Any) -> bool:
-    """Whether what ``criterion``'s mean averages over is known without running it: torch's own losses (modules,
-    ``torch.nn.functional``, partials), not the user's functions or subclasses."""
-    base = _unwrapped(criterion)
-    return has_torch_loss_forward(base) or getattr(base, "__module__", None) == F.__name__
+def _is_torch_loss(criterion: Any) -> bool:
+    """torch's own loss, whose mean its record (or its call) explains: a loss module running torch's ``forward`` (a
+    subclass may shift or mask the labels) or a function of ``torch.nn.functional``, plain or partial."""
+    base = _base(criterion)
+    if isinstance(base, nn.modules.loss._Loss):
+        return type(base).forward.__module__ == nn.modules.loss.__name__
+    return getattr(base, "__module__", None) == F.__name__
 
 
-def has_torch_loss_forward(criterion: Any) -> bool:
-    """A torch loss module running torch's own ``forward``: only then do its options (``ignore_index``, ``weight``)
-    say what a mean averages over (a subclass may shift or mask the labels)."""
-    loss_module = isinstance(criterion, nn.modules.loss._Loss)
-    return loss_module and type(criterion).forward.__module__ == nn.modules.loss.__name__
+#: Keywords of torch's loss functions that hold one value per class, not per sample: they go whole to every device.
+_PER_CLASS = ((F.cross_entropy, "weight"), (F.nll_loss, "weight"), (F.binary_cross_entropy_with_logits, "pos_weight"))
 
 
 def count_labels(labels: Tensor, ignore_index: int, class_weight: Tensor | None = None) -> Tensor:
-    """What a cross-entropy mean over ``labels`` divides by (torch's normaliser): the labels not ``ignore_index``,
-    each weighted by its ``class_weight`` when given."""
-    valid = labels != ignore_index
-    if class_weight is None:
-        return valid.sum()
-    return class_weight.to(labels.device)[labels[valid]].sum()
+    """What a cross-entropy mean over ``labels`` divides by: the labels not ``ignore_index``, each weighted by its
+    ``class_weight`` when given (:func:`.loss_graph.count_targets`, with the weights on the labels' device)."""
+    return count_targets(labels, None if class_weight is None else class_weight.to(labels.device), ignore_index)
 
 
-def _count_weight(
-    criterion: Any, output: Any, targets: tuple[Any, ...], kwargs: dict[str, Any], samples: int, dim: int
-) -> float | Tensor:
-    """What this replica's mean loss averages over: with ``ignore_index``, :func:`count_labels` of class-index targets;
-    else its ``samples`` (0: read from the output), to which element-wise means are proportional."""
-    target = targets[0] if targets else kwargs.get("target")
-    counted = not isinstance(criterion, nn.Module) or has_torch_loss_forward(criterion)  # a subclass may shift labels
-    ignore_index = _criterion_option(criterion, kwargs, "ignore_index", None) if counted else None
-    if isinstance(target, Tensor) and isinstance(ignore_index, int) and not target.is_floating_point():
-        class_weight = _criterion_option(criterion, kwargs, "weight", None)
-        return count_labels(target, ignore_index, class_weight if isinstance(class_weight, Tensor) else None)
-    try:
-        return samples or batch_size_of(output, dim, path="output")
-    except BatchSplitError as err:
-        raise ValueError(
-            f"Cannot tell how many samples a replica's loss averages over ({err}). Pass "
-            "DataParallelCriterion(..., weight_fn=lambda output, targets: count) to give each replica's weight."
-        ) from err
+def combine_by_record(
+    losses: list[Any], calls: Sequence[LossCalls | None], sizes: list[int], root: torch.device, memory: Any = None
+) -> Tensor | None:
+    """The whole batch's loss on ``root`` from the replicas' ``losses``, as their autograd records say
+    (:func:`.loss_graph.read_loss`) or, for a loss without one (evaluation), its loss calls (:class:`LossCalls`);
+    ``None`` where they do not say. ``memory``: see :func:`.loss_graph.combine_losses_by_record`."""
+    graphs = [getattr(loss, "grad_fn", None) is not None for loss in losses]
+    records = [
+        read_loss(loss, n) if graph else c and c.record_of(loss)
+        for loss, graph, c, n in zip(losses, graphs, calls, sizes, strict=True)
+    ]
+    if not any(graphs) and all(record is not None for record in records):
+        once_per_shard_alike(records)  # a regulariser every replica computes alike counts once
+    combined = combine_losses_by_record(losses, records, sizes, root, all(graphs), memory)
+    return None if combined is None else combined.loss
 
 
 class DataParallelCriterion(nn.Module):
@@ -277,7 +268,7 @@ class DataParallelCriterion(nn.Module):
     @property
     def reduction(self) -> str:
         """The criterion's own reduction (a call may override it with a ``reduction=`` keyword argument)."""
-        return _criterion_option(self.criterion, {}, "reduction", "mean")
+        return _reduction(self.criterion, {})
 
     def forward(self, outputs: Sequence[Any], *targets: Any, **kwargs: Any) -> Tensor:
         self._check_outputs(outputs)
@@ -291,25 +282,33 @@ class DataParallelCriterion(nn.Module):
 
         devices = [_output_device(o, d) for o, d in zip(outputs, self.device_ids, strict=False)]
         target_chunks, kwargs_chunks, samples = self._split_targets(outputs, targets, kwargs, devices)
-        losses = self._losses(outputs, target_chunks, kwargs_chunks, devices)
-        root = self.device_ids[0]
-        reduction = _criterion_option(criterion, kwargs, "reduction", "mean")
+        reduction, root = _reduction(criterion, kwargs), self.device_ids[0]
+        # What each device's mean divides by: weight_fn's count, else for torch's own losses their record's.
+        read = self.weight_fn is None and reduction not in ("none", "sum") and _is_torch_loss(criterion)
+        losses, calls = self._losses(outputs, target_chunks, kwargs_chunks, devices, read)
         if reduction == "none":
             return merge_outputs(losses, root, self.dim)
         if reduction == "sum":
             return reduce_losses(losses, device=root, reduction="sum")
-        # How many items each device's mean loss averages over: weight_fn's count (checked when reduced), else ours.
         if self.weight_fn is not None:
             weights = [self.weight_fn(o, t) for o, t in zip(outputs, target_chunks, strict=True)]
-        else:
+            return reduce_losses(losses, weights, device=root)
+        combined = combine_by_record(losses, calls, [n or 1 for n in samples], root) if read else None
+        if combined is not None:
+            return combined
+        if not read:
             self._say_sample_weights()
-            chunks = zip(outputs, target_chunks, kwargs_chunks, samples, strict=True)
-            weights = [_count_weight(criterion, o, t, k, n, self.dim) for o, t, k, n in chunks]
-        return reduce_losses(losses, weights, device=root)
+        if 0 in samples:  # an output without a batch dimension, and no targets split
+            raise ValueError(
+                "Cannot tell how many samples a replica's loss averages over: its output has no batch dimension "
+                f"{self.dim} and no targets were split. Pass DataParallelCriterion(..., weight_fn=lambda output, "
+                "targets: count) to give each replica's weight."
+            )
+        return reduce_losses(losses, samples, device=root)
 
     def _say_sample_weights(self) -> None:
         """Said once per criterion whose mean is opaque: its devices' losses are weighted by sample counts."""
-        if self._said_sample_weights or _weight_is_known(self.criterion):
+        if self._said_sample_weights:
             return
         self._said_sample_weights = True
         name = getattr(self.criterion, "__name__", type(self.criterion).__name__)
@@ -343,13 +342,10 @@ class DataParallelCriterion(nn.Module):
             )
 
     def _losses(
-        self,
-        outputs: Sequence[Any],
-        target_chunks: Sequence[Any],
-        kwargs_chunks: Sequence[Any],
-        devices: Sequence[torch.device],
-    ) -> list[Tensor]:
-        """Each device's loss on its output and targets, from lasting replicas of a criterion that holds tensors."""
+        self, outputs: list[Any], targets: list[Any], kwargs: list[Any], devices: list[torch.device], record: bool
+    ) -> tuple[list[Tensor], list[LossCalls | None]]:
+        """Each device's loss on its output and targets, from lasting replicas of a criterion that holds tensors;
+        ``record``: the loss calls of a loss that will have no autograd record (evaluation), which say its count."""
         criterion = self.criterion
         # A compiled criterion runs one replica after another: Dynamo is not thread-safe.
         mode: ExecutionMode = "sequential" if is_compiled(criterion) else self.execution_mode
@@ -360,12 +356,14 @@ class DataParallelCriterion(nn.Module):
             replicas: Sequence[Any] = replica_set.prepare(len(devices))
         else:
             replicas = [criterion] * len(outputs)  # stateless: calling one object from several threads is safe
-        calls = [
-            functools.partial(c, *_as_args(o), *t, **k)
-            for c, o, t, k in zip(replicas, outputs, target_chunks, kwargs_chunks, strict=True)
-        ]
+        calls = [LossCalls() if record and _unrecorded(o) else None for o in outputs]
+
+        def call(i: int) -> Tensor:
+            with contextlib.nullcontext() if calls[i] is None else calls[i]:
+                return replicas[i](*_as_args(outputs[i]), *targets[i], **kwargs[i])
+
         try:
-            losses = run_replicas(calls, devices, mode)
+            losses = _run_watched(replica_set, [functools.partial(call, i) for i in range(len(outputs))], devices, mode)
         except TypeError as err:
             if isinstance(outputs[0], tuple) and not is_namedtuple(outputs[0]):
                 add_note(
@@ -375,9 +373,7 @@ class DataParallelCriterion(nn.Module):
                     "(def criterion(logits, aux, target)), or return a namedtuple or dict, which is passed whole.",
                 )
             raise
-        if replica_set is not None:
-            replica_set.watch(losses)
-        return losses
+        return losses, calls
 
     def _split_targets(
         self, outputs: list[Any], targets: tuple[Any, ...], kwargs: dict[str, Any], devices: list[torch.device]
@@ -385,39 +381,33 @@ class DataParallelCriterion(nn.Module):
         """Targets chunked exactly as the outputs are (by their own batch sizes when every output has one), and each
         device's samples (0: unknown); options of torch's loss functions passed as keywords (``F.cross_entropy``'s class
         ``weight``, ``F.binary_cross_entropy_with_logits``'s ``pos_weight``...) go whole."""
-        options = _whole_keywords(self.criterion)
+        options = {name for function, name in _PER_CLASS if function is _base(self.criterion)}
         whole = {k: v for k, v in kwargs.items() if k in options}
         per_sample = {k: v for k, v in kwargs.items() if k not in options}
         out_sizes = [_safe_batch_size(o, self.dim) for o in outputs]
         _refuse_per_device_targets(targets, out_sizes, self.dim)
-        try:
-            total = roots_batch_size(argument_roots(targets, per_sample, ("targets", "kwargs")), self.dim)
-        except NothingToSplitError:
-            listed = any(isinstance(v, list) and len(v) == sum(out_sizes) for v in (*targets, *per_sample.values()))
-            if not all(out_sizes) or not listed:
-                # Nothing to split (no targets, as for TripletMarginLoss on (anchor, positive, negative), or only
-                # non-batch values): every replica gets them whole, on its device.
-                return [move_to(targets, d) for d in devices], [move_to(kwargs, d) for d in devices], out_sizes
-            total = sum(out_sizes)  # e.g. a list of class ids, split like the outputs
-        except BatchSplitError as err:
-            if not per_sample:
-                raise
-            raise BatchSplitError(
-                f"{err} Keyword arguments of the criterion call are split like the targets. One that is an option, "
-                "not a per-sample value (a per-class weight), belongs to the criterion: pass a loss module built with "
-                "it (nn.BCEWithLogitsLoss(weight=...), or your own nn.Module holding it as a buffer), which reaches "
-                "every device whole."
-            ) from None
-        if all(out_sizes) and sum(out_sizes) != total:
-            raise ValueError(
-                f"Outputs and targets do not line up: the per-device outputs hold {out_sizes} samples along dim "
-                f"{self.dim} ({sum(out_sizes)} in all) but the targets hold {total}. The targets must have the "
-                "same batch size as the inputs given to DataParallelModel."
-            )
         sizes = out_sizes if all(out_sizes) else None
-        target_chunks, kwarg_chunks, used = split_arguments(
-            tuple(targets), per_sample, devices, self.dim, batch_size=total, sizes=sizes, names=("targets", "kwargs")
-        )
+        total = None if sizes is None else sum(sizes)  # plain lists of that length (class ids) are split by item
+        try:
+            target_chunks, kwarg_chunks, used = split_arguments(
+                tuple(targets), per_sample, devices, self.dim, total, sizes=sizes, names=("targets", "kwargs")
+            )
+        except NothingToSplitError:
+            # Nothing to split (no targets, as for TripletMarginLoss on (anchor, positive, negative), or only
+            # non-batch values) and some output's size unknown: every replica gets them whole, on its device.
+            return [move_to(targets, d) for d in devices], [move_to(kwargs, d) for d in devices], out_sizes
+        except BatchSplitError as err:
+            option = (
+                " Keyword arguments of the criterion call are split like the targets. One that is an option, not a "
+                "per-sample value (a per-class weight), belongs to the criterion: pass a loss module built with it "
+                "(nn.BCEWithLogitsLoss(weight=...), or your own nn.Module holding it as a buffer), which reaches every "
+                "device whole."
+            )
+            raise BatchSplitError(
+                f"Outputs and targets do not line up: {err} The per-device outputs hold {out_sizes} samples along dim "
+                f"{self.dim}; the targets must hold as many: the samples of the inputs given to DataParallelModel."
+                + (option if per_sample else "")
+            ) from None
         # Only when some output's size is unknown (sizes is None): the targets were split evenly.
         for i, (out_size, target_size) in enumerate(itertools.zip_longest(out_sizes, used, fillvalue=0)):
             if not target_size or (out_size and out_size != target_size):

@@ -12,13 +12,13 @@ from itertools import permutations
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_mgpu.parallel.devices import DeviceLike, to_device
-from lightning_mgpu.parallel.loss_calls import LossCalls, can_read_calls, once_per_shard_alike
-from lightning_mgpu.parallel.loss_graph import combine_losses_by_record, read_loss
+from lightning_mgpu.parallel.loss_calls import LossCalls, can_read_calls
 from lightning_mgpu.parallel.merge import merge_outputs
+from lightning_mgpu.parallel.modules import combine_by_record
 from lightning_mgpu.parallel.replicas import OriginalOnly
 from lightning_mgpu.parallel.run_replicas import ExecutionMode
 from lightning_mgpu.parallel.scatter_gather import argument_roots, iter_tensors, split_arguments
@@ -60,16 +60,8 @@ class DataParallelStrategyBase(SingleProcessParallel):
         execution_mode: ExecutionMode = "auto",
         sync_batchnorm: bool = True,
     ) -> None:
-        super().__init__(
-            accelerator,
-            parallel_devices,
-            checkpoint_io,
-            precision_plugin,
-            dim,
-            execution_mode,
-            loss_reduction,
-            sync_batchnorm,
-        )
+        plugins = (accelerator, parallel_devices, checkpoint_io, precision_plugin)
+        super().__init__(*plugins, dim, execution_mode, loss_reduction, sync_batchnorm)
         self._output_device = None if output_device is None else to_device(output_device)  # a clear error now
         self.parallel_modules = _checked_module_names(parallel_modules)
         self._wrapped: list[nn.Module] = []
@@ -175,33 +167,24 @@ class DataParallelStrategyBase(SingleProcessParallel):
                 return replica(*args_chunks[index], **kwargs_chunks[index])
 
         outputs = self._run_replicated(target, sizes, call)
-        chunks = [_arguments(a, k) for a, k in zip(args_chunks, kwargs_chunks, strict=True)]
         weights = {  # a per-replica loss: combined by its rule, not stacked
-            path: self._loss_weights(target, path, outputs, chunks, sizes, calls)
-            for path in _floating_scalar_paths(outputs)
+            path: self._loss_weights(f"{path} of {type(target).__name__}.forward", values, split, calls)
+            for path, values in _replica_scalars(outputs).items()
         }
         return merge_outputs(outputs, self.output_device, self.dim, sizes=sizes, weights=weights)
 
-    def _loss_weights(
-        self, target: nn.Module, path: str, outputs: list[Any], chunks: list[Any], sizes: list[int], calls: list[Any]
-    ) -> Any:
+    def _loss_weights(self, where: str, values: list[Tensor], split: Any, calls: list[LossCalls]) -> Any:
         """How a scalar the replicas returned merges: by ``loss_reduction``, else as its autograd record says (the
         merged value itself) or, in evaluation, the loss call that made it, else per sample (said once)."""
-        if self.normalization is not None:
-            return "sum" if self.normalization.kind == "sum" else self.normalization.weights(chunks, sizes)
-        values = [dict(iter_tensors(output, "output"))[path] for output in outputs]
-        records = [
-            read_loss(v, n) if v.grad_fn is not None else c.record_of(v)
-            for v, c, n in zip(values, calls, sizes, strict=True)
-        ]
-        if not torch.is_grad_enabled() and all(record is not None for record in records):
-            once_per_shard_alike(records)  # a regulariser every replica computes alike counts once
-        combined = combine_losses_by_record(
-            values, records, sizes, self.output_device, torch.is_grad_enabled(), self._settled
-        )
+        args_chunks, kwargs_chunks, sizes = split
+        if self.normalization is not None:  # its keys name the forward's arguments: positions and keywords
+            if self.normalization.kind == "sum":
+                return "sum"
+            chunks = [{**dict(enumerate(a)), **k} for a, k in zip(args_chunks, kwargs_chunks, strict=True)]
+            return self.normalization.weights(chunks, sizes)
+        combined = combine_by_record(values, calls, sizes, self.output_device, self._settled)
         if combined is not None:
-            return combined.loss
-        where = f"{path} of {type(target).__name__}.forward"
+            return combined
         why = f"{where} carries no autograd record that says how it was normalised"
         fix = "; or compute the loss in the step from the gathered outputs (call the model without labels)"
         self._warn_once(f"unread:{where}", unread_message("dp", why, self._cli_options("loss_reduction=...")) + fix)
@@ -271,16 +254,12 @@ def _checked_module_names(names: Sequence[str] | None) -> list[str]:
     return names
 
 
-def _floating_scalar_paths(outputs: list[Any]) -> list[str]:
-    """Paths (as gather names them) of floating 0-dim tensors in the first output whose values differ by replica."""
+def _replica_scalars(outputs: list[Any]) -> dict[str, list[Tensor]]:
+    """Each replica's floating 0-dim tensor at each path (as gather names them) where their values differ by replica:
+    per-replica losses."""
     first, *others = [dict(iter_tensors(output, "output")) for output in outputs]
-    return [
-        path
+    return {
+        path: [tensor, *(o[path] for o in others)]
         for path, tensor in first.items()
         if tensor.dim() == 0 and tensor.is_floating_point() and any(o.get(path) is not tensor for o in others)
-    ]
-
-
-def _arguments(args: Sequence[Any], kwargs: dict[str, Any]) -> dict[Any, Any]:
-    """A forward's arguments as one mapping, as ``loss_reduction`` keys name them: positions and keywords."""
-    return {**dict(enumerate(args)), **kwargs}
+    }

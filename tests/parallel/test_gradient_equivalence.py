@@ -6,6 +6,8 @@ float64, no dropout or BatchNorm, so the only difference is the order of floatin
 from __future__ import annotations
 
 import copy
+import functools
+import warnings
 
 import pytest
 import torch
@@ -149,6 +151,60 @@ def test_mean_squared_error_and_sum_reduction():
         loss.backward()
         assert abs(loss.item() - ref_loss.item()) < TOL * max(1.0, abs(ref_loss.item()))
         assert max_diff(grads(model), grads(reference)) < TOL
+
+
+CLASS_WEIGHT = torch.tensor([0.3, 1.0, 2.5], dtype=torch.float64)
+TORCH_LOSSES = {  # torch's own losses: what each device's mean divides by comes from its record or its call
+    "ignored targets": (nn.CrossEntropyLoss(), {}),
+    "class weights and label smoothing": (nn.CrossEntropyLoss(weight=CLASS_WEIGHT, label_smoothing=0.2), {}),
+    "functional, weight as a keyword": (nn.functional.cross_entropy, {"weight": CLASS_WEIGHT, "ignore_index": 1}),
+    "partial of a sum": (functools.partial(nn.functional.mse_loss, reduction="sum"), "one-hot"),
+    "batchmean": (nn.KLDivLoss(reduction="batchmean"), "probabilities"),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("how", ["training", "no_grad", "detached outputs"])
+@pytest.mark.parametrize("loss", sorted(TORCH_LOSSES))
+def test_torch_losses_equal_one_device_in_training_and_evaluation(loss, how, mode):
+    """Uneven shards (10 over 3), a shard whose targets are all ignored: the whole batch's loss and gradients in
+    training, its loss under ``torch.no_grad()`` (no autograd record: the loss calls say their counts) and on
+    detached outputs."""
+    criterion, kwargs = TORCH_LOSSES[loss]
+    reference, model = mlp(), mlp()
+    x, y = batch((5,), 10, seed=3)
+    y[4:7] = -100  # the second shard (rows 4-6) counts nothing
+    head, target = (lambda out: out), y
+    if kwargs == "one-hot":
+        target = nn.functional.one_hot(y.clamp(min=0), 3).double()
+    if kwargs == "probabilities":
+        head, target = (lambda out: out.log_softmax(1)), nn.functional.one_hot(y.clamp(min=0), 3).double() * 0.7 + 0.1
+    kwargs = kwargs if isinstance(kwargs, dict) else {}
+    if kwargs.get("ignore_index") == 1:
+        target = y.where(y >= 0, 1)  # the padding value is this call's ignore_index
+    dp_model = DataParallelModel(model, ["cpu"] * 3, execution_mode=mode)
+    dp_criterion = DataParallelCriterion(criterion, ["cpu"] * 3, execution_mode=mode)
+    with torch.set_grad_enabled(how != "no_grad"), warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch's own losses are read: no "weighted by samples" warning
+        ref_loss = criterion(head(reference(x)), target, **kwargs)
+        outputs = [head(o) for o in dp_model(x)]
+        loss_value = dp_criterion(
+            [o.detach() for o in outputs] if how == "detached outputs" else outputs, target, **kwargs
+        )
+    assert abs(loss_value.item() - ref_loss.item()) < TOL * max(1.0, abs(ref_loss.item()))
+    if how == "training":
+        ref_loss.backward()
+        loss_value.backward()
+        assert all(torch.isfinite(g).all() for g in grads(model))
+        assert max_diff(grads(model), grads(reference)) < TOL
+
+
+def test_a_batch_whose_targets_are_all_ignored_gives_one_devices_nan():
+    """torch's mean over no counted target is NaN; the devices' losses combine to the same, as on one device."""
+    model, x = mlp(), batch((5,), 6)[0]
+    y = torch.full((6,), -100)
+    loss = DataParallelCriterion(nn.CrossEntropyLoss(), ["cpu"] * 3)(DataParallelModel(model, ["cpu"] * 3)(x), y)
+    assert torch.isnan(loss) and torch.isnan(nn.CrossEntropyLoss()(model(x), y))
 
 
 def test_model_without_copy_is_unchanged_by_wrapping():
