@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-from lightning_mgpu.parallel.loss_graph import LossRecord, Term, count_targets
+from lightning_mgpu.parallel.loss_graph import LossRecord, Term, combine_losses_by_record, count_targets, read_loss
 
 
 def _class_loss_count(bound: dict[str, Any]) -> Any:
@@ -181,3 +181,20 @@ FAST_PATH_LAYERS = (torch.nn.MultiheadAttention, torch.nn.TransformerEncoderLaye
 def can_read_calls(module: torch.nn.Module) -> bool:
     """Whether evaluation may read ``module``'s loss calls without changing what its layers compute."""
     return not any(isinstance(layer, FAST_PATH_LAYERS) for layer in module.modules())
+
+
+def combine_by_record(
+    losses: list[Any], calls: Sequence[LossCalls | None], sizes: list[int], root: torch.device, memory: Any = None
+) -> Tensor | None:
+    """The whole batch's loss on ``root`` from the replicas' ``losses``, as their autograd records say
+    (:func:`.loss_graph.read_loss`) or, for a loss without one (evaluation), its loss calls (:class:`LossCalls`);
+    ``None`` where they do not say. ``memory``: see :func:`.loss_graph.combine_losses_by_record`."""
+    graphs = [getattr(loss, "grad_fn", None) is not None for loss in losses]
+    records = [
+        read_loss(loss, n) if graph else c and c.record_of(loss)
+        for loss, graph, c, n in zip(losses, graphs, calls, sizes, strict=True)
+    ]
+    if not any(graphs) and all(record is not None for record in records):
+        once_per_shard_alike(records)  # a regulariser every replica computes alike counts once
+    combined = combine_losses_by_record(losses, records, sizes, root, all(graphs), memory)
+    return None if combined is None else combined.loss

@@ -18,8 +18,7 @@ from torch import Tensor, nn
 
 from lightning_mgpu.parallel.compiled import is_compiled
 from lightning_mgpu.parallel.devices import DeviceLike, check_module_on, module_device, resolve_devices, to_device
-from lightning_mgpu.parallel.loss_calls import LossCalls, once_per_shard_alike
-from lightning_mgpu.parallel.loss_graph import combine_losses_by_record, count_targets, read_loss
+from lightning_mgpu.parallel.loss_calls import LossCalls, combine_by_record
 from lightning_mgpu.parallel.merge import merge_outputs
 from lightning_mgpu.parallel.reduce import reduce_losses
 from lightning_mgpu.parallel.replicas import ReplicaCache, ReplicaSet
@@ -210,29 +209,6 @@ def _is_torch_loss(criterion: Any) -> bool:
 
 #: Keywords of torch's loss functions that hold one value per class, not per sample: they go whole to every device.
 _PER_CLASS = ((F.cross_entropy, "weight"), (F.nll_loss, "weight"), (F.binary_cross_entropy_with_logits, "pos_weight"))
-
-
-def count_labels(labels: Tensor, ignore_index: int, class_weight: Tensor | None = None) -> Tensor:
-    """What a cross-entropy mean over ``labels`` divides by: the labels not ``ignore_index``, each weighted by its
-    ``class_weight`` when given (:func:`.loss_graph.count_targets`, with the weights on the labels' device)."""
-    return count_targets(labels, None if class_weight is None else class_weight.to(labels.device), ignore_index)
-
-
-def combine_by_record(
-    losses: list[Any], calls: Sequence[LossCalls | None], sizes: list[int], root: torch.device, memory: Any = None
-) -> Tensor | None:
-    """The whole batch's loss on ``root`` from the replicas' ``losses``, as their autograd records say
-    (:func:`.loss_graph.read_loss`) or, for a loss without one (evaluation), its loss calls (:class:`LossCalls`);
-    ``None`` where they do not say. ``memory``: see :func:`.loss_graph.combine_losses_by_record`."""
-    graphs = [getattr(loss, "grad_fn", None) is not None for loss in losses]
-    records = [
-        read_loss(loss, n) if graph else c and c.record_of(loss)
-        for loss, graph, c, n in zip(losses, graphs, calls, sizes, strict=True)
-    ]
-    if not any(graphs) and all(record is not None for record in records):
-        once_per_shard_alike(records)  # a regulariser every replica computes alike counts once
-    combined = combine_losses_by_record(losses, records, sizes, root, all(graphs), memory)
-    return None if combined is None else combined.loss
 
 
 class DataParallelCriterion(nn.Module):

@@ -16,9 +16,8 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_mgpu.parallel.devices import DeviceLike, to_device
-from lightning_mgpu.parallel.loss_calls import LossCalls, can_read_calls
+from lightning_mgpu.parallel.loss_calls import LossCalls, can_read_calls, combine_by_record
 from lightning_mgpu.parallel.merge import merge_outputs
-from lightning_mgpu.parallel.modules import combine_by_record
 from lightning_mgpu.parallel.replicas import OriginalOnly
 from lightning_mgpu.parallel.run_replicas import ExecutionMode
 from lightning_mgpu.parallel.scatter_gather import argument_roots, iter_tensors, split_arguments

@@ -14,8 +14,7 @@ from typing import Any, Literal, cast
 import torch
 from torch import Tensor
 
-from lightning_mgpu.parallel.loss_graph import LossRecord
-from lightning_mgpu.parallel.modules import count_labels
+from lightning_mgpu.parallel.loss_graph import LossRecord, count_targets
 from lightning_mgpu.parallel.reduce import Weight
 
 Kind = Literal["samples", "sum", "replica_mean", "tokens"]
@@ -98,8 +97,8 @@ class LossNormalization:
             )
         if self.shifted:
             labels = labels[..., 1:]
-        weight = None if self.class_weight is None else torch.tensor(self.class_weight, dtype=torch.float64)
-        return count_labels(labels, self.ignore_index, weight)
+        weight = None if self.class_weight is None else torch.tensor(self.class_weight, device=labels.device)
+        return count_targets(labels, weight, self.ignore_index)
 
 
 _KIND_WORDS = {
