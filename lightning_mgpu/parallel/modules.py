@@ -198,15 +198,6 @@ def _reduction(criterion: Any, kwargs: dict[str, Any]) -> str:
     return kwargs.get("reduction", keywords.get("reduction", getattr(criterion, "reduction", "mean")))
 
 
-def _is_torch_loss(criterion: Any) -> bool:
-    """torch's own loss, whose mean its record (or its call) explains: a loss module running torch's ``forward`` (a
-    subclass may shift or mask the labels) or a function of ``torch.nn.functional``, plain or partial."""
-    base = _base(criterion)
-    if isinstance(base, nn.modules.loss._Loss):
-        return type(base).forward.__module__ == nn.modules.loss.__name__
-    return getattr(base, "__module__", None) == F.__name__
-
-
 #: Keywords of torch's loss functions that hold one value per class, not per sample: they go whole to every device.
 _PER_CLASS = ((F.cross_entropy, "weight"), (F.nll_loss, "weight"), (F.binary_cross_entropy_with_logits, "pos_weight"))
 
@@ -259,8 +250,8 @@ class DataParallelCriterion(nn.Module):
         devices = [_output_device(o, d) for o, d in zip(outputs, self.device_ids, strict=False)]
         target_chunks, kwargs_chunks, samples = self._split_targets(outputs, targets, kwargs, devices)
         reduction, root = _reduction(criterion, kwargs), self.device_ids[0]
-        # What each device's mean divides by: weight_fn's count, else for torch's own losses their record's.
-        read = self.weight_fn is None and reduction not in ("none", "sum") and _is_torch_loss(criterion)
+        # What each device's mean divides by: weight_fn's count, else the loss's record (its graph, or its loss calls).
+        read = self.weight_fn is None and reduction not in ("none", "sum")
         losses, calls = self._losses(outputs, target_chunks, kwargs_chunks, devices, read)
         if reduction == "none":
             return merge_outputs(losses, root, self.dim)
@@ -272,8 +263,7 @@ class DataParallelCriterion(nn.Module):
         combined = combine_by_record(losses, calls, [n or 1 for n in samples], root) if read else None
         if combined is not None:
             return combined
-        if not read:
-            self._say_sample_weights()
+        self._say_sample_weights()
         if 0 in samples:  # an output without a batch dimension, and no targets split
             raise ValueError(
                 "Cannot tell how many samples a replica's loss averages over: its output has no batch dimension "
@@ -283,14 +273,16 @@ class DataParallelCriterion(nn.Module):
         return reduce_losses(losses, samples, device=root)
 
     def _say_sample_weights(self) -> None:
-        """Said once per criterion whose mean is opaque: its devices' losses are weighted by sample counts."""
+        """Said once per criterion whose record does not say its mean: its devices' losses are weighted by samples."""
         if self._said_sample_weights:
             return
         self._said_sample_weights = True
         name = getattr(self.criterion, "__name__", type(self.criterion).__name__)
         warnings.warn(
             f"DataParallelCriterion weights each device's {name} loss by its sample count, which equals one device "
-            "for a mean over samples. For another mean pass weight_fn=lambda output, targets: <what it divides by> "
+            "for a mean over samples: the loss's record (its autograd graph, or without gradients the torch loss "
+            "functions it called) does not say what it divides by. For another mean pass "
+            "weight_fn=lambda output, targets: <what it divides by> "
             "(e.g. (targets[0] != -100).sum() for non-ignored labels), or use a torch loss module such as "
             "nn.CrossEntropyLoss(ignore_index=-100); a loss returning a sum needs my_loss.reduction = 'sum'. "
             "weight_fn=lambda output, targets: len(targets[0]) says samples and silences this.",

@@ -107,11 +107,13 @@ def test_criterion_outputs_and_targets_do_not_line_up():
     mixed = [torch.zeros(2, 2), (torch.zeros(3, 2), torch.zeros(4, 2))]
     with pytest.raises(ValueError, match=r"do not line up on device 0: the output has 2 samples .* targets have 3"):
         DataParallelCriterion(lambda *args: args[0].sum(), CPU2)(mixed, torch.zeros(5, 1))
-    # No targets and no readable batch size: the replica weights are unknown, weight_fn is the way out.
-    weird = [(torch.zeros(3, 2), torch.zeros(4, 2))] * 2
+    # No targets and no readable batch size: a loss whose record says its normalisation (a sum) needs no weights...
+    weird = [(torch.ones(3, 2), torch.zeros(4, 2)), (2 * torch.ones(3, 2), torch.zeros(4, 2))]
+    assert DataParallelCriterion(lambda a, b: a.sum(), CPU2)(weird).item() == 18.0
+    # ...one whose record says nothing has unknown replica weights: weight_fn is the way out.
     with pytest.raises(ValueError, match="weight_fn"):
-        DataParallelCriterion(lambda a, b: a.sum(), CPU2)(weird)
-    assert DataParallelCriterion(lambda a, b: a.sum() + 1, CPU2, weight_fn=lambda o, t: 1)(weird).item() == 1.0
+        DataParallelCriterion(lambda a, b: torch.tensor(float(a.sum())), CPU2)(weird)
+    assert DataParallelCriterion(lambda a, b: a.sum() + 1, CPU2, weight_fn=lambda o, t: 1)(weird).item() == 10.0
 
 
 @pytest.mark.parametrize("batch", [8, 7])
