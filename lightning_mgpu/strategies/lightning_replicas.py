@@ -1,20 +1,20 @@
-"""Lasting replicas of a module run in a LightningModule's step: per replica a ``log`` recorder, its own
-``self.device`` and a clone of every torchmetrics metric the module holds (as a submodule, or in a dict, list or tuple
-attribute). After the step every metric of a clone's tree is folded into the root metric at the same place by each
-state's ``dist_reduce_fx``, as DDP combines ranks (``Metric.merge_state`` refuses ``full_state_update=True`` metrics).
-What a clone's call returns is its shard's value; logged, it becomes one device's batch value: the value of the
-replicas' batch states of that call combined. An aggregation metric (``MeanMetric``...) fed a scalar per replica is
-replayed on the merged scalar (a loss by its rule), as one device's update. What states cannot carry is refused with
-the fix."""
+"""Lasting replicas of a LightningModule for its steps: per replica a ``log`` recorder, its own ``self.device`` and a
+clone of every torchmetrics metric the module holds (as a submodule, or in a dict, list or tuple attribute).
+
+After the step every metric of a clone's tree folds into the root metric at the same place by each state's
+``dist_reduce_fx``, as DDP combines ranks. By hand: ``Metric.merge_state`` refuses metrics that do not declare
+``full_state_update=False``, weighs "mean" states by update counts and nests unreduced ones. What a clone's call
+returns is its shard's value; logged, it becomes one device's batch value, computed on the replicas' batch states of
+that call combined. An aggregation metric (``MeanMetric``...) given one scalar per replica is called on the root with
+the merged scalar (a loss by its rule), as one device calls it. What states cannot carry is refused with the fix."""
 
 from __future__ import annotations
 
 import copy
 import functools
-import inspect
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from operator import is_
+from operator import attrgetter, is_
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -80,25 +80,24 @@ class LightningReplicas:
         return outputs
 
     def merge_into(self, root: Any, sample_counts: Sequence[int], loss_copy: LossCopy | None) -> None:
-        """Log every recorded name once on ``root`` and fold the metric clones into the root metrics."""
+        """Fold the metric clones into the root metrics and log every recorded name once on ``root``."""
         recorders = self.recorders[: len(sample_counts)]
         in_training = root._current_fx_name == "training_step"
-        step_metrics = {
-            id(owner)
-            for recorder in recorders
-            for logged in recorder.calls
-            if (owner := self.metrics.owner_of(logged.value)) is not None
-            and (in_training if logged.options.get("on_step") is None else logged.options["on_step"])
-        }
-        logged = {id(call.value) for recorder in recorders for call in recorder.calls}
+        owners, logged, on_step = self.metrics.owners, set(), set()
+        for recorder in recorders:
+            for call in recorder.calls:
+                logged.add(id(call.value))
+                owner = owners.get(id(call.value)) if isinstance(call.value, Metric) else None
+                if owner is not None and (in_training if (step := call.options.get("on_step")) is None else step):
+                    on_step.add(id(owner))
         scalars = functools.partial(
             merge_scalars, sample_counts=sample_counts, replicas=len(recorders), loss_copy=loss_copy
         )
         try:
-            self.metrics.merge(step_metrics, logged, scalars)
-            merge_and_log(root, recorders, sample_counts, self.metrics.owner_of, loss_copy, self.metrics.step_value)
+            step_values = self.metrics.merge(on_step, logged, scalars)
+            merge_and_log(root, recorders, sample_counts, self.metrics.owner_of, loss_copy, step_values)
         finally:
-            self.metrics.end_step()
+            self.metrics.step_values = {}
 
     def release(self) -> None:
         """Free the replicas and metric clones on the other devices."""
@@ -112,19 +111,7 @@ def _attributes_of(module_class: type[nn.Module]) -> frozenset[str]:
     return frozenset(vars(module_class()))
 
 
-def _outermost_metrics(module: nn.Module, prefix: str = "") -> list[tuple[str, Metric]]:
-    """``(dotted path, metric)`` for every metric not nested inside another metric."""
-    found = []
-    for name, child in module.named_children():
-        path = f"{prefix}{name}"
-        if isinstance(child, Metric):
-            found.append((path, child))
-        else:
-            found.extend(_outermost_metrics(child, f"{path}."))
-    return found
-
-
-# --- metrics held in plain containers --------------------------------------------------------------------------------
+# --- where metrics are held ------------------------------------------------------------------------------------------
 _CONTAINER_DEPTH = 3  # dicts, lists and tuples searched this deep: {"train": {"f1": F1Score()}}
 
 
@@ -142,10 +129,8 @@ def _holds_metrics(value: Any, depth: int = _CONTAINER_DEPTH) -> bool:
     if isinstance(value, Metric):
         return True
     if isinstance(value, nn.Module):
-        return bool(_outermost_metrics(value))
-    if depth and _is_container(value):
-        return any(_holds_metrics(item, depth - 1) for item in _items(value))
-    return False
+        return any(isinstance(m, Metric) for m in value.modules())
+    return bool(depth) and _is_container(value) and any(_holds_metrics(item, depth - 1) for item in _items(value))
 
 
 def _swapped(value: Any, path: str, swap: Callable[[str, Metric], Metric], depth: int = _CONTAINER_DEPTH) -> Any:
@@ -181,16 +166,11 @@ def _module_paths(root: nn.Module) -> Iterator[tuple[str, nn.Module]]:
         )
 
 
-def _containers(module: nn.Module, ignored: frozenset[str]) -> Iterator[tuple[str, Any]]:
-    """``module``'s own container attributes, outside ``ignored`` (torch's and Lightning's bookkeeping)."""
-    return ((name, value) for name, value in vars(module).items() if name not in ignored and _is_container(value))
-
-
 @dataclass
 class _Holder:
     """A container attribute that holds metrics: on which module, and the copy installed on each replica."""
 
-    path: str  # the module's path in the tree ("" for the root)
+    module: nn.Module
     attribute: str
     installed: list[tuple[nn.Module, Any]] = field(default_factory=list)  # (replica's module, its copy)
 
@@ -211,6 +191,11 @@ class _Call:
     value: Any = None
 
 
+_FORWARD = attrgetter("forward")
+_Calls = list[tuple[int, list[_Call]]]  # each used clone's replica index and calls, paired over the replicas
+_States = dict[int, dict[str, Any]]  # id(root metric) -> the replicas' states combined
+_Leaves = list[tuple[tuple[Any, ...], Any]]  # (path, leaf) of a metric's value
+
 _AGGREGATES: dict[type[Metric], str] = {
     MeanMetric: "mean",
     SumMetric: "sum",
@@ -220,19 +205,9 @@ _AGGREGATES: dict[type[Metric], str] = {
 }
 
 
-@functools.cache
-def _update_signature(metric_class: type[Metric]) -> inspect.Signature:
-    return inspect.signature(metric_class.update)
-
-
-def _arguments(metric: Metric, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
-    """An aggregation metric's update arguments by name (``value``, ``weight``); ``None`` for other metrics."""
-    if type(metric) not in _AGGREGATES:
-        return None
-    try:
-        return dict(_update_signature(type(metric)).bind(metric, *args, **kwargs).arguments)
-    except TypeError:  # update itself will say what is wrong
-        return {}
+def _arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """An aggregation metric's update arguments by name: ``update(value, weight=...)``."""
+    return {**dict(zip(("value", "weight"), args, strict=False)), **kwargs}
 
 
 def _states_of(metric: Metric) -> dict[str, Any]:
@@ -242,11 +217,7 @@ def _states_of(metric: Metric) -> dict[str, Any]:
 
 
 def _aliases(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """Tensor arguments as ``detach()`` aliases, where gradients are off (the same tensors there): evaluation reads
-    its losses by object while the step runs, and an aggregation metric's own reads of them (``value.shape``) must
-    not count as the step's."""
-    if torch.is_grad_enabled():
-        return args, kwargs
+    """Tensor arguments as ``detach()`` aliases (the same tensors, without gradients)."""
     return tuple(map(_alias, args)), {k: _alias(v) for k, v in kwargs.items()}
 
 
@@ -254,42 +225,39 @@ def _alias(value: Any) -> Any:
     return value.detach() if isinstance(value, Tensor) else value
 
 
-def _record_calls(clone: Metric, calls: list[_Call]) -> None:
-    """Append each call of ``clone`` in a step to ``calls``: a forward once (it updates once or twice inside). An
-    aggregation metric keeps its arguments, and gets aliases of its tensors (see :func:`_aliases`)."""
-    forward, update = clone.forward, clone.update
-    inside = [False]
-    shield = _aliases if type(clone) in _AGGREGATES else lambda args, kwargs: (args, kwargs)
+def _shard_clone(path: str, metric: Metric, calls: list[_Call]) -> Metric:
+    """A reset clone of ``metric`` for one replica, appending each of its calls in a step to ``calls`` (a forward
+    once: it updates once or twice inside). A direct ``compute()`` (of a shard) is refused; torchmetrics' forward
+    computes with ``_should_unsync`` off, on its shard's batch states, kept for the merged batch value. Without
+    gradients an aggregation metric gets ``detach()`` aliases of its tensors (the same tensors): evaluation reads its
+    losses by object while the step runs, and the metric's own reads of them must not count as the step's."""
+    clone = metric.clone()
+    clone.reset()
+    forward, update, compute = clone.forward, clone.update, clone.compute
+    aggregate = type(clone) in _AGGREGATES
+    inside = False
 
     def recorded_forward(*args: Any, **kwargs: Any) -> Any:
-        call = _Call(True, _arguments(clone, args, kwargs))
+        nonlocal inside
+        call = _Call(True, _arguments(args, kwargs) if aggregate else None)
         calls.append(call)
-        inside[0] = True
+        inside = True
         try:
-            args, kwargs = shield(args, kwargs)
+            if aggregate and not torch.is_grad_enabled():
+                args, kwargs = _aliases(args, kwargs)
             call.value = forward(*args, **kwargs)
         finally:
-            inside[0] = False
+            inside = False
         return call.value
 
     def recorded_update(*args: Any, **kwargs: Any) -> Any:
-        if not inside[0]:
-            calls.append(_Call(False, _arguments(clone, args, kwargs)))
-            args, kwargs = shield(args, kwargs)
+        if not inside:
+            calls.append(_Call(False, _arguments(args, kwargs) if aggregate else None))
+            if aggregate and not torch.is_grad_enabled():
+                args, kwargs = _aliases(args, kwargs)
         return update(*args, **kwargs)
 
-    clone.forward, clone.update = recorded_forward, recorded_update
-
-
-def _shard_clone(path: str, metric: Metric, calls: list[_Call]) -> Metric:
-    """A reset clone of ``metric`` for one replica, recording its calls in ``calls``. A direct ``compute()`` (of a
-    shard) is an error; torchmetrics' ``forward`` computes with ``_should_unsync`` off, and goes through: the batch
-    states it computes on are its shard's, kept for the merged batch value."""
-    clone = metric.clone()
-    clone.reset()
-    compute = clone.compute
-
-    def guarded(*args: Any, **kwargs: Any) -> Any:
+    def guarded_compute(*args: Any, **kwargs: Any) -> Any:
         if clone._should_unsync:
             raise RuntimeError(
                 f"compute() was called on self.{path} inside a step run on several replicas, where it holds only "
@@ -300,46 +268,8 @@ def _shard_clone(path: str, metric: Metric, calls: list[_Call]) -> Metric:
             calls[-1].states = _states_of(clone)
         return compute(*args, **kwargs)
 
-    clone.compute = guarded
-    _record_calls(clone, calls)
+    clone.forward, clone.update, clone.compute = recorded_forward, recorded_update, guarded_compute
     return clone
-
-
-def _combine(values: Sequence[Any], reduce_fx: Any, device: torch.device) -> Any:
-    """Combine states as ``Metric._sync_dist`` combines ranks (lists of tensors for "cat" states stay lists)."""
-    if isinstance(values[0], list):
-        return [t.to(device) for v in values for t in v]
-    moved = [v.to(device) for v in values]
-    if reduce_fx is dim_zero_cat:
-        return dim_zero_cat(moved)
-    return torch.stack(moved) if reduce_fx is None else reduce_fx(torch.stack(moved))
-
-
-def _mark_folded(metric: Metric, step_value: Any = None) -> None:
-    """Record on ``metric`` what its own ``update``/``forward`` would (torchmetrics has no setters for them)."""
-    metric._update_count += 1
-    metric._computed = None
-    if step_value is not None:
-        metric._forward_cache = step_value
-
-
-class _Bare(Metric):
-    """A metric with nothing of its own: what it sets, every metric sets."""
-
-    def update(self) -> None:
-        """Nothing."""
-
-    def compute(self) -> None:
-        """Nothing."""
-
-
-_MISSING = object()
-_METRIC_ATTRS = frozenset(vars(_Bare()))  # nn.Module's and torchmetrics' own bookkeeping, set by every metric
-
-
-def _plain_attributes(metric: Metric) -> dict[str, Any]:
-    """What ``metric`` keeps outside its states and every metric's bookkeeping: merging states cannot carry it."""
-    return {k: v for k, v in vars(metric).items() if k not in _METRIC_ATTRS and k not in metric._defaults}
 
 
 def _reset(clone: Metric) -> None:
@@ -348,415 +278,20 @@ def _reset(clone: Metric) -> None:
         clone._forward_cache = None
 
 
-@dataclass
-class _Node:
-    """One metric of a root metric's subtree (the root itself included) and its counterparts in the clones."""
-
-    path: str
-    metric: Metric
-    clones: list[Metric]
-    folds: bool  # holds its own states (a wrapper may expose its child's, as ClasswiseWrapper does)
-    wraps: bool  # metrics below it hold states
-
-
-def _nodes(path: str, metric: Metric, clones: Sequence[Metric]) -> list[_Node]:
-    """Every metric of ``metric``'s subtree paired with the clones' metric at the same place, children first."""
-    trees = [list(c.named_modules()) for c in clones]
-    nodes: list[_Node] = []
-    seen: set[int] = set()
-    for k, (name, sub) in reversed(list(enumerate(metric.named_modules()))):
-        if isinstance(sub, Metric):
-            folds = bool(sub._defaults) and id(sub._defaults) not in seen
-            wraps = any(isinstance(m, Metric) and m._defaults for m in list(sub.modules())[1:])
-            seen.add(id(sub._defaults))
-            node_path = f"{path}.{name}" if name else path
-            nodes.append(_Node(node_path, sub, [tree[k][1] for tree in trees], folds, wraps))
-    return nodes
-
-
-def _check_step(node: _Node, clone: Metric, installed: tuple[int, dict[str, Any]]) -> dict[str, Any]:
-    """Refuse what the replicas' states cannot reproduce: torchmetrics' own forward of a wrapper (on one device it
-    resets the wrapped metrics) and a rebound or added plain attribute; return those set for the first time (absent,
-    ``None`` or ``False`` before: ``MeanIoU``'s inferred ``num_classes``), as one device's metric sets them.
-    ``installed``: the clone's attribute count and plain attributes when installed."""
-    if node.wraps and clone._forward_cache is not None:
-        wrapped = [m for m in clone.modules() if m is not clone and isinstance(m, Metric)]
-        if all(m._forward_cache is None for m in wrapped):
-            raise TypeError(
-                f"self.{node.path}(...) ({type(clone).__name__}) ran torchmetrics' forward in a replicated step: on "
-                "one device it resets the metrics it wraps, which the replicas cannot reproduce. Call "
-                f"self.{node.path}.update(...) in the step instead, or use strategy='dp' or 'ddp'."
-            )
-    size, before = installed
-    attrs = vars(clone)
-    if len(attrs) == size and all(map(is_, map(attrs.get, before), before.values())):
-        return {}
-    changed = {k: v for k, v in _plain_attributes(clone).items() if before.get(k, _MISSING) is not v}
-    settled = {k: v for k, v in changed.items() if any(before.get(k, _MISSING) is u for u in (_MISSING, None, False))}
-    if refused := [k for k in changed if k not in settled]:
-        raise TypeError(
-            f"self.{node.path} ({type(clone).__name__}) changed {', '.join(map(repr, refused))} in a replicated step: "
-            "outside its metric states, the replicas' updates cannot be merged. Update it outside the replicated "
-            "step (e.g. in on_train_batch_end or on_validation_batch_end), or use strategy='dp' or 'ddp'."
-        )
-    return settled
-
-
-class MetricReplicas:
-    """The per-device metric clones of one LightningModule, merged back after each step. ``ignored``: attributes of
-    the module's own class hierarchy (Lightning's), not searched for metrics."""
-
-    def __init__(self, ignored: frozenset[str] = frozenset()) -> None:
-        self._ignored = _attributes_of(nn.Module) | ignored
-        self._clones: dict[tuple[int, int], Metric] = {}  # (id(root metric), replica index) -> clone
-        self._calls: dict[int, list[_Call]] = {}  # id(clone) -> its calls in this step
-        self._owner: dict[int, Metric] = {}  # id(clone or a metric in it) -> the root metric it stands for
-        self._installed: dict[int, tuple[int, dict[str, Any]]] = {}  # id(clone's metric) -> see _check_step
-        self._scratch: dict[int, Metric] = {}  # id(root metric) -> clone used to compute batch values
-        self._in_modules: list[list[_Node]] = []  # the submodule metrics' nodes
-        self._in_containers: list[list[_Node]] = []  # those of metrics held in container attributes
-        self._holders: list[_Holder] = []
-        self._signature: list[tuple[Any, ...]] = []  # the containers of the root and of _holders' modules
-        self._contributions: dict[int, int] = {}  # id(root metric) -> replica states folded in since its reset
-        self._step_values: dict[int, tuple[tuple[Any, ...], Any]] = {}  # see step_value
-
-    @property
-    def _active(self) -> list[list[_Node]]:
-        return self._in_modules + self._in_containers
-
-    def install(self, root: nn.Module, replicas: Sequence[nn.Module], devices: Sequence[torch.device]) -> None:
-        """Put a clone of each root metric, on the replica's device, into every replica (submodules), and a copy of
-        each container attribute holding metrics, with clones where they stay (Lightning moves none of them)."""
-        self._in_modules = []
-        for path, metric in _outermost_metrics(root):
-            clones = [self._clone(path, metric, i, device) for i, device in enumerate(devices)]
-            for replica, clone in zip(replicas, clones, strict=True):
-                replica.set_submodule(path, clone)
-            self._in_modules.append(self._register(path, metric, clones))
-        self._install_containers(root, replicas)
-
-    def refresh(self, root: nn.Module, replicas: Sequence[nn.Module]) -> None:
-        """Install the container attributes again where the root's changed (a metric added, a dict rebound) or a
-        rebinding reached the replicas; a cheap comparison of their items' identities otherwise."""
-        if self._container_signature(root) != self._signature or not all(h.in_place() for h in self._holders):
-            self._install_containers(root, replicas)
-
-    def _clone(self, path: str, metric: Metric, index: int, device: torch.device | None) -> Metric:
-        clone = self._clones.get((id(metric), index))
-        if clone is None:
-            calls: list[_Call] = []
-            clone = self._clones[id(metric), index] = _shard_clone(path, metric, calls)
-            self._calls[id(clone)] = calls
-        if device is not None:
-            clone.to(device)
-        return clone
-
-    def _register(self, path: str, metric: Metric, clones: list[Metric]) -> list[_Node]:
-        nodes = _nodes(path, metric, clones)
-        for node in nodes:
-            for clone in node.clones:
-                self._owner[id(clone)] = node.metric
-                self._installed[id(clone)] = (len(vars(clone)), _plain_attributes(clone))
-        return nodes
-
-    def _install_containers(self, root: nn.Module, replicas: Sequence[nn.Module]) -> None:
-        in_modules = {id(node.metric) for nodes in self._in_modules for node in nodes}
-        found: dict[int, tuple[str, Metric, dict[int, Metric]]] = {}  # id(root metric) -> path, metric, clones
-
-        def swap(index: int, path: str, metric: Metric) -> Metric:
-            clone = self._clone(path, metric, index, None)
-            found.setdefault(id(metric), (path, metric, {}))[2][index] = clone  # held twice: one clone
-            return clone
-
-        self._holders = []
-        for module_path, module in _module_paths(root):
-            for name, value in _containers(module, self._ignored):
-                if not _holds_metrics(value):
-                    continue
-                holder = _Holder(module_path, name)
-                path = f"{module_path}.{name}" if module_path else name
-                for index, replica in enumerate(replicas):
-                    target = replica.get_submodule(module_path)
-                    target.__dict__[name] = installed = _swapped(value, path, functools.partial(swap, index))
-                    holder.installed.append((target, installed))
-                self._holders.append(holder)
-        self._in_containers = [  # a metric also held as a submodule folds once
-            self._register(path, metric, [clones[i] for i in range(len(replicas))])
-            for path, metric, clones in found.values()
-            if id(metric) not in in_modules
-        ]
-        self._signature = self._container_signature(root)
-
-    def _container_signature(self, root: nn.Module) -> list[tuple[Any, ...]]:
-        """The root's and the holders' modules' container attributes, and the items of those holding metrics (a list
-        of outputs grown every step changes nothing here; a metric put in place into it is not seen)."""
-        holding = {(h.path, h.attribute) for h in self._holders}
-        paths = dict.fromkeys(["", *(h.path for h in self._holders)])
-        return [
-            (path, name, id(value), *(map(id, _items(value)) if (path, name) in holding else ()))
-            for path in paths
-            for name, value in _containers(root.get_submodule(path), self._ignored)
-        ]
-
-    def discard(self) -> None:
-        """Reset the clones of a failed step, so no partial update reaches a later step."""
-        for nodes in self._active:
-            for node in nodes:
-                for clone in node.clones:
-                    _reset(clone)
-        for calls in self._calls.values():
-            calls.clear()
-
-    def owner_of(self, value: Any) -> Metric | None:
-        """The root metric a replica's clone (or a metric inside it) stands for."""
-        return self._owner.get(id(value)) if isinstance(value, Metric) else None
-
-    def step_value(self, value: Any) -> tuple[tuple[Any, ...], Any] | None:
-        """For what a replica's metric call returned in this step and logged: the call's key (the same on every
-        replica) and one device's value, from the replicas' batch states of that call; ``None`` for other values."""
-        return self._step_values.get(id(value))
-
-    def end_step(self) -> None:
-        """Drop the step's batch values (after logging)."""
-        self._step_values = {}
-
-    def merge(self, compute_step_value: set[int], logged: set[int], scalars: ScalarMerge | None = None) -> None:
-        """Fold every used clone's states into the root metric at the same place, children first, then reset the
-        clones. ``compute_step_value``: ids of the root metrics logged with ``on_step``; ``logged``: ids of the
-        values logged in the step (a call's returned value among them gets one device's); ``scalars`` merges an
-        aggregation metric's scalar inputs (``None``: its clones' states fold as any metric's)."""
-        self._step_values = {}
-        wanted = _Wanted(compute_step_value, logged, scalars)
-        for nodes in self._active:
-            used = [(node, [(i, c) for i, c in enumerate(node.clones) if self._used(c)]) for node in nodes]
-            for node, clones in used:  # all of a wrapper's: torchmetrics' WrapperMetric counts no updates of its own
-                for clone in node.clones if node.wraps else (c for _, c in clones):
-                    for name, value in _check_step(node, clone, self._installed[id(clone)]).items():
-                        setattr(node.metric, name, value)  # set on a first update: the root's would set it alike
-            batch_states: dict[int, dict[str, Any]] = {}  # id(root metric) -> the replicas' states combined
-            for node, clones in used:
-                if clones:
-                    self._fold(node, clones, batch_states, wanted)
-            for _, clones in used:
-                for _, clone in clones:
-                    _reset(clone)
-                    self._calls.get(id(clone), []).clear()
-
-    def _fold(
-        self, node: _Node, clones: list[tuple[int, Metric]], batch_states: dict[int, dict[str, Any]], wanted: _Wanted
-    ) -> None:
-        """Fold the used clones' states into one root metric and record the update, with the batch value where the
-        metric is logged on_step and the step ran its forward."""
-        metric = node.metric
-        device = next((v.device for v in metric.metric_state.values() if isinstance(v, Tensor)), metric.device)
-        calls = self._aligned_calls(node, clones)
-        replay = self._replay(metric, calls, wanted.scalars) if calls is not None and not node.wraps else None
-        states = replay[0] if replay is not None else _combined_states(node, [c for _, c in clones], device)
-        batch_states[id(metric)] = states
-        last = None
-        if calls is not None:
-            last = self._call_values(metric, calls, self._values(node, calls, replay, batch_states, device), wanted)
-        forwarded = id(metric) in wanted.on_step and any(c._forward_cache is not None for _, c in clones)
-        step_value = None if not forwarded else last if last is not None else self._batch_value(metric, batch_states)
-        if states:
-            folded = 0 if metric.update_count == 0 else self._contributions.get(id(metric), 1)
-            n = 1 if replay is not None else len(clones)  # a replay is one device's update
-            reductions = metric._reductions  # each state's dist_reduce_fx
-            for attr, value in states.items():
-                current = getattr(metric, attr)
-                setattr(metric, attr, _folded(current, value, reductions[attr], device, folded, n))
-            self._contributions[id(metric)] = folded + n
-        if any(_counted(c) for _, c in clones):  # as its own update or forward would (a wrapper's counts nothing)
-            _mark_folded(metric, step_value)
-
-    def _used(self, clone: Metric) -> bool:
-        """Whether the step updated or called ``clone`` (a wrapper counts no updates of its own)."""
-        return _counted(clone) or bool(self._calls.get(id(clone)))
-
-    def _aligned_calls(self, node: _Node, clones: list[tuple[int, Metric]]) -> list[tuple[int, list[_Call]]] | None:
-        """Each used clone's calls in the step, where they pair up (the same sequence of forwards and updates on
-        every replica: the k-th call of each is one device's k-th call); ``None`` otherwise, for metrics inside
-        another (not called by the step) and for a wrapper called otherwise than once (its batch states, those of
-        the metrics it wraps, are the whole step's)."""
-        calls = [(index, self._calls.get(id(clone))) for index, clone in clones]
-        if any(not c for _, c in calls):
-            return None
-        kinds = {tuple(call.forward for call in c) for _, c in calls}
-        if len(kinds) != 1 or (node.wraps and kinds != {(True,)}):
-            return None
-        return calls
-
-    def _scratch_of(self, metric: Metric) -> Metric:
-        """A copy of ``metric`` to compute on, made again when the metric moved or changed dtype since (Lightning's
-        ``64-true`` converts metrics after the module was built)."""
-        scratch = self._scratch.get(id(metric))
-        if scratch is None or scratch.dtype != metric.dtype or scratch.device != metric.device:
-            scratch = self._scratch[id(metric)] = metric.clone()
-        return scratch
-
-    def _replay(
-        self, metric: Metric, calls: list[tuple[int, list[_Call]]], scalars: ScalarMerge | None
-    ) -> tuple[dict[str, Any], list[dict[str, Any] | None]] | None:
-        """For an aggregation metric given a scalar per replica in each call (``self.mean_loss(loss)``): its states
-        after one device's calls on the merged scalars, for the step and for each call alone; ``None`` otherwise
-        (its clones' states fold, exact for per-sample values)."""
-        kind = _AGGREGATES.get(type(metric))
-        inputs = None if kind is None or scalars is None else _merged_inputs(calls, scalars, kind)
-        if inputs is None:
-            return None
-        scratch = self._scratch_of(metric)
-        per_call: list[dict[str, Any] | None] = []
-        for merged in inputs:
-            scratch.reset()
-            scratch.update(**merged)
-            per_call.append(_states_of(scratch))
-        if len(inputs) > 1:
-            scratch.reset()
-            for merged in inputs:
-                scratch.update(**merged)
-        return _states_of(scratch), per_call
-
-    def _values(
-        self,
-        node: _Node,
-        calls: list[tuple[int, list[_Call]]],
-        replay: tuple[dict[str, Any], list[dict[str, Any] | None]] | None,
-        batch_states: dict[int, dict[str, Any]],
-        device: torch.device,
-    ) -> Callable[[int], Any]:
-        """How to compute one device's value of the step's k-th call of ``node``'s metric (``None``: no way)."""
-        if node.wraps:  # called once (see _aligned_calls): the batch states of the metrics it wraps are that call's
-            return lambda k: self._batch_value(node.metric, batch_states)
-        per_call = replay[1] if replay is not None else _per_call_states(node.metric, calls, device)
-        return lambda k: None if (states := per_call[k]) is None else self._value_of(node.metric, states)
-
-    def _call_values(
-        self, metric: Metric, calls: list[tuple[int, list[_Call]]], value_of: Callable[[int], Any], wanted: _Wanted
-    ) -> Any:
-        """Map each logged value a forward returned (or an item of it) to one device's value of that call; return
-        the last forward's value where the metric itself is logged on_step, else ``None``."""
-        forwards = [k for k, call in enumerate(calls[0][1]) if call.forward]
-        last = None
-        for k in forwards:
-            logged = [(p, leaf) for _, c in calls for p, leaf in _leaves(c[k].value) if id(leaf) in wanted.logged]
-            on_step = k == forwards[-1] and id(metric) in wanted.on_step
-            value = value_of(k) if logged or on_step else None
-            if value is None:
-                continue
-            merged = dict(_leaves(value))
-            for path, leaf in logged:
-                if path in merged:
-                    self._step_values[id(leaf)] = ((id(metric), k, path), merged[path])
-            last = value if on_step else last
-        return last
-
-    def _value_of(self, metric: Metric, states: dict[str, Any]) -> Any:
-        """``metric``'s value on ``states`` alone (a scratch copy of it holds them)."""
-        scratch = self._scratch_of(metric)
-        scratch.reset()
-        for attr, value in states.items():
-            setattr(scratch, attr, value)
-        _mark_folded(scratch)
-        return scratch.compute()
-
-    def _batch_value(self, metric: Metric, batch_states: dict[int, dict[str, Any]]) -> Any:
-        """``metric``'s value on this batch alone: a scratch copy of it holding the replicas' combined states."""
-        scratch = self._scratch_of(metric)
-        for original, copied in zip(metric.modules(), scratch.modules(), strict=True):  # parents before children
-            if isinstance(copied, Metric):
-                copied.reset()
-                if (states := batch_states.get(id(original))) is not None:
-                    for attr, value in states.items():
-                        setattr(copied, attr, value)
-                    _mark_folded(copied)
-        return scratch.compute()
-
-
-@dataclass
-class _Wanted:
-    """What a step's merge must produce: batch values of the metrics logged on_step (``on_step``: their ids) and of
-    the logged values calls returned (``logged``: ids of the values logged), and how to merge scalar inputs."""
-
-    on_step: set[int]
-    logged: set[int]
-    scalars: ScalarMerge | None
-
-
 def _counted(clone: Metric) -> bool:
-    """Whether ``clone`` counted an update or ran its forward in the step."""
-    return bool(clone.update_count) or clone._forward_cache is not None
+    """Whether ``clone`` counted an update or ran its forward in the step (a wrapper counts no updates)."""
+    return bool(clone._update_count) or clone._forward_cache is not None
 
 
-def _leaves(value: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:
-    """``(path, leaf)`` of a metric's value: itself, or the items of its dicts, lists and tuples."""
-    if isinstance(value, dict):
-        for key, item in value.items():
-            yield from _leaves(item, (*path, key))
-    elif isinstance(value, (list, tuple)):
-        for k, item in enumerate(value):
-            yield from _leaves(item, (*path, k))
-    else:
-        yield path, value
-
-
-def _combined_states(node: _Node, clones: list[Metric], device: torch.device) -> dict[str, Any]:
-    """The clones' states combined as DDP combines ranks' (none where the node holds none of its own)."""
-    return {attr: _combine(_state_values(node, clones, attr), fx, device) for attr, fx in _own_reductions(node)}
-
-
-def _own_reductions(node: _Node) -> list[tuple[str, Any]]:
-    return list(node.metric._reductions.items()) if node.folds else []
-
-
-def _state_values(node: _Node, clones: Sequence[Metric], attr: str) -> list[Any]:
-    values = [c.metric_state[attr] for c in clones]
-    if not isinstance(values[0], (Tensor, list)):
-        raise TypeError(
-            f"The torchmetrics metric {type(node.metric).__name__} keeps its state {attr!r} as a "
-            f"{type(values[0]).__name__}, which cannot be merged across replicas (only tensors and lists of "
-            "tensors can). Update it outside the replicated step (e.g. in on_train_batch_end), or use "
-            "strategy='dp' or 'ddp'."
-        )
-    return values
-
-
-def _per_call_states(
-    metric: Metric, calls: list[tuple[int, list[_Call]]], device: torch.device
-) -> list[dict[str, Any] | None]:
-    """For each call (paired over the replicas), the batch states one device's call would have computed on: the
-    replicas' forward batch states combined; ``None`` for updates and where one is missing."""
-    per_call: list[dict[str, Any] | None] = []
-    for k in range(len(calls[0][1])):
-        states = [c[k].states for _, c in calls]
-        if any(s is None for s in states):
-            per_call.append(None)
-            continue
-        reductions = metric._reductions
-        per_call.append({attr: _combine([s[attr] for s in states], reductions[attr], device) for attr in states[0]})
-    return per_call
-
-
-def _merged_inputs(
-    calls: list[tuple[int, list[_Call]]], scalars: ScalarMerge, kind: str
-) -> list[dict[str, Any]] | None:
-    """The update arguments one device's calls of an aggregation metric would get: per call, the replicas' scalar
-    ``value`` merged by ``scalars``, and a ``weight`` passed on every replica summed (each weighs its shard, as
-    ``self.log``'s ``batch_size=``); ``None`` where a call's inputs cannot be merged so (they fold instead)."""
-    inputs = []
-    for k in range(len(calls[0][1])):
-        arguments = [(index, c[k].arguments or {}) for index, c in calls]
-        weights = [a.get("weight") for _, a in arguments]
-        if any(w is None for w in weights) and not all(w is None for w in weights):
-            return None
-        given = None if weights[0] is None else weights
-        value = scalars([(index, a.get("value")) for index, a in arguments], given, kind)
-        if value is None:
-            return None
-        merged: dict[str, Any] = {"value": value}
-        if given is not None:
-            merged["weight"] = sum(float(w) for w in given)
-        inputs.append(merged)
-    return inputs
+# --- states ----------------------------------------------------------------------------------------------------------
+def _combine(values: Sequence[Any], reduce_fx: Any, device: torch.device) -> Any:
+    """Combine states as ``Metric._sync_dist`` combines ranks (lists of tensors for "cat" states stay lists)."""
+    if isinstance(values[0], list):
+        return [t.to(device) for v in values for t in v]
+    moved = [v.to(device) for v in values]
+    if reduce_fx is dim_zero_cat:
+        return dim_zero_cat(moved)
+    return torch.stack(moved) if reduce_fx is None else reduce_fx(torch.stack(moved))
 
 
 def _folded(current: Any, value: Any, reduce_fx: Any, device: torch.device, folded: int, n: int) -> Any:
@@ -770,3 +305,345 @@ def _folded(current: Any, value: Any, reduce_fx: Any, device: torch.device, fold
     if reduce_fx is dim_zero_mean:  # DDP's equal-weight mean over ranks: over every replica state folded in so far
         return (current.to(device) * folded + value * n) / (folded + n)
     return _combine([current, value], reduce_fx, device)
+
+
+def _mark_folded(metric: Metric, step_value: Any = None) -> None:
+    """Record on ``metric`` what its own ``update``/``forward`` would (torchmetrics has no setters for them)."""
+    metric._update_count += 1
+    metric._computed = None
+    if step_value is not None:
+        metric._forward_cache = step_value
+
+
+def _leaves(value: Any, path: tuple[Any, ...] = ()) -> _Leaves:
+    """``(path, leaf)`` of a metric's value: itself, or the items of its dicts, lists and tuples."""
+    if isinstance(value, dict):
+        items: Any = value.items()
+    elif isinstance(value, (list, tuple)):
+        items = enumerate(value)
+    else:
+        return [(path, value)]
+    return [leaf for key, item in items for leaf in _leaves(item, (*path, key))]
+
+
+_MISSING = object()
+# nn.Module's and torchmetrics' own bookkeeping, which every metric sets: that of a metric with nothing of its own.
+_METRIC_ATTRS = frozenset(vars(type("_Bare", (Metric,), {"update": lambda self: None, "compute": lambda self: None})()))
+
+
+def _plain_attributes(metric: Metric) -> dict[str, Any]:
+    """What ``metric`` keeps outside its states and every metric's bookkeeping: merging states cannot carry it."""
+    return {k: v for k, v in vars(metric).items() if k not in _METRIC_ATTRS and k not in metric._defaults}
+
+
+@dataclass
+class _Node:
+    """One metric of a root metric's subtree (the root itself included) and its counterparts in the clones."""
+
+    path: str
+    metric: Metric
+    clones: list[Metric]
+    folds: bool  # holds its own states (a wrapper may expose its child's, as ClasswiseWrapper does)
+    wraps: bool  # metrics below it hold states
+    aggregate: str | None  # an aggregation metric's kind ("mean"...), see MetricReplicas._replayed
+
+
+def _nodes(path: str, metric: Metric, clones: Sequence[Metric]) -> list[_Node]:
+    """Every metric of ``metric``'s subtree paired with the clones' metric at the same place, children first."""
+    trees = [list(c.modules()) for c in clones]
+    nodes: list[_Node] = []
+    seen: set[int] = set()
+    for k, (name, sub) in reversed(list(enumerate(metric.named_modules()))):
+        if isinstance(sub, Metric):
+            folds = bool(sub._defaults) and id(sub._defaults) not in seen
+            wraps = any(isinstance(m, Metric) and m._defaults for m in list(sub.modules())[1:])
+            seen.add(id(sub._defaults))
+            clones = [tree[k] for tree in trees]
+            nodes.append(
+                _Node(f"{path}.{name}" if name else path, sub, clones, folds, wraps, _AGGREGATES.get(type(sub)))
+            )
+    return nodes
+
+
+def _combined(metric: Metric, states: Sequence[dict[str, Any]], device: torch.device) -> dict[str, Any]:
+    """The replicas' ``states`` of ``metric`` combined as DDP combines ranks'."""
+    combined = {}
+    for attr, values in {attr: [s[attr] for s in states] for attr in states[0]}.items():
+        if not isinstance(values[0], (Tensor, list)):
+            raise TypeError(
+                f"The torchmetrics metric {type(metric).__name__} keeps its state {attr!r} as a "
+                f"{type(values[0]).__name__}, which cannot be merged across replicas (only tensors and lists of "
+                "tensors can). Update it outside the replicated step (e.g. in on_train_batch_end), or use "
+                "strategy='dp' or 'ddp'."
+            )
+        combined[attr] = _combine(values, metric._reductions[attr], device)
+    return combined
+
+
+def _merged_inputs(calls: _Calls, scalars: ScalarMerge, kind: str) -> list[dict[str, Any]] | None:
+    """The update arguments one device's calls of an aggregation metric would get: per call, the replicas' scalar
+    ``value`` merged by ``scalars``, and a ``weight`` passed on every replica summed (each weighs its shard, as
+    ``self.log``'s ``batch_size=``); ``None`` where a call's inputs cannot be merged so (they fold instead)."""
+    inputs = []
+    for k in range(len(calls[0][1])):
+        arguments = [(index, c[k].arguments or {}) for index, c in calls]
+        weights = [a.get("weight") for _, a in arguments]
+        if len({w is None for w in weights}) > 1:
+            return None
+        given = None if weights[0] is None else weights
+        value = scalars([(index, a.get("value")) for index, a in arguments], given, kind)
+        if value is None:
+            return None
+        inputs.append({"value": value} if given is None else {"value": value, "weight": sum(map(float, given))})
+    return inputs
+
+
+class MetricReplicas:
+    """The per-device metric clones of one LightningModule, merged back after each step. ``ignored``: attributes of
+    the module's own class hierarchy (Lightning's), not searched for metrics."""
+
+    def __init__(self, ignored: frozenset[str] = frozenset()) -> None:
+        self._ignored = _attributes_of(nn.Module) | ignored
+        self._clones: dict[tuple[int, int], Metric] = {}  # (id(root metric), replica index) -> clone
+        self._calls: dict[int, list[_Call]] = {}  # id(clone) -> its calls in this step
+        self.owners: dict[int, Metric] = {}  # id(clone or a metric in it) -> the root metric it stands for
+        self._installed: dict[int, tuple[int, dict[str, Any]]] = {}  # id(clone's metric) -> attribute count, plain
+        self._scratch: dict[int, Metric] = {}  # id(root metric) -> clone used to compute batch values
+        self._trees: list[list[_Node]] = []  # per root metric, its subtree's nodes
+        self._holders: list[_Holder] = []
+        self._devices: Sequence[torch.device] = ()
+        self._watched: list[nn.Module] = []  # the root and the holders' modules
+        self._signature: list[tuple[Any, ...]] = []
+        self._contributions: dict[int, int] = {}  # id(root metric) -> replica states folded in since its reset
+        #: One device's value of what a replica's metric call returned in this step and logged: id(value) -> (the
+        #: call's key, the same on every replica, and the value).
+        self.step_values: dict[int, tuple[tuple[Any, ...], Any]] = {}
+        self._on_step: set[int] = set()  # this step's: ids of the root metrics logged on_step
+        self._logged: set[int] = set()  # ids of the values logged
+        self._scalars: ScalarMerge | None = None
+
+    def install(self, root: nn.Module, replicas: Sequence[nn.Module], devices: Sequence[torch.device]) -> None:
+        """Put a clone of each root metric into every replica: on the replica's device for a submodule; in a copy of
+        each container attribute holding metrics where the root metric is (Lightning moves none of them). A metric
+        held twice has one clone and folds once."""
+        found: dict[int, tuple[str, Metric, list[Any]]] = {}  # id(root metric) -> path, metric, clones
+
+        def clone_of(index: int, device: torch.device | None, path: str, metric: Metric) -> Metric:
+            clone = self._clones.get((id(metric), index))
+            if clone is None:
+                calls: list[_Call] = []
+                clone = self._clones[id(metric), index] = _shard_clone(path, metric, calls)
+                self._calls[id(clone)] = calls
+            found.setdefault(id(metric), (path, metric, [None] * len(replicas)))[2][index] = clone
+            return clone if device is None else clone.to(device)
+
+        self._holders, self._devices = [], devices
+        for module_path, module in _module_paths(root):
+            prefix = f"{module_path}." if module_path else ""
+            targets = [replica.get_submodule(module_path) for replica in replicas]
+            for name, child in module._modules.items():
+                if isinstance(child, Metric):
+                    for index, target in enumerate(targets):
+                        target._modules[name] = clone_of(index, devices[index], prefix + name, child)
+            for name, value in vars(module).items():
+                if name not in self._ignored and _is_container(value) and _holds_metrics(value):
+                    holder = _Holder(module, name)
+                    for index, target in enumerate(targets):
+                        target.__dict__[name] = copied = _swapped(
+                            value, prefix + name, functools.partial(clone_of, index, None)
+                        )
+                        holder.installed.append((target, copied))
+                    self._holders.append(holder)
+        self._trees = [self._register(_nodes(*entry)) for entry in found.values()]
+        self._watched = list({id(m): m for m in (root, *(h.module for h in self._holders))}.values())
+        self._signature = self._container_signature()
+
+    def refresh(self, root: nn.Module, replicas: Sequence[nn.Module]) -> None:
+        """Install again where a container attribute of the root or of a holder's module was rebound, one holding
+        metrics changed its items, or a rebinding on the root reached the replicas (else one comparison)."""
+        if self._container_signature() != self._signature or not all(h.in_place() for h in self._holders):
+            self.install(root, replicas, self._devices)
+
+    def _container_signature(self) -> list[tuple[Any, ...]]:
+        """The watched modules' container attributes, and the items of those holding metrics (a list of outputs grown
+        every step changes nothing here; a metric put in place into it is not seen)."""
+        holding = {(id(h.module), h.attribute) for h in self._holders}
+        return [
+            (id(module), name, id(value), *(map(id, _items(value)) if (id(module), name) in holding else ()))
+            for module in self._watched
+            for name, value in vars(module).items()
+            if (isinstance(value, (dict, list)) or type(value) is tuple) and name not in self._ignored
+        ]
+
+    def _register(self, nodes: list[_Node]) -> list[_Node]:
+        for node in nodes:
+            for clone in node.clones:
+                self.owners[id(clone)] = node.metric
+                self._installed[id(clone)] = (len(vars(clone)), _plain_attributes(clone))
+        return nodes
+
+    def discard(self) -> None:
+        """Reset the clones of a failed step, so no partial update reaches a later step."""
+        for nodes in self._trees:
+            for node in nodes:
+                for clone in node.clones:
+                    _reset(clone)
+        for calls in self._calls.values():
+            calls.clear()
+
+    def owner_of(self, value: Any) -> Metric | None:
+        """The root metric a replica's clone (or a metric inside it) stands for."""
+        return self.owners.get(id(value)) if isinstance(value, Metric) else None
+
+    def merge(
+        self, on_step: set[int], logged: set[int], scalars: ScalarMerge | None = None
+    ) -> dict[int, tuple[tuple[Any, ...], Any]]:
+        """Fold every used clone's states into the root metric at the same place, children first, then reset the
+        clones; return :attr:`step_values`. ``on_step``: ids of the root metrics logged with ``on_step``; ``logged``:
+        ids of the values logged in the step (a call's returned value among them gets one device's); ``scalars``
+        merges an aggregation metric's scalar inputs (``None``: its clones' states fold as any metric's)."""
+        self.step_values, self._on_step, self._logged, self._scalars = {}, on_step, logged, scalars
+        calls = self._calls
+        for nodes in self._trees:
+            used = [
+                (node, [(i, c) for i, c in enumerate(node.clones) if _counted(c) or calls.get(id(c))]) for node in nodes
+            ]
+            for node, clones in used:  # all of a wrapper's: torchmetrics' WrapperMetric counts no updates of its own
+                for clone in node.clones if node.wraps else [c for _, c in clones]:
+                    self._check(node, clone)
+            batch_states: _States = {}
+            for node, clones in used:
+                if clones:
+                    self._fold(node, clones, batch_states)
+            for _, clones in used:
+                for _, clone in clones:
+                    _reset(clone)
+                    calls.get(id(clone), []).clear()
+        return self.step_values
+
+    def _check(self, node: _Node, clone: Metric) -> None:
+        """Refuse what the replicas' states cannot reproduce: torchmetrics' own forward of a wrapper (on one device it
+        resets the metrics it wraps) and a plain attribute rebound or added; set on the root metric those set for the
+        first time (absent, ``None`` or ``False`` before: ``MeanIoU``'s inferred ``num_classes``), as one device's
+        metric sets them."""
+        wrapped = [m for m in clone.modules() if m is not clone and isinstance(m, Metric)] if node.wraps else ()
+        if wrapped and clone._forward_cache is not None and all(m._forward_cache is None for m in wrapped):
+            raise TypeError(
+                f"self.{node.path}(...) ({type(clone).__name__}) ran torchmetrics' forward in a replicated step: on "
+                "one device it resets the metrics it wraps, which the replicas cannot reproduce. Call "
+                f"self.{node.path}.update(...) in the step instead, or use strategy='dp' or 'ddp'."
+            )
+        size, before = self._installed[id(clone)]
+        attrs = vars(clone)
+        if len(attrs) == size and all(map(is_, map(attrs.get, before), before.values())):
+            return
+        changed = {k: v for k, v in _plain_attributes(clone).items() if before.get(k, _MISSING) is not v}
+        if refused := [k for k in changed if all(before.get(k, _MISSING) is not u for u in (_MISSING, None, False))]:
+            raise TypeError(
+                f"self.{node.path} ({type(clone).__name__}) changed {', '.join(map(repr, refused))} in a replicated "
+                "step: outside its metric states, the replicas' updates cannot be merged. Update it outside the "
+                "replicated step (e.g. in on_train_batch_end or on_validation_batch_end), or use strategy='dp' or "
+                "'ddp'."
+            )
+        for name, value in changed.items():
+            setattr(node.metric, name, value)
+
+    def _fold(self, node: _Node, clones: list[tuple[int, Metric]], batch_states: _States) -> None:
+        """Fold the used clones' states into one root metric and record the update, with the batch value where the
+        metric is logged on_step and the step ran its forward."""
+        metric = node.metric
+        calls = self._aligned_calls(node, clones)
+        if node.aggregate is not None and calls is not None and self._replayed(metric, node.aggregate, calls):
+            return
+        device = next((v.device for v in metric.metric_state.values() if isinstance(v, Tensor)), metric.device)
+        own = [{attr: getattr(c, attr) for attr in metric._reductions} for _, c in clones] if node.folds else [{}]
+        states = batch_states[id(metric)] = _combined(metric, own, device)
+        last = None if calls is None else self._call_values(node, calls, batch_states, device)
+        step_value = None
+        if id(metric) in self._on_step and any(c._forward_cache is not None for _, c in clones):
+            step_value = last if last is not None else self._value(node, batch_states)
+        if states:
+            folded = 0 if metric._update_count == 0 else self._contributions.get(id(metric), 1)
+            for attr, value in states.items():
+                current, reduce_fx = getattr(metric, attr), metric._reductions[attr]
+                setattr(metric, attr, _folded(current, value, reduce_fx, device, folded, len(clones)))
+            self._contributions[id(metric)] = folded + len(clones)
+        if any(_counted(c) for _, c in clones):  # as its own update or forward would (a wrapper's counts nothing)
+            _mark_folded(metric, step_value)
+
+    def _aligned_calls(self, node: _Node, clones: list[tuple[int, Metric]]) -> _Calls | None:
+        """Each used clone's calls in the step, where they pair up (the same sequence of forwards and updates on
+        every replica: the k-th call of each is one device's k-th call); ``None`` otherwise, for metrics inside
+        another (not called by the step) and for a wrapper called otherwise than once (its batch states, those of
+        the metrics it wraps, are the whole step's)."""
+        calls = [(index, self._calls.get(id(clone))) for index, clone in clones]
+        kinds = {tuple(map(_FORWARD, c)) if c else None for _, c in calls}
+        if len(kinds) != 1 or None in kinds or (node.wraps and kinds != {(True,)}):
+            return None
+        return calls  # type: ignore[return-value]
+
+    def _replayed(self, metric: Metric, kind: str, calls: _Calls) -> bool:
+        """Call ``metric``, an aggregation metric, on the root as one device calls it, with each call's scalar inputs
+        merged (``self.mean_loss(loss)``: the loss by its rule); ``False`` where they are not one number per replica
+        (its clones' states then fold, exact for per-sample values)."""
+        inputs = None if self._scalars is None else _merged_inputs(calls, self._scalars, kind)
+        if inputs is None:
+            return False
+        for k, merged in enumerate(inputs):
+            if calls[0][1][k].forward:
+                self._note(metric, k, self._logged_leaves(calls, k), metric(**merged))
+            else:
+                metric.update(**merged)
+        return True
+
+    def _logged_leaves(self, calls: _Calls, k: int) -> _Leaves:
+        """What the replicas' k-th calls returned and the step logged (or an item of it)."""
+        return [(p, leaf) for _, c in calls for p, leaf in _leaves(c[k].value) if id(leaf) in self._logged]
+
+    def _note(self, metric: Metric, k: int, logged: _Leaves, value: Any) -> None:
+        """Map each logged leaf of the k-th call to the same leaf of one device's ``value`` of that call."""
+        merged = dict(_leaves(value))
+        for path, leaf in logged:
+            if path in merged:
+                self.step_values[id(leaf)] = ((id(metric), k, path), merged[path])
+
+    def _call_values(
+        self,
+        node: _Node,
+        calls: _Calls,
+        batch_states: _States,
+        device: torch.device,
+    ) -> Any:
+        """Note one device's value of each forward whose value was logged: on the replicas' batch states of that call
+        combined (a wrapper is called once, see :meth:`_aligned_calls`: on the batch states of the metrics it wraps).
+        Return the last forward's value where the metric itself is logged on_step, else ``None``."""
+        metric, last = node.metric, None
+        forwards = [k for k, call in enumerate(calls[0][1]) if call.forward]
+        for k in forwards:
+            logged = self._logged_leaves(calls, k)
+            on_step = k == forwards[-1] and id(metric) in self._on_step
+            states = [c[k].states for _, c in calls]
+            if not (logged or on_step) or (not node.wraps and None in states):
+                continue
+            value = self._value(node, batch_states if node.wraps else {id(metric): _combined(metric, states, device)})
+            self._note(metric, k, logged, value)
+            last = value if on_step else last
+        return last
+
+    def _value(self, node: _Node, batch_states: _States) -> Any:
+        """The node's metric's value on the given states alone (those of the metrics it wraps too), on a scratch copy
+        of it, made again when the metric moved or changed dtype since (Lightning's ``64-true`` converts metrics after
+        the module was built)."""
+        metric = node.metric
+        scratch = self._scratch.get(id(metric))
+        if scratch is None or scratch.dtype != metric.dtype or scratch.device != metric.device:
+            scratch = self._scratch[id(metric)] = metric.clone()
+        pairs = zip(metric.modules(), scratch.modules(), strict=True) if node.wraps else [(metric, scratch)]
+        for original, copied in pairs:  # parents before children
+            if isinstance(copied, Metric):
+                copied.reset()
+                if (states := batch_states.get(id(original))) is not None:
+                    for attr, value in states.items():
+                        setattr(copied, attr, value)
+                    _mark_folded(copied)
+        return scratch.compute()

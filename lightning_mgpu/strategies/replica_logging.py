@@ -6,7 +6,7 @@ by ``batch_size=``, else by sample counts; another ``"sum"``, ``"max"`` or ``"mi
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from numbers import Complex, Number, Real
 from typing import Any
@@ -17,17 +17,15 @@ from torchmetrics import Metric
 
 from lightning_mgpu.parallel.reduce import stack_scalars, weighted_mean
 
-_REDUCE_FX: dict[str, tuple[Any, ...]] = {
-    "mean": ("mean", "avg", torch.mean),
-    "sum": ("sum", torch.sum, sum),
-    "max": ("max", torch.max, max),
-    "min": ("min", torch.min, min),
+_REDUCE_FX: dict[Any, str] = {  # what Lightning's reduce_fx= accepts, and the kinds merged here
+    **dict.fromkeys(("mean", "avg", torch.mean), "mean"),
+    **dict.fromkeys(("sum", torch.sum, sum), "sum"),
+    **dict.fromkeys(("max", torch.max, max), "max"),
+    **dict.fromkeys(("min", torch.min, min), "min"),
 }
 _LOG_DEFAULTS: dict[str, Any] = {"reduce_fx": "mean", "batch_size": None, "enable_graph": False}
 #: Merges the replicas' logged values of one name as a loss (by its rule), or says ``None``: not a loss.
 LossCopy = Callable[[list[Any]], Tensor | None]
-#: One device's value of what a replica's metric call returned and logged: ``(the call's key, value)``, else ``None``.
-StepValue = Callable[[Any], tuple[Any, Any] | None]
 
 
 @dataclass
@@ -47,48 +45,34 @@ class LogRecorder:
         self.calls.append(LogCall(name, value, options))
 
 
-def _reduce_kind(reduce_fx: str | Callable[..., Any]) -> str:
-    for kind, aliases in _REDUCE_FX.items():
-        if any(reduce_fx is a or (isinstance(reduce_fx, str) and reduce_fx.lower() == a) for a in aliases):
-            return kind
-    raise ValueError(
-        f"self.log(reduce_fx={reduce_fx!r}) is not supported by a single-process multi-device strategy: use "
-        "'mean', 'sum', 'max' or 'min'."
-    )
-
-
-def _all_but_batch_size(options: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in {**_LOG_DEFAULTS, **options}.items() if k != "batch_size"}
-
-
 def merge_and_log(
     root: Any,
     recorders: Sequence[LogRecorder],
     sample_counts: Sequence[int],
     metric_owner: Callable[[Any], Metric | None],
     loss_copy: LossCopy | None = None,
-    step_value: StepValue | None = None,
+    step_values: Mapping[int, tuple[Any, Any]] | None = None,
 ) -> None:
     """Merge the replicas' recorded ``log`` calls and log them on ``root`` (a LightningModule): the k-th call of a name
     on every replica merged into one, in order, as one device logs a name once per call (the step's value is the
     last; the epoch's takes each). ``metric_owner`` maps a metric clone to its root metric; ``loss_copy`` merges the
-    values of a name that every replica logged as a loss merges (its rule), or says ``None``; ``step_value`` gives
-    one device's value of what a metric's call returned."""
+    values of a name that every replica logged as a loss merges (its rule), or says ``None``; ``step_values`` maps
+    the id of what a metric's call returned to ``(the call's key, one device's value)``."""
     calls: dict[tuple[str, int], list[tuple[int, LogCall]]] = {}  # (name, k) -> every replica's k-th call of it
     for index, recorder in enumerate(recorders):
         made: dict[str, int] = {}
         for call in recorder.calls:
-            made[call.name] = made.get(call.name, 0) + 1
-            calls.setdefault((call.name, made[call.name]), []).append((index, call))
+            made[call.name] = k = made.get(call.name, 0) + 1
+            calls.setdefault((call.name, k), []).append((index, call))
         recorder.calls.clear()
     for (name, _), entries in calls.items():
         options = _checked_options(name, entries)
-        first = entries[0][1]
-        if not isinstance(first.value, Metric):
-            copy = _one_device_copy(entries, len(recorders), loss_copy, step_value)
+        first = entries[0][1].value
+        if not isinstance(first, Metric):
+            copy = _one_device_copy(entries, len(recorders), loss_copy, step_values)
             value, options = _merge_values(name, entries, sample_counts, options, copy)
             root.log(name, value, **options)
-        elif (owner := metric_owner(first.value)) is not None:
+        elif (owner := metric_owner(first)) is not None:
             root.log(name, owner, **options)  # Lightning itself refuses one outside its attributes, as on one device
         else:
             raise ValueError(
@@ -97,29 +81,35 @@ def merge_and_log(
             )
 
 
+def _all_but_batch_size(options: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in {**_LOG_DEFAULTS, **options}.items() if k != "batch_size"}
+
+
 def _checked_options(name: str, entries: list[tuple[int, LogCall]]) -> dict[str, Any]:
     """The options every replica logged ``name`` with (``batch_size=`` may differ: each counts its shard)."""
     (first_index, first), *others = entries
-    options = {**_LOG_DEFAULTS, **first.options}
-    expected = _all_but_batch_size(options)
     for index, call in others:
-        if (got := _all_but_batch_size(call.options)) != expected:
+        if call.options != first.options and (got := _all_but_batch_size(call.options)) != (
+            expected := _all_but_batch_size(first.options)
+        ):
             raise ValueError(
                 f"Replicas logged {name!r} with different options ({expected} on replica {first_index} vs {got} "
                 f"on replica {index}); log it the same way."
             )
-    return options
+    return {**_LOG_DEFAULTS, **first.options}
 
 
 def _one_device_copy(
-    entries: list[tuple[int, LogCall]], replicas: int, loss_copy: LossCopy | None, step_value: StepValue | None
+    entries: list[tuple[int, LogCall]],
+    replicas: int,
+    loss_copy: LossCopy | None,
+    step_values: Mapping[int, tuple[Any, Any]] | None,
 ) -> Tensor | None:
     """One device's value of a name whose every replica logged what one metric call returned (that call's value on
     the whole batch), or a copy of the loss (merged by its rule); ``None`` for other values."""
-    if step_value is not None:
-        found = [step_value(call.value) for _, call in entries]
-        keys = {None if f is None else f[0] for f in found}
-        if None not in keys and len(keys) == 1:
+    if step_values:
+        found = [step_values.get(id(call.value)) for _, call in entries]
+        if all(found) and len({f[0] for f in found}) == 1:  # type: ignore[index]
             return torch.as_tensor(found[0][1])  # type: ignore[index]
     if loss_copy is None or len(entries) != replicas:
         return None
@@ -152,14 +142,27 @@ def merge_scalars(
         (index, LogCall("", value, {"batch_size": None if weights is None else weights[k]}))
         for k, (index, value) in enumerate(entries)
     ]
-    merged, _ = _merge_values(f"{kind} metric input", calls, sample_counts, options, copy)
-    return merged
+    return _merge_values(f"{kind} metric input", calls, sample_counts, options, copy)[0]
+
+
+def _is_number(value: Any) -> bool:
+    """What Lightning's log accepts as a number: numpy scalars, bools and Decimal included, complex ones excluded."""
+    return isinstance(value, Real) or (isinstance(value, Number) and not isinstance(value, Complex))
 
 
 def _is_scalar(value: Any) -> bool:
-    if isinstance(value, Tensor):
-        return value.numel() == 1
-    return isinstance(value, Real) or (isinstance(value, Number) and not isinstance(value, Complex))
+    return value.numel() == 1 if isinstance(value, Tensor) else _is_number(value)
+
+
+def _reduce_kind(reduce_fx: Any) -> str:
+    key = reduce_fx.lower() if isinstance(reduce_fx, str) else reduce_fx
+    kind = _REDUCE_FX.get(key) if isinstance(key, Hashable) else None
+    if kind is None:
+        raise ValueError(
+            f"self.log(reduce_fx={reduce_fx!r}) is not supported by a single-process multi-device strategy: use "
+            "'mean', 'sum', 'max' or 'min'."
+        )
+    return kind
 
 
 def _merge_values(
@@ -169,6 +172,8 @@ def _merge_values(
     options: dict[str, Any],
     loss: Tensor | None,
 ) -> tuple[Tensor, dict[str, Any]]:
+    """One device's value of ``name`` from the replicas' ``entries`` (``loss``: a copy of the loss already merged by
+    its rule) and the options to log it with."""
     kind = _reduce_kind(options["reduce_fx"])
     values = [_as_tensor(name, call.value, options["enable_graph"]) for _, call in entries]
     device = values[0].device
@@ -180,16 +185,16 @@ def _merge_values(
         # reduce_fx acts over steps: a copy of the loss is the whole batch's; other values reduce over the replicas.
         return getattr(stacked, kind)() if loss is None else loss, options
     explicit = [call.options.get("batch_size") for _, call in entries]
-    counts = [sample_counts[index] for index, _ in entries]
     # The step's weight in the epoch mean: the devices' batch_size= summed (each counts its shard), else what Lightning
     # reads from the whole batch, as on one device (its warning on an ambiguous batch included).
-    given = None if any(b is None for b in explicit) else int(sum(float(b) for b in explicit))
+    given = None if None in explicit else int(sum(float(b) for b in explicit))
     logged = options if given is None else {**options, "batch_size": given}
     if loss is not None:  # a copy of the loss: batch_size= only weights the step in the epoch mean
         return loss, logged
     # Equal values on every replica (a constant such as hparams.batch_size) say nothing about the shards: samples do.
-    weights = explicit if given is not None and len({float(b) for b in explicit}) > 1 else counts
-    return weighted_mean(stacked, stack_scalars(weights, device, dtype)), logged
+    if given is None or len({float(b) for b in explicit}) == 1:
+        explicit = [sample_counts[index] for index, _ in entries]
+    return weighted_mean(stacked, stack_scalars(explicit, device, dtype)), logged
 
 
 def _as_tensor(name: str, value: Any, enable_graph: bool) -> Tensor:
@@ -200,7 +205,6 @@ def _as_tensor(name: str, value: Any, enable_graph: bool) -> Tensor:
             )
         value = value.reshape(())
         return value if enable_graph else value.detach()
-    # What Lightning's log accepts: numbers (numpy scalars, bools and Decimal included, complex ones excluded).
-    if isinstance(value, Real) or (isinstance(value, Number) and not isinstance(value, Complex)):
+    if _is_number(value):
         return torch.tensor(float(value), dtype=torch.float64)
     raise ValueError(f"self.log({name!r}, ...) got a {type(value).__name__}; log a real number or a scalar tensor.")

@@ -7,7 +7,6 @@ A training step may return ``"loss_weight"`` (the count its mean loss averages o
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,19 +19,8 @@ LOSS_WEIGHT_KEY = "loss_weight"
 LOSS_TERMS_KEY = "loss_terms"
 
 
-@dataclass(frozen=True)
-class LossTermsTotal:
-    """A replica's logged total of ``loss_terms``: ``(term loss, weight)`` pairs, merged term by term."""
-
-    terms: tuple[tuple[Tensor, Any], ...]
-
-    @staticmethod
-    def merge(totals: Sequence[LossTermsTotal], device: torch.device, dtype: torch.dtype) -> Tensor:
-        merged = torch.zeros((), device=device, dtype=dtype)
-        for pairs in zip(*(total.terms for total in totals), strict=True):  # one term, every replica's pair
-            values = stack_scalars([loss.detach() for loss, _ in pairs], device, dtype)
-            merged = merged + weighted_mean(values, stack_scalars([weight for _, weight in pairs], device, dtype))
-        return merged
+class _TermsTotal(tuple):
+    """A replica's logged total of ``loss_terms``: its ``(term loss, weight)`` pairs, merged term by term."""
 
 
 def all_or_none(outputs: Sequence[Any], hook: str) -> bool:
@@ -66,26 +54,36 @@ def same_tensor(value: Any, loss: Any) -> bool:
 def declared_copy(values: Sequence[Any], outputs: Sequence[Any], root: torch.device) -> Tensor | None:
     """The replicas' logged ``values`` merged as the loss they are, where the step declares its weights: the loss
     by ``loss_weight``, the total of ``loss_terms`` term by term, a term by its weight; ``None`` otherwise."""
-    found = []
-    for value, output in zip(values, outputs, strict=True):
-        mapping = output if isinstance(output, Mapping) else {}
-        terms, loss = mapping.get(LOSS_TERMS_KEY), mapping.get("loss")
-        pairs: list[tuple[Any, Any]] = []
-        if isinstance(terms, Mapping):
-            pairs = [(t[0], t[1]) for t in terms.values() if isinstance(t, (tuple, list)) and len(t) == 2]
-            pairs.append((loss, LossTermsTotal(tuple(pairs))))
-        elif LOSS_WEIGHT_KEY in mapping:
-            pairs = [(loss, mapping[LOSS_WEIGHT_KEY])]
-        found.append(next((weight for tensor, weight in pairs if same_tensor(value, tensor)), None))
-    if any(weight is None for weight in found):
+    if not isinstance(outputs[0], Mapping):  # replica 0 declares nothing
+        return None
+    found = [_declared_weight(value, output) for value, output in zip(values, outputs, strict=True)]
+    totals = sum(isinstance(weight, _TermsTotal) for weight in found)
+    if None in found or 0 < totals < len(found):
         return None
     dtype = torch.promote_types(values[0].dtype, torch.float32)
-    if all(isinstance(weight, LossTermsTotal) for weight in found):
-        return LossTermsTotal.merge(found, root, dtype)
-    if any(isinstance(weight, LossTermsTotal) for weight in found):
-        return None
-    stacked = stack_scalars([v.detach() for v in values], root, dtype)
-    return weighted_mean(stacked, stack_scalars(found, root, dtype))
+    if not totals:
+        return weighted_mean(
+            stack_scalars([v.detach() for v in values], root, dtype), stack_scalars(found, root, dtype)
+        )
+    merged = torch.zeros((), device=root, dtype=dtype)
+    for pairs in zip(*found, strict=True):  # one term, every replica's pair
+        losses = stack_scalars([loss.detach() for loss, _ in pairs], root, dtype)
+        merged = merged + weighted_mean(losses, stack_scalars([weight for _, weight in pairs], root, dtype))
+    return merged
+
+
+def _declared_weight(value: Any, output: Any) -> Any:
+    """What a step returning ``output`` declares ``value`` divides by, where ``value`` is its loss, a term or the
+    terms' total; ``None`` otherwise."""
+    mapping = output if isinstance(output, Mapping) else {}
+    terms, loss = mapping.get(LOSS_TERMS_KEY), mapping.get("loss")
+    pairs: list[tuple[Any, Any]] = []
+    if isinstance(terms, Mapping):
+        pairs = [(t[0], t[1]) for t in terms.values() if isinstance(t, (tuple, list)) and len(t) == 2]
+        pairs.append((loss, _TermsTotal(pairs)))
+    elif LOSS_WEIGHT_KEY in mapping:
+        pairs = [(loss, mapping[LOSS_WEIGHT_KEY])]
+    return next((weight for tensor, weight in pairs if same_tensor(value, tensor)), None)
 
 
 def combine_losses(losses: Sequence[Tensor], weights: Sequence[Any], root: torch.device) -> Tensor:
@@ -129,42 +127,36 @@ def _reduce_weighted(losses: Sequence[Any], weights: Sequence[Any], what: str, r
 
 
 def _reduce_terms(outputs: Sequence[Mapping[str, Any]], root: torch.device) -> Tensor:
-    for index, output in enumerate(outputs):
-        _check_terms_add_up(output, index)
-    names = list(outputs[0][LOSS_TERMS_KEY])
-    if not names:
+    terms = [_checked_terms(output, index) for index, output in enumerate(outputs)]
+    if not terms[0]:
         raise ValueError(f"`training_step` returned an empty {LOSS_TERMS_KEY!r} mapping.")
     reduced = []
-    for name in names:
-        pairs = []
-        for index, output in enumerate(outputs):
-            terms = output[LOSS_TERMS_KEY]
-            if name not in terms:
-                raise ValueError(f"Replica {index} returned {LOSS_TERMS_KEY!r} without the term {name!r}.")
-            if not (isinstance(terms[name], (tuple, list)) and len(terms[name]) == 2):
-                raise TypeError(
-                    f"{LOSS_TERMS_KEY}[{name!r}] must be a (loss, weight) pair, got {type(terms[name]).__name__}."
-                )
-            pairs.append(terms[name])
-        losses, weights = zip(*pairs, strict=True)
+    for name in terms[0]:
+        if missing := [index for index, replica in enumerate(terms) if name not in replica]:
+            raise ValueError(f"Replica {missing[0]} returned {LOSS_TERMS_KEY!r} without the term {name!r}.")
+        losses, weights = zip(*(replica[name] for replica in terms), strict=True)
         reduced.append(_reduce_weighted(losses, weights, f"{LOSS_TERMS_KEY}[{name!r}] weight", root))
     return sum(reduced[1:], reduced[0])
 
 
-def _check_terms_add_up(output: Mapping[str, Any], index: int) -> None:
-    """``loss_terms`` is a mapping whose terms add up to the returned ``loss`` (when one is returned): a term left
-    out would silently leave the optimised and the logged loss."""
+def _checked_terms(output: Mapping[str, Any], index: int) -> Mapping[str, Any]:
+    """Replica ``index``'s ``loss_terms``: a mapping of ``(loss, weight)`` pairs that add up to the returned ``loss``
+    (when one is returned): a term left out would silently leave the optimised and the logged loss."""
     terms = output[LOSS_TERMS_KEY]
     if not isinstance(terms, Mapping):
         raise TypeError(
             f"{LOSS_TERMS_KEY!r} must be a dict {{name: (term_loss, count)}}, got a {type(terms).__name__}: write "
             f"{{'loss': total, {LOSS_TERMS_KEY!r}: {{'mlm': (mlm_loss, n_tokens), 'nsp': (nsp_loss, n_samples)}}}}."
         )
+    for name, term in terms.items():
+        if not (isinstance(term, (tuple, list)) and len(term) == 2):
+            raise TypeError(f"{LOSS_TERMS_KEY}[{name!r}] must be a (loss, weight) pair, got {type(term).__name__}.")
     loss = output.get("loss")
-    pairs = [t for t in terms.values() if isinstance(t, (tuple, list)) and len(t) == 2]
-    if not isinstance(loss, Tensor) or len(pairs) != len(terms):
-        return
-    total = sum((torch.as_tensor(t[0]).detach().to(loss.device, loss.dtype) for t in pairs), torch.zeros_like(loss))
+    if not isinstance(loss, Tensor):
+        return terms
+    total = sum(
+        (torch.as_tensor(t[0]).detach().to(loss.device, loss.dtype) for t in terms.values()), torch.zeros_like(loss)
+    )
     if not torch.allclose(total, loss.detach(), rtol=1e-5, atol=1e-7, equal_nan=True):
         raise ValueError(
             f"On replica {index}, the terms of {LOSS_TERMS_KEY!r} add up to {float(total):.8g}, but 'loss' is "
@@ -172,3 +164,4 @@ def _check_terms_add_up(output: Mapping[str, Any], index: int) -> None:
             "part of the loss as a term (a regulariser of the weights, which every device computes alike: 'reg': (reg, "
             "1)), or return the terms' sum as 'loss'."
         )
+    return terms
