@@ -11,11 +11,13 @@ from dataclasses import dataclass, field
 from numbers import Complex, Number, Real
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 from torchmetrics import Metric
 
 from lightning_mgpu.parallel.reduce import stack_scalars, weighted_mean
+from lightning_mgpu.strategies.loader_batch import step_sample_counts
 
 _REDUCE_FX: dict[Any, str] = {  # what Lightning's reduce_fx= accepts, and the kinds merged here
     **dict.fromkeys(("mean", "avg", torch.mean), "mean"),
@@ -65,12 +67,13 @@ def merge_and_log(
             made[call.name] = k = made.get(call.name, 0) + 1
             calls.setdefault((call.name, k), []).append((index, call))
         recorder.calls.clear()
+    loader_batch = step_sample_counts(root)[:1] if calls else ()  # the DataLoader's batch size, where it has one
     for (name, _), entries in calls.items():
         options = _checked_options(name, entries)
         first = entries[0][1].value
         if not isinstance(first, Metric):
             copy = _one_device_copy(entries, len(recorders), loss_copy, step_values)
-            value, options = _merge_values(name, entries, sample_counts, options, copy)
+            value, options = _merge_values(name, entries, sample_counts, options, copy, loader_batch=loader_batch)
             root.log(name, value, **options)
         elif (owner := metric_owner(first)) is not None:
             root.log(name, owner, **options)  # Lightning itself refuses one outside its attributes, as on one device
@@ -142,7 +145,7 @@ def merge_scalars(
         (index, LogCall("", value, {"batch_size": None if weights is None else weights[k]}))
         for k, (index, value) in enumerate(entries)
     ]
-    return _merge_values(f"{kind} metric input", calls, sample_counts, options, copy)[0]
+    return _merge_values(f"{kind} metric input", calls, sample_counts, options, copy, torch.float64)[0]
 
 
 def _is_number(value: Any) -> bool:
@@ -171,33 +174,53 @@ def _merge_values(
     sample_counts: Sequence[int],
     options: dict[str, Any],
     loss: Tensor | None,
+    numbers: torch.dtype | None = None,
+    loader_batch: tuple[int, ...] = (),
 ) -> tuple[Tensor, dict[str, Any]]:
     """One device's value of ``name`` from the replicas' ``entries`` (``loss``: a copy of the loss already merged by
-    its rule) and the options to log it with."""
+    its rule) and the options to log it with. Python numbers become tensors of ``numbers`` (default: the default dtype,
+    as Lightning's ``self.log`` makes them; a metric's input keeps float64's precision). ``loader_batch``: the
+    DataLoader's batch size, which a ``batch_size=`` equal on every replica is taken for as a constant (one device
+    passes the same ``hparams.batch_size``, also on a smaller last batch)."""
     kind = _reduce_kind(options["reduce_fx"])
-    values = [_as_tensor(name, call.value, options["enable_graph"]) for _, call in entries]
+    dtype = numbers or torch.get_default_dtype()
+    values = [_as_tensor(name, call.value, options["enable_graph"], dtype) for _, call in entries]
     device = values[0].device
     dtype = torch.promote_types(values[0].dtype, torch.float32) if values[0].is_floating_point() else torch.float32
     stacked = stack_scalars(values, device, dtype)
     if loss is not None:  # one device's value, in its own dtype (a metric may make a float32 0 of a float64 state)
         loss = loss.detach().to(device, torch.promote_types(loss.dtype, torch.float32))
+    explicit = [call.options.get("batch_size") for _, call in entries]
+    counts = [sample_counts[index] for index, _ in entries]
+    # The step's weight in the epoch mean: the devices' batch_size= summed (each counts its shard: tokens equal on even
+    # shards too), the loader's batch size passed by every device as it is (a constant, as one device passes it),
+    # else what Lightning reads from the whole batch, as on one device (its warning on an ambiguous batch included).
+    alike = None not in explicit and len({float(b) for b in explicit}) == 1
+    constant = alike and explicit != counts and (float(explicit[0]),) == tuple(map(float, loader_batch))
+    given = None if None in explicit else int(float(explicit[0])) if constant else int(sum(map(float, explicit)))
+    logged = options if given is None or kind != "mean" else {**options, "batch_size": given}
+    if loss is None and all(_is_count(call.value) for _, call in entries):
+        # A count of the shard's samples (correct, len(x)): one device logs the whole batch's, their sum.
+        return stacked.sum(), logged
     if kind != "mean":
         # reduce_fx acts over steps: a copy of the loss is the whole batch's; other values reduce over the replicas.
         return getattr(stacked, kind)() if loss is None else loss, options
-    explicit = [call.options.get("batch_size") for _, call in entries]
-    # The step's weight in the epoch mean: the devices' batch_size= summed (each counts its shard), else what Lightning
-    # reads from the whole batch, as on one device (its warning on an ambiguous batch included).
-    given = None if None in explicit else int(sum(float(b) for b in explicit))
-    logged = options if given is None else {**options, "batch_size": given}
     if loss is not None:  # a copy of the loss: batch_size= only weights the step in the epoch mean
         return loss, logged
     # Equal values on every replica (a constant such as hparams.batch_size) say nothing about the shards: samples do.
     if given is None or len({float(b) for b in explicit}) == 1:
-        explicit = [sample_counts[index] for index, _ in entries]
+        explicit = counts
     return weighted_mean(stacked, stack_scalars(explicit, device, dtype)), logged
 
 
-def _as_tensor(name: str, value: Any, enable_graph: bool) -> Tensor:
+def _is_count(value: Any) -> bool:
+    """An integer (a Python or numpy int, a one-element integer tensor), not a bool: a count."""
+    if isinstance(value, Tensor):
+        return not (value.is_floating_point() or value.is_complex() or value.dtype == torch.bool)
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _as_tensor(name: str, value: Any, enable_graph: bool, numbers: torch.dtype) -> Tensor:
     if isinstance(value, Tensor):
         if value.numel() != 1:
             raise ValueError(
@@ -206,5 +229,5 @@ def _as_tensor(name: str, value: Any, enable_graph: bool) -> Tensor:
         value = value.reshape(())
         return value if enable_graph else value.detach()
     if _is_number(value):
-        return torch.tensor(float(value), dtype=torch.float64)
+        return torch.tensor(float(value), dtype=numbers)
     raise ValueError(f"self.log({name!r}, ...) got a {type(value).__name__}; log a real number or a scalar tensor.")

@@ -118,7 +118,10 @@ def reduce_training_outputs(
     else:
         loss = first["loss"] if single else combine([o["loss"] for o in outputs])
     extras = [{k: v for k, v in o.items() if k not in ("loss", LOSS_WEIGHT_KEY, LOSS_TERMS_KEY)} for o in outputs]
-    return {"loss": loss, **(extras[0] if single else merge_outputs(extras, root, dim, sizes=sample_counts))}
+    return {
+        "loss": loss,
+        **(extras[0] if single else merge_outputs(extras, root, dim, sizes=sample_counts, counts=True)),
+    }
 
 
 def _reduce_weighted(losses: Sequence[Any], weights: Sequence[Any], what: str, root: torch.device) -> Any:
