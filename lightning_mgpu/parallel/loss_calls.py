@@ -119,6 +119,8 @@ class LossCalls(TorchFunctionMode):
         a division by a count) or a mean over its elements."""
         if name not in ("sum", "mean") or len(args) != 1 or kwargs or not isinstance(args[0], Tensor):
             return None
+        if not args[0].is_floating_point():  # a count ((y == 0).sum(), mask.sum()), not a loss
+            return None
         if self.record_of(args[0]) is not None:  # loss.mean() of a scalar
             return self.record_of(args[0])
         stacked = self.stacks.get(id(args[0]))

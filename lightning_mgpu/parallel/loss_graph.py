@@ -290,7 +290,8 @@ def _over_scalars(node: Node, coefficient: Any, record: LossRecord) -> bool:
     the parts instead, a mean's divided by their number. ``False`` for a reduction over more than scalars."""
     sizes = torch.Size(node._saved_self_sym_sizes)
     child = node.next_functions[0][0]
-    if sizes.numel() == 1:
+    # A scalar, or a view of one (loss.view(1)); another shape (1,) tensor is a batch of one (a shard of one sample).
+    if len(sizes) == 0 or (sizes.numel() == 1 and type(child).__name__ in _PASS):
         _walk(child, coefficient, record)
         return True
     parts = [part for part, _ in child.next_functions] if type(child).__name__ == "StackBackward0" else []

@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from numbers import Complex, Number, Real
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 from torchmetrics import Metric
@@ -199,9 +198,6 @@ def _merge_values(
     constant = alike and explicit != counts and (float(explicit[0]),) == tuple(map(float, loader_batch))
     given = None if None in explicit else int(float(explicit[0])) if constant else int(sum(map(float, explicit)))
     logged = options if given is None or kind != "mean" else {**options, "batch_size": given}
-    if loss is None and all(_is_count(call.value) for _, call in entries):
-        # A count of the shard's samples (correct, len(x)): one device logs the whole batch's, their sum.
-        return stacked.sum(), logged
     if kind != "mean":
         # reduce_fx acts over steps: a copy of the loss is the whole batch's; other values reduce over the replicas.
         return getattr(stacked, kind)() if loss is None else loss, options
@@ -211,13 +207,6 @@ def _merge_values(
     if given is None or len({float(b) for b in explicit}) == 1:
         explicit = counts
     return weighted_mean(stacked, stack_scalars(explicit, device, dtype)), logged
-
-
-def _is_count(value: Any) -> bool:
-    """An integer (a Python or numpy int, a one-element integer tensor), not a bool: a count."""
-    if isinstance(value, Tensor):
-        return not (value.is_floating_point() or value.is_complex() or value.dtype == torch.bool)
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 def _as_tensor(name: str, value: Any, enable_graph: bool, numbers: torch.dtype) -> Tensor:

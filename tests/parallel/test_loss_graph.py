@@ -94,6 +94,24 @@ def test_shards_combine_into_the_whole_batchs_loss_and_gradient(name: str, shard
     torch.testing.assert_close(grad, whole_grad, rtol=0, atol=1e-12)
 
 
+ONE_SAMPLE_SHARDS: dict[str, Loss] = {
+    "ce(reduction='none').sum()": lambda z, d: _ce(z, d, reduction="none").sum(),
+    "ce(reduction='none').mean()": lambda z, d: _ce(z, (d[0].clamp(min=0),), reduction="none").mean(),
+    "squares[mask].mean()": lambda z, d: z.square().sum(1)[d[3] > 0].mean(),
+    "sse": lambda z, d: (z - d[2]).pow(2).sum(),
+}
+
+
+@pytest.mark.parametrize("shards", [3, N - 1])  # N - 1: shards of one sample, whose .sum() is over one element
+@pytest.mark.parametrize("name", list(ONE_SAMPLE_SHARDS))
+def test_a_reduction_over_one_element_is_a_shard_of_one_not_a_scalar(name: str, shards: int):
+    """From a review: a shard's ``.sum()`` / ``.mean()`` over one element (a last batch of one sample per device, one
+    masked element kept) was walked as a scalar's and misread (7.2 off one device)."""
+    loss, whole, grad, whole_grad = _shards_against_the_whole(ONE_SAMPLE_SHARDS[name], shards)
+    torch.testing.assert_close(loss, whole, rtol=0, atol=1e-12)
+    torch.testing.assert_close(grad, whole_grad, rtol=0, atol=1e-12)
+
+
 def test_each_term_gets_its_own_weight():
     """MLM over tokens plus NSP over samples: per-shard weights of one term would be off (this is what a single
     weight per device did)."""

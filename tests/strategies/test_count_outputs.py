@@ -85,7 +85,9 @@ def _logging_module(namespace: str) -> Any:
             logits = self.net(x)
             loss = nn.functional.cross_entropy(logits, y)
             self.log("train_loss_c", loss, batch_size=4, on_step=False, on_epoch=True)
-            self.log("train_correct", (logits.argmax(1) == y).sum().item(), on_step=False, on_epoch=True)
+            self.log(
+                "train_correct", (logits.argmax(1) == y).sum().item(), on_step=False, on_epoch=True, reduce_fx="sum"
+            )
             return loss
 
         def validation_step(self, batch: Any, batch_idx: int) -> None:
@@ -105,7 +107,7 @@ def _logging_module(namespace: str) -> Any:
 @pytest.mark.parametrize("strategy", ["parallel_criterion", "dp"])
 def test_logged_counts_and_a_constant_batch_size_equal_one_devices(tmp_path: Any, namespace: str, strategy: str):
     """Batches of 4 and a last batch of 2 on 3 devices (1/1/... samples each): a constant batch_size= weighs each step
-    as one device's call does, and logged integers are the batch's counts."""
+    as one device's call does, and counts logged with reduce_fx="sum" are the batch's (equal on every shard too)."""
 
     def fit(strategy: str, devices: int) -> dict[str, float]:
         trainer = models(namespace).L.Trainer(
