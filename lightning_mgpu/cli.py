@@ -1,6 +1,7 @@
 """``python -m lightning_mgpu`` and the ``lightning-mgpu`` script: LightningCLI with this package's strategies
 registered. Errors are LightningCLI's and jsonargparse's own, but for a missing module of the ``[recipes]`` extra: one
-line that names it and the pip command that installs the extra, and exit status 1."""
+line that names it and the pip command that installs the extra, and exit status 1; and a strategy given by name with
+``init_args`` gets one line after jsonargparse's naming the class path that takes them."""
 
 from __future__ import annotations
 
@@ -49,14 +50,26 @@ def exit_on_missing_extra(command: str) -> Iterator[None]:
         raise SystemExit(1) from None
 
 
+_NAMED_WITH_OPTIONS = re.compile(r'key "trainer\.strategy".*Expected a dot import path string: (\w+)', re.DOTALL)
+_CLASSES = {"parallel_criterion": "ParallelCriterionStrategy", "dp": "DataParallelStrategy"}
+
+
 class _Parser(LightningArgumentParser):
     """jsonargparse reports a ``class_path`` whose module imports a missing one as a bad value: where it would exit,
-    a missing module of the extra is raised instead, for :func:`exit_on_missing_extra`."""
+    a missing module of the extra is raised instead, for :func:`exit_on_missing_extra`. A strategy given by name with
+    ``init_args`` gets the form that takes them after jsonargparse's message."""
 
     @override
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
         if self.exit_on_error and missing_extra_message(message, "") is not None:
             raise ModuleNotFoundError(message) from ex
+        if (named := _NAMED_WITH_OPTIONS.search(message)) is not None:
+            name = _CLASSES.get(named[1].lower())
+            path = f"lightning_mgpu.{name}" if name else "<the strategy's class path>"
+            message += (
+                f"\nA strategy given by name takes no init_args: give its class, --trainer.strategy.class_path={path} "
+                "--trainer.strategy.init_args.<option>=<value>"
+            )
         super().error(message, ex)
 
 

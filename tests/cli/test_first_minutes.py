@@ -103,7 +103,8 @@ def test_a_strategy_name_in_another_case_is_the_registered_one(given, expected, 
 )
 def test_strategy_arguments_go_with_a_class_path_not_a_name(name, class_path, arguments, capsys, monkeypatch, tmp_path):
     """``--trainer.strategy.init_args.*`` where the strategy is a name (the configs' form) is jsonargparse's error,
-    which names the key and the name; with ``--trainer.strategy.class_path`` before them they work."""
+    which names the key and the name, and our one line naming the class path that takes them; with
+    ``--trainer.strategy.class_path`` before them they work."""
     monkeypatch.setattr(sys, "argv", ["lightning-mgpu"])
     config = [*QUICKSTART, f"--trainer.default_root_dir={tmp_path}"]
     options = [f"--trainer.strategy.init_args.{a}" for a in arguments]
@@ -112,6 +113,8 @@ def test_strategy_arguments_go_with_a_class_path_not_a_name(name, class_path, ar
     assert exit.value.code == 2
     error = capsys.readouterr().err
     assert 'Parser key "trainer.strategy"' in error and name in error, error
+    hint = class_path if class_path.startswith("lightning_mgpu") else "<the strategy's class path>"
+    assert f"takes no init_args: give its class, --trainer.strategy.class_path={hint}" in error, error
     strategy = cli.main([*config, f"--trainer.strategy.class_path={class_path}", *options], run=False).trainer.strategy
     if name == "parallel_criterion":
         assert strategy.normalization.spec() == "sum"
