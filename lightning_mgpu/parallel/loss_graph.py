@@ -10,8 +10,10 @@ gradient scale per term through a pre-hook on the term's node (``torch.autograd.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -43,6 +45,7 @@ _ONCE = " of the parameters"  # a reduction that may read the parameters alone
 _SUMS = frozenset({"SumBackward0", "SumBackward1"})
 _REDUCTION = {1: "mean", 2: "sum"}  # torch's Reduction enum as saved (0: none)
 _NLL = frozenset({"NllLossBackward0", "NllLoss2DBackward0"})
+_is_tensor = Tensor.__instancecheck__  # isinstance(x, Tensor) in C: map() over it makes no Python frame
 
 
 def _signed(value: int) -> int:
@@ -315,7 +318,7 @@ def settle_weights(
     another term's count), what an earlier step showed (``memory``, kept by the caller), else a count."""
     weights = [[record.terms[t].count for record in records] for t in range(len(records[0].terms))]
     for t, term in enumerate(records[0].terms):
-        tensors = any(isinstance(d, Tensor) for d in weights[t])
+        tensors = any(map(_is_tensor, weights[t]))
         if term.summed is None or term.count is None or (tensors and not term.of_loss):
             continue  # not a division of a sum
         values = [float(d) for d in weights[t]]
@@ -414,16 +417,16 @@ def _mean_safe(record: LossRecord, counts: list[Any]) -> bool:
     """Whether a one-term loss combines as a plain weighted mean: a sum, numbers, or ``nll_loss``'s counts without
     class weights (an empty shard's NaN gradient is no concern there, see :func:`_leave_out_empty_shards`)."""
     term = record.terms[0]
-    plain = not any(isinstance(c, Tensor) for c in counts)
+    plain = not any(map(_is_tensor, counts))
     return plain or (term.name in _NLL and term.node._saved_weight is None)
 
 
 def _one_mean(losses: Tensor, counts: list[Any], root: torch.device, dtype: torch.dtype) -> Tensor:
     """One term's whole-batch value: ``sum(count_i * loss_i) / sum(count_i)`` (a sum where ``counts`` are
     ``None``); a shard that counts nothing (its mean is NaN) takes no part."""
-    if any(c is None for c in counts):
+    if any(map(operator.is_, counts, repeat(None))):
         return losses.sum()
-    if not any(isinstance(c, Tensor) for c in counts):
+    if not any(map(_is_tensor, counts)):
         total = float(sum(counts))
         shares = [c / total for c in counts]
         if all(shares):
@@ -438,7 +441,7 @@ def _leave_out_empty_shards(records: Sequence[LossRecord], weights: list[list[An
     node's gradients are replaced by 0 there, in backward: no host sync. (``nll_loss`` without class weights writes
     no gradient for ignored targets: it needs none.)"""
     for t, term in enumerate(weights):
-        if not any(isinstance(w, Tensor) for w in term) or (
+        if not any(map(_is_tensor, term)) or (
             records[0].terms[t].name in _NLL and records[0].terms[t].node._saved_weight is None
         ):
             continue
@@ -512,12 +515,12 @@ class _GradientOnly(torch.autograd.Function):
 def _on(values: Sequence[Any], root: torch.device, dtype: torch.dtype) -> Tensor:
     """Numbers and one-element tensors as one 1-D tensor on ``root`` in ``dtype``: one operation where they are
     numbers, or scalars on ``root`` already (a copy per other device met)."""
-    if not any(isinstance(v, Tensor) for v in values):
+    if not any(map(_is_tensor, values)):
         return torch.tensor(values, dtype=dtype, device=root)
-    tensors = [torch.as_tensor(v, device=root) for v in values]
-    if any(t.device != root or t.dim() != 0 for t in tensors):
-        tensors = [t.to(root).reshape(()) for t in tensors]
-    return torch.stack(tensors).to(dtype)
+    try:  # one-element tensors on one device (the shards' losses on the root): one stack
+        return torch.stack(values).reshape(-1).to(root, dtype)
+    except (RuntimeError, TypeError):  # numbers among them, other shapes or devices: each moved first
+        return torch.stack([torch.as_tensor(v).to(root).reshape(()) for v in values]).to(dtype)
 
 
 def _weighted(values: Tensor, shares: Tensor) -> Tensor:
@@ -567,7 +570,7 @@ def _term_shares(weights: list[Any], root: torch.device, dtype: torch.dtype) -> 
     """One term's share of each shard: its count over the term's total (0 where it counts nothing), 1 in a sum."""
     if any(w is None for w in weights):
         return torch.ones(len(weights), dtype=dtype, device=root)
-    if not any(isinstance(w, Tensor) for w in weights):
+    if not any(map(_is_tensor, weights)):
         total = float(sum(weights))
         return torch.tensor([w / total if w > 0 else 0.0 for w in weights], dtype=dtype, device=root)
     counts = _on(weights, root, dtype)
