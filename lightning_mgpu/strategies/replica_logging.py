@@ -6,6 +6,7 @@ by ``batch_size=``, else by sample counts; another ``"sum"``, ``"max"`` or ``"mi
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from numbers import Complex, Number, Real
@@ -66,7 +67,7 @@ def merge_and_log(
             made[call.name] = k = made.get(call.name, 0) + 1
             calls.setdefault((call.name, k), []).append((index, call))
         recorder.calls.clear()
-    loader_batch = step_sample_counts(root)[:1] if calls else ()  # the DataLoader's batch size, where it has one
+    loader_batch = functools.partial(step_sample_counts, root)  # the DataLoader's counts, read only where needed
     for (name, _), entries in calls.items():
         options = _checked_options(name, entries)
         first = entries[0][1].value
@@ -174,13 +175,13 @@ def _merge_values(
     options: dict[str, Any],
     loss: Tensor | None,
     numbers: torch.dtype | None = None,
-    loader_batch: tuple[int, ...] = (),
+    loader_batch: Callable[[], tuple[int, ...]] = tuple,
 ) -> tuple[Tensor, dict[str, Any]]:
     """One device's value of ``name`` from the replicas' ``entries`` (``loss``: a copy of the loss already merged by
     its rule) and the options to log it with. Python numbers become tensors of ``numbers`` (default: the default dtype,
-    as Lightning's ``self.log`` makes them; a metric's input keeps float64's precision). ``loader_batch``: the
-    DataLoader's batch size, which a ``batch_size=`` equal on every replica is taken for as a constant (one device
-    passes the same ``hparams.batch_size``, also on a smaller last batch)."""
+    as Lightning's ``self.log`` makes them; a metric's input keeps float64's precision). ``loader_batch()``: the
+    DataLoader's sample counts (its batch size first), read only for a ``batch_size=`` equal on every replica: the
+    batch size is a constant (one device passes the same ``hparams.batch_size``, also on a smaller last batch)."""
     kind = _reduce_kind(options["reduce_fx"])
     dtype = numbers or torch.get_default_dtype()
     values = [_as_tensor(name, call.value, options["enable_graph"], dtype) for _, call in entries]
@@ -195,7 +196,7 @@ def _merge_values(
     # shards too), the loader's batch size passed by every device as it is (a constant, as one device passes it),
     # else what Lightning reads from the whole batch, as on one device (its warning on an ambiguous batch included).
     alike = None not in explicit and len({float(b) for b in explicit}) == 1
-    constant = alike and explicit != counts and (float(explicit[0]),) == tuple(map(float, loader_batch))
+    constant = alike and explicit != counts and (float(explicit[0]),) == tuple(map(float, loader_batch()[:1]))
     given = None if None in explicit else int(float(explicit[0])) if constant else int(sum(map(float, explicit)))
     logged = options if given is None or kind != "mean" else {**options, "batch_size": given}
     if kind != "mean":
