@@ -1,24 +1,17 @@
-"""Checks that say, once, what a step does that one process with replicas does not do as one device, read without
-running the step again:
+"""Checks of user code that make a run on replicas differ from one device, said once, never around every step.
 
-* :func:`distributed_gathers`, read at set-up: code in the module that gathers through ``torch.distributed`` (a loss
-  built with ``gather_distributed=True``, an autograd ``Function`` or a helper calling
-  ``torch.distributed.all_gather``). In one process ``torch.distributed`` is not initialized (world size 1), so such
-  code gathers nothing and each replica computes it on its own shard, unlike one device on the whole batch. Found by
-  reading the bytecode of the user's own step and ``forward`` methods and of what they call, once per class: no source
-  file needed, nothing run.
-* :class:`StepChecks`, over the first two replicated calls of each hook (a step does the same things every time):
-  what the step did to the module's state that one device would not — :class:`HeldObjects`, dict entries the replicas
-  share, schedulers stepped per replica, attributes rebound to values that differ between replicas. Never around
-  every step.
-* :class:`HeldObjects`, over the first replicated steps: plain Python objects the module holds (an environment, a replay
-  buffer, a list of outputs) that the step changed. Every replica shares them with the module, so a step changes them
-  once per replica, each time with its own shard.
+* At set-up, read from the bytecode of the user's classes (nothing run, no source file needed): code that gathers
+  through ``torch.distributed`` (:func:`distributed_gathers`: in one process it gathers nothing, so each replica
+  computes on its own shard), ``torchmetrics.functional`` metrics logged from a step, Lightning's collectives.
+* Around the first two replicated calls of each hook (:class:`StepChecks`): what the call did to the module's state
+  that one device would not (objects it holds changed once per replica, tensors written into dicts the replicas share,
+  schedulers stepped per replica, attributes rebound to values that differ between the replicas).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dis
 import functools
 import inspect
@@ -34,15 +27,14 @@ import torch
 from torch import Tensor, nn
 from torch.optim.lr_scheduler import LRScheduler
 
-# --- what is the user's code --------------------------------------------------------------------------------------
+# Packages whose code is not read and whose objects are not watched: they gather nothing through torch.distributed in
+# a step, and their objects (configs, loggers, metrics) are not what a step changes by mistake.
 _LIBRARIES = frozenset(
     {"torch", "lightning", "pytorch_lightning", "lightning_fabric", "torchmetrics", "lightning_mgpu", "numpy"}
     | {"typing_extensions", "transformers", "omegaconf", "hydra", "jsonargparse", "yaml"}
     | set(sys.stdlib_module_names)
 )
-"""Top-level packages whose code is not read and whose objects are not watched: they gather nothing through
-``torch.distributed`` in a step, and their objects (configs, loggers, metrics) are not what a step changes by
-mistake."""
+_MISSING = object()
 
 
 def _is_library(obj: Any) -> bool:
@@ -51,122 +43,44 @@ def _is_library(obj: Any) -> bool:
     return (getattr(owner, "__module__", None) or "builtins").partition(".")[0] in _LIBRARIES
 
 
-# --- code that gathers through torch.distributed ------------------------------------------------------------------
-_GATHERS = frozenset(
-    {"all_gather", "all_gather_into_tensor", "_all_gather_base", "all_gather_object", "all_gather_tensor"}
-    | {"gather", "gather_object", "all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor"}
-    | {"all_to_all", "all_to_all_single"}
-)
-"""``torch.distributed`` calls whose result depends on the other ranks' values (a broadcast or a barrier in one
-process changes nothing one device would not do)."""
+def _unwrap(value: Any) -> Any:
+    """The function a static or class method, or a decorated function (``@torch.no_grad()``), stands for."""
+    value = value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
+    if isinstance(value, types.FunctionType):
+        with contextlib.suppress(ValueError):  # a cycle of __wrapped__
+            return inspect.unwrap(value)
+    return value
 
-_FLAG = re.compile(r"gather.*dist|dist.*gather", re.IGNORECASE)  # gather_distributed (lightly), distributed_gather...
-_STEP_ENTRIES = ("training_step", "validation_step", "test_step", "predict_step", "forward")
-_MAX_DEPTH = 4  # calls followed from a step or forward: class -> helper -> autograd Function -> torch.distributed
+
+def _functions(cls: type, names: Sequence[str] | None = None) -> Iterator[tuple[type, types.FunctionType]]:
+    """The functions (those of ``names``, or all) that the user's classes in ``cls``'s MRO define, with their class."""
+    for klass in cls.__mro__:
+        if not _is_library(klass):
+            for name in vars(klass) if names is None else names:
+                function = _unwrap(vars(klass).get(name))
+                if isinstance(function, types.FunctionType):
+                    yield klass, function
+
+
+# --- reading the user's code ----------------------------------------------------------------------------------------
 _CHAIN_STARTS = frozenset(
     {"LOAD_GLOBAL", "LOAD_NAME", "LOAD_DEREF", "LOAD_CLASSDEREF", "LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_FAST_BORROW"}
 )
-_CHAIN_LINKS = frozenset({"LOAD_ATTR", "LOAD_METHOD"})
-_MISSING = object()
-
-
-def distributed_gathers(module: nn.Module) -> list[str]:
-    """What in ``module`` gathers through ``torch.distributed``, one "what and where" line per finding: a submodule
-    with a ``gather_distributed``-style flag set, or a class of the user's whose step or ``forward`` calls a
-    ``torch.distributed`` collective (directly, or through helpers and autograd Functions). Library classes (torch,
-    Lightning, torchmetrics...) are skipped; each class is read once (cached), never run."""
-    found: dict[str, list[str]] = {}  # what -> the module paths that do it
-    for path, sub in module.named_modules():
-        what = _flag_finding(sub)
-        if what is None and not _opted_out(sub):
-            entries = _STEP_ENTRIES if sub is module else ("forward",)
-            what = _code_finding(type(sub), entries, "gather")
-        if what is not None:
-            found.setdefault(what, []).append(f"self.{path}" if path else "self")
-    return [f"{_paths(paths)} {what}" for what, paths in found.items()]
-
-
-def _paths(paths: list[str]) -> str:
-    named = ", ".join(f"`{p}`" for p in paths[:2])
-    return named if len(paths) <= 2 else f"{named} and {len(paths) - 2} more"
-
-
-def _flag_finding(module: nn.Module) -> str | None:
-    """``"(NTXentLoss) has gather_distributed=True"`` for a module whose gathering flag is set."""
-    flags = [name for name, value in vars(module).items() if value is True and _FLAG.search(name)]
-    return f"({type(module).__name__}) has {flags[0]}=True" if flags else None
-
-
-def _opted_out(module: nn.Module) -> bool:
-    """Whether the module has a gathering flag and it is off (``gather_distributed=False``): its code gathers only
-    when it is on, so reading it would find a call that never runs."""
-    return any(value is False and _FLAG.search(name) for name, value in vars(module).items())
-
-
-@functools.cache
-def _code_finding(cls: type, entries: tuple[str, ...], kind: str) -> str | None:
-    """``"(MoCo) calls torch.distributed.all_gather through MoCo.training_step -> concat_all_gather"``, or ``None``:
-    read once per class from the bytecode of its ``entries`` methods (those of its user-defined base classes too,
-    which ``super()`` reaches) and of what they call, for a call of ``kind`` (see :data:`_WANTED`)."""
-    wanted = _WANTED[kind]
-    for klass in cls.__mro__:
-        for name in entries if not _is_library(klass) else ():
-            function = _unwrap(vars(klass).get(name))
-            route = (
-                _route(function, cls, _MAX_DEPTH, set(), wanted) if isinstance(function, types.FunctionType) else None
-            )
-            if route is not None:
-                *through, call = [function.__qualname__, *route]
-                return f"({cls.__name__}) calls {call} through {' -> '.join(through)}"
-    return None
-
-
+_MAX_DEPTH = 4  # calls followed from a step or forward: class -> helper -> autograd Function -> torch.distributed
 Wanted = Callable[[Any], "str | None"]
 
 
-def _route(target: Any, owner: type | None, depth: int, seen: set[int], wanted: Wanted) -> list[str] | None:
-    """The names from ``target`` (a function, or a class whose methods are read) to a call ``wanted`` names (a
-    ``torch.distributed`` collective), ending with that name; ``None`` when none is found within ``depth`` calls."""
-    if depth == 0 or id(target) in seen:
-        return None
-    seen.add(id(target))
-    if isinstance(target, type):
-        return _class_route(target, depth, seen, wanted)
-    for chain in _chains(target.__code__):
-        for obj in _resolve(chain, target, owner):
-            if (name := wanted(obj)) is not None:
-                return [name]
-            if _is_user_code(obj):
-                route = _route(obj, obj if isinstance(obj, type) else owner, depth - 1, seen, wanted)
-                if route is not None:
-                    return [_name(obj), *route]
-    return None
-
-
-def _class_route(cls: type, depth: int, seen: set[int], wanted: Wanted) -> list[str] | None:
-    """:func:`_route` through the methods a user class (an autograd Function, a helper class) defines."""
-    for klass in cls.__mro__:
-        if _is_library(klass):
-            continue
-        for value in vars(klass).values():
-            function = _unwrap(value)
-            route = _route(function, cls, depth, seen, wanted) if isinstance(function, types.FunctionType) else None
-            if route is not None:
-                return route
-    return None
-
-
-def _chains(code: types.CodeType) -> Iterator[list[tuple[str, Any]]]:
-    """The dotted names ``code`` (and the code nested in it) loads: ``torch.distributed.all_gather`` is
-    ``[("LOAD_GLOBAL", "torch"), ("LOAD_ATTR", "distributed"), ("LOAD_ATTR", "all_gather")]``."""
-    chain: list[tuple[str, Any]] = []
+def _chains(code: types.CodeType) -> Iterator[tuple[str, list[str]]]:
+    """The dotted names ``code`` and the code nested in it load, with the instruction loading the first name:
+    ``torch.distributed.all_gather`` is ``("LOAD_GLOBAL", ["torch", "distributed", "all_gather"])``."""
+    chain: tuple[str, list[str]] | None = None
     for instruction in dis.get_instructions(code):
-        if chain and instruction.opname in _CHAIN_LINKS:
-            chain.append((instruction.opname, instruction.argval))
+        if chain and instruction.opname in ("LOAD_ATTR", "LOAD_METHOD"):
+            chain[1].append(str(instruction.argval))
             continue
         if chain:
             yield chain
-        chain = [(instruction.opname, instruction.argval)] if instruction.opname in _CHAIN_STARTS else []
+        chain = (instruction.opname, [str(instruction.argval)]) if instruction.opname in _CHAIN_STARTS else None
     if chain:
         yield chain
     for const in code.co_consts:
@@ -174,128 +88,115 @@ def _chains(code: types.CodeType) -> Iterator[list[tuple[str, Any]]]:
             yield from _chains(const)
 
 
-def _resolve(chain: list[tuple[str, Any]], function: types.FunctionType, owner: type | None) -> Iterator[Any]:
-    """The objects a chain's names stand for, from its head (a global, a closure variable, ``self``/``cls``: the
-    ``owner`` class, not itself yielded) along its attributes, looked up statically (no property or ``__getattr__``
-    runs)."""
-    (opname, head), *links = chain
-    obj = _head(opname, str(head), function, owner)
-    if obj is not _MISSING and not opname.startswith("LOAD_FAST"):
-        yield obj
-    for _, attribute in links:
-        if obj is _MISSING:
-            return
-        obj = _unwrap(inspect.getattr_static(obj, str(attribute), _MISSING))
-        if obj is not _MISSING:
-            yield obj
+def _loaded(function: types.FunctionType, owner: type | None) -> Iterator[Any]:
+    """The objects the dotted names in ``function`` stand for, looked up statically (no property or ``__getattr__``
+    runs). A name starts at a global, a closure variable or a local: ``self``/``cls`` stands for the ``owner`` class
+    (not itself yielded), another local for the global or module of its name (``import torch.distributed.nn`` in a
+    function binds ``torch``)."""
+    code = function.__code__
+    cells = dict(zip(code.co_freevars, function.__closure__ or (), strict=False))
+    for opname, names in _chains(code):
+        local = opname.startswith("LOAD_FAST")
+        if local and names[0] in ("self", "cls") and code.co_varnames[:1] == (names[0],):
+            obj = owner if owner is not None else _MISSING
+        elif opname in ("LOAD_DEREF", "LOAD_CLASSDEREF"):
+            obj = _MISSING
+            with contextlib.suppress(KeyError, ValueError):  # not a closure variable of this function; an empty cell
+                obj = cells[names[0]].cell_contents
+        else:
+            obj = function.__globals__.get(names[0], sys.modules.get(names[0], _MISSING))
+        for step, name in enumerate(names):
+            obj = _unwrap(inspect.getattr_static(obj, name, _MISSING) if step else obj)
+            if obj is _MISSING:
+                break
+            if step or not local:
+                yield obj
 
 
-def _head(opname: str, name: str, function: types.FunctionType, owner: type | None) -> Any:
-    """What a chain's first name stands for in ``function``: ``self``/``cls`` the owner class; another local its
-    global or module of that name (a local ``import torch.distributed.nn`` binds ``torch``); a closure variable its
-    cell's value."""
-    if opname.startswith("LOAD_FAST"):
-        if name in ("self", "cls") and function.__code__.co_varnames[:1] == (name,):
-            return owner if owner is not None else _MISSING
-        return _unwrap(function.__globals__.get(name, sys.modules.get(name, _MISSING)))
-    if opname in ("LOAD_DEREF", "LOAD_CLASSDEREF"):
-        cells = dict(zip(function.__code__.co_freevars, function.__closure__ or (), strict=False))
-        try:
-            return _unwrap(cells[name].cell_contents) if name in cells else _MISSING
-        except ValueError:  # an empty cell
-            return _MISSING
-    return _unwrap(function.__globals__.get(name, _MISSING))
+def _route(target: Any, owner: type | None, depth: int, seen: set[int], wanted: Wanted) -> list[str] | None:
+    """The names from ``target`` (a function, or a class whose functions are read) to a call that ``wanted`` names,
+    ending with that name; ``None`` when none is found within ``depth`` calls."""
+    if depth == 0 or id(target) in seen:
+        return None
+    seen.add(id(target))
+    if isinstance(target, type):
+        routes = (_route(function, target, depth, seen, wanted) for _, function in _functions(target))
+        return next((route for route in routes if route is not None), None)
+    for obj in _loaded(target, owner):
+        if (name := wanted(obj)) is not None:
+            return [name]
+        if isinstance(obj, (type, types.FunctionType)) and not _is_library(obj):
+            route = _route(obj, obj if isinstance(obj, type) else owner, depth - 1, seen, wanted)
+            if route is not None:
+                return [obj.__name__ if isinstance(obj, type) else obj.__qualname__, *route]
+    return None
 
 
-def _unwrap(value: Any) -> Any:
-    """The function a static or class method, or a decorated function (``@torch.no_grad()``), stands for."""
-    value = value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
-    if isinstance(value, types.FunctionType) and hasattr(value, "__wrapped__"):
-        try:
-            return inspect.unwrap(value)
-        except ValueError:  # a cycle of __wrapped__
-            return value
-    return value
+@functools.cache
+def _code_finding(cls: type, entries: tuple[str, ...], wanted: Wanted) -> str | None:
+    """``"(MoCo) calls torch.distributed.all_gather through MoCo.training_step -> concat_all_gather"``, or ``None``:
+    a call that ``wanted`` names in the ``entries`` methods of ``cls`` and of its user-defined bases (which ``super()``
+    reaches), or in what they call. Read once per class."""
+    for _, function in _functions(cls, entries):
+        route = _route(function, cls, _MAX_DEPTH, set(), wanted)
+        if route is not None:
+            *through, call = [function.__qualname__, *route]
+            return f"({cls.__name__}) calls {call} through {' -> '.join(through)}"
+    return None
+
+
+# torch.distributed calls whose result depends on the other ranks' values (a broadcast or a barrier in one process
+# changes nothing one device would not do).
+_GATHERS = frozenset(
+    {"all_gather", "all_gather_into_tensor", "_all_gather_base", "all_gather_object", "all_gather_tensor"}
+    | {"gather", "gather_object", "all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor"}
+    | {"all_to_all", "all_to_all_single"}
+)
+_FLAG = re.compile(r"gather.*dist|dist.*gather", re.IGNORECASE)  # gather_distributed (lightly), distributed_gather...
+_STEP_ENTRIES = ("training_step", "validation_step", "test_step", "predict_step", "forward")
 
 
 def _gather(obj: Any) -> str | None:
     """``"torch.distributed.all_gather"`` for a ``torch.distributed`` collective, else ``None``."""
     module = getattr(obj, "__module__", None) or ""
-    if not (callable(obj) and module.startswith("torch.distributed") and getattr(obj, "__name__", "") in _GATHERS):
-        return None
-    return f"torch.distributed{'.nn' if module.startswith('torch.distributed.nn') else ''}.{obj.__name__}"
+    if callable(obj) and module.startswith("torch.distributed") and getattr(obj, "__name__", "") in _GATHERS:
+        return f"torch.distributed{'.nn' if module.startswith('torch.distributed.nn') else ''}.{obj.__name__}"
+    return None
 
 
 def _functional_metric(obj: Any) -> str | None:
     """``"torchmetrics.functional.f1_score"`` for a function of ``torchmetrics.functional``, else ``None``."""
     module = getattr(obj, "__module__", None) or ""
-    if not (isinstance(obj, types.FunctionType) and module.startswith("torchmetrics.functional")):
-        return None
-    return f"torchmetrics.functional.{obj.__name__}"
-
-
-_WANTED: dict[str, Wanted] = {"gather": _gather, "functional metric": _functional_metric}
-
-
-def _is_user_code(obj: Any) -> bool:
-    return isinstance(obj, (type, types.FunctionType)) and not _is_library(obj)
-
-
-def _name(obj: Any) -> str:
-    return obj.__name__ if isinstance(obj, type) else obj.__qualname__
-
-
-#: Lightning's collectives as a module calls them (``self.all_gather``, ``self.trainer.strategy.barrier``...).
-_LIGHTNING_COLLECTIVES = frozenset({"all_gather", "reduce_boolean_decision", "barrier", "broadcast"})
-
-
-@functools.cache
-def lightning_collectives(cls: type) -> str | None:
-    """Where the module's own classes (not a library's) call Lightning's collectives, which make the replicas meet
-    inside a step (so they run in threads): ``"MoCo calls all_gather in the module's code"``. Read once per class
-    from the bytecode of every function it defines (the names a call goes through, not what they resolve to: an
-    attribute of ``self.trainer`` cannot be looked up without running it), never run; ``torch.distributed``'s
-    calls of those names are not Lightning's."""
-    for klass in cls.__mro__:
-        if _is_library(klass):
-            continue
-        for value in vars(klass).values():
-            function = _unwrap(value)
-            if not isinstance(function, types.FunctionType):
-                continue
-            for chain in _chains(function.__code__):
-                *through, last = [str(name) for _, name in chain]
-                if "distributed" in through or "dist" in through:
-                    continue
-                if (last in _LIGHTNING_COLLECTIVES and through) or (last == "reduce" and "strategy" in through):
-                    return f"{klass.__name__} calls {last} in the module's code"
+    if isinstance(obj, types.FunctionType) and module.startswith("torchmetrics.functional"):
+        return f"torchmetrics.functional.{obj.__name__}"
     return None
 
 
-_LOGGED_STEPS = ("training_step", "validation_step", "test_step")
-
-
-def functional_metrics(module: nn.Module) -> str | None:
-    """Where ``module``'s step calls a ``torchmetrics.functional`` metric (read once per class, never run)."""
-    what = _code_finding(type(module), _LOGGED_STEPS, "functional metric")
-    return None if what is None else f"`self` {what}"
-
-
-def functional_metric_message(strategy_name: str, finding: str) -> str:
-    """The notice for :func:`functional_metrics`' finding under ``parallel_criterion``, with a fix that equals one
-    device: the metric's object, whose logged value the strategy computes from the replicas' combined states."""
-    return (
-        f"{strategy_name}: {finding}. Each device computes it on its own shard, and a logged value of it merges as "
-        "a sample-weighted mean of the devices' values, which equals one device's only for a mean over samples (not "
-        "for F1, precision, recall, AUROC, a macro average). For one device's value, use the metric's object: "
-        "`self.f1 = torchmetrics.F1Score(...)` in `__init__`, then `self.log('f1', self.f1(preds, y))` or "
-        "`self.f1.update(preds, y); self.log('f1', self.f1)` in the step (its states are combined across the devices)."
-    )
+def distributed_gathers(module: nn.Module) -> list[str]:
+    """What in ``module`` gathers through ``torch.distributed``, one "where and what" line per finding: a submodule
+    with a ``gather_distributed``-style flag set, or a user class whose step or ``forward`` calls a collective
+    (directly, or through helpers and autograd Functions). A submodule whose flag is off is not read: its code gathers
+    only when the flag is on."""
+    found: dict[str, list[str]] = {}  # what -> the paths of the modules that do it
+    for path, sub in module.named_modules():
+        flags = {name: value for name, value in vars(sub).items() if isinstance(value, bool) and _FLAG.search(name)}
+        if on := [name for name, value in flags.items() if value]:
+            what: str | None = f"({type(sub).__name__}) has {on[0]}=True"
+        elif flags:
+            continue
+        else:
+            what = _code_finding(type(sub), _STEP_ENTRIES if sub is module else ("forward",), _gather)
+        if what is not None:
+            found.setdefault(what, []).append(f"`self.{path}`" if path else "`self`")
+    return [
+        ", ".join(paths[:2]) + (f" and {len(paths) - 2} more" if len(paths) > 2 else "") + f" {what}"
+        for what, paths in found.items()
+    ]
 
 
 def distributed_gather_message(strategy_name: str, findings: Sequence[str]) -> str:
-    """The warning for :func:`distributed_gathers`' findings under ``parallel_criterion``, with fixes that equal one
-    device: gather through the strategy's own collective (it meets across the replicas of the step), or ``dp``."""
+    """The warning for :func:`distributed_gathers`' findings, with fixes that equal one device: gather through the
+    strategy's collective (it meets across the replicas of the step), or ``dp``."""
     return (
         f"{strategy_name}: {'; '.join(findings)}. torch.distributed gathers nothing here: the strategy runs one "
         "process (torch.distributed is not initialized, world size 1), so that code computes each device's result on "
@@ -309,121 +210,134 @@ def distributed_gather_message(strategy_name: str, findings: Sequence[str]) -> s
     )
 
 
-# --- plain Python objects a replicated step changed ---------------------------------------------------------------
-_MODULE_REGISTRIES = frozenset(vars(nn.Module()))  # nn.Module's own dicts and sets: parameters, buffers, hooks...
-_PLAIN = (bool, int, float, complex, str, bytes, type(None))
-_SEQUENCES = (list, collections.deque)
-_CONTAINERS = (list, collections.deque, set, dict)
+def functional_metrics(module: nn.Module) -> str | None:
+    """Where ``module``'s step calls a ``torchmetrics.functional`` metric (read once per class, never run)."""
+    what = _code_finding(type(module), ("training_step", "validation_step", "test_step"), _functional_metric)
+    return None if what is None else f"`self` {what}"
 
 
-@dataclass(frozen=True)
-class HeldChange:
-    """One object held by the module that a replicated step changed: ``path`` from the module (``"buffer"``,
-    ``"agent.env"``, ``"outputs['loss']"``), its type's name, what changed, ``"grew"`` or ``"changed"``, and whether
-    it is a collection that grew (entries per device: collect them on the root) rather than something the step changed
-    in place (do that once per step, on the root)."""
-
-    path: str
-    kind: str
-    detail: str
-    verb: str
-    collection: bool
-
-    @property
-    def key(self) -> str:
-        """What to say once: the attribute of the module (a dict's entries share their dict's key)."""
-        return f"held:{self.path.partition('[')[0]}"
+def functional_metric_message(strategy_name: str, finding: str) -> str:
+    """The notice for :func:`functional_metrics`' finding, with a fix that equals one device: the metric's object,
+    whose logged value the strategy computes from the replicas' combined states."""
+    return (
+        f"{strategy_name}: {finding}. Each device computes it on its own shard, and a logged value of it merges as "
+        "a sample-weighted mean of the devices' values, which equals one device's only for a mean over samples (not "
+        "for F1, precision, recall, AUROC, a macro average). For one device's value, use the metric's object: "
+        "`self.f1 = torchmetrics.F1Score(...)` in `__init__`, then `self.log('f1', self.f1(preds, y))` or "
+        "`self.f1.update(preds, y); self.log('f1', self.f1)` in the step (its states are combined across the devices)."
+    )
 
 
-class HeldObjects:
-    """A snapshot of the plain Python objects that ``module`` and its user-defined submodules hold (not modules,
-    tensors, functions, classes or library objects): each list's, deque's, set's and dict's length (and a list's last
-    entry), and a shallow copy of ``vars()`` of each other object. Taken before a replicated step, :meth:`changes`
-    after it says what the step changed. Replicas share these objects with the module, so a step that changes one
-    changes it once per replica. O(attributes): meant for the first steps only."""
-
-    def __init__(self, module: nn.Module) -> None:
-        self._held = list(_held(module))
-        self._before = [_state(value) for _, value in self._held]
-
-    def changes(self) -> list[HeldChange]:
-        """What changed since the snapshot, in attribute order."""
-        found: list[HeldChange] = []
-        for (path, value), before in zip(self._held, self._before, strict=True):
-            found.extend(_compare(path, value, before))
-        return found
-
-
-def _held(module: nn.Module) -> Iterator[tuple[str, Any]]:
-    """(path, value) of each watched attribute of ``module`` and its user-defined submodules."""
-    skipped = _MODULE_REGISTRIES | _lightning_attributes(type(module))
-    for prefix, sub in module.named_modules():
-        if _is_library(type(sub)):
-            continue
-        for name, value in vars(sub).items():
-            if name not in skipped and _watched(value):
-                yield (f"{prefix}.{name}" if prefix else name), value
-
-
-_NOT_PLAIN = (nn.Module, Tensor, type, types.FunctionType, types.MethodType, types.ModuleType)
-
-
-def _watched(value: Any) -> bool:
-    """A container, or a plain object of the user's (not a module, tensor, function, class or library object)."""
-    if isinstance(value, _CONTAINERS):
-        return type(value).__module__ in ("builtins", "collections") or not _is_library(value)
-    return hasattr(value, "__dict__") and not isinstance(value, _NOT_PLAIN) and not _is_library(value)
+_LIGHTNING_COLLECTIVES = frozenset({"all_gather", "reduce_boolean_decision", "barrier", "broadcast"})
 
 
 @functools.cache
-def _lightning_attributes(cls: type) -> frozenset[str]:
-    """The attributes a bare LightningModule of ``cls``'s Lightning sets (``_trainer``, ``_metric_attributes``...):
-    Lightning's, not the user's."""
-    for klass in cls.__mro__:
-        if klass.__name__ == "LightningModule" and _is_library(klass):
-            return frozenset(vars(klass()))
-    return frozenset()
+def lightning_collectives(cls: type) -> str | None:
+    """Where the module's own classes call Lightning's collectives (``self.all_gather``,
+    ``self.trainer.strategy.barrier``...), which make the replicas meet inside a step (so they run in threads):
+    ``"MoCo calls all_gather in the module's code"``. Read once per class from the names the calls go through (an
+    attribute of ``self.trainer`` cannot be looked up without running it); ``torch.distributed``'s are not Lightning's."""
+    for klass, function in _functions(cls):
+        for _, (*through, last) in _chains(function.__code__):
+            if "distributed" in through or "dist" in through:
+                continue
+            if (last in _LIGHTNING_COLLECTIVES and through) or (last == "reduce" and "strategy" in through):
+                return f"{klass.__name__} calls {last} in the module's code"
+    return None
 
+
+# --- plain Python objects a replicated step changed -----------------------------------------------------------------
+_MODULE_REGISTRIES = frozenset(vars(nn.Module()))  # nn.Module's own dicts and sets: parameters, buffers, hooks...
+_PLAIN = (bool, int, float, complex, str, bytes, type(None))
+_CONTAINERS = (list, collections.deque, set, dict)
+_NOT_PLAIN = (nn.Module, Tensor, type, types.FunctionType, types.MethodType, types.ModuleType)
 
 ENTRIES_READ = 1024
 """The most entries of a container the module holds that a check reads: a larger one (a vocabulary, a cache) is
 compared by its length alone, so that the first steps' checks stay cheap."""
 
 
+@dataclass(frozen=True)
+class HeldChange:
+    """One object the module holds that a replicated step changed: its ``path`` from the module (``"buffer"``,
+    ``"agent.env"``, ``"outputs['loss']"``), its type's name, what changed, and whether it is a collection that grew
+    (entries per device: collect them on the root) rather than something changed in place (do that once per step, on
+    the root)."""
+
+    path: str
+    kind: str
+    detail: str
+    collection: bool
+
+    @property
+    def verb(self) -> str:
+        return "grew" if self.collection else "changed"
+
+    @property
+    def key(self) -> str:
+        """What is said once: the module's attribute (a dict's entries share their dict's key)."""
+        return f"held:{self.path.partition('[')[0]}"
+
+
+class HeldObjects:
+    """A snapshot of the plain Python objects that ``module`` and its user-defined submodules hold (not modules,
+    tensors, functions, classes or library objects): each collection's size, a dict's entries, an object's attributes.
+    Taken before a replicated step, :meth:`changes` after it says what the step changed: the replicas share these
+    objects with the module, so the step changed them once per replica. O(attributes): for the first steps only."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self._held = [(path, value, _state(value)) for path, value in _held(module)]
+
+    def changes(self) -> list[HeldChange]:
+        """What changed since the snapshot, in attribute order."""
+        return [change for path, value, before in self._held for change in _compare(path, value, before)]
+
+
+def _held(module: nn.Module) -> Iterator[tuple[str, Any]]:
+    """(path, value) of each watched attribute of ``module`` and its user-defined submodules: a container, or a plain
+    object of the user's."""
+    skipped = _MODULE_REGISTRIES | _lightning_attributes(type(module))
+    for prefix, sub in module.named_modules():
+        for name, value in () if _is_library(type(sub)) else vars(sub).items():
+            if isinstance(value, _CONTAINERS):
+                watched = type(value).__module__ in ("builtins", "collections") or not _is_library(value)
+            else:
+                watched = hasattr(value, "__dict__") and not isinstance(value, _NOT_PLAIN) and not _is_library(value)
+            if watched and name not in skipped:
+                yield (f"{prefix}.{name}" if prefix else name), value
+
+
+@functools.cache
+def _lightning_attributes(cls: type) -> frozenset[str]:
+    """The attributes a bare LightningModule of ``cls``'s Lightning sets (``_trainer``...): Lightning's, not the user's."""
+    for klass in cls.__mro__:
+        if klass.__name__ == "LightningModule" and _is_library(klass):
+            return frozenset(vars(klass()))
+    return frozenset()
+
+
 def _state(value: Any) -> Any:
-    """What :func:`_compare` compares: a collection's size (a sequence's last entry, a dict's collections' sizes), or
-    an object's attributes and the sizes of its collections."""
+    """What :func:`_compare` compares: a collection's size; a dict's length, entries and their collections' sizes
+    (``None`` for a dict too large to read); an object's attributes and their collections' sizes."""
     if isinstance(value, dict):
-        if len(value) > ENTRIES_READ:
-            return len(value), None, {}
-        return len(value), {k: _size(v) for k, v in value.items() if isinstance(v, _CONTAINERS)}, dict(value)
-    if isinstance(value, _CONTAINERS):
-        return _size(value)
-    attributes = dict(vars(value))
-    return attributes, {k: _size(v) for k, v in attributes.items() if isinstance(v, _CONTAINERS)}
+        read = len(value) <= ENTRIES_READ
+        return len(value), dict(value) if read else {}, _sizes(value) if read else None
+    return _size(value) if isinstance(value, _CONTAINERS) else (dict(vars(value)), _sizes(vars(value)))
+
+
+def _sizes(mapping: dict[Any, Any]) -> dict[Any, tuple[int, Any]]:
+    return {key: _size(value) for key, value in mapping.items() if isinstance(value, _CONTAINERS)}
 
 
 def _size(value: Any) -> tuple[int, Any]:
-    """A collection's length, and its last entry (a full deque that was appended to keeps its length), held until
-    :meth:`HeldObjects.changes` compares it by identity."""
-    return len(value), value[-1] if isinstance(value, _SEQUENCES) and value else _MISSING
-
-
-def _compare(path: str, value: Any, before: Any) -> list[HeldChange]:
-    kind = type(value).__name__
-    if isinstance(value, dict):
-        return _dict_changes(path, value, before)
-    if isinstance(value, _CONTAINERS):
-        detail = _size_change(before, _size(value))
-        return [] if detail is None else [HeldChange(path, kind, detail, _verb(detail), _verb(detail) == "grew")]
-    details = _object_changes(value, *before)
-    return [HeldChange(path, kind, "; ".join(details), "changed", False)] if details else []
+    """A collection's length and a sequence's last entry (a full deque appended to keeps its length), compared by
+    identity."""
+    return len(value), value[-1] if isinstance(value, (list, collections.deque)) and value else _MISSING
 
 
 def _size_change(before: tuple[int, Any], after: tuple[int, Any]) -> str | None:
     """``"3 entries more"``, ``"2 entries fewer"``, ``"its last entry replaced"`` or ``None``."""
-    grown = after[0] - before[0]
-    if grown:
+    if grown := after[0] - before[0]:
         return f"{_entries(abs(grown))} {'more' if grown > 0 else 'fewer'}"
     return "its last entry replaced" if after[1] is not before[1] else None
 
@@ -432,57 +346,55 @@ def _entries(count: int) -> str:
     return f"{count} {'entry' if count == 1 else 'entries'}"
 
 
-def _verb(detail: str) -> str:
-    return "grew" if detail.endswith("more") else "changed"
+def _compare(path: str, value: Any, before: Any) -> list[HeldChange]:
+    """What changed in ``value`` since its :func:`_state` ``before``: a collection's size; an object's attributes
+    rebound, added or removed (a plain value rebound to an equal one does not count) and its collections' sizes."""
+    kind = type(value).__name__
+    if isinstance(value, dict):
+        return _dict_changes(path, value, *before)
+    if isinstance(value, _CONTAINERS):
+        detail = _size_change(before, _size(value))
+        return [] if detail is None else [HeldChange(path, kind, detail, detail.endswith("more"))]
+    attributes, sizes = before
+    current = vars(value)
+    names = dict.fromkeys([*attributes, *current])
+    rebound = [n for n in names if not _same(attributes.get(n, _MISSING), current.get(n, _MISSING))]
+    details = [f"its attribute{'s' if len(rebound) > 1 else ''} {', '.join(rebound)} changed"] if rebound else []
+    for name, size in sizes.items():  # the same collection unless rebound
+        if name not in rebound and (detail := _size_change(size, _size(current[name]))):
+            details.append(f"its {name}: {detail}")
+    return [HeldChange(path, kind, "; ".join(details), False)] if details else []
 
 
 def _dict_changes(
-    path: str, value: dict[Any, Any], before: tuple[int, dict[Any, Any] | None, dict[Any, Any]]
+    path: str, value: dict[Any, Any], length: int, entries: dict[Any, Any], sizes: Any
 ) -> list[HeldChange]:
-    """A dict's collections that changed (``outputs['loss']``); else the dict itself, where entries other than
-    tensors (a dict of tensors is the shared-entries check's) or flags (a library's warned-once dict) were added, or
-    its plain entries were rebound (a counter, ``self.counts['steps'] += 1``)."""
-    length, sizes, entries = before
+    """A dict's collections that changed (``outputs['loss']``); else the dict itself, where entries other than tensors
+    (a dict of tensors is the shared-entries check's) or flags (a library's warned-once dict) were added; and its
+    plain entries rebound (a counter, ``self.counts['steps'] += 1``)."""
     changes = [
-        HeldChange(f"{path}[{key!r}]", type(entry).__name__, detail, _verb(detail), _verb(detail) == "grew")
+        HeldChange(f"{path}[{key!r}]", type(entry).__name__, detail, detail.endswith("more"))
         for key, entry in (value.items() if sizes is not None else ())  # only the dicts whose entries were read
         if isinstance(entry, _CONTAINERS) and (detail := _size_change(sizes.get(key, (0, _MISSING)), _size(entry)))
     ]
     new = list(itertools.islice(value.values(), length, length + ENTRIES_READ))
     if not changes and new and not any(_holds_tensors(v) or isinstance(v, (bool, type(None))) for v in new):
-        changes.append(HeldChange(path, type(value).__name__, f"{_entries(len(new))} more", "grew", True))
-    rebound = [repr(k) for k, old in entries.items() if k in value and _rebound_entry(old, value[k])]
+        changes.append(HeldChange(path, type(value).__name__, f"{_entries(len(new))} more", True))
+    rebound = [
+        repr(key)
+        for key, old in entries.items()
+        if key in value and not _same(old, value[key]) and not isinstance(value[key], _CONTAINERS)
+        if not _holds_tensors(value[key])
+    ]
     if rebound:
         detail = f"its entr{'ies' if len(rebound) > 1 else 'y'} {', '.join(rebound)} changed"
-        changes.append(HeldChange(path, type(value).__name__, detail, "changed", False))
+        changes.append(HeldChange(path, type(value).__name__, detail, False))
     return changes
 
 
-def _rebound_entry(old: Any, new: Any) -> bool:
-    """Whether a dict's plain entry was rebound (not a collection: those are compared by size; not tensors)."""
-    return not _same(old, new) and not isinstance(new, _CONTAINERS) and not _holds_tensors(new)
-
-
 def _holds_tensors(value: Any) -> bool:
+    """A tensor, or a tuple or list that starts with one (an LSTM's output)."""
     return isinstance(value, Tensor) or (isinstance(value, (tuple, list)) and bool(value) and _holds_tensors(value[0]))
-
-
-def _object_changes(value: Any, attributes: dict[str, Any], sizes: dict[str, tuple[int, Any]]) -> list[str]:
-    """``["its attributes steps, state changed", "its memory: 3 entries more"]`` for an object's rebound, added or
-    removed attributes (a plain value rebound to an equal one does not count) and grown collections."""
-    current = vars(value)
-    rebound = [
-        name
-        for name in dict.fromkeys([*attributes, *current])
-        if not _same(attributes.get(name, _MISSING), current.get(name, _MISSING))
-    ]
-    details = [f"its attribute{'s' if len(rebound) > 1 else ''} {', '.join(rebound)} changed"] if rebound else []
-    for name, size in sizes.items():
-        entry = current.get(name)
-        detail = _size_change(size, _size(entry)) if isinstance(entry, _CONTAINERS) and name not in rebound else None
-        if detail is not None:
-            details.append(f"its {name}: {detail}")
-    return details
 
 
 def _same(old: Any, new: Any) -> bool:
@@ -498,48 +410,30 @@ _BATCH_HOOKS = {
 
 
 def held_objects_message(owner: str, changes: Sequence[HeldChange], replicas: int, hook: str = "training_step") -> str:
-    """The warning for :meth:`HeldObjects.changes` after a call of ``hook`` on ``replicas`` replicas of the module
-    of class ``owner``. Collections grown alone: collect step outputs on the root (the message of the list check this
-    replaces); objects changed: do that work once per step on the root (a batch hook, or the data pipeline for an
-    environment); under dp (``hook="forward"``): move it from ``forward`` into the step, which runs once there."""
-    firsts = {c.key: c for c in reversed(changes)}  # one head per attribute: a dict's first entry that changed
-    said = (
-        f"{_listed([f'`{owner}.{c.path}` {c.verb}' for c in reversed(firsts.values())])} during a step that ran on "
-        f"{replicas} replicas ({'; '.join(f'`{c.path}` ({c.kind}): {c.detail}' for c in changes)})"
-    )
-    several = len(changes) > 1
+    """The warning for :meth:`HeldObjects.changes` after a call of ``hook`` on ``replicas`` replicas of a module of
+    class ``owner``. Collections grown alone: collect step outputs on the root; objects changed: do that work once per
+    step on the root (a batch hook, or the data pipeline for an environment); under dp (``hook="forward"``): move it
+    from ``forward`` into the step, which runs once there."""
+    heads = {c.key: c for c in reversed(changes)}  # one per attribute: a dict's first entry that changed
+    named = [f"`{owner}.{c.path}` {c.verb}" for c in reversed(heads.values())]
+    listed = named[0] if len(named) == 1 else f"{', '.join(named[:-1])} and {named[-1]}"
+    what = "; ".join(f"`{c.path}` ({c.kind}): {c.detail}" for c in changes)
+    said = f"{listed} during a step that ran on {replicas} replicas ({what})"
+    it, them = ("they", "them") if len(changes) > 1 else ("it", "it")
+    batch = _BATCH_HOOKS.get(hook, "on_train_batch")
     if hook == "forward":
         return (
-            f"{said}: `forward` ran once per device, each with its shard, so it changed {'them' if several else 'it'} "
-            "once per device. Do that in the step (under dp it runs once, on the root, with the whole batch), or in "
+            f"{said}: `forward` ran once per device, each with its shard, so it changed {them} once per device. Do "
+            "that in the step (under dp it runs once, on the root, with the whole batch), or in "
             "`on_train_batch_start` / `on_train_batch_end`."
         )
     if all(c.collection for c in changes):
-        batch_end = f"{_BATCH_HOOKS.get(hook, 'on_train_batch')}_end"
         return (
-            f"{said}: {'they hold' if several else 'it holds'} one entry per device per step (each of its shard), "
-            f"so a per-step value computed from {'them' if several else 'it'} (a mean of the step losses, a count) "
-            f"differs from one device's, while per-sample values concatenated in order do not. Collect step outputs "
-            f"in `{batch_end}(outputs, ...)`, which runs once, on the root, with the gathered outputs, or use a "
-            "torchmetrics metric."
+            f"{said}: {it} {'hold' if len(changes) > 1 else 'holds'} one entry per device per step (each of its shard), "
+            f"so a per-step value computed from {them} (a mean of the step losses, a count) differs from one device's, "
+            f"while per-sample values concatenated in order do not. Collect step outputs in `{batch}_end(outputs, "
+            "...)`, which runs once, on the root, with the gathered outputs, or use a torchmetrics metric."
         )
-    return f"{said}: {_per_replica(several, replicas)} {_once_on_root(_BATCH_HOOKS.get(hook, 'on_train_batch'))}"
-
-
-def _listed(items: list[str]) -> str:
-    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
-
-
-def _per_replica(several: bool, replicas: int) -> str:
-    it, them = ("they", "them") if several else ("it", "it")
-    return (
-        f"each replica changed {them} with its own shard, in no fixed order, so {it} changed {replicas} times in a "
-        f"step where one device changes {them} once."
-    )
-
-
-def _once_on_root(batch: str) -> str:
-    """The fix: once per step, on the root (for a DQN, where Lightning's example plays its environment)."""
     dqn = (
         " (Lightning's DQN example plays its environment in `training_step`: move that call to "
         "`on_train_batch_start`, before the step, as on one device)"
@@ -547,14 +441,15 @@ def _once_on_root(batch: str) -> str:
         else ""
     )
     return (
-        f"Do that work once per step, on the root: in `{batch}_start` or `{batch}_end`, which run once, with the "
-        f"whole batch{dqn}; or, for an environment and its replay buffer, in the data pipeline (an IterableDataset "
-        f"that plays the environment and yields batches from the buffer). Return per-step values from the step and "
-        f"collect them in `{batch}_end(outputs, ...)`."
+        f"{said}: each replica changed {them} with its own shard, in no fixed order, so {it} changed {replicas} times "
+        f"in a step where one device changes {them} once. Do that work once per step, on the root: in "
+        f"`{batch}_start` or `{batch}_end`, which run once, with the whole batch{dqn}; or, for an environment and its "
+        "replay buffer, in the data pipeline (an IterableDataset that plays the environment and yields batches from "
+        f"the buffer). Return per-step values from the step and collect them in `{batch}_end(outputs, ...)`."
     )
 
 
-# --- the first replicated steps -----------------------------------------------------------------------------------
+# --- the first replicated calls of each hook ------------------------------------------------------------------------
 _ON_ROOT = (
     "in `on_train_batch_end` / `on_validation_batch_end` (they run once, on the root, with the whole batch and the "
     "gathered outputs)"
@@ -572,19 +467,16 @@ class StepChecks:
         self._step_per_replica = step_per_replica
         self._announced = announced
         self._warn_once = warn_once
-        self._calls: dict[str, int] = {}  # replicated calls per hook
-        self._dicts: tuple[int, int, list[tuple[nn.Module, str, str]]] | None = None  # (root, builds, dict attributes)
+        self._calls: collections.Counter[str] = collections.Counter()  # replicated calls per hook
         self._before: tuple[Any, ...] | None = None
 
     def before(self, hook: str, module: nn.Module, root: Any, builds: int) -> bool:
-        """Snapshot what the call may change, if it is among the first two of ``hook``; whether it is."""
-        seen = self._calls.get(hook, 0)
-        self._calls[hook] = seen + 1
-        if seen >= 2:
+        """Snapshot what the call may change, if it is among the first two of ``hook``; whether it is. (``builds``,
+        the replicas' rebuilds, is not needed: the shared dicts are found again at each snapshot.)"""
+        self._calls[hook] += 1
+        if self._calls[hook] > 2:
             return False
-        if self._dicts is None or self._dicts[:2] != (id(root), builds):  # found again after a structural change
-            self._dicts = (id(root), builds, _dict_attributes(root))
-        dicts = self._dicts[2]
+        dicts = _dict_attributes(root)
         self._before = (module, root, HeldObjects(module), dicts, _dict_entries(dicts), _scheduler_steps(root))
         return True
 
@@ -597,53 +489,36 @@ class StepChecks:
         (module, root, held, dicts, entries, steps), self._before = self._before, None
         count = len(others) + 1
         _check_scheduler_steps(root, hook, steps, count, manual)
-        self._say_held(module, held, count, hook if self._step_per_replica else "forward")
-        self._say_rebound(module, kept, others)
-        self._say_shared_entries(root, dicts, entries, interleaved)
-
-    def _say_held(self, module: nn.Module, held: HeldObjects, count: int, hook: str) -> None:
-        changes = [c for c in held.changes() if c.key not in self._announced]
-        if changes:
-            self._warn_once(changes[0].key, held_objects_message(type(module).__name__, changes, count, hook))
+        if changes := [c for c in held.changes() if c.key not in self._announced]:
+            owner, said = type(module).__name__, hook if self._step_per_replica else "forward"
+            self._warn_once(changes[0].key, held_objects_message(owner, changes, count, said))
             self._announced.update(c.key for c in changes)
-
-    def _say_rebound(self, module: nn.Module, kept: dict[str, Any], others: Sequence[dict[str, Any]]) -> None:
         for name, value in kept.items():
-            if all(name in other and _alike(value, other[name]) for other in others):
-                continue
-            self._warn_once(
-                f"rebound:{name}",
-                f"`{type(module).__name__}.{name}` was rebound during a step that ran on {len(others) + 1} replicas "
-                "to values that differ between the replicas (each computed from its shard): the module keeps replica "
-                f"0's, where one device keeps the whole batch's. Compute it {_ON_ROOT}, keep it in a torchmetrics "
-                "metric or log it.",
-            )
-
-    def _say_shared_entries(
-        self,
-        root: nn.Module,
-        places: Sequence[tuple[nn.Module, str, str]],
-        before: dict[tuple[str, Any], Any],
-        interleaved: bool,
-    ) -> None:
-        """Once per dict that the module and every replica share, in which the replicated call wrote tensors (a
-        forward hook's feature maps, a step's outputs by index): one replica's entry is what remains."""
-        written = [path for (path, key), value in _dict_entries(places).items() if before.get((path, key)) is not value]
+            if not all(name in other and _alike(value, other[name]) for other in others):
+                self._warn_once(
+                    f"rebound:{name}",
+                    f"`{type(module).__name__}.{name}` was rebound during a step that ran on {count} replicas to "
+                    "values that differ between the replicas (each computed from its shard): the module keeps replica "
+                    f"0's, where one device keeps the whole batch's. Compute it {_ON_ROOT}, keep it in a torchmetrics "
+                    "metric or log it.",
+                )
+        # A dict the module and every replica share, into which the call wrote tensors (a forward hook's feature
+        # maps, a step's outputs by index): one replica's entry is what remains.
+        written = [path for (path, key), value in _dict_entries(dicts).items() if entries.get((path, key)) is not value]
         for path in dict.fromkeys(written):
-            consequence, fix = _shared_entries_advice(self._step_per_replica, interleaved)
             self._warn_once(
                 f"entries:{path}",
                 f"`{type(root).__name__}.{path}` got tensors during a call that ran on several replicas, which share "
-                f"that dict: {consequence}. {fix}.",
+                f"that dict: {_shared_entries_advice(self._step_per_replica, interleaved)}.",
             )
 
 
-def _shared_entries_advice(step_per_replica: bool, interleaved: bool) -> tuple[str, str]:
+def _shared_entries_advice(step_per_replica: bool, interleaved: bool) -> str:
     """What a write into a dict the replicas share leaves, and how to keep such values as one device does."""
     if not step_per_replica:
         return (
-            "the step reads the last replica's entries: one shard's, not the whole batch's",
-            "Return them from `forward`: dp gathers its outputs over the devices",
+            "the step reads the last replica's entries: one shard's, not the whole batch's. Return them from "
+            "`forward`: dp gathers its outputs over the devices"
         )
     consequence = (
         "the replicas ran interleaved (they hand over at SyncBatchNorm layers or collectives), so a replica may have "
@@ -651,15 +526,14 @@ def _shared_entries_advice(step_per_replica: bool, interleaved: bool) -> tuple[s
         if interleaved
         else "after the step it holds the last replica's entries (one shard's, where they are computed from the shard)"
     )
-    fix = (
-        "Keep such values per replica: from a forward hook, set them on the hooked module, the hook's first argument "
-        "(`lambda module, args, output: setattr(module, 'features', output)`, read as `self.<layer>.features`), or "
-        f"return them from `forward`; step outputs: return them and collect them {_ON_ROOT}. A cache of values alike "
-        "on every replica (a memo of positions) is unaffected on one device's virtual replicas, but on distinct GPUs "
-        "an entry may lie on another replica's device: key it by device, or hold it as a buffer "
-        "(`register_buffer(..., persistent=False)`)"
+    return (
+        f"{consequence}. Keep such values per replica: from a forward hook, set them on the hooked module, the hook's "
+        "first argument (`lambda module, args, output: setattr(module, 'features', output)`, read as "
+        "`self.<layer>.features`), or return them from `forward`; step outputs: return them and collect them "
+        f"{_ON_ROOT}. A cache of values alike on every replica (a memo of positions) is unaffected on one device's "
+        "virtual replicas, but on distinct GPUs an entry may lie on another replica's device: key it by device, or "
+        "hold it as a buffer (`register_buffer(..., persistent=False)`)"
     )
-    return consequence, fix
 
 
 def _dict_attributes(module: nn.Module) -> list[tuple[nn.Module, str, str]]:
@@ -674,17 +548,15 @@ def _dict_attributes(module: nn.Module) -> list[tuple[nn.Module, str, str]]:
 
 
 def _dict_entries(places: Sequence[tuple[nn.Module, str, str]]) -> dict[tuple[str, Any], Any]:
-    """The values that hold tensors (a tensor, or a tuple or list that starts with one, as an LSTM's output) in the
-    dicts at ``places``, by (qualified name, key)."""
-    entries = {}
-    for module, name, path in places:
-        held = vars(module).get(name) or {}
-        if len(held) > ENTRIES_READ:  # a vocabulary or a cache: not a forward hook's few feature maps
-            continue
-        for key, value in held.items():
-            if _holds_tensors(value):
-                entries[(path, key)] = value
-    return entries
+    """The values that hold tensors in the dicts at ``places``, by (qualified name, key); a dict of more than
+    :data:`ENTRIES_READ` entries (a vocabulary, a cache, not a forward hook's few feature maps) is not read."""
+    return {
+        (path, key): value
+        for module, name, path in places
+        if len(held := vars(module).get(name) or {}) <= ENTRIES_READ
+        for key, value in held.items()
+        if _holds_tensors(value)
+    }
 
 
 def _scheduler_steps(root: Any) -> list[tuple[str, Any]]:
@@ -707,12 +579,12 @@ def _check_scheduler_steps(root: Any, hook: str, before: list[tuple[str, Any]], 
     ]
     if moved:
         (name, first), (_, last) = moved[0]
-        batch_end = _BATCH_HOOKS.get(hook, "on_train_batch") + "_end"
         raise RuntimeError(
             f"`{hook}` stepped the learning-rate scheduler {name} on each of the {count} replicas (its last_epoch went "
             f"from {first} to {last} in one step): it advanced {count} times where one device advances it once. Step "
-            f"it once per step, on the root: in `{batch_end}`, or let Lightning step it (configure_optimizers "
-            "returning {'optimizer': ..., 'lr_scheduler': {'scheduler': ..., 'interval': 'step'}})."
+            f"it once per step, on the root: in `{_BATCH_HOOKS.get(hook, 'on_train_batch')}_end`, or let Lightning "
+            "step it (configure_optimizers returning {'optimizer': ..., 'lr_scheduler': {'scheduler': ..., "
+            "'interval': 'step'}})."
         )
 
 

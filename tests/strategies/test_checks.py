@@ -537,7 +537,7 @@ def test_only_the_users_objects_are_watched():
 
 
 def test_the_message_for_lists_keeps_the_collect_on_the_root_fix():
-    change = checks.HeldChange("_losses", "list", "4 entries more", "grew", True)
+    change = checks.HeldChange("_losses", "list", "4 entries more", True)
     message = held_objects_message("KeepsOutputs", [change], 2, "validation_step")
     assert message.startswith("`KeepsOutputs._losses` grew during a step that ran on 2 replicas (`_losses` (list): ")
     assert "it holds one entry per device per step (each of its shard)" in message
