@@ -1,12 +1,6 @@
-"""Checks of user code that make a run on replicas differ from one device, said once, never around every step.
-
-* At set-up, read from the bytecode of the user's classes (nothing run, no source file needed): code that gathers
-  through ``torch.distributed`` (:func:`distributed_gathers`: in one process it gathers nothing, so each replica
-  computes on its own shard), ``torchmetrics.functional`` metrics logged from a step, Lightning's collectives.
-* Around the first two replicated calls of each hook (:class:`StepChecks`): what the call did to the module's state
-  that one device would not (objects it holds changed once per replica, tensors written into dicts the replicas share,
-  schedulers stepped per replica, attributes rebound to values that differ between the replicas).
-"""
+"""Checks of user code that make a run on replicas differ from one device, said once, never around every step: at
+set-up, read from the bytecode of the user's classes (nothing run), ``torch.distributed`` gathers, ``torchmetrics``
+functional metrics and Lightning's collectives; on the first two replicated calls of each hook, :class:`StepChecks`."""
 
 from __future__ import annotations
 
@@ -27,8 +21,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim.lr_scheduler import LRScheduler
 
-# Packages whose code is not read and whose objects are not watched: they gather nothing through torch.distributed in
-# a step, and their objects (configs, loggers, metrics) are not what a step changes by mistake.
+# Packages whose code is not read and whose objects (configs, loggers, metrics) are not watched.
 _LIBRARIES = frozenset(
     {"torch", "lightning", "pytorch_lightning", "lightning_fabric", "torchmetrics", "lightning_mgpu", "numpy"}
     | {"typing_extensions", "transformers", "omegaconf", "hydra", "jsonargparse", "yaml"}
@@ -53,13 +46,11 @@ def _unwrap(value: Any) -> Any:
 
 
 def _functions(cls: type, names: Sequence[str] | None = None) -> Iterator[tuple[type, types.FunctionType]]:
-    """The functions (those of ``names``, or all) that the user's classes in ``cls``'s MRO define, with their class."""
+    """The functions (those of ``names``, or all) that the user's classes in ``cls``'s MRO define."""
     for klass in cls.__mro__:
-        if not _is_library(klass):
-            for name in vars(klass) if names is None else names:
-                function = _unwrap(vars(klass).get(name))
-                if isinstance(function, types.FunctionType):
-                    yield klass, function
+        for name in () if _is_library(klass) else vars(klass) if names is None else names:
+            if isinstance(function := _unwrap(vars(klass).get(name)), types.FunctionType):
+                yield klass, function
 
 
 # --- reading the user's code ----------------------------------------------------------------------------------------
@@ -89,22 +80,17 @@ def _chains(code: types.CodeType) -> Iterator[tuple[str, list[str]]]:
 
 
 def _loaded(function: types.FunctionType, owner: type | None) -> Iterator[Any]:
-    """The objects the dotted names in ``function`` stand for, looked up statically (no property or ``__getattr__``
-    runs). A name starts at a global, a closure variable or a local: ``self``/``cls`` stands for the ``owner`` class
-    (not itself yielded), another local for the global or module of its name (``import torch.distributed.nn`` in a
-    function binds ``torch``)."""
-    code = function.__code__
-    cells = dict(zip(code.co_freevars, function.__closure__ or (), strict=False))
+    """The objects the dotted names in ``function`` stand for, looked up statically (nothing runs): ``self``/``cls``
+    stands for ``owner`` (not yielded), another local for the global or module of its name (a local ``import``)."""
+    code, cells = function.__code__, {}
+    for name, cell in zip(code.co_freevars, function.__closure__ or (), strict=False):
+        with contextlib.suppress(ValueError):  # an empty cell
+            cells[name] = cell.cell_contents
+    scope = collections.ChainMap(cells, function.__globals__, sys.modules)
     for opname, names in _chains(code):
         local = opname.startswith("LOAD_FAST")
-        if local and names[0] in ("self", "cls") and code.co_varnames[:1] == (names[0],):
-            obj = owner if owner is not None else _MISSING
-        elif opname in ("LOAD_DEREF", "LOAD_CLASSDEREF"):
-            obj = _MISSING
-            with contextlib.suppress(KeyError, ValueError):  # not a closure variable of this function; an empty cell
-                obj = cells[names[0]].cell_contents
-        else:
-            obj = function.__globals__.get(names[0], sys.modules.get(names[0], _MISSING))
+        is_self = local and names[0] in ("self", "cls") and code.co_varnames[:1] == (names[0],)
+        obj = (owner or _MISSING) if is_self else scope.get(names[0], _MISSING)
         for step, name in enumerate(names):
             obj = _unwrap(inspect.getattr_static(obj, name, _MISSING) if step else obj)
             if obj is _MISSING:
@@ -114,8 +100,7 @@ def _loaded(function: types.FunctionType, owner: type | None) -> Iterator[Any]:
 
 
 def _route(target: Any, owner: type | None, depth: int, seen: set[int], wanted: Wanted) -> list[str] | None:
-    """The names from ``target`` (a function, or a class whose functions are read) to a call that ``wanted`` names,
-    ending with that name; ``None`` when none is found within ``depth`` calls."""
+    """The names from ``target`` (a function, or a class whose functions are read) to a call ``wanted`` names."""
     if depth == 0 or id(target) in seen:
         return None
     seen.add(id(target))
@@ -135,48 +120,40 @@ def _route(target: Any, owner: type | None, depth: int, seen: set[int], wanted: 
 @functools.cache
 def _code_finding(cls: type, entries: tuple[str, ...], wanted: Wanted) -> str | None:
     """``"(MoCo) calls torch.distributed.all_gather through MoCo.training_step -> concat_all_gather"``, or ``None``:
-    a call that ``wanted`` names in the ``entries`` methods of ``cls`` and of its user-defined bases (which ``super()``
-    reaches), or in what they call. Read once per class."""
+    a call ``wanted`` names in the ``entries`` methods of ``cls`` and its user-defined bases, or what they call."""
     for _, function in _functions(cls, entries):
-        route = _route(function, cls, _MAX_DEPTH, set(), wanted)
-        if route is not None:
+        if (route := _route(function, cls, _MAX_DEPTH, set(), wanted)) is not None:
             *through, call = [function.__qualname__, *route]
             return f"({cls.__name__}) calls {call} through {' -> '.join(through)}"
     return None
 
 
-# torch.distributed calls whose result depends on the other ranks' values (a broadcast or a barrier in one process
-# changes nothing one device would not do).
+# torch.distributed calls whose result depends on the other ranks' values (not a broadcast or a barrier).
 _GATHERS = frozenset(
-    {"all_gather", "all_gather_into_tensor", "_all_gather_base", "all_gather_object", "all_gather_tensor"}
-    | {"gather", "gather_object", "all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor"}
-    | {"all_to_all", "all_to_all_single"}
+    {"all_gather", "all_gather_into_tensor", "_all_gather_base", "all_gather_object", "all_gather_tensor", "gather"}
+    | {"gather_object", "all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor", "all_to_all"}
+    | {"all_to_all_single"}
 )
 _FLAG = re.compile(r"gather.*dist|dist.*gather", re.IGNORECASE)  # gather_distributed (lightly), distributed_gather...
 _STEP_ENTRIES = ("training_step", "validation_step", "test_step", "predict_step", "forward")
+_LIGHTNING_COLLECTIVES = frozenset(("all_gather", "reduce_boolean_decision", "barrier", "broadcast"))
 
 
-def _gather(obj: Any) -> str | None:
-    """``"torch.distributed.all_gather"`` for a ``torch.distributed`` collective, else ``None``."""
-    module = getattr(obj, "__module__", None) or ""
-    if callable(obj) and module.startswith("torch.distributed") and getattr(obj, "__name__", "") in _GATHERS:
-        return f"torch.distributed{'.nn' if module.startswith('torch.distributed.nn') else ''}.{obj.__name__}"
-    return None
+def _library_call(prefixes: tuple[str, ...], names: frozenset[str] | None, obj: Any) -> str | None:
+    """``"torch.distributed.all_gather"`` for a function of a module under ``prefixes`` (of ``names`` if given)."""
+    module, name = getattr(obj, "__module__", None) or "", getattr(obj, "__name__", "")
+    prefix = next((p for p in prefixes if module.startswith(p)), None)
+    return f"{prefix}.{name}" if prefix and callable(obj) and (names is None or name in names) else None
 
 
-def _functional_metric(obj: Any) -> str | None:
-    """``"torchmetrics.functional.f1_score"`` for a function of ``torchmetrics.functional``, else ``None``."""
-    module = getattr(obj, "__module__", None) or ""
-    if isinstance(obj, types.FunctionType) and module.startswith("torchmetrics.functional"):
-        return f"torchmetrics.functional.{obj.__name__}"
-    return None
+_gather = functools.partial(_library_call, ("torch.distributed.nn", "torch.distributed"), _GATHERS)
+_functional_metric = functools.partial(_library_call, ("torchmetrics.functional",), None)
 
 
 def distributed_gathers(module: nn.Module) -> list[str]:
-    """What in ``module`` gathers through ``torch.distributed``, one "where and what" line per finding: a submodule
-    with a ``gather_distributed``-style flag set, or a user class whose step or ``forward`` calls a collective
-    (directly, or through helpers and autograd Functions). A submodule whose flag is off is not read: its code gathers
-    only when the flag is on."""
+    """What in ``module`` gathers through ``torch.distributed``, one line per finding: a submodule with a
+    ``gather_distributed``-style flag set (one whose flag is off is not read), or a user class whose step or
+    ``forward`` calls a collective, directly or through helpers and autograd Functions."""
     found: dict[str, list[str]] = {}  # what -> the paths of the modules that do it
     for path, sub in module.named_modules():
         flags = {name: value for name, value in vars(sub).items() if isinstance(value, bool) and _FLAG.search(name)}
@@ -195,18 +172,16 @@ def distributed_gathers(module: nn.Module) -> list[str]:
 
 
 def distributed_gather_message(strategy_name: str, findings: Sequence[str]) -> str:
-    """The warning for :func:`distributed_gathers`' findings, with fixes that equal one device: gather through the
-    strategy's collective (it meets across the replicas of the step), or ``dp``."""
+    """The warning for :func:`distributed_gathers`' findings, with the fixes that equal one device."""
     return (
         f"{strategy_name}: {'; '.join(findings)}. torch.distributed gathers nothing here: the strategy runs one "
         "process (torch.distributed is not initialized, world size 1), so that code computes each device's result on "
-        "its own shard, unlike one device on the whole batch (and unlike DDP, where it gathers across the ranks). For "
-        "one device's result, gather through the strategy: `z = self.all_gather(z, sync_grads=True)` in the step "
-        "meets across the replicas and returns the whole batch (on one device it is an identity; under DDP it returns "
-        "(world_size, B, ...): `.flatten(0, 1)` when `self.trainer.world_size > 1`), then compute the loss on it with "
-        "the loss's own gathering off (`gather_distributed=False`) or without the torch.distributed call; or use "
-        "strategy='dp', where the step runs once on the whole batch (BatchNorm synchronised), so the loss as written "
-        "equals one device."
+        "its own shard, unlike one device on the whole batch (or DDP, which gathers across the ranks). For one "
+        "device's result, gather through the strategy: `z = self.all_gather(z, sync_grads=True)` in the step returns "
+        "the whole batch (an identity on one device; under DDP, `.flatten(0, 1)` its (world_size, B, ...) when "
+        "`self.trainer.world_size > 1`), then compute the loss on it without the torch.distributed call "
+        "(`gather_distributed=False`); or use strategy='dp', where the step runs once on the whole batch, so the loss "
+        "as written equals one device."
     )
 
 
@@ -217,26 +192,21 @@ def functional_metrics(module: nn.Module) -> str | None:
 
 
 def functional_metric_message(strategy_name: str, finding: str) -> str:
-    """The notice for :func:`functional_metrics`' finding, with a fix that equals one device: the metric's object,
-    whose logged value the strategy computes from the replicas' combined states."""
+    """The notice for :func:`functional_metrics`' finding, with the fix that equals one device: the metric's object."""
     return (
-        f"{strategy_name}: {finding}. Each device computes it on its own shard, and a logged value of it merges as "
-        "a sample-weighted mean of the devices' values, which equals one device's only for a mean over samples (not "
-        "for F1, precision, recall, AUROC, a macro average). For one device's value, use the metric's object: "
-        "`self.f1 = torchmetrics.F1Score(...)` in `__init__`, then `self.log('f1', self.f1(preds, y))` or "
-        "`self.f1.update(preds, y); self.log('f1', self.f1)` in the step (its states are combined across the devices)."
+        f"{strategy_name}: {finding}. Each device computes it on its own shard, and its logged value is a "
+        "sample-weighted mean of the devices' values: one device's only for a mean over samples (not F1, precision, "
+        "recall, AUROC, a macro average). For one device's value, use the metric's object, whose states are combined "
+        "across the devices: `self.f1 = torchmetrics.F1Score(...)` in `__init__`, `self.log('f1', self.f1(preds, y))` "
+        "in the step."
     )
-
-
-_LIGHTNING_COLLECTIVES = frozenset({"all_gather", "reduce_boolean_decision", "barrier", "broadcast"})
 
 
 @functools.cache
 def lightning_collectives(cls: type) -> str | None:
-    """Where the module's own classes call Lightning's collectives (``self.all_gather``,
-    ``self.trainer.strategy.barrier``...), which make the replicas meet inside a step (so they run in threads):
-    ``"MoCo calls all_gather in the module's code"``. Read once per class from the names the calls go through (an
-    attribute of ``self.trainer`` cannot be looked up without running it); ``torch.distributed``'s are not Lightning's."""
+    """``"MoCo calls all_gather in the module's code"``: the module's classes call Lightning's collectives, which make
+    the replicas meet inside a step. Read from the names the calls go through (``self.trainer`` cannot be looked up
+    statically); ``torch.distributed``'s are not Lightning's."""
     for klass, function in _functions(cls):
         for _, (*through, last) in _chains(function.__code__):
             if "distributed" in through or "dist" in through:
@@ -251,18 +221,13 @@ _MODULE_REGISTRIES = frozenset(vars(nn.Module()))  # nn.Module's own dicts and s
 _PLAIN = (bool, int, float, complex, str, bytes, type(None))
 _CONTAINERS = (list, collections.deque, set, dict)
 _NOT_PLAIN = (nn.Module, Tensor, type, types.FunctionType, types.MethodType, types.ModuleType)
-
-ENTRIES_READ = 1024
-"""The most entries of a container the module holds that a check reads: a larger one (a vocabulary, a cache) is
-compared by its length alone, so that the first steps' checks stay cheap."""
+ENTRIES_READ = 1024  # the most entries of a dict read: a larger one (a vocabulary, a cache) is compared by its length
 
 
 @dataclass(frozen=True)
 class HeldChange:
-    """One object the module holds that a replicated step changed: its ``path`` from the module (``"buffer"``,
-    ``"agent.env"``, ``"outputs['loss']"``), its type's name, what changed, and whether it is a collection that grew
-    (entries per device: collect them on the root) rather than something changed in place (do that once per step, on
-    the root)."""
+    """An object the module holds that a replicated step changed: its path (``"outputs['loss']"``), type name, what
+    changed, and whether it is a collection that grew (collect on the root) or an object changed (act on the root)."""
 
     path: str
     kind: str
@@ -274,16 +239,13 @@ class HeldChange:
         return "grew" if self.collection else "changed"
 
     @property
-    def key(self) -> str:
-        """What is said once: the module's attribute (a dict's entries share their dict's key)."""
+    def key(self) -> str:  # said once per attribute of the module
         return f"held:{self.path.partition('[')[0]}"
 
 
 class HeldObjects:
-    """A snapshot of the plain Python objects that ``module`` and its user-defined submodules hold (not modules,
-    tensors, functions, classes or library objects): each collection's size, a dict's entries, an object's attributes.
-    Taken before a replicated step, :meth:`changes` after it says what the step changed: the replicas share these
-    objects with the module, so the step changed them once per replica. O(attributes): for the first steps only."""
+    """A snapshot of the plain Python objects ``module`` and its user-defined submodules hold, which every replica
+    shares: taken before a replicated step, :meth:`changes` says what the step changed (once per replica)."""
 
     def __init__(self, module: nn.Module) -> None:
         self._held = [(path, value, _state(value)) for path, value in _held(module)]
@@ -294,8 +256,7 @@ class HeldObjects:
 
 
 def _held(module: nn.Module) -> Iterator[tuple[str, Any]]:
-    """(path, value) of each watched attribute of ``module`` and its user-defined submodules: a container, or a plain
-    object of the user's."""
+    """(path, value) of the containers and the user's plain objects that ``module``'s user-defined modules hold."""
     skipped = _MODULE_REGISTRIES | _lightning_attributes(type(module))
     for prefix, sub in module.named_modules():
         for name, value in () if _is_library(type(sub)) else vars(sub).items():
@@ -309,54 +270,44 @@ def _held(module: nn.Module) -> Iterator[tuple[str, Any]]:
 
 @functools.cache
 def _lightning_attributes(cls: type) -> frozenset[str]:
-    """The attributes a bare LightningModule of ``cls``'s Lightning sets (``_trainer``...): Lightning's, not the user's."""
-    for klass in cls.__mro__:
-        if klass.__name__ == "LightningModule" and _is_library(klass):
-            return frozenset(vars(klass()))
-    return frozenset()
+    """The attributes a bare LightningModule sets (Lightning's, not the user's)."""
+    lightning = [k for k in cls.__mro__ if k.__name__ == "LightningModule" and _is_library(k)]
+    return frozenset(vars(lightning[0]()) if lightning else ())
 
 
 def _state(value: Any) -> Any:
-    """What :func:`_compare` compares: a collection's size; a dict's length, entries and their collections' sizes
-    (``None`` for a dict too large to read); an object's attributes and their collections' sizes."""
-    if isinstance(value, dict):
-        read = len(value) <= ENTRIES_READ
-        return len(value), dict(value) if read else {}, _sizes(value) if read else None
-    return _size(value) if isinstance(value, _CONTAINERS) else (dict(vars(value)), _sizes(vars(value)))
-
-
-def _sizes(mapping: dict[Any, Any]) -> dict[Any, tuple[int, Any]]:
-    return {key: _size(value) for key, value in mapping.items() if isinstance(value, _CONTAINERS)}
+    """A collection's size; a dict's length, entries and sizes (``None``: too large to read); an object's too."""
+    if isinstance(value, dict) and len(value) > ENTRIES_READ:
+        return len(value), {}, None
+    if isinstance(value, _CONTAINERS) and not isinstance(value, dict):
+        return _size(value)
+    mapping = dict(value if isinstance(value, dict) else vars(value))
+    sizes = {key: _size(entry) for key, entry in mapping.items() if isinstance(entry, _CONTAINERS)}
+    return (len(value), mapping, sizes) if isinstance(value, dict) else (mapping, sizes)
 
 
 def _size(value: Any) -> tuple[int, Any]:
-    """A collection's length and a sequence's last entry (a full deque appended to keeps its length), compared by
-    identity."""
+    """A collection's length and a sequence's last entry (a full deque appended to keeps its length)."""
     return len(value), value[-1] if isinstance(value, (list, collections.deque)) and value else _MISSING
 
 
 def _size_change(before: tuple[int, Any], after: tuple[int, Any]) -> str | None:
     """``"3 entries more"``, ``"2 entries fewer"``, ``"its last entry replaced"`` or ``None``."""
     if grown := after[0] - before[0]:
-        return f"{_entries(abs(grown))} {'more' if grown > 0 else 'fewer'}"
+        return f"{abs(grown)} {'entry' if abs(grown) == 1 else 'entries'} {'more' if grown > 0 else 'fewer'}"
     return "its last entry replaced" if after[1] is not before[1] else None
 
 
-def _entries(count: int) -> str:
-    return f"{count} {'entry' if count == 1 else 'entries'}"
-
-
 def _compare(path: str, value: Any, before: Any) -> list[HeldChange]:
-    """What changed in ``value`` since its :func:`_state` ``before``: a collection's size; an object's attributes
-    rebound, added or removed (a plain value rebound to an equal one does not count) and its collections' sizes."""
+    """What changed since :func:`_state`: a collection's size; an object's attributes (a plain value rebound to an
+    equal one does not count) and its collections' sizes."""
     kind = type(value).__name__
     if isinstance(value, dict):
         return _dict_changes(path, value, *before)
     if isinstance(value, _CONTAINERS):
         detail = _size_change(before, _size(value))
         return [] if detail is None else [HeldChange(path, kind, detail, detail.endswith("more"))]
-    attributes, sizes = before
-    current = vars(value)
+    (attributes, sizes), current = before, vars(value)
     names = dict.fromkeys([*attributes, *current])
     rebound = [n for n in names if not _same(attributes.get(n, _MISSING), current.get(n, _MISSING))]
     details = [f"its attribute{'s' if len(rebound) > 1 else ''} {', '.join(rebound)} changed"] if rebound else []
@@ -369,9 +320,8 @@ def _compare(path: str, value: Any, before: Any) -> list[HeldChange]:
 def _dict_changes(
     path: str, value: dict[Any, Any], length: int, entries: dict[Any, Any], sizes: Any
 ) -> list[HeldChange]:
-    """A dict's collections that changed (``outputs['loss']``); else the dict itself, where entries other than tensors
-    (a dict of tensors is the shared-entries check's) or flags (a library's warned-once dict) were added; and its
-    plain entries rebound (a counter, ``self.counts['steps'] += 1``)."""
+    """A dict's collections that changed (``outputs['loss']``); else entries added, not tensors (the shared-entries
+    check's) nor flags (a warned-once dict); and plain entries rebound (``self.counts['steps'] += 1``)."""
     changes = [
         HeldChange(f"{path}[{key!r}]", type(entry).__name__, detail, detail.endswith("more"))
         for key, entry in (value.items() if sizes is not None else ())  # only the dicts whose entries were read
@@ -379,14 +329,11 @@ def _dict_changes(
     ]
     new = list(itertools.islice(value.values(), length, length + ENTRIES_READ))
     if not changes and new and not any(_holds_tensors(v) or isinstance(v, (bool, type(None))) for v in new):
-        changes.append(HeldChange(path, type(value).__name__, f"{_entries(len(new))} more", True))
-    rebound = [
-        repr(key)
-        for key, old in entries.items()
-        if key in value and not _same(old, value[key]) and not isinstance(value[key], _CONTAINERS)
-        if not _holds_tensors(value[key])
+        changes.append(HeldChange(path, type(value).__name__, _size_change((0, None), (len(new), None)), True))
+    plain = [
+        k for k in entries if k in value and not isinstance(value[k], _CONTAINERS) and not _holds_tensors(value[k])
     ]
-    if rebound:
+    if rebound := [repr(k) for k in plain if not _same(entries[k], value[k])]:
         detail = f"its entr{'ies' if len(rebound) > 1 else 'y'} {', '.join(rebound)} changed"
         changes.append(HeldChange(path, type(value).__name__, detail, False))
     return changes
@@ -401,25 +348,19 @@ def _same(old: Any, new: Any) -> bool:
     return old is new or (type(old) is type(new) and type(new) in _PLAIN and old == new)
 
 
-_BATCH_HOOKS = {
-    "training_step": "on_train_batch",
-    "validation_step": "on_validation_batch",
-    "test_step": "on_test_batch",
-    "predict_step": "on_predict_batch",
-}
+_BATCH_HOOKS = {"training_step": "on_train_batch", "validation_step": "on_validation_batch"}
+_BATCH_HOOKS.update(test_step="on_test_batch", predict_step="on_predict_batch")
 
 
 def held_objects_message(owner: str, changes: Sequence[HeldChange], replicas: int, hook: str = "training_step") -> str:
-    """The warning for :meth:`HeldObjects.changes` after a call of ``hook`` on ``replicas`` replicas of a module of
-    class ``owner``. Collections grown alone: collect step outputs on the root; objects changed: do that work once per
-    step on the root (a batch hook, or the data pipeline for an environment); under dp (``hook="forward"``): move it
-    from ``forward`` into the step, which runs once there."""
+    """The warning for :meth:`HeldObjects.changes` after ``hook`` ran on ``replicas`` replicas of an ``owner``; under dp
+    ``hook="forward"`` (the step runs once there)."""
     heads = {c.key: c for c in reversed(changes)}  # one per attribute: a dict's first entry that changed
     named = [f"`{owner}.{c.path}` {c.verb}" for c in reversed(heads.values())]
     listed = named[0] if len(named) == 1 else f"{', '.join(named[:-1])} and {named[-1]}"
     what = "; ".join(f"`{c.path}` ({c.kind}): {c.detail}" for c in changes)
     said = f"{listed} during a step that ran on {replicas} replicas ({what})"
-    it, them = ("they", "them") if len(changes) > 1 else ("it", "it")
+    it, them, holds = ("they", "them", "they hold") if len(changes) > 1 else ("it", "it", "it holds")
     batch = _BATCH_HOOKS.get(hook, "on_train_batch")
     if hook == "forward":
         return (
@@ -429,39 +370,34 @@ def held_objects_message(owner: str, changes: Sequence[HeldChange], replicas: in
         )
     if all(c.collection for c in changes):
         return (
-            f"{said}: {it} {'hold' if len(changes) > 1 else 'holds'} one entry per device per step (each of its shard), "
-            f"so a per-step value computed from {them} (a mean of the step losses, a count) differs from one device's, "
-            f"while per-sample values concatenated in order do not. Collect step outputs in `{batch}_end(outputs, "
-            "...)`, which runs once, on the root, with the gathered outputs, or use a torchmetrics metric."
+            f"{said}: {holds} one entry per device per step (each of its shard), so a per-step value computed from "
+            f"{them} (a mean of the step losses, a count) differs from one device's; per-sample values concatenated "
+            f"in order do not. Collect step outputs in `{batch}_end(outputs, ...)`, which runs once, on the root, with "
+            "the gathered outputs, or use a torchmetrics metric."
         )
     dqn = (
-        " (Lightning's DQN example plays its environment in `training_step`: move that call to "
-        "`on_train_batch_start`, before the step, as on one device)"
-        if batch == "on_train_batch"
-        else ""
+        " (Lightning's DQN example plays its environment in `training_step`: move that call to `on_train_batch_start`)"
     )
     return (
         f"{said}: each replica changed {them} with its own shard, in no fixed order, so {it} changed {replicas} times "
-        f"in a step where one device changes {them} once. Do that work once per step, on the root: in "
-        f"`{batch}_start` or `{batch}_end`, which run once, with the whole batch{dqn}; or, for an environment and its "
-        "replay buffer, in the data pipeline (an IterableDataset that plays the environment and yields batches from "
-        f"the buffer). Return per-step values from the step and collect them in `{batch}_end(outputs, ...)`."
+        f"in a step where one device changes {them} once. Do that work once per step, on the root: in `{batch}_start` "
+        f"or `{batch}_end`, which run once, with the whole batch{dqn if batch == 'on_train_batch' else ''}; or, for an "
+        "environment and its replay buffer, in the data pipeline (an IterableDataset that plays the environment and "
+        f"yields batches from the buffer). Return per-step values from the step and collect them in `{batch}_end`."
     )
 
 
 # --- the first replicated calls of each hook ------------------------------------------------------------------------
 _ON_ROOT = (
-    "in `on_train_batch_end` / `on_validation_batch_end` (they run once, on the root, with the whole batch and the "
-    "gathered outputs)"
+    "in `on_train_batch_end` / `on_validation_batch_end` (once, on the root, with the batch and gathered outputs)"
 )
 
 
 class StepChecks:
-    """Around the first two replicated calls of each hook (:meth:`before` / :meth:`after`), what the call did to the
-    module's state that one device would not: Python objects it holds changed once per replica, tensors written into
-    dicts every replica shares, learning-rate schedulers stepped once per replica (an error), attributes rebound to
-    values that differ between replicas. Each said once (``warn_once(key, message)``, keys in ``announced``).
-    ``step_per_replica``: the step itself runs per replica (``parallel_criterion``), not only ``forward`` (``dp``)."""
+    """Around the first two replicated calls of each hook (:meth:`before` / :meth:`after`), what the call did that one
+    device would not: objects the module holds changed per replica, tensors written into dicts the replicas share,
+    schedulers stepped per replica (an error), attributes rebound to values that differ between the replicas. Each
+    said once (keys in ``announced``). ``step_per_replica``: the step runs per replica, not only ``forward`` (dp)."""
 
     def __init__(self, step_per_replica: bool, announced: set[str], warn_once: Callable[[str, str], None]) -> None:
         self._step_per_replica = step_per_replica
@@ -471,20 +407,24 @@ class StepChecks:
         self._before: tuple[Any, ...] | None = None
 
     def before(self, hook: str, module: nn.Module, root: Any, builds: int) -> bool:
-        """Snapshot what the call may change, if it is among the first two of ``hook``; whether it is. (``builds``,
-        the replicas' rebuilds, is not needed: the shared dicts are found again at each snapshot.)"""
+        """Snapshot what the call may change, if it is among the first two of ``hook``; whether it is (``builds`` is
+        not needed: the shared dicts are found again at each snapshot)."""
         self._calls[hook] += 1
         if self._calls[hook] > 2:
             return False
-        dicts = _dict_attributes(root)
+        dicts = [  # the dicts every replica shares with the root (not nn.Module's registries)
+            (m, name, f"{prefix}.{name}" if prefix else name)
+            for prefix, m in root.named_modules()
+            for name, value in vars(m).items()
+            if isinstance(value, dict) and name not in _MODULE_REGISTRIES
+        ]
         self._before = (module, root, HeldObjects(module), dicts, _dict_entries(dicts), _scheduler_steps(root))
         return True
 
     def after(
         self, hook: str, kept: dict[str, Any], others: Sequence[dict[str, Any]], *, manual: bool, interleaved: bool
     ) -> None:
-        """Say what the call changed: ``kept`` are the attributes replica 0 rebound (the module keeps them),
-        ``others`` the other replicas'."""
+        """Say what the call changed: ``kept``, the attributes replica 0 rebound (the module's); ``others``, theirs."""
         assert self._before is not None, "after() without before()"
         (module, root, held, dicts, entries, steps), self._before = self._before, None
         count = len(others) + 1
@@ -502,8 +442,7 @@ class StepChecks:
                     f"0's, where one device keeps the whole batch's. Compute it {_ON_ROOT}, keep it in a torchmetrics "
                     "metric or log it.",
                 )
-        # A dict the module and every replica share, into which the call wrote tensors (a forward hook's feature
-        # maps, a step's outputs by index): one replica's entry is what remains.
+        # Tensors written into a dict every replica shares (a forward hook's feature maps): one replica's remain.
         written = [path for (path, key), value in _dict_entries(dicts).items() if entries.get((path, key)) is not value]
         for path in dict.fromkeys(written):
             self._warn_once(
@@ -516,10 +455,7 @@ class StepChecks:
 def _shared_entries_advice(step_per_replica: bool, interleaved: bool) -> str:
     """What a write into a dict the replicas share leaves, and how to keep such values as one device does."""
     if not step_per_replica:
-        return (
-            "the step reads the last replica's entries: one shard's, not the whole batch's. Return them from "
-            "`forward`: dp gathers its outputs over the devices"
-        )
+        return "the step reads the last replica's entries, one shard's. Return them from `forward`: dp gathers them"
     consequence = (
         "the replicas ran interleaved (they hand over at SyncBatchNorm layers or collectives), so a replica may have "
         "read another's entry, another shard's tensor, in its step"
@@ -527,29 +463,16 @@ def _shared_entries_advice(step_per_replica: bool, interleaved: bool) -> str:
         else "after the step it holds the last replica's entries (one shard's, where they are computed from the shard)"
     )
     return (
-        f"{consequence}. Keep such values per replica: from a forward hook, set them on the hooked module, the hook's "
-        "first argument (`lambda module, args, output: setattr(module, 'features', output)`, read as "
-        "`self.<layer>.features`), or return them from `forward`; step outputs: return them and collect them "
-        f"{_ON_ROOT}. A cache of values alike on every replica (a memo of positions) is unaffected on one device's "
-        "virtual replicas, but on distinct GPUs an entry may lie on another replica's device: key it by device, or "
-        "hold it as a buffer (`register_buffer(..., persistent=False)`)"
+        f"{consequence}. Keep such values per replica: from a forward hook, set them on the hooked module (`lambda "
+        "module, args, output: setattr(module, 'features', output)`, read as `self.<layer>.features`), or return them "
+        f"from `forward`; step outputs: return them and collect them {_ON_ROOT}. A cache of values alike on every "
+        "replica is unaffected on virtual devices, but on distinct GPUs may hold another replica's device: key it by "
+        "device, or hold it as a buffer (`register_buffer(..., persistent=False)`)"
     )
 
 
-def _dict_attributes(module: nn.Module) -> list[tuple[nn.Module, str, str]]:
-    """(module, attribute, qualified name) of each dict attribute of ``module`` and its submodules (not nn.Module's
-    registries): every replica shares these dicts with the module."""
-    return [
-        (m, name, f"{prefix}.{name}" if prefix else name)
-        for prefix, m in module.named_modules()
-        for name, value in vars(m).items()
-        if isinstance(value, dict) and name not in _MODULE_REGISTRIES
-    ]
-
-
 def _dict_entries(places: Sequence[tuple[nn.Module, str, str]]) -> dict[tuple[str, Any], Any]:
-    """The values that hold tensors in the dicts at ``places``, by (qualified name, key); a dict of more than
-    :data:`ENTRIES_READ` entries (a vocabulary, a cache, not a forward hook's few feature maps) is not read."""
+    """The values holding tensors in the dicts at ``places`` (not too large to read), by (path, key)."""
     return {
         (path, key): value
         for module, name, path in places
@@ -560,8 +483,7 @@ def _dict_entries(places: Sequence[tuple[nn.Module, str, str]]) -> dict[tuple[st
 
 
 def _scheduler_steps(root: Any) -> list[tuple[str, Any]]:
-    """Each learning-rate scheduler of the trainer or held by ``root``, by class name, with its ``last_epoch`` (how
-    often it stepped)."""
+    """(class name, ``last_epoch``) of each learning-rate scheduler of the trainer or held by ``root``."""
     configs = root.trainer.lr_scheduler_configs if getattr(root, "_trainer", None) is not None else []
     held = [value for value in vars(root).values() if isinstance(value, LRScheduler)]
     schedulers = {id(s): s for s in [*(c.scheduler for c in configs), *held]}.values()
@@ -569,32 +491,24 @@ def _scheduler_steps(root: Any) -> list[tuple[str, Any]]:
 
 
 def _check_scheduler_steps(root: Any, hook: str, before: list[tuple[str, Any]], count: int, manual: bool) -> None:
-    """Raise if a scheduler stepped during a call that ran on ``count`` > 1 replicas: once per replica. Under manual
-    optimization ``self.lr_schedulers()`` steps once (replica 0's), so only a move by a multiple of ``count`` (a
-    scheduler the module holds, stepped by every replica) is one."""
-    moved = [
-        (b, a)
-        for b, a in zip(before, _scheduler_steps(root), strict=False)
-        if b != a and not (manual and isinstance(a[1], int) and isinstance(b[1], int) and (a[1] - b[1]) % count)
-    ]
-    if moved:
-        (name, first), (_, last) = moved[0]
-        raise RuntimeError(
-            f"`{hook}` stepped the learning-rate scheduler {name} on each of the {count} replicas (its last_epoch went "
-            f"from {first} to {last} in one step): it advanced {count} times where one device advances it once. Step "
-            f"it once per step, on the root: in `{_BATCH_HOOKS.get(hook, 'on_train_batch')}_end`, or let Lightning "
-            "step it (configure_optimizers returning {'optimizer': ..., 'lr_scheduler': {'scheduler': ..., "
-            "'interval': 'step'}})."
-        )
+    """Raise if a scheduler stepped during a call on ``count`` replicas (under manual optimization
+    ``self.lr_schedulers()`` steps replica 0's only: a move by a multiple of ``count`` is one per replica)."""
+    for (name, first), (_, last) in zip(before, _scheduler_steps(root), strict=False):
+        counted = manual and isinstance(first, int) and isinstance(last, int) and (last - first) % count
+        if first != last and not counted:
+            raise RuntimeError(
+                f"`{hook}` stepped the learning-rate scheduler {name} on each of the {count} replicas (its last_epoch "
+                f"went from {first} to {last} in one step): it advanced {count} times where one device advances it "
+                f"once. Step it once per step, on the root: in `{_BATCH_HOOKS.get(hook, 'on_train_batch')}_end`, or "
+                "let Lightning step it (configure_optimizers returning {'optimizer': ..., 'lr_scheduler': "
+                "{'scheduler': ..., 'interval': 'step'}})."
+            )
 
 
 def _alike(a: Any, b: Any) -> bool:
-    """Whether two replicas' values of an attribute are the same value (equal tensors, or equal by ``==``)."""
-    if a is b:
-        return True
-    if isinstance(a, Tensor) or isinstance(b, Tensor):
+    """Whether two replicas' values are the same (equal tensors, or equal by ``==``)."""
+    if a is not b and (isinstance(a, Tensor) or isinstance(b, Tensor)):
         return isinstance(a, Tensor) and isinstance(b, Tensor) and a.shape == b.shape and bool(torch.equal(a, b.to(a)))
-    try:
-        return bool(a == b)
-    except Exception:
-        return False
+    with contextlib.suppress(Exception):
+        return a is b or bool(a == b)
+    return False
