@@ -3,7 +3,6 @@ tensor operations that does not grow with depth (``nn.DataParallel`` rebuilds it
 
 from __future__ import annotations
 
-import itertools
 import operator
 import threading
 import types
@@ -21,7 +20,7 @@ from torch.nn.utils.weight_norm import WeightNorm
 
 from lightning_mgpu.parallel.compiled import compiled_call, is_compiled, is_optimized_module, optimized_module_replica
 from lightning_mgpu.parallel.devices import DeviceLike, to_device
-from lightning_mgpu.parallel.flat_replicas import DtypeGroups, ReplicaBuffers, ReplicaParameters, Slot
+from lightning_mgpu.parallel.flat_replicas import ReplicaBuffers, ReplicaParameters, Slot
 from lightning_mgpu.parallel.run_replicas import ExecutionMode, resolve_mode
 from lightning_mgpu.parallel.scatter_gather import is_dataclass_instance, iter_nodes
 from lightning_mgpu.parallel.sync_batchnorm import SyncBatchNorm, uses_sync_batchnorm
@@ -452,19 +451,15 @@ class ReplicaSet:
         return kept
 
     def _link_parameters(self, n: int) -> None:
-        """The first ``n`` replicas' parameters for a one-off step: the trainable ones linked to the originals through
-        one autograd node, the others without a link (aliases on the root, copies elsewhere)."""
-        params, devices, grad = self._params, self.devices[:n], torch.is_grad_enabled()
-        tensors: list[list[Tensor | None]] = [[None] * len(params) for _ in range(n)]
-        for linked in (True, False):
-            indices = [j for j, p in enumerate(params) if (grad and p.requires_grad) == linked]
-            if indices:
-                with torch.set_grad_enabled(linked):
-                    outputs = _ReplicaParameters.apply(devices, self._root, *(params[j] for j in indices))
-                for k, (i, j) in enumerate(itertools.product(range(n), indices)):
-                    tensors[i][j] = outputs[k]
-        for i in range(n):
-            self._point(i, tensors[i])
+        """The first ``n`` replicas' parameters for a one-off step: the trainable ones linked to the originals by
+        autograd (views on the root's device, copies elsewhere), the others detached."""
+        grad = torch.is_grad_enabled()
+        for i, device in enumerate(self.devices[:n]):
+            tensors = []
+            for p in self._params:
+                t = p if grad and p.requires_grad else p.detach()
+                tensors.append(t.view_as(t) if t.device == device else t.to(device))
+            self._point(i, tensors)
         self._pointed[:n] = [False] * n  # back to their own leaves at the next prepare()
 
     def release(self) -> None:
@@ -512,46 +507,6 @@ class _Run:
 
     def stop(self) -> None:
         _forget(self._ref)
-
-
-class _ReplicaParameters(torch.autograd.Function):
-    """One node that hands every replica its parameters (``outputs[i * P + j]``: parameter ``j`` of replica ``i``),
-    copied from ``root`` (one coalesced broadcast on distinct GPUs), and sums their gradients back per device in
-    replica order, then over the devices, root first: deterministic, whatever order threads finished in."""
-
-    @staticmethod
-    def forward(ctx: Any, devices: list[torch.device], root: torch.device, *params: Tensor) -> tuple[Tensor, ...]:
-        ctx.devices, ctx.root, ctx.count = devices, root, len(params)
-        others = list(dict.fromkeys(d for d in devices if d != root))
-        if others and all(d.type == "cuda" for d in (root, *others)):  # distinct GPUs: torch's broadcast
-            broadcast = torch.cuda.comm.broadcast_coalesced(list(params), [root, *others])
-            copies = dict(zip(others, broadcast[1:], strict=True))
-        else:
-            copies = {d: [p.to(d, non_blocking=True) for p in params] for d in others}
-        # Aliases: autograd links them to this node.
-        return tuple(t.detach() for d in devices for t in (params if d == root else copies[d]))
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
-        # Autograd hands a zero tensor for an output that got no gradient: no None here. Out of place: incoming
-        # gradients may be shared.
-        count, root = ctx.count, ctx.root
-        sums: dict[torch.device, Sequence[Tensor]] = {}
-        for i, device in enumerate(ctx.devices):
-            replica = grads[i * count : (i + 1) * count]
-            sums[device] = torch._foreach_add(sums[device], replica) if device in sums else replica
-        total: Sequence[Tensor] | None = None
-        for device in sorted(sums, key=lambda d: d != root):  # stable: the root first, then device order
-            part = sums[device] if device == root else _to_device_coalesced(sums[device], root)
-            total = part if total is None else torch._foreach_add(total, part)
-        return (None, None, *(total or ()))
-
-
-def _to_device_coalesced(tensors: Sequence[Tensor], device: torch.device) -> list[Tensor]:
-    """``tensors`` moved to ``device`` with one transfer per dtype (flattened, then split back)."""
-    groups = DtypeGroups(tensors)
-    flats = {dtype: flat.to(device) for dtype, flat in groups.flatten().items()}
-    return [groups.view(flats, j) for j in range(len(tensors))]
 
 
 _UNWATCHED = (None,) * 8
