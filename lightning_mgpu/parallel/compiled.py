@@ -42,4 +42,3 @@ def compiled_call(original: nn.Module, replica: nn.Module) -> Callable[..., Any]
         "does not let its compile options be read back, so a replica cannot run the same compiled code on its own "
         "tensors. Compile with torch.compile(module) instead, train on one device, or use strategy='ddp'."
     )
-
