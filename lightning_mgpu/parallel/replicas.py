@@ -74,7 +74,7 @@ class ReplicaSet:
         shared: Callable[[nn.Module], bool] | None = None,
     ) -> None:
         self.module = module
-        self._shared = shared
+        self._shared = shared or _nothing_shared
         self.devices = [to_device(d) for d in devices]
         if not self.devices:
             raise ValueError("A ReplicaSet needs at least one device.")
@@ -125,9 +125,10 @@ class ReplicaSet:
             for k, c in enumerate(copies)
             if c is not originals[k]
         }
-        shared = self._shared
-        self._watch = [_watch_entry(m) if shared is None or not shared(m) else _UNWATCHED for m in originals]
-        self._flatten_watch()
+        # Per module its attribute, parameter, buffer and child dicts (none for a shared one: replicas hold it), and
+        # shallow copies of them: one ``==`` of the two lists tells whether anything changed.
+        self._live = [d for m in originals for d in (({},) * 4 if self._shared(m) else _watched_dicts(m))]
+        self._saved = [d.copy() for d in self._live]
         self.builds += 1
         if self._on_build is not None:
             self._on_build(self.replicas)
@@ -164,13 +165,8 @@ class ReplicaSet:
     def _module_copies(self) -> list[nn.Module]:
         """One replica's modules: shared ones as they are, shallow copies of the others, and ``torch.compile``
         wrappers built around their wrapped module's copy (innermost first)."""
-        shared = self._shared
         copies: list[Any] = [
-            m
-            if shared is not None and shared(m)
-            else None
-            if is_optimized_module(m)
-            else m._replicate_for_data_parallel()
+            m if self._shared(m) else None if is_optimized_module(m) else m._replicate_for_data_parallel()
             for m in self._originals
         ]
         for k in reversed(range(len(copies))):
@@ -182,11 +178,6 @@ class ReplicaSet:
     def _children(self, k: int, copies: Sequence[nn.Module]) -> dict[str, nn.Module | None]:
         position = self._position
         return {n: None if c is None else copies[position[id(c)]] for n, c in self._originals[k]._modules.items()}
-
-    def _flatten_watch(self) -> None:
-        """Every watched dict in one list, their copies in another: one ``==`` checks them all."""
-        self._live = [d for entry in self._watch if entry[0] is not None for d in entry[:4]]
-        self._saved = [d for entry in self._watch if entry[0] is not None for d in entry[4:]]
 
     @property
     def replicas(self) -> list[nn.Module]:
@@ -335,7 +326,7 @@ class ReplicaSet:
             if value is not None and old is not None:
                 value = value.to(old.device)
                 if value.shape == old.shape and value.dtype == old.dtype and self._buffers.replace(old, value):
-                    self._watch[k][6][name] = value  # the saved copy of its buffer dict
+                    self._saved[4 * k + 2][name] = value  # the saved copy of its buffer dict
             buffers[name] = value
         for i in sorted({i for i, _, _ in rebound}):
             self._buffers.restore(i)
@@ -396,9 +387,9 @@ class ReplicaSet:
         replica. One ``==`` of every watched dict against its copy settles the common case (no change)."""
         if _same(self._live, self._saved):
             return
-        for k, (attrs, params, buffers, children, *saved) in enumerate(self._watch):
-            if attrs is None:  # a shared submodule: every replica holds the original
-                continue
+        for k in range(len(self._originals)):
+            attrs, params, buffers, children = self._live[4 * k : 4 * k + 4]
+            saved = self._saved[4 * k : 4 * k + 4]
             same_structure = _same(params, saved[1]) and _same(buffers, saved[2]) and _same(children, saved[3])
             if same_structure and _same(attrs, saved[0]):
                 continue
@@ -425,8 +416,7 @@ class ReplicaSet:
             replica_dict.update(self._for_replica(changed, copies))
             for key in removed:
                 replica_dict.pop(key, None)
-        self._watch[k] = _watch_entry(self._originals[k])
-        self._flatten_watch()
+        self._saved[4 * k : 4 * k + 4] = [d.copy() for d in self._live[4 * k : 4 * k + 4]]
 
     def _for_replica(self, attributes: dict[str, Any], copies: Sequence[nn.Module]) -> dict[str, Any]:
         """``attributes`` for the replica whose modules are ``copies``: :class:`OriginalOnly` values replaced by what
@@ -490,7 +480,6 @@ class _Run:
             _drop_hook()
 
 
-_UNWATCHED = (None,) * 8
 _MISSING = object()
 
 
@@ -522,7 +511,11 @@ def _differentiable(outputs: Any, depth: int = 3) -> Iterator[Tensor]:
             yield from _differentiable(vars(node), depth - 1)
 
 
-def _walk(module: nn.Module, shared: Callable[[nn.Module], bool] | None = None) -> list[nn.Module]:
+def _nothing_shared(module: nn.Module) -> bool:
+    return False
+
+
+def _walk(module: nn.Module, shared: Callable[[nn.Module], bool]) -> list[nn.Module]:
     """Every distinct module of the tree, parents before children, without entering a ``shared`` module's subtree."""
     seen: set[int] = set()
     order: list[nn.Module] = []
@@ -533,7 +526,7 @@ def _walk(module: nn.Module, shared: Callable[[nn.Module], bool] | None = None) 
             continue
         seen.add(id(current))
         order.append(current)
-        if shared is None or current is module or not shared(current):
+        if current is module or not shared(current):
             stack.extend(child for child in reversed(current._modules.values()) if child is not None)
     return order
 
@@ -555,10 +548,8 @@ def _unique(tensors: Iterable[Tensor]) -> list[Tensor]:
     return list({id(t): t for t in tensors}.values())  # first-seen order
 
 
-def _watch_entry(module: nn.Module) -> tuple[dict[str, Any], ...]:
-    """A module's attribute, parameter, buffer and child dicts, then shallow copies of them."""
-    live = (module.__dict__, module._parameters, module._buffers, module._modules)
-    return (*live, *(d.copy() for d in live))
+def _watched_dicts(module: nn.Module) -> tuple[dict[str, Any], ...]:
+    return (module.__dict__, module._parameters, module._buffers, module._modules)
 
 
 def _same(current: Any, saved: Any) -> bool:
