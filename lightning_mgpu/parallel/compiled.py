@@ -5,7 +5,7 @@ run compiled replicas one after another."""
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -42,8 +42,3 @@ def compiled_call(original: nn.Module, replica: nn.Module) -> Callable[..., Any]
         "does not let its compile options be read back, so a replica cannot run the same compiled code on its own "
         "tensors. Compile with torch.compile(module) instead, train on one device, or use strategy='ddp'."
     )
-
-
-def optimized_module_replica(original: nn.Module, children: Mapping[str, nn.Module | None]) -> nn.Module:
-    """A new ``OptimizedModule`` with the original's compile context around the replica of the wrapped module."""
-    return type(original)(children["_orig_mod"], original.dynamo_ctx)

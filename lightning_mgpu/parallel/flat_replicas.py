@@ -20,23 +20,15 @@ _tensor_hooks = operator.attrgetter("_backward_hooks")
 _post_accumulate_hooks = operator.attrgetter("_post_accumulate_grad_hooks")
 _data_ptr = Tensor.data_ptr
 Slot = tuple[dict[str, Any], str, int]  # (a replica module's _parameters or _buffers, name, index of the original)
-
-
-def _count_in_two_lists() -> int:
-    """What ``sys.getrefcount`` says, through ``map``, of an object held by two lists only (interpreters differ in
-    whether the call's own reference counts): a root view's count when only ``_root_views`` and ``_train_views`` hold
-    it."""
-    first = [object()]
-    second = list(first)
-    return next(map(sys.getrefcount, second))
-
-
-_OWN_REFERENCES = _count_in_two_lists()
+# What sys.getrefcount says, through map, of an object two lists alone hold (a root view held by _root_views and
+# _train_views only); interpreters differ in whether the call's own reference counts.
+_probe = [object()]
+_OWN_REFERENCES = next(map(sys.getrefcount, list(_probe)))
+del _probe
 
 
 def _storage_uses(tensor: Tensor) -> int:
-    """How many tensors hold ``tensor``'s storage (torch's own check, private API: its CUDA graph trees use it to
-    know whether an output's memory is still referenced)."""
+    """How many tensors hold ``tensor``'s storage (torch's own check, private API: its CUDA graph trees use it)."""
     return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
 
 
@@ -51,16 +43,15 @@ def alias(base: Tensor, offset: int, shape: torch.Size, stride: Sequence[int] = 
 
 
 class DtypeGroups:
-    """``tensors`` grouped by dtype, each at an offset in its group's flat buffer. :meth:`flatten` concatenates each
-    group from flat views made once (a per-step ``reshape`` of every tensor would cost host time per tensor)."""
+    """``tensors`` grouped by dtype, each at an offset in its group's flat buffer, laid out as the tensor is where it
+    is dense (a channels_last weight's gradient laid out otherwise costs autograd a copy per accumulation), else
+    contiguously. :meth:`flatten` concatenates each group from flat views made once."""
 
     def __init__(self, tensors: Sequence[Tensor]) -> None:
         self.tensors = list(tensors)
         self.indices: dict[torch.dtype, list[int]] = {}
         self.offsets: list[int] = [0] * len(self.tensors)
         self.totals: dict[torch.dtype, int] = {}
-        # Each tensor's part of a flat buffer has its memory layout (channels_last weights keep theirs: a gradient
-        # laid out otherwise costs autograd a copy per accumulation), or the contiguous one where it has gaps.
         self.strides = list(map(_part_strides, self.tensors))
         for j, t in enumerate(self.tensors):
             self.indices.setdefault(t.dtype, []).append(j)
@@ -69,19 +60,18 @@ class DtypeGroups:
         self._views = {dtype: self._flat_views(indices) for dtype, indices in self.indices.items()}
 
     def _flat_views(self, indices: list[int]) -> tuple[list[Tensor | None], list[int]]:
-        """The group's tensors as flat views in memory order made once, and the positions of those not laid out as
-        their part (``None`` there, copied into that layout at every call)."""
-        views = [self._memory_order(self.tensors[j], self.strides[j]) for j in indices]
+        """The group's tensors as flat views in memory order, and the positions of those not laid out as their part
+        (``None`` there, copied into that layout at every :meth:`flatten`)."""
+        views: list[Tensor | None] = []
+        for j in indices:
+            tensor = self.tensors[j]
+            if _part_strides(tensor) != self.strides[j]:
+                views.append(None)
+            elif tensor.is_contiguous():
+                views.append(tensor.view(-1))
+            else:
+                views.append(tensor.as_strided((tensor.numel(),), (1,)) if _dense(tensor) else None)
         return views, [k for k, v in enumerate(views) if v is None]
-
-    @staticmethod
-    def _memory_order(tensor: Tensor, strides: tuple[int, ...]) -> Tensor | None:
-        """``tensor``'s elements in memory order, a view, if it is laid out with ``strides``."""
-        if _part_strides(tensor) != strides:
-            return None
-        if tensor.is_contiguous():
-            return tensor.view(-1)
-        return tensor.as_strided((tensor.numel(),), (1,)) if _dense(tensor) else None
 
     def flatten(self) -> dict[torch.dtype, Tensor]:
         flats = {}
@@ -115,6 +105,11 @@ class DtypeGroups:
         like, block = self.tensors[j], blocks[self.tensors[j].dtype]
         return alias(block, self.offsets[j], (len(block), like.numel()), (block.stride(0), 1))
 
+    def alias(self, flats: dict[torch.dtype, Tensor], j: int) -> Tensor:
+        """Tensor ``j``'s part of ``flats``, shaped and laid out like it, with a version counter of its own."""
+        like = self.tensors[j]
+        return alias(flats[like.dtype], self.offsets[j], like.shape, self.strides[j])
+
     def view(self, flats: dict[torch.dtype, Tensor], j: int) -> Tensor:
         """Tensor ``j``'s part of ``flats`` (one flat tensor per dtype), shaped and laid out like it."""
         like, start = self.tensors[j], self.offsets[j]
@@ -128,18 +123,10 @@ class DtypeGroups:
 def _part_strides(tensor: Tensor) -> tuple[int, ...]:
     """The strides of ``tensor``'s part of a flat buffer: its own where it is dense and not contiguous, else the
     contiguous ones; never 0 on a dimension of size 1 (autograd's layout contract refuses that in a gradient)."""
-    contiguous = _contiguous_strides(tensor.shape)
+    contiguous = torch.empty(tensor.shape, device="meta").stride()
     if tensor.is_contiguous() or not _dense(tensor):
         return contiguous
     return tuple(c if size == 1 else st for size, st, c in zip(tensor.shape, tensor.stride(), contiguous, strict=True))
-
-
-def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 def _dense(tensor: Tensor) -> bool:
@@ -157,18 +144,14 @@ class ReplicaParameters:
 
     :attr:`leaves` ``[i][j]``, replica ``i``'s parameter for ``params[j]``: the first replica on the root holds the
     originals' storage and version counters (it stands for the root module, as DDP's rank 0 does); every other replica
-    holds its own copy, one flat buffer per replica and dtype, even on the same device (each leaf an alias with a
-    version counter of its own, as separate parameters have: a write into one leaves the others' saved tensors valid for
-    backward, a DQN's target network copied after its loss was computed). A replica's in-place change
-    (a target network copied, a momentum encoder updated) then runs on its own copy, as on a DDP rank, and the root
-    keeps the first replica's. Its ``.grad`` is replica ``i``'s row of one buffer per device and dtype, a view of an
-    alias per device and parameter spanning the rows, whose version counter counts the accumulations into that
-    parameter's gradients on the device. Exception: ``renormed`` parameters (an ``Embedding(max_norm=...)`` forward
-    renormalises the rows it looks up, in place: idempotent, and on one device every shard's rows would be) stay over
-    the originals' storage on the root device, each leaf with a version counter of its own; ``sparse`` parameters (an
-    ``Embedding(sparse=True)``'s weight) get sparse gradients of their own, summed at :meth:`reduce` one by one.
-    Call :meth:`sync` before a step, :meth:`backward_done` after each backward pass through the replicas and
-    :meth:`reduce` when their gradients belong on the originals.
+    holds its own copy in one flat buffer per replica and dtype, even on the same device, each leaf an alias with a
+    version counter of its own (a write into one, a target network copied after its loss was computed, leaves the
+    others' saved tensors valid). A leaf's ``.grad`` is its replica's row of one buffer per device and dtype; an alias
+    per device and parameter spanning the rows counts the accumulations into that parameter's gradients there.
+    ``renormed`` parameters (``Embedding(max_norm=...)`` renormalises the rows it looks up in place: idempotent, and
+    one device would renormalise every shard's rows) stay over the originals' storage on the root device; ``sparse``
+    ones (``Embedding(sparse=True)``) get sparse gradients, summed one by one. Call :meth:`sync` before a step,
+    :meth:`backward_done` after each backward pass and :meth:`reduce` when the gradients belong on the originals.
     """
 
     def __init__(
@@ -183,63 +166,52 @@ class ReplicaParameters:
         self.devices = list(devices)
         self.root = root
         self._groups = groups = DtypeGroups(self.params)
-        # The replica that holds the originals (the first on the root); every other one owns a copy.
-        self._alias = next((i for i, d in enumerate(self.devices) if d == root), None)
+        self._alias = next((i for i, d in enumerate(self.devices) if d == root), None)  # stands for the root module
         self._owners = [i for i in range(len(self.devices)) if i != self._alias]
         self._sparse = frozenset(sparse)
         self._renormed = frozenset(renormed)
-        self._train_index: list[int] = []  # set by _set_trainable
-        self._frozen_index: list[int] = []
         distinct = list(dict.fromkeys(self.devices))
         self._slots = [distinct.index(d) for d in self.devices]  # replica -> its device's place in ``distinct``
         rows = [self.devices[:i].count(d) for i, d in enumerate(self.devices)]  # replica -> its row on its device
         with torch.inference_mode(False), torch.no_grad():
-            self._storage = {i: groups.flats(self.devices[i]) for i in self._owners}  # one per replica and dtype
+            self._storage = {i: groups.flats(self.devices[i]) for i in self._owners}
             blocks = [groups.flats(d, zero=True, rows=self.devices.count(d)) for d in distinct]
             self._grads = [
                 {dtype: flat[row] for dtype, flat in blocks[k].items()}
                 for k, row in zip(self._slots, rows, strict=True)
             ]
             self._counted = [[groups.columns(block, j) for j in range(len(self.params))] for block in blocks]
-            self.leaves = [self._make_leaves(i, renormed) for i in range(len(self.devices))]
+            self.leaves = [[self._make_leaf(i, j) for j in range(len(self.params))] for i in range(len(self.devices))]
             for i, leaves in enumerate(self.leaves):
                 for j, leaf in enumerate(leaves):
                     if j not in self._sparse:
                         leaf.grad = groups.shaped(self._counted[self._slots[i]][j][rows[i]], j)
+            self._train_index: list[int] = []
+            self._frozen_index: list[int] = []
             self._new_root_grads()
-        dense = next((j for j in range(len(self.params)) if j not in self._sparse), None)
-        self._first_grads = [None if dense is None else leaves[dense].grad for leaves in self.leaves]
-        self._dense = dense
+        self._dense = next((j for j in range(len(self.params)) if j not in self._sparse), None)
+        self._first_grads = [None if self._dense is None else leaves[self._dense].grad for leaves in self.leaves]
         self._pointers = list(map(_data_ptr, self.params))
-        self._stamp: int | None = None  # the originals' version sum at the last copy to the owning replicas
+        self._stamp: tuple[int, tuple[int, ...]] | None = None  # versions of the originals and copies at the last copy
         self._set_trainable(list(map(_requires_grad, self.params)))
         self.active = 0  # how many replicas have run: a backward pass through an older graph may reach any of them
         self.pending = False  # replicas ran since the last reduction: their gradients may not be on the originals yet
 
-    def _make_leaves(self, i: int, renormed: Collection[int]) -> list[nn.Parameter]:
-        """Replica ``i``'s leaves: over the originals' storage and version counters (the replica that stands for the
-        root), or over its own flat buffers (``renormed`` ones on the root: the originals', see the class)."""
-        return [self._make_leaf(i, j, renormed) for j in range(len(self.params))]
-
-    def _make_leaf(self, i: int, j: int, renormed: Collection[int]) -> nn.Parameter:
+    def _make_leaf(self, i: int, j: int) -> nn.Parameter:
         p = self.params[j]
         if i == self._alias:
             data = p.detach()
-        elif j in renormed and self.devices[i] == self.root:
+        elif j in self._renormed and self.devices[i] == self.root:
             data = alias(p, 0, p.shape, p.stride())
-        else:  # its part of the replica's flat buffer, with a version counter of its own, as a parameter has
-            groups = self._groups
-            data = alias(self._storage[i][p.dtype], groups.offsets[j], p.shape, groups.strides[j])
+        else:
+            data = self._groups.alias(self._storage[i], j)
         return nn.Parameter(data, requires_grad=p.requires_grad)
 
     def _new_root_grads(self) -> None:
         """The originals' ``.grad`` to be: views of one flat buffer per dtype on the root, reused from step to step."""
         with torch.inference_mode(False), torch.no_grad():
             self._root_grads = self._groups.flats(self.root)
-            self._root_views = [
-                alias(self._root_grads[p.dtype], self._groups.offsets[j], p.shape, self._groups.strides[j])
-                for j, p in enumerate(self.params)
-            ]
+            self._root_views = [self._groups.alias(self._root_grads, j) for j in range(len(self.params))]
         self._root_uses = list(map(_storage_uses, self._root_grads.values()))  # held by this class alone
         self._index_views()
 
@@ -276,10 +248,9 @@ class ReplicaParameters:
         return True
 
     def copy_values(self, n: int) -> None:
-        """The originals' values into the first ``n`` replicas' copies, where they or the copies changed since the
-        last copy (also inside a step, after an optimizer step of manual optimization)."""
+        """The originals' values into the first ``n`` replicas' copies, where the originals (an optimizer step) or the
+        copies (a replica's in-place change of its own) changed since the last copy."""
         owners = [i for i in self._owners if i < n]
-        # The originals' versions (an optimizer step), and the copies' (a replica's in-place change of its own copy).
         stamp = (sum(map(_version, self.params)), self._copy_versions(owners)) if owners else None
         if stamp != self._stamp:
             with torch.no_grad():
@@ -288,11 +259,13 @@ class ReplicaParameters:
                         self._storage[i][dtype].copy_(staged, non_blocking=True)
             self._stamp = (stamp[0], self._copy_versions(owners)) if stamp is not None else None
 
+    def _copy_versions(self, owners: list[int]) -> tuple[int, ...]:
+        return tuple(sum(map(_version, self.leaves[i])) for i in owners)
+
     def keep_rebound_data(self) -> bool:
-        """After a step that rebound a parameter's ``.data`` (MoCo's ``param_k.data = param_k.data * m + ...``): the
-        original takes the replica that stands for it's new value (as one device's parameter would), and every
-        replica gets new leaves over its storage again (their ``.grad`` kept); ``True`` when the caller must point its
-        modules at :attr:`leaves` again. One pointer comparison per parameter, on that replica alone."""
+        """After a step that rebound a parameter's ``.data`` on the replica that stands for the root (MoCo's momentum
+        update): the original takes its new value, and every replica gets new leaves over its storage (their ``.grad``
+        kept); ``True`` when the caller must point its modules at :attr:`leaves` again."""
         if self._alias is None or list(map(_data_ptr, self.leaves[self._alias])) == self._pointers:
             return False
         rebound = [j for j, leaf in enumerate(self.leaves[self._alias]) if leaf.data_ptr() != self._pointers[j]]
@@ -301,16 +274,12 @@ class ReplicaParameters:
                 self.params[j].copy_(self.leaves[self._alias][j])  # moves its version: the copies follow at sync
         for i, leaves in enumerate(self.leaves):
             for j in rebound:
-                fresh = self._make_leaf(i, j, self._renormed)
+                fresh = self._make_leaf(i, j)
                 fresh.grad, leaves[j] = leaves[j].grad, fresh
         return True
 
-    def _copy_versions(self, owners: list[int]) -> tuple[int, ...]:
-        """Per replica of ``owners``, the sum of its leaves' version counters (an in-place change of any of them)."""
-        return tuple(sum(map(_version, self.leaves[i])) for i in owners)
-
     def mark_stale(self) -> None:
-        """Copy the originals to the other devices at the next :meth:`sync`, whatever their version counters say."""
+        """Copy the originals into the replicas at the next :meth:`sync`, whatever their version counters say."""
         self._stamp = None
 
     def backward_done(self) -> None:
@@ -331,10 +300,9 @@ class ReplicaParameters:
 
         Order: per device its replicas, then the devices, each moved to the root with one copy per dtype. A parameter
         no replica's backward reached (no gradient version counter moved) keeps its ``.grad``, as on one device. The
-        originals' gradient hooks run as autograd runs them on one device: once per reduction, on the summed gradient
-        (``run_hooks=False``: gradients of backward passes that ran before the hooks existed). ``only_trainable``: a
-        parameter frozen on the original since the sync (manual optimization's ``toggle_optimizer``) gets nothing, as
-        on one device, where its backward would not reach it.
+        originals' gradient hooks run once per reduction on the summed gradient (``run_hooks=False``: the gradients of
+        backward passes that ran before the hooks existed). ``only_trainable``: a parameter frozen on the original
+        since the sync (``toggle_optimizer``) gets nothing, as on one device.
         """
         count = self.active
         self.pending = False
@@ -342,35 +310,38 @@ class ReplicaParameters:
         if count == 0 or not self._train_index:
             return
         slots = sorted(set(self._slots[:count]))
-        # Per device, its trainable parameters' gradient versions: one step per accumulation there.
-        counters = [list(map(_version, self._train_counted[k])) for k in slots]
+        counters = [list(map(_version, self._train_counted[k])) for k in slots]  # one step per accumulation
         seen = [self._seen[k] for k in slots]
         if counters == seen:
             return
-        # None: every parameter reached by some replica, as replica 0's device usually shows at C speed.
-        reached: list[bool] | None = None
-        if not all(map(operator.ne, counters[0], seen[0])):  # per parameter: did some device's counter move?
+        reached: list[bool] | None = None  # None: every parameter reached, as replica 0's device usually shows
+        if not all(map(operator.ne, counters[0], seen[0])):
             changed = [list(map(operator.ne, now, old)) for now, old in zip(counters, seen, strict=True)]
             reached = [any(column) for column in zip(*changed, strict=True)]
         if only_trainable and (now := list(map(_requires_grad, self.params))) != self._trainable:
             reached = [r and now[j] for r, j in zip(reached or repeat(True), self._train_index, strict=False)]
-        everywhere = reached is None or all(reached)  # every parameter has a gradient: whole buffers give each its sum
+        everywhere = reached is None or all(reached)
         params = self._train_params
         hooked = run_hooks and (any(map(_tensor_hooks, params)) or any(map(_post_accumulate_hooks, params)))
         fast = everywhere and not hooked  # whole flat buffers at once
-        grads = list(map(_grad, self._train_params))
+        grads = list(map(_grad, params))
         # Views that .grad dropped (zero_grad(set_to_none=True)) but something still holds, as such or through another
-        # tensor on their storage (gradients kept across backward passes, as PCGrad keeps them, or a `.detach()` of
-        # one kept to compare with the next step's): this step's gradients go to new tensors, as on one device.
+        # tensor on their storage (PCGrad's kept gradients, a `.detach()` kept to compare with the next step's): this
+        # step's gradients go to new tensors, as on one device.
         if any(map(operator.is_, grads, repeat(None))) and (
             any(map(operator.gt, map(sys.getrefcount, self._train_views), repeat(_OWN_REFERENCES)))
             or list(map(_storage_uses, self._root_grads.values())) != self._root_uses
         ):
             self._new_root_grads()
         with torch.no_grad():
-            # After zero_grad(set_to_none=True), unless a frozen parameter's .grad still is its part of the buffer.
-            if fast and all(map(operator.is_, grads, repeat(None))) and not self._frozen_hold_views():
-                deque(map(setattr, self._train_params, repeat("grad"), self._train_views), maxlen=0)
+            # After zero_grad(set_to_none=True), unless a frozen parameter's .grad still is its part of the buffer
+            # (frozen between backward passes, as toggle_optimizer does): a whole-buffer copy would overwrite it.
+            if (
+                fast
+                and all(map(operator.is_, grads, repeat(None)))
+                and not any(map(operator.is_, map(_grad, self._frozen_params), self._frozen_views))
+            ):
+                deque(map(setattr, params, repeat("grad"), self._train_views), maxlen=0)
                 self._sum_into(count, self._root_grads, accumulate=False)
             elif fast and all(map(operator.is_, grads, self._train_views)):  # .grad still the views
                 self._sum_into(count, self._root_grads, accumulate=True)
@@ -386,20 +357,12 @@ class ReplicaParameters:
         """Sparse gradients, parameter by parameter: the replicas' sum (in replica order) added to the original's."""
         for j in sorted(self._sparse):
             grads = [leaves[j].grad for leaves in self.leaves[:count] if leaves[j].grad is not None]
-            if not grads:
-                continue
-            total = grads[0].to(self.root)
-            for grad in grads[1:]:
-                total = total + grad.to(self.root)
-            param = self.params[j]
-            param.grad = total if param.grad is None else param.grad + total
-            for leaves in self.leaves[:count]:
-                leaves[j].grad = None
-
-    def _frozen_hold_views(self) -> bool:
-        """Whether a frozen parameter kept the view of the root's flat buffer it had while trainable as its ``.grad``
-        (frozen between backward passes, as ``toggle_optimizer`` does): a whole-buffer copy would overwrite it."""
-        return any(map(operator.is_, map(_grad, self._frozen_params), self._frozen_views))
+            if grads:
+                total = sum((grad.to(self.root) for grad in grads[1:]), grads[0].to(self.root))
+                param = self.params[j]
+                param.grad = total if param.grad is None else param.grad + total
+                for leaves in self.leaves[:count]:
+                    leaves[j].grad = None
 
     def _sum_into(self, count: int, targets: dict[torch.dtype, Tensor], accumulate: bool) -> None:
         """``targets`` (flat, per dtype, on the root) += (or =) the first ``count`` replicas' gradients: per device
@@ -457,19 +420,15 @@ class ReplicaBuffers:
         self.sources = self._groups.tensors
         self.slots = [list(s) for s in slots]
         self.devices = list(devices)
-        self._full = [sorted(k for _, _, k in s) == list(range(len(self.sources))) for s in self.slots]
-        self._flats: list[dict[torch.dtype, Tensor]] = []
+        self._flats: list[dict[torch.dtype, Tensor]] = []  # per replica with slots, a full copy: one copy per dtype
         self._copies: list[dict[int, Tensor]] = []  # per replica: index of the original -> its copy
         with torch.inference_mode(False), torch.no_grad():
             for i, replica_slots in enumerate(self.slots):
-                flats = self._groups.flats(self.devices[i]) if self._full[i] else {}
-                copies: dict[int, Tensor] = {}
+                flats = self._groups.flats(self.devices[i]) if replica_slots else {}
+                self._copies.append({k: self._groups.view(flats, k) for _, _, k in replica_slots})
                 for store, name, k in replica_slots:
-                    b = self.sources[k]
-                    copy = self._groups.view(flats, k).copy_(b) if flats else b.detach().to(self.devices[i], copy=True)
-                    copies[k] = store[name] = copy
+                    store[name] = self._copies[i][k].copy_(self.sources[k])
                 self._flats.append(flats)
-                self._copies.append(copies)
         self._stamp: int | None = None
         self._marks = self._replica_marks()
         self._linked = [False] * len(self.slots)
@@ -491,35 +450,22 @@ class ReplicaBuffers:
             for i in range(n):
                 if self._linked[i] and not link:
                     self.restore(i)
-                if not (self._full[i] and stamp == self._stamp and marks[i] == self._marks[i]):
-                    self._copy_into(i, staged)
+                if self.slots[i] and (stamp != self._stamp or marks[i] != self._marks[i]):
+                    staged = staged or self._groups.flatten()  # flattened once per refresh, shared by the replicas
+                    for dtype, flat in self._flats[i].items():
+                        flat.copy_(staged[dtype], non_blocking=True)
         if link:
             for i in range(n):
-                self._link(i)
+                for store, name, k in self.slots[i]:
+                    if self.sources[k].requires_grad:  # differentiable: gradients reach the original
+                        store[name] = self.sources[k].to(self.devices[i], copy=True)
+                self._linked[i] = True
         self._stamp = stamp
         self._marks = self._replica_marks()
 
     def mark_stale(self) -> None:
         """Copy the originals into every replica at the next :meth:`refresh`, whatever their version counters say."""
         self._stamp = None
-
-    def _copy_into(self, i: int, staged: dict[torch.dtype, Tensor]) -> None:
-        """Replica ``i``'s buffers from the originals: one copy per dtype from the flattened originals (``staged``,
-        flattened once per refresh and shared by the replicas), or one per buffer without a full flat buffer."""
-        if not self._full[i]:
-            for _, _, k in self.slots[i]:
-                self._copies[i][k].copy_(self.sources[k])
-            return
-        if not staged:
-            staged.update(self._groups.flatten())
-        for dtype, flat in self._flats[i].items():
-            flat.copy_(staged[dtype], non_blocking=True)
-
-    def _link(self, i: int) -> None:
-        for store, name, k in self.slots[i]:
-            if self.sources[k].requires_grad:  # differentiable: gradients reach the original
-                store[name] = self.sources[k].to(self.devices[i], copy=True)
-        self._linked[i] = True
 
     def restore(self, i: int) -> None:
         """Replica ``i``'s buffer entries back to the copies this class keeps up to date (a step rebound some)."""

@@ -3,7 +3,6 @@ tensor operations that does not grow with depth (``nn.DataParallel`` rebuilds it
 
 from __future__ import annotations
 
-import itertools
 import operator
 import threading
 import types
@@ -19,18 +18,19 @@ from torch.nn.utils.prune import BasePruningMethod
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
-from lightning_mgpu.parallel.compiled import compiled_call, is_compiled, is_optimized_module, optimized_module_replica
+from lightning_mgpu.parallel.compiled import compiled_call, is_compiled, is_optimized_module
 from lightning_mgpu.parallel.devices import DeviceLike, to_device
-from lightning_mgpu.parallel.flat_replicas import DtypeGroups, ReplicaBuffers, ReplicaParameters, Slot
+from lightning_mgpu.parallel.flat_replicas import ReplicaBuffers, ReplicaParameters, Slot
 from lightning_mgpu.parallel.run_replicas import ExecutionMode, resolve_mode
 from lightning_mgpu.parallel.scatter_gather import is_dataclass_instance, iter_nodes
 from lightning_mgpu.parallel.sync_batchnorm import SyncBatchNorm, uses_sync_batchnorm
 
 _NEVER_SYNCED = frozenset({"_parameters", "_buffers", "_modules", "_is_replica", "_compiled_call_impl"})
 _WEIGHT_HOOKS = (BasePruningMethod, WeightNorm, SpectralNorm)  # forward pre-hooks that set an attribute: `weight`
-
-
 _BEFORE_BUILDING: list[Callable[[nn.Module], None]] = []
+SYNC_BATCHNORM_THREADS = (
+    "SyncBatchNorm layers make the replicas meet inside every BatchNorm layer: replicas run in threads"
+)
 
 
 def before_building_replicas(prepare: Callable[[nn.Module], None]) -> None:
@@ -54,20 +54,15 @@ def replicate(module: nn.Module, devices: Sequence[DeviceLike], detach: bool = F
         return ReplicaSet(module, devices).prepare(linked=True)
 
 
-SYNC_BATCHNORM_THREADS = (
-    "SyncBatchNorm layers make the replicas meet inside every BatchNorm layer: replicas run in threads"
-)
-
-
 class ReplicaSet:
     """Lasting replicas of ``module``, one per device of ``devices`` (devices may repeat: "virtual devices").
 
-    Call :meth:`prepare` before each step and :meth:`watch` right after it. Replica 0 shares the original buffers,
-    the others hold copies; a buffer a step rebinds takes replica 0's value (``nn.DataParallel``'s rule). A parameter
-    changed in place while several replicas hold its storage raises (the change would run once per replica).
-    Attributes rebound on the originals reach the replicas, except ``overrides`` (set per replica by the owner); a
-    structural change rebuilds them (:attr:`builds`). Every replica holds the original of a ``shared(submodule)``
-    (``on_build`` may swap in per-replica objects).
+    Call :meth:`prepare` before each step and :meth:`watch` right after it. Every replica owns its parameters
+    (:class:`.flat_replicas.ReplicaParameters`); replica 0 shares the original buffers, the others hold copies, and a
+    buffer a step rebinds takes replica 0's value (``nn.DataParallel``'s rule). Attributes rebound on the originals
+    reach the replicas, except ``overrides`` (set per replica by the owner); a structural change rebuilds them
+    (:attr:`builds`). Every replica holds the original of a ``shared(submodule)`` (``on_build`` may swap in
+    per-replica objects).
     """
 
     def __init__(
@@ -79,7 +74,7 @@ class ReplicaSet:
         shared: Callable[[nn.Module], bool] | None = None,
     ) -> None:
         self.module = module
-        self._shared = shared
+        self._shared = shared or _nothing_shared
         self.devices = [to_device(d) for d in devices]
         if not self.devices:
             raise ValueError("A ReplicaSet needs at least one device.")
@@ -98,106 +93,91 @@ class ReplicaSet:
     # --- build -------------------------------------------------------------------------------------------------------
     def _build(self) -> None:
         self._end_run(adopt=True)  # a step that raised before watch(): keep what replica 0 rebound
-        for prepare in _BEFORE_BUILDING:  # a library's set-up of the originals, before the copies repeat it
+        for prepare in _BEFORE_BUILDING:
             prepare(self.module)
-        self._originals = _walk(self.module, self._shared)
+        self._originals = originals = _walk(self.module, self._shared)
         self._hooked_leaves: dict[int, weakref.ref[Tensor]] = {}  # outputs that are replica parameters
-        _check_initialized(self.module, self._originals)
-        self._position = {id(m): k for k, m in enumerate(self._originals)}
-        self._params = _unique(p for m in self._originals for p in m._parameters.values() if p is not None)
-        self._param_index = param_index = {id(p): j for j, p in enumerate(self._params)}
+        _check_initialized(self.module, originals)
+        self._position = {id(m): k for k, m in enumerate(originals)}
+        self._params = _unique(p for m in originals for p in m._parameters.values() if p is not None)
+        self._param_index = {id(p): j for j, p in enumerate(self._params)}
         self._root = self._params[0].device if self._params else self.devices[0]
-        buffers = _unique(b for m in self._originals for b in m._buffers.values() if b is not None)
-        buffer_index = {id(b): k for k, b in enumerate(buffers)}
+        buffers = _unique(b for m in originals for b in m._buffers.values() if b is not None)
         self._copies: list[list[nn.Module]] = []
         self._param_slots: list[list[Slot]] = []
         self._buffer_slots: list[list[Slot]] = []
         self._rnns: list[list[nn.RNNBase]] = []
-        self.compiled = any(is_compiled(m) for m in self._originals)
+        self.compiled = any(is_compiled(m) for m in originals)
         uses_sync_batchnorm(self.module)  # names the sync layers built directly, for their errors
-        self._sync_layers = [m for m in self._originals if isinstance(m, SyncBatchNorm)]
-        self._weight_hooks = [  # pruning, weight_norm, spectral_norm set `weight` in a forward pre-hook: on replicas
-            (m, hook)
-            for m in self._originals
-            for hook in m._forward_pre_hooks.values()
-            if isinstance(hook, _WEIGHT_HOOKS)
+        self._sync_layers = [m for m in originals if isinstance(m, SyncBatchNorm)]
+        self._weight_hooks = [
+            (m, hook) for m in originals for hook in m._forward_pre_hooks.values() if isinstance(hook, _WEIGHT_HOOKS)
         ]
         with torch.inference_mode(False), torch.no_grad():  # copies must be normal tensors, whatever the caller's mode
             for i in range(len(self.devices)):
-                self._build_replica(i, param_index, buffer_index)
+                self._build_replica(i, {id(b): k for k, b in enumerate(buffers)})
         self._buffers = ReplicaBuffers(buffers, self._buffer_slots, self.devices)
         self._flat: ReplicaParameters | None = None  # built on the first step that needs the replicas' own leaves
         self._pointed = [False] * len(self.devices)  # replicas whose modules hold their own leaves
-        originals = self._originals
         self._places = {  # replica modules (not shared ones) -> (replica, position)
             id(c): (i, k)
             for i, copies in enumerate(self._copies)
             for k, c in enumerate(copies)
             if c is not originals[k]
         }
-        shared = self._shared
-        self._watch = [_watch_entry(m) if shared is None or not shared(m) else _UNWATCHED for m in originals]
-        self._flatten_watch()
+        # Per module its attribute, parameter, buffer and child dicts (none for a shared one: replicas hold it), and
+        # shallow copies of them: one ``==`` of the two lists tells whether anything changed.
+        self._live = [d for m in originals for d in (({},) * 4 if self._shared(m) else _watched_dicts(m))]
+        self._saved = [d.copy() for d in self._live]
         self.builds += 1
         if self._on_build is not None:
             self._on_build(self.replicas)
 
-    def _build_replica(self, i: int, param_index: dict[int, int], buffer_index: dict[int, int]) -> None:
-        originals, device = self._originals, self.devices[i]
+    def _build_replica(self, i: int, buffer_index: dict[int, int]) -> None:
         copies = self._module_copies()
         slots: list[Slot] = []
         buffer_slots: list[Slot] = []
-        rnns: list[nn.RNNBase] = []
-        for k, (original, copy) in enumerate(zip(originals, copies, strict=True)):
+        for k, (original, copy) in enumerate(zip(self._originals, copies, strict=True)):
             if copy is original or is_optimized_module(original):
                 continue  # shared as is, or a compiled wrapper (its tensors are those of the wrapped module)
             copy._modules = self._children(k, copies)
             copy.__dict__ = self._for_replica(copy.__dict__, copies)
             copy._parameters = dict(original._parameters)  # the originals until the first prepare()
-            for name, param in original._parameters.items():
-                if param is not None:
-                    slots.append((copy._parameters, name, param_index[id(param)]))
+            slots += [
+                (copy._parameters, n, self._param_index[id(p)])
+                for n, p in original._parameters.items()
+                if p is not None
+            ]
             for name, buffer in original._buffers.items():
-                if buffer is None:
-                    continue
-                if i == 0 and buffer.device == device:
+                if i == 0 and buffer is not None and buffer.device == self.devices[0]:
                     copy._buffers[name] = buffer  # replica 0 shares the originals (DataParallel's semantics)
-                else:
+                elif buffer is not None:
                     buffer_slots.append((copy._buffers, name, buffer_index[id(buffer)]))
             if original.__dict__.get("_compiled_call_impl") is not None:
                 copy._compiled_call_impl = compiled_call(original, copy)
-            if isinstance(copy, nn.RNNBase):
-                rnns.append(copy)
         self._copies.append(copies)
         self._param_slots.append(slots)
         self._buffer_slots.append(buffer_slots)
-        self._rnns.append(rnns)
+        self._rnns.append(
+            [c for c, o in zip(copies, self._originals, strict=True) if c is not o and isinstance(c, nn.RNNBase)]
+        )
 
     def _module_copies(self) -> list[nn.Module]:
         """One replica's modules: shared ones as they are, shallow copies of the others, and ``torch.compile``
         wrappers built around their wrapped module's copy (innermost first)."""
-        shared = self._shared
         copies: list[Any] = [
-            m
-            if shared is not None and shared(m)
-            else None
-            if is_optimized_module(m)
-            else m._replicate_for_data_parallel()
+            m if self._shared(m) else None if is_optimized_module(m) else m._replicate_for_data_parallel()
             for m in self._originals
         ]
         for k in reversed(range(len(copies))):
             if copies[k] is None:
-                copies[k] = optimized_module_replica(self._originals[k], self._children(k, copies))
+                original = self._originals[k]
+                copies[k] = type(original)(self._children(k, copies)["_orig_mod"], original.dynamo_ctx)
         return copies
 
     def _children(self, k: int, copies: Sequence[nn.Module]) -> dict[str, nn.Module | None]:
         position = self._position
         return {n: None if c is None else copies[position[id(c)]] for n, c in self._originals[k]._modules.items()}
-
-    def _flatten_watch(self) -> None:
-        """Every watched dict in one list, their copies in another: one ``==`` checks them all."""
-        self._live = [d for entry in self._watch if entry[0] is not None for d in entry[:4]]
-        self._saved = [d for entry in self._watch if entry[0] is not None for d in entry[4:]]
 
     @property
     def replicas(self) -> list[nn.Module]:
@@ -207,7 +187,7 @@ class ReplicaSet:
     def execution_mode(self, requested: ExecutionMode, count: int) -> tuple[ExecutionMode, str | None]:
         """The mode to run ``count`` replicas in, and why it is not ``requested`` (``None`` when it is): compiled
         replicas run one after another (Dynamo is not thread-safe), SyncBatchNorm in training needs threads. Checks
-        the structure first (a layer converted or compiled since the last step counts), for the next :meth:`prepare`."""
+        the structure first, for the next :meth:`prepare`."""
         self._sync_structure()
         sync = count > 1 and any(layer._uses_batch_stats() for layer in self._sync_layers)
         self.meets_at_batchnorm = sync  # the replicas hand over inside their step, at every SyncBatchNorm layer
@@ -233,11 +213,8 @@ class ReplicaSet:
 
     # --- every step --------------------------------------------------------------------------------------------------
     def prepare(self, n: int | None = None, linked: bool = False) -> list[nn.Module]:
-        """The first ``n`` replicas (default all), synced with the original for a step, in either execution mode.
-
-        Every replica holds its own leaves (:class:`.flat_replicas.ReplicaParameters`; the first on the parameters'
-        device over the originals' storage): pass their outputs to :meth:`watch`. ``linked=True``: see
-        :func:`replicate`."""
+        """The first ``n`` replicas (default all), synced with the original for a step, each with its own leaves:
+        pass their outputs to :meth:`watch`. ``linked=True``: see :func:`replicate`."""
         n = len(self.devices) if n is None else n
         if not 1 <= n <= len(self.devices):
             raise ValueError(f"Asked for {n} replicas of a set of {len(self.devices)}.")
@@ -247,23 +224,21 @@ class ReplicaSet:
         self._structure_checked = False
         self._buffers.refresh(n)
         self._queued = False
-        self._owning = False
+        self._owning = not linked
         if linked:
             self._link_parameters(n)
         else:
             self._own_parameters(n)
-            self._owning = True
             self._run = _Run(self._places)
         return self.replicas[:n]
 
-    def _end_run(self, adopt: bool) -> _Run | None:
+    def _end_run(self, adopt: bool) -> None:
         """Stop recording the run in progress; ``adopt``: buffers it rebound take replica 0's value."""
         run, self._run = self._run, None
         if run is not None:
             run.stop()
             if adopt and run.rebound:
                 self._adopt_buffers(run.rebound)
-        return run
 
     def watch(self, outputs: Sequence[Any]) -> None:
         """Reduce the replicas' gradients onto the originals after any backward pass that reaches ``outputs`` (this
@@ -342,10 +317,17 @@ class ReplicaSet:
         return self._flat is not None and self._flat.pending
 
     def _adopt_buffers(self, rebound: set[tuple[int, int, str]]) -> None:
-        """Buffers the step rebound: replica 0's value becomes the original's, and every replica holds the buffers
-        this set keeps up to date again (its copies, or the originals for replica 0)."""
+        """Buffers the step rebound: replica 0's value becomes the original's (a new value of the same shape and dtype
+        is no structural change; anything else rebuilds at the next :meth:`prepare`), and every replica holds the
+        buffers this set keeps up to date again (its copies, or the originals for replica 0)."""
         for k, name in sorted({(k, name) for i, k, name in rebound if i == 0}):
-            self._adopt_buffer(k, name, self._copies[0][k]._buffers.get(name))
+            value, buffers = self._copies[0][k]._buffers.get(name), self._originals[k]._buffers
+            old = buffers.get(name)
+            if value is not None and old is not None:
+                value = value.to(old.device)
+                if value.shape == old.shape and value.dtype == old.dtype and self._buffers.replace(old, value):
+                    self._saved[4 * k + 2][name] = value  # the saved copy of its buffer dict
+            buffers[name] = value
         for i in sorted({i for i, _, _ in rebound}):
             self._buffers.restore(i)
             kept = {(id(store), name) for store, name, _ in self._buffer_slots[i]}
@@ -356,17 +338,6 @@ class ReplicaSet:
                 elif (id(buffers), name) not in kept:  # replica 0 shares the original
                     buffers[name] = original[name]
 
-    def _adopt_buffer(self, k: int, name: str, value: Tensor | None) -> None:
-        """The original module ``k``'s buffer ``name`` rebound to ``value``: a new value of the same shape and dtype
-        is no structural change (no rebuild); anything else rebuilds the replicas at the next :meth:`prepare`."""
-        buffers = self._originals[k]._buffers
-        old = buffers.get(name)
-        if value is not None and old is not None:
-            value = value.to(old.device)
-            if value.shape == old.shape and value.dtype == old.dtype and self._buffers.replace(old, value):
-                self._watch[k][6][name] = value  # the saved copy of its buffer dict
-        buffers[name] = value
-
     def _own_parameters(self, n: int) -> None:
         """Point the first ``n`` replicas at their own leaf parameters, synced with the originals."""
         flat = self._flat
@@ -374,13 +345,17 @@ class ReplicaSet:
             if flat is not None:
                 flat.reduce()  # what the replicas accumulated still belongs to the originals
             # Embedding(max_norm=...) renormalises the rows it looks up in place: on one device, every shard's rows.
-            renormed = {id(m.weight) for m in self._originals if isinstance(m, nn.Embedding) and m.max_norm is not None}
-            sparse = {
-                id(m.weight) for m in self._originals if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse
-            }
-            indices = [j for j, p in enumerate(self._params) if id(p) in renormed]
-            sparse_indices = [j for j, p in enumerate(self._params) if id(p) in sparse]
-            flat = self._flat = ReplicaParameters(self._params, self.devices, self._root, indices, sparse_indices)
+            embeddings = [m for m in self._originals if isinstance(m, (nn.Embedding, nn.EmbeddingBag))]
+            renormed = {id(m.weight) for m in embeddings if isinstance(m, nn.Embedding) and m.max_norm is not None}
+            sparse = {id(m.weight) for m in embeddings if m.sparse}
+            params = self._params
+            flat = self._flat = ReplicaParameters(
+                params,
+                self.devices,
+                self._root,
+                [j for j, p in enumerate(params) if id(p) in renormed],
+                [j for j, p in enumerate(params) if id(p) in sparse],
+            )
             flat.sync(n)
             self._pointed = [False] * len(self.devices)
         for i in range(n):
@@ -395,14 +370,26 @@ class ReplicaSet:
         for rnn in self._rnns[i]:  # RNNs run on a cached list of their weights, which must hold this replica's tensors
             rnn._flat_weights = [getattr(rnn, wn, None) for wn in rnn._flat_weights_names]
 
+    def _link_parameters(self, n: int) -> None:
+        """The first ``n`` replicas' parameters for a one-off step: the trainable ones linked to the originals by
+        autograd (views on the root's device, copies elsewhere), the others detached."""
+        grad = torch.is_grad_enabled()
+        for i, device in enumerate(self.devices[:n]):
+            tensors = []
+            for p in self._params:
+                t = p if grad and p.requires_grad else p.detach()
+                tensors.append(t.view_as(t) if t.device == device else t.to(device))
+            self._point(i, tensors)
+        self._pointed[:n] = [False] * n  # back to their own leaves at the next prepare()
+
     def _sync_structure(self) -> None:
         """Rebuild on a structural change or a (un)compiled module; copy attributes rebound on the originals to every
         replica. One ``==`` of every watched dict against its copy settles the common case (no change)."""
         if _same(self._live, self._saved):
             return
-        for k, (attrs, params, buffers, children, *saved) in enumerate(self._watch):
-            if attrs is None:  # a shared submodule: every replica holds the original
-                continue
+        for k in range(len(self._originals)):
+            attrs, params, buffers, children = self._live[4 * k : 4 * k + 4]
+            saved = self._saved[4 * k : 4 * k + 4]
             same_structure = _same(params, saved[1]) and _same(buffers, saved[2]) and _same(children, saved[3])
             if same_structure and _same(attrs, saved[0]):
                 continue
@@ -422,19 +409,14 @@ class ReplicaSet:
 
     def _copy_attributes(self, k: int, before: dict[str, Any]) -> None:
         current = self._originals[k].__dict__
-        changed = {
-            key: value
-            for key, value in current.items()
-            if key not in self._overrides and (key not in before or before[key] is not value)
-        }
+        changed = rebound_attributes(self._originals[k], before, self._overrides)
         removed = [key for key in before if key not in current and key not in self._overrides]
         for copies in self._copies:
             replica_dict = copies[k].__dict__
             replica_dict.update(self._for_replica(changed, copies))
             for key in removed:
                 replica_dict.pop(key, None)
-        self._watch[k] = _watch_entry(self._originals[k])
-        self._flatten_watch()
+        self._saved[4 * k : 4 * k + 4] = [d.copy() for d in self._live[4 * k : 4 * k + 4]]
 
     def _for_replica(self, attributes: dict[str, Any], copies: Sequence[nn.Module]) -> dict[str, Any]:
         """``attributes`` for the replica whose modules are ``copies``: :class:`OriginalOnly` values replaced by what
@@ -451,22 +433,6 @@ class ReplicaSet:
             )
         return kept
 
-    def _link_parameters(self, n: int) -> None:
-        """The first ``n`` replicas' parameters for a one-off step: the trainable ones linked to the originals through
-        one autograd node, the others without a link (aliases on the root, copies elsewhere)."""
-        params, devices, grad = self._params, self.devices[:n], torch.is_grad_enabled()
-        tensors: list[list[Tensor | None]] = [[None] * len(params) for _ in range(n)]
-        for linked in (True, False):
-            indices = [j for j, p in enumerate(params) if (grad and p.requires_grad) == linked]
-            if indices:
-                with torch.set_grad_enabled(linked):
-                    outputs = _ReplicaParameters.apply(devices, self._root, *(params[j] for j in indices))
-                for k, (i, j) in enumerate(itertools.product(range(n), indices)):
-                    tensors[i][j] = outputs[k]
-        for i in range(n):
-            self._point(i, tensors[i])
-        self._pointed[:n] = [False] * n  # back to their own leaves at the next prepare()
-
     def release(self) -> None:
         """Drop every replica and copy (frees their memory on the other devices); the set is not used again."""
         self._end_run(adopt=False)
@@ -474,24 +440,23 @@ class ReplicaSet:
         self._flat, self._buffers = None, ReplicaBuffers([], [], [])
 
 
-_runs: tuple[weakref.ref[_Run], ...] = ()  # in progress (replica sets may nest, or run in threads)
-_runs_lock = threading.RLock()  # re-entered by _forget when the collector drops a run inside a locked section
+_runs: weakref.WeakSet[_Run] = weakref.WeakSet()  # in progress (replica sets may nest, or run in threads)
+_runs_lock = threading.RLock()  # re-entered by _drop_hook when the collector frees a run inside a locked section
 _hook: list[Any] = []  # torch's buffer registration hook, installed while runs are in progress
 
 
-def _forget(gone: weakref.ref[_Run]) -> None:
-    """Drop the run ``gone`` (stopped, or freed unstopped by the collector: a ReplicaSet dropped between
-    ``prepare()`` and ``watch()``) and freed ones; the hook leaves with the last run in progress."""
-    global _runs
+def _drop_hook(_: object = None) -> None:
+    """Remove the hook once no run is in progress (the last one stopped, or was freed unstopped by the collector)."""
     with _runs_lock:
-        _runs = tuple(ref for ref in _runs if ref is not gone and ref() is not None)
-        if not _runs and _hook:
+        if _hook and not list(_runs):
             _hook.pop().remove()
 
 
 def _on_buffer(module: nn.Module, name: str, value: Tensor | None) -> None:
-    for run in (ref() for ref in _runs):
-        place = None if run is None else run.places.get(id(module))
+    with _runs_lock:
+        runs = list(_runs)
+    for run in runs:
+        place = run.places.get(id(module))
         if place is not None:
             run.rebound.add((*place, name))
 
@@ -501,60 +466,20 @@ class _Run:
     installed while runs are in progress."""
 
     def __init__(self, places: dict[int, tuple[int, int]]) -> None:
-        global _runs
         self.places = places
         self.rebound: set[tuple[int, int, str]] = set()  # (replica, position, buffer name)
-        with _runs_lock:  # in progress first, then the hook: a _forget in between must see this run
-            self._ref = weakref.ref(self, _forget)
-            _runs = (*(ref for ref in _runs if ref() is not None), self._ref)
+        with _runs_lock:
+            _runs.add(self)
+            self._ref = weakref.ref(self, _drop_hook)
             if not _hook:
                 _hook.append(register_module_buffer_registration_hook(_on_buffer))
 
     def stop(self) -> None:
-        _forget(self._ref)
+        with _runs_lock:
+            _runs.discard(self)
+            _drop_hook()
 
 
-class _ReplicaParameters(torch.autograd.Function):
-    """One node that hands every replica its parameters (``outputs[i * P + j]``: parameter ``j`` of replica ``i``),
-    copied from ``root`` (one coalesced broadcast on distinct GPUs), and sums their gradients back per device in
-    replica order, then over the devices, root first: deterministic, whatever order threads finished in."""
-
-    @staticmethod
-    def forward(ctx: Any, devices: list[torch.device], root: torch.device, *params: Tensor) -> tuple[Tensor, ...]:
-        ctx.devices, ctx.root, ctx.count = devices, root, len(params)
-        others = list(dict.fromkeys(d for d in devices if d != root))
-        if others and all(d.type == "cuda" for d in (root, *others)):  # distinct GPUs: torch's broadcast
-            broadcast = torch.cuda.comm.broadcast_coalesced(list(params), [root, *others])
-            copies = dict(zip(others, broadcast[1:], strict=True))
-        else:
-            copies = {d: [p.to(d, non_blocking=True) for p in params] for d in others}
-        # Aliases: autograd links them to this node.
-        return tuple(t.detach() for d in devices for t in (params if d == root else copies[d]))
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
-        # Autograd hands a zero tensor for an output that got no gradient: no None here. Out of place: incoming
-        # gradients may be shared.
-        count, root = ctx.count, ctx.root
-        sums: dict[torch.device, Sequence[Tensor]] = {}
-        for i, device in enumerate(ctx.devices):
-            replica = grads[i * count : (i + 1) * count]
-            sums[device] = torch._foreach_add(sums[device], replica) if device in sums else replica
-        total: Sequence[Tensor] | None = None
-        for device in sorted(sums, key=lambda d: d != root):  # stable: the root first, then device order
-            part = sums[device] if device == root else _to_device_coalesced(sums[device], root)
-            total = part if total is None else torch._foreach_add(total, part)
-        return (None, None, *(total or ()))
-
-
-def _to_device_coalesced(tensors: Sequence[Tensor], device: torch.device) -> list[Tensor]:
-    """``tensors`` moved to ``device`` with one transfer per dtype (flattened, then split back)."""
-    groups = DtypeGroups(tensors)
-    flats = {dtype: flat.to(device) for dtype, flat in groups.flatten().items()}
-    return [groups.view(flats, j) for j in range(len(tensors))]
-
-
-_UNWATCHED = (None,) * 8
 _MISSING = object()
 
 
@@ -586,7 +511,11 @@ def _differentiable(outputs: Any, depth: int = 3) -> Iterator[Tensor]:
             yield from _differentiable(vars(node), depth - 1)
 
 
-def _walk(module: nn.Module, shared: Callable[[nn.Module], bool] | None = None) -> list[nn.Module]:
+def _nothing_shared(module: nn.Module) -> bool:
+    return False
+
+
+def _walk(module: nn.Module, shared: Callable[[nn.Module], bool]) -> list[nn.Module]:
     """Every distinct module of the tree, parents before children, without entering a ``shared`` module's subtree."""
     seen: set[int] = set()
     order: list[nn.Module] = []
@@ -597,9 +526,8 @@ def _walk(module: nn.Module, shared: Callable[[nn.Module], bool] | None = None) 
             continue
         seen.add(id(current))
         order.append(current)
-        if shared is not None and current is not module and shared(current):
-            continue
-        stack.extend(child for child in reversed(current._modules.values()) if child is not None)
+        if current is module or not shared(current):
+            stack.extend(child for child in reversed(current._modules.values()) if child is not None)
     return order
 
 
@@ -620,10 +548,8 @@ def _unique(tensors: Iterable[Tensor]) -> list[Tensor]:
     return list({id(t): t for t in tensors}.values())  # first-seen order
 
 
-def _watch_entry(module: nn.Module) -> tuple[dict[str, Any], ...]:
-    """A module's attribute, parameter, buffer and child dicts, then shallow copies of them."""
-    live = (module.__dict__, module._parameters, module._buffers, module._modules)
-    return (*live, *(d.copy() for d in live))
+def _watched_dicts(module: nn.Module) -> tuple[dict[str, Any], ...]:
+    return (module.__dict__, module._parameters, module._buffers, module._modules)
 
 
 def _same(current: Any, saved: Any) -> bool:
