@@ -1,10 +1,8 @@
-"""Merge per-replica outputs into what one device would have returned for the whole batch: the one rule set for
-``DataParallelModel.gather``, ``dp``'s forward outputs and ``parallel_criterion``'s step outputs.
-
-Arrays with a batch dimension are concatenated along ``dim``; differing scalars are averaged, weighted by sample
-counts or the caller's weights, and integer counts add up; per-sample lists are concatenated; containers are merged
-field by field; anything else is kept when equal on every replica, else returned as :class:`ReplicaValues`. ``None``
-or a key on some replicas only is an error, never a silent drop.
+"""Merge per-replica outputs into what one device would have returned for the whole batch (``DataParallelModel.gather``,
+``dp``'s forward outputs, ``parallel_criterion``'s step outputs): arrays concatenated along ``dim``, differing scalars
+averaged by sample counts or given weights, integer counts added, per-sample lists concatenated, containers merged
+field by field, anything else kept when equal on every replica, else a :class:`ReplicaValues`. ``None`` or a key on
+some replicas only is an error, never a silent drop.
 """
 
 from __future__ import annotations
@@ -176,8 +174,7 @@ class _Merger:
 
     def _counts(self, outputs: list[Any], path: str) -> bool:
         """Whether the replicas' integers are counts, which add up: they differ, or each is its replica's sample count
-        (``len(x)``). The same integer on every replica otherwise is kept, as a constant passed whole to every replica
-        comes back; said once, since a count can be the same on every shard."""
+        (``len(x)``); else a constant passed whole, kept (said once: a count can be the same on every shard)."""
         values = [int(o) for o in outputs]
         if self.counts or len(set(values)) > 1 or values == self.sizes:
             return True
