@@ -1,10 +1,8 @@
-"""Merge per-replica outputs into what one device would have returned for the whole batch: the one rule set for
-``DataParallelModel.gather``, ``dp``'s forward outputs and ``parallel_criterion``'s step outputs.
-
-Arrays with a batch dimension are concatenated along ``dim``; differing scalars are averaged, weighted by sample
-counts or the caller's weights; per-sample lists are concatenated; containers are merged field by field; anything else
-is kept when equal on every replica, else returned as :class:`ReplicaValues`. ``None`` or a key on some replicas only
-is an error, never a silent drop.
+"""Merge per-replica outputs into what one device would have returned for the whole batch (``DataParallelModel.gather``,
+``dp``'s forward outputs, ``parallel_criterion``'s step outputs): arrays concatenated along ``dim``, differing scalars
+averaged by sample counts or given weights, integer counts added, per-sample lists concatenated, containers merged
+field by field, anything else kept when equal on every replica, else a :class:`ReplicaValues`. ``None`` or a key on
+some replicas only is an error, never a silent drop.
 """
 
 from __future__ import annotations
@@ -28,6 +26,7 @@ from lightning_mgpu.parallel.scatter_gather import (
     is_dataclass_instance,
     is_namedtuple,
     iter_tensors,
+    labelled,
     move_to,
     rebuild,
 )
@@ -75,9 +74,9 @@ def merge_outputs(
         raise ValueError("merge_outputs() needs at least one output.")
     if sizes is not None and len(sizes) != len(outputs):
         raise ValueError(f"merge_outputs() got {len(outputs)} outputs but {len(sizes)} sizes.")
-    sample_counts = list(sizes) if sizes is not None else [agreed_size(o, dim) for o in outputs]
-    sample_counts = None if None in sample_counts else sample_counts  # an output with no batch size: no sample counts
-    return _Merger(to_device(device), dim, sample_counts, weights or {}, counts).merge(list(outputs), "output")
+    found = list(sizes) if sizes is not None else [agreed_size(o, dim) for o in outputs]
+    found = None if None in found else found  # an output with no batch size: no sample counts
+    return _Merger(to_device(device), dim, found, weights or {}, counts).merge(list(outputs), "output")
 
 
 @dataclasses.dataclass
@@ -86,7 +85,7 @@ class _Merger:
     dim: int
     sizes: list[int] | None
     weights: Mapping[str, Sequence[Weight] | str | Tensor]
-    counts: bool = False  # every integer is a count
+    counts: bool  # every integer is a count
 
     def merge(self, outputs: list[Any], path: str) -> Any:
         first, nones = outputs[0], [i for i, o in enumerate(outputs) if o is None]
@@ -108,9 +107,20 @@ class _Merger:
             return self._sequence(outputs, path)
         if is_dataclass_instance(first):
             _check_kind(outputs, path)
-            names = [f.name for f in dataclasses.fields(first)]
-            return rebuild(first, [self.merge([getattr(o, n) for o in outputs], f"{path}.{n}") for n in names])
+            return self._fields(outputs, path)
         return first if all_equal(outputs) else ReplicaValues(outputs)
+
+    def _mapping(self, outputs: list[Any], path: str) -> Any:
+        _check_kind(outputs, path, Mapping, "a mapping")
+        for key in dict.fromkeys(k for o in outputs for k in o):  # every key, in order of first appearance
+            if missing := [i for i, o in enumerate(outputs) if key not in o]:
+                raise _partial(f"{path}[{key!r}]", "no value", missing, len(outputs), what="key")
+        return rebuild(outputs[0], {k: self.merge([o[k] for o in outputs], f"{path}[{k!r}]") for k in outputs[0]})
+
+    def _fields(self, outputs: list[Any], path: str) -> Any:
+        """Tuples, lists or dataclasses of one structure merged item by item, as replica 0's type."""
+        columns = zip(*(labelled(path, o) for o in outputs), strict=True)
+        return rebuild(outputs[0], [self.merge([c for _, c in column], column[0][0]) for column in columns])
 
     def _arrays(self, outputs: list[Any], path: str) -> Any:
         first, dim = outputs[0], self.dim
@@ -125,11 +135,10 @@ class _Merger:
                 "total_length=...), a fixed max_length in the collate function), so that they concatenate in order."
             )
             return values
-        # The same size on every device, none its sample count: a dimension that is not the batch's. (Sizes that
-        # differ, as the rows of masked tokens, are per-sample data of varying length; the same multiple of every
-        # device's count is its samples flattened with another dimension, as a language model's (batch * time).)
-        held = [o.shape[dim] for o in outputs]
-        if self.sizes and len(set(held)) == 1 and set(held).isdisjoint(self.sizes) and not _flattened(held, self.sizes):
+        # The same size on every device, none its sample count: not the batch's dimension. (Sizes that differ are
+        # per-sample data of varying length; the same multiple of every count is samples flattened with time.)
+        held = {o.shape[dim] for o in outputs}
+        if self.sizes and len(held) == 1 and held.isdisjoint(self.sizes) and not _flattened(held.pop(), self.sizes):
             warnings.warn(  # a message without the step's counts: said once per output
                 f"{path}: every device's array has as many entries along dim {dim}, none its sample count: "
                 f"concatenated along dim {dim}, as nn.DataParallel does. That is one device's result for rows you "
@@ -143,11 +152,9 @@ class _Merger:
         return np.concatenate(outputs, axis=dim)
 
     def _scalars(self, outputs: list[Any], path: str) -> Any:
+        tensors = any(isinstance(o, Tensor) for o in outputs)
         if path not in self.weights and all(map(_is_count, outputs)) and self._counts(outputs, path):
-            # A count of each shard's samples (correct, total, len(x)): one device counts the whole batch.
-            if any(isinstance(o, Tensor) for o in outputs):
-                return torch.stack([torch.as_tensor(o).to(self.device).reshape(()) for o in outputs]).sum()
-            return sum(outputs)
+            return _stack(outputs, self.device).sum() if tensors else sum(outputs)  # each shard's count: one device's
         if all_equal(outputs):
             return outputs[0]
         if all(isinstance(o, bool) for o in outputs):
@@ -155,22 +162,19 @@ class _Merger:
         weights = self.weights.get(path, self.sizes)
         if isinstance(weights, Tensor):  # the caller's merged value (a loss combined by its rule)
             return weights
+        if isinstance(weights, str):  # "sum": a sum over each replica's samples
+            return _stack(outputs, self.device).sum() if tensors else sum(outputs)
         weights = [1] * len(outputs) if weights is None else weights
-        if any(isinstance(o, Tensor) for o in outputs):
-            values = torch.stack([torch.as_tensor(o).to(self.device).reshape(()) for o in outputs])
-            if isinstance(weights, str):  # "sum": a sum over each replica's samples
-                return values.sum()
+        if tensors:
+            values = _stack(outputs, self.device)
             dtype = torch.promote_types(values.dtype, torch.float32)
             return weighted_mean(values.to(dtype), stack_scalars(weights, self.device, dtype))
-        if isinstance(weights, str):
-            return sum(outputs)
         floats = [float(w) for w in weights]
         return sum(float(o) * w for o, w in zip(outputs, floats, strict=True) if w > 0) / sum(floats)
 
     def _counts(self, outputs: list[Any], path: str) -> bool:
         """Whether the replicas' integers are counts, which add up: they differ, or each is its replica's sample count
-        (``len(x)``). The same integer on every replica otherwise is kept, as a constant passed whole to every replica
-        comes back; said once, since a count can be the same on every shard."""
+        (``len(x)``); else a constant passed whole, kept (said once: a count can be the same on every shard)."""
         values = [int(o) for o in outputs]
         if self.counts or len(set(values)) > 1 or values == self.sizes:
             return True
@@ -185,14 +189,6 @@ class _Merger:
             )
         return False
 
-    def _mapping(self, outputs: list[Any], path: str) -> Any:
-        _check_kind(outputs, path, Mapping, "a mapping")
-        for key in dict.fromkeys(k for o in outputs for k in o):  # every key, in order of first appearance
-            missing = [i for i, o in enumerate(outputs) if key not in o]
-            if missing:
-                raise _partial(f"{path}[{key!r}]", "no value", missing, len(outputs), what="key")
-        return rebuild(outputs[0], {k: self.merge([o[k] for o in outputs], f"{path}[{k!r}]") for k in outputs[0]})
-
     def _sequence(self, outputs: list[Any], path: str) -> Any:
         first = outputs[0]
         plain_lists = all(isinstance(o, list) for o in outputs) and not any(map(contains_tensor, outputs))
@@ -203,11 +199,7 @@ class _Merger:
             return type(first)(move_to(x, self.device) for o in outputs for x in o)
         if plain_lists and all(isinstance(x, str) for o in outputs for x in o) and not all_equal(outputs):
             return [x for o in outputs for x in o]  # rows of strings (ids of selected samples): as many on each device
-        if not same_shape:
-            return ReplicaValues(outputs)
-        paths = [f"{path}.{n}" for n in first._fields] if is_namedtuple(first) else None
-        items = [self.merge([o[i] for o in outputs], paths[i] if paths else f"{path}[{i}]") for i in range(len(first))]
-        return rebuild(first, items)
+        return self._fields(outputs, path) if same_shape else ReplicaValues(outputs)
 
     def _per_sample(self, outputs: list[Sequence[Any]]) -> bool:
         """A list or tuple with one item per sample on every replica, not a fixed structure such as ``(preds, y)``:
@@ -222,8 +214,8 @@ class _Merger:
         if isinstance(outputs[0], list) and all(map(_is_scalar, items)):
             return True
         if all(isinstance(x, Mapping) for x in items) or all(map(is_dataclass_instance, items)):
-            tensors = [t for x in items for _, t in iter_tensors(x)]
-            return not tensors or not all(t.ndim > dim and t.shape[dim] == sizes[0] for t in tensors)
+            items = [t for x in items for _, t in iter_tensors(x)]
+            return not items or not all(t.ndim > dim and t.shape[dim] == sizes[0] for t in items)
         if all(isinstance(x, (Tensor, np.ndarray)) for x in items):
             return all(x.ndim > 0 for x in items) and not all(x.ndim > dim and x.shape[dim] == sizes[0] for x in items)
         return False
@@ -244,6 +236,10 @@ def all_equal(values: Sequence[Any]) -> bool:
         return all(v is first for v in rest)
 
 
+def _stack(values: Sequence[Any], device: torch.device) -> Tensor:
+    return torch.stack([torch.as_tensor(v).to(device).reshape(()) for v in values])
+
+
 def _is_count(value: Any) -> bool:
     """An integer (a Python or numpy int, a 0-dim integer tensor), not a bool."""
     if isinstance(value, Tensor):
@@ -257,10 +253,10 @@ def _is_scalar(value: Any) -> bool:
     return isinstance(value, (str, bytes, int, float, bool, type(None), np.number))
 
 
-def _flattened(held: Sequence[int], sizes: Sequence[int]) -> bool:
-    """Whether every device's size is the same whole multiple of its sample count: its samples flattened with another
+def _flattened(held: int, sizes: Sequence[int]) -> bool:
+    """Whether every device holds the same whole multiple of its sample count: its samples flattened with another
     dimension (a language model's ``(batch * time, vocab)`` logits), which concatenate as one device's."""
-    multiples = {h // n if n and h % n == 0 else None for h, n in zip(held, sizes, strict=True)}
+    multiples = {held // n if n and held % n == 0 else None for n in sizes}
     return len(multiples) == 1 and None not in multiples
 
 

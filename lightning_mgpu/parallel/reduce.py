@@ -1,6 +1,5 @@
-"""Reduce per-replica scalar losses onto the root device, weighted so the result equals one-device training: with
-mean losses ``l_i`` over ``w_i`` items (samples, non-ignored tokens), the whole-batch mean is
-``sum(w_i * l_i) / sum(w_i)``; an equal-weight mean is right only when every replica holds as many items.
+"""Reduce per-replica scalar losses onto the root device so that the result equals one-device training: with mean
+losses ``l_i`` over ``w_i`` items (samples, non-ignored tokens), the whole batch's is ``sum(w_i * l_i) / sum(w_i)``.
 """
 
 from __future__ import annotations
@@ -20,11 +19,10 @@ LOSS_REDUCTIONS = get_args(LossReduction)
 
 
 def as_float_weights(weights: Sequence[Weight], what: str = "loss weight") -> list[float]:
-    """Weights as Python floats (a host sync for tensors, which zero-weight detection needs anyway), each a number or
-    a one-element tensor, finite and >= 0, not all 0 (the weighted mean is undefined); else an error naming it."""
+    """Weights as Python floats (a host sync for tensors), each a number or a one-element tensor, finite and >= 0, not
+    all 0 (the weighted mean is undefined); else an error naming it."""
     for i, w in enumerate(weights):
-        one_element = isinstance(w, (int, float)) or (isinstance(w, Tensor) and w.numel() == 1)
-        if isinstance(w, bool) or not one_element:
+        if isinstance(w, bool) or not (isinstance(w, (int, float)) or (isinstance(w, Tensor) and w.numel() == 1)):
             shown = f"a tensor of shape {tuple(w.shape)}" if isinstance(w, Tensor) else repr(w)
             raise TypeError(
                 f"The {what} of replica {i} is {shown}; it must be a number or a one-element tensor: the count "
@@ -45,13 +43,13 @@ def as_float_weights(weights: Sequence[Weight], what: str = "loss weight") -> li
 
 
 def weighted_mean(values: Tensor, weights: Tensor) -> Tensor:
-    """The one weighted mean, ``sum(w_i * v_i) / sum(w_i)`` over 1-D tensors on one device, with no host sync; an
-    entry of weight 0 takes no part (its NaN mean over no valid token cannot poison the result)."""
+    """``sum(w_i * v_i) / sum(w_i)`` over 1-D tensors on one device, with no host sync; an entry of weight 0 takes no
+    part (its NaN mean over no valid token cannot poison the result)."""
     return torch.where(weights > 0, values, torch.zeros_like(values)).mul(weights).sum() / weights.sum()
 
 
 def stack_scalars(values: Sequence[Weight], device: torch.device, dtype: torch.dtype) -> Tensor:
-    """Numbers or one-element tensors as one 1-D tensor on ``device``, for :func:`weighted_mean` (no host sync)."""
+    """Numbers or one-element tensors as one 1-D tensor on ``device`` (no host sync)."""
     return torch.stack([torch.as_tensor(value).to(device, dtype).reshape(()) for value in values])
 
 
@@ -69,24 +67,21 @@ def reduce_losses(
     if not losses:
         raise ValueError("reduce_losses() needs at least one loss.")
     root = to_device(device) if device is not None else getattr(losses[0], "device", torch.device("cpu"))
-    scalars = [_scalar_on(loss, root, i) for i, loss in enumerate(losses)]
+    for i, loss in enumerate(losses):
+        if not isinstance(loss, Tensor):
+            raise TypeError(f"The loss of replica {i} is a {type(loss).__name__}, expected a scalar tensor.")
+        if loss.numel() != 1:
+            raise ValueError(
+                f"The loss of replica {i} has shape {tuple(loss.shape)}; only scalar losses can be reduced. Reduce it "
+                "to a scalar (e.g. `.mean()`), or gather per-sample losses instead."
+            )
+    # never reduced in half precision or integers
+    scalars = [s.to(root, torch.promote_types(s.dtype, torch.float32)).reshape(()) for s in losses]
     if reduction != "weighted" or weights is None:
         return torch.stack(scalars).sum() if reduction == "sum" else torch.stack(scalars).mean()
     if len(weights) != len(losses):
         raise ValueError(f"Got {len(weights)} weights for {len(losses)} losses.")
-    # A replica with weight 0 is left out of the graph too: backward through a mean over nothing is NaN.
+    # A replica of weight 0 is left out of the graph too: backward through a mean over nothing is NaN.
     kept = [(s, w) for s, w in zip(scalars, as_float_weights(weights), strict=True) if w > 0]
     stacked = torch.stack([s for s, _ in kept])
     return weighted_mean(stacked, torch.tensor([w for _, w in kept], dtype=stacked.dtype, device=root))
-
-
-def _scalar_on(loss: Tensor, device: torch.device, index: int) -> Tensor:
-    if not isinstance(loss, Tensor):
-        raise TypeError(f"The loss of replica {index} is a {type(loss).__name__}, expected a scalar tensor.")
-    if loss.numel() != 1:
-        raise ValueError(
-            f"The loss of replica {index} has shape {tuple(loss.shape)}; only scalar losses can be reduced. "
-            "Reduce it to a scalar (e.g. `.mean()`), or gather per-sample losses instead."
-        )
-    loss = loss.reshape(()).to(device)
-    return loss.to(torch.promote_types(loss.dtype, torch.float32))  # never reduce in half precision or integers

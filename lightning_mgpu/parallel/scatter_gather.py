@@ -1,12 +1,10 @@
 """Split a batch into per-device chunks; the one walker over batch structures; torch's ``scatter`` and ``gather``.
 
-Containers: mappings (``transformers``' ``ModelOutput`` and ``BatchEncoding`` too), namedtuples, lists, tuples and
-dataclasses. The walker is ours, not ``torch.utils._pytree``'s: its registry knows neither dataclasses nor mapping
-subclasses, and error messages need key paths. Tensors split along ``dim`` as ``torch.tensor_split`` does (10 over 4:
-3, 3, 2, 2); a :class:`PerSample` list, a list of plain items (ids) or a tuple of strings as long as the batch split
-by item; anything else goes whole to every replica. Given the DataLoader's sample counts (``samples``: its batch size,
-then its last batch's), a list or tuple of that many items of one outline (a collate_fn that returns its samples as
-they are: SimCLR's ``((view1, view2), label)`` pairs) splits by item too, rather than cutting each image's channels.
+The walker opens mappings (``ModelOutput``, ``BatchEncoding``), namedtuples, lists, tuples and dataclasses, which
+``torch.utils._pytree`` leaves whole, and names key paths for messages. Tensors split as ``torch.tensor_split`` does
+(10 over 4: 3, 3, 2, 2); a :class:`PerSample` list, a list of plain items or a tuple of strings as long as the batch,
+and given the DataLoader's counts (``samples``) a sequence of that many items of one outline (SimCLR's pairs), split
+by item; anything else goes whole to every replica.
 """
 
 from __future__ import annotations
@@ -55,23 +53,26 @@ def is_dataclass_instance(obj: Any) -> bool:
     return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
 
 
-def _children(obj: Any) -> tuple[bool, Iterable[tuple[Any, Any]]] | None:
-    """``(keys are field names, (key, child) pairs)`` of a container, None for a leaf; :func:`rebuild` closes it."""
+def _children(obj: Any) -> Iterable[tuple[Any, Any]] | None:
+    """``(key, child)`` pairs of a container (field names as ``str`` keys outside mappings), None for a leaf."""
     if isinstance(obj, Tensor):
         return None
     if isinstance(obj, Mapping):  # ModelOutput (a dataclass too) included
-        return False, obj.items()
+        return obj.items()
     if isinstance(obj, (list, tuple)):
-        return (True, zip(obj._fields, obj, strict=True)) if is_namedtuple(obj) else (False, enumerate(obj))
+        return zip(obj._fields, obj, strict=True) if is_namedtuple(obj) else enumerate(obj)
     if is_dataclass_instance(obj):
-        return True, ((f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj))
+        return ((f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj))
     return None
 
 
-def _labelled(path: str, obj: Any) -> list[tuple[str, Any]]:
-    """``(key path, child)`` for each child of ``obj``."""
-    by_field, pairs = _children(obj) or (False, ())
-    return [(f"{path}.{k}" if by_field else f"{path}[{k!r}]", child) for k, child in pairs]
+def labelled(path: str, obj: Any) -> list[tuple[str, Any]]:
+    """``(key path, child)`` for each child of ``obj``: ``path.field``, else ``path[key]``."""
+    keyed = isinstance(obj, Mapping)
+    return [
+        (f"{path}.{k}" if isinstance(k, str) and not keyed else f"{path}[{k!r}]", child)
+        for k, child in _children(obj) or ()
+    ]
 
 
 def iter_nodes(obj: Any, path: str = "batch", closed: Callable[[Any], bool] | None = None) -> Iterator[tuple[str, Any]]:
@@ -82,7 +83,7 @@ def iter_nodes(obj: Any, path: str = "batch", closed: Callable[[Any], bool] | No
         path, node = stack.pop()
         yield path, node
         if closed is None or not closed(node):
-            stack += reversed(_labelled(path, node))
+            stack += reversed(labelled(path, node))
 
 
 def iter_tensors(obj: Any, path: str = "batch") -> Iterator[tuple[str, Tensor]]:
@@ -94,36 +95,37 @@ def contains_tensor(obj: Any) -> bool:
 
 
 def rebuild(template: Any, values: Sequence[Any] | Mapping[str, Any]) -> Any:
-    """A container of ``template``'s type holding ``values`` (a mapping for mappings)."""
-    if type(template) in (list, tuple, dict):
-        return type(template)(values)
+    """A container of ``template``'s type holding ``values`` (a mapping for mappings); a subclass with another
+    constructor becomes its base type."""
+    kind = type(template)
+    if kind in (list, tuple, dict):
+        return kind(values)
+    if is_namedtuple(template):
+        return kind(*values)
     if isinstance(template, defaultdict):
         return defaultdict(template.default_factory, values)
-    if is_namedtuple(template):
-        return type(template)(*values)
-    if isinstance(template, Mapping) and is_dataclass_instance(template):  # transformers ModelOutput
-        return type(template)(**values)
-    if isinstance(template, (Mapping, list, tuple)):
-        try:
-            return type(template)(values)
-        except TypeError:  # a subclass with another constructor: rebuilt as its base type
-            return (dict if isinstance(template, Mapping) else list if isinstance(template, list) else tuple)(values)
-    fields = list(zip(dataclasses.fields(template), values, strict=True))  # a dataclass: else a TypeError
-    obj = type(template)(**{f.name: v for f, v in fields if f.init})
-    for f, v in fields:
-        if not f.init:  # set after construction, frozen dataclasses included
-            object.__setattr__(obj, f.name, v)
-    return obj
+    if is_dataclass_instance(template) and isinstance(template, Mapping):  # transformers ModelOutput
+        return kind(**values)
+    if is_dataclass_instance(template):
+        fields = list(zip(dataclasses.fields(template), values, strict=True))
+        obj = kind(**{f.name: v for f, v in fields if f.init})
+        for f, v in fields:
+            if not f.init:  # set after construction, frozen dataclasses included
+                object.__setattr__(obj, f.name, v)
+        return obj
+    try:
+        return kind(values)
+    except TypeError:
+        return (dict if isinstance(template, Mapping) else list if isinstance(template, list) else tuple)(values)
 
 
 def _map(obj: Any, leaf: Callable[[Any], Sequence[Any]], count: int, opened: Callable[[Any], bool]) -> list[Any]:
-    """``count`` copies of ``obj``, each leaf ``x`` replaced by ``leaf(x)[i]`` in copy ``i``; a container for which
-    ``opened`` is False is a leaf."""
+    """``count`` copies of ``obj``, each leaf ``x`` (or shut container) replaced by ``leaf(x)[i]`` in copy i."""
     children = None if isinstance(obj, Tensor) or not opened(obj) else _children(obj)
     if children is None:
         return leaf(obj)
     keys, columns = [], []
-    for key, child in children[1]:
+    for key, child in children:
         keys.append(key)
         columns.append(_map(child, leaf, count, opened))
     rows = zip(*columns, strict=True) if columns else [()] * count
@@ -159,7 +161,7 @@ def _add_sizes(obj: Any, dim: int, sizes: set[int]) -> set[int]:
     elif isinstance(obj, PerSample):
         sizes.add(len(obj))
     else:
-        for _, child in (_children(obj) or (0, ()))[1]:
+        for _, child in _children(obj) or ():
             _add_sizes(child, dim, sizes)
     return sizes
 
@@ -171,8 +173,7 @@ def agreed_size(obj: Any, dim: int = 0) -> int | None:
 
 
 def _sized(roots: Roots, dim: int, items: Collection[int] = ()) -> tuple[list[tuple[str, list[Any]]], Paths]:
-    """The PerSample lists and the tensors in the roots, with their key paths (those lists, and the sequences whose
-    ``id`` is in ``items``, not opened)."""
+    """The PerSample lists and tensors in the roots, with key paths (sequences whose id is in ``items`` shut)."""
     marked, tensors = [], []
     for root, obj in roots:
         for path, node in iter_nodes(obj, root, lambda n: isinstance(n, PerSample) or id(n) in items):
@@ -245,18 +246,16 @@ def _outline(obj: Any) -> Any:
     children = _children(obj)
     if children is None or _plain_items(obj):
         return (Tensor, obj.dim()) if isinstance(obj, Tensor) else type(obj) if children is None else (type(obj), "")
-    keyed = children[0] or isinstance(obj, Mapping)
-    return type(obj), tuple((key if keyed else None, _outline(child)) for key, child in children[1])
+    return type(obj), tuple((key, _outline(child)) for key, child in children)
 
 
 def _batched(obj: Any, count: int, dim: int) -> bool:
-    """Whether every part of ``obj`` holds ``count`` samples (tensors with ``count`` along ``dim``, sequences of
-    ``count`` plain items), as ``default_collate``'s structures do; a sample's own item does not."""
+    """Whether every part of ``obj`` holds ``count`` samples along ``dim`` (as ``default_collate``'s structures do)."""
     if isinstance(obj, Tensor):
         return obj.shape[dim : dim + 1] == (count,)
     if isinstance(obj, PerSample) or _plain_items(obj):
         return len(obj) == count
-    values = [child for _, child in (_children(obj) or (0, ()))[1]]
+    values = [child for _, child in _children(obj) or ()]
     return bool(values) and all(_batched(value, count, dim) for value in values)
 
 
@@ -281,12 +280,12 @@ def _samples_sequence(seq: Any, count: int, dim: int, counts: Sequence[int]) -> 
 
 
 def _find_samples(obj: Any, path: str, count: int, dim: int, counts: Sequence[int]) -> list[tuple[str, Any]]:
-    """``(key path, sequence)`` for the outermost sequences in ``obj`` that hold one item per sample of ``count``."""
+    """``(key path, sequence)`` for the outermost sequences in ``obj`` holding one item per sample of ``count``."""
     if isinstance(obj, (Tensor, PerSample)):
         return []
     if _samples_sequence(obj, count, dim, counts):
         return [(path, obj)]
-    return [hit for p, child in _labelled(path, obj) for hit in _find_samples(child, p, count, dim, counts)]
+    return [hit for p, child in labelled(path, obj) for hit in _find_samples(child, p, count, dim, counts)]
 
 
 def _sample_items(roots: Roots, dim: int, samples: Sequence[int]) -> list[tuple[str, Any]]:
@@ -320,8 +319,7 @@ def _kind(seq: Sequence[Any]) -> str:
 # --- advice for batch sizes that disagree -----------------------------------------------------------------------------
 @dataclasses.dataclass
 class _Advice:
-    """What to do about tensors of different batch sizes: the first specific advice that fits, else the general one.
-    ``samples``: the DataLoader's counts, where known."""
+    """What to do about tensors of different batch sizes: the first specific advice that fits, else the general one."""
 
     roots: Roots
     tensors: Paths
@@ -351,8 +349,7 @@ class _Advice:
         return ((p, n) for root, obj in self.roots for p, n in iter_nodes(obj, root) if _plain(n))
 
     def batch_dim(self) -> str | None:
-        """A tensor whose samples are on another dimension than ``dim``: where, and how to move them there and back.
-        The batch size is the DataLoader's where known, else the size most tensors have along ``dim``."""
+        """A tensor whose samples (the DataLoader's count, else the commonest size) are on another dim than ``dim``."""
         dim, along = self.dim, self.along()
         batch = set(self.samples) or {Counter(n for _, n in along).most_common(1)[0][0]}
         where = next((p for p, n in along if n in batch), None)
@@ -386,8 +383,7 @@ class _Advice:
         )
 
     def count(self) -> str | None:
-        """A sequence of items of one outline, none a batch, as long as none of the DataLoader's counts, beside
-        tensors that hold one: it cannot hold one item per sample."""
+        """A sequence of items of one outline, none a batch, of a length none of the DataLoader's counts is."""
         counts, dim = self.samples, self.dim
         for where, seq in self.sequences() if any(n in counts for _, n in self.along()) else ():
             if not _one_outline(seq) or len(seq) in counts or any(_batched(x, n, dim) for n in counts for x in seq):
@@ -403,8 +399,7 @@ class _Advice:
         return None
 
     def per_sample(self) -> str | None:
-        """A list of dicts, dataclasses or tensors as long as the batch size of a tensor outside it, holding a tensor
-        of another size: marking it :class:`PerSample` settles it."""
+        """A list of dicts, dataclasses or tensors as long as the batch, holding tensors of other sizes: a PerSample."""
         kinds = (lambda x: isinstance(x, Mapping), lambda x: isinstance(x, Tensor), is_dataclass_instance)
         for where, seq in self.sequences():
             if not any(all(map(kind, seq)) for kind in kinds):
@@ -465,9 +460,8 @@ def split_batch(
     samples: Sequence[int] = (),
 ) -> tuple[list[Any], list[int]]:
     """``(chunks, sizes)``: ``obj`` split into one chunk per device, moved there (differentiably); fewer chunks for a
-    smaller batch. ``sizes`` imposes the chunk sizes (to split targets as the outputs were). ``samples``: the sample
-    counts the batch may hold, as its DataLoader says (its batch size, then its last batch's): a sequence of that many
-    items of one outline is then split by item, and a batch whose other parts disagree is refused."""
+    smaller batch. ``sizes`` imposes the chunk sizes. ``samples``: the DataLoader's counts (its batch size, then its
+    last batch's): a sequence of that many items of one outline is split by item."""
     (chunks,), sizes = _split_roots([("batch", obj)], devices, dim, batch_size, sizes, type(obj).__name__, samples)
     return chunks, sizes
 
