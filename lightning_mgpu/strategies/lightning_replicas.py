@@ -202,23 +202,6 @@ _AGGREGATES: dict[type[Metric], str] = {
 }
 
 
-def _arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """An aggregation metric's update arguments by name: ``update(value, weight=...)``."""
-    return {**dict(zip(("value", "weight"), args, strict=False)), **kwargs}
-
-
-def _states_of(metric: Metric) -> dict[str, Any]:
-    """``metric``'s states now (lists copied: the metric may extend them later)."""
-    states = {attr: getattr(metric, attr) for attr in metric._defaults}
-    return {attr: list(value) if isinstance(value, list) else value for attr, value in states.items()}
-
-
-def _aliases(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """Tensor arguments as ``detach()`` aliases (the same tensors, without gradients)."""
-    detached = [a.detach() if isinstance(a, Tensor) else a for a in (*args, *kwargs.values())]
-    return tuple(detached[: len(args)]), dict(zip(kwargs, detached[len(args) :], strict=True))
-
-
 def _shard_clone(path: str, metric: Metric, calls: list[_Call]) -> Metric:
     """A reset clone of ``metric`` for one replica, appending each of its calls in a step to ``calls`` (a forward
     once: it updates once or twice inside). A direct ``compute()`` (of a shard) is refused; torchmetrics' forward
@@ -236,10 +219,11 @@ def _shard_clone(path: str, metric: Metric, calls: list[_Call]) -> Metric:
             nonlocal inside
             if inside:  # forward's own updates
                 return method(*args, **kwargs)
-            call = _Call(is_forward, _arguments(args, kwargs) if aggregate else None)
-            calls.append(call)
-            if aggregate and not torch.is_grad_enabled():
-                args, kwargs = _aliases(args, kwargs)
+            # An aggregation metric's arguments by name: update(value, weight=...).
+            named = {**dict(zip(("value", "weight"), args, strict=False)), **kwargs} if aggregate else None
+            calls.append(call := _Call(is_forward, named))
+            if named is not None and not torch.is_grad_enabled():  # detach() aliases: the same tensors
+                args, kwargs = (), {k: v.detach() if isinstance(v, Tensor) else v for k, v in named.items()}
             inside = True
             try:
                 call.value = method(*args, **kwargs)
@@ -257,7 +241,8 @@ def _shard_clone(path: str, metric: Metric, calls: list[_Call]) -> Metric:
                 "call compute() after the step (on_train_batch_end, on_*_epoch_end)."
             )
         if calls and calls[-1].forward and calls[-1].states is None:  # forward computes its batch value
-            calls[-1].states = _states_of(clone)
+            states = {attr: getattr(clone, attr) for attr in clone._defaults}  # lists copied: they may grow
+            calls[-1].states = {attr: list(v) if isinstance(v, list) else v for attr, v in states.items()}
         return compute(*args, **kwargs)
 
     clone.forward, clone.update, clone.compute = recorded(forward, True), recorded(update, False), guarded_compute
@@ -599,13 +584,7 @@ class MetricReplicas:
             if path in merged:
                 self.step_values[id(leaf)] = ((id(metric), k, path), merged[path])
 
-    def _call_values(
-        self,
-        node: _Node,
-        calls: _Calls,
-        batch_states: _States,
-        device: torch.device,
-    ) -> Any:
+    def _call_values(self, node: _Node, calls: _Calls, batch_states: _States, device: torch.device) -> Any:
         """Note one device's value of each forward whose value was logged: on the replicas' batch states of that call
         combined (a wrapper is called once, see :meth:`_aligned_calls`: on the batch states of the metrics it wraps).
         Return the last forward's value where the metric itself is logged on_step, else ``None``."""
@@ -624,8 +603,7 @@ class MetricReplicas:
 
     def _value(self, node: _Node, batch_states: _States) -> Any:
         """The node's metric's value on the given states alone (those of the metrics it wraps too), on a scratch copy
-        of it, made again when the metric moved or changed dtype since (Lightning's ``64-true`` converts metrics after
-        the module was built)."""
+        made again when the metric moved or changed dtype (``64-true`` converts metrics after the module was built)."""
         metric = node.metric
         scratch = self._scratch.get(id(metric))
         if scratch is None or scratch.dtype != metric.dtype or scratch.device != metric.device:
