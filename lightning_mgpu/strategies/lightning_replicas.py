@@ -2,11 +2,10 @@
 clone of every torchmetrics metric the module holds (as a submodule, or in a dict, list or tuple attribute).
 
 After the step every metric of a clone's tree folds into the root metric at the same place by each state's
-``dist_reduce_fx``, as DDP combines ranks. By hand: ``Metric.merge_state`` refuses metrics that do not declare
-``full_state_update=False``, weighs "mean" states by update counts and nests unreduced ones. What a clone's call
-returns is its shard's value; logged, it becomes one device's batch value, computed on the replicas' batch states of
-that call combined. An aggregation metric (``MeanMetric``...) given one scalar per replica is called on the root with
-the merged scalar (a loss by its rule), as one device calls it. What states cannot carry is refused with the fix."""
+``dist_reduce_fx``, as DDP combines ranks (by hand: ``Metric.merge_state`` refuses metrics without
+``full_state_update=False``). A clone's call returns its shard's value; logged, it becomes one device's batch value,
+computed on the replicas' batch states of that call. An aggregation metric (``MeanMetric``...) given one scalar per
+replica is called on the root with the merged scalar (a loss by its rule). What states cannot carry is refused."""
 
 from __future__ import annotations
 
@@ -14,6 +13,7 @@ import copy
 import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from operator import attrgetter, is_
 from typing import TYPE_CHECKING, Any
 
@@ -68,9 +68,7 @@ class LightningReplicas:
         replicas = self.replica_set.prepare(count)
         self.metrics.refresh(self.module, self.replica_set.replicas)  # metrics put in or taken out of containers
         try:
-            outputs = run_replicas(
-                [lambda i=i, r=r: call(i, r) for i, r in enumerate(replicas)], self.devices[:count], mode
-            )
+            outputs = run_replicas([partial(call, i, r) for i, r in enumerate(replicas)], self.devices[:count], mode)
         except BaseException:
             self.metrics.discard()
             for recorder in self.recorders:
@@ -90,9 +88,7 @@ class LightningReplicas:
                 owner = owners.get(id(call.value)) if isinstance(call.value, Metric) else None
                 if owner is not None and (in_training if (step := call.options.get("on_step")) is None else step):
                     on_step.add(id(owner))
-        scalars = functools.partial(
-            merge_scalars, sample_counts=sample_counts, replicas=len(recorders), loss_copy=loss_copy
-        )
+        scalars = partial(merge_scalars, sample_counts=sample_counts, replicas=len(recorders), loss_copy=loss_copy)
         try:
             step_values = self.metrics.merge(on_step, logged, scalars)
             merge_and_log(root, recorders, sample_counts, self.metrics.owner_of, loss_copy, step_values)
@@ -121,6 +117,7 @@ def _is_container(value: Any) -> bool:
 
 
 def _items(container: Any) -> Any:
+    """A container's items (a dict's values)."""
     return container.values() if isinstance(container, dict) else container
 
 
@@ -205,26 +202,6 @@ _AGGREGATES: dict[type[Metric], str] = {
 }
 
 
-def _arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """An aggregation metric's update arguments by name: ``update(value, weight=...)``."""
-    return {**dict(zip(("value", "weight"), args, strict=False)), **kwargs}
-
-
-def _states_of(metric: Metric) -> dict[str, Any]:
-    """``metric``'s states now (lists copied: the metric may extend them later)."""
-    states = {attr: getattr(metric, attr) for attr in metric._defaults}
-    return {attr: list(value) if isinstance(value, list) else value for attr, value in states.items()}
-
-
-def _aliases(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """Tensor arguments as ``detach()`` aliases (the same tensors, without gradients)."""
-    return tuple(map(_alias, args)), {k: _alias(v) for k, v in kwargs.items()}
-
-
-def _alias(value: Any) -> Any:
-    return value.detach() if isinstance(value, Tensor) else value
-
-
 def _shard_clone(path: str, metric: Metric, calls: list[_Call]) -> Metric:
     """A reset clone of ``metric`` for one replica, appending each of its calls in a step to ``calls`` (a forward
     once: it updates once or twice inside). A direct ``compute()`` (of a shard) is refused; torchmetrics' forward
@@ -237,25 +214,24 @@ def _shard_clone(path: str, metric: Metric, calls: list[_Call]) -> Metric:
     aggregate = type(clone) in _AGGREGATES
     inside = False
 
-    def recorded_forward(*args: Any, **kwargs: Any) -> Any:
-        nonlocal inside
-        call = _Call(True, _arguments(args, kwargs) if aggregate else None)
-        calls.append(call)
-        inside = True
-        try:
-            if aggregate and not torch.is_grad_enabled():
-                args, kwargs = _aliases(args, kwargs)
-            call.value = forward(*args, **kwargs)
-        finally:
-            inside = False
-        return call.value
+    def recorded(method: Callable[..., Any], is_forward: bool) -> Callable[..., Any]:
+        def record(*args: Any, **kwargs: Any) -> Any:
+            nonlocal inside
+            if inside:  # forward's own updates
+                return method(*args, **kwargs)
+            # An aggregation metric's arguments by name: update(value, weight=...).
+            named = {**dict(zip(("value", "weight"), args, strict=False)), **kwargs} if aggregate else None
+            calls.append(call := _Call(is_forward, named))
+            if named is not None and not torch.is_grad_enabled():  # detach() aliases: the same tensors
+                args, kwargs = (), {k: v.detach() if isinstance(v, Tensor) else v for k, v in named.items()}
+            inside = True
+            try:
+                call.value = method(*args, **kwargs)
+            finally:
+                inside = False
+            return call.value
 
-    def recorded_update(*args: Any, **kwargs: Any) -> Any:
-        if not inside:
-            calls.append(_Call(False, _arguments(args, kwargs) if aggregate else None))
-            if aggregate and not torch.is_grad_enabled():
-                args, kwargs = _aliases(args, kwargs)
-        return update(*args, **kwargs)
+        return record
 
     def guarded_compute(*args: Any, **kwargs: Any) -> Any:
         if clone._should_unsync:
@@ -265,10 +241,11 @@ def _shard_clone(path: str, metric: Metric, calls: list[_Call]) -> Metric:
                 "call compute() after the step (on_train_batch_end, on_*_epoch_end)."
             )
         if calls and calls[-1].forward and calls[-1].states is None:  # forward computes its batch value
-            calls[-1].states = _states_of(clone)
+            states = {attr: getattr(clone, attr) for attr in clone._defaults}  # lists copied: they may grow
+            calls[-1].states = {attr: list(v) if isinstance(v, list) else v for attr, v in states.items()}
         return compute(*args, **kwargs)
 
-    clone.forward, clone.update, clone.compute = recorded_forward, recorded_update, guarded_compute
+    clone.forward, clone.update, clone.compute = recorded(forward, True), recorded(update, False), guarded_compute
     return clone
 
 
@@ -461,7 +438,7 @@ class MetricReplicas:
     def refresh(self, root: nn.Module, replicas: Sequence[nn.Module]) -> None:
         """Install again where a container attribute of the root or of a holder's module was rebound, one holding
         metrics changed its items, or a rebinding on the root reached the replicas (else one comparison)."""
-        if self._container_signature() != self._signature or not all(h.in_place() for h in self._holders):
+        if self._container_signature() != self._signature or not all(map(_Holder.in_place, self._holders)):
             self.install(root, replicas, self._devices)
 
     def _container_signature(self) -> list[tuple[Any, ...]]:
@@ -607,13 +584,7 @@ class MetricReplicas:
             if path in merged:
                 self.step_values[id(leaf)] = ((id(metric), k, path), merged[path])
 
-    def _call_values(
-        self,
-        node: _Node,
-        calls: _Calls,
-        batch_states: _States,
-        device: torch.device,
-    ) -> Any:
+    def _call_values(self, node: _Node, calls: _Calls, batch_states: _States, device: torch.device) -> Any:
         """Note one device's value of each forward whose value was logged: on the replicas' batch states of that call
         combined (a wrapper is called once, see :meth:`_aligned_calls`: on the batch states of the metrics it wraps).
         Return the last forward's value where the metric itself is logged on_step, else ``None``."""
@@ -632,8 +603,7 @@ class MetricReplicas:
 
     def _value(self, node: _Node, batch_states: _States) -> Any:
         """The node's metric's value on the given states alone (those of the metrics it wraps too), on a scratch copy
-        of it, made again when the metric moved or changed dtype since (Lightning's ``64-true`` converts metrics after
-        the module was built)."""
+        made again when the metric moved or changed dtype (``64-true`` converts metrics after the module was built)."""
         metric = node.metric
         scratch = self._scratch.get(id(metric))
         if scratch is None or scratch.dtype != metric.dtype or scratch.device != metric.device:

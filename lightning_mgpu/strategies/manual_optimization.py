@@ -1,17 +1,9 @@
 """Manual optimization under ``parallel_criterion``: every replica runs the whole ``training_step`` on its shard, and
-the replicas meet where one device would touch the shared optimizer state.
-
-- ``self.manual_backward(loss)``: the replicas' losses are combined on the root by the loss rule and one backward pass
-  runs through all of them; the gradients then lie on the original parameters, reduced, as on one device.
-- ``opt.step()`` (of ``self.optimizers()``): the optimizer steps once, on the root, after every replica arrived; the
-  replicas' copies are synced before any of them goes on.
-- ``clip_gradients``: replica 0 alone clips the originals' gradients (before the step, which waits for it).
-- ``self.lr_schedulers()``: the schedulers, stepped by replica 0 alone.
-- ``toggle_optimizer`` / ``untoggle_optimizer``: replica 0 alone sets ``requires_grad`` on the original parameters (the
-  others would record each other's toggled state); a gradient reaches only parameters left trainable, as on one device.
-
-Every meeting is a rendezvous of the step's replicas (:mod:`..parallel.replica_group`): a replica that skips one fails
-the others with an error naming it, never a hang.
+the replicas meet where one device would touch the shared optimizer state: at ``self.manual_backward(loss)`` (their
+losses combined by the loss rule, one backward pass) and at ``opt.step()`` (one step on the root, the replicas' copies
+synced before any goes on). ``clip_gradients``, ``toggle_optimizer`` / ``untoggle_optimizer`` and the schedulers'
+``step`` act on the originals: replica 0 alone calls them. A replica that skips a meeting fails the others with an
+error naming it (:mod:`..parallel.replica_group`), never a hang.
 """
 
 from __future__ import annotations
@@ -27,6 +19,7 @@ _HINT = (
     "same number of times, in the same order: branch on something every replica shares (batch_idx, the epoch), not "
     "on one shard's values or size."
 )
+_ONCE = ("toggle_optimizer", "untoggle_optimizer", "clip_gradients")  # they act on the originals: once, by replica 0
 
 
 def meet(what: str, value: Any, combine: Callable[[list[Any]], Any]) -> Any:
@@ -45,21 +38,30 @@ def meet(what: str, value: Any, combine: Callable[[list[Any]], Any]) -> Any:
     )
 
 
-class ReplicaOptimizer:
+class _Shared:
+    """An object the replicas share, as one replica sees it: what is not overridden is the object's."""
+
+    def __init__(self, wrapped: Any, first: bool) -> None:
+        self._wrapped = wrapped
+        self._first = first  # replica 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._wrapped, name)
+
+
+class ReplicaOptimizer(_Shared):
     """What ``self.optimizers()`` returns on a replica: the Lightning optimizer, whose ``step`` runs once for all
     replicas (the closure, if any, runs on each replica first: it holds that replica's ``manual_backward``)."""
 
     def __init__(self, optimizer: Any, after_step: Callable[[], None], first: bool) -> None:
-        self._optimizer = optimizer
+        super().__init__(optimizer, first)
         self._after_step = after_step
-        self._first = first
 
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
-        """Run this replica's ``closure``, then step the optimizer once, when every replica has arrived."""
         result = closure() if closure is not None else None
 
-        def step_once(_: list[Any]) -> Any:
-            self._optimizer.step(**kwargs)
+        def step_once(_: list[Any]) -> None:
+            self._wrapped.step(**kwargs)
             self._after_step()  # the replicas' copies follow the root before any replica goes on
 
         meet("optimizer.step()", None, step_once)
@@ -67,73 +69,48 @@ class ReplicaOptimizer:
 
     @contextlib.contextmanager
     def toggle_model(self, sync_grad: bool = True) -> Iterator[None]:
-        """Lightning's ``toggle_model``, on replica 0 alone (see the module)."""
-        with self._optimizer.toggle_model(sync_grad) if self._first else contextlib.nullcontext():
+        with self._wrapped.toggle_model(sync_grad) if self._first else contextlib.nullcontext():
             yield
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._optimizer, name)
 
-
-def replica_overrides(module: Any, replica: ReplicaContext | None, after_step: Callable[[], None]) -> dict[str, Any]:
-    """The per-replica methods that make manual optimization meet: ``optimizers``, ``toggle_optimizer``,
-    ``untoggle_optimizer``, ``clip_gradients`` (bound to ``module``, the LightningModule the replicas copy)."""
-    wrapped: dict[int, ReplicaOptimizer] = {}
-    first = replica is None or replica.index == 0
-
-    def optimizers(use_pl_optimizer: bool = True) -> Any:
-        found = module.optimizers(use_pl_optimizer)
-        if not use_pl_optimizer:
-            return found
-        many = isinstance(found, list)
-        for optimizer in found if many else [found]:
-            if id(optimizer) not in wrapped:
-                wrapped[id(optimizer)] = ReplicaOptimizer(optimizer, after_step, first)
-        return [wrapped[id(o)] for o in found] if many else wrapped[id(found)]
-
-    def lr_schedulers() -> Any:
-        found = module.lr_schedulers()
-        if found is None:
-            return None
-        many = isinstance(found, list)
-        schedulers = [_FirstSteps(s, first) for s in (found if many else [found])]
-        return schedulers if many else schedulers[0]
-
-    return {
-        "optimizers": optimizers,
-        "lr_schedulers": lr_schedulers,
-        **{name: _on_first(first, getattr(module, name)) for name in _ONCE},
-    }
-
-
-class _FirstSteps:
-    """What ``self.lr_schedulers()`` returns on a replica: the scheduler, stepped by replica 0 alone (every replica
-    would step it once per step, where one device steps it once)."""
-
-    def __init__(self, scheduler: Any, first: bool) -> None:
-        self._scheduler = scheduler
-        self._first = first
+class _Scheduler(_Shared):
+    """What ``self.lr_schedulers()`` returns on a replica: stepped by replica 0 alone, once a step as on one device."""
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         if self._first:
-            self._scheduler.step(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._scheduler, name)
+            self._wrapped.step(*args, **kwargs)
 
 
-_ONCE = ("toggle_optimizer", "untoggle_optimizer", "clip_gradients")  # they act on the originals: once, by replica 0
+def replica_overrides(module: Any, replica: ReplicaContext | None, after_step: Callable[[], None]) -> dict[str, Any]:
+    """The per-replica methods that make manual optimization meet: ``optimizers``, ``lr_schedulers`` and those of
+    ``_ONCE`` (bound to ``module``, the LightningModule the replicas copy)."""
+    wrapped: dict[int, ReplicaOptimizer] = {}
+    first = replica is None or replica.index == 0
+
+    def optimizer(found: Any) -> ReplicaOptimizer:
+        if id(found) not in wrapped:
+            wrapped[id(found)] = ReplicaOptimizer(found, after_step, first)
+        return wrapped[id(found)]
+
+    def optimizers(use_pl_optimizer: bool = True) -> Any:
+        found = module.optimizers(use_pl_optimizer)
+        return _each(found, optimizer) if use_pl_optimizer else found
+
+    def lr_schedulers() -> Any:
+        found = module.lr_schedulers()
+        return None if found is None else _each(found, lambda scheduler: _Scheduler(scheduler, first))
+
+    def once(name: str) -> Callable[..., None]:
+        def call(optimizer: Any, *args: Any, **kwargs: Any) -> None:
+            if first:
+                unwrapped = optimizer._wrapped if isinstance(optimizer, ReplicaOptimizer) else optimizer
+                getattr(module, name)(unwrapped, *args, **kwargs)
+
+        return call
+
+    return {"optimizers": optimizers, "lr_schedulers": lr_schedulers, **{name: once(name) for name in _ONCE}}
 
 
-def _on_first(first: bool, method: Callable[..., Any]) -> Callable[..., None]:
-    """``method`` of the LightningModule, called by replica 0 only (given a :class:`ReplicaOptimizer`'s optimizer)."""
-
-    def call(optimizer: Any, *args: Any, **kwargs: Any) -> None:
-        if first:
-            method(_unwrapped(optimizer), *args, **kwargs)
-
-    return call
-
-
-def _unwrapped(optimizer: Any) -> Any:
-    return optimizer._optimizer if isinstance(optimizer, ReplicaOptimizer) else optimizer
+def _each(found: Any, wrap: Callable[[Any], Any]) -> Any:
+    """``wrap`` applied to ``found``, or to each of its items where it is a list."""
+    return [wrap(item) for item in found] if isinstance(found, list) else wrap(found)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import importlib
 import logging
 import warnings
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
@@ -49,7 +49,6 @@ class LightningNamespace:
 
 
 T = TypeVar("T")
-_MISSING = object()
 
 
 class SingleProcessParallel:
@@ -96,11 +95,10 @@ class SingleProcessParallel:
         #: What each number the run's losses divide or multiply by was read as (a count, a constant), by the loss's
         #: shape: a step whose shards make it ambiguous (a constant equal to every shard's size) follows earlier ones.
         self._settled: dict[Any, str] = {}
-        self._interleaved = False  # the last replicated call's threads could interleave (set by _mode_for)
         self._replicated_on: list[torch.device] = []
         self._checks = StepChecks(self._STEP_PER_REPLICA, self._announced, self._warn_once)
 
-    # --- one Trainer per instance: the connector reads `_accelerator` from an instance it receives, so refuse there ---
+    # --- one Trainer per instance: the connector reads `_accelerator` of an instance it receives: refused there ---
     @property
     @override
     def accelerator(self) -> Any:
@@ -317,13 +315,13 @@ class SingleProcessParallel:
         replica_sets = [replicas.replica_set for replicas in self._replicas.values()]
         mapped: list[torch.Tensor] = []
         for tensor in [inputs] if isinstance(inputs, torch.Tensor) else inputs:
-            leaves = next((found for rs in replica_sets if (found := rs.leaves_of(tensor))), [tensor])
-            mapped.extend(leaves)
+            mapped.extend(next((found for rs in replica_sets if (found := rs.leaves_of(tensor))), [tensor]))
         return mapped
 
     # --- replicated calls --------------------------------------------------------------------------------------------
-    def _mode_for(self, replicas: LightningReplicas, count: int) -> ExecutionMode:
-        """Threads or one after another (compiled code needs one thread, collectives many)."""
+    def _mode_for(self, replicas: LightningReplicas, count: int) -> tuple[ExecutionMode, bool]:
+        """Threads or one after another (compiled code needs one thread, collectives many), and whether the threads
+        could interleave: they take turns, one whole step each, unless they meet inside it or turns are off."""
         mode, reason = replicas.replica_set.execution_mode(self.execution_mode, count)
         meets = self._why_replicas_meet(replicas.module, self.lightning_module._current_fx_name) if count > 1 else None
         if meets is not None and resolve_mode(mode, replicas.devices[:count]) == "sequential":
@@ -338,10 +336,8 @@ class SingleProcessParallel:
             self._warn_once(
                 reason, f"{self.strategy_name}: execution_mode={self.execution_mode!r} overridden: {reason}."
             )
-        # Threads take turns, one whole step each, unless they meet (and hand over) inside it, or turns are off.
         threads = count > 1 and resolve_mode(mode, replicas.devices[:count]) == "threads"
-        self._interleaved = threads and (not TAKE_TURNS or meets is not None or replicas.replica_set.meets_at_batchnorm)
-        return mode
+        return mode, threads and (not TAKE_TURNS or meets is not None or replicas.replica_set.meets_at_batchnorm)
 
     def _why_replicas_meet(self, module: nn.Module, hook: str) -> str | None:
         """Why the replicas of ``module`` meet inside a ``hook`` call (so they run in threads), or ``None``."""
@@ -363,7 +359,7 @@ class SingleProcessParallel:
         """Run ``call(i, replica_i)`` on the first ``len(sample_counts)`` devices; merge logs and metrics into the
         LightningModule. ``loss_copy(outputs)`` merges logged values that are losses by their rule."""
         replicas = self._replicas.of(module, self.parallel_devices)
-        count = len(sample_counts)
+        replica_set, root, count = replicas.replica_set, self.lightning_module, len(sample_counts)
         self._replicated_on = replicas.devices[:count]
         if count < len(self.parallel_devices) and "fewer samples than devices" not in self._announced:
             self._announced.add("fewer samples than devices")  # said once: BoringModel's batches of 1 sample
@@ -371,30 +367,24 @@ class SingleProcessParallel:
                 f"{self.strategy_name}: a batch of {sum(sample_counts)} sample(s) ran on {count} of the "
                 f"{len(self.parallel_devices)} devices (at least one sample per device); the others had nothing to do."
             )
-        # Accumulating: replicas keep their gradients until the last backward pass, unless something reads them between.
-        root = self.lightning_module
-        replica_set = replicas.replica_set
-        if replicas.hook != root._current_fx_name:  # a new stage: callbacks swap weights in through .data (EMA), which
-            replicas.hook = root._current_fx_name  # moves no version counter: copy everything once
+        hook = root._current_fx_name
+        if replicas.hook != hook:  # a new stage: callbacks swap weights in through .data (EMA), which moves no
+            replicas.hook = hook  # version counter: copy everything once
             replica_set.mark_stale()
+        # Accumulating: replicas keep their gradients until the last backward pass, unless something reads them between.
+        training = hook == "training_step"
         waiting = replica_set.defer_reduction  # the last micro-batch's reduction waits
         accumulating = (
-            root._current_fx_name == "training_step"
-            and root.automatic_optimization
-            and root.trainer.fit_loop.epoch_loop._should_accumulate()
+            training and root.automatic_optimization and root.trainer.fit_loop.epoch_loop._should_accumulate()
         )
         reads = (waiting or accumulating) and self._reads_gradients_between_backward_passes(root)
-        if waiting and reads:
-            # A hook arrived (on_train_batch_start) after the backward passes whose reduction waits: on one device their
-            # gradients reached .grad without it.
+        if waiting and reads:  # a hook (on_train_batch_start) came after the backward passes whose reduction waits
             replica_set.reduce_gradients(run_hooks=False)
         replica_set.defer_reduction = accumulating and not reads
-        hook = root._current_fx_name
         # On the first steps only: what a step could change once per replica (lists, shared dicts, schedulers).
         checking = self._checks.before(hook, module, root, replica_set.builds) if count > 1 else False
-        snapshots: list[dict[str, Any]] = [{} for _ in range(count)]
-
-        manual = self._STEP_PER_REPLICA and not root.automatic_optimization and root._current_fx_name == "training_step"
+        snapshots: list[dict[str, Any]] = [{}] * count  # replaced, never mutated
+        manual = self._STEP_PER_REPLICA and training and not root.automatic_optimization
 
         def watched(index: int, replica: nn.Module) -> Any:
             if manual:  # the replicas meet at the shared optimizers
@@ -404,11 +394,12 @@ class SingleProcessParallel:
                 snapshots[index] = replica.__dict__.copy()  # once prepared: what the step may rebind
             return call(index, replica)
 
-        outputs = replicas.run(count, watched, self._mode_for(replicas, count))
+        mode, interleaved = self._mode_for(replicas, count)
+        outputs = replicas.run(count, watched, mode)
         kept = replica_set.keep_first_replicas(snapshots[0])  # the root module stands for replica 0
         if checking:
             others = [rebound_attributes(r, b) for r, b in zip(replica_set.replicas[1:], snapshots[1:], strict=False)]
-            self._checks.after(hook, kept, others, manual=manual, interleaved=self._interleaved)
+            self._checks.after(hook, kept, others, manual=manual, interleaved=interleaved)
         replicas.merge_into(root, sample_counts, loss_copy(outputs) if loss_copy is not None else None)
         return outputs
 
@@ -468,13 +459,11 @@ class SingleProcessParallel:
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._run_step("predict_step", args, kwargs)
 
-    @contextmanager
-    def _step_context(self, hook: str) -> Iterator[None]:
+    def _step_context(self, hook: str) -> AbstractContextManager[Any]:
         """The precision plugin's context for ``hook``."""
         self._replicated_on = []
         name = hook.replace("training", "train").replace("validation", "val")
-        with getattr(self.precision_plugin, f"{name}_context")():
-            yield
+        return getattr(self.precision_plugin, f"{name}_context")()
 
 
 def _meeting_notice(meets: str) -> str:

@@ -43,9 +43,8 @@ def same_tensor(value: Any, loss: Any) -> bool:
         return False
     if value.grad_fn is not None:
         return value.grad_fn is loss.grad_fn
-    strided = value.layout == loss.layout == torch.strided
     return (
-        strided
+        value.layout == loss.layout == torch.strided
         and value.untyped_storage().data_ptr() == loss.untyped_storage().data_ptr()
         and (value.storage_offset(), value.shape) == (loss.storage_offset(), loss.shape)
     )
@@ -61,15 +60,15 @@ def declared_copy(values: Sequence[Any], outputs: Sequence[Any], root: torch.dev
     if None in found or 0 < totals < len(found):
         return None
     dtype = torch.promote_types(values[0].dtype, torch.float32)
-    if not totals:
-        return weighted_mean(
-            stack_scalars([v.detach() for v in values], root, dtype), stack_scalars(found, root, dtype)
+    # Per replica, its (loss, weight) pairs: one, or one per term of a total; merged term by term.
+    pairs = found if totals else [[(value, weight)] for value, weight in zip(values, found, strict=True)]
+    return sum(
+        weighted_mean(
+            stack_scalars([loss.detach() for loss, _ in term], root, dtype),
+            stack_scalars([weight for _, weight in term], root, dtype),
         )
-    merged = torch.zeros((), device=root, dtype=dtype)
-    for pairs in zip(*found, strict=True):  # one term, every replica's pair
-        losses = stack_scalars([loss.detach() for loss, _ in pairs], root, dtype)
-        merged = merged + weighted_mean(losses, stack_scalars([weight for _, weight in pairs], root, dtype))
-    return merged
+        for term in zip(*pairs, strict=True)
+    )
 
 
 def _declared_weight(value: Any, output: Any) -> Any:
@@ -108,13 +107,10 @@ def reduce_training_outputs(
         raise TypeError(
             f"`training_step` returned a {type(first).__name__}; return a loss tensor, a dict with 'loss', or None."
         )
-    if LOSS_TERMS_KEY in first:  # the terms define the loss at every device count, one device too
-        loss = _reduce_terms(outputs, root)
-    elif "loss" not in first:
+    if LOSS_TERMS_KEY not in first and "loss" not in first:
         raise ValueError("`training_step` returned a dict without a 'loss' key (or 'loss_terms').")
-    elif LOSS_WEIGHT_KEY in first:
-        weights = [o.get(LOSS_WEIGHT_KEY) for o in outputs]
-        loss = _reduce_weighted([o["loss"] for o in outputs], weights, "loss_weight", root)
+    if LOSS_TERMS_KEY in first or LOSS_WEIGHT_KEY in first:  # they define the loss at every device count
+        loss = _declared_loss(outputs, root)
     else:
         loss = first["loss"] if single else combine([o["loss"] for o in outputs])
     extras = [{k: v for k, v in o.items() if k not in ("loss", LOSS_WEIGHT_KEY, LOSS_TERMS_KEY)} for o in outputs]
@@ -124,21 +120,23 @@ def reduce_training_outputs(
     }
 
 
-def _reduce_weighted(losses: Sequence[Any], weights: Sequence[Any], what: str, root: torch.device) -> Any:
-    floats = as_float_weights(weights, what)  # checked and read once
-    return losses[0] if len(losses) == 1 else reduce_losses(losses, floats, root, "weighted")
-
-
-def _reduce_terms(outputs: Sequence[Mapping[str, Any]], root: torch.device) -> Tensor:
-    terms = [_checked_terms(output, index) for index, output in enumerate(outputs)]
-    if not terms[0]:
-        raise ValueError(f"`training_step` returned an empty {LOSS_TERMS_KEY!r} mapping.")
+def _declared_loss(outputs: Sequence[Mapping[str, Any]], root: torch.device) -> Tensor:
+    """The loss of steps returning ``loss_terms`` (each term reduced by its weights, then summed) or ``loss_weight``."""
+    if LOSS_TERMS_KEY not in outputs[0]:
+        parts = {"loss_weight": [(o["loss"], o.get(LOSS_WEIGHT_KEY)) for o in outputs]}
+    else:
+        terms = [_checked_terms(output, index) for index, output in enumerate(outputs)]
+        if not terms[0]:
+            raise ValueError(f"`training_step` returned an empty {LOSS_TERMS_KEY!r} mapping.")
+        for name in terms[0]:
+            if missing := [index for index, replica in enumerate(terms) if name not in replica]:
+                raise ValueError(f"Replica {missing[0]} returned {LOSS_TERMS_KEY!r} without the term {name!r}.")
+        parts = {f"{LOSS_TERMS_KEY}[{name!r}] weight": [replica[name] for replica in terms] for name in terms[0]}
     reduced = []
-    for name in terms[0]:
-        if missing := [index for index, replica in enumerate(terms) if name not in replica]:
-            raise ValueError(f"Replica {missing[0]} returned {LOSS_TERMS_KEY!r} without the term {name!r}.")
-        losses, weights = zip(*(replica[name] for replica in terms), strict=True)
-        reduced.append(_reduce_weighted(losses, weights, f"{LOSS_TERMS_KEY}[{name!r}] weight", root))
+    for what, pairs in parts.items():
+        losses, weights = zip(*pairs, strict=True)
+        floats = as_float_weights(weights, what)  # checked and read once
+        reduced.append(losses[0] if len(losses) == 1 else reduce_losses(losses, floats, root, "weighted"))
     return sum(reduced[1:], reduced[0])
 
 
