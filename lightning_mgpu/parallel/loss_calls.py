@@ -1,9 +1,8 @@
 """What evaluation's loss calls divide by, read from their own arguments while they run.
 
-Evaluation runs without autograd, so its losses carry no graph for :mod:`.loss_graph` to read. While a replica's
-evaluation step runs, :class:`LossCalls` (a ``TorchFunctionMode``) notes each output of torch's functional losses
-with what its mean divides by; a logged or returned value that is such an output merges by it. Every call runs once,
-as written: the mode only reads.
+Evaluation runs without autograd, so its losses carry no graph for :mod:`.loss_graph`: :class:`LossCalls` (a
+``TorchFunctionMode``) notes each output of torch's functional losses with what its mean divides by, as a
+:class:`.loss_graph.LossRecord`. Every call runs once, as written: the mode only reads.
 """
 
 from __future__ import annotations
@@ -33,33 +32,19 @@ def _elements(bound: dict[str, Any]) -> int:
     return torch.broadcast_shapes(bound["input"].shape, bound["target"].shape).numel()
 
 
-def _batch_mean(bound: dict[str, Any]) -> int:  # kl_div(reduction="batchmean")
-    return bound["input"].shape[0] if bound["input"].dim() > 0 else 1
-
-
-def _ctc_samples(bound: dict[str, Any]) -> int:  # a mean over samples of each one's loss over its target length
-    log_probs = bound["log_probs"]
-    return log_probs.shape[1] if log_probs.dim() == 3 else 1
-
-
+_ELEMENTWISE = (F.mse_loss, F.l1_loss, F.huber_loss, F.smooth_l1_loss, F.binary_cross_entropy, F.kl_div)
 #: The functional losses whose calls evaluation records, and what their mean divides by, from their arguments.
 _CALL_COUNTS: dict[Any, Callable[[dict[str, Any]], Any]] = {
-    F.cross_entropy: _class_loss_count,
-    F.nll_loss: _class_loss_count,
-    **dict.fromkeys(
-        (F.mse_loss, F.l1_loss, F.huber_loss, F.smooth_l1_loss, F.binary_cross_entropy, F.kl_div),
-        _elements,
-    ),
-    F.binary_cross_entropy_with_logits: _elements,
-    F.ctc_loss: _ctc_samples,
+    **dict.fromkeys((F.cross_entropy, F.nll_loss), _class_loss_count),
+    **dict.fromkeys((*_ELEMENTWISE, F.binary_cross_entropy_with_logits), _elements),
+    # ctc_loss: a mean over samples of each one's loss over its target length
+    F.ctc_loss: lambda bound: bound["log_probs"].shape[1] if bound["log_probs"].dim() == 3 else 1,
 }
 _SIGNS = {"add": 1, "__add__": 1, "__radd__": 1, "sub": -1, "__sub__": -1}
 _SCALES = {"mul": 1, "__mul__": 1, "__rmul__": 1, "div": -1, "__truediv__": -1}
 
 
-@functools.cache
-def _signature(func: Any) -> inspect.Signature:
-    return inspect.signature(func)  # read once per loss function, not at every call
+_signature = functools.cache(inspect.signature)  # read once per loss function, not at every call
 
 
 _IN_PLACE_OPERATORS = frozenset(
@@ -68,16 +53,13 @@ _IN_PLACE_OPERATORS = frozenset(
 
 
 def _in_place(name: str) -> bool:
-    """Whether torch's function ``name`` changes its first argument in place (``add_``, ``__iadd__``), not a read
-    (``__get__`` of ``.shape``, ``__int__``, ``__index__``)."""
+    """Whether torch's function ``name`` changes its first argument in place (``add_``, ``__iadd__``)."""
     return name in _IN_PLACE_OPERATORS or (name.endswith("_") and not name.endswith("__"))
 
 
 class LossCalls(TorchFunctionMode):
-    """Records, while active, the outputs of torch's functional losses with what their mean divides by, read from
-    the call's own arguments, and sums and scalings of them (``mlm + nsp``, ``0.5 * loss``), as a
-    :class:`LossRecord`: evaluation runs without autograd, so its losses carry no graph to read. Only reading: every
-    call runs once, as written."""
+    """Records, while active, the outputs of torch's functional losses with what their mean divides by, and sums and
+    scalings of them (``mlm + nsp``, ``0.5 * loss``), as :class:`LossRecord` s."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -109,14 +91,16 @@ class LossCalls(TorchFunctionMode):
         reduction = bound.get("reduction", "mean")
         if reduction not in ("mean", "sum", "batchmean"):
             return None
-        count = (_batch_mean if reduction == "batchmean" else _CALL_COUNTS[func])(bound)
-        if reduction == "sum":  # a sum, or a part of one over a count it is divided by (num_items_in_batch)
-            return LossRecord([Term(None, func.__name__, None, 1.0, lambda: output, count, of_loss=True)])
-        return LossRecord([Term(None, func.__name__, count, 1.0, lambda: output)])
+        if reduction == "batchmean":  # kl_div's mean over samples
+            count = bound["input"].shape[0] if bound["input"].dim() > 0 else 1
+        else:
+            count = _CALL_COUNTS[func](bound)
+        sums = reduction == "sum"  # a sum, or a part of one over a count it is divided by (num_items_in_batch)
+        term = Term(None, func.__name__, None if sums else count, 1.0, lambda: output, count if sums else None, sums)
+        return LossRecord([term])
 
     def _reduction(self, name: str, args: tuple[Any, ...], kwargs: Any, output: Tensor) -> LossRecord | None:
-        """``x.sum()`` and ``x.mean()`` over every element of a tensor no loss call made: a sum (its size kept, for
-        a division by a count) or a mean over its elements."""
+        """``x.sum()`` / ``x.mean()`` over every element: a sum (its size kept, for a division) or a mean."""
         if name not in ("sum", "mean") or len(args) != 1 or kwargs or not isinstance(args[0], Tensor):
             return None
         if not args[0].is_floating_point():  # a count ((y == 0).sum(), mask.sum()), not a loss
@@ -127,13 +111,12 @@ class LossCalls(TorchFunctionMode):
         if stacked is not None and stacked[0] is args[0]:  # torch.stack(losses).sum() / .mean()
             share = 1 / len(stacked[1]) if name == "mean" else 1
             return LossRecord([replace(t, coefficient=t.coefficient * share) for r in stacked[1] for t in r.terms])
-        size = args[0].numel()
-        term = Term(None, name, None, 1.0, lambda: output, size) if name == "sum" else Term(None, name, size)
-        return LossRecord([replace(term, value=lambda: output)])
+        sums, size = name == "sum", args[0].numel()
+        return LossRecord([Term(None, name, None if sums else size, 1.0, lambda: output, size if sums else None)])
 
     def _combined(self, func: Any, args: tuple[Any, ...], kwargs: Any, output: Tensor) -> LossRecord | None:
-        """The record of a sum, difference, product or quotient of recorded losses and numbers; a sum divided by a
-        count is a mean over it (``(l * mask).sum() / mask.sum()``)."""
+        """A sum, difference, product or quotient of recorded losses and numbers; a sum divided by a count is a mean
+        over it (``(l * mask).sum() / mask.sum()``)."""
         name = getattr(func, "__name__", "")
         if len(args) != 2 or (name not in _SIGNS and name not in _SCALES):
             return None
@@ -163,9 +146,8 @@ class LossCalls(TorchFunctionMode):
 
 
 def once_per_shard_alike(records: list[LossRecord]) -> None:
-    """In evaluation, a sum that every shard computes to the same value (a regulariser of the weights) counts once,
-    as on one device: its weight becomes 1 on each shard (their mean). A data sum equal on every shard to the last
-    bit is a coincidence this accepts."""
+    """In evaluation, a sum every shard computes alike (a regulariser of the weights) counts once, as on one device
+    (a data sum equal on every shard to the last bit is a coincidence this accepts)."""
     for t, term in enumerate(records[0].terms):
         if term.count is None and len(records) > 1:
             values = [record.terms[t].contribution() for record in records]
@@ -175,8 +157,7 @@ def once_per_shard_alike(records: list[LossRecord]) -> None:
                     record._signature = None
 
 
-#: Layers whose evaluation takes a fast path only while no torch function mode is active: reading loss calls there
-#: would change their outputs (padded positions), so evaluation does not read them in a module holding one.
+#: Layers with a fast path only while no torch function mode is active: reading loss calls would change their outputs.
 FAST_PATH_LAYERS = (torch.nn.MultiheadAttention, torch.nn.TransformerEncoderLayer, torch.nn.TransformerEncoder)
 
 
@@ -188,9 +169,8 @@ def can_read_calls(module: torch.nn.Module) -> bool:
 def combine_by_record(
     losses: list[Any], calls: Sequence[LossCalls | None], sizes: list[int], root: torch.device, memory: Any = None
 ) -> Tensor | None:
-    """The whole batch's loss on ``root`` from the replicas' ``losses``, as their autograd records say
-    (:func:`.loss_graph.read_loss`) or, for a loss without one (evaluation), its loss calls (:class:`LossCalls`);
-    ``None`` where they do not say. ``memory``: see :func:`.loss_graph.combine_losses_by_record`."""
+    """The whole batch's loss on ``root`` from the replicas' ``losses`` by their autograd records or, without one,
+    their loss calls; ``None`` where they do not say (:func:`.loss_graph.combine_losses_by_record`)."""
     graphs = [getattr(loss, "grad_fn", None) is not None for loss in losses]
     records = [
         read_loss(loss, n) if graph else c and c.record_of(loss)

@@ -1,9 +1,8 @@
-"""How each device's loss is normalised, which decides how the devices' losses combine into the whole batch's.
+"""How each device's loss is normalised, hence how the devices' losses combine into the whole batch's.
 
-The rule comes from, in order: the step (``loss_weight`` / ``loss_terms``, consumed by :mod:`.step_outputs`); a
-declared ``loss_reduction`` (:class:`LossNormalization`); the returned loss's autograd record
-(:mod:`lightning_mgpu.parallel.loss_graph`); otherwise a per-sample mean, said once. Nothing here runs user code or
-reads its source."""
+The rule comes from, in order: the step's ``loss_weight`` / ``loss_terms`` (:mod:`.step_outputs`); a declared
+``loss_reduction`` (:class:`LossNormalization`); the loss's autograd record (:mod:`..parallel.loss_graph`); else a
+per-sample mean, said once."""
 
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ from typing import Any, Literal, cast
 import torch
 from torch import Tensor
 
-from lightning_mgpu.parallel.loss_graph import LossRecord, count_targets
+from lightning_mgpu.parallel.loss_graph import TERM_WORDS, LossRecord, count_targets
 from lightning_mgpu.parallel.reduce import Weight
 
 Kind = Literal["samples", "sum", "replica_mean", "tokens"]
@@ -36,7 +35,7 @@ class LossNormalization:
 
     @classmethod
     def parse(cls, spec: str) -> LossNormalization | None:
-        """A ``loss_reduction`` string; ``"auto"`` gives ``None``. ``<key>`` in ``"tokens:<key>[:<ignore_index>]"`` is a
+        """A ``loss_reduction`` string (``"auto"``: ``None``); ``<key>`` in ``"tokens:<key>[:<ignore_index>]"`` is a
         dict key, a position in a tuple batch or a dotted path of them (``targets.labels``)."""
         if not isinstance(spec, str):
             raise TypeError(f"loss_reduction must be a string, got {type(spec).__name__}.")
@@ -57,14 +56,12 @@ class LossNormalization:
         )
 
     def spec(self) -> str:
-        """The ``loss_reduction`` string that selects this rule."""
         if self.kind != "tokens":
             return self.kind
         ignore = "" if self.ignore_index == IGNORE_INDEX else f":{self.ignore_index}"
         return f"{'shifted_tokens' if self.shifted else 'tokens'}:{'.'.join(map(str, self.key))}{ignore}"
 
     def describe(self) -> str:
-        """The rule in words."""
         if self.kind != "tokens":
             return _KIND_WORDS[self.kind]
         weighted = ", weighted by class" if self.class_weight is not None else ""
@@ -72,8 +69,7 @@ class LossNormalization:
         return f"a mean over the labels in {show(self.key)} that are not {self.ignore_index}{weighted}{shift}"
 
     def weights(self, chunks: Sequence[Any], sample_counts: Sequence[int]) -> list[Weight | str]:
-        """Each replica's weight (see :func:`.step_outputs.combine_losses`): its sample or label count, ``"sum"`` for a
-        sum, 1 for ``replica_mean``."""
+        """Each replica's weight (:func:`.step_outputs.combine_losses`): its sample or label count, ``"sum"``, or 1."""
         if self.kind == "tokens":
             return [self.count(chunk) for chunk in chunks]
         if self.kind == "sum":
@@ -81,7 +77,6 @@ class LossNormalization:
         return [1] * len(sample_counts) if self.kind == "replica_mean" else list(sample_counts)
 
     def count(self, batch: Any) -> Tensor:
-        """The labels of ``batch`` this rule averages over."""
         labels = batch
         for part in self.key:
             try:
@@ -115,31 +110,14 @@ def describe(record: LossRecord, weights: Sequence[Sequence[Any]]) -> str:
     parts = [
         "a regulariser of the weights: counted once"
         if term.name.endswith(" of the parameters")
-        else f"{_TERM_WORDS.get(term.name, term.name)}: "
+        else f"{TERM_WORDS.get(term.name, term.name)}: "
         + ("a sum" if any(w is None for w in term_weights) else "a mean")
         for term, term_weights in zip(record.terms, weights, strict=True)
     ]
     return parts[0] if len(parts) == 1 else f"a sum of {len(parts)} terms ({'; '.join(parts)}), each weighted apart"
 
 
-_TERM_WORDS = {
-    "NllLossBackward0": "cross_entropy / nll_loss over its counted targets",
-    "NllLoss2DBackward0": "cross_entropy / nll_loss over its counted targets",
-    "MseLossBackward0": "mse_loss over elements",
-    "HuberLossBackward0": "huber_loss over elements",
-    "SmoothL1LossBackward0": "smooth_l1_loss over elements",
-    "BinaryCrossEntropyBackward0": "binary_cross_entropy over elements",
-    "BinaryCrossEntropyWithLogitsBackward0": "binary_cross_entropy_with_logits over elements",
-    "MeanBackward0": ".mean() over elements",
-    "MeanBackward1": ".mean() over elements",
-    "SumBackward0": ".sum()",
-    "SumBackward1": ".sum()",
-    "sum / divisor": ".sum() / divisor",
-}
-
-
 def unread_message(strategy: str, why: str, options: str) -> str:
-    """What is said once when no source says the rule: the per-sample assumption and the fixes that work."""
     return (
         f"{strategy}: {why}, so each device's loss is weighted by its sample count, which equals one device for a "
         "per-sample mean. For a sum or a mean over tokens, declare it: loss_reduction='sum' | 'tokens:<labels key>' "
@@ -148,7 +126,6 @@ def unread_message(strategy: str, why: str, options: str) -> str:
 
 
 def coupling_message(strategy: str, what: str) -> str:
-    """What is said once for a loss whose graph mixes the rows of a device's shard."""
     fix = (
         "the strategy's default sync_batchnorm=True, or Trainer(sync_batchnorm=True) (statistics over the whole batch)"
         if what.startswith("BatchNorm")
