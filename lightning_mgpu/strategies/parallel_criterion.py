@@ -15,13 +15,7 @@ from typing_extensions import override
 
 from lightning_mgpu.parallel import collectives
 from lightning_mgpu.parallel.loss_calls import LossCalls, can_read_calls, once_per_shard_alike
-from lightning_mgpu.parallel.loss_graph import (
-    Combined,
-    combine_losses_by_record,
-    coupling,
-    read_loss,
-    term_totals,
-)
+from lightning_mgpu.parallel.loss_graph import Combined, combine_losses_by_record, coupling, read_loss, term_totals
 from lightning_mgpu.parallel.merge import merge_outputs
 from lightning_mgpu.parallel.run_replicas import ExecutionMode
 from lightning_mgpu.parallel.scatter_gather import split_batch
@@ -84,7 +78,6 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         self._counted: tuple[str, str] | None = None  # a read training rule other than a per-sample mean, its spec
         self._readable: dict[int, bool] = {}  # per module: whether evaluation reads its loss calls
         self._shards: tuple[list[int], list[Any] | None] = ([], None)  # the step's sample counts and declared weights
-        self._records: dict[tuple[int, int], tuple[Any, Any]] = {}  # this step's read losses, see _read
         self._combined: tuple[list[Tensor], Tensor] | None = None  # this step's training losses and their combination
 
     @property
@@ -97,8 +90,7 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
     def _run_step(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         try:
             return self._step(hook, args, kwargs)
-        finally:  # what the step read and combined holds its graphs: not kept past it
-            self._records.clear()
+        finally:  # what the step combined holds its graphs: not kept past it
             self._combined = None
 
     def _step(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -175,7 +167,7 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         done = self._combined
         if done is not None and len(done[0]) == len(losses) and all(map(operator.is_, done[0], losses)):
             return done[1]  # combined already for its logged copy, in this step
-        records = [self._read(loss, size) for loss, size in zip(losses, sizes, strict=True)]
+        records = [read_loss(loss, size) for loss, size in zip(losses, sizes, strict=True)]
         combined = combine_losses_by_record(
             losses, records, sizes, self.root_device, memory=self._settled, gathered=collectives.gathered_in_call()
         )
@@ -227,13 +219,6 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
                 "are combined accordingly."
             )
 
-    def _read(self, loss: Any, size: int) -> Any:
-        """``read_loss(loss, size)``, once per tensor and step (a logged copy of the loss and the loss itself)."""
-        key = (id(loss), size)
-        if key not in self._records:
-            self._records[key] = (loss, read_loss(loss, size))  # the tensor kept: its id stays its own
-        return self._records[key][1]
-
     def _say_evaluation_rule(self, hook: str) -> None:
         """Said once: evaluation runs without autograd, so its losses carry no record; where the training loss is not a
         per-sample mean, a logged evaluation loss computed alike is merged per sample, unlike one device's."""
@@ -278,7 +263,7 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         if not all(isinstance(v, Tensor) for v in values):
             return None
         if hook == "training_step":
-            records = [self._read(value, size) for value, size in zip(values, sizes, strict=True)]
+            records = [read_loss(value, size) for value, size in zip(values, sizes, strict=True)]
         else:
             records = [recorded.record_of(value) for value, recorded in zip(values, calls, strict=True)]
             if all(record is not None for record in records):
