@@ -1,7 +1,6 @@
 """Register the strategies with every Lightning namespace the project imports, and import none it does not use:
 a namespace already imported at once, the others by an import hook right after their package finishes importing.
-Each namespace gets its own thin classes (:func:`define`): the shared implementation put before its
-``ParallelStrategy``, in that namespace's module of this package so that they import and pickle as its own."""
+Each namespace gets thin classes of its own (:func:`define`), which import and pickle from its module here."""
 
 from __future__ import annotations
 
@@ -25,8 +24,8 @@ _pending: set[str] = set()
 
 
 def define(namespace: str, fabric: str, module: str) -> tuple[type, type]:
-    """``(ParallelCriterionStrategy, DataParallelStrategy)`` for the Lightning ``namespace`` (``fabric``: its Fabric
-    package) as classes of ``module``, registered now."""
+    """``(ParallelCriterionStrategy, DataParallelStrategy)`` of ``module``, registered now: the implementation put
+    before the ``ParallelStrategy`` of the Lightning ``namespace`` (``fabric``: its Fabric package)."""
     from lightning_mgpu.strategies.data_parallel import DataParallelStrategyBase
     from lightning_mgpu.strategies.parallel_criterion import ParallelCriterionStrategyBase
     from lightning_mgpu.strategies.single_process import LightningNamespace

@@ -274,8 +274,8 @@ class DataParallelCriterion(_Replicated):
     def _losses(
         self, outputs: list[Any], targets: list[Any], kwargs: list[Any], devices: list[torch.device], record: bool
     ) -> tuple[list[Tensor], list[LossCalls | None]]:
-        """Each device's loss on its output and targets, from lasting replicas of a criterion that holds tensors;
-        ``record``: the loss calls of a loss that will have no autograd record (evaluation), which say its count."""
+        """Each device's loss on its output and targets (from lasting replicas of a criterion that holds tensors), and
+        with ``record`` the loss calls of each loss without an autograd record."""
         criterion = self.criterion
         # A compiled criterion runs one replica after another: Dynamo is not thread-safe.
         mode: ExecutionMode = "sequential" if is_compiled(criterion) else self.execution_mode
@@ -285,19 +285,16 @@ class DataParallelCriterion(_Replicated):
             check_module_on(criterion, self.device_ids[0], what="criterion")
             replica_set = self._replicas.of(criterion, devices)
             replicas = replica_set.prepare(len(devices))
-        unrecorded = [
-            not torch.is_grad_enabled() or not any(t.requires_grad for _, t in iter_tensors(o)) for o in outputs
-        ]
-        calls = [LossCalls() if record and u else None for u in unrecorded]
+        # Loss calls say the count of a loss that will carry no autograd record (no gradients, or outputs without).
+        grads = torch.is_grad_enabled()
+        calls = [LossCalls() if record and not (grads and _requires_grad(o)) else None for o in outputs]
 
         def call(i: int) -> Tensor:
             with contextlib.nullcontext() if calls[i] is None else calls[i]:
                 return replicas[i](*_as_args(outputs[i]), *targets[i], **kwargs[i])
 
         try:
-            return _run_watched(
-                replica_set, [functools.partial(call, i) for i in range(len(outputs))], devices, mode
-            ), calls
+            losses = _run_watched(replica_set, [functools.partial(call, i) for i in range(len(outputs))], devices, mode)
         except TypeError as err:
             if isinstance(outputs[0], tuple) and not is_namedtuple(outputs[0]):
                 add_note(
@@ -307,6 +304,7 @@ class DataParallelCriterion(_Replicated):
                     "(def criterion(logits, aux, target)), or return a namedtuple or dict, which is passed whole.",
                 )
             raise
+        return losses, calls
 
     def _split_targets(
         self, outputs: list[Any], targets: tuple[Any, ...], kwargs: dict[str, Any], devices: list[torch.device]
@@ -374,6 +372,10 @@ def _reduction(criterion: Any, kwargs: dict[str, Any]) -> str:
     """The reduction of a call: its ``reduction=`` keyword, a partial's, else the criterion's attribute, else mean."""
     keywords = criterion.keywords if isinstance(criterion, functools.partial) else {}
     return kwargs.get("reduction", keywords.get("reduction", getattr(criterion, "reduction", "mean")))
+
+
+def _requires_grad(output: Any) -> bool:
+    return any(t.requires_grad for _, t in iter_tensors(output))
 
 
 def _as_args(output: Any) -> tuple[Any, ...]:
