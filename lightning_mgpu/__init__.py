@@ -5,6 +5,7 @@ with ``lightning.pytorch`` and ``pytorch_lightning`` as each is imported, and im
 classes here are ``lightning.pytorch``'s; ``lightning_mgpu.strategies.pytorch_lightning`` has the others.
 """
 
+import importlib
 from typing import Any
 
 from lightning_mgpu import integrations  # noqa: F401  (registers what replicas need of other libraries)
@@ -37,20 +38,19 @@ from lightning_mgpu.strategies.step_outputs import LOSS_TERMS_KEY, LOSS_WEIGHT_K
 __version__ = "0.2.0"
 
 
+#: Names imported on first use: the strategy classes import ``lightning.pytorch``.
+_LAZY = {
+    "check_loss_reduction": "lightning_mgpu.loss_check",
+    "ExactLoss": "lightning_mgpu.callbacks.exact_loss",
+    "ParallelCriterionStrategy": "lightning_mgpu.strategies.lightning_pytorch",
+    "DataParallelStrategy": "lightning_mgpu.strategies.lightning_pytorch",
+}
+
+
 def __getattr__(name: str) -> Any:
-    """The strategy classes (they import ``lightning.pytorch``) and the loss diagnostic, imported on first use."""
-    if name == "check_loss_reduction":
-        from lightning_mgpu.loss_check import check_loss_reduction
-
-        return check_loss_reduction
-    if name == "ExactLoss":
-        from lightning_mgpu.callbacks.exact_loss import ExactLoss
-
-        return ExactLoss
-    if name in ("ParallelCriterionStrategy", "DataParallelStrategy"):
-        from lightning_mgpu.strategies import lightning_pytorch
-
-        return getattr(lightning_pytorch, name)
+    """The strategy classes and the loss diagnostic, imported on first use."""
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'lightning_mgpu' has no attribute {name!r}")
 
 

@@ -1,5 +1,6 @@
 """Register the strategies with every Lightning namespace the project imports, and import none it does not use:
-a namespace already imported at once, the others by an import hook right after their package finishes importing."""
+a namespace already imported at once, the others by an import hook right after their package finishes importing.
+Each namespace gets thin classes of its own (:func:`define`), which import and pickle from its module here."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import importlib.machinery
 import importlib.util
 import sys
 import warnings
+from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
@@ -21,6 +23,36 @@ STRATEGY_MODULES = {
 _pending: set[str] = set()
 
 
+def define(namespace: str, fabric: str, module: str) -> tuple[type, type]:
+    """``(ParallelCriterionStrategy, DataParallelStrategy)`` of ``module``, registered now: the implementation put
+    before the ``ParallelStrategy`` of the Lightning ``namespace`` (``fabric``: its Fabric package)."""
+    from lightning_mgpu.strategies.data_parallel import DataParallelStrategyBase
+    from lightning_mgpu.strategies.parallel_criterion import ParallelCriterionStrategyBase
+    from lightning_mgpu.strategies.single_process import LightningNamespace
+
+    strategies = importlib.import_module(f"{namespace}.strategies")
+    lightning = LightningNamespace(
+        namespace,
+        importlib.import_module(namespace).LightningModule,
+        importlib.import_module(f"{fabric}.utilities.exceptions").MisconfigurationException,
+        importlib.import_module(f"{fabric}.utilities.device_dtype_mixin")._DeviceDtypeModuleMixin,
+    )
+    classes = []
+    for base in (ParallelCriterionStrategyBase, DataParallelStrategyBase):
+        name = base.__name__.removesuffix("Base")
+        attributes = {"__module__": module, "__qualname__": name, "__doc__": base.__doc__, "namespace": lightning}
+        classes.append(type(name, (base, strategies.ParallelStrategy), attributes))
+    _register(strategies.StrategyRegistry, classes)
+    return classes[0], classes[1]
+
+
+def _register(registry: Any, classes: Sequence[type]) -> None:
+    for strategy in classes:
+        for name in (strategy.strategy_name, *strategy.aliases):  # type: ignore[attr-defined]
+            if name not in registry:
+                registry.register(name, strategy, description=(strategy.__doc__ or name).strip().splitlines()[0])
+
+
 def register_strategies(namespace: str | None = None) -> list[str]:
     """Register ``parallel_criterion``, ``dp`` and ``data_parallel`` now (idempotent) with ``namespace`` (imported if
     needed), default every namespace already imported. Returns the namespaces registered."""
@@ -28,10 +60,11 @@ def register_strategies(namespace: str | None = None) -> list[str]:
     for name in names:
         if name not in STRATEGY_MODULES:
             raise ValueError(f"Unknown Lightning namespace {name!r}: use one of {sorted(STRATEGY_MODULES)}.")
-        # Importing the strategy module registers its classes (one being imported has no `register` yet).
-        strategies = importlib.import_module(STRATEGY_MODULES[name])
-        if hasattr(strategies, "register"):
-            strategies.register()
+        # Importing the strategy module registers its classes; one being imported registers them when it is done.
+        classes = importlib.import_module(STRATEGY_MODULES[name])
+        if hasattr(classes, "DataParallelStrategy"):
+            registry = importlib.import_module(f"{name}.strategies").StrategyRegistry
+            _register(registry, (classes.ParallelCriterionStrategy, classes.DataParallelStrategy))
     return names
 
 

@@ -1,7 +1,6 @@
 """``DataParallelModel`` + ``DataParallelCriterion``: outputs and losses stay on their devices (``nn.DataParallel``
 gathers every output on one device, which runs out of memory first); only one scalar loss per device moves to the
-root, weighted so that the result equals the criterion on the whole batch.
-"""
+root, weighted so that the result equals the criterion on the whole batch."""
 
 from __future__ import annotations
 
@@ -26,8 +25,8 @@ from lightning_mgpu.parallel.run_replicas import ExecutionMode, add_note, resolv
 from lightning_mgpu.parallel.scatter_gather import (
     BatchSplitError,
     NothingToSplitError,
+    agreed_size,
     argument_roots,
-    batch_size_of,
     is_namedtuple,
     iter_tensors,
     move_to,
@@ -37,6 +36,9 @@ from lightning_mgpu.parallel.scatter_gather import (
 )
 
 WeightFn = Callable[[Any, tuple[Any, ...]], float | int | Tensor]
+_PLAIN_TYPES = (int, float, str, bool, type(None))
+#: Keywords of torch's loss functions that hold one value per class, not per sample: they go whole to every device.
+_PER_CLASS = ((F.cross_entropy, "weight"), (F.nll_loss, "weight"), (F.binary_cross_entropy_with_logits, "pos_weight"))
 
 
 def say_split_sensitive_layers(module: nn.Module, who: str) -> None:
@@ -44,13 +46,15 @@ def say_split_sensitive_layers(module: nn.Module, who: str) -> None:
     batch is split: embeddings that scale gradients by token frequencies or renormalise looked-up rows in place."""
     layers = []
     for name, sub in module.named_modules():
+        if not isinstance(sub, (nn.Embedding, nn.EmbeddingBag)):
+            continue
         name = name or type(sub).__name__
-        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.scale_grad_by_freq:
+        if sub.scale_grad_by_freq:
             layers.append(
                 f"{name} (scale_grad_by_freq=True) scales its gradient by each device's token frequencies, not the "
                 "whole batch's"
             )
-        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.max_norm is not None:
+        if sub.max_norm is not None:
             layers.append(
                 f"{name} (max_norm={sub.max_norm}) renormalises the rows it looks up in place during forward: rows "
                 "renormalised on devices other than the first are lost, and a weight tied to another layer is read by "
@@ -65,7 +69,19 @@ def say_split_sensitive_layers(module: nn.Module, who: str) -> None:
         )
 
 
-class DataParallelModel(nn.Module):
+class _Replicated(nn.Module):
+    """What both modules share: their devices, batch dimension, execution mode and lasting replicas."""
+
+    def __init__(self, devices: list[torch.device], dim: int, execution_mode: ExecutionMode) -> None:
+        super().__init__()
+        self.device_ids = devices
+        self.dim = dim
+        resolve_mode(execution_mode, devices)  # checks the value
+        self.execution_mode: ExecutionMode = execution_mode
+        self._replicas: ReplicaCache[ReplicaSet] = ReplicaCache(ReplicaSet)
+
+
+class DataParallelModel(_Replicated):
     """Run ``module`` on chunks of the batch on several devices; return the per-device outputs, not gathered.
 
     Args:
@@ -89,15 +105,10 @@ class DataParallelModel(nn.Module):
         dim: int = 0,
         execution_mode: ExecutionMode = "auto",
     ) -> None:
-        super().__init__()
+        super().__init__(resolve_devices(device_ids, fallback=module_device(module)), dim, execution_mode)
         self.module = module
-        self.device_ids = resolve_devices(device_ids, fallback=module_device(module))
         self.output_device = to_device(output_device) if output_device is not None else self.device_ids[0]
-        self.dim = dim
-        resolve_mode(execution_mode, self.device_ids)  # checks the value
-        self.execution_mode: ExecutionMode = execution_mode
         self.last_split_sizes: tuple[int, ...] = ()
-        self._replicas: ReplicaCache[ReplicaSet] = ReplicaCache(ReplicaSet)
         check_module_on(module, self.device_ids[0])
         if len(self.device_ids) > 1:
             say_split_sensitive_layers(module, "DataParallelModel")
@@ -148,61 +159,25 @@ def _run_watched(
     return outputs
 
 
-def _unrecorded(output: Any) -> bool:
-    """Whether a loss on ``output`` will carry no autograd record: without gradients, or an output without them."""
-    return not torch.is_grad_enabled() or not any(t.requires_grad for _, t in iter_tensors(output))
-
-
-def _safe_batch_size(obj: Any, dim: int) -> int:
-    try:
-        return batch_size_of(obj, dim)
-    except BatchSplitError:
-        return 0
-
-
-_PLAIN_TYPES = (int, float, str, bool, type(None))
-
-
 def _scan(args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device, dim: int) -> tuple[bool, int]:
     """``(every tensor is on device, the first size along dim or 0)`` in one pass; flat tensor arguments take a loop
     with no generator (a one-device, launch-bound CUDA step feels each µs)."""
     on_device, size, nested = True, 0, False
-    for values in (args, kwargs.values()):
-        for value in values:
-            if isinstance(value, Tensor):
-                tensors: Any = (value,)
-            elif isinstance(value, _PLAIN_TYPES):
-                continue
-            else:
-                nested = True
-                tensors = (t for _, t in iter_tensors(value))
-            for tensor in tensors:
-                if on_device and tensor.device != device:
-                    on_device = False
-                if not size and tensor.dim() > dim:
-                    size = tensor.shape[dim]
+    for value in itertools.chain(args, kwargs.values()):
+        if isinstance(value, _PLAIN_TYPES):
+            continue
+        nested = nested or not isinstance(value, Tensor)
+        for tensor in (value,) if isinstance(value, Tensor) else (t for _, t in iter_tensors(value)):
+            on_device = on_device and tensor.device == device
+            if not size and tensor.dim() > dim:
+                size = tensor.shape[dim]
     if nested:  # containers may hold a PerSample, whose length is the batch size
         with contextlib.suppress(BatchSplitError):
             size = roots_batch_size(argument_roots(args, kwargs), dim)
     return on_device, size
 
 
-def _base(criterion: Any) -> Any:
-    """The function a ``functools.partial`` wraps, else ``criterion``."""
-    return criterion.func if isinstance(criterion, functools.partial) else criterion
-
-
-def _reduction(criterion: Any, kwargs: dict[str, Any]) -> str:
-    """The reduction of a call: its ``reduction=`` keyword, a partial's, else the criterion's attribute, else mean."""
-    keywords = criterion.keywords if isinstance(criterion, functools.partial) else {}
-    return kwargs.get("reduction", keywords.get("reduction", getattr(criterion, "reduction", "mean")))
-
-
-#: Keywords of torch's loss functions that hold one value per class, not per sample: they go whole to every device.
-_PER_CLASS = ((F.cross_entropy, "weight"), (F.nll_loss, "weight"), (F.binary_cross_entropy_with_logits, "pos_weight"))
-
-
-class DataParallelCriterion(nn.Module):
+class DataParallelCriterion(_Replicated):
     """Compute ``criterion`` on every device from :class:`DataParallelModel`'s per-device outputs.
 
     Call it as ``criterion(outputs, *targets, **kwargs)`` with the whole targets: they are split as the outputs are
@@ -219,18 +194,13 @@ class DataParallelCriterion(nn.Module):
         execution_mode: ExecutionMode = "auto",
         weight_fn: WeightFn | None = None,
     ) -> None:
-        super().__init__()
         if not callable(criterion):
             raise TypeError(f"criterion must be callable (an nn.Module or a function), got {type(criterion).__name__}.")
-        self.criterion = criterion
         fallback = module_device(criterion) if isinstance(criterion, nn.Module) else None
-        self.device_ids = resolve_devices(device_ids, fallback=fallback)
-        self.dim = dim
-        resolve_mode(execution_mode, self.device_ids)  # checks the value
-        self.execution_mode: ExecutionMode = execution_mode
+        super().__init__(resolve_devices(device_ids, fallback=fallback), dim, execution_mode)
+        self.criterion = criterion
         self.weight_fn = weight_fn
         self._said_sample_weights = False
-        self._replicas: ReplicaCache[ReplicaSet] = ReplicaCache(ReplicaSet)
 
     @property
     def reduction(self) -> str:
@@ -239,17 +209,14 @@ class DataParallelCriterion(nn.Module):
 
     def forward(self, outputs: Sequence[Any], *targets: Any, **kwargs: Any) -> Tensor:
         self._check_outputs(outputs)
-        criterion = self.criterion
-        if len(outputs) == 1:
-            # A plain call on the one output: the result is exactly the criterion's, whatever its reduction.
+        if len(outputs) == 1:  # a plain call on the one output: exactly the criterion's result, whatever its reduction
             device = _output_device(outputs[0], self.device_ids[0])
             if not _scan(targets, kwargs, device, self.dim)[0]:
                 targets, kwargs = move_to((targets, kwargs), device)
-            return criterion(*_as_args(outputs[0]), *targets, **kwargs)
-
+            return self.criterion(*_as_args(outputs[0]), *targets, **kwargs)
         devices = [_output_device(o, d) for o, d in zip(outputs, self.device_ids, strict=False)]
         target_chunks, kwargs_chunks, samples = self._split_targets(outputs, targets, kwargs, devices)
-        reduction, root = _reduction(criterion, kwargs), self.device_ids[0]
+        reduction, root = _reduction(self.criterion, kwargs), self.device_ids[0]
         # What each device's mean divides by: weight_fn's count, else the loss's record (its graph, or its loss calls).
         read = self.weight_fn is None and reduction not in ("none", "sum")
         losses, calls = self._losses(outputs, target_chunks, kwargs_chunks, devices, read)
@@ -263,7 +230,20 @@ class DataParallelCriterion(nn.Module):
         combined = combine_by_record(losses, calls, [n or 1 for n in samples], root) if read else None
         if combined is not None:
             return combined
-        self._say_sample_weights()
+        if not self._said_sample_weights:
+            self._said_sample_weights = True
+            name = getattr(self.criterion, "__name__", type(self.criterion).__name__)
+            warnings.warn(
+                f"DataParallelCriterion weights each device's {name} loss by its sample count, which equals one "
+                "device for a mean over samples: the loss's record (its autograd graph, or without gradients the "
+                "torch loss functions it called) does not say what it divides by. For another mean pass "
+                "weight_fn=lambda output, targets: <what it divides by> "
+                "(e.g. (targets[0] != -100).sum() for non-ignored labels), or use a torch loss module such as "
+                "nn.CrossEntropyLoss(ignore_index=-100); a loss returning a sum needs my_loss.reduction = 'sum'. "
+                "weight_fn=lambda output, targets: len(targets[0]) says samples and silences this.",
+                UserWarning,
+                stacklevel=4,  # the caller of the criterion module
+            )
         if 0 in samples:  # an output without a batch dimension, and no targets split
             raise ValueError(
                 "Cannot tell how many samples a replica's loss averages over: its output has no batch dimension "
@@ -271,24 +251,6 @@ class DataParallelCriterion(nn.Module):
                 "targets: count) to give each replica's weight."
             )
         return reduce_losses(losses, samples, device=root)
-
-    def _say_sample_weights(self) -> None:
-        """Said once per criterion whose record does not say its mean: its devices' losses are weighted by samples."""
-        if self._said_sample_weights:
-            return
-        self._said_sample_weights = True
-        name = getattr(self.criterion, "__name__", type(self.criterion).__name__)
-        warnings.warn(
-            f"DataParallelCriterion weights each device's {name} loss by its sample count, which equals one device "
-            "for a mean over samples: the loss's record (its autograd graph, or without gradients the torch loss "
-            "functions it called) does not say what it divides by. For another mean pass "
-            "weight_fn=lambda output, targets: <what it divides by> "
-            "(e.g. (targets[0] != -100).sum() for non-ignored labels), or use a torch loss module such as "
-            "nn.CrossEntropyLoss(ignore_index=-100); a loss returning a sum needs my_loss.reduction = 'sum'. "
-            "weight_fn=lambda output, targets: len(targets[0]) says samples and silences this.",
-            UserWarning,
-            stacklevel=5,  # the caller of the criterion module
-        )
 
     def _check_outputs(self, outputs: Sequence[Any]) -> None:
         if not isinstance(outputs, list):
@@ -312,19 +274,20 @@ class DataParallelCriterion(nn.Module):
     def _losses(
         self, outputs: list[Any], targets: list[Any], kwargs: list[Any], devices: list[torch.device], record: bool
     ) -> tuple[list[Tensor], list[LossCalls | None]]:
-        """Each device's loss on its output and targets, from lasting replicas of a criterion that holds tensors;
-        ``record``: the loss calls of a loss that will have no autograd record (evaluation), which say its count."""
+        """Each device's loss on its output and targets (from lasting replicas of a criterion that holds tensors), and
+        with ``record`` the loss calls of each loss without an autograd record."""
         criterion = self.criterion
         # A compiled criterion runs one replica after another: Dynamo is not thread-safe.
         mode: ExecutionMode = "sequential" if is_compiled(criterion) else self.execution_mode
         replica_set: ReplicaSet | None = None
+        replicas: Sequence[Any] = [criterion] * len(outputs)  # stateless: calling one object from threads is safe
         if isinstance(criterion, nn.Module) and module_device(criterion) is not None:
             check_module_on(criterion, self.device_ids[0], what="criterion")
             replica_set = self._replicas.of(criterion, devices)
-            replicas: Sequence[Any] = replica_set.prepare(len(devices))
-        else:
-            replicas = [criterion] * len(outputs)  # stateless: calling one object from several threads is safe
-        calls = [LossCalls() if record and _unrecorded(o) else None for o in outputs]
+            replicas = replica_set.prepare(len(devices))
+        # Loss calls say the count of a loss that will carry no autograd record (no gradients, or outputs without).
+        grads = torch.is_grad_enabled()
+        calls = [LossCalls() if record and not (grads and _requires_grad(o)) else None for o in outputs]
 
         def call(i: int) -> Tensor:
             with contextlib.nullcontext() if calls[i] is None else calls[i]:
@@ -349,10 +312,11 @@ class DataParallelCriterion(nn.Module):
         """Targets chunked exactly as the outputs are (by their own batch sizes when every output has one), and each
         device's samples (0: unknown); options of torch's loss functions passed as keywords (``F.cross_entropy``'s class
         ``weight``, ``F.binary_cross_entropy_with_logits``'s ``pos_weight``...) go whole."""
-        options = {name for function, name in _PER_CLASS if function is _base(self.criterion)}
+        base = self.criterion.func if isinstance(self.criterion, functools.partial) else self.criterion
+        options = {name for function, name in _PER_CLASS if function is base}
         whole = {k: v for k, v in kwargs.items() if k in options}
         per_sample = {k: v for k, v in kwargs.items() if k not in options}
-        out_sizes = [_safe_batch_size(o, self.dim) for o in outputs]
+        out_sizes = [agreed_size(o, self.dim) or 0 for o in outputs]
         _refuse_per_device_targets(targets, out_sizes, self.dim)
         sizes = out_sizes if all(out_sizes) else None
         total = None if sizes is None else sum(sizes)  # plain lists of that length (class ids) are split by item
@@ -379,11 +343,10 @@ class DataParallelCriterion(nn.Module):
         # Only when some output's size is unknown (sizes is None): the targets were split evenly.
         for i, (out_size, target_size) in enumerate(itertools.zip_longest(out_sizes, used, fillvalue=0)):
             if not target_size or (out_size and out_size != target_size):
-                shown = out_size or "an unknown number of"
                 raise ValueError(
-                    f"Outputs and targets do not line up on device {i}: the output has {shown} samples along dim "
-                    f"{self.dim} but its targets have {target_size}. The targets must have the same batch size as "
-                    "the model's inputs."
+                    f"Outputs and targets do not line up on device {i}: the output has "
+                    f"{out_size or 'an unknown number of'} samples along dim {self.dim} but its targets have "
+                    f"{target_size}. The targets must have the same batch size as the model's inputs."
                 )
         return target_chunks, [{**kw, **move_to(whole, d)} for kw, d in zip(kwarg_chunks, devices, strict=True)], used
 
@@ -403,6 +366,16 @@ def _refuse_per_device_targets(targets: tuple[Any, ...], out_sizes: list[int], d
                 "DataParallelModel's outputs? DataParallelCriterion splits whole-batch targets itself: pass "
                 "teacher.gather(teacher_outputs) (the whole batch, on its output device), detached if it is a target."
             )
+
+
+def _reduction(criterion: Any, kwargs: dict[str, Any]) -> str:
+    """The reduction of a call: its ``reduction=`` keyword, a partial's, else the criterion's attribute, else mean."""
+    keywords = criterion.keywords if isinstance(criterion, functools.partial) else {}
+    return kwargs.get("reduction", keywords.get("reduction", getattr(criterion, "reduction", "mean")))
+
+
+def _requires_grad(output: Any) -> bool:
+    return any(t.requires_grad for _, t in iter_tensors(output))
 
 
 def _as_args(output: Any) -> tuple[Any, ...]:

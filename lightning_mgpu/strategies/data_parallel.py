@@ -36,10 +36,7 @@ class DataParallelStrategyBase(SingleProcessParallel):
             ``[""]``: the LightningModule's own ``forward``, i.e. every ``self(...)`` call in a step.
         loss_reduction: as for ``parallel_criterion``, for a scalar the replicated forward returns; ``<key>`` names a
             forward argument (``tokens:labels`` for ``labels=``, ``tokens:1`` for the second positional one).
-        dim: the batch dimension of inputs and outputs.
-        execution_mode: ``"auto"`` (threads on distinct GPUs, else sequential), ``"threads"`` or ``"sequential"``.
-        sync_batchnorm: BatchNorm layers normalise with the whole batch's statistics, as on one device (their
-            replicas meet at each layer, so they run in threads); ``False``: each shard's own statistics.
+        dim, execution_mode, sync_batchnorm: as for ``parallel_criterion``.
     """
 
     strategy_name = "dp"
@@ -91,23 +88,24 @@ class DataParallelStrategyBase(SingleProcessParallel):
             try:
                 targets.append(module.get_submodule(name))
             except AttributeError as err:
-                self._unwrap()
+                self._unwrap(self._wrapped)
                 raise ValueError(
                     f"parallel_modules names {name!r}, which is not a submodule of {type(module).__name__}."
                 ) from err
-        for old in self._wrapped:
-            if all(old is not target for target in targets):
-                _restore_forward(old)
+        self._unwrap([old for old in self._wrapped if all(old is not target for target in targets)])
         for target in targets:
             current = target.__dict__.get("forward")  # a forward replaced on the instance runs replicated too
             if not isinstance(current, ParallelForward):
                 target.forward = ParallelForward(self, target, current)  # an instance attribute: not in state dicts
         self._wrapped = targets
 
-    def _unwrap(self) -> None:
-        for target in self._wrapped:
-            _restore_forward(target)
-        self._wrapped = []
+    def _unwrap(self, targets: list[nn.Module]) -> None:
+        """``targets`` with the ``forward`` they had before ``dp`` wrapped them."""
+        for target in targets:
+            current = target.__dict__.pop("forward", None)
+            if isinstance(current, ParallelForward) and current.replica_value is not None:
+                target.__dict__["forward"] = current.replica_value
+        self._wrapped = [kept for kept in self._wrapped if all(kept is not t for t in targets)]
 
     @override
     def _replicated_modules(self) -> list[nn.Module]:
@@ -116,7 +114,7 @@ class DataParallelStrategyBase(SingleProcessParallel):
 
     @override
     def teardown(self) -> None:
-        self._unwrap()
+        self._unwrap(self._wrapped)
         super().teardown()
 
     @override
@@ -131,12 +129,15 @@ class DataParallelStrategyBase(SingleProcessParallel):
             calls, self._forward_calls = self._forward_calls, None
         if self._wrapped and calls == 0 and output is not None and hook in ("training_step", "validation_step"):
             names = [n or "self" for n in self.parallel_modules]
+            children = [
+                n for n, child in self.lightning_module.named_children() if any(True for _ in child.parameters())
+            ]
             self._warn_once(
                 f"unreplicated:{hook}",
                 f"dp: `{hook}` ran on one device: it never called the replicated forward of {names} (`self(...)` for "
                 "the LightningModule; `self.model(...)` bypasses it). Call `self(...)` and have `forward` call the "
                 "model, or pass DataParallelStrategy(parallel_modules=[...]) naming the submodules the step calls "
-                f"(this module's, with parameters: {', '.join(map(repr, _submodules(self.lightning_module)))}).",
+                f"(this module's, with parameters: {', '.join(map(repr, children or ['model']))}).",
             )
         return output
 
@@ -156,7 +157,6 @@ class DataParallelStrategyBase(SingleProcessParallel):
         args_chunks, kwargs_chunks, sizes = split
         if len(sizes) == 1:
             return original(*args_chunks[0], **kwargs_chunks[0])
-
         # No autograd record: the loss calls say their counts (not with a fast-path layer, whose outputs would change).
         evaluating = not torch.is_grad_enabled() and can_read_calls(target)
         calls = [LossCalls() for _ in sizes]
@@ -213,19 +213,6 @@ class ParallelForward(OriginalOnly):
 
 def _unwrapped_forward(target: nn.Module, inner: Any = None) -> Any:
     return types.MethodType(type(target).forward, target) if inner is None else inner
-
-
-def _restore_forward(target: nn.Module) -> None:
-    """``target`` with the ``forward`` it had before ``dp`` wrapped it."""
-    current = target.__dict__.pop("forward", None)
-    if isinstance(current, ParallelForward) and current.replica_value is not None:
-        target.__dict__["forward"] = current.replica_value
-
-
-def _submodules(module: nn.Module) -> list[str]:
-    """The names of ``module``'s children that hold parameters (the ones a step is likely to call), for a message."""
-    named = [name for name, child in module.named_children() if any(True for _ in child.parameters())]
-    return named or ["model"]
 
 
 def _checked_module_names(names: Sequence[str] | None) -> list[str]:

@@ -1,5 +1,5 @@
-"""The strategies for ``lightning.pytorch`` (``import lightning.pytorch as L``); see :mod:`.namespace_strategies`."""
+"""The strategies for ``lightning.pytorch`` (``import lightning.pytorch as L``); see :func:`..registration.define`."""
 
-from lightning_mgpu.strategies.namespace_strategies import define
+from lightning_mgpu.registration import define
 
-ParallelCriterionStrategy, DataParallelStrategy, register = define("lightning.pytorch", "lightning.fabric", __name__)
+ParallelCriterionStrategy, DataParallelStrategy = define("lightning.pytorch", "lightning.fabric", __name__)

@@ -15,13 +15,7 @@ from typing_extensions import override
 
 from lightning_mgpu.parallel import collectives
 from lightning_mgpu.parallel.loss_calls import LossCalls, can_read_calls, once_per_shard_alike
-from lightning_mgpu.parallel.loss_graph import (
-    Combined,
-    combine_losses_by_record,
-    coupling,
-    read_loss,
-    term_totals,
-)
+from lightning_mgpu.parallel.loss_graph import Combined, combine_losses_by_record, coupling, read_loss, term_totals
 from lightning_mgpu.parallel.merge import merge_outputs
 from lightning_mgpu.parallel.run_replicas import ExecutionMode
 from lightning_mgpu.parallel.scatter_gather import split_batch
@@ -76,23 +70,14 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         execution_mode: ExecutionMode = "auto",
         sync_batchnorm: bool = True,
     ) -> None:
-        super().__init__(
-            accelerator,
-            parallel_devices,
-            checkpoint_io,
-            precision_plugin,
-            dim,
-            execution_mode,
-            loss_reduction,
-            sync_batchnorm,
-        )
+        plugins = (accelerator, parallel_devices, checkpoint_io, precision_plugin)
+        super().__init__(*plugins, dim, execution_mode, loss_reduction, sync_batchnorm)
         self.collectives = collectives
         self._read_weights: list[list[Any]] | None = None  # per term, each shard's weight in the last training step
         self._read_as: tuple[str, ...] | None = None  # the record's shape the rule was last said for
         self._counted: tuple[str, str] | None = None  # a read training rule other than a per-sample mean, its spec
         self._readable: dict[int, bool] = {}  # per module: whether evaluation reads its loss calls
         self._shards: tuple[list[int], list[Any] | None] = ([], None)  # the step's sample counts and declared weights
-        self._records: dict[tuple[int, int], tuple[Any, Any]] = {}  # this step's read losses, see _read
         self._combined: tuple[list[Tensor], Tensor] | None = None  # this step's training losses and their combination
 
     @property
@@ -101,13 +86,11 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         the rule did not come from the loss's autograd record. Counted when asked, not at every step."""
         return None if self._read_weights is None else term_totals(self._read_weights, self.root_device)
 
-    # --- the step ----------------------------------------------------------------------------------------------------
     @override
     def _run_step(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         try:
             return self._step(hook, args, kwargs)
-        finally:  # what the step read and combined holds its graphs: not kept past it
-            self._records.clear()
+        finally:  # what the step combined holds its graphs: not kept past it
             self._combined = None
 
     def _step(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -122,7 +105,10 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
                 # Counted once per step (token counts: device tensors), for the loss and its logged copies.
                 weights = self._declared_weights(hook, chunks, sizes)
                 # Evaluation has no autograd record: its loss calls say their counts while they run.
-                evaluating = hook in ("validation_step", "test_step") and self._reads_calls(module)
+                # (not with a layer whose fast path that would switch off: its outputs would differ from one device's)
+                if id(module) not in self._readable:
+                    self._readable[id(module)] = can_read_calls(module)
+                evaluating = hook in ("validation_step", "test_step") and self._readable[id(module)]
                 calls = [LossCalls() for _ in sizes]  # entered only when evaluating
 
                 def call(index: int, replica: nn.Module) -> Any:
@@ -135,8 +121,7 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
                 copy = None if manual else partial(self._loss_copy, hook, sizes, weights, calls)
                 outputs = self._run_replicated(module, sizes, call, copy)
                 if evaluating and weights is None:  # a returned loss its calls recorded: merged by them
-                    merged = self._by_record(hook, [_returned_loss(output) for output in outputs], sizes, calls)
-                    weights = merged
+                    weights = self._by_record(hook, [_returned_loss(output) for output in outputs], sizes, calls)
         if evaluating and self.normalization is None and not any(c.records for c in calls):
             self._say_evaluation_rule(hook)  # no loss call said its count: values merge per sample
         if all_or_none(outputs, hook):
@@ -172,25 +157,25 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         """The training losses on the root: by the declared rule, else by their autograd record, else per sample."""
         if weights is not None:
             self._read_weights = None
-            self._say_once(
-                "rule",
-                f"{self.strategy_name}: the training loss is {self.normalization.describe()}, as the declared "
-                f"loss_reduction={self.loss_reduction!r} says; the devices' losses are combined accordingly.",
-            )
+            if "rule" not in self._announced:
+                self._announced.add("rule")
+                self._log(
+                    f"{self.strategy_name}: the training loss is {self.normalization.describe()}, as the declared "
+                    f"loss_reduction={self.loss_reduction!r} says; the devices' losses are combined accordingly."
+                )
             return combine_losses(losses, weights, self.root_device)
         done = self._combined
         if done is not None and len(done[0]) == len(losses) and all(map(operator.is_, done[0], losses)):
             return done[1]  # combined already for its logged copy, in this step
-        records = [self._read(loss, size) for loss, size in zip(losses, sizes, strict=True)]
+        records = [read_loss(loss, size) for loss, size in zip(losses, sizes, strict=True)]
         combined = combine_losses_by_record(
             losses, records, sizes, self.root_device, memory=self._settled, gathered=collectives.gathered_in_call()
         )
         self._say_read_rule(losses, records, sizes, combined)
         self._read_weights = None if combined is None else combined.weights  # numbers and counts, no graph
-        if combined is None:
-            result = combine_losses(losses, SAMPLES.weights([], sizes), self.root_device)
-        else:
-            result = combined.loss
+        result = (
+            combine_losses(losses, SAMPLES.weights([], sizes), self.root_device) if combined is None else combined.loss
+        )
         self._combined = (list(losses), result)
         return result
 
@@ -234,20 +219,6 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
                 "are combined accordingly."
             )
 
-    def _read(self, loss: Any, size: int) -> Any:
-        """``read_loss(loss, size)``, once per tensor and step (a logged copy of the loss and the loss itself)."""
-        key = (id(loss), size)
-        if key not in self._records:
-            self._records[key] = (loss, read_loss(loss, size))  # the tensor kept: its id stays its own
-        return self._records[key][1]
-
-    def _reads_calls(self, module: nn.Module) -> bool:
-        """Whether evaluation reads ``module``'s loss calls (not with a layer whose fast path that would switch off:
-        its outputs would differ from one device's), checked once per module."""
-        if id(module) not in self._readable:
-            self._readable[id(module)] = can_read_calls(module)
-        return self._readable[id(module)]
-
     def _say_evaluation_rule(self, hook: str) -> None:
         """Said once: evaluation runs without autograd, so its losses carry no record; where the training loss is not a
         per-sample mean, a logged evaluation loss computed alike is merged per sample, unlike one device's."""
@@ -262,11 +233,6 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
             f"{said}. For one device's value of such a loss, declare loss_reduction={rule} (it serves evaluation too; "
             f"CLI: {self._cli_options('loss_reduction=...')}){count}.",
         )
-
-    def _say_once(self, key: str, message: str) -> None:
-        if key not in self._announced:
-            self._announced.add(key)
-            self._log(message)
 
     def _loss_copy(
         self, hook: str, sizes: list[int], weights: list[Any] | None, calls: list[Any], outputs: list[Any]
@@ -297,7 +263,7 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         if not all(isinstance(v, Tensor) for v in values):
             return None
         if hook == "training_step":
-            records = [self._read(value, size) for value, size in zip(values, sizes, strict=True)]
+            records = [read_loss(value, size) for value, size in zip(values, sizes, strict=True)]
         else:
             records = [recorded.record_of(value) for value, recorded in zip(values, calls, strict=True)]
             if all(record is not None for record in records):
@@ -312,22 +278,15 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         if len(self.parallel_devices) == 1 or not args:
             return None, [1]
         samples = step_sample_counts(self.lightning_module, args)
-        what = f"the batch ({type(args[0]).__name__})"
-        split = self._split(
-            lambda: split_batch(args[0], self.parallel_devices, self.dim, samples=samples),
-            [("batch", args[0])],
-            what,
-            "the step",
-        )
-        return (None, [1]) if split is None else split
+        split = partial(split_batch, args[0], self.parallel_devices, self.dim, samples=samples)
+        chunks = self._split(split, [("batch", args[0])], f"the batch ({type(args[0]).__name__})", "the step")
+        return (None, [1]) if chunks is None else chunks
 
     @override
     def _collectives_reason(self, module: nn.Module) -> str | None:
-        if self.collectives is False:
-            return None
-        if self.collectives:
-            return "collectives=True"
-        return lightning_collectives(type(module))
+        if self.collectives is None:
+            return lightning_collectives(type(module))
+        return "collectives=True" if self.collectives else None
 
 
 def _returned_loss(output: Any) -> Any:

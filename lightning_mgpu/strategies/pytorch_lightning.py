@@ -1,5 +1,5 @@
-"""The strategies for ``pytorch_lightning`` (``import pytorch_lightning as pl``); see :mod:`.namespace_strategies`."""
+"""The strategies for ``pytorch_lightning`` (``import pytorch_lightning as pl``); see :func:`..registration.define`."""
 
-from lightning_mgpu.strategies.namespace_strategies import define
+from lightning_mgpu.registration import define
 
-ParallelCriterionStrategy, DataParallelStrategy, register = define("pytorch_lightning", "lightning_fabric", __name__)
+ParallelCriterionStrategy, DataParallelStrategy = define("pytorch_lightning", "lightning_fabric", __name__)
