@@ -23,8 +23,6 @@ from torch.nn.modules.lazy import LazyModuleMixin
 
 from lightning_mgpu.parallel.replica_group import current_replica
 
-__all__ = ["SyncBatchNorm", "convert_sync_batchnorm", "revert_sync_batchnorm", "uses_sync_batchnorm"]
-
 _HINT = (
     "Every replica must call each SyncBatchNorm layer the same number of times and in the same order (its statistics "
     "span the replicas): branch on something every replica shares, not on one shard's values or size, or keep that "
@@ -76,14 +74,15 @@ class SyncBatchNorm(_BatchNorm):
 
     def forward(self, input: Tensor) -> Tensor:
         replica, synced = current_replica(), self._uses_batch_stats()
-        if replica is None and synced and getattr(self, "_is_replica", False):  # torch's replicas set _is_replica
-            raise RuntimeError(f"SyncBatchNorm layer {_describe(self)} {_CHECKPOINTED}")
         if replica is None or replica.group.size < 2 or not synced:
+            if replica is None and synced and getattr(self, "_is_replica", False):  # torch's replicas set _is_replica
+                raise RuntimeError(
+                    f"SyncBatchNorm layer {_quoted(self._sync_key.name, self.num_features)} {_CHECKPOINTED}"
+                )
             return super().forward(input)
         self._check_input_dim(input)
         call = replica.next_call(self._sync_key)
-        label = f"SyncBatchNorm layer {_describe(self)} (call {call} in this forward)"
-        replica.group.require_threads(label, _SEQUENTIAL_HINT)
+        label = f"SyncBatchNorm layer {_quoted(self._sync_key.name, self.num_features)} (call {call} in this forward)"
         if input.size(1) != self.num_features:
             raise ValueError(
                 f"{label} expects {self.num_features} channels (dim 1) but got input of shape {input.shape}."
@@ -92,16 +91,13 @@ class SyncBatchNorm(_BatchNorm):
         count = x.numel() // x.size(1)
         stats = _ops(x).batch_norm_stats(x.detach(), self.eps) if count else None
         part = _Part(self, x, stats, count, torch.cuda.current_stream(x.device) if x.is_cuda else None)
-        return replica.group.rendezvous(replica.index, (self._sync_key, call), part, _combine, label, _HINT)
+        site = (self._sync_key, call)
+        return replica.group.rendezvous(replica.index, site, part, _combine, label, _HINT, _SEQUENTIAL_HINT)
 
 
-def _describe(layer: SyncBatchNorm) -> str:
-    name = layer._sync_key.name
-    return f"<unnamed, {layer.num_features} features>" if name is None else _quoted(name)
-
-
-def _quoted(name: str) -> str:
-    return repr(name) if name else "<the root module>"
+def _quoted(name: str | None, features: int = 0) -> str:
+    """How errors name a layer: its dotted name; a layer no conversion nor check has named yet by its size."""
+    return f"<unnamed, {features} features>" if name is None else repr(name) if name else "<the root module>"
 
 
 # --- the synchronised forward and backward ------------------------------------------------------------------------
@@ -123,7 +119,7 @@ def _combine(parts: list[_Part]) -> tuple[Tensor, ...]:
     if total <= 1:  # as BatchNorm, whenever it normalises with batch statistics
         raise ValueError(
             f"Expected more than 1 value per channel when training, got {total} over all replicas "
-            f"(SyncBatchNorm layer {_describe(layer)})"
+            f"(SyncBatchNorm layer {_quoted(layer._sync_key.name, layer.num_features)})"
         )
     tensors = [p.x for p in parts] + [p.layer.weight for p in parts] + [p.layer.bias for p in parts]
     # Each replica's stream is current on its device while the node runs *and* while autograd records its outputs.
@@ -300,7 +296,7 @@ def convert_sync_batchnorm(module: nn.Module) -> nn.Module:
 
     def convert(sub: nn.Module, name: str) -> nn.Module | None:
         if isinstance(sub, SyncBatchNorm):
-            _name_once(sub, name)
+            sub._sync_key.name = name if sub._sync_key.name is None else sub._sync_key.name
         if not isinstance(sub, _BatchNorm) or isinstance(sub, SyncBatchNorm):
             return None
         new = _retype(sub, SyncBatchNorm, name)
@@ -361,11 +357,6 @@ def uses_sync_batchnorm(module: nn.Module) -> bool:
     syncs = False
     for name, sub in module.named_modules():
         if isinstance(sub, SyncBatchNorm):
-            _name_once(sub, name)
+            sub._sync_key.name = name if sub._sync_key.name is None else sub._sync_key.name
             syncs = syncs or sub._uses_batch_stats()
     return syncs
-
-
-def _name_once(layer: SyncBatchNorm, name: str) -> None:
-    if layer._sync_key.name is None:
-        layer._sync_key.name = name
