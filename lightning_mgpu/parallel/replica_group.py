@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+Combine = Callable[[list[Any]], Sequence[Any]]  # every replica's value, in replica order -> each replica's result
 RENDEZVOUS_TIMEOUT_S = float(os.environ.get("LIGHTNING_MGPU_RENDEZVOUS_TIMEOUT_S", 1800))
 """Last-resort bound (seconds) on one wait at a rendezvous, for a replica that neither arrives nor leaves."""
 
@@ -88,14 +89,7 @@ class ReplicaGroup:
         return True
 
     def rendezvous(
-        self,
-        index: int,
-        site: Hashable,
-        value: Any,
-        combine: Callable[[list[Any]], Sequence[Any]],
-        label: str,
-        hint: str,
-        sequential_hint: str = "",
+        self, index: int, site: Hashable, value: Any, combine: Combine, label: str, hint: str, sequential_hint: str = ""
     ) -> Any:
         """Meet the other replicas at ``site``; return ``combine(values in replica order)[index]``. ``combine`` runs
         once for all (e.g. one autograd node spanning the replicas) while every replica waits, its turn given up; the

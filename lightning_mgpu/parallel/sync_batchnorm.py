@@ -100,7 +100,6 @@ def _quoted(name: str | None, features: int = 0) -> str:
     return f"<unnamed, {features} features>" if name is None else repr(name) if name else "<the root module>"
 
 
-# --- the synchronised forward and backward ------------------------------------------------------------------------
 class _Part(NamedTuple):
     """What one replica brings to a layer call's rendezvous: its layer (replica 0's buffers are the module's own),
     input, mean and inverse std (None for an empty shard), values per channel, CUDA stream."""
@@ -113,8 +112,7 @@ class _Part(NamedTuple):
 
 
 def _combine(parts: list[_Part]) -> tuple[Tensor, ...]:
-    """The rendezvous's combine step, once per layer call: the joint node over every replica's input, outputs in
-    replica order. (Replicas are on devices of one type: the modules check it.)"""
+    """The joint node over every replica's input, once per layer call; outputs in replica order."""
     layer, total = parts[0].layer, sum(p.count for p in parts)
     if total <= 1:  # as BatchNorm, whenever it normalises with batch statistics
         raise ValueError(
@@ -283,7 +281,6 @@ class _PlainOps:
         return (grad * scale.view(shape)).to(x.dtype)
 
 
-# --- conversion ---------------------------------------------------------------------------------------------------
 def has_sync_batchnorm(module: nn.Module) -> bool:
     """Whether ``module`` holds a :class:`SyncBatchNorm` layer."""
     return any(isinstance(m, SyncBatchNorm) for m in module.modules())
@@ -295,14 +292,13 @@ def convert_sync_batchnorm(module: nn.Module) -> nn.Module:
     it is itself a BatchNorm). State-dict keys are unchanged; :func:`revert_sync_batchnorm` undoes it."""
 
     def convert(sub: nn.Module, name: str) -> nn.Module | None:
-        if isinstance(sub, SyncBatchNorm):
-            sub._sync_key.name = name if sub._sync_key.name is None else sub._sync_key.name
         if not isinstance(sub, _BatchNorm) or isinstance(sub, SyncBatchNorm):
             return None
         new = _retype(sub, SyncBatchNorm, name)
         new._sync_key = _LayerKey(name, type(sub))
         return new
 
+    uses_sync_batchnorm(module)  # names the layers built as SyncBatchNorm, for their errors
     return _replace_layers(module, convert)
 
 
