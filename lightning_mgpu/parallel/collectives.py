@@ -55,10 +55,8 @@ def _meet(name: str, value: Any, sequential_hint: str) -> _Met | None:
     if replica is None or replica.group.size < 2:
         return None
     group, index, call = replica.group, replica.index, replica.next_call("collective")
-    where = f"{name} (collective {call} of this step)"
-    values = group.rendezvous(
-        index, ("collective", call, name), value, lambda vs: [vs] * len(vs), where, _HINT, sequential_hint
-    )
+    where, site = f"{name} (collective {call} of this step)", ("collective", call, name)
+    values = group.rendezvous(index, site, value, lambda vs: [vs] * len(vs), where, _HINT, sequential_hint)
     return _Met(values, index, group.devices[index], where)
 
 

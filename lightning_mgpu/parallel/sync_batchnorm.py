@@ -96,7 +96,7 @@ class SyncBatchNorm(_BatchNorm):
 
 
 def _quoted(name: str | None, features: int = 0) -> str:
-    """How errors name a layer: its dotted name; a layer no conversion nor check has named yet by its size."""
+    """How errors name a layer: its dotted name, or its size before a conversion or check named it."""
     return f"<unnamed, {features} features>" if name is None else repr(name) if name else "<the root module>"
 
 
@@ -353,6 +353,7 @@ def uses_sync_batchnorm(module: nn.Module) -> bool:
     syncs = False
     for name, sub in module.named_modules():
         if isinstance(sub, SyncBatchNorm):
-            sub._sync_key.name = name if sub._sync_key.name is None else sub._sync_key.name
+            if sub._sync_key.name is None:
+                sub._sync_key.name = name
             syncs = syncs or sub._uses_batch_stats()
     return syncs
