@@ -1,7 +1,6 @@
-"""Collectives across the replicas of one call. The k-th collective of every replica meets the k-th of the others
-(a replica that calls another one there, skips it or raises fails the others clearly, never a hang); each replica
-then combines every replica's value on its own device. Outside a replicated call, or with one replica, each is an
-identity."""
+"""Collectives across the replicas of one call: the k-th collective of every replica meets the k-th of the others
+(one that calls another one there, skips it or raises fails the others clearly, never a hang), then each replica
+combines every replica's value on its own device. Outside a replicated call, or with one replica: identities."""
 
 from __future__ import annotations
 
@@ -43,6 +42,43 @@ class CollectiveShapeError(RendezvousError):
     differs from the others' (they fail with :class:`PeerFailedError`, naming it)."""
 
 
+class _Met(NamedTuple):
+    values: list[Any]  # every replica's value
+    index: int  # this replica's
+    device: torch.device  # this replica's
+    where: str  # the collective, as errors name it
+
+
+def _meet(name: str, value: Any, sequential_hint: str) -> _Met | None:
+    """Meet the other replicas at this replica's next collective (``name``); None outside a replicated call."""
+    replica = current_replica()
+    if replica is None or replica.group.size < 2:
+        return None
+    group, index, call = replica.group, replica.index, replica.next_call("collective")
+    where, site = f"{name} (collective {call} of this step)", ("collective", call, name)
+    values = group.rendezvous(index, site, value, lambda vs: [vs] * len(vs), where, _HINT, sequential_hint)
+    return _Met(values, index, group.devices[index], where)
+
+
+def _check_shapes(met: _Met, keys: list[Any], why: str) -> None:
+    """Raise when ``keys`` (what of each replica's shape must match) differ: CollectiveShapeError, saying ``why``, in
+    each replica whose key is not the most common one (on a tie, the earliest replica's); PeerFailedError in others."""
+    common = max(keys, key=keys.count)
+    differing = [i for i, key in enumerate(keys) if key != common]
+    if not differing:
+        return
+    shapes = ", ".join(f"replica {i}: {tuple(v.shape)}" for i, v in enumerate(met.values))
+    which = f"replica {differing[0]}" if len(differing) == 1 else f"replicas {differing}"
+    if met.index not in differing:
+        raise PeerFailedError(
+            f"{met.where}: {which} passed a tensor of another shape ({shapes}); its error is the one to read."
+        )
+    raise CollectiveShapeError(
+        f"{met.where}: the replicas passed tensors whose shapes cannot be combined ({shapes}); {which} "
+        f"differ{'s' if len(differing) == 1 else ''} from the others. {why}"
+    )
+
+
 def all_gather(tensor: Tensor, sync_grads: bool = False, *, sequential_hint: str = "") -> Tensor:
     """Every replica's ``tensor``, concatenated along dim 0 in replica order (0-dim: stacked), on this replica's
     device. A loss over it backpropagates into every replica's share, ``sync_grads`` or not: on one device
@@ -62,7 +98,10 @@ def all_gather(tensor: Tensor, sync_grads: bool = False, *, sequential_hint: str
 def reduce(tensor: Any, reduce_op: Any = "mean", *, sequential_hint: str = "") -> Any:
     """``tensor`` summed, averaged, or the elementwise max or min over the replicas (differentiable), on this
     replica's device; anything but a tensor is returned as it is, as Lightning's strategies do."""
-    op = _op_name(reduce_op)
+    op = str(getattr(reduce_op, "name", reduce_op)).lower().rpartition(".")[2]  # "avg", "ReduceOp.AVG", ...
+    op = {"avg": "mean"}.get(op, op)
+    if op not in _REDUCTIONS:
+        raise ValueError(f"reduce_op={reduce_op!r} is not supported across replicas: use one of {tuple(_REDUCTIONS)}.")
     met = _meet(f"reduce({op})", tensor, sequential_hint) if isinstance(tensor, Tensor) else None
     if met is None:
         return tensor
@@ -106,68 +145,13 @@ def local_rows(size: int) -> slice:
     return slice(offset, offset + size)
 
 
-class _Met(NamedTuple):
-    """What a replica holds after a collective's meeting: every replica's value, its own index and device."""
-
-    values: list[Any]
-    index: int
-    device: torch.device
-    where: str  # the collective, as errors name it
-
-
-def _meet(name: str, value: Any, sequential_hint: str) -> _Met | None:
-    """Meet the other replicas at this replica's next collective (``name``); None outside a replicated call."""
-    replica = current_replica()
-    if replica is None or replica.group.size < 2:
-        return None
-    group, index = replica.group, replica.index
-    group.require_threads(name, sequential_hint or "Run the call with execution_mode=threads.")
-    call = replica.next_call("collective")
-    where = f"{name} (collective {call} of this step)"
-    values = group.rendezvous(index, ("collective", call, name), value, lambda vs: [vs] * len(vs), where, _HINT)
-    return _Met(values, index, group.devices[index], where)
-
-
-def _check_shapes(met: _Met, keys: list[Any], why: str) -> None:
-    """Raise when ``keys`` (what of each replica's shape must match) differ: in each replica whose key is not the most
-    common one (on a tie, the earliest replica's), CollectiveShapeError naming the collective, every replica's shape
-    and the replicas that differ, so the replica at fault says why; in the others, PeerFailedError naming it."""
-    common = max(keys, key=keys.count)
-    differing = [i for i, key in enumerate(keys) if key != common]
-    if not differing:
-        return
-    shapes = ", ".join(f"replica {i}: {tuple(v.shape)}" for i, v in enumerate(met.values))
-    which = f"replica {differing[0]}" if len(differing) == 1 else f"replicas {differing}"
-    if met.index not in differing:
-        raise PeerFailedError(
-            f"{met.where}: {which} passed a tensor of another shape ({shapes}); its error is the one to read."
-        )
-    raise CollectiveShapeError(
-        f"{met.where}: the replicas passed tensors whose shapes cannot be combined ({shapes}); {which} "
-        f"differ{'s' if len(differing) == 1 else ''} from the others. {why}"
-    )
-
-
-def _op_name(reduce_op: Any) -> str:
-    """``"mean"`` for ``"mean"``/``"avg"``/``ReduceOp.AVG``, and so on; an error naming the choices otherwise."""
-    name = str(getattr(reduce_op, "name", reduce_op)).lower().rpartition(".")[2]
-    name = {"avg": "mean"}.get(name, name)
-    if name not in _REDUCTIONS:
-        raise ValueError(f"reduce_op={reduce_op!r} is not supported across replicas: use one of {tuple(_REDUCTIONS)}.")
-    return name
-
-
-# Where the all_gather results of the last replicated call lie: the whole batch, which a step may return.
+# Where the all_gather results of the last replicated call lie: the whole batch, which a step may return once.
 _gathered: set[tuple[Any, ...]] = set()
+forget_gathered = _gathered.clear  # a new replicated call starts
 
 
 def _place(tensor: Tensor) -> tuple[Any, ...]:
     return tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape)
-
-
-def forget_gathered() -> None:
-    """A new replicated call starts: the last one's ``all_gather`` results are no longer its replicas' outputs."""
-    _gathered.clear()
 
 
 def gathered_in_call() -> bool:
@@ -176,7 +160,6 @@ def gathered_in_call() -> bool:
 
 
 def is_gathered(tensor: Tensor) -> bool:
-    """Whether ``tensor`` (or a detached alias of it) is a result of an ``all_gather`` of the last replicated call:
-    the whole batch, which one device returns once."""
+    """Whether ``tensor`` (or a detached alias of it) is a result of an ``all_gather`` of the last replicated call."""
     # Nothing gathered (every call without all_gather) reads no storage; meta tensors have no address.
     return bool(_gathered) and tensor.device.type != "meta" and _place(tensor) in _gathered

@@ -4,7 +4,6 @@ for it, or arriving later, fail with an error that names it instead of hanging."
 
 from __future__ import annotations
 
-import itertools
 import os
 import threading
 import weakref
@@ -12,10 +11,11 @@ from collections import Counter
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
+Combine = Callable[[list[Any]], Sequence[Any]]  # every replica's value, in replica order -> each replica's result
 RENDEZVOUS_TIMEOUT_S = float(os.environ.get("LIGHTNING_MGPU_RENDEZVOUS_TIMEOUT_S", 1800))
 """Last-resort bound (seconds) on one wait at a rendezvous, for a replica that neither arrives nor leaves."""
 
@@ -36,15 +36,6 @@ class PeerFailedError(RendezvousError):
     ``run_replicas`` re-raises the other replica's exception instead."""
 
 
-class _Arrival(NamedTuple):
-    site: Hashable
-    label: str
-    hint: str
-    value: Any
-    combine: Callable[[list[Any]], Sequence[Any]]
-    order: int
-
-
 class ReplicaGroup:
     """The replicas of one ``run_replicas`` call; ``sequential``: they run one after another (and cannot meet)."""
 
@@ -56,25 +47,35 @@ class ReplicaGroup:
         # hands at every torch call, which costs as much as the calls on a launch-bound step.
         self._turn = threading.Lock() if TAKE_TURNS and not sequential else None
         self._turn_holder: int | None = None
-        # Its action through a weak reference: a bound method would make each call's group a garbage cycle.
-        group = weakref.ref(self)
+        group = weakref.ref(self)  # a bound method as the action would make each call's group a garbage cycle
         self._barrier = threading.Barrier(max(self.size, 1), action=lambda: group()._combine())  # type: ignore[union-attr]
-        self._arrivals: list[_Arrival | None] = [None] * self.size
+        self._arrivals: list[tuple[Any, ...]] = [()] * self.size  # (site, label, hint, value, combine) per replica
+        self._last = 0  # the replica that arrived last (while holding its turn): it goes on first
         self._results: list[Any] = []
         self._reached = [0] * self.size  # sync points each replica reached
-        self._arrival_order = itertools.count()
         self._met = 0  # meetings completed
         self._departed: dict[int, BaseException | None] = {}  # index -> its exception, None when it finished
         self._failure: str | None = None  # why the barrier broke, when not a departure
 
     @contextmanager
-    def turn(self, index: int) -> Iterator[None]:
-        """Run the enclosed code (replica ``index``'s work) in its turn (see :data:`TURN_PATIENCE_S`)."""
+    def member(self, index: int) -> Iterator[None]:
+        """Run the enclosed code as replica ``index`` (see :func:`current_replica`) in its turn (see
+        :data:`TURN_PATIENCE_S`). Then it departs, finished or raising: it reaches no more sync points, so the barrier
+        breaks for the replicas waiting at one or arriving later."""
+        previous = current_replica()
+        _LOCAL.replica = ReplicaContext(self, index)
         self._take_turn(index)
+        error = None
         try:
             yield
+        except BaseException as err:
+            error = err
+            raise
         finally:
             self._give_turn(index)
+            _LOCAL.replica = previous
+            self._departed[index] = error
+            self._barrier.abort()
 
     def _take_turn(self, index: int) -> None:
         if self._turn is not None and self._turn.acquire(timeout=TURN_PATIENCE_S):
@@ -87,31 +88,21 @@ class ReplicaGroup:
         self._turn.release()
         return True
 
-    def require_threads(self, what: str, hint: str) -> None:
-        """Raise :class:`RendezvousError` naming ``what``, then ``hint``, if the replicas run one after another."""
-        if self.sequential:
-            raise RendezvousError(
-                f"{what} makes the {self.size} replicas meet, but this call runs them one after another, so they "
-                f"cannot. {hint}"
-            )
-
     def rendezvous(
-        self,
-        index: int,
-        site: Hashable,
-        value: Any,
-        combine: Callable[[list[Any]], Sequence[Any]],
-        label: str,
-        hint: str,
+        self, index: int, site: Hashable, value: Any, combine: Combine, label: str, hint: str, sequential_hint: str = ""
     ) -> Any:
         """Meet the other replicas at ``site``; return ``combine(values in replica order)[index]``. ``combine`` runs
         once for all (e.g. one autograd node spanning the replicas) while every replica waits, its turn given up; the
-        last to arrive goes on first. A replica that reaches another site, or cannot arrive, fails them with an error
-        naming ``label`` and ``hint``."""
-        if self.size > 1:  # a backstop: callers say how to run in threads first
-            self.require_threads(label, "Run the replicas in threads (execution_mode='threads').")
-        self._arrivals[index] = _Arrival(site, label, hint, value, combine, next(self._arrival_order))
+        last to arrive goes on first. Replicas that run one after another, reach another site or cannot arrive fail
+        with an error naming ``label``, then ``sequential_hint`` or ``hint``."""
+        if self.sequential and self.size > 1:
+            raise RendezvousError(
+                f"{label} makes the {self.size} replicas meet, but this call runs them one after another, so they "
+                f"cannot. {sequential_hint or 'Run the replicas in threads (execution_mode=threads).'}"
+            )
+        self._arrivals[index] = (site, label, hint, value, combine)
         self._reached[index] += 1
+        self._last = index
         handed_over = self._give_turn(index)
         try:
             self._barrier.wait(RENDEZVOUS_TIMEOUT_S)
@@ -124,15 +115,15 @@ class ReplicaGroup:
         return self._results[index]
 
     def _combine(self) -> None:
-        """The barrier's action, run in the last thread to enter the barrier while the others wait in it."""
-        arrivals, self._arrivals = self._arrivals, [None] * self.size  # drop the references once combined
-        # The last to arrive (while holding its turn) goes on first, as if it had never waited: a fixed order.
-        self._take_turn(max(range(self.size), key=lambda i: arrivals[i].order))
+        """The barrier's action, run in one thread while the others wait in the barrier."""
+        arrivals, self._arrivals = self._arrivals, [()] * self.size  # drop the references once combined
+        self._take_turn(self._last)
         try:
-            if len({a.site for a in arrivals}) > 1:
-                where = "; ".join(f"replica {i} at {a.label}" for i, a in enumerate(arrivals))
-                raise RendezvousError(f"The replicas reached different sync points: {where}. {arrivals[0].hint}")
-            self._results = list(arrivals[-1].combine([a.value for a in arrivals]))
+            sites, labels, hints, values, combines = zip(*arrivals, strict=True)
+            if len(set(sites)) > 1:
+                where = "; ".join(f"replica {i} at {label}" for i, label in enumerate(labels))
+                raise RendezvousError(f"The replicas reached different sync points: {where}. {hints[0]}")
+            self._results = list(combines[-1](list(values)))
         except BaseException:
             self._failure = "the replica that combined the values here raised; its error is the one to read."
             raise
@@ -161,12 +152,6 @@ class ReplicaGroup:
             "the environment variable LIGHTNING_MGPU_RENDEZVOUS_TIMEOUT_S."
         )
 
-    def depart(self, index: int, error: BaseException | None) -> None:
-        """Record that replica ``index`` finished (``error=None``) or raised ``error``: it reaches no more sync points,
-        so the barrier breaks for the replicas waiting at one or arriving later."""
-        self._departed[index] = error
-        self._barrier.abort()
-
     def interrupt(self, reason: BaseException) -> None:
         """The caller was interrupted: replicas waiting at (or reaching) a sync point stop with PeerFailedError."""
         self._failure = f"stopped waiting because the caller was interrupted ({type(reason).__name__})."
@@ -193,14 +178,3 @@ _LOCAL = threading.local()
 def current_replica() -> ReplicaContext | None:
     """The replica the current thread runs as, inside a :func:`~.run_replicas.run_replicas` call; None outside one."""
     return getattr(_LOCAL, "replica", None)
-
-
-@contextmanager
-def as_replica(group: ReplicaGroup, index: int) -> Iterator[None]:
-    """Run the enclosed code as member ``index`` of ``group`` (what :func:`current_replica` returns)."""
-    previous = current_replica()
-    _LOCAL.replica = ReplicaContext(group, index)
-    try:
-        yield
-    finally:
-        _LOCAL.replica = previous

@@ -21,12 +21,13 @@ import torch
 
 from lightning_mgpu.parallel.collectives import forget_gathered
 from lightning_mgpu.parallel.devices import DeviceLike, to_device
-from lightning_mgpu.parallel.replica_group import PeerFailedError, ReplicaGroup, as_replica
+from lightning_mgpu.parallel.replica_group import PeerFailedError, ReplicaGroup
 from lightning_mgpu.parallel.thread_state import ThreadState
 
 T = TypeVar("T")
 ExecutionMode = Literal["auto", "threads", "sequential"]
 EXECUTION_MODES: tuple[str, ...] = get_args(ExecutionMode)
+Outcome = tuple[Any, BaseException | None]
 
 
 @functools.cache
@@ -40,27 +41,23 @@ if hasattr(os, "register_at_fork"):
 
 
 def add_note(err: BaseException, note: str) -> None:
-    """PEP 678 ``err.add_note(note)``, also on Python 3.10 (where tools read ``__notes__`` but tracebacks skip it)."""
-    with contextlib.suppress(Exception):  # e.g. a __notes__ that is not a list: the exception itself is unchanged
-        if sys.version_info >= (3, 11):
-            err.add_note(note)
-        else:
-            notes = getattr(err, "__notes__", None)
-            err.__notes__ = [*notes, note] if isinstance(notes, list) else [note]
+    """PEP 678's ``err.add_note(note)``, also on Python 3.10 (where tools read ``__notes__`` but tracebacks skip it)."""
+    with contextlib.suppress(Exception):  # e.g. read-only attributes: the exception itself is unchanged
+        notes = getattr(err, "__notes__", None)
+        err.__notes__ = [*notes, note] if isinstance(notes, list) else [note]
 
 
 def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    line = text[0] if text else ""
+    line = (str(err).strip().splitlines() or [""])[0]
     return line if len(line) <= 200 else line[:197] + "..."
 
 
-def _raise_first_failure(failed: Sequence[tuple[int, BaseException]], devices: Sequence[torch.device]) -> None:
+def _raise_first_failure(outcomes: Sequence[Outcome], devices: Sequence[torch.device]) -> None:
     """Re-raise the first primary failure in replica order, with its replica's index and device; none: do nothing."""
+    failed = [(i, error) for i, (_, error) in enumerate(outcomes) if error is not None]
     if not failed:
         return
-    primary = [(i, e) for i, e in failed if not isinstance(e, PeerFailedError)]
-    index, err = (primary or failed)[0]
+    index, err = next(((i, e) for i, e in failed if not isinstance(e, PeerFailedError)), failed[0])
     original = "".join(traceback.format_exception(type(err), err, err.__traceback__))
     note = f"Caught {type(err).__name__} in replica {index} on device {devices[index]}.\nOriginal {original.rstrip()}"
     others = "; ".join(f"replica {i}: {type(e).__name__}: {_first_line(e)}" for i, e in failed if i != index)
@@ -83,9 +80,7 @@ def replica_frame(index: int) -> Callable[[Callable[[], T]], T]:
 
     name = f"replica_{index}"
     code = call.__code__.replace(co_name=name)
-    if sys.version_info >= (3, 11):
-        code = code.replace(co_qualname=name)
-    call.__code__ = code
+    call.__code__ = code.replace(co_qualname=name) if sys.version_info >= (3, 11) else code
     return call
 
 
@@ -115,18 +110,15 @@ def run_replicas(
     forget_gathered()
     group = ReplicaGroup(targets, sequential=sequential)
 
-    def run(index: int) -> tuple[Any, BaseException | None]:
-        value, error = None, None
+    def run(index: int) -> Outcome:
         try:
-            with as_replica(group, index), group.turn(index), state.replay(targets[index]):
-                value = replica_frame(index)(functions[index])
+            with group.member(index), state.replay(targets[index]):
+                return replica_frame(index)(functions[index]), None
         except BaseException as err:  # KeyboardInterrupt too: the caller re-raises it once every replica stopped
-            error = err
-        group.depart(index, error)
-        return value, error
+            return None, err
 
     if sequential:
-        outcomes = []
+        outcomes: list[Outcome] = []
         for i in range(len(functions)):
             outcomes.append(run(i))
             if outcomes[i][1] is not None:  # the replicas after it never run
@@ -134,23 +126,17 @@ def run_replicas(
     else:
         futures = [_pool().submit(run, i) for i in range(1, len(functions))]
         outcomes = [run(0), *_wait_for_all(futures, group)]
-    _raise_first_failure([(i, error) for i, (_, error) in enumerate(outcomes) if error is not None], targets)
+    _raise_first_failure(outcomes, targets)
     return [value for value, _ in outcomes]
 
 
-def _wait_for_all(futures: Sequence[Future], group: ReplicaGroup) -> list[tuple[Any, BaseException | None]]:
+def _wait_for_all(futures: Sequence[Future], group: ReplicaGroup) -> list[Outcome]:
     """Every replica's outcome. A first interrupt (Ctrl-C) stops the replicas at their next sync point and keeps
     waiting for them; a second gives up waiting."""
-    interrupt: BaseException | None = None
-    while True:
-        try:
-            wait(futures)
-            break
-        except BaseException as err:  # run() never raises: this interrupted the wait itself
-            if interrupt is not None:
-                raise
-            interrupt = err
-            group.interrupt(err)
-    if interrupt is not None:
-        raise interrupt
+    try:
+        wait(futures)
+    except BaseException as err:  # run() never raises: this interrupted the wait itself
+        group.interrupt(err)
+        wait(futures)
+        raise
     return [future.result() for future in futures]

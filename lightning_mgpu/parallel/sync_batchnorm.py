@@ -23,8 +23,6 @@ from torch.nn.modules.lazy import LazyModuleMixin
 
 from lightning_mgpu.parallel.replica_group import current_replica
 
-__all__ = ["SyncBatchNorm", "convert_sync_batchnorm", "revert_sync_batchnorm", "uses_sync_batchnorm"]
-
 _HINT = (
     "Every replica must call each SyncBatchNorm layer the same number of times and in the same order (its statistics "
     "span the replicas): branch on something every replica shares, not on one shard's values or size, or keep that "
@@ -76,14 +74,15 @@ class SyncBatchNorm(_BatchNorm):
 
     def forward(self, input: Tensor) -> Tensor:
         replica, synced = current_replica(), self._uses_batch_stats()
-        if replica is None and synced and getattr(self, "_is_replica", False):  # torch's replicas set _is_replica
-            raise RuntimeError(f"SyncBatchNorm layer {_describe(self)} {_CHECKPOINTED}")
         if replica is None or replica.group.size < 2 or not synced:
+            if replica is None and synced and getattr(self, "_is_replica", False):  # torch's replicas set _is_replica
+                raise RuntimeError(
+                    f"SyncBatchNorm layer {_quoted(self._sync_key.name, self.num_features)} {_CHECKPOINTED}"
+                )
             return super().forward(input)
         self._check_input_dim(input)
         call = replica.next_call(self._sync_key)
-        label = f"SyncBatchNorm layer {_describe(self)} (call {call} in this forward)"
-        replica.group.require_threads(label, _SEQUENTIAL_HINT)
+        label = f"SyncBatchNorm layer {_quoted(self._sync_key.name, self.num_features)} (call {call} in this forward)"
         if input.size(1) != self.num_features:
             raise ValueError(
                 f"{label} expects {self.num_features} channels (dim 1) but got input of shape {input.shape}."
@@ -92,19 +91,15 @@ class SyncBatchNorm(_BatchNorm):
         count = x.numel() // x.size(1)
         stats = _ops(x).batch_norm_stats(x.detach(), self.eps) if count else None
         part = _Part(self, x, stats, count, torch.cuda.current_stream(x.device) if x.is_cuda else None)
-        return replica.group.rendezvous(replica.index, (self._sync_key, call), part, _combine, label, _HINT)
+        site = (self._sync_key, call)
+        return replica.group.rendezvous(replica.index, site, part, _combine, label, _HINT, _SEQUENTIAL_HINT)
 
 
-def _describe(layer: SyncBatchNorm) -> str:
-    name = layer._sync_key.name
-    return f"<unnamed, {layer.num_features} features>" if name is None else _quoted(name)
+def _quoted(name: str | None, features: int = 0) -> str:
+    """How errors name a layer: its dotted name, or its size before a conversion or check named it."""
+    return f"<unnamed, {features} features>" if name is None else repr(name) if name else "<the root module>"
 
 
-def _quoted(name: str) -> str:
-    return repr(name) if name else "<the root module>"
-
-
-# --- the synchronised forward and backward ------------------------------------------------------------------------
 class _Part(NamedTuple):
     """What one replica brings to a layer call's rendezvous: its layer (replica 0's buffers are the module's own),
     input, mean and inverse std (None for an empty shard), values per channel, CUDA stream."""
@@ -117,13 +112,12 @@ class _Part(NamedTuple):
 
 
 def _combine(parts: list[_Part]) -> tuple[Tensor, ...]:
-    """The rendezvous's combine step, once per layer call: the joint node over every replica's input, outputs in
-    replica order. (Replicas are on devices of one type: the modules check it.)"""
+    """The joint node over every replica's input, once per layer call; outputs in replica order."""
     layer, total = parts[0].layer, sum(p.count for p in parts)
     if total <= 1:  # as BatchNorm, whenever it normalises with batch statistics
         raise ValueError(
             f"Expected more than 1 value per channel when training, got {total} over all replicas "
-            f"(SyncBatchNorm layer {_describe(layer)})"
+            f"(SyncBatchNorm layer {_quoted(layer._sync_key.name, layer.num_features)})"
         )
     tensors = [p.x for p in parts] + [p.layer.weight for p in parts] + [p.layer.bias for p in parts]
     # Each replica's stream is current on its device while the node runs *and* while autograd records its outputs.
@@ -287,7 +281,6 @@ class _PlainOps:
         return (grad * scale.view(shape)).to(x.dtype)
 
 
-# --- conversion ---------------------------------------------------------------------------------------------------
 def has_sync_batchnorm(module: nn.Module) -> bool:
     """Whether ``module`` holds a :class:`SyncBatchNorm` layer."""
     return any(isinstance(m, SyncBatchNorm) for m in module.modules())
@@ -299,14 +292,13 @@ def convert_sync_batchnorm(module: nn.Module) -> nn.Module:
     it is itself a BatchNorm). State-dict keys are unchanged; :func:`revert_sync_batchnorm` undoes it."""
 
     def convert(sub: nn.Module, name: str) -> nn.Module | None:
-        if isinstance(sub, SyncBatchNorm):
-            _name_once(sub, name)
         if not isinstance(sub, _BatchNorm) or isinstance(sub, SyncBatchNorm):
             return None
         new = _retype(sub, SyncBatchNorm, name)
         new._sync_key = _LayerKey(name, type(sub))
         return new
 
+    uses_sync_batchnorm(module)  # names the layers built as SyncBatchNorm, for their errors
     return _replace_layers(module, convert)
 
 
@@ -361,11 +353,7 @@ def uses_sync_batchnorm(module: nn.Module) -> bool:
     syncs = False
     for name, sub in module.named_modules():
         if isinstance(sub, SyncBatchNorm):
-            _name_once(sub, name)
+            if sub._sync_key.name is None:
+                sub._sync_key.name = name
             syncs = syncs or sub._uses_batch_stats()
     return syncs
-
-
-def _name_once(layer: SyncBatchNorm, name: str) -> None:
-    if layer._sync_key.name is None:
-        layer._sync_key.name = name
