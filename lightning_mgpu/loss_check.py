@@ -45,8 +45,7 @@ class LossCheck:
 
     def errors(self) -> dict[str, float]:
         """How far each candidate misses the whole batch's loss, closest first."""
-        errors = {spec: abs(value - self.whole) for spec, value in self.predictions.items()}
-        return dict(sorted(errors.items(), key=lambda item: item[1]))
+        return dict(sorted(((spec, abs(v - self.whole)) for spec, v in self.predictions.items()), key=lambda i: i[1]))
 
     def fits(self) -> list[str]:
         """Every candidate that reproduces the whole batch's loss, closest first; none for a random step."""
@@ -57,13 +56,6 @@ class LossCheck:
     def rule(self) -> str | None:
         """The ``loss_reduction`` to declare: the candidate that reproduces the whole batch, if any does."""
         return next(iter(self.fits()), None)
-
-    def _why_alike(self) -> str:
-        if len(self.sizes) < 2:
-            return f"a batch of {sum(self.sizes)} sample(s) is not split: use a larger one"
-        if len(set(self.sizes)) < 2:
-            return f"its shards are all of {self.sizes[0]} samples: use a batch of at least {len(self.sizes) + 1}"
-        return "e.g. no ignored label"
 
     def _verdict(self, fits: list[str]) -> str:
         if self.noise:
@@ -78,17 +70,22 @@ class LossCheck:
             return (
                 f"parallel_criterion reads the rule from the loss's autograd record ({self.known}): nothing to declare"
             )
-        if len(fits) > 1:
-            return (
-                f"these rules coincide on this batch: {', '.join(map(repr, fits))} ({self._why_alike()}): declare the "
-                "one your loss averages over, or check a batch that tells them apart"
-            )
-        if fits:
+        if len(fits) == 1:
             return f"declare ParallelCriterionStrategy(loss_reduction={fits[0]!r})"
+        if not fits:
+            return (
+                "no rule reproduces one device: the step couples samples across the batch (a contrastive loss: "
+                "self.all_gather(..., sync_grads=True) or strategy='dp'), or adds terms normalised differently "
+                "(return 'loss_terms')"
+            )
+        why = "e.g. no ignored label"
+        if len(self.sizes) < 2:
+            why = f"a batch of {sum(self.sizes)} sample(s) is not split: use a larger one"
+        elif len(set(self.sizes)) < 2:
+            why = f"its shards are all of {self.sizes[0]} samples: use a batch of at least {len(self.sizes) + 1}"
         return (
-            "no rule reproduces one device: the step couples samples across the batch (a contrastive loss: "
-            "self.all_gather(..., sync_grads=True) or strategy='dp'), or adds terms normalised differently (return "
-            "'loss_terms')"
+            f"these rules coincide on this batch: {', '.join(map(repr, fits))} ({why}): declare the one your loss "
+            "averages over, or check a batch that tells them apart"
         )
 
     def __str__(self) -> str:

@@ -70,18 +70,23 @@ def merge_and_log(
     loader_batch = functools.partial(step_sample_counts, root)  # the DataLoader's counts, read only where needed
     for (name, _), entries in calls.items():
         options = _checked_options(name, entries)
-        first = entries[0][1].value
-        if not isinstance(first, Metric):
-            copy = _one_device_copy(entries, len(recorders), loss_copy, step_values)
-            value, options = _merge_values(name, entries, sample_counts, options, copy, loader_batch=loader_batch)
-            root.log(name, value, **options)
-        elif (owner := metric_owner(first)) is not None:
+        values = [call.value for _, call in entries]
+        if isinstance(values[0], Metric):
+            if (owner := metric_owner(values[0])) is None:
+                raise ValueError(
+                    f"{name!r}: a replica logged a Metric that the LightningModule does not hold (as an attribute, or "
+                    "in a dict, list or tuple attribute): one made inside the step holds only its replica's shard."
+                )
             root.log(name, owner, **options)  # Lightning itself refuses one outside its attributes, as on one device
+            continue
+        # One device's value where every replica logged what one metric call returned, or a copy of the loss.
+        found = [step_values.get(id(value)) for value in values] if step_values else [None]
+        if all(found) and len({f[0] for f in found}) == 1:  # type: ignore[index]
+            copy = torch.as_tensor(found[0][1])  # type: ignore[index]
         else:
-            raise ValueError(
-                f"{name!r}: a replica logged a Metric that the LightningModule does not hold (as an attribute, or in "
-                "a dict, list or tuple attribute): one made inside the step holds only its replica's shard."
-            )
+            copy = loss_copy(values) if loss_copy is not None and len(entries) == len(recorders) else None
+        value, options = _merge_values(name, entries, sample_counts, options, copy, loader_batch=loader_batch)
+        root.log(name, value, **options)
 
 
 def _all_but_batch_size(options: dict[str, Any]) -> dict[str, Any]:
@@ -100,23 +105,6 @@ def _checked_options(name: str, entries: list[tuple[int, LogCall]]) -> dict[str,
                 f"on replica {index}); log it the same way."
             )
     return {**_LOG_DEFAULTS, **first.options}
-
-
-def _one_device_copy(
-    entries: list[tuple[int, LogCall]],
-    replicas: int,
-    loss_copy: LossCopy | None,
-    step_values: Mapping[int, tuple[Any, Any]] | None,
-) -> Tensor | None:
-    """One device's value of a name whose every replica logged what one metric call returned (that call's value on
-    the whole batch), or a copy of the loss (merged by its rule); ``None`` for other values."""
-    if step_values:
-        found = [step_values.get(id(call.value)) for _, call in entries]
-        if all(found) and len({f[0] for f in found}) == 1:  # type: ignore[index]
-            return torch.as_tensor(found[0][1])  # type: ignore[index]
-    if loss_copy is None or len(entries) != replicas:
-        return None
-    return loss_copy([call.value for _, call in entries])
 
 
 def merge_scalars(
@@ -183,31 +171,29 @@ def _merge_values(
     DataLoader's sample counts (its batch size first), read only for a ``batch_size=`` equal on every replica: the
     batch size is a constant (one device passes the same ``hparams.batch_size``, also on a smaller last batch)."""
     kind = _reduce_kind(options["reduce_fx"])
-    dtype = numbers or torch.get_default_dtype()
-    values = [_as_tensor(name, call.value, options["enable_graph"], dtype) for _, call in entries]
-    device = values[0].device
-    dtype = torch.promote_types(values[0].dtype, torch.float32) if values[0].is_floating_point() else torch.float32
-    stacked = stack_scalars(values, device, dtype)
-    if loss is not None:  # one device's value, in its own dtype (a metric may make a float32 0 of a float64 state)
-        loss = loss.detach().to(device, torch.promote_types(loss.dtype, torch.float32))
     explicit = [call.options.get("batch_size") for _, call in entries]
     counts = [sample_counts[index] for index, _ in entries]
     # The step's weight in the epoch mean: the devices' batch_size= summed (each counts its shard: tokens equal on even
     # shards too), the loader's batch size passed by every device as it is (a constant, as one device passes it),
     # else what Lightning reads from the whole batch, as on one device (its warning on an ambiguous batch included).
-    alike = None not in explicit and len({float(b) for b in explicit}) == 1
-    constant = alike and explicit != counts and (float(explicit[0]),) == tuple(map(float, loader_batch()[:1]))
-    given = None if None in explicit else int(float(explicit[0])) if constant else int(sum(map(float, explicit)))
+    sizes = None if None in explicit else [float(b) for b in explicit]
+    alike = sizes is not None and len(set(sizes)) == 1
+    constant = alike and explicit != counts and sizes[:1] == [float(b) for b in loader_batch()[:1]]  # type: ignore[index]
+    given = None if sizes is None else int(sizes[0]) if constant else int(sum(sizes))
     logged = options if given is None or kind != "mean" else {**options, "batch_size": given}
-    if kind != "mean":
-        # reduce_fx acts over steps: a copy of the loss is the whole batch's; other values reduce over the replicas.
-        return getattr(stacked, kind)() if loss is None else loss, options
-    if loss is not None:  # a copy of the loss: batch_size= only weights the step in the epoch mean
-        return loss, logged
+    if loss is not None:  # one device's value, in its own dtype (a metric may make a float32 0 of a float64 state)
+        first = entries[0][1].value
+        device = first.device if isinstance(first, Tensor) else None
+        return loss.detach().to(device=device, dtype=torch.promote_types(loss.dtype, torch.float32)), logged
+    dtype = numbers or torch.get_default_dtype()
+    values = [_as_tensor(name, call.value, options["enable_graph"], dtype) for _, call in entries]
+    dtype = torch.promote_types(values[0].dtype, torch.float32) if values[0].is_floating_point() else torch.float32
+    stacked = stack_scalars(values, values[0].device, dtype)
+    if kind != "mean":  # reduce_fx acts over steps: within one, over the replicas
+        return getattr(stacked, kind)(), options
     # Equal values on every replica (a constant such as hparams.batch_size) say nothing about the shards: samples do.
-    if given is None or len({float(b) for b in explicit}) == 1:
-        explicit = counts
-    return weighted_mean(stacked, stack_scalars(explicit, device, dtype)), logged
+    weights = counts if sizes is None or alike else explicit
+    return weighted_mean(stacked, stack_scalars(weights, values[0].device, dtype)), logged
 
 
 def _as_tensor(name: str, value: Any, enable_graph: bool, numbers: torch.dtype) -> Tensor:
