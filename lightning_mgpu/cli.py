@@ -75,26 +75,18 @@ _PARSER_CLASS = {"parser_class": _Parser} if "parser_class" in inspect.signature
 
 
 def main(args: Sequence[str] | None = None, run: bool = True) -> LightningCLI | None:
-    """Run LightningCLI over any model and datamodule given by ``class_path``; with ``args`` (for ``sys.argv[1:]``)
-    return it, else ``None`` (the console script runs ``sys.exit(main())``)."""
+    """LightningCLI; with ``args`` (for ``sys.argv[1:]``) return it, else ``None`` (for ``sys.exit(main())``)."""
     if os.getcwd() not in map(os.path.abspath, sys.path):  # `python -m` puts it there, a console script does not:
         sys.path.insert(0, os.getcwd())  # recipe class paths (recipes.*) import from the current directory
-    prog = os.path.basename(sys.argv[0])
-    prog = "python -m lightning_mgpu" if prog == "__main__.py" else prog
+    prog = os.path.basename(sys.argv[0]).replace("__main__.py", "python -m lightning_mgpu")
     # Nothing a user can act on: Lightning's tips, and a deprecation inside Lightning.
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)`? is deprecated")
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_no_tips)
     with exit_on_missing_extra(prog):
+        # Without model_class and datamodule_class, any LightningModule and LightningDataModule by class_path.
+        given = None if args is None else list(args)
         cli = LightningCLI(
-            model_class=None,
-            datamodule_class=None,
-            subclass_mode_model=True,
-            subclass_mode_data=True,
-            save_config_kwargs={"overwrite": True},
-            **_PARSER_CLASS,
-            parser_kwargs={"prog": prog},
-            args=None if args is None else list(args),
-            run=run,
+            save_config_kwargs={"overwrite": True}, parser_kwargs={"prog": prog}, args=given, run=run, **_PARSER_CLASS
         )
     if args is not None:
         return cli

@@ -109,18 +109,13 @@ def _sum_over_processes(trainer: Any, tensor: Tensor) -> Tensor:
 
 class ExactLossHooks:
     """The optimizer step equals one device's step on the whole global batch (every process's micro-batches of the
-    accumulation window), each micro-batch weighted by its loss's rule, read from the loss's autograd record before
-    backward (under ``parallel_criterion``, from ``strategy.loss_counts``), and applied by node pre-hooks:
-
-    - a mean over one count is backpropagated times its count (a sum); before the optimizer step (and clipping) the
-      gradients are divided once by the window's global count: one scalar all-reduce per step across processes;
-    - a sum has Lightning's and DDP's divisions undone;
-    - means over different counts are each normalised by their count over all processes (one all-reduce of a few
-      scalars per micro-batch); under accumulation each micro-batch is weighted equally, said once;
-    - a loss the reader cannot explain keeps Lightning's weighting, said once.
-
-    The rule is settled on the first micro-batch (agreed across processes: one all-reduce) and said once. Logged values
-    are not touched. One device without accumulation is exact already. Automatic optimization only.
+    accumulation window): each micro-batch's loss rule, read from its autograd record before backward (under
+    ``parallel_criterion``, from ``strategy.loss_counts``), is applied by node pre-hooks. A mean over one count is
+    backpropagated as a sum, and the gradients divided once by the window's global count before the optimizer step
+    (one scalar all-reduce per step); a sum has Lightning's and DDP's divisions undone; means over different counts are
+    each normalised by their global count (one all-reduce per micro-batch), each micro-batch weighted equally under
+    accumulation; a loss the reader cannot explain keeps Lightning's weighting. The rule is settled on the first
+    micro-batch (agreed across processes) and said once. Logged values are untouched. Automatic optimization only.
 
     Args:
         sum_divisor: what a ``sum / divisor`` term divides by: ``"auto"`` (read as the strategies read it), ``"count"``
@@ -157,9 +152,10 @@ class ExactLossHooks:
             return
         if not pl_module.automatic_optimization:
             return self._say(trainer, "manual", "ExactLoss acts under automatic optimization only: it does nothing.")
-        counts = getattr(trainer.strategy, "loss_counts", _ABSENT)
-        own = counts is _ABSENT
-        rule = read_rule(loss, self._samples, self.sum_divisor, accumulate) if own else strategy_rule(loss, counts)
+        if (counts := getattr(trainer.strategy, "loss_counts", _ABSENT)) is _ABSENT:
+            rule = read_rule(loss, self._samples, self.sum_divisor, accumulate)
+        else:
+            rule = strategy_rule(loss, counts)
         if self._plan is None:
             self._settle_plan(trainer, rule, accumulate)
         if self._plan != KEEP:
@@ -182,12 +178,9 @@ class ExactLossHooks:
             total, squares = _sum_over_processes(trainer, codes).tolist()
             if total**2 != trainer.world_size * squares:
                 kind, rule = KEEP, Rule(said=f"the processes' first losses have different forms: {_LIGHTNING}")
-        self._plan = kind
-        if kind == TERMS and accumulate > 1:
-            return self._say(
-                trainer, "plan", f"ExactLoss: {rule.said}: across processes each term is exact, but {_EQUAL}"
-            )
-        self._say(trainer, "plan", f"ExactLoss: {rule.said}.", info=kind != KEEP)
+        self._plan, equal = kind, kind == TERMS and accumulate > 1
+        tail = f": across processes each term is exact, but {_EQUAL}" if equal else "."
+        self._say(trainer, "plan", f"ExactLoss: {rule.said}{tail}", info=kind != KEEP and not equal)
 
     def _apply(self, trainer: Any, loss: Tensor, rule: Rule, accumulate: int, world: int) -> None:
         """The pre-hooks that make the micro-batch's gradient exact under the plan; a loss of another form than the
@@ -195,10 +188,10 @@ class ExactLossHooks:
         fits = rule.kind != KEEP and len(rule.counts) == self._terms if self._plan == TERMS else rule.kind == self._plan
         if not fits:
             self._say(trainer, "misfit", f"ExactLoss: a training loss differs in form from the first ({rule.said}).")
+        root = trainer.strategy.root_device
         if self._plan == MEAN:  # a sum now, divided by the window's global count before the optimizer step
             count = rule.counts[0] if fits else self._samples or 1
             loss.grad_fn.register_prehook(_scaled_by(count * accumulate))
-            root = trainer.strategy.root_device
             count = torch.as_tensor(count, device=root, dtype=torch.float32 if root.type == "mps" else torch.float64)
             self._count = count if self._count is None else self._count + count
         elif self._plan == SUM:
@@ -206,9 +199,7 @@ class ExactLossHooks:
         else:  # each sum term as a sum; each mean across processes times its share of the term's global count
             counts = [0 if c is None else c for c in rule.counts] if fits else [0] * self._terms
             if world > 1:  # every process runs this all-reduce, fitting or not
-                local = torch.stack(
-                    [torch.as_tensor(c).to(trainer.strategy.root_device, torch.float64) for c in counts]
-                )
+                local = torch.stack([torch.as_tensor(c).to(root, torch.float64) for c in counts])
                 totals = _sum_over_processes(trainer, local.clone())
                 shares = torch.where(totals > 0, local * world / totals, 0.0)
             for t, node in enumerate(rule.nodes if fits else []):
