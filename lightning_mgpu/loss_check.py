@@ -48,13 +48,12 @@ class LossCheck:
         return dict(sorted(((spec, abs(v - self.whole)) for spec, v in self.predictions.items()), key=lambda i: i[1]))
 
     def fits(self) -> list[str]:
-        """Every candidate that reproduces the whole batch's loss, closest first; none for a random step."""
-        tolerance = RELATIVE_TOLERANCE * abs(self.whole)
-        return [] if self.noise else [spec for spec, error in self.errors().items() if error <= tolerance]
+        """The candidates that reproduce the whole batch's loss, closest first; none for a random step."""
+        return [] if self.noise else [s for s, e in self.errors().items() if e <= RELATIVE_TOLERANCE * abs(self.whole)]
 
     @property
     def rule(self) -> str | None:
-        """The ``loss_reduction`` to declare: the candidate that reproduces the whole batch, if any does."""
+        """The ``loss_reduction`` to declare, if one reproduces the whole batch's loss."""
         return next(iter(self.fits()), None)
 
     def _verdict(self, fits: list[str]) -> str:
@@ -67,9 +66,7 @@ class LossCheck:
         if self.declared is not None:
             return f"the step declares its own weights ({self.declared}): parallel_criterion uses them"
         if self.known is not None and AUTO in fits:
-            return (
-                f"parallel_criterion reads the rule from the loss's autograd record ({self.known}): nothing to declare"
-            )
+            return f"parallel_criterion reads the rule from the autograd record ({self.known}): nothing to declare"
         if len(fits) == 1:
             return f"declare ParallelCriterionStrategy(loss_reduction={fits[0]!r})"
         if not fits:
@@ -114,9 +111,8 @@ def check_loss_reduction(
     dim: int = 0,
     seed: int = 0,
 ) -> LossCheck:
-    """Run ``training_step`` of a deep copy of ``module`` in train mode (dropout off, BatchNorm on running statistics)
-    on ``batch`` whole and split into ``devices`` unequal shards on ``device``: which rule combines the shards' losses
-    into the whole batch's."""
+    """Which rule combines the shards' losses into the whole batch's: ``training_step`` of a deep copy of ``module`` in
+    train mode (dropout off, BatchNorm on running statistics) on ``batch`` whole and in ``devices`` unequal shards."""
     target = to_device(device)
     replica = copy.deepcopy(module).to(target).train()
     dropout = [m for m in replica.modules() if isinstance(m, DROPOUT_LAYERS)]
@@ -162,8 +158,8 @@ def _uneven_sizes(size: int, devices: int) -> list[int]:
 
 
 def _candidates(batch: Any, dim: int) -> list[LossNormalization]:
-    """The declarable rules: samples, sum, equal weights, and tokens of each integer tensor but the first input (a
-    causal LM's shifted tokens too, for rows of tokens)."""
+    """The declarable rules: samples, sum, equal weights, and tokens of each integer tensor but the first input (for
+    rows of tokens, a causal LM's shifted tokens too)."""
     rules = [SAMPLES, SUM, LossNormalization("replica_mean")]
     items = batch.items() if isinstance(batch, Mapping) else enumerate(batch) if isinstance(batch, list | tuple) else ()
     for key, value in items:

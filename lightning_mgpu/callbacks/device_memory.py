@@ -49,7 +49,7 @@ def imbalance(peaks: Mapping[str, float]) -> float | None:
 
 
 def distinct_devices(devices: Sequence[torch.device]) -> list[torch.device]:
-    """``devices`` without repeats, in order (``cpu`` and ``cpu:0`` are one device)."""
+    """``devices`` without repeats, in order (``cpu`` and ``cpu:0`` are one)."""
     return list(dict.fromkeys(torch.device("cpu") if d.type == "cpu" else d for d in devices))
 
 
@@ -82,12 +82,10 @@ def reset_device_peaks(devices: Sequence[torch.device]) -> None:
 
 
 class DeviceMemoryMonitor(L.Callback):
-    """Log the peak memory of every device the strategy uses, and ``memory/imbalance`` (largest / smallest peak).
-
-    Every ``logging_interval`` training batches, to the loggers and ``trainer.callback_metrics``:
-    ``memory/<device>_peak_mib`` per device (on CUDA also ``_reserved_peak_mib``), under ``ddp`` every rank's as
-    ``memory/rank<r>_<device>_peak_mib``. A device listed several times (virtual devices) is reported once and sets
-    ``virtual``: no imbalance then. Logged directly, as ``LearningRateMonitor`` does (whatever ``log_every_n_steps``).
+    """Log ``memory/<device>_peak_mib`` of every device the strategy uses (on CUDA also ``_reserved_peak_mib``; under
+    ``ddp`` every rank's, as ``memory/rank<r>_<device>_peak_mib``) and ``memory/imbalance`` (largest / smallest peak) to
+    the loggers and ``trainer.callback_metrics``, as ``LearningRateMonitor`` logs. A device listed several times
+    (virtual devices) is reported once and sets ``virtual``: no imbalance then.
 
     Args:
         logging_interval: log every this many training batches; ``None`` or ``0`` turns the monitor off.
