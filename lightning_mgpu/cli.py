@@ -1,7 +1,6 @@
 """``python -m lightning_mgpu`` and the ``lightning-mgpu`` script: LightningCLI with this package's strategies
-registered. Errors are LightningCLI's and jsonargparse's own, but for a missing module of the ``[recipes]`` extra: one
-line that names it and the pip command that installs the extra, and exit status 1; and a strategy given by name with
-``init_args`` gets one line after jsonargparse's naming the class path that takes them."""
+registered. Its errors are LightningCLI's and jsonargparse's, but for a missing module of the ``[recipes]`` extra (one
+line naming the pip command that installs it, exit status 1) and a strategy given by name with ``init_args``."""
 
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import NoReturn, overload
+from typing import NoReturn
 
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from typing_extensions import override
@@ -27,8 +26,7 @@ RECIPES_EXTRA = frozenset({"jsonargparse", "transformers", "tokenizers", "datase
 
 def missing_extra_message(error: BaseException | str, command: str) -> str | None:
     """``command``'s line for an error that says a module of the extra is missing (Python's "No module named", or
-    Lightning's "Requirement 'jsonargparse[signatures]...' not met"), else ``None``. A clone (installed editable, or on
-    ``sys.path``) installs the extra from itself, a wheel by name."""
+    Lightning's "Requirement ... not met"), else ``None``. A clone installs the extra from itself, a wheel by name."""
     found = re.search(r"(?:No module named|Requirement) '(\w+)", str(error))
     if found is None or found[1] not in RECIPES_EXTRA:
         return None
@@ -55,9 +53,8 @@ _CLASSES = {"parallel_criterion": "ParallelCriterionStrategy", "dp": "DataParall
 
 
 class _Parser(LightningArgumentParser):
-    """jsonargparse reports a ``class_path`` whose module imports a missing one as a bad value: where it would exit,
-    a missing module of the extra is raised instead, for :func:`exit_on_missing_extra`. A strategy given by name with
-    ``init_args`` gets the form that takes them after jsonargparse's message."""
+    """A ``class_path`` whose module imports a missing module of the extra raises it (jsonargparse says a bad value),
+    for :func:`exit_on_missing_extra`; a strategy given by name with ``init_args`` is told the form that takes them."""
 
     @override
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
@@ -77,35 +74,19 @@ class _Parser(LightningArgumentParser):
 _PARSER_CLASS = {"parser_class": _Parser} if "parser_class" in inspect.signature(LightningCLI).parameters else {}
 
 
-@overload
-def main(args: None = None, run: bool = True) -> None: ...
-
-
-@overload
-def main(args: Sequence[str], run: bool = True) -> LightningCLI: ...
-
-
 def main(args: Sequence[str] | None = None, run: bool = True) -> LightningCLI | None:
-    """Run LightningCLI over any model and datamodule given by ``class_path``. With ``args`` (in place of
-    ``sys.argv[1:]``) it returns the ``LightningCLI``, else ``None`` (the console script runs ``sys.exit(main())``)."""
+    """LightningCLI; with ``args`` (for ``sys.argv[1:]``) return it, else ``None`` (for ``sys.exit(main())``)."""
     if os.getcwd() not in map(os.path.abspath, sys.path):  # `python -m` puts it there, a console script does not:
         sys.path.insert(0, os.getcwd())  # recipe class paths (recipes.*) import from the current directory
-    prog = os.path.basename(sys.argv[0])
-    prog = "python -m lightning_mgpu" if prog == "__main__.py" else prog
+    prog = os.path.basename(sys.argv[0]).replace("__main__.py", "python -m lightning_mgpu")
     # Nothing a user can act on: Lightning's tips, and a deprecation inside Lightning.
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)`? is deprecated")
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_no_tips)
     with exit_on_missing_extra(prog):
+        # Without model_class and datamodule_class, any LightningModule and LightningDataModule by class_path.
+        given = None if args is None else list(args)
         cli = LightningCLI(
-            model_class=None,
-            datamodule_class=None,
-            subclass_mode_model=True,
-            subclass_mode_data=True,
-            save_config_kwargs={"overwrite": True},
-            **_PARSER_CLASS,
-            parser_kwargs={"prog": prog},
-            args=None if args is None else list(args),
-            run=run,
+            save_config_kwargs={"overwrite": True}, parser_kwargs={"prog": prog}, args=given, run=run, **_PARSER_CLASS
         )
     if args is not None:
         return cli

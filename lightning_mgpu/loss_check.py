@@ -45,25 +45,16 @@ class LossCheck:
 
     def errors(self) -> dict[str, float]:
         """How far each candidate misses the whole batch's loss, closest first."""
-        errors = {spec: abs(value - self.whole) for spec, value in self.predictions.items()}
-        return dict(sorted(errors.items(), key=lambda item: item[1]))
+        return dict(sorted(((spec, abs(v - self.whole)) for spec, v in self.predictions.items()), key=lambda i: i[1]))
 
     def fits(self) -> list[str]:
-        """Every candidate that reproduces the whole batch's loss, closest first; none for a random step."""
-        tolerance = RELATIVE_TOLERANCE * abs(self.whole)
-        return [] if self.noise else [spec for spec, error in self.errors().items() if error <= tolerance]
+        """The candidates that reproduce the whole batch's loss, closest first; none for a random step."""
+        return [] if self.noise else [s for s, e in self.errors().items() if e <= RELATIVE_TOLERANCE * abs(self.whole)]
 
     @property
     def rule(self) -> str | None:
-        """The ``loss_reduction`` to declare: the candidate that reproduces the whole batch, if any does."""
+        """The ``loss_reduction`` to declare, if one reproduces the whole batch's loss."""
         return next(iter(self.fits()), None)
-
-    def _why_alike(self) -> str:
-        if len(self.sizes) < 2:
-            return f"a batch of {sum(self.sizes)} sample(s) is not split: use a larger one"
-        if len(set(self.sizes)) < 2:
-            return f"its shards are all of {self.sizes[0]} samples: use a batch of at least {len(self.sizes) + 1}"
-        return "e.g. no ignored label"
 
     def _verdict(self, fits: list[str]) -> str:
         if self.noise:
@@ -75,20 +66,23 @@ class LossCheck:
         if self.declared is not None:
             return f"the step declares its own weights ({self.declared}): parallel_criterion uses them"
         if self.known is not None and AUTO in fits:
-            return (
-                f"parallel_criterion reads the rule from the loss's autograd record ({self.known}): nothing to declare"
-            )
-        if len(fits) > 1:
-            return (
-                f"these rules coincide on this batch: {', '.join(map(repr, fits))} ({self._why_alike()}): declare the "
-                "one your loss averages over, or check a batch that tells them apart"
-            )
-        if fits:
+            return f"parallel_criterion reads the rule from the autograd record ({self.known}): nothing to declare"
+        if len(fits) == 1:
             return f"declare ParallelCriterionStrategy(loss_reduction={fits[0]!r})"
+        if not fits:
+            return (
+                "no rule reproduces one device: the step couples samples across the batch (a contrastive loss: "
+                "self.all_gather(..., sync_grads=True) or strategy='dp'), or adds terms normalised differently "
+                "(return 'loss_terms')"
+            )
+        why = "e.g. no ignored label"
+        if len(self.sizes) < 2:
+            why = f"a batch of {sum(self.sizes)} sample(s) is not split: use a larger one"
+        elif len(set(self.sizes)) < 2:
+            why = f"its shards are all of {self.sizes[0]} samples: use a batch of at least {len(self.sizes) + 1}"
         return (
-            "no rule reproduces one device: the step couples samples across the batch (a contrastive loss: "
-            "self.all_gather(..., sync_grads=True) or strategy='dp'), or adds terms normalised differently (return "
-            "'loss_terms')"
+            f"these rules coincide on this batch: {', '.join(map(repr, fits))} ({why}): declare the one your loss "
+            "averages over, or check a batch that tells them apart"
         )
 
     def __str__(self) -> str:
@@ -117,9 +111,8 @@ def check_loss_reduction(
     dim: int = 0,
     seed: int = 0,
 ) -> LossCheck:
-    """Run ``training_step`` of a deep copy of ``module`` in train mode (dropout off, BatchNorm on running statistics)
-    on ``batch`` whole and split into ``devices`` unequal shards on ``device``: which rule combines the shards' losses
-    into the whole batch's."""
+    """Which rule combines the shards' losses into the whole batch's: ``training_step`` of a deep copy of ``module`` in
+    train mode (dropout off, BatchNorm on running statistics) on ``batch`` whole and in ``devices`` unequal shards."""
     target = to_device(device)
     replica = copy.deepcopy(module).to(target).train()
     dropout = [m for m in replica.modules() if isinstance(m, DROPOUT_LAYERS)]
@@ -165,8 +158,8 @@ def _uneven_sizes(size: int, devices: int) -> list[int]:
 
 
 def _candidates(batch: Any, dim: int) -> list[LossNormalization]:
-    """The declarable rules: samples, sum, equal weights, and tokens of each integer tensor but the first input (a
-    causal LM's shifted tokens too, for rows of tokens)."""
+    """The declarable rules: samples, sum, equal weights, and tokens of each integer tensor but the first input (for
+    rows of tokens, a causal LM's shifted tokens too)."""
     rules = [SAMPLES, SUM, LossNormalization("replica_mean")]
     items = batch.items() if isinstance(batch, Mapping) else enumerate(batch) if isinstance(batch, list | tuple) else ()
     for key, value in items:

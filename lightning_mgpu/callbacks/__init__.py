@@ -5,27 +5,12 @@ processes). Imported on first use, so that a ``pytorch_lightning`` project impor
 import importlib
 from typing import Any
 
-_WHERE = {
-    "DeviceMemoryMonitor": "device_memory",
-    "distinct_devices": "device_memory",
-    "imbalance": "device_memory",
-    "read_device_memory": "device_memory",
-    "reset_device_peaks": "device_memory",
-    "ExactLoss": "exact_loss",
-    "PytorchLightningExactLoss": "exact_loss",
-}
+_MEMORY = ("DeviceMemoryMonitor", "distinct_devices", "imbalance", "read_device_memory", "reset_device_peaks")
+__all__ = sorted([*_MEMORY, "ExactLoss", "PytorchLightningExactLoss"])
 
 
 def __getattr__(name: str) -> Any:
     """The public names, each imported from its module on first use."""
-    if name not in _WHERE:
+    if name not in __all__:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
-
-
-def __dir__() -> list[str]:
-    """Every public name, the lazily imported ones included."""
-    return sorted({*globals(), *__all__})
-
-
-__all__ = sorted(_WHERE)
+    return getattr(importlib.import_module(f"{__name__}.{'device_memory' if name in _MEMORY else 'exact_loss'}"), name)

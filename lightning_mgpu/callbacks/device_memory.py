@@ -13,7 +13,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 MIB = 1024**2
-PEAK_SUFFIX = "_peak_mib"
 
 
 def cpu_memory() -> dict[str, float]:
@@ -22,10 +21,7 @@ def cpu_memory() -> dict[str, float]:
     try:
         with open("/proc/self/status", encoding="ascii") as status:
             fields = dict(line.split(":", 1) for line in status)
-        return {
-            name: int(fields[key].split()[0]) / 1024
-            for key, name in (("VmHWM", "cpu_peak_mib"), ("VmRSS", "cpu_rss_mib"))
-        }
+        return {name: int(fields[key].split()[0]) / 1024 for key, name in (("VmHWM", "cpu_peak"), ("VmRSS", "cpu_rss"))}
     except (OSError, ValueError, IndexError, KeyError):
         pass
     try:
@@ -33,7 +29,7 @@ def cpu_memory() -> dict[str, float]:
     except ImportError:  # Windows
         return {}
     maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # bytes on macOS, KiB elsewhere
-    return {f"cpu{PEAK_SUFFIX}": maxrss / (MIB if sys.platform == "darwin" else 1024)}
+    return {"cpu_peak": maxrss / (MIB if sys.platform == "darwin" else 1024)}
 
 
 def reset_peak_rss() -> bool:
@@ -53,7 +49,7 @@ def imbalance(peaks: Mapping[str, float]) -> float | None:
 
 
 def distinct_devices(devices: Sequence[torch.device]) -> list[torch.device]:
-    """``devices`` without repeats, in order (``cpu`` and ``cpu:0`` are one device)."""
+    """``devices`` without repeats, in order (``cpu`` and ``cpu:0`` are one)."""
     return list(dict.fromkeys(torch.device("cpu") if d.type == "cpu" else d for d in devices))
 
 
@@ -69,11 +65,11 @@ def read_device_memory(devices: Sequence[torch.device]) -> dict[str, float]:
     values: dict[str, float] = {}
     for device in devices:
         if device.type == "cuda":
-            values[f"{device}{PEAK_SUFFIX}"] = torch.cuda.max_memory_allocated(device) / MIB
-            values[f"{device}_reserved{PEAK_SUFFIX}"] = torch.cuda.max_memory_reserved(device) / MIB
+            values[f"{device}_peak"] = torch.cuda.max_memory_allocated(device) / MIB
+            values[f"{device}_reserved_peak"] = torch.cuda.max_memory_reserved(device) / MIB
         elif device.type == "cpu":
             values.update(cpu_memory())
-    return values
+    return {f"{name}_mib": value for name, value in values.items()}
 
 
 def reset_device_peaks(devices: Sequence[torch.device]) -> None:
@@ -86,12 +82,10 @@ def reset_device_peaks(devices: Sequence[torch.device]) -> None:
 
 
 class DeviceMemoryMonitor(L.Callback):
-    """Log the peak memory of every device the strategy uses, and ``memory/imbalance`` (largest / smallest peak).
-
-    Every ``logging_interval`` training batches, to the loggers and ``trainer.callback_metrics``:
-    ``memory/<device>_peak_mib`` per device (on CUDA also ``_reserved_peak_mib``), under ``ddp`` every rank's as
-    ``memory/rank<r>_<device>_peak_mib``. A device listed several times (virtual devices) is reported once and sets
-    ``virtual``: no imbalance then. Logged directly, as ``LearningRateMonitor`` does (whatever ``log_every_n_steps``).
+    """Log ``memory/<device>_peak_mib`` of every device the strategy uses (on CUDA also ``_reserved_peak_mib``; under
+    ``ddp`` every rank's, as ``memory/rank<r>_<device>_peak_mib``) and ``memory/imbalance`` (largest / smallest peak) to
+    the loggers and ``trainer.callback_metrics``, as ``LearningRateMonitor`` logs. A device listed several times
+    (virtual devices) is reported once and sets ``virtual``: no imbalance then.
 
     Args:
         logging_interval: log every this many training batches; ``None`` or ``0`` turns the monitor off.
@@ -103,14 +97,11 @@ class DeviceMemoryMonitor(L.Callback):
         if logging_interval is not None and (isinstance(logging_interval, bool) or logging_interval < 0):
             raise ValueError(f"logging_interval must be a positive number of batches or None, got {logging_interval!r}")
         self.logging_interval = int(logging_interval or 0)
+        self.enabled = self.logging_interval > 0
         self.reset_peak = reset_peak
         self.devices: list[torch.device] = []
         self.virtual = False
-        self.last: dict[str, float] = {}
-
-    @property
-    def enabled(self) -> bool:
-        return self.logging_interval > 0
+        self.last: dict[str, float] = {}  # the figures last logged
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -131,39 +122,28 @@ class DeviceMemoryMonitor(L.Callback):
             self.log_memory(trainer)
 
     def read_memory(self) -> dict[str, float]:
-        """This process's figures for its devices, in MiB."""
         return read_device_memory(self.devices)
 
     def reset_peaks(self) -> None:
-        """Start a new peak on every monitored device."""
         reset_device_peaks(self.devices)
 
-    def log_memory(self, trainer: L.Trainer) -> dict[str, float]:
-        """Read, gather across processes, log, and return the figures (also kept in ``last``)."""
+    def log_memory(self, trainer: L.Trainer) -> None:
+        """Read, gather across processes (each monitors its one device, named ``rank<r>_<device>_...``) and log."""
         values = self.read_memory()
         if trainer.world_size > 1:
-            values = self._gather(trainer, values)
-        peaks = {k: v for k, v in values.items() if k.endswith(PEAK_SUFFIX) and "_reserved" not in k}
+            device, names = self.devices[0], [name.split("_", 1)[1] for name in values]  # "cuda:1_peak_mib" -> ...
+            local = torch.tensor([-1 if device.index is None else device.index, *values.values()], dtype=torch.float64)
+            gathered = trainer.strategy.all_gather(local.to(trainer.strategy.root_device)).reshape(-1, local.numel())
+            values = {}
+            for rank, (index, *row) in enumerate(gathered.tolist()):
+                label = device.type if index < 0 else f"{device.type}:{int(index)}"
+                values.update({f"rank{rank}_{label}_{name}": value for name, value in zip(names, row, strict=True)})
+        peaks = {k: v for k, v in values.items() if k.endswith("_peak_mib") and "_reserved" not in k}
         ratio = None if self.virtual else imbalance(peaks)  # replicas on one device share its memory
-        if ratio is not None:
-            values["imbalance"] = ratio
-        metrics = {f"memory/{name}": value for name, value in values.items()}
+        self.last = values if ratio is None else {**values, "imbalance": ratio}
+        metrics = {f"memory/{name}": value for name, value in self.last.items()}
         for logger in trainer.loggers:  # at the step self.log uses (Lightning's LearningRateMonitor reads it alike)
             logger.log_metrics(metrics, step=trainer.fit_loop.epoch_loop._batches_that_stepped)
         trainer.callback_metrics.update({name: torch.tensor(value) for name, value in metrics.items()})
         if self.reset_peak:
             self.reset_peaks()
-        self.last = values
-        return values
-
-    def _gather(self, trainer: L.Trainer, values: dict[str, float]) -> dict[str, float]:
-        """Every process's figures, named ``rank<r>_<device>_...`` (each process monitors its one device)."""
-        device = self.devices[0]
-        suffixes = [name.split("_", 1)[1] for name in values]  # "cuda:1_peak_mib" -> "peak_mib"
-        local = torch.tensor([-1 if device.index is None else device.index, *values.values()], dtype=torch.float64)
-        gathered = trainer.strategy.all_gather(local.to(trainer.strategy.root_device)).reshape(-1, local.numel())
-        merged: dict[str, float] = {}
-        for rank, (index, *row) in enumerate(gathered.tolist()):
-            label = device.type if index < 0 else f"{device.type}:{int(index)}"
-            merged.update({f"rank{rank}_{label}_{suffix}": value for suffix, value in zip(suffixes, row, strict=True)})
-        return merged

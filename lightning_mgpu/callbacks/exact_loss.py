@@ -1,6 +1,6 @@
-"""``ExactLoss``: the optimizer step equals one device's step on the whole global batch, across the micro-batches of an
-accumulation window and across processes, for a loss that is a mean over a count (non-ignored tokens, class weights,
-samples), where Lightning's and DDP's equal weights are biased wherever the counts differ."""
+"""``ExactLoss``: the optimizer step equals one device's step on the whole global batch, across micro-batches and
+processes, for a loss that is a mean over a count (tokens, class weights), where Lightning's and DDP's equal weights
+are biased."""
 
 from __future__ import annotations
 
@@ -34,8 +34,8 @@ _NAMES = {"lightning.pytorch": "ExactLoss", "pytorch_lightning": "PytorchLightni
 
 @dataclass
 class Rule:
-    """A micro-batch's loss rule: the autograd nodes where its terms enter the loss, each term's count (``None``: a
-    sum), and what it is in words; without nodes, why Lightning's weighting is kept."""
+    """A micro-batch's loss rule: the nodes where its terms enter the loss, each term's count (``None``: a sum), and
+    what it is in words; without nodes, why Lightning's weighting is kept."""
 
     nodes: list[Any] = field(default_factory=list)
     counts: list[Any] = field(default_factory=list)
@@ -49,10 +49,8 @@ class Rule:
 
 
 def read_rule(loss: Tensor, samples: int | None, sum_divisor: str = "auto", divided_by: int | None = None) -> Rule:
-    """The rule of a micro-batch's ``loss`` (of ``samples`` samples) from its autograd record. A ``sum / divisor`` is
-    a mean over a count or a sum scaled by a constant as the strategies read it (:func:`settle_weights`), unless
-    ``sum_divisor`` is ``"count"`` or ``"constant"``; the loss's own top division by ``divided_by`` (Lightning's by
-    ``accumulate_grad_batches``) leaves a sum a sum."""
+    """The rule of a micro-batch's ``loss`` (of ``samples`` samples) from its autograd record: a ``sum / divisor`` as
+    the strategies read it unless ``sum_divisor`` says; a top division by ``divided_by`` (Lightning's) leaves a sum."""
     record = read_loss(loss, samples)
     if record is None or record.unknown or not record.terms:
         why = "it has no autograd record" if record is None else f"its record ends in {record.unknown or 'nothing'}"
@@ -73,8 +71,8 @@ def read_rule(loss: Tensor, samples: int | None, sum_divisor: str = "auto", divi
 
 
 def strategy_rule(loss: Tensor, counts: tuple[Any, ...] | None) -> Rule:
-    """The rule under ``parallel_criterion``, whose loss already combines its devices' losses exactly: ``counts``
-    (``strategy.loss_counts``) holds, per term, the whole batch's count."""
+    """The rule under ``parallel_criterion`` (its loss is exact across devices): ``counts`` is ``strategy.loss_counts``,
+    per term the whole batch's count."""
     if counts is None:
         return Rule(said=f"the strategy's loss rule did not come from the loss's autograd record: {_LIGHTNING}")
     if len(counts) > 1:
@@ -92,8 +90,7 @@ def _scaled_by(scale: Any) -> Callable[[tuple[Tensor | None, ...]], tuple[Tensor
 
 
 def scale_gradients(optimizer: Any, scale: Tensor) -> None:
-    """Multiply every gradient the optimizer steps with by ``scale`` (0-dim: no host sync), one call per device and
-    dtype."""
+    """Multiply every gradient of ``optimizer`` by ``scale`` (0-dim: no host sync), one call per device and dtype."""
     grads: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
     for p in (p for group in optimizer.param_groups for p in group["params"] if p.grad is not None):
         grads.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
@@ -103,28 +100,22 @@ def scale_gradients(optimizer: Any, scale: Tensor) -> None:
 
 def _sum_over_processes(trainer: Any, tensor: Tensor) -> Tensor:
     """``tensor`` summed over the processes: one all-reduce, without the barrier ``strategy.reduce`` adds."""
-    if trainer.world_size == 1:
-        return tensor
-    if not torch.distributed.is_initialized():
+    if trainer.world_size > 1 and not torch.distributed.is_initialized():
         return trainer.strategy.reduce(tensor, reduce_op="sum")
-    torch.distributed.all_reduce(tensor)
+    if trainer.world_size > 1:
+        torch.distributed.all_reduce(tensor)
     return tensor
 
 
 class ExactLossHooks:
     """The optimizer step equals one device's step on the whole global batch (every process's micro-batches of the
-    accumulation window), each micro-batch weighted by its loss's rule, read from the loss's autograd record before
-    backward (under ``parallel_criterion``, from ``strategy.loss_counts``), and applied by node pre-hooks:
-
-    - a mean over one count is backpropagated times its count (a sum); before the optimizer step (and clipping) the
-      gradients are divided once by the window's global count: one scalar all-reduce per step across processes;
-    - a sum has Lightning's and DDP's divisions undone;
-    - means over different counts are each normalised by their count over all processes (one all-reduce of a few
-      scalars per micro-batch); under accumulation each micro-batch is weighted equally, said once;
-    - a loss the reader cannot explain keeps Lightning's weighting, said once.
-
-    The rule is settled on the first micro-batch (agreed across processes: one all-reduce) and said once. Logged values
-    are not touched. One device without accumulation is exact already. Automatic optimization only.
+    accumulation window): each micro-batch's loss rule, read from its autograd record before backward (under
+    ``parallel_criterion``, from ``strategy.loss_counts``), is applied by node pre-hooks. A mean over one count is
+    backpropagated as a sum, and the gradients divided once by the window's global count before the optimizer step
+    (one scalar all-reduce per step); a sum has Lightning's and DDP's divisions undone; means over different counts are
+    each normalised by their global count (one all-reduce per micro-batch), each micro-batch weighted equally under
+    accumulation; a loss the reader cannot explain keeps Lightning's weighting. The rule is settled on the first
+    micro-batch (agreed across processes) and said once. Logged values are untouched. Automatic optimization only.
 
     Args:
         sum_divisor: what a ``sum / divisor`` term divides by: ``"auto"`` (read as the strategies read it), ``"count"``
@@ -146,12 +137,11 @@ class ExactLossHooks:
 
     @override
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        """Each fit settles its own plan."""
-        self._plan, self._count = None, None
+        self._plan, self._count = None, None  # each fit settles its own plan
 
     @override
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        """The micro-batch's sample count: whether a ``sum / divisor`` divides by it settles whether it counts."""
+        """The micro-batch's sample count (a ``sum / divisor`` by it is a mean)."""
         self._samples = next((len(t) for _, t in iter_tensors(batch) if t.dim() > 0), None)
 
     @override
@@ -162,9 +152,8 @@ class ExactLossHooks:
             return
         if not pl_module.automatic_optimization:
             return self._say(trainer, "manual", "ExactLoss acts under automatic optimization only: it does nothing.")
-        counts = getattr(trainer.strategy, "loss_counts", _ABSENT)
-        if counts is _ABSENT:
-            rule = read_rule(loss, self._samples, self.sum_divisor, divided_by=accumulate)
+        if (counts := getattr(trainer.strategy, "loss_counts", _ABSENT)) is _ABSENT:
+            rule = read_rule(loss, self._samples, self.sum_divisor, accumulate)
         else:
             rule = strategy_rule(loss, counts)
         if self._plan is None:
@@ -181,7 +170,7 @@ class ExactLossHooks:
         self._count = None
 
     def _settle_plan(self, trainer: Any, rule: Rule, accumulate: int) -> None:
-        """The plan for the whole fit, the same on every process (which then run the same collectives every step)."""
+        """The plan for the whole fit, the same on every process (so that they run the same collectives)."""
         kind, self._terms = rule.kind, len(rule.counts)
         if trainer.world_size > 1:  # every code is equal where (their sum)^2 == world * (the sum of their squares)
             code = float((KEEP, MEAN, SUM, TERMS).index(kind) * 1000 + self._terms)
@@ -189,22 +178,20 @@ class ExactLossHooks:
             total, squares = _sum_over_processes(trainer, codes).tolist()
             if total**2 != trainer.world_size * squares:
                 kind, rule = KEEP, Rule(said=f"the processes' first losses have different forms: {_LIGHTNING}")
-        self._plan = kind
-        if kind == TERMS and accumulate > 1:
-            self._say(trainer, "plan", f"ExactLoss: {rule.said}: across processes each term is exact, but {_EQUAL}")
-        else:
-            self._say(trainer, "plan", f"ExactLoss: {rule.said}.", info=kind != KEEP)
+        self._plan, equal = kind, kind == TERMS and accumulate > 1
+        tail = f": across processes each term is exact, but {_EQUAL}" if equal else "."
+        self._say(trainer, "plan", f"ExactLoss: {rule.said}{tail}", info=kind != KEEP and not equal)
 
     def _apply(self, trainer: Any, loss: Tensor, rule: Rule, accumulate: int, world: int) -> None:
-        """The pre-hooks that make the micro-batch's gradient exact under the plan. A loss that differs in form from the
+        """The pre-hooks that make the micro-batch's gradient exact under the plan; a loss of another form than the
         first is said once and read as the plan's kind (a per-sample mean, a sum) or, under ``terms``, left as is."""
         fits = rule.kind != KEEP and len(rule.counts) == self._terms if self._plan == TERMS else rule.kind == self._plan
         if not fits:
             self._say(trainer, "misfit", f"ExactLoss: a training loss differs in form from the first ({rule.said}).")
+        root = trainer.strategy.root_device
         if self._plan == MEAN:  # a sum now, divided by the window's global count before the optimizer step
             count = rule.counts[0] if fits else self._samples or 1
             loss.grad_fn.register_prehook(_scaled_by(count * accumulate))
-            root = trainer.strategy.root_device
             count = torch.as_tensor(count, device=root, dtype=torch.float32 if root.type == "mps" else torch.float64)
             self._count = count if self._count is None else self._count + count
         elif self._plan == SUM:
@@ -212,9 +199,7 @@ class ExactLossHooks:
         else:  # each sum term as a sum; each mean across processes times its share of the term's global count
             counts = [0 if c is None else c for c in rule.counts] if fits else [0] * self._terms
             if world > 1:  # every process runs this all-reduce, fitting or not
-                local = torch.stack(
-                    [torch.as_tensor(c).to(trainer.strategy.root_device, torch.float64) for c in counts]
-                )
+                local = torch.stack([torch.as_tensor(c).to(root, torch.float64) for c in counts])
                 totals = _sum_over_processes(trainer, local.clone())
                 shares = torch.where(totals > 0, local * world / totals, 0.0)
             for t, node in enumerate(rule.nodes if fits else []):
@@ -232,8 +217,7 @@ class ExactLossHooks:
 
 @functools.cache
 def exact_loss_class(namespace: str = "lightning.pytorch") -> type:
-    """``ExactLoss`` for a Lightning ``namespace``: the hooks before that namespace's ``Callback``, importable and
-    picklable (``ddp_spawn``) from this module."""
+    """``ExactLoss`` for a Lightning ``namespace``, importable and picklable (``ddp_spawn``) from this module."""
     if namespace not in _NAMES:
         raise ValueError(f"Unknown Lightning namespace {namespace!r}: use one of {sorted(_NAMES)}.")
     body = {"__module__": __name__, "__qualname__": _NAMES[namespace], "__doc__": ExactLossHooks.__doc__}

@@ -12,34 +12,22 @@ from torch import nn
 from lightning_mgpu.parallel.replicas import before_building_replicas
 
 
-def outermost_transformers_models(module: nn.Module) -> list[nn.Module]:
-    """The ``transformers`` models in ``module``'s tree that no other one contains (none without ``transformers``)."""
+def install_output_capturing_hooks(module: nn.Module) -> None:
+    """Install ``transformers``' output-capturing hooks on the outermost of its models in ``module``, as their first
+    call with ``output_hidden_states=True`` would; nothing for other versions or modules."""
     if "transformers" not in sys.modules:
-        return []  # a transformers model in the tree means the library is imported
+        return  # a transformers model in the tree means the library is imported
     from transformers import PreTrainedModel
 
-    found: list[nn.Module] = []
-    inside: set[int] = set()
-    for sub in module.modules():  # parents come before their children
-        if id(sub) in inside or not isinstance(sub, PreTrainedModel):
-            continue
-        found.append(sub)
-        inside.update(id(m) for m in sub.modules())
-    return found
-
-
-def install_output_capturing_hooks(module: nn.Module) -> None:
-    """Install ``transformers``' output-capturing hooks on its models in ``module``, as their first call with
-    ``output_hidden_states=True`` would; nothing for other versions or modules."""
-    models = outermost_transformers_models(module)
-    if not models:
-        return
     try:
         from transformers.utils.output_capturing import maybe_install_capturing_hooks
     except ImportError:  # a transformers version without lazily installed hooks
         return
-    for model in models:
-        maybe_install_capturing_hooks(model)
+    inside: set[int] = set()
+    for sub in module.modules():  # parents come before their children
+        if id(sub) not in inside and isinstance(sub, PreTrainedModel):
+            inside.update(id(m) for m in sub.modules())
+            maybe_install_capturing_hooks(sub)
 
 
 before_building_replicas(install_output_capturing_hooks)

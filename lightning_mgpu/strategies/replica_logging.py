@@ -55,11 +55,10 @@ def merge_and_log(
     loss_copy: LossCopy | None = None,
     step_values: Mapping[int, tuple[Any, Any]] | None = None,
 ) -> None:
-    """Merge the replicas' recorded ``log`` calls and log them on ``root`` (a LightningModule): the k-th call of a name
-    on every replica merged into one, in order, as one device logs a name once per call (the step's value is the
-    last; the epoch's takes each). ``metric_owner`` maps a metric clone to its root metric; ``loss_copy`` merges the
-    values of a name that every replica logged as a loss merges (its rule), or says ``None``; ``step_values`` maps
-    the id of what a metric's call returned to ``(the call's key, one device's value)``."""
+    """Log on ``root`` the replicas' recorded calls, the k-th call of a name on every replica merged into one (one
+    device logs a name once per call). ``metric_owner`` maps a metric clone to its root metric; ``loss_copy`` merges a
+    loss's copies by its rule (else ``None``); ``step_values``: id of a metric call's return -> (its key, one device's
+    value)."""
     calls: dict[tuple[str, int], list[tuple[int, LogCall]]] = {}  # (name, k) -> every replica's k-th call of it
     for index, recorder in enumerate(recorders):
         made: dict[str, int] = {}
@@ -69,54 +68,35 @@ def merge_and_log(
         recorder.calls.clear()
     loader_batch = functools.partial(step_sample_counts, root)  # the DataLoader's counts, read only where needed
     for (name, _), entries in calls.items():
-        options = _checked_options(name, entries)
-        first = entries[0][1].value
-        if not isinstance(first, Metric):
-            copy = _one_device_copy(entries, len(recorders), loss_copy, step_values)
-            value, options = _merge_values(name, entries, sample_counts, options, copy, loader_batch=loader_batch)
-            root.log(name, value, **options)
-        elif (owner := metric_owner(first)) is not None:
+        (first_index, first), *others = entries
+        for index, call in others:  # batch_size= may differ: each replica counts its shard
+            if call.options != first.options and (got := {**_LOG_DEFAULTS, **call.options, "batch_size": None}) != (
+                expected := {**_LOG_DEFAULTS, **first.options, "batch_size": None}
+            ):
+                raise ValueError(
+                    f"Replicas logged {name!r} with different options ({expected} on replica {first_index} vs {got} "
+                    f"on replica {index}); log it the same way."
+                )
+        options = {**_LOG_DEFAULTS, **first.options}
+        values = [call.value for _, call in entries]
+        if isinstance(values[0], Metric):
+            if (owner := metric_owner(values[0])) is None:
+                raise ValueError(
+                    f"{name!r}: a replica logged a Metric that the LightningModule does not hold (as an attribute, or "
+                    "in a dict, list or tuple attribute): one made inside the step holds only its replica's shard."
+                )
             root.log(name, owner, **options)  # Lightning itself refuses one outside its attributes, as on one device
-        else:
-            raise ValueError(
-                f"{name!r}: a replica logged a Metric that the LightningModule does not hold (as an attribute, or in "
-                "a dict, list or tuple attribute): one made inside the step holds only its replica's shard."
-            )
-
-
-def _all_but_batch_size(options: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in {**_LOG_DEFAULTS, **options}.items() if k != "batch_size"}
-
-
-def _checked_options(name: str, entries: list[tuple[int, LogCall]]) -> dict[str, Any]:
-    """The options every replica logged ``name`` with (``batch_size=`` may differ: each counts its shard)."""
-    (first_index, first), *others = entries
-    for index, call in others:
-        if call.options != first.options and (got := _all_but_batch_size(call.options)) != (
-            expected := _all_but_batch_size(first.options)
-        ):
-            raise ValueError(
-                f"Replicas logged {name!r} with different options ({expected} on replica {first_index} vs {got} "
-                f"on replica {index}); log it the same way."
-            )
-    return {**_LOG_DEFAULTS, **first.options}
-
-
-def _one_device_copy(
-    entries: list[tuple[int, LogCall]],
-    replicas: int,
-    loss_copy: LossCopy | None,
-    step_values: Mapping[int, tuple[Any, Any]] | None,
-) -> Tensor | None:
-    """One device's value of a name whose every replica logged what one metric call returned (that call's value on
-    the whole batch), or a copy of the loss (merged by its rule); ``None`` for other values."""
-    if step_values:
-        found = [step_values.get(id(call.value)) for _, call in entries]
+            continue
+        # One device's value where every replica logged what one metric call returned, or a copy of the loss.
+        found = [step_values.get(id(value)) for value in values] if step_values else [None]
         if all(found) and len({f[0] for f in found}) == 1:  # type: ignore[index]
-            return torch.as_tensor(found[0][1])  # type: ignore[index]
-    if loss_copy is None or len(entries) != replicas:
-        return None
-    return loss_copy([call.value for _, call in entries])
+            copy = torch.as_tensor(found[0][1])  # type: ignore[index]
+        else:
+            copy = loss_copy(values) if loss_copy is not None and len(entries) == len(recorders) else None
+        sizes = [call.options.get("batch_size") for _, call in entries]
+        counts = [sample_counts[index] for index, _ in entries]
+        value, options = _merge_values(name, values, sizes, counts, options, copy, loader_batch=loader_batch)
+        root.log(name, value, **options)
 
 
 def merge_scalars(
@@ -128,11 +108,9 @@ def merge_scalars(
     replicas: int,
     loss_copy: LossCopy | None,
 ) -> Tensor | None:
-    """The replicas' scalar inputs of one call of an aggregation metric (``MeanMetric``, ``SumMetric``...), merged into
-    the input one device's call gets, as ``self.log(value, reduce_fx=kind, batch_size=weight)`` merges them: a copy of
-    the loss as the loss; else a mean weighted by ``weights`` where they differ, else by sample counts, and a sum, max
-    or min over the replicas. ``None`` where a value or weight is not one number, and for ``"cat"`` of what is not a
-    loss (those fold as any metric's states)."""
+    """The replicas' scalar inputs of one call of an aggregation metric (``MeanMetric``, ``SumMetric``...) merged as
+    ``self.log(value, reduce_fx=kind, batch_size=weight)`` merges them, into one device's input. ``None`` where a value
+    or weight is not one number, and for ``"cat"`` of what is not a loss (those fold as any metric's states)."""
     values = [value for _, value in entries]
     if not all(map(_is_scalar, values)) or (weights is not None and not all(map(_is_scalar, weights))):
         return None
@@ -141,11 +119,9 @@ def merge_scalars(
     if copy is None and kind == "cat":
         return None
     options = {**_LOG_DEFAULTS, "reduce_fx": "mean" if kind == "cat" else kind}
-    calls = [
-        (index, LogCall("", value, {"batch_size": None if weights is None else weights[k]}))
-        for k, (index, value) in enumerate(entries)
-    ]
-    return _merge_values(f"{kind} metric input", calls, sample_counts, options, copy, torch.float64)[0]
+    counts = [sample_counts[index] for index, _ in entries]
+    sizes = weights or [None] * len(values)
+    return _merge_values(f"{kind} metric input", values, sizes, counts, options, copy, torch.float64)[0]
 
 
 def _is_number(value: Any) -> bool:
@@ -157,57 +133,49 @@ def _is_scalar(value: Any) -> bool:
     return value.numel() == 1 if isinstance(value, Tensor) else _is_number(value)
 
 
-def _reduce_kind(reduce_fx: Any) -> str:
-    key = reduce_fx.lower() if isinstance(reduce_fx, str) else reduce_fx
-    kind = _REDUCE_FX.get(key) if isinstance(key, Hashable) else None
-    if kind is None:
-        raise ValueError(
-            f"self.log(reduce_fx={reduce_fx!r}) is not supported by a single-process multi-device strategy: use "
-            "'mean', 'sum', 'max' or 'min'."
-        )
-    return kind
-
-
 def _merge_values(
     name: str,
-    entries: list[tuple[int, LogCall]],
-    sample_counts: Sequence[int],
+    values: list[Any],
+    sizes: list[Any],
+    counts: list[int],
     options: dict[str, Any],
     loss: Tensor | None,
     numbers: torch.dtype | None = None,
     loader_batch: Callable[[], tuple[int, ...]] = tuple,
 ) -> tuple[Tensor, dict[str, Any]]:
-    """One device's value of ``name`` from the replicas' ``entries`` (``loss``: a copy of the loss already merged by
-    its rule) and the options to log it with. Python numbers become tensors of ``numbers`` (default: the default dtype,
-    as Lightning's ``self.log`` makes them; a metric's input keeps float64's precision). ``loader_batch()``: the
-    DataLoader's sample counts (its batch size first), read only for a ``batch_size=`` equal on every replica: the
-    batch size is a constant (one device passes the same ``hparams.batch_size``, also on a smaller last batch)."""
-    kind = _reduce_kind(options["reduce_fx"])
-    dtype = numbers or torch.get_default_dtype()
-    values = [_as_tensor(name, call.value, options["enable_graph"], dtype) for _, call in entries]
-    device = values[0].device
-    dtype = torch.promote_types(values[0].dtype, torch.float32) if values[0].is_floating_point() else torch.float32
-    stacked = stack_scalars(values, device, dtype)
-    if loss is not None:  # one device's value, in its own dtype (a metric may make a float32 0 of a float64 state)
-        loss = loss.detach().to(device, torch.promote_types(loss.dtype, torch.float32))
-    explicit = [call.options.get("batch_size") for _, call in entries]
-    counts = [sample_counts[index] for index, _ in entries]
+    """One device's value of ``name`` from the replicas' ``values`` (of ``batch_size=`` ``sizes`` and ``counts``
+    samples; ``loss``: a copy of the loss merged by its rule) and the options to log it with. Python numbers become
+    tensors of ``numbers`` (default: the default dtype, as Lightning makes them). ``loader_batch()``: the DataLoader's
+    sample counts, read only for a ``batch_size=`` equal on every replica."""
+    key = options["reduce_fx"].lower() if isinstance(options["reduce_fx"], str) else options["reduce_fx"]
+    kind = _REDUCE_FX.get(key) if isinstance(key, Hashable) else None
+    if kind is None:
+        raise ValueError(
+            f"self.log(reduce_fx={options['reduce_fx']!r}) is not supported by a single-process multi-device "
+            "strategy: use 'mean', 'sum', 'max' or 'min'."
+        )
     # The step's weight in the epoch mean: the devices' batch_size= summed (each counts its shard: tokens equal on even
-    # shards too), the loader's batch size passed by every device as it is (a constant, as one device passes it),
-    # else what Lightning reads from the whole batch, as on one device (its warning on an ambiguous batch included).
-    alike = None not in explicit and len({float(b) for b in explicit}) == 1
-    constant = alike and explicit != counts and (float(explicit[0]),) == tuple(map(float, loader_batch()[:1]))
-    given = None if None in explicit else int(float(explicit[0])) if constant else int(sum(map(float, explicit)))
+    # shards too), the loader's batch size passed by every device as it is (a constant, as one device passes it, also
+    # on a smaller last batch), else what Lightning reads from the whole batch (its warning on an ambiguous batch too).
+    explicit = None if None in sizes else [float(b) for b in sizes]
+    alike = explicit is not None and len(set(explicit)) == 1
+    constant = alike and sizes != counts and explicit[:1] == [float(b) for b in loader_batch()[:1]]  # type: ignore[index]
+    given = None if explicit is None else int(explicit[0]) if constant else int(sum(explicit))
     logged = options if given is None or kind != "mean" else {**options, "batch_size": given}
-    if kind != "mean":
-        # reduce_fx acts over steps: a copy of the loss is the whole batch's; other values reduce over the replicas.
-        return getattr(stacked, kind)() if loss is None else loss, options
-    if loss is not None:  # a copy of the loss: batch_size= only weights the step in the epoch mean
-        return loss, logged
+    if loss is not None:  # one device's value, in its own dtype (a metric may make a float32 0 of a float64 state)
+        device = values[0].device if isinstance(values[0], Tensor) else None
+        return loss.detach().to(device=device, dtype=torch.promote_types(loss.dtype, torch.float32)), logged
+    tensors = [
+        _as_tensor(name, value, options["enable_graph"], numbers or torch.get_default_dtype()) for value in values
+    ]
+    device, dtype = tensors[0].device, tensors[0].dtype
+    dtype = torch.promote_types(dtype, torch.float32) if tensors[0].is_floating_point() else torch.float32
+    stacked = stack_scalars(tensors, device, dtype)
+    if kind != "mean":  # reduce_fx acts over steps: within one, over the replicas
+        return getattr(stacked, kind)(), options
     # Equal values on every replica (a constant such as hparams.batch_size) say nothing about the shards: samples do.
-    if given is None or len({float(b) for b in explicit}) == 1:
-        explicit = counts
-    return weighted_mean(stacked, stack_scalars(explicit, device, dtype)), logged
+    weights = counts if explicit is None or alike else explicit
+    return weighted_mean(stacked, stack_scalars(weights, device, dtype)), logged
 
 
 def _as_tensor(name: str, value: Any, enable_graph: bool, numbers: torch.dtype) -> Tensor:
