@@ -62,18 +62,11 @@ Wanted = Callable[[Any], "str | None"]
 def _chains(code: types.CodeType) -> Iterator[tuple[str, list[str]]]:
     """The dotted names ``code`` and the code nested in it load, with the instruction loading the first name:
     ``torch.distributed.all_gather`` is ``("LOAD_GLOBAL", ["torch", "distributed", "all_gather"])``."""
-    chain: tuple[str, list[str]] | None = None
-    for instruction in dis.get_instructions(code):
-        if chain and instruction.opname in ("LOAD_ATTR", "LOAD_METHOD"):
-            chain[1].append(str(instruction.argval))
-            continue
-        if chain:
-            yield chain
-        chain = (
-            (instruction.opname, [str(instruction.argval)]) if instruction.opname.startswith(_CHAIN_STARTS) else None
-        )
-    if chain:
-        yield chain
+    ops = [(instruction.opname, str(instruction.argval)) for instruction in dis.get_instructions(code)]
+    for k, (opname, name) in enumerate(ops):
+        if opname.startswith(_CHAIN_STARTS):
+            links = itertools.takewhile(lambda op: op[0] in ("LOAD_ATTR", "LOAD_METHOD"), ops[k + 1 :])
+            yield opname, [name, *(link for _, link in links)]
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
             yield from _chains(const)
@@ -157,12 +150,9 @@ def distributed_gathers(module: nn.Module) -> list[str]:
     found: dict[str, list[str]] = {}  # what -> the paths of the modules that do it
     for path, sub in module.named_modules():
         flags = {name: value for name, value in vars(sub).items() if isinstance(value, bool) and _FLAG.search(name)}
-        if on := [name for name, value in flags.items() if value]:
-            what: str | None = f"({type(sub).__name__}) has {on[0]}=True"
-        elif flags:
-            continue
-        else:
-            what = _code_finding(type(sub), _STEP_ENTRIES if sub is module else ("forward",), _gather)
+        on = [f"({type(sub).__name__}) has {name}=True" for name, value in flags.items() if value]
+        entries = _STEP_ENTRIES if sub is module else ("forward",)
+        what = on[0] if on else (None if flags else _code_finding(type(sub), entries, _gather))  # flag off: not read
         if what is not None:
             found.setdefault(what, []).append(f"`self.{path}`" if path else "`self`")
     return [
