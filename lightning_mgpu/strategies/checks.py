@@ -357,9 +357,7 @@ def held_objects_message(owner: str, changes: Sequence[HeldChange], replicas: in
             f"`{batch}_end(outputs, ...)`, which runs once, on the root, with the gathered outputs, or use a "
             "torchmetrics metric."
         )
-    dqn = (
-        " (Lightning's DQN example plays its environment in `training_step`: move that call to `on_train_batch_start`)"
-    )
+    dqn = " (Lightning's DQN example plays in `training_step`: move that call to `on_train_batch_start`)"
     return (
         f"{said}: each replica changed {them} with its own shard, in no fixed order, so {it} changed {replicas} times "
         f"in a step where one device changes {them} once. Do that work once per step, on the root: in `{batch}_start` "
@@ -369,16 +367,13 @@ def held_objects_message(owner: str, changes: Sequence[HeldChange], replicas: in
 
 
 # --- the first replicated calls of each hook ------------------------------------------------------------------------
-_ON_ROOT = (
-    "in `on_train_batch_end` / `on_validation_batch_end` (once, on the root, with the batch and gathered outputs)"
-)
+_ON_ROOT = "in `on_train_batch_end` / `on_validation_batch_end` (once, on the root, with the gathered outputs)"
 
 
 class StepChecks:
-    """Around the first two replicated calls of each hook (:meth:`before` / :meth:`after`), what the call did that one
-    device would not: objects the module holds changed per replica, tensors written into dicts the replicas share,
-    schedulers stepped per replica (an error), attributes rebound to values that differ between the replicas. Each
-    said once (keys in ``announced``). ``step_per_replica``: the step runs per replica, not only ``forward`` (dp)."""
+    """Around the first two replicated calls of each hook, what the call did that one device would not: held objects
+    changed per replica, tensors written into shared dicts, schedulers stepped per replica (an error), attributes
+    rebound to values that differ between the replicas. ``step_per_replica``: not only ``forward`` (dp) is."""
 
     def __init__(self, step_per_replica: bool, announced: set[str], warn_once: Callable[[str, str], None]) -> None:
         self._step_per_replica = step_per_replica
