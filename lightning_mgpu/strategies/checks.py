@@ -54,9 +54,7 @@ def _functions(cls: type, names: Sequence[str] | None = None) -> Iterator[tuple[
 
 
 # --- reading the user's code ----------------------------------------------------------------------------------------
-_CHAIN_STARTS = frozenset(
-    {"LOAD_GLOBAL", "LOAD_NAME", "LOAD_DEREF", "LOAD_CLASSDEREF", "LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_FAST_BORROW"}
-)
+_CHAIN_STARTS = ("LOAD_GLOBAL", "LOAD_NAME", "LOAD_DEREF", "LOAD_CLASSDEREF", "LOAD_FAST")  # LOAD_FAST_CHECK...
 _MAX_DEPTH = 4  # calls followed from a step or forward: class -> helper -> autograd Function -> torch.distributed
 Wanted = Callable[[Any], "str | None"]
 
@@ -64,16 +62,11 @@ Wanted = Callable[[Any], "str | None"]
 def _chains(code: types.CodeType) -> Iterator[tuple[str, list[str]]]:
     """The dotted names ``code`` and the code nested in it load, with the instruction loading the first name:
     ``torch.distributed.all_gather`` is ``("LOAD_GLOBAL", ["torch", "distributed", "all_gather"])``."""
-    chain: tuple[str, list[str]] | None = None
-    for instruction in dis.get_instructions(code):
-        if chain and instruction.opname in ("LOAD_ATTR", "LOAD_METHOD"):
-            chain[1].append(str(instruction.argval))
-            continue
-        if chain:
-            yield chain
-        chain = (instruction.opname, [str(instruction.argval)]) if instruction.opname in _CHAIN_STARTS else None
-    if chain:
-        yield chain
+    ops = [(instruction.opname, str(instruction.argval)) for instruction in dis.get_instructions(code)]
+    for k, (opname, name) in enumerate(ops):
+        if opname.startswith(_CHAIN_STARTS):
+            links = itertools.takewhile(lambda op: op[0] in ("LOAD_ATTR", "LOAD_METHOD"), ops[k + 1 :])
+            yield opname, [name, *(link for _, link in links)]
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
             yield from _chains(const)
@@ -157,12 +150,9 @@ def distributed_gathers(module: nn.Module) -> list[str]:
     found: dict[str, list[str]] = {}  # what -> the paths of the modules that do it
     for path, sub in module.named_modules():
         flags = {name: value for name, value in vars(sub).items() if isinstance(value, bool) and _FLAG.search(name)}
-        if on := [name for name, value in flags.items() if value]:
-            what: str | None = f"({type(sub).__name__}) has {on[0]}=True"
-        elif flags:
-            continue
-        else:
-            what = _code_finding(type(sub), _STEP_ENTRIES if sub is module else ("forward",), _gather)
+        on = [f"({type(sub).__name__}) has {name}=True" for name, value in flags.items() if value]
+        entries = _STEP_ENTRIES if sub is module else ("forward",)
+        what = on[0] if on else (None if flags else _code_finding(type(sub), entries, _gather))  # flag off: not read
         if what is not None:
             found.setdefault(what, []).append(f"`self.{path}`" if path else "`self`")
     return [
@@ -176,12 +166,11 @@ def distributed_gather_message(strategy_name: str, findings: Sequence[str]) -> s
     return (
         f"{strategy_name}: {'; '.join(findings)}. torch.distributed gathers nothing here: the strategy runs one "
         "process (torch.distributed is not initialized, world size 1), so that code computes each device's result on "
-        "its own shard, unlike one device on the whole batch (or DDP, which gathers across the ranks). For one "
-        "device's result, gather through the strategy: `z = self.all_gather(z, sync_grads=True)` in the step returns "
-        "the whole batch (an identity on one device; under DDP, `.flatten(0, 1)` its (world_size, B, ...) when "
-        "`self.trainer.world_size > 1`), then compute the loss on it without the torch.distributed call "
-        "(`gather_distributed=False`); or use strategy='dp', where the step runs once on the whole batch, so the loss "
-        "as written equals one device."
+        "its own shard, unlike one device on the whole batch (or DDP). For one device's result, gather through the "
+        "strategy: `z = self.all_gather(z, sync_grads=True)` in the step returns the whole batch (under DDP, "
+        "`.flatten(0, 1)` it when `self.trainer.world_size > 1`), then compute the loss on it without the "
+        "torch.distributed call (`gather_distributed=False`); or use strategy='dp', where the step runs once on the "
+        "whole batch, so the loss as written equals one device."
     )
 
 
@@ -196,9 +185,8 @@ def functional_metric_message(strategy_name: str, finding: str) -> str:
     return (
         f"{strategy_name}: {finding}. Each device computes it on its own shard, and its logged value is a "
         "sample-weighted mean of the devices' values: one device's only for a mean over samples (not F1, precision, "
-        "recall, AUROC, a macro average). For one device's value, use the metric's object, whose states are combined "
-        "across the devices: `self.f1 = torchmetrics.F1Score(...)` in `__init__`, `self.log('f1', self.f1(preds, y))` "
-        "in the step."
+        "recall, AUROC). Log the metric's object, whose states are combined across the devices: `self.f1 = "
+        "torchmetrics.F1Score(...)` in `__init__`, `self.log('f1', self.f1(preds, y))` in the step."
     )
 
 
@@ -233,10 +221,6 @@ class HeldChange:
     kind: str
     detail: str
     collection: bool
-
-    @property
-    def verb(self) -> str:
-        return "grew" if self.collection else "changed"
 
     @property
     def key(self) -> str:  # said once per attribute of the module
@@ -317,9 +301,7 @@ def _compare(path: str, value: Any, before: Any) -> list[HeldChange]:
     return [HeldChange(path, kind, "; ".join(details), False)] if details else []
 
 
-def _dict_changes(
-    path: str, value: dict[Any, Any], length: int, entries: dict[Any, Any], sizes: Any
-) -> list[HeldChange]:
+def _dict_changes(path: str, value: dict, length: int, entries: dict, sizes: dict | None) -> list[HeldChange]:
     """A dict's collections that changed (``outputs['loss']``); else entries added, not tensors (the shared-entries
     check's) nor flags (a warned-once dict); and plain entries rebound (``self.counts['steps'] += 1``)."""
     changes = [
@@ -356,7 +338,7 @@ def held_objects_message(owner: str, changes: Sequence[HeldChange], replicas: in
     """The warning for :meth:`HeldObjects.changes` after ``hook`` ran on ``replicas`` replicas of an ``owner``; under dp
     ``hook="forward"`` (the step runs once there)."""
     heads = {c.key: c for c in reversed(changes)}  # one per attribute: a dict's first entry that changed
-    named = [f"`{owner}.{c.path}` {c.verb}" for c in reversed(heads.values())]
+    named = [f"`{owner}.{c.path}` {'grew' if c.collection else 'changed'}" for c in reversed(heads.values())]
     listed = named[0] if len(named) == 1 else f"{', '.join(named[:-1])} and {named[-1]}"
     what = "; ".join(f"`{c.path}` ({c.kind}): {c.detail}" for c in changes)
     said = f"{listed} during a step that ran on {replicas} replicas ({what})"
@@ -371,33 +353,27 @@ def held_objects_message(owner: str, changes: Sequence[HeldChange], replicas: in
     if all(c.collection for c in changes):
         return (
             f"{said}: {holds} one entry per device per step (each of its shard), so a per-step value computed from "
-            f"{them} (a mean of the step losses, a count) differs from one device's; per-sample values concatenated "
-            f"in order do not. Collect step outputs in `{batch}_end(outputs, ...)`, which runs once, on the root, with "
-            "the gathered outputs, or use a torchmetrics metric."
+            f"{them} (a mean of the step losses, a count) differs from one device's. Collect step outputs in "
+            f"`{batch}_end(outputs, ...)`, which runs once, on the root, with the gathered outputs, or use a "
+            "torchmetrics metric."
         )
-    dqn = (
-        " (Lightning's DQN example plays its environment in `training_step`: move that call to `on_train_batch_start`)"
-    )
+    dqn = " (Lightning's DQN example plays in `training_step`: move that call to `on_train_batch_start`)"
     return (
         f"{said}: each replica changed {them} with its own shard, in no fixed order, so {it} changed {replicas} times "
         f"in a step where one device changes {them} once. Do that work once per step, on the root: in `{batch}_start` "
-        f"or `{batch}_end`, which run once, with the whole batch{dqn if batch == 'on_train_batch' else ''}; or, for an "
-        "environment and its replay buffer, in the data pipeline (an IterableDataset that plays the environment and "
-        f"yields batches from the buffer). Return per-step values from the step and collect them in `{batch}_end`."
+        f"or `{batch}_end`{dqn if batch == 'on_train_batch' else ''}, or, for an environment and its replay buffer, "
+        "in the data pipeline (an IterableDataset that plays it and yields batches from the buffer)."
     )
 
 
 # --- the first replicated calls of each hook ------------------------------------------------------------------------
-_ON_ROOT = (
-    "in `on_train_batch_end` / `on_validation_batch_end` (once, on the root, with the batch and gathered outputs)"
-)
+_ON_ROOT = "in `on_train_batch_end` / `on_validation_batch_end` (once, on the root, with the gathered outputs)"
 
 
 class StepChecks:
-    """Around the first two replicated calls of each hook (:meth:`before` / :meth:`after`), what the call did that one
-    device would not: objects the module holds changed per replica, tensors written into dicts the replicas share,
-    schedulers stepped per replica (an error), attributes rebound to values that differ between the replicas. Each
-    said once (keys in ``announced``). ``step_per_replica``: the step runs per replica, not only ``forward`` (dp)."""
+    """Around the first two replicated calls of each hook, what the call did that one device would not: held objects
+    changed per replica, tensors written into shared dicts, schedulers stepped per replica (an error), attributes
+    rebound to values that differ between the replicas. ``step_per_replica``: not only ``forward`` (dp) is."""
 
     def __init__(self, step_per_replica: bool, announced: set[str], warn_once: Callable[[str, str], None]) -> None:
         self._step_per_replica = step_per_replica
@@ -412,11 +388,11 @@ class StepChecks:
         self._calls[hook] += 1
         if self._calls[hook] > 2:
             return False
-        dicts = [  # the dicts every replica shares with the root (not nn.Module's registries)
-            (m, name, f"{prefix}.{name}" if prefix else name)
+        dicts = [  # the dicts every replica shares with the root (not nn.Module's registries nor large ones)
+            (f"{prefix}.{name}" if prefix else name, value)
             for prefix, m in root.named_modules()
             for name, value in vars(m).items()
-            if isinstance(value, dict) and name not in _MODULE_REGISTRIES
+            if isinstance(value, dict) and name not in _MODULE_REGISTRIES and len(value) <= ENTRIES_READ
         ]
         self._before = (module, root, HeldObjects(module), dicts, _dict_entries(dicts), _scheduler_steps(root))
         return True
@@ -457,29 +433,22 @@ def _shared_entries_advice(step_per_replica: bool, interleaved: bool) -> str:
     if not step_per_replica:
         return "the step reads the last replica's entries, one shard's. Return them from `forward`: dp gathers them"
     consequence = (
-        "the replicas ran interleaved (they hand over at SyncBatchNorm layers or collectives), so a replica may have "
-        "read another's entry, another shard's tensor, in its step"
+        "the replicas ran interleaved (at SyncBatchNorm layers or collectives), so a replica may have read another's "
+        "entry, another shard's tensor"
         if interleaved
-        else "after the step it holds the last replica's entries (one shard's, where they are computed from the shard)"
+        else "after the step it holds the last replica's entries, one shard's"
     )
     return (
         f"{consequence}. Keep such values per replica: from a forward hook, set them on the hooked module (`lambda "
         "module, args, output: setattr(module, 'features', output)`, read as `self.<layer>.features`), or return them "
-        f"from `forward`; step outputs: return them and collect them {_ON_ROOT}. A cache of values alike on every "
-        "replica is unaffected on virtual devices, but on distinct GPUs may hold another replica's device: key it by "
-        "device, or hold it as a buffer (`register_buffer(..., persistent=False)`)"
+        f"from `forward`; step outputs: return them and collect them {_ON_ROOT}. A cache alike on every replica: key "
+        "it by device, or hold it as a buffer (`register_buffer(..., persistent=False)`), for distinct GPUs"
     )
 
 
-def _dict_entries(places: Sequence[tuple[nn.Module, str, str]]) -> dict[tuple[str, Any], Any]:
-    """The values holding tensors in the dicts at ``places`` (not too large to read), by (path, key)."""
-    return {
-        (path, key): value
-        for module, name, path in places
-        if len(held := vars(module).get(name) or {}) <= ENTRIES_READ
-        for key, value in held.items()
-        if _holds_tensors(value)
-    }
+def _dict_entries(dicts: Sequence[tuple[str, dict]]) -> dict[tuple[str, Any], Any]:
+    """The values holding tensors in ``dicts``, by (path, key)."""
+    return {(path, key): value for path, held in dicts for key, value in held.items() if _holds_tensors(value)}
 
 
 def _scheduler_steps(root: Any) -> list[tuple[str, Any]]:

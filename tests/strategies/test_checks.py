@@ -496,16 +496,16 @@ def test_a_snapshot_says_what_changed_and_where():
     module.head.history.append(1)
     module.config.lr = 0.2  # stdlib (argparse): not watched
     module.table += 1  # a tensor: not this check's
-    got = [(c.path, c.kind, c.detail, c.verb, c.collection) for c in held.changes()]
+    got = [(c.path, c.kind, c.detail, c.collection) for c in held.changes()]
     assert got == [
-        ("env", "GridEnv", "its attributes steps, state changed", "changed", False),
-        ("buffer", "deque", "3 entries more", "grew", True),
-        ("replay", "ReplayBuffer", "its memory: 1 entry more", "changed", False),
-        ("outputs['loss']", "list", "1 entry more", "grew", True),
-        ("seen", "set", "1 entry more", "grew", True),
-        ("counts", "dict", "1 entry more", "grew", True),
-        ("tally", "dict", "its entry 'steps' changed", "changed", False),
-        ("head.history", "list", "1 entry more", "grew", True),
+        ("env", "GridEnv", "its attributes steps, state changed", False),
+        ("buffer", "deque", "3 entries more", True),
+        ("replay", "ReplayBuffer", "its memory: 1 entry more", False),
+        ("outputs['loss']", "list", "1 entry more", True),
+        ("seen", "set", "1 entry more", True),
+        ("counts", "dict", "1 entry more", True),
+        ("tally", "dict", "its entry 'steps' changed", False),
+        ("head.history", "list", "1 entry more", True),
     ]
     assert [c.key for c in held.changes()][:4] == ["held:env", "held:buffer", "held:replay", "held:outputs"]
 
