@@ -278,15 +278,13 @@ class ReplicaSet:
             self.reduce_gradients()
 
     def reduce_gradients(self, run_hooks: bool = True) -> None:
-        """Add the replicas' gradients accumulated since the last reduction onto the originals' ``.grad`` (runs by
-        itself at the end of every backward pass unless :attr:`defer_reduction` is set, e.g. while accumulating).
-        ``run_hooks=False``: the gradients come from backward passes that ran before the originals had hooks."""
+        """Add the replicas' gradients onto the originals' ``.grad`` (after every backward pass unless
+        :attr:`defer_reduction`). ``run_hooks=False``: backward passes ran before the originals had hooks."""
         if self._flat is not None:
             self._flat.reduce(run_hooks)
 
     def after_manual_backward(self) -> None:
-        """Reduce now what a backward pass inside the step (manual optimization) accumulated, to the parameters that
-        are trainable on the originals now."""
+        """Reduce a backward pass inside the step (manual optimization) onto the parameters trainable now."""
         if self._flat is not None:
             self._flat.backward_done()
             self._flat.reduce(only_trainable=True)
@@ -313,7 +311,7 @@ class ReplicaSet:
 
     @property
     def pending(self) -> bool:
-        """Replicas with their own parameters ran since the last reduction (their gradients may wait for one)."""
+        """Replicas ran since the last reduction (their gradients may wait for one)."""
         return self._flat is not None and self._flat.pending
 
     def _adopt_buffers(self, rebound: set[tuple[int, int, str]]) -> None:
