@@ -230,9 +230,8 @@ def _plain_items(obj: Any) -> bool:
 
 
 def _per_sample_list(obj: Any, size: int) -> bool:
-    """A list of plain items (ids) or a tuple of strings with one item per sample: split like a tensor. Tuples of
-    numbers are more often options (``size=(16, 16)``); a list of batch-long sequences is ``default_collate``'s
-    structure, whose sequences are split."""
+    """A list of plain items (ids) or a tuple of strings with one item per sample (tuples of numbers are options,
+    ``size=(16, 16)``; a list of batch-long sequences is ``default_collate``'s structure, opened)."""
     if not _plain(obj) or len(obj) != size:
         return False
     if isinstance(obj, tuple):
@@ -520,8 +519,7 @@ def _split_roots(
 
 
 class _Split:
-    """How one batch is split: chunk sizes and bounds, devices, the sequences split by item (``items``: their ids),
-    and the parts that go whole though they may hold one value per sample (``whole``, said once split)."""
+    """How one batch is split; ``whole``: the parts that go whole though they may hold one value per sample."""
 
     def __init__(
         self, dim: int, size: int, targets: list[torch.device], items: set[int], plain: bool, sizes: Any
@@ -572,8 +570,7 @@ class _Split:
 
 def split_or_run_once(split: Callable[[], T], roots: Roots) -> T | None:
     """``split()``, or ``None`` (run once, unsplit, as ``nn.DataParallel`` does) when the roots hold nothing to split
-    or a :func:`is_shared_state` object; an error for strings alone, whose count is unknown. The one "run once" rule
-    of the modules and both strategies."""
+    or a :func:`is_shared_state` object; an error for strings alone, whose count is unknown."""
     try:
         return split()
     except SharedStateError:
