@@ -80,8 +80,8 @@ class DataParallelStrategyBase(SingleProcessParallel):
             self._wrap()
 
     def _wrap(self) -> None:
-        """Install the replicated ``forward`` on the named submodules, and move it to any that the module replaced
-        since (``self.net = Net()`` between epochs: the new one runs replicated as the old one did)."""
+        """Install the replicated ``forward`` on the named submodules, also on any replaced since (``self.net = Net()``
+        between epochs)."""
         module = self.lightning_module
         targets = []
         for name in self.parallel_modules:
@@ -173,8 +173,8 @@ class DataParallelStrategyBase(SingleProcessParallel):
         return merge_outputs(outputs, self.output_device, self.dim, sizes=sizes, weights=weights)
 
     def _loss_weights(self, where: str, values: list[Tensor], split: Any, calls: list[LossCalls]) -> Any:
-        """How a scalar the replicas returned merges: by ``loss_reduction``, else as its autograd record says (the
-        merged value itself) or, in evaluation, the loss call that made it, else per sample (said once)."""
+        """How a scalar the replicas returned merges: by ``loss_reduction``, else by its record (autograd, or the loss
+        call that made it in evaluation: the merged value itself), else per sample (said once)."""
         args_chunks, kwargs_chunks, sizes = split
         if self.normalization is not None:  # its keys name the forward's arguments: positions and keywords
             if self.normalization.kind == "sum":
@@ -191,9 +191,8 @@ class DataParallelStrategyBase(SingleProcessParallel):
 
 
 class ParallelForward(OriginalOnly):
-    """The replicated ``forward`` that ``dp`` installs on each target module for a run, around the ``forward`` the
-    target had on its instance (``inner``, which the replicas run), else its class's. Copies and pickles of the module
-    get that ``forward`` back, so an EMA copy never carries the strategy along."""
+    """The replicated ``forward`` that ``dp`` installs on a target module, around the ``forward`` it had on its
+    instance (``inner``, which the replicas run), else its class's; copies and pickles get that one (an EMA copy)."""
 
     def __init__(self, strategy: DataParallelStrategyBase, target: nn.Module, inner: Any = None) -> None:
         self.strategy = strategy
@@ -241,8 +240,7 @@ def _checked_module_names(names: Sequence[str] | None) -> list[str]:
 
 
 def _replica_scalars(outputs: list[Any]) -> dict[str, list[Tensor]]:
-    """Each replica's floating 0-dim tensor at each path (as gather names them) where their values differ by replica:
-    per-replica losses."""
+    """Per-replica losses: each replica's floating 0-dim tensor at each path where they differ by replica."""
     first, *others = [dict(iter_tensors(output, "output")) for output in outputs]
     return {
         path: [tensor, *(o[path] for o in others)]
