@@ -11,6 +11,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from itertools import repeat
 from typing import Any
 
@@ -164,13 +165,26 @@ def _walk(node: Node, coefficient: Any, record: LossRecord) -> None:
 
 
 def _scaled(node: Node, divides: bool, child: Node, coefficient: Any, record: LossRecord) -> None:
-    """A product or quotient by a constant: a coefficient, or ``sum / divisor`` (see :func:`settle_weights`)."""
-    other = _as_written(node._saved_other)
-    summed = _summed(child) if divides else None
-    if summed is None:
+    """A product or quotient by a constant: a coefficient, or ``sum / divisor`` where a sum (of a tensor or a loss
+    function's) lies below casts, signs and constant products (``0.5 * sse / n``): see :func:`settle_weights`."""
+    other, below, factor = _as_written(node._saved_other), child, 1
+    while divides:
+        name = type(below).__name__
+        children = [child for child, _ in below.next_functions]
+        if name in _PASS or name == "NegBackward0":
+            factor, below = -factor if name == "NegBackward0" else factor, children[0]
+        elif name in _PRODUCTS and _constant_other(below, children):
+            factor, below = factor * _as_written(below._saved_other), children[0]  # not through a division: its own
+        else:
+            break
+    name = type(below).__name__
+    if divides and name in _SUMS:
+        size, value = int(torch.Size(below._saved_self_sym_sizes).numel()), None
+    elif divides and name in LOSS_NODES and _REDUCTION.get(below._saved_reduction) == "sum":
+        size, value = LOSS_NODES[name](below)
+    else:
         _walk(child, coefficient / other if divides else coefficient * other, record)
         return
-    size, value, factor = summed
     quotient = None if value is None else (lambda: value() / other)
     record.terms.append(Term(node, "sum / divisor", other, coefficient * factor, quotient, size, value is not None))
 
@@ -245,26 +259,6 @@ def _as_written(value: Any) -> Any:
         return value  # a tensor: it takes part in type promotion, a Python number does not
     number = value.item()
     return float(repr(np.float32(number))) if value.dtype == torch.float32 else number
-
-
-def _summed(node: Node) -> tuple[Any, Callable[[], Tensor] | None, Any] | None:
-    """A sum below casts, signs and constant products (``0.5 * sse / n``): its size, a loss function's value, and the
-    factor on the way; ``None``: no sum."""
-    factor: Any = 1
-    while True:
-        name = type(node).__name__
-        children = [child for child, _ in node.next_functions]
-        if name in _PASS or name == "NegBackward0":
-            factor, node = -factor if name == "NegBackward0" else factor, children[0]
-        elif name in _PRODUCTS and _constant_other(node, children):
-            factor, node = factor * _as_written(node._saved_other), children[0]  # not through a division: its own
-        else:
-            break
-    if name in _SUMS:
-        return int(torch.Size(node._saved_self_sym_sizes).numel()), None, factor
-    if name in LOSS_NODES and _REDUCTION.get(node._saved_reduction) == "sum":
-        return (*LOSS_NODES[name](node), factor)
-    return None
 
 
 def _own(node: Node) -> int | None:
@@ -365,7 +359,7 @@ def combine_losses_by_record(
     each = iter(shares.flatten().unbind())  # term by term, shard by shard: one view per share
     for t in range(len(weights)):
         for record in records:
-            record.terms[t].node.register_prehook(_scaled_by(next(each)))
+            record.terms[t].node.register_prehook(partial(_scaled_by, next(each)))
     # The value is the total; the shards' losses carry each term's scaled gradient (a NaN over nothing included).
     return Combined(total.detach() + _GradientOnly.apply(stacked.sum()), weights)
 
@@ -389,16 +383,11 @@ def _leave_out_empty_shards(records: Sequence[LossRecord], weights: list[list[An
     for t, term in enumerate(records[0].terms):
         if any(map(_is_tensor, weights[t])) and not (term.name in _NLL and term.node._saved_weight is None):
             for record, count in zip(records, weights[t], strict=True):
-                record.terms[t].node.register_hook(_zero_where_empty(count))
+                record.terms[t].node.register_hook(partial(_zero_where_empty, count))
 
 
-def _zero_where_empty(count: Any) -> Callable[[tuple[Tensor | None, ...], Any], tuple[Tensor | None, ...]]:
-    def hook(grad_inputs: tuple[Tensor | None, ...], _: Any) -> tuple[Tensor | None, ...]:
-        return tuple(
-            None if g is None else torch.where(torch.as_tensor(count).to(g.device) > 0, g, 0) for g in grad_inputs
-        )
-
-    return hook
+def _zero_where_empty(count: Any, grad_inputs: tuple[Tensor | None, ...], _: Any) -> tuple[Tensor | None, ...]:
+    return tuple(None if g is None else torch.where(torch.as_tensor(count).to(g.device) > 0, g, 0) for g in grad_inputs)
 
 
 def _once_where_alike(records: Sequence[LossRecord], losses: Sequence[Tensor], weights: list[list[Any]]) -> None:
@@ -508,11 +497,8 @@ def _by_multiplier(
     return torch.where(factors != 0, shares * factors.sum() / factors, 0)
 
 
-def _scaled_by(share: Tensor) -> Callable[[tuple[Tensor | None, ...]], tuple[Tensor | None, ...]]:
-    def hook(grad_outputs: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
-        return tuple(None if g is None else g * share.to(g.device, g.dtype) for g in grad_outputs)
-
-    return hook
+def _scaled_by(share: Tensor, grad_outputs: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
+    return tuple(None if g is None else g * share.to(g.device, g.dtype) for g in grad_outputs)
 
 
 class _GradientOnly(torch.autograd.Function):
