@@ -277,17 +277,13 @@ def settle_weights(
         if term.summed is None or term.count is None or (any(map(_is_tensor, weights[t])) and not term.of_loss):
             continue  # not a division of a sum
         values = [float(d) for d in weights[t]]
-        others = [
-            [float(w) for w in other]
+        own = [[float(n) for n in sample_counts], [float(r.terms[t].summed) for r in records]] + [
+            [float(w) for w in other]  # another term's count
             for o, other in enumerate(weights)
             if o != t and records[0].terms[o].summed is None and all(w is not None for w in other)
         ]
-        own = (
-            values == [float(n) for n in sample_counts]
-            or all(v == float(r.terms[t].summed) for v, r in zip(values, records, strict=True))
-            or values in others
-        )
-        if _settle(memory, (records[0].signature(), t, "divisor"), len(set(values)) > 1, own, "count") == "constant":
+        key = (records[0].signature(), t, "divisor")
+        if _settle(memory, key, len(set(values)) > 1, values in own, "count") == "constant":
             weights[t] = [None] * len(values)
     return weights
 
@@ -336,9 +332,7 @@ def combine_losses_by_record(
     ):
         return None
     weights = settle_weights(records, sample_counts, memory)
-    _once_where_alike(records, losses, weights)
-    if gathered:
-        _whole_batch_sums_once(records, losses, weights)
+    _once_where_alike(records, losses, weights, gathered)
     if scale_gradients:
         _leave_out_empty_shards(records, weights)
     dtype = torch.promote_types(losses[0].dtype, torch.float32)
@@ -390,36 +384,44 @@ def _zero_where_empty(count: Any, grad_inputs: tuple[Tensor | None, ...], _: Any
     return tuple(None if g is None else torch.where(torch.as_tensor(count).to(g.device) > 0, g, 0) for g in grad_inputs)
 
 
-def _once_where_alike(records: Sequence[LossRecord], losses: Sequence[Tensor], weights: list[list[Any]]) -> None:
-    """Reductions of the parameters alone count once (weight 1 on every shard) where every shard's value of them (the
-    remainder) is the same, as a regulariser's is; else as what they are (a host sync a step)."""
+def _once_where_alike(
+    records: Sequence[LossRecord], losses: Sequence[Tensor], weights: list[list[Any]], gathered: bool
+) -> None:
+    """A term every shard computes alike counts once (weight 1 on every shard), as on one device: reductions of the
+    parameters alone (a regulariser; else read as what they are) and, after an ``all_gather``, sums (the whole
+    batch's, as Barlow Twins' loss). Terms no saved tensor recomputes go together: their value is the remainder."""
     candidates = [t for t, term in enumerate(records[0].terms) if term.name.endswith(_ONCE)]
-    if not candidates:
+    if not (candidates or gathered):
         return
-    if candidates == [t for t, term in enumerate(records[0].terms) if term.value is None]:
-        rest = [_term_values(r, loss, candidates[0])[candidates[0]] for r, loss in zip(records, losses, strict=True)]
-        scale = max(float(loss.detach().abs().max()) for loss in losses)
-        if all(abs(float(r) - float(rest[0])) <= 1e-9 * scale + 1e-12 for r in rest[1:]):
-            return
-    for t in candidates:  # read as what they are, on each shard
-        weights[t] = [_own(record.terms[t].node) for record in records]
-        for record in records:
-            record.terms[t] = replace(record.terms[t], name=record.terms[t].name.removesuffix(_ONCE))
-            record._signature = None
-
-
-def _whole_batch_sums_once(records: Sequence[LossRecord], losses: Sequence[Tensor], weights: list[list[Any]]) -> None:
-    """After an ``all_gather``, a sum alike on every shard is the whole batch's (Barlow Twins): counted once."""
-    sums = [t for t in range(len(weights)) if all(w is None for w in weights[t])]
     missing = [t for t, term in enumerate(records[0].terms) if term.value is None]
+    if candidates and not (candidates == missing and _alike(records, losses, missing, missing, True)):
+        for t in candidates:  # read as what they are, on each shard
+            weights[t] = [_own(record.terms[t].node) for record in records]
+            for record in records:
+                record.terms[t] = replace(record.terms[t], name=record.terms[t].name.removesuffix(_ONCE))
+                record._signature = None
+    sums = [t for t in range(len(weights)) if gathered and all(w is None for w in weights[t])]
     groups = [[t] for t in sums if t not in missing] + ([missing] if missing and set(missing) <= set(sums) else [])
     for group in groups:
-        rest = group[0] if group == missing else None
-        values = [_term_values(r, loss, rest)[group[0]] for r, loss in zip(records, losses, strict=True)]
-        scale = max(abs(float(v)) for v in values)
-        if scale > 0 and all(abs(float(v) - float(values[0])) <= 1e-12 * scale for v in values[1:]):
+        if _alike(records, losses, group, missing, False):
             for t in group:
-                weights[t] = [1] * len(values)
+                weights[t] = [1] * len(records)
+
+
+def _alike(
+    records: Sequence[LossRecord], losses: Sequence[Tensor], group: list[int], missing: list[int], regulariser: bool
+) -> bool:
+    """Whether terms ``group``'s value is the same on every shard: within rounding of the loss where it is the
+    remainder of the parameters' reductions (``regulariser``), else to 1e-12 of it and not 0 (a host sync)."""
+    values = [
+        float(_term_values(r, x, group[0] if group == missing else None)[group[0]])
+        for r, x in zip(records, losses, strict=True)
+    ]
+    if regulariser:
+        tolerance = 1e-9 * max(float(loss.detach().abs().max()) for loss in losses) + 1e-12
+    else:
+        tolerance = 1e-12 * max(map(abs, values))
+    return (regulariser or tolerance > 0) and all(abs(v - values[0]) <= tolerance for v in values)
 
 
 def _term_values(record: LossRecord, loss: Tensor, rest: int | None) -> list[Tensor]:
