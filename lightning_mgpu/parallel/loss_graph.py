@@ -58,14 +58,11 @@ def _nll(node: Node) -> tuple[Tensor, Callable[[], Tensor]]:
     return count, lambda: F.nll_loss(inputs, target, weight, ignore_index=ignore, reduction=reduction)
 
 
-def _elementwise(function: Callable[..., Tensor], *options: str) -> Callable[[Node], tuple[int, Any]]:
-    def read(node: Node) -> tuple[int, Callable[[], Tensor]]:
-        inputs, target, reduction = node._saved_self, node._saved_target, _REDUCTION[node._saved_reduction]
-        kwargs = {name: getattr(node, f"_saved_{name}") for name in options}
-        count = torch.broadcast_shapes(inputs.shape, target.shape).numel()
-        return count, lambda: function(inputs, target, reduction=reduction, **kwargs)
-
-    return read
+def _elementwise(spec: tuple[Any, ...], node: Node) -> tuple[int, Callable[[], Tensor]]:
+    (function, *options), reduction = spec, _REDUCTION[node._saved_reduction]
+    inputs, target, kwargs = node._saved_self, node._saved_target, {o: getattr(node, f"_saved_{o}") for o in options}
+    count = torch.broadcast_shapes(inputs.shape, target.shape).numel()
+    return count, lambda: function(inputs, target, reduction=reduction, **kwargs)
 
 
 #: The elementwise losses the reader knows, with the options their nodes save.
@@ -79,7 +76,7 @@ _ELEMENTWISE = {
 #: The loss nodes the reader knows: what their mean counts and how saved tensors recompute their value.
 LOSS_NODES: dict[str, Callable[[Node], tuple[Any, Callable[[], Tensor]]]] = {
     **dict.fromkeys(_NLL, _nll),
-    **{name: _elementwise(*spec) for name, spec in _ELEMENTWISE.items()},
+    **{name: partial(_elementwise, spec) for name, spec in _ELEMENTWISE.items()},
 }
 #: Each node a term enters the loss at, in words (the rule said once).
 TERM_WORDS = {
