@@ -336,7 +336,7 @@ def combine_losses_by_record(
     stacked = _on(losses, root, dtype)
     if len(weights) == 1 and all(r.terms[0].coefficient == 1 for r in records):
         return Combined(_one_mean(stacked, weights[0], root, dtype), weights)  # the common case, in few operations
-    shares = _shares(weights, records, sample_counts, root, dtype, memory)  # (terms, shards)
+    shares = _shares(weights, records, sample_counts, memory, stacked)  # (terms, shards)
     if len(weights) == 1:
         return Combined(_weighted(stacked, shares[0]), weights)
     missing = [t for t, term in enumerate(first.terms) if any(r.terms[t].value is None for r in records)]
@@ -450,21 +450,16 @@ def _weighted(values: Tensor, shares: Tensor) -> Tensor:
 
 
 def _shares(
-    weights: list[list[Any]],
-    records: Sequence[LossRecord],
-    sample_counts: Sequence[int],
-    root: torch.device,
-    dtype: torch.dtype,
-    memory: dict[Any, str] | None,
+    weights: list[list[Any]], records: Sequence[LossRecord], sample_counts: Sequence[int], memory: Any, like: Tensor
 ) -> Tensor:
     """Each term's (rows) share of each shard (columns): its count over the term's total (1 in a sum), times the
     whole batch's multiplier over the shard's where the shards multiply the term by a number."""
     sums = [any(w is None for w in term) for term in weights]
-    counts = _on([1 if summed else w for term, summed in zip(weights, sums, strict=True) for w in term], root, dtype)
-    counts = counts.view(len(weights), -1)
+    counts = [1 if summed else w for term, summed in zip(weights, sums, strict=True) for w in term]
+    counts = _on(counts, like.device, like.dtype).view(len(weights), -1)
     shares = torch.nan_to_num(counts / counts.sum(1, keepdim=True), nan=0.0)  # counts >= 0: NaN where all are 0
     if any(sums):
-        shares[torch.tensor(sums, device=root)] = 1.0
+        shares[torch.tensor(sums, device=like.device)] = 1.0
     for t in range(len(weights)):
         coefficients = [record.terms[t].coefficient for record in records]
         if any(isinstance(c, Tensor) or c != 1 for c in coefficients):  # each shard's number: settled by value
