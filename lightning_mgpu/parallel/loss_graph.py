@@ -11,6 +11,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from itertools import repeat
 from typing import Any
 
@@ -57,14 +58,11 @@ def _nll(node: Node) -> tuple[Tensor, Callable[[], Tensor]]:
     return count, lambda: F.nll_loss(inputs, target, weight, ignore_index=ignore, reduction=reduction)
 
 
-def _elementwise(function: Callable[..., Tensor], *options: str) -> Callable[[Node], tuple[int, Any]]:
-    def read(node: Node) -> tuple[int, Callable[[], Tensor]]:
-        inputs, target, reduction = node._saved_self, node._saved_target, _REDUCTION[node._saved_reduction]
-        kwargs = {name: getattr(node, f"_saved_{name}") for name in options}
-        count = torch.broadcast_shapes(inputs.shape, target.shape).numel()
-        return count, lambda: function(inputs, target, reduction=reduction, **kwargs)
-
-    return read
+def _elementwise(spec: tuple[Any, ...], node: Node) -> tuple[int, Callable[[], Tensor]]:
+    (function, *options), reduction = spec, _REDUCTION[node._saved_reduction]
+    inputs, target, kwargs = node._saved_self, node._saved_target, {o: getattr(node, f"_saved_{o}") for o in options}
+    count = torch.broadcast_shapes(inputs.shape, target.shape).numel()
+    return count, lambda: function(inputs, target, reduction=reduction, **kwargs)
 
 
 #: The elementwise losses the reader knows, with the options their nodes save.
@@ -78,7 +76,7 @@ _ELEMENTWISE = {
 #: The loss nodes the reader knows: what their mean counts and how saved tensors recompute their value.
 LOSS_NODES: dict[str, Callable[[Node], tuple[Any, Callable[[], Tensor]]]] = {
     **dict.fromkeys(_NLL, _nll),
-    **{name: _elementwise(*spec) for name, spec in _ELEMENTWISE.items()},
+    **{name: partial(_elementwise, spec) for name, spec in _ELEMENTWISE.items()},
 }
 #: Each node a term enters the loss at, in words (the rule said once).
 TERM_WORDS = {
@@ -164,13 +162,26 @@ def _walk(node: Node, coefficient: Any, record: LossRecord) -> None:
 
 
 def _scaled(node: Node, divides: bool, child: Node, coefficient: Any, record: LossRecord) -> None:
-    """A product or quotient by a constant: a coefficient, or ``sum / divisor`` (see :func:`settle_weights`)."""
-    other = _as_written(node._saved_other)
-    summed = _summed(child) if divides else None
-    if summed is None:
+    """A product or quotient by a constant: a coefficient, or ``sum / divisor`` where a sum (of a tensor or a loss
+    function's) lies below casts, signs and constant products (``0.5 * sse / n``): see :func:`settle_weights`."""
+    other, below, factor = _as_written(node._saved_other), child, 1
+    while divides:
+        name = type(below).__name__
+        children = [child for child, _ in below.next_functions]
+        if name in _PASS or name == "NegBackward0":
+            factor, below = -factor if name == "NegBackward0" else factor, children[0]
+        elif name in _PRODUCTS and _constant_other(below, children):
+            factor, below = factor * _as_written(below._saved_other), children[0]  # not through a division: its own
+        else:
+            break
+    name = type(below).__name__
+    if divides and name in _SUMS:
+        size, value = int(torch.Size(below._saved_self_sym_sizes).numel()), None
+    elif divides and name in LOSS_NODES and _REDUCTION.get(below._saved_reduction) == "sum":
+        size, value = LOSS_NODES[name](below)
+    else:
         _walk(child, coefficient / other if divides else coefficient * other, record)
         return
-    size, value, factor = summed
     quotient = None if value is None else (lambda: value() / other)
     record.terms.append(Term(node, "sum / divisor", other, coefficient * factor, quotient, size, value is not None))
 
@@ -247,26 +258,6 @@ def _as_written(value: Any) -> Any:
     return float(repr(np.float32(number))) if value.dtype == torch.float32 else number
 
 
-def _summed(node: Node) -> tuple[Any, Callable[[], Tensor] | None, Any] | None:
-    """A sum below casts, signs and constant products (``0.5 * sse / n``): its size, a loss function's value, and the
-    factor on the way; ``None``: no sum."""
-    factor: Any = 1
-    while True:
-        name = type(node).__name__
-        children = [child for child, _ in node.next_functions]
-        if name in _PASS or name == "NegBackward0":
-            factor, node = -factor if name == "NegBackward0" else factor, children[0]
-        elif name in _PRODUCTS and _constant_other(node, children):
-            factor, node = factor * _as_written(node._saved_other), children[0]  # not through a division: its own
-        else:
-            break
-    if name in _SUMS:
-        return int(torch.Size(node._saved_self_sym_sizes).numel()), None, factor
-    if name in LOSS_NODES and _REDUCTION.get(node._saved_reduction) == "sum":
-        return (*LOSS_NODES[name](node), factor)
-    return None
-
-
 def _own(node: Node) -> int | None:
     """What a reduction divides by: a mean its elements, a sum nothing (``None``)."""
     return torch.Size(node._saved_self_sym_sizes).numel() if type(node).__name__ in _MEANS else None
@@ -283,17 +274,13 @@ def settle_weights(
         if term.summed is None or term.count is None or (any(map(_is_tensor, weights[t])) and not term.of_loss):
             continue  # not a division of a sum
         values = [float(d) for d in weights[t]]
-        others = [
-            [float(w) for w in other]
+        own = [[float(n) for n in sample_counts], [float(r.terms[t].summed) for r in records]] + [
+            [float(w) for w in other]  # another term's count
             for o, other in enumerate(weights)
             if o != t and records[0].terms[o].summed is None and all(w is not None for w in other)
         ]
-        own = (
-            values == [float(n) for n in sample_counts]
-            or all(v == float(r.terms[t].summed) for v, r in zip(values, records, strict=True))
-            or values in others
-        )
-        if _settle(memory, (records[0].signature(), t, "divisor"), len(set(values)) > 1, own, "count") == "constant":
+        key = (records[0].signature(), t, "divisor")
+        if _settle(memory, key, len(set(values)) > 1, values in own, "count") == "constant":
             weights[t] = [None] * len(values)
     return weights
 
@@ -342,16 +329,14 @@ def combine_losses_by_record(
     ):
         return None
     weights = settle_weights(records, sample_counts, memory)
-    _once_where_alike(records, losses, weights)
-    if gathered:
-        _whole_batch_sums_once(records, losses, weights)
+    _once_where_alike(records, losses, weights, gathered)
     if scale_gradients:
         _leave_out_empty_shards(records, weights)
     dtype = torch.promote_types(losses[0].dtype, torch.float32)
     stacked = _on(losses, root, dtype)
     if len(weights) == 1 and all(r.terms[0].coefficient == 1 for r in records):
         return Combined(_one_mean(stacked, weights[0], root, dtype), weights)  # the common case, in few operations
-    shares = _shares(weights, records, sample_counts, root, dtype, memory)  # (terms, shards)
+    shares = _shares(weights, records, sample_counts, memory, stacked)  # (terms, shards)
     if len(weights) == 1:
         return Combined(_weighted(stacked, shares[0]), weights)
     missing = [t for t, term in enumerate(first.terms) if any(r.terms[t].value is None for r in records)]
@@ -365,7 +350,7 @@ def combine_losses_by_record(
     each = iter(shares.flatten().unbind())  # term by term, shard by shard: one view per share
     for t in range(len(weights)):
         for record in records:
-            record.terms[t].node.register_prehook(_scaled_by(next(each)))
+            record.terms[t].node.register_prehook(partial(_scaled_by, next(each)))
     # The value is the total; the shards' losses carry each term's scaled gradient (a NaN over nothing included).
     return Combined(total.detach() + _GradientOnly.apply(stacked.sum()), weights)
 
@@ -389,48 +374,51 @@ def _leave_out_empty_shards(records: Sequence[LossRecord], weights: list[list[An
     for t, term in enumerate(records[0].terms):
         if any(map(_is_tensor, weights[t])) and not (term.name in _NLL and term.node._saved_weight is None):
             for record, count in zip(records, weights[t], strict=True):
-                record.terms[t].node.register_hook(_zero_where_empty(count))
+                record.terms[t].node.register_hook(partial(_zero_where_empty, count))
 
 
-def _zero_where_empty(count: Any) -> Callable[[tuple[Tensor | None, ...], Any], tuple[Tensor | None, ...]]:
-    def hook(grad_inputs: tuple[Tensor | None, ...], _: Any) -> tuple[Tensor | None, ...]:
-        return tuple(
-            None if g is None else torch.where(torch.as_tensor(count).to(g.device) > 0, g, 0) for g in grad_inputs
-        )
-
-    return hook
+def _zero_where_empty(count: Any, grad_inputs: tuple[Tensor | None, ...], _: Any) -> tuple[Tensor | None, ...]:
+    return tuple(None if g is None else torch.where(torch.as_tensor(count).to(g.device) > 0, g, 0) for g in grad_inputs)
 
 
-def _once_where_alike(records: Sequence[LossRecord], losses: Sequence[Tensor], weights: list[list[Any]]) -> None:
-    """Reductions of the parameters alone count once (weight 1 on every shard) where every shard's value of them (the
-    remainder) is the same, as a regulariser's is; else as what they are (a host sync a step)."""
+def _once_where_alike(
+    records: Sequence[LossRecord], losses: Sequence[Tensor], weights: list[list[Any]], gathered: bool
+) -> None:
+    """A term every shard computes alike counts once (weight 1 on every shard), as on one device: reductions of the
+    parameters alone (a regulariser; else read as what they are) and, after an ``all_gather``, sums (the whole
+    batch's, as Barlow Twins' loss). Terms no saved tensor recomputes go together: their value is the remainder."""
     candidates = [t for t, term in enumerate(records[0].terms) if term.name.endswith(_ONCE)]
-    if not candidates:
+    if not (candidates or gathered):
         return
-    if candidates == [t for t, term in enumerate(records[0].terms) if term.value is None]:
-        rest = [_term_values(r, loss, candidates[0])[candidates[0]] for r, loss in zip(records, losses, strict=True)]
-        scale = max(float(loss.detach().abs().max()) for loss in losses)
-        if all(abs(float(r) - float(rest[0])) <= 1e-9 * scale + 1e-12 for r in rest[1:]):
-            return
-    for t in candidates:  # read as what they are, on each shard
-        weights[t] = [_own(record.terms[t].node) for record in records]
-        for record in records:
-            record.terms[t] = replace(record.terms[t], name=record.terms[t].name.removesuffix(_ONCE))
-            record._signature = None
-
-
-def _whole_batch_sums_once(records: Sequence[LossRecord], losses: Sequence[Tensor], weights: list[list[Any]]) -> None:
-    """After an ``all_gather``, a sum alike on every shard is the whole batch's (Barlow Twins): counted once."""
-    sums = [t for t in range(len(weights)) if all(w is None for w in weights[t])]
     missing = [t for t, term in enumerate(records[0].terms) if term.value is None]
+    if candidates and not (candidates == missing and _alike(records, losses, missing, missing, True)):
+        for t in candidates:  # read as what they are, on each shard
+            weights[t] = [_own(record.terms[t].node) for record in records]
+            for record in records:
+                record.terms[t] = replace(record.terms[t], name=record.terms[t].name.removesuffix(_ONCE))
+                record._signature = None
+    sums = [t for t in range(len(weights)) if gathered and all(w is None for w in weights[t])]
     groups = [[t] for t in sums if t not in missing] + ([missing] if missing and set(missing) <= set(sums) else [])
     for group in groups:
-        rest = group[0] if group == missing else None
-        values = [_term_values(r, loss, rest)[group[0]] for r, loss in zip(records, losses, strict=True)]
-        scale = max(abs(float(v)) for v in values)
-        if scale > 0 and all(abs(float(v) - float(values[0])) <= 1e-12 * scale for v in values[1:]):
+        if _alike(records, losses, group, missing, False):
             for t in group:
-                weights[t] = [1] * len(values)
+                weights[t] = [1] * len(records)
+
+
+def _alike(
+    records: Sequence[LossRecord], losses: Sequence[Tensor], group: list[int], missing: list[int], regulariser: bool
+) -> bool:
+    """Whether terms ``group``'s value is the same on every shard: within rounding of the loss where it is the
+    remainder of the parameters' reductions (``regulariser``), else to 1e-12 of it and not 0 (a host sync)."""
+    values = [
+        float(_term_values(r, x, group[0] if group == missing else None)[group[0]])
+        for r, x in zip(records, losses, strict=True)
+    ]
+    if regulariser:
+        tolerance = 1e-9 * max(float(loss.detach().abs().max()) for loss in losses) + 1e-12
+    else:
+        tolerance = 1e-12 * max(map(abs, values))
+    return (regulariser or tolerance > 0) and all(abs(v - values[0]) <= tolerance for v in values)
 
 
 def _term_values(record: LossRecord, loss: Tensor, rest: int | None) -> list[Tensor]:
@@ -462,21 +450,16 @@ def _weighted(values: Tensor, shares: Tensor) -> Tensor:
 
 
 def _shares(
-    weights: list[list[Any]],
-    records: Sequence[LossRecord],
-    sample_counts: Sequence[int],
-    root: torch.device,
-    dtype: torch.dtype,
-    memory: dict[Any, str] | None,
+    weights: list[list[Any]], records: Sequence[LossRecord], sample_counts: Sequence[int], memory: Any, like: Tensor
 ) -> Tensor:
     """Each term's (rows) share of each shard (columns): its count over the term's total (1 in a sum), times the
     whole batch's multiplier over the shard's where the shards multiply the term by a number."""
     sums = [any(w is None for w in term) for term in weights]
-    counts = _on([1 if summed else w for term, summed in zip(weights, sums, strict=True) for w in term], root, dtype)
-    counts = counts.view(len(weights), -1)
+    counts = [1 if summed else w for term, summed in zip(weights, sums, strict=True) for w in term]
+    counts = _on(counts, like.device, like.dtype).view(len(weights), -1)
     shares = torch.nan_to_num(counts / counts.sum(1, keepdim=True), nan=0.0)  # counts >= 0: NaN where all are 0
     if any(sums):
-        shares[torch.tensor(sums, device=root)] = 1.0
+        shares[torch.tensor(sums, device=like.device)] = 1.0
     for t in range(len(weights)):
         coefficients = [record.terms[t].coefficient for record in records]
         if any(isinstance(c, Tensor) or c != 1 for c in coefficients):  # each shard's number: settled by value
@@ -508,11 +491,8 @@ def _by_multiplier(
     return torch.where(factors != 0, shares * factors.sum() / factors, 0)
 
 
-def _scaled_by(share: Tensor) -> Callable[[tuple[Tensor | None, ...]], tuple[Tensor | None, ...]]:
-    def hook(grad_outputs: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
-        return tuple(None if g is None else g * share.to(g.device, g.dtype) for g in grad_outputs)
-
-    return hook
+def _scaled_by(share: Tensor, grad_outputs: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
+    return tuple(None if g is None else g * share.to(g.device, g.dtype) for g in grad_outputs)
 
 
 class _GradientOnly(torch.autograd.Function):
