@@ -47,17 +47,20 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as L
-import torch
-import torch.nn.functional as F
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
-
-import lightning_mgpu
-
+# Run as a script: measure the checkout this file is in (not an installed copy), and import its sibling benchmark
+# as benchmarks.host_overhead.
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script: its sibling benchmark is imported as benchmarks.host_overhead
+if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+import lightning.pytorch as L  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+import lightning_mgpu  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results"
 PACKAGE_DIR = str(Path(lightning_mgpu.__file__).resolve().parent)
 PACKAGE_PARENT = Path(PACKAGE_DIR).parent
