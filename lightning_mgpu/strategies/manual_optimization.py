@@ -1,9 +1,10 @@
 """Manual optimization under ``parallel_criterion``: every replica runs the whole ``training_step`` on its shard, and
 the replicas meet where one device would touch the shared optimizer state: at ``self.manual_backward(loss)`` (their
-losses combined by the loss rule, one backward pass) and at ``opt.step()`` (one step on the root, the replicas' copies
-synced before any goes on). ``clip_gradients``, ``toggle_optimizer`` / ``untoggle_optimizer`` and the schedulers'
-``step`` act on the originals: replica 0 alone calls them. A replica that skips a meeting fails the others with an
-error naming it (:mod:`..parallel.replica_group`), never a hang.
+losses combined by the loss rule, one backward pass), at ``opt.step()`` (one step on the root, the replicas' copies
+synced before any goes on) and at a scheduler's ``step()`` (one step, before any replica reads the new rate).
+``clip_gradients`` and ``toggle_optimizer`` / ``untoggle_optimizer`` act on the originals: replica 0 alone calls them.
+A replica that skips a meeting fails the others with an error naming it (:mod:`..parallel.replica_group`), never a
+hang.
 """
 
 from __future__ import annotations
@@ -74,11 +75,14 @@ class ReplicaOptimizer(_Shared):
 
 
 class _Scheduler(_Shared):
-    """What ``self.lr_schedulers()`` returns on a replica: stepped by replica 0 alone, once a step as on one device."""
+    """What ``self.lr_schedulers()`` returns on a replica: stepped once for all replicas, as on one device. The
+    replicas meet there, so that none reads a rate (``opt.param_groups``) before the step has changed it."""
 
     def step(self, *args: Any, **kwargs: Any) -> None:
-        if self._first:
+        if current_replica() is None:
             self._wrapped.step(*args, **kwargs)
+        else:
+            meet("lr_scheduler.step()", None, lambda _: self._wrapped.step(*args, **kwargs))
 
 
 def replica_overrides(module: Any, replica: ReplicaContext | None, after_step: Callable[[], None]) -> dict[str, Any]:

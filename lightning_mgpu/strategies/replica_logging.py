@@ -175,7 +175,9 @@ def _merge_values(
         return getattr(stacked, kind)(), options
     # Equal values on every replica (a constant such as hparams.batch_size) say nothing about the shards: samples do.
     weights = counts if explicit is None or alike else explicit
-    return weighted_mean(stacked, stack_scalars(weights, device, dtype)), logged
+    # In float64, rounded once: a value alike on every replica (a learning rate) comes back as it was logged.
+    wide = torch.promote_types(dtype, torch.float64)
+    return weighted_mean(stacked.to(wide), stack_scalars(weights, device, wide)).to(dtype), logged
 
 
 def _as_tensor(name: str, value: Any, enable_graph: bool, numbers: torch.dtype) -> Tensor:

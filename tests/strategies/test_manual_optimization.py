@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import functools
 import importlib
+import time
 import warnings
 from types import SimpleNamespace
 from typing import Any
@@ -167,3 +168,44 @@ def test_a_replica_that_skips_a_manual_backward_fails_clearly():
 
     with pytest.raises(Exception, match=r"manual_backward \(call 1 of this step\)[\s\S]*same number of times"):
         fit(Skips(norm=False).double(), "parallel_criterion", 2, "lightning.pytorch")
+
+
+@pytest.mark.parametrize("devices", [2, 3])
+def test_a_rate_read_after_the_scheduler_step_is_the_stepped_one_on_every_replica(devices):
+    """Replica 0 steps the schedulers for all; the others must not read the rate before it has: the replicas meet at
+    ``scheduler.step()`` as at ``opt.step()``. Replica 0 arrives late on purpose (its shard is the largest)."""
+    L = models().L
+    rates: list[float] = []
+
+    class Scheduled(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+            self.layer = nn.Linear(FEATURES, 1)
+
+        def training_step(self, batch: Any, batch_idx: int) -> None:
+            real, _ = batch
+            opt = self.optimizers()
+            self.manual_backward(self.layer(real).square().mean())
+            opt.step()
+            opt.zero_grad()
+            if real.shape[0] == 4:  # replica 0's shard of 7 rows on 2 or 3 devices
+                time.sleep(0.05)
+            self.lr_schedulers().step()
+            self.log("lr", opt.param_groups[0]["lr"])
+
+        def configure_optimizers(self) -> Any:
+            opt = torch.optim.SGD(self.parameters(), lr=0.1)
+            return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)]
+
+    class Rates(L.Callback):
+        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+            rates.append(float(trainer.callback_metrics["lr"]))
+
+    trainer = L.Trainer(
+        accelerator="cpu", devices=devices, strategy="parallel_criterion", max_epochs=1, logger=False,
+        enable_checkpointing=False, enable_model_summary=False, callbacks=[Rates()],
+    )  # fmt: skip
+    trainer.fit(Scheduled().double(), data(n=28, batch_size=7))
+    expected = [torch.tensor(0.1 * 0.5**k, dtype=torch.get_default_dtype()).item() for k in range(1, 5)]
+    assert rates == expected
