@@ -56,6 +56,8 @@ class ReplicaGroup:
         self._met = 0  # meetings completed
         self._departed: dict[int, BaseException | None] = {}  # index -> its exception, None when it finished
         self._failure: str | None = None  # why the barrier broke, when not a departure
+        self._led = threading.Condition()  # replica 0's steps that the others follow (see lead / follow)
+        self._lead_counts: Counter[Hashable] = Counter()
 
     @contextmanager
     def member(self, index: int) -> Iterator[None]:
@@ -76,6 +78,8 @@ class ReplicaGroup:
             _LOCAL.replica = previous
             self._departed[index] = error
             self._barrier.abort()
+            with self._led:
+                self._led.notify_all()
 
     def _take_turn(self, index: int) -> None:
         if self._turn is not None and self._turn.acquire(timeout=TURN_PATIENCE_S):
@@ -113,6 +117,33 @@ class ReplicaGroup:
             if handed_over and self._turn_holder != index:
                 self._take_turn(index)
         return self._results[index]
+
+    def lead(self, key: Hashable) -> None:
+        """Replica 0 has done one more ``key`` (e.g. a scheduler's step): the replicas that :meth:`follow` it go on."""
+        with self._led:
+            self._lead_counts[key] += 1
+            self._led.notify_all()
+
+    def follow(self, index: int, key: Hashable, call: int, label: str, hint: str) -> None:
+        """Wait, as replica ``index``, until replica 0 has done its ``call``-th ``key``: a one-sided meeting (replica 0
+        never waits, so a step it alone takes is fine). Fails with an error naming ``label`` and ``hint`` when replica 0
+        raised or finished without it."""
+        handed_over = self._give_turn(index)
+        try:
+            with self._led:
+                done = self._led.wait_for(
+                    lambda: self._lead_counts[key] >= call or 0 in self._departed or self._failure is not None,
+                    RENDEZVOUS_TIMEOUT_S,
+                )
+                if self._lead_counts[key] >= call:
+                    return
+        finally:
+            if handed_over and self._turn_holder != index:
+                self._take_turn(index)
+        if self._failure is not None or self._departed.get(0) is not None:
+            raise PeerFailedError(f"{label}: {self._failure or 'replica 0 raised; its error is the one to read.'}")
+        waited = "finished without reaching it" if done else f"did not reach it in {RENDEZVOUS_TIMEOUT_S:g} s"
+        raise RendezvousError(f"{label}: replica {index} waited here for replica 0, which {waited}. {hint}")
 
     def _combine(self) -> None:
         """The barrier's action, run in one thread while the others wait in the barrier."""
@@ -156,6 +187,8 @@ class ReplicaGroup:
         """The caller was interrupted: replicas waiting at (or reaching) a sync point stop with PeerFailedError."""
         self._failure = f"stopped waiting because the caller was interrupted ({type(reason).__name__})."
         self._barrier.abort()
+        with self._led:
+            self._led.notify_all()
 
 
 @dataclass

@@ -468,10 +468,23 @@ def _check_scheduler_steps(root: Any, hook: str, before: list[tuple[str, Any]], 
             raise RuntimeError(
                 f"`{hook}` stepped the learning-rate scheduler {name} on each of the {count} replicas (its last_epoch "
                 f"went from {first} to {last} in one step): it advanced {count} times where one device advances it "
-                f"once. Step it once per step, on the root: in `{_BATCH_HOOKS.get(hook, 'on_train_batch')}_end`, or "
-                "let Lightning step it (configure_optimizers returning {'optimizer': ..., 'lr_scheduler': "
-                "{'scheduler': ..., 'interval': 'step'}})."
+                f"once. {_scheduler_fix(hook, manual)}"
             )
+
+
+def _scheduler_fix(hook: str, manual: bool) -> str:
+    """What steps a scheduler once per step: under manual optimization, ``self.lr_schedulers()`` (Lightning steps
+    none then); else Lightning, or the root's batch-end hook."""
+    if manual:
+        return (
+            "Under manual optimization step it through self.lr_schedulers() in the step (replica 0 steps it for "
+            "all), e.g. `self.lr_schedulers().step()`, with the scheduler returned by configure_optimizers."
+        )
+    return (
+        f"Step it once per step, on the root: in `{_BATCH_HOOKS.get(hook, 'on_train_batch')}_end`, or let Lightning "
+        "step it (configure_optimizers returning {'optimizer': ..., 'lr_scheduler': {'scheduler': ..., 'interval': "
+        "'step'}})."
+    )
 
 
 def _alike(a: Any, b: Any) -> bool:

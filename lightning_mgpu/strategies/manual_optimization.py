@@ -1,10 +1,10 @@
 """Manual optimization under ``parallel_criterion``: every replica runs the whole ``training_step`` on its shard, and
 the replicas meet where one device would touch the shared optimizer state: at ``self.manual_backward(loss)`` (their
-losses combined by the loss rule, one backward pass), at ``opt.step()`` (one step on the root, the replicas' copies
-synced before any goes on) and at a scheduler's ``step()`` (one step, before any replica reads the new rate).
-``clip_gradients`` and ``toggle_optimizer`` / ``untoggle_optimizer`` act on the originals: replica 0 alone calls them.
-A replica that skips a meeting fails the others with an error naming it (:mod:`..parallel.replica_group`), never a
-hang.
+losses combined by the loss rule, one backward pass) and at ``opt.step()`` (one step on the root, the replicas' copies
+synced before any goes on). Replica 0 steps the schedulers; another replica that steps one waits there for replica
+0's step, so that none reads the rate before it changed. ``clip_gradients`` and ``toggle_optimizer`` /
+``untoggle_optimizer`` act on the originals: replica 0 alone calls them. A replica that skips a meeting fails the
+others with an error naming it (:mod:`..parallel.replica_group`), never a hang.
 """
 
 from __future__ import annotations
@@ -19,6 +19,11 @@ _HINT = (
     "Under parallel_criterion with manual optimization every replica must call manual_backward and opt.step() the "
     "same number of times, in the same order: branch on something every replica shares (batch_idx, the epoch), not "
     "on one shard's values or size."
+)
+_FOLLOW = (
+    "Under parallel_criterion with manual optimization replica 0 steps the schedulers for all replicas and the others "
+    "wait for its step: call the scheduler's step() on every replica alike (unconditionally, or behind something "
+    "every replica shares: batch_idx, the epoch), or on replica 0 alone (behind self.trainer.is_global_zero)."
 )
 _ONCE = ("toggle_optimizer", "untoggle_optimizer", "clip_gradients")  # they act on the originals: once, by replica 0
 
@@ -75,14 +80,20 @@ class ReplicaOptimizer(_Shared):
 
 
 class _Scheduler(_Shared):
-    """What ``self.lr_schedulers()`` returns on a replica: stepped once for all replicas, as on one device. The
-    replicas meet there, so that none reads a rate (``opt.param_groups``) before the step has changed it."""
+    """What ``self.lr_schedulers()`` returns on a replica: replica 0 steps it, once a step as on one device; another
+    replica that steps it waits there for replica 0's step, so that none reads the rate before it changed (a step
+    replica 0 takes alone, behind ``self.trainer.is_global_zero``, is fine)."""
 
     def step(self, *args: Any, **kwargs: Any) -> None:
-        if current_replica() is None:
+        replica = current_replica()
+        if replica is None or replica.index == 0:
             self._wrapped.step(*args, **kwargs)
-        else:
-            meet("lr_scheduler.step()", None, lambda _: self._wrapped.step(*args, **kwargs))
+            if replica is not None:
+                replica.group.lead(("lr_scheduler.step()", id(self._wrapped)))
+            return
+        key = ("lr_scheduler.step()", id(self._wrapped))
+        call = replica.next_call(key)
+        replica.group.follow(replica.index, key, call, f"lr_scheduler.step() (call {call} of this step)", _FOLLOW)
 
 
 def replica_overrides(module: Any, replica: ReplicaContext | None, after_step: Callable[[], None]) -> dict[str, Any]:

@@ -175,9 +175,12 @@ def _merge_values(
         return getattr(stacked, kind)(), options
     # Equal values on every replica (a constant such as hparams.batch_size) say nothing about the shards: samples do.
     weights = counts if explicit is None or alike else explicit
-    # In float64, rounded once: a value alike on every replica (a learning rate) comes back as it was logged.
+    # In float64, as an offset from a weighted value, rounded once: a value alike on every replica (a learning rate)
+    # comes back exactly as it was logged.
     wide = torch.promote_types(dtype, torch.float64)
-    return weighted_mean(stacked.to(wide), stack_scalars(weights, device, wide)).to(dtype), logged
+    values, weights = stacked.to(wide), stack_scalars(weights, device, wide)
+    base = values[(weights > 0).byte().argmax()]
+    return (base + weighted_mean(values - base, weights)).to(dtype), logged
 
 
 def _as_tensor(name: str, value: Any, enable_graph: bool, numbers: torch.dtype) -> Tensor:

@@ -170,16 +170,17 @@ def test_a_replica_that_skips_a_manual_backward_fails_clearly():
         fit(Skips(norm=False).double(), "parallel_criterion", 2, "lightning.pytorch")
 
 
-@pytest.mark.parametrize("devices", [2, 3])
-def test_a_rate_read_after_the_scheduler_step_is_the_stepped_one_on_every_replica(devices):
-    """Replica 0 steps the schedulers for all; the others must not read the rate before it has: the replicas meet at
-    ``scheduler.step()`` as at ``opt.step()``. Replica 0 arrives late on purpose (its shard is the largest)."""
+def scheduled_module(gate: str = "every") -> Any:
+    """Manual optimization with a scheduler stepped in the step and the rate logged: stepped by every replica
+    (``"every"``), behind ``self.trainer.is_global_zero`` (``"zero"``) or its negation (``"others"``), or held as an
+    attribute (``"held"``). Replica 0
+    arrives late at the scheduler on purpose (its shard of 7 rows is the largest on 2 or 3 devices)."""
     L = models().L
-    rates: list[float] = []
 
     class Scheduled(L.LightningModule):
         def __init__(self) -> None:
             super().__init__()
+            torch.manual_seed(0)
             self.automatic_optimization = False
             self.layer = nn.Linear(FEATURES, 1)
 
@@ -189,23 +190,67 @@ def test_a_rate_read_after_the_scheduler_step_is_the_stepped_one_on_every_replic
             self.manual_backward(self.layer(real).square().mean())
             opt.step()
             opt.zero_grad()
-            if real.shape[0] == 4:  # replica 0's shard of 7 rows on 2 or 3 devices
+            if real.shape[0] == 4:
                 time.sleep(0.05)
-            self.lr_schedulers().step()
-            self.log("lr", opt.param_groups[0]["lr"])
+            if gate == "held":
+                self.held.step()
+            elif gate == "every" or self.trainer.is_global_zero == (gate == "zero"):
+                self.lr_schedulers().step()
+            if gate != "zero":  # replicas that skip the step do not wait for it: their read would race
+                self.log("lr", opt.param_groups[0]["lr"])
 
         def configure_optimizers(self) -> Any:
             opt = torch.optim.SGD(self.parameters(), lr=0.1)
-            return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)]
+            self.held = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+            return [opt], [] if gate == "held" else [self.held]
+
+    return Scheduled().double()
+
+
+def fit_scheduled(module: Any, strategy: str, devices: int, **options: Any) -> tuple[Any, list[float]]:
+    L, rates = models().L, []
 
     class Rates(L.Callback):
         def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
-            rates.append(float(trainer.callback_metrics["lr"]))
+            rates.append(float(trainer.callback_metrics.get("lr", float("nan"))))
 
     trainer = L.Trainer(
-        accelerator="cpu", devices=devices, strategy="parallel_criterion", max_epochs=1, logger=False,
-        enable_checkpointing=False, enable_model_summary=False, callbacks=[Rates()],
+        accelerator="cpu", devices=devices, strategy=strategy, max_epochs=1, logger=False,
+        enable_checkpointing=False, enable_model_summary=False, callbacks=[Rates()], **options,
     )  # fmt: skip
-    trainer.fit(Scheduled().double(), data(n=28, batch_size=7))
-    expected = [torch.tensor(0.1 * 0.5**k, dtype=torch.get_default_dtype()).item() for k in range(1, 5)]
-    assert rates == expected
+    trainer.fit(module, data(n=28, batch_size=7))
+    return trainer, rates
+
+
+@pytest.mark.parametrize(("devices", "precision"), [(2, "32-true"), (3, "32-true"), (3, "64-true")])
+def test_a_rate_read_after_the_scheduler_step_is_the_stepped_one_on_every_replica(devices, precision):
+    """Replica 0 steps the schedulers for all; the others must not read the rate before it has. The rate, alike on
+    every replica, is logged exactly as one device logs it (a Python float: a tensor of the step's default dtype)."""
+    _, rates = fit_scheduled(scheduled_module(), "parallel_criterion", devices, precision=precision)
+    dtype = torch.float64 if precision == "64-true" else torch.get_default_dtype()
+    assert rates == [torch.tensor(0.1 * 0.5**k, dtype=dtype).item() for k in range(1, 5)]
+
+
+@pytest.mark.parametrize("devices", [2, 3])
+def test_a_scheduler_stepped_by_replica_0_alone_equals_one_device(devices):
+    """``if self.trainer.is_global_zero: scheduler.step()``: replica 0 steps it, the others go on without waiting."""
+    single, multi = scheduled_module("zero"), scheduled_module("zero")
+    fit_scheduled(single, "auto", 1)
+    trainer, _ = fit_scheduled(multi, "parallel_criterion", devices)
+    for a, b in zip(multi.parameters(), single.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    assert trainer.optimizers[0].param_groups[0]["lr"] == 0.1 * 0.5**4
+
+
+def test_a_held_scheduler_under_manual_optimization_gets_the_fix_that_works_there():
+    """Lightning steps no scheduler under manual optimization: the fix is ``self.lr_schedulers().step()``, which
+    the test above shows equal to one device."""
+    with pytest.raises(RuntimeError, match=r"on each of the 2 replicas[\s\S]*self\.lr_schedulers\(\)\.step\(\)"):
+        fit_scheduled(scheduled_module("held"), "parallel_criterion", 2)
+
+
+def test_replicas_that_step_a_scheduler_replica_0_never_steps_fail_clearly():
+    with pytest.raises(
+        Exception, match=r"lr_scheduler\.step\(\) \(call 1 of this step\)[\s\S]*replica 0, which finished"
+    ):
+        fit_scheduled(scheduled_module("others"), "parallel_criterion", 2)
