@@ -334,7 +334,7 @@ def combine_losses_by_record(
         _leave_out_empty_shards(records, weights)
     dtype = torch.promote_types(losses[0].dtype, torch.float32)
     stacked = _on(losses, root, dtype)
-    if len(weights) == 1 and all(r.terms[0].coefficient == 1 for r in records):
+    if len(weights) == 1 and not _multiplied(records, 0, memory):
         return Combined(_one_mean(stacked, weights[0], root, dtype), weights)  # the common case, in few operations
     shares = _shares(weights, records, sample_counts, memory, stacked)  # (terms, shards)
     if len(weights) == 1:
@@ -461,11 +461,19 @@ def _shares(
     if any(sums):
         shares[torch.tensor(sums, device=like.device)] = 1.0
     for t in range(len(weights)):
-        coefficients = [record.terms[t].coefficient for record in records]
-        if any(isinstance(c, Tensor) or c != 1 for c in coefficients):  # each shard's number: settled by value
+        if _multiplied(records, t, memory):  # each shard's number: settled by value
+            coefficients = [record.terms[t].coefficient for record in records]
             key = (records[0].signature(), t, "multiplier")
             shares[t] = _by_multiplier(shares[t], coefficients, sample_counts, memory, key, sums[t])
     return shares
+
+
+def _multiplied(records: Sequence[LossRecord], t: int, memory: dict[Any, str] | None) -> bool:
+    """Whether the shards multiply term ``t`` by a number: one other than 1, or 1 where an earlier step read the number
+    as a count (``loss * len(x)`` on shards of one sample each)."""
+    if any(isinstance(c, Tensor) or c != 1 for c in (record.terms[t].coefficient for record in records)):
+        return True
+    return bool(memory) and memory.get((records[0].signature(), t, "multiplier"), "constant") != "constant"
 
 
 def _by_multiplier(
@@ -479,8 +487,8 @@ def _by_multiplier(
     products = [v * n for v, n in zip(values, counts, strict=True)]
     inverse = all(abs(x - products[0]) <= 1e-9 * abs(products[0]) for x in products)
     differs = len(set(values)) > 1
-    if inverse and (differs or products[0] == 1):
-        reading = _settle(memory, key, differs, products[0] == 1 and summed, "inverse")
+    if inverse and (differs or (products[0] == 1 and summed)):  # a sum over the shard times 1 / its count: a mean
+        reading = _settle(memory, key, differs, True, "inverse")
     else:
         reading = _settle(memory, key, differs, values == counts, "count")
     if reading == "inverse":

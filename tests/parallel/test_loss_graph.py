@@ -300,6 +300,28 @@ def test_a_constant_equal_to_the_shard_size_follows_what_earlier_steps_showed():
     torch.testing.assert_close(got, whole, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("scale_gradients", [True, False])
+def test_a_mean_times_its_count_stays_a_sum_on_shards_of_one_sample(scale_gradients: bool):
+    """``ce * len(x)`` (a sum) on the last batch's shards of one sample each is ``ce * 1``: the number is still the
+    count an earlier step showed (shards of 4, 3, 3), not a constant 1 (it was averaged: a third of the loss)."""
+    memory: dict = {}
+    weight = torch.randn(C, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3), requires_grad=True)
+
+    def check(rows: Tensor) -> None:
+        loss = lambda r: F.cross_entropy(X[r] @ weight.T, Y[r]) * len(r)  # noqa: E731
+        shards = torch.tensor_split(rows, 3)
+        losses = [loss(p) for p in shards]
+        records = [read_loss(x, len(p)) for x, p in zip(losses, shards, strict=True)]
+        out = combine_losses_by_record(losses, records, [len(p) for p in shards], X.device, scale_gradients, memory)
+        whole = loss(rows)
+        torch.testing.assert_close(out.loss, whole, rtol=0, atol=1e-12)
+        expected = torch.autograd.grad(whole, weight)[0]
+        torch.testing.assert_close(torch.autograd.grad(out.loss, weight)[0], expected, rtol=0, atol=1e-12)
+
+    check(torch.arange(10))
+    check(torch.arange(7, 10))
+
+
 @pytest.mark.parametrize("shards", [2, 3])
 @pytest.mark.parametrize("divide", [True, False])
 def test_means_averaged_by_a_number_equal_to_the_shard_size_stay_means(shards: int, divide: bool):
