@@ -189,7 +189,8 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         if shape == self._read_as:
             return
         self._read_as = shape
-        found = coupling(losses[0], sizes[0])
+        # A step that gathered with all_gather couples over the whole batch already (the fix the message names).
+        found = None if collectives.gathered_in_call() else coupling(losses[0], sizes[0])
         if found is not None:  # no rule is claimed for it; a torch.distributed gather said at set-up is the cause
             if "torch.distributed" not in self._announced:
                 self._warn_once(f"coupled:{found}", coupling_message(self.strategy_name, found))

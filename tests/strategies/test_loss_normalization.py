@@ -470,3 +470,44 @@ def test_an_ignore_index_other_than_minus_100_is_read_or_declared(reduction):
         assert run.strategy.normalization.spec() == "tokens:1:-1" and run.strategy.loss_counts is None
     torch.testing.assert_close(flat_params(multi), flat_params(single), rtol=0, atol=1e-10)
     assert metrics(run)["loss"] == pytest.approx(float(single.trainer.callback_metrics["loss"]), abs=1e-10, rel=0)
+
+
+def test_a_loss_over_gathered_embeddings_gets_no_coupling_warning():
+    """Barlow Twins over ``self.all_gather(..., sync_grads=True)``: the loss couples samples over the whole batch, as
+    the coupling message would ask; no warning, and one device's result. Its ``z.T @ z`` is features by features, 4
+    like the first shard's rows (11 over 3 devices: 4, 4, 3), which a scan of the graph alone took for similarities."""
+
+    class Barlow(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.encoder = nn.Sequential(nn.Linear(8, 6), nn.Tanh(), nn.Linear(6, 4))
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            (x,) = batch
+            z1, z2 = (self.all_gather(self.encoder(v), sync_grads=True) for v in (x, x * 0.9 + 0.1))
+            z1, z2 = ((z - z.mean(0)) / (z.std(0) + 1e-5) for z in (z1, z2))
+            c = z1.T @ z2 / len(z1)
+            on_diagonal = (torch.diagonal(c) - 1).pow(2).sum()
+            loss = on_diagonal + 0.005 * (c - torch.diag(torch.diagonal(c))).pow(2).sum()
+            self.log("train_loss", loss)
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    x = torch.randn(33, 8, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    loader = DataLoader(TensorDataset(x), batch_size=11)
+    modules = {}
+    for strategy, devices in (("auto", 1), ("parallel_criterion", 3)):
+        modules[strategy] = module = Barlow().double()
+        trainer = L.Trainer(
+            accelerator="cpu", devices=devices, strategy=strategy, max_epochs=2, logger=False,
+            enable_checkpointing=False, enable_model_summary=False,
+        )  # fmt: skip
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(module, loader)
+        assert not [w for w in caught if "couples samples" in str(w.message)]
+    for a, b in zip(modules["parallel_criterion"].parameters(), modules["auto"].parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
