@@ -109,6 +109,7 @@ class DataParallelModel(_Replicated):
         self.module = module
         self.output_device = to_device(output_device) if output_device is not None else self.device_ids[0]
         self.last_split_sizes: tuple[int, ...] = ()
+        self._said: set[str] = set()  # overrides of the execution mode, warned once each
         check_module_on(module, self.device_ids[0])
         if len(self.device_ids) > 1:
             say_split_sensitive_layers(module, "DataParallelModel")
@@ -131,7 +132,8 @@ class DataParallelModel(_Replicated):
         used = self.device_ids[: len(sizes)]
         replica_set = self._replicas.of(self.module, self.device_ids)
         mode, reason = replica_set.execution_mode(self.execution_mode, len(used))
-        if reason is not None:
+        if reason is not None and self.execution_mode != "auto" and reason not in self._said:  # once, as chosen
+            self._said.add(reason)
             message = f"DataParallelModel: execution_mode={self.execution_mode!r} overridden: {reason}."
             warnings.warn(message, UserWarning, stacklevel=2)
         replicas = replica_set.prepare(len(used))

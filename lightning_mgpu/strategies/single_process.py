@@ -332,10 +332,13 @@ class SingleProcessParallel:
                     "strategy='dp' (the step runs once, on the whole batch) or strategy='ddp'."
                 )
             mode, reason = "threads", _meeting_notice(meets)
-        if reason is not None:
-            self._warn_once(
-                reason, f"{self.strategy_name}: execution_mode={self.execution_mode!r} overridden: {reason}."
-            )
+        if reason is not None and reason not in self._announced:  # a mode chosen by 'auto' is no override: said once
+            message = f"{self.strategy_name}: execution_mode={self.execution_mode!r} overridden: {reason}."
+            if self.execution_mode == "auto":
+                self._log(message)
+            else:
+                warnings.warn(message, UserWarning, stacklevel=2)
+            self._announced.add(reason)
         threads = count > 1 and resolve_mode(mode, replicas.devices[:count]) == "threads"
         return mode, threads and (not TAKE_TURNS or meets is not None or replicas.replica_set.meets_at_batchnorm)
 

@@ -11,6 +11,7 @@ import copy
 import functools
 import pickle
 import threading
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +21,7 @@ from torch import nn
 
 from lightning_mgpu.parallel import DataParallelModel, replicate, run_replicas
 from lightning_mgpu.parallel.replica_group import PeerFailedError, RendezvousError
+from lightning_mgpu.parallel.replicas import SYNC_BATCHNORM_THREADS
 from lightning_mgpu.parallel.sync_batchnorm import (
     SyncBatchNorm,
     convert_sync_batchnorm,
@@ -590,3 +592,20 @@ def test_cuda_autocast(split, dtype):
     for (name, a), (_, b) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
         assert (a.grad - b.grad).norm() <= 5e-2 * b.grad.norm() + 1e-2 * scale, name
     torch.testing.assert_close(model.bn1.running_var, reference.bn1.running_var, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("mode", ["auto", "sequential"])
+def test_threads_chosen_for_sync_batchnorm_are_said_once_and_only_where_the_user_chose_another_mode(mode):
+    """``auto`` picks threads for SyncBatchNorm without a word; an explicit ``sequential`` is overridden with one
+    warning, not one per call."""
+    model = convert_sync_batchnorm(TwoBlocks().train())
+    parallel = DataParallelModel(model, ["cpu"] * 2, execution_mode=mode)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            torch.cat(parallel(torch.randn(6, 2, 5, 4))).sum().backward()
+    assert [str(w.message) for w in caught if "overridden" in str(w.message)] == (
+        []
+        if mode == "auto"
+        else [f"DataParallelModel: execution_mode='sequential' overridden: {SYNC_BATCHNORM_THREADS}."]
+    )
