@@ -8,6 +8,7 @@ import collections
 import contextlib
 import dis
 import functools
+import importlib
 import inspect
 import itertools
 import re
@@ -181,13 +182,31 @@ def functional_metrics(module: nn.Module) -> str | None:
 
 
 def functional_metric_message(strategy_name: str, finding: str) -> str:
-    """The notice for :func:`functional_metrics`' finding, with the fix that equals one device: the metric's object."""
+    """The notice for :func:`functional_metrics`' finding, with the fix that equals one device: the metric's object
+    (the class torchmetrics names like the function: ``multiclass_accuracy`` -> ``MulticlassAccuracy``)."""
+    function = re.search(r"torchmetrics\.functional\.(\w+)", finding)
+    metric = _metric_class(function.group(1)) if function else None
+    example = (
+        f"`self.metric = {metric}(...)` in `__init__`, `self.log('metric', self.metric(preds, y))` in the step"
+        if metric
+        else "torchmetrics' class of the same name, created in `__init__` and called in the step"
+    )
     return (
         f"{strategy_name}: {finding}. Each device computes it on its own shard, and its logged value is a "
         "sample-weighted mean of the devices' values: one device's only for a mean over samples (not F1, precision, "
-        "recall, AUROC). Log the metric's object, whose states are combined across the devices: `self.f1 = "
-        "torchmetrics.F1Score(...)` in `__init__`, `self.log('f1', self.f1(preds, y))` in the step."
+        f"recall, AUROC). Log the metric's object, whose states are combined across the devices: {example}."
     )
+
+
+def _metric_class(function: str) -> str | None:
+    """``"torchmetrics.classification.MulticlassAccuracy"`` for ``"multiclass_accuracy"``, where torchmetrics has it."""
+    wanted = function.replace("_", "").lower()
+    for name in ("torchmetrics", "torchmetrics.classification", "torchmetrics.regression"):
+        module = importlib.import_module(name)
+        found = next((n for n in dir(module) if n.lower() == wanted and isinstance(getattr(module, n), type)), None)
+        if found:
+            return f"{name}.{found}"
+    return None
 
 
 @functools.cache
