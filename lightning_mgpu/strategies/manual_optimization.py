@@ -85,15 +85,14 @@ class _Scheduler(_Shared):
     replica 0 takes alone, behind ``self.trainer.is_global_zero``, is fine)."""
 
     def step(self, *args: Any, **kwargs: Any) -> None:
-        replica = current_replica()
+        replica, key = current_replica(), ("lr_scheduler.step()", id(self._wrapped))
         if replica is None or replica.index == 0:
             self._wrapped.step(*args, **kwargs)
             if replica is not None:
-                replica.group.lead(("lr_scheduler.step()", id(self._wrapped)))
-            return
-        key = ("lr_scheduler.step()", id(self._wrapped))
-        call = replica.next_call(key)
-        replica.group.follow(replica.index, key, call, f"lr_scheduler.step() (call {call} of this step)", _FOLLOW)
+                replica.group.lead(key)
+        else:
+            call = replica.next_call(key)
+            replica.group.follow(replica.index, key, call, f"lr_scheduler.step() (call {call} of this step)", _FOLLOW)
 
 
 def replica_overrides(module: Any, replica: ReplicaContext | None, after_step: Callable[[], None]) -> dict[str, Any]:

@@ -170,15 +170,14 @@ def _merge_values(
     ]
     device, dtype = tensors[0].device, tensors[0].dtype
     dtype = torch.promote_types(dtype, torch.float32) if tensors[0].is_floating_point() else torch.float32
-    stacked = stack_scalars(tensors, device, dtype)
     if kind != "mean":  # reduce_fx acts over steps: within one, over the replicas
-        return getattr(stacked, kind)(), options
+        return getattr(stack_scalars(tensors, device, dtype), kind)(), options
     # Equal values on every replica (a constant such as hparams.batch_size) say nothing about the shards: samples do.
     weights = counts if explicit is None or alike else explicit
     # In float64, as an offset from a weighted value, rounded once: a value alike on every replica (a learning rate)
     # comes back exactly as it was logged.
     wide = torch.promote_types(dtype, torch.float64)
-    values, weights = stacked.to(wide), stack_scalars(weights, device, wide)
+    values, weights = stack_scalars(tensors, device, wide), stack_scalars(weights, device, wide)
     base = values[(weights > 0).byte().argmax()]
     return (base + weighted_mean(values - base, weights)).to(dtype), logged
 
