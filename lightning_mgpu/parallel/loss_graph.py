@@ -2,8 +2,9 @@
 
 The top nodes' saved attributes (``_saved_*``: ``nll_loss``'s reduction, ignore index, weight and target, a mean's
 element count, a divisor) say what each shard's loss divides by, so the shards' losses combine into the whole batch's
-exactly: ``sum(w_i * l_i) / sum(w_i)`` per term, a sum for sums; differently normalised terms (MLM + NSP) get a
-gradient scale per term and shard (``Node.register_prehook``).
+exactly: ``sum(w_i * l_i) / sum(w_i)`` per term, a sum for sums; differently normalised terms (MLM + NSP) are
+recomputed from their saved tensors through the graph and weighted each by its own share (at most one term, which no
+saved tensor recomputes, is the remainder of its loss).
 """
 
 from __future__ import annotations
@@ -50,12 +51,17 @@ def count_targets(target: Tensor, weight: Tensor | None, ignore_index: int) -> T
 
 
 def _nll(node: Node) -> tuple[Tensor, Callable[[], Tensor]]:
-    target, weight, ignore = node._saved_target, node._saved_weight, _signed(node._saved_ignore_index)
-    inputs, reduction = node._saved_self, _REDUCTION[node._saved_reduction]
-    # The saved total weight is exact in float32 and float64, rounded in half precision (bf16 reads 2736 for 2731).
-    exact = inputs.dtype in (torch.float32, torch.float64) and reduction == "mean"
-    count = node._saved_total_weight if exact else count_targets(target, weight, ignore)
-    return count, lambda: F.nll_loss(inputs, target, weight, ignore_index=ignore, reduction=reduction)
+    """The saved total weight has the input's dtype: exact in float32 and float64 means, rounded in half precision
+    (bf16 reads 2736 for 2731), where the targets are counted instead. Saved tensors are read when needed only."""
+    count, reduction = node._saved_total_weight, _REDUCTION[node._saved_reduction]
+    if count.dtype not in (torch.float32, torch.float64) or reduction == "sum":
+        count = count_targets(node._saved_target, node._saved_weight, _signed(node._saved_ignore_index))
+
+    def value() -> Tensor:
+        weight, ignore = node._saved_weight, _signed(node._saved_ignore_index)
+        return F.nll_loss(node._saved_self, node._saved_target, weight, ignore_index=ignore, reduction=reduction)
+
+    return count, value
 
 
 def _elementwise(spec: tuple[Any, ...], node: Node) -> tuple[int, Callable[[], Tensor]]:
@@ -101,11 +107,16 @@ class Term:
     summed: Any = None
     of_loss: bool = False
 
-    def contribution(self) -> Tensor | None:
+    def contribution(self, count: Any = None) -> Tensor | None:
+        """The term's part of the loss, recomputed from saved tensors (through the graph where gradients are on);
+        ``count``: the shard's, where a count of 0 must send no NaN back through the recomputed node."""
         if self.value is None:
             return None
+        value = self.value()
+        if count is not None and value.grad_fn is not None:
+            value.grad_fn.register_hook(partial(_zero_where_empty, count))
         unit = isinstance(self.coefficient, (int, float)) and self.coefficient == 1
-        return self.value() if unit else self.value() * self.coefficient
+        return value if unit else value * self.coefficient
 
 
 @dataclass
@@ -131,7 +142,7 @@ def read_loss(loss: Tensor, samples: int | None = None) -> LossRecord | None:
     record = LossRecord(samples=samples)
     _walk(loss.grad_fn, 1.0, record)
     by_node: dict[int, Term] = {}
-    for term in record.terms:  # a node reached twice (loss + 0.1 * loss) is one term: one gradient scale
+    for term in record.terms:  # a node reached twice (loss + 0.1 * loss) is one term: one share
         kept = by_node.setdefault(id(term.node), term)
         if kept is not term:
             kept.coefficient = kept.coefficient + term.coefficient
@@ -320,8 +331,9 @@ def combine_losses_by_record(
     memory: dict[Any, str] | None = None,
     gathered: bool = False,
 ) -> Combined | None:
-    """The whole batch's loss on ``root`` from the shards' losses and records; ``None`` where they do not say. Several
-    terms get a gradient scale per term and shard (``scale_gradients``). ``memory``: what numbers were read as, across
+    """The whole batch's loss on ``root`` from the shards' losses and records; ``None`` where they do not say.
+    ``scale_gradients``: the result carries the gradient (else a value only). Several terms are recomputed from their
+    saved tensors, through the graph, and weighted each by its share. ``memory``: what numbers were read as, across
     steps; ``gathered``: the shards gathered each other's tensors, so a sum may be the whole batch's on each."""
     first = records[0]
     if first is None or not all(
@@ -330,29 +342,21 @@ def combine_losses_by_record(
         return None
     weights = settle_weights(records, sample_counts, memory)
     _once_where_alike(records, losses, weights, gathered)
-    if scale_gradients:
-        _leave_out_empty_shards(records, weights)
+    guarded = _leave_out_empty_shards(records, weights) if scale_gradients else [{} for _ in records]
     dtype = torch.promote_types(losses[0].dtype, torch.float32)
-    stacked = _on(losses, root, dtype)
-    if len(weights) == 1 and not _multiplied(records, 0, memory):
-        return Combined(_one_mean(stacked, weights[0], root, dtype), weights)  # the common case, in few operations
-    shares = _shares(weights, records, sample_counts, memory, stacked)  # (terms, shards)
+    if len(weights) == 1 and not _multiplied(records, 0, memory):  # the common case, in few operations
+        return Combined(_one_mean(_on(losses, root, dtype), weights[0], root, dtype), weights)
+    shares = _shares(weights, records, sample_counts, memory, root, dtype)  # (terms, shards)
     if len(weights) == 1:
-        return Combined(_weighted(stacked, shares[0]), weights)
+        return Combined(_weighted(_on(losses, root, dtype), shares[0]), weights)
     missing = [t for t, term in enumerate(first.terms) if any(r.terms[t].value is None for r in records)]
     if any(not torch.equal(shares[missing[0]], shares[t]) for t in missing[1:]):
         return None  # terms no saved tensor recomputes are one remainder, only where they share their weights
     rest = missing[0] if missing else None
-    values = [_term_values(record, loss, rest) for record, loss in zip(records, losses, strict=True)]
-    total = _weighted(_on([v for shard in values for v in shard], root, dtype).view(len(losses), -1).T, shares)
-    if not scale_gradients:
-        return Combined(total, weights)
-    each = iter(shares.flatten().unbind())  # term by term, shard by shard: one view per share
-    for t in range(len(weights)):
-        for record in records:
-            record.terms[t].node.register_prehook(partial(_scaled_by, next(each)))
-    # The value is the total; the shards' losses carry each term's scaled gradient (a NaN over nothing included).
-    return Combined(total.detach() + _GradientOnly.apply(stacked.sum()), weights)
+    with torch.set_grad_enabled(scale_gradients):  # each term's gradient, through its recomputed value, times its share
+        values = [_term_values(*shard, rest) for shard in zip(records, losses, guarded, strict=True)]
+        total = _weighted(_on([shard[t] for t in range(len(weights)) for shard in values], root, dtype), shares)
+    return Combined(total, weights)
 
 
 def _one_mean(losses: Tensor, counts: list[Any], root: torch.device, dtype: torch.dtype) -> Tensor:
@@ -368,13 +372,17 @@ def _one_mean(losses: Tensor, counts: list[Any], root: torch.device, dtype: torc
     return torch.dot(torch.where(weights > 0, losses, 0), weights) / weights.sum()
 
 
-def _leave_out_empty_shards(records: Sequence[LossRecord], weights: list[list[Any]]) -> None:
+def _leave_out_empty_shards(records: Sequence[LossRecord], weights: list[list[Any]]) -> list[dict[int, Any]]:
     """A shard that counts nothing (0/0) would send NaN through its term's node in backward: 0 there instead
-    (``nll_loss`` without class weights writes no gradient for ignored targets)."""
+    (``nll_loss`` without class weights writes no gradient for ignored targets). Per shard, the terms guarded so and
+    their counts, for the recomputed values' nodes."""
+    guarded: list[dict[int, Any]] = [{} for _ in records]
     for t, term in enumerate(records[0].terms):
         if any(map(_is_tensor, weights[t])) and not (term.name in _NLL and term.node._saved_weight is None):
-            for record, count in zip(records, weights[t], strict=True):
+            for record, count, shard in zip(records, weights[t], guarded, strict=True):
                 record.terms[t].node.register_hook(partial(_zero_where_empty, count))
+                shard[t] = count
+    return guarded
 
 
 def _zero_where_empty(count: Any, grad_inputs: tuple[Tensor | None, ...], _: Any) -> tuple[Tensor | None, ...]:
@@ -410,10 +418,11 @@ def _alike(
 ) -> bool:
     """Whether terms ``group``'s value is the same on every shard: within rounding of the loss where it is the
     remainder of the parameters' reductions (``regulariser``), else to 1e-12 of it and not 0 (a host sync)."""
-    values = [
-        float(_term_values(r, x, group[0] if group == missing else None)[group[0]])
-        for r, x in zip(records, losses, strict=True)
-    ]
+    with torch.no_grad():
+        values = [
+            float(_term_values(r, x, {}, group[0] if group == missing else None)[group[0]])
+            for r, x in zip(records, losses, strict=True)
+        ]
     if regulariser:
         tolerance = 1e-9 * max(float(loss.detach().abs().max()) for loss in losses) + 1e-12
     else:
@@ -421,16 +430,17 @@ def _alike(
     return (regulariser or tolerance > 0) and all(abs(v - values[0]) <= tolerance for v in values)
 
 
-def _term_values(record: LossRecord, loss: Tensor, rest: int | None) -> list[Tensor]:
-    """Each term's part of ``loss`` from saved tensors; term ``rest`` the remainder, other unrecomputed terms 0."""
+def _term_values(record: LossRecord, loss: Tensor, guarded: dict[int, Any], rest: int | None) -> list[Tensor]:
+    """Each term's part of ``loss`` from saved tensors (``guarded``: term -> the shard's count, see
+    :meth:`Term.contribution`); term ``rest`` the remainder of ``loss``, other unrecomputed terms 0."""
     values: list[Any] = [
-        None if t == rest else torch.zeros(()) if term.value is None else term.contribution().detach()
+        None if t == rest else torch.zeros(()) if term.value is None else term.contribution(guarded.get(t))
         for t, term in enumerate(record.terms)
     ]
     if rest is None:
         return values
     known = sum((v.to(loss.device, loss.dtype) for v in values if v is not None), torch.zeros((), device=loss.device))
-    values[rest] = loss.detach().reshape(()) - known
+    values[rest] = loss.reshape(()) - known
     return values
 
 
@@ -445,21 +455,27 @@ def _on(values: Sequence[Any], root: torch.device, dtype: torch.dtype) -> Tensor
 
 
 def _weighted(values: Tensor, shares: Tensor) -> Tensor:
-    """``sum(share * value)``; a shard of share 0 (a mean over nothing: NaN) takes no part."""
-    return torch.where(shares > 0, values, 0).mul(shares).sum()
+    """``sum(share * value)`` over as many of each; a shard of share 0 (a mean over nothing: NaN) takes no part."""
+    shares = shares.reshape(-1)
+    return torch.dot(torch.where(shares > 0, values, 0), shares)
 
 
 def _shares(
-    weights: list[list[Any]], records: Sequence[LossRecord], sample_counts: Sequence[int], memory: Any, like: Tensor
+    weights: list[list[Any]],
+    records: Sequence[LossRecord],
+    sample_counts: Sequence[int],
+    memory: Any,
+    root: torch.device,
+    dtype: torch.dtype,
 ) -> Tensor:
     """Each term's (rows) share of each shard (columns): its count over the term's total (1 in a sum), times the
     whole batch's multiplier over the shard's where the shards multiply the term by a number."""
     sums = [any(w is None for w in term) for term in weights]
     counts = [1 if summed else w for term, summed in zip(weights, sums, strict=True) for w in term]
-    counts = _on(counts, like.device, like.dtype).view(len(weights), -1)
+    counts = _on(counts, root, dtype).view(len(weights), -1)
     shares = torch.nan_to_num(counts / counts.sum(1, keepdim=True), nan=0.0)  # counts >= 0: NaN where all are 0
     if any(sums):
-        shares[torch.tensor(sums, device=like.device)] = 1.0
+        shares[torch.tensor(sums, device=root)] = 1.0
     for t in range(len(weights)):
         if _multiplied(records, t, memory):  # each shard's number: settled by value
             coefficients = [record.terms[t].coefficient for record in records]
@@ -497,22 +513,6 @@ def _by_multiplier(
         return shares
     factors = torch.tensor(values, device=shares.device, dtype=shares.dtype)
     return torch.where(factors != 0, shares * factors.sum() / factors, 0)
-
-
-def _scaled_by(share: Tensor, grad_outputs: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
-    return tuple(None if g is None else g * share.to(g.device, g.dtype) for g in grad_outputs)
-
-
-class _GradientOnly(torch.autograd.Function):
-    """0 in value, the identity in backward: carries gradients beside a value computed apart."""
-
-    @staticmethod
-    def forward(ctx: Any, tensor: Tensor) -> Tensor:
-        return torch.zeros_like(tensor)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tensor:
-        return grad
 
 
 #: Nodes whose result mixes rows of the batch when they run on it in training: per-shard batch statistics.

@@ -31,6 +31,11 @@ def _ce(logits: Tensor, data: tuple[Tensor, ...], **kwargs) -> Tensor:
     return F.cross_entropy(logits, data[0], **kwargs)
 
 
+def _masked_sse(z: Tensor, target: Tensor, mask: Tensor) -> Tensor:
+    """A loss function's sum over the kept rows, over their count (a mean; the count differs between shards)."""
+    return F.mse_loss(z * mask[:, None], target * mask[:, None], reduction="sum") / mask.sum()
+
+
 CASES: dict[str, Loss] = {
     "cross_entropy": lambda z, d: _ce(z, d),
     "class weights": lambda z, d: _ce(z, d, weight=CLASS_WEIGHT),
@@ -58,6 +63,7 @@ CASES: dict[str, Loss] = {
     "ce - 0.1 mean": lambda z, d: _ce(z, d) - 0.1 * z.mean(),
     "ce / 2": lambda z, d: _ce(z, d) / 2,
     "nll sum / own count": lambda z, d: F.nll_loss(z.log_softmax(1), d[0], reduction="sum") / (d[0] != -100).sum(),
+    "masked sse / its count + ce": lambda z, d: _masked_sse(z, d[2], (d[0] != -100).double()) + _ce(z, d),
     # From a review: constant factors between a sum and its divisor, reciprocal multipliers, reductions of scalars.
     "0.5 * sse / n": lambda z, d: 0.5 * (z - d[2]).pow(2).sum() / len(z),
     "(bce sum + sse) / n": lambda z, d: (
@@ -208,7 +214,9 @@ def test_an_activation_penalty_is_no_regulariser_of_the_weights():
     assert term.name == "MeanBackward0" and term.count == N * C
 
 
-@pytest.mark.parametrize("name", ["cross_entropy", "masked mean", "tokens + samples (BERT pre-training)"])
+@pytest.mark.parametrize(
+    "name", ["cross_entropy", "masked mean", "tokens + samples (BERT pre-training)", "masked sse / its count + ce"]
+)
 def test_a_shard_with_nothing_to_count_leaves_no_nan_in_the_gradient(name: str):
     """A shard whose labels are all ignored (or whose mask is empty) has a 0/0 loss; one device never sees it, so
     it must not reach backward (0 times its NaN gradient is NaN)."""
