@@ -62,6 +62,7 @@ class DataParallelStrategyBase(SingleProcessParallel):
         self.parallel_modules = _checked_module_names(parallel_modules)
         self._wrapped: list[nn.Module] = []
         self._forward_calls: int | None = None  # replicated forward calls in the step in progress; None: no step
+        self._backward_in_step = False  # manual_backward ran in the step in progress (its work: it returns None)
 
     @property
     @override
@@ -121,13 +122,14 @@ class DataParallelStrategyBase(SingleProcessParallel):
     def _run_step(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self._wrapped:
             self._wrap()
-        self._forward_calls = 0
+        self._forward_calls, self._backward_in_step = 0, False
         try:
             with self._step_context(hook):
                 output = getattr(self.lightning_module, hook)(*args, **kwargs)
         finally:
             calls, self._forward_calls = self._forward_calls, None
-        if self._wrapped and calls == 0 and output is not None and hook in ("training_step", "validation_step"):
+        worked = output is not None or self._backward_in_step  # a step that skipped its batch did neither
+        if self._wrapped and calls == 0 and worked and hook in ("training_step", "validation_step"):
             names = [n or "self" for n in self.parallel_modules]
             children = [
                 n for n, child in self.lightning_module.named_children() if any(True for _ in child.parameters())
@@ -140,6 +142,11 @@ class DataParallelStrategyBase(SingleProcessParallel):
                 f"(this module's, with parameters: {', '.join(map(repr, children or ['model']))}).",
             )
         return output
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        self._backward_in_step = self._forward_calls is not None  # manual_backward inside the step
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     def _forward(self, target: nn.Module, original: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self._forward_calls is None:

@@ -77,8 +77,11 @@ class LightningReplicas:
         self.replica_set.watch(outputs)  # the backward pass through them reduces the gradients
         return outputs
 
-    def merge_into(self, root: Any, sample_counts: Sequence[int], loss_copy: LossCopy | None) -> None:
-        """Fold the metric clones into the root metrics and log every recorded name once on ``root``."""
+    def merge_into(
+        self, root: Any, sample_counts: Sequence[int], loss_copy: LossCopy | None, outputs: Sequence[Any]
+    ) -> dict[str, int]:
+        """Fold the metric clones into the root metrics and log every recorded name once on ``root``; return the names
+        one replica alone logged, of unknown one-device value (see :func:`.replica_logging.merge_and_log`)."""
         recorders = self.recorders[: len(sample_counts)]
         in_training = root._current_fx_name == "training_step"
         owners, logged, on_step = self.metrics.owners, set(), set()
@@ -91,7 +94,7 @@ class LightningReplicas:
         scalars = partial(merge_scalars, sample_counts=sample_counts, replicas=len(recorders), loss_copy=loss_copy)
         try:
             step_values = self.metrics.merge(on_step, logged, scalars)
-            merge_and_log(root, recorders, sample_counts, self.metrics.owner_of, loss_copy, step_values)
+            return merge_and_log(root, recorders, sample_counts, self.metrics.owner_of, loss_copy, step_values, outputs)
         finally:
             self.metrics.step_values = {}
 

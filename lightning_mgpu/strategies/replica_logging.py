@@ -17,7 +17,9 @@ from torch import Tensor
 from torchmetrics import Metric
 
 from lightning_mgpu.parallel.reduce import stack_scalars, weighted_mean
+from lightning_mgpu.parallel.scatter_gather import iter_tensors
 from lightning_mgpu.strategies.loader_batch import step_sample_counts
+from lightning_mgpu.strategies.step_outputs import same_tensor
 
 _REDUCE_FX: dict[Any, str] = {  # what Lightning's reduce_fx= accepts, and the kinds merged here
     **dict.fromkeys(("mean", "avg", torch.mean), "mean"),
@@ -54,11 +56,13 @@ def merge_and_log(
     metric_owner: Callable[[Any], Metric | None],
     loss_copy: LossCopy | None = None,
     step_values: Mapping[int, tuple[Any, Any]] | None = None,
-) -> None:
+    outputs: Sequence[Any] = (),
+) -> dict[str, int]:
     """Log on ``root`` the replicas' recorded calls, the k-th call of a name on every replica merged into one (one
     device logs a name once per call). ``metric_owner`` maps a metric clone to its root metric; ``loss_copy`` merges a
     loss's copies by its rule (else ``None``); ``step_values``: id of a metric call's return -> (its key, one device's
-    value)."""
+    value); ``outputs``: what each replica's call returned. Returns the names one replica alone logged (behind
+    ``is_global_zero``) whose one-device value is unknown, each with that replica: its shard's value was logged."""
     calls: dict[tuple[str, int], list[tuple[int, LogCall]]] = {}  # (name, k) -> every replica's k-th call of it
     for index, recorder in enumerate(recorders):
         made: dict[str, int] = {}
@@ -67,6 +71,7 @@ def merge_and_log(
             calls.setdefault((call.name, k), []).append((index, call))
         recorder.calls.clear()
     loader_batch = functools.partial(step_sample_counts, root)  # the DataLoader's counts, read only where needed
+    alone: dict[str, int] = {}
     for (name, _), entries in calls.items():
         (first_index, first), *others = entries
         for index, call in others:  # batch_size= may differ: each replica counts its shard
@@ -92,11 +97,33 @@ def merge_and_log(
         if all(found) and len({f[0] for f in found}) == 1:  # type: ignore[index]
             copy = torch.as_tensor(found[0][1])  # type: ignore[index]
         else:
+            if len(entries) == 1 < len(recorders):  # behind is_global_zero
+                entries, values = _logged_alone(name, entries[0], outputs, alone)
             copy = loss_copy(values) if loss_copy is not None and len(entries) == len(recorders) else None
         sizes = [call.options.get("batch_size") for _, call in entries]
         counts = [sample_counts[index] for index, _ in entries]
         value, options = _merge_values(name, values, sizes, counts, options, copy, loader_batch=loader_batch)
         root.log(name, value, **options)
+    return alone
+
+
+def _logged_alone(
+    name: str, entry: tuple[int, LogCall], outputs: Sequence[Any], alone: dict[str, int]
+) -> tuple[list[tuple[int, LogCall]], list[Any]]:
+    """The entries and values of a name one replica alone logged: where its value is a tensor it also returned (its
+    loss), every replica's tensor at that place of its output, as if each had logged its own; else its own entry,
+    noted in ``alone`` (its shard's value)."""
+    index, call = entry
+    path = None
+    if isinstance(call.value, Tensor) and index < len(outputs):
+        path = next(
+            (p for p, tensor in iter_tensors(outputs[index], "output") if same_tensor(call.value, tensor)), None
+        )
+    found = [None if path is None else dict(iter_tensors(output, "output")).get(path) for output in outputs]
+    if path is None or any(tensor is None for tensor in found):
+        alone[name] = index
+        return [entry], [call.value]
+    return [(i, call) for i in range(len(found))], found
 
 
 def merge_scalars(

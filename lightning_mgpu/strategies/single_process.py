@@ -403,8 +403,22 @@ class SingleProcessParallel:
         if checking:
             others = [rebound_attributes(r, b) for r, b in zip(replica_set.replicas[1:], snapshots[1:], strict=False)]
             self._checks.after(hook, kept, others, manual=manual, interleaved=interleaved)
-        replicas.merge_into(root, sample_counts, loss_copy(outputs) if loss_copy is not None else None)
+        copy = loss_copy(outputs) if loss_copy is not None else None
+        if alone := replicas.merge_into(root, sample_counts, copy, outputs):
+            self._warn_once(f"logged alone:{hook}", self._alone_message(hook, alone, sample_counts))
         return outputs
+
+    def _alone_message(self, hook: str, alone: dict[str, int], sample_counts: Sequence[int]) -> str:
+        """Names one replica alone logged (behind ``is_global_zero``): its shard's value, not the whole batch's."""
+        index = next(iter(alone.values()))
+        return (
+            f"{self.strategy_name}: `{hook}` logged {', '.join(map(repr, alone))} on replica {index} alone (behind "
+            f"`self.trainer.is_global_zero`, or a condition only its shard met), so the value logged is replica "
+            f"{index}'s, from its shard ({sample_counts[index]} of {sum(sample_counts)} samples), not the whole "
+            "batch's as on one device (ModelCheckpoint and EarlyStopping read it too). Call self.log on every replica "
+            "(without the condition; rank_zero_only=True may stay): their values merge into one device's. A value "
+            "that does not depend on the batch (a learning rate) is right as it is."
+        )
 
     def _reads_gradients_between_backward_passes(self, root: Any) -> bool:
         """Whether ``on_after_backward`` or a gradient hook must see each backward pass's gradients."""

@@ -144,3 +144,16 @@ def test_what_lightning_refuses_to_log_is_refused(value: Any):
     recorder.log("x", value)
     with pytest.raises(ValueError, match=r"self.log\('x', ...\) got a .*; log a real number or a scalar tensor"):
         merge_and_log(Root(), [recorder], [1], lambda _: None)
+
+
+def test_a_name_one_replica_alone_logged_is_said_unless_every_replica_returned_it():
+    """``if self.trainer.is_global_zero: self.log(...)``: replica 0's shard value, named in the result; where replica 0
+    logged what it returned, every replica's return at that place stands in for the calls the others did not make."""
+    returned = [torch.tensor(1.0, dtype=torch.float64), torch.tensor(4.0, dtype=torch.float64)]
+    recorders = [LogRecorder(), LogRecorder()]
+    recorders[0].log("returned", returned[0].detach())
+    recorders[0].log("other", torch.tensor(2.0, dtype=torch.float64))
+    root = Root()
+    assert merge_and_log(root, recorders, [3, 1], lambda _: None, outputs=returned) == {"other": 0}
+    assert root.logged["returned"][0].item() == pytest.approx((3 * 1.0 + 1 * 4.0) / 4, rel=0, abs=1e-15)
+    assert root.logged["other"][0].item() == 2.0  # replica 0's, as under DDP: said by the strategy
