@@ -43,7 +43,7 @@ class LossCheck:
     sizes: list[int]
     dropout_off: int  # dropout layers switched off for the check
     batchnorm_off: int  # BatchNorm layers put on their running statistics for the check
-    nan: list[int]  # the shards whose loss is NaN (a mean over nothing)
+    nan: list[int]  # the shards whose loss is NaN (e.g. a mean over an empty mask)
 
     def errors(self) -> dict[str, float]:
         """How far each candidate misses the whole batch's loss, closest first."""
@@ -77,8 +77,8 @@ class LossCheck:
         if not fits:
             return "no rule reproduces one device: " + (
                 f"the loss is NaN on shard(s) {', '.join(map(str, self.nan))} (counted from 0; the shards have "
-                f"{', '.join(map(str, self.sizes))} samples), a mean over nothing (an empty mask: 0/0), which the "
-                "rules above keep. Return {'loss': loss, 'loss_weight': <what it divides by, e.g. mask.sum()>}: "
+                f"{', '.join(map(str, self.sizes))} samples), e.g. a mean over nothing (an empty mask: 0/0), which "
+                "the rules above keep. Return {'loss': loss, 'loss_weight': <what it divides by, e.g. mask.sum()>}: "
                 "parallel_criterion leaves out a shard of weight 0"
                 if self.nan
                 else "the step couples samples across the batch (a contrastive loss: self.all_gather(..., "
