@@ -20,13 +20,14 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from lightning_mgpu.parallel.devices import DeviceLike, to_device
 from lightning_mgpu.parallel.loss_graph import combine_losses_by_record, read_loss
 from lightning_mgpu.parallel.scatter_gather import batch_size_of, move_to, split_batch
+from lightning_mgpu.strategies import step_outputs
 from lightning_mgpu.strategies.loss_rules import SAMPLES, SUM, LossNormalization, describe
-from lightning_mgpu.strategies.step_outputs import LOSS_TERMS_KEY, LOSS_WEIGHT_KEY, combine_losses
 
-AUTO = "auto"  # the rule read from the loss's autograd record, as loss_reduction="auto" reads it
+AUTO = "auto"  # what parallel_criterion applies unasked: the step's own weights, else the rule its autograd record says
 RELATIVE_TOLERANCE = 1e-5  # a rule that misses the whole batch's loss by this much reproduces it (float32 rounding)
 #: Off in the copy: a mask drawn for the whole batch cannot match the masks drawn for its shards.
 DROPOUT_LAYERS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+_DECLARED = (step_outputs.LOSS_WEIGHT_KEY, step_outputs.LOSS_TERMS_KEY)
 
 
 @dataclass
@@ -37,11 +38,12 @@ class LossCheck:
     whole: float
     predictions: dict[str, float]
     noise: float
-    declared: str | None  # the key the step returns its own weights under
-    known: str | None  # the rule parallel_criterion reads from the shards' autograd records, in words
+    declared: str | None  # the key the step returns its own weights under: parallel_criterion's only rule then
+    known: str | None  # the rule parallel_criterion applies unasked (the step's weights or its record's rule), in words
     sizes: list[int]
     dropout_off: int  # dropout layers switched off for the check
     batchnorm_off: int  # BatchNorm layers put on their running statistics for the check
+    nan: list[int]  # the shards whose loss is NaN (e.g. a mean over an empty mask)
 
     def errors(self) -> dict[str, float]:
         """How far each candidate misses the whole batch's loss, closest first."""
@@ -63,17 +65,24 @@ class LossCheck:
                 f"{self.noise:.3g} under another seed), so no rule can be told from another. Make the step "
                 "deterministic for the check (e.g. attention dropout 0, no sampling in the step) and run it again"
             )
-        if self.declared is not None:
-            return f"the step declares its own weights ({self.declared}): parallel_criterion uses them"
         if self.known is not None and AUTO in fits:
-            return f"parallel_criterion reads the rule from the autograd record ({self.known}): nothing to declare"
+            return f"parallel_criterion applies {self.known}: nothing to declare"
+        if self.declared is not None:
+            return (
+                f"parallel_criterion applies {self.known}, and they do not reproduce one device: return what each "
+                "device's loss divides by, and check that the loss does not couple samples across the batch"
+            )
         if len(fits) == 1:
             return f"declare ParallelCriterionStrategy(loss_reduction={fits[0]!r})"
         if not fits:
-            return (
-                "no rule reproduces one device: the step couples samples across the batch (a contrastive loss: "
-                "self.all_gather(..., sync_grads=True) or strategy='dp'), or adds terms normalised differently "
-                "(return 'loss_terms')"
+            return "no rule reproduces one device: " + (
+                f"the loss is NaN on shard(s) {', '.join(map(str, self.nan))} (counted from 0; the shards have "
+                f"{', '.join(map(str, self.sizes))} samples), e.g. a mean over nothing (an empty mask: 0/0), which "
+                "the rules above keep. Return {'loss': loss, 'loss_weight': <what it divides by, e.g. mask.sum()>}: "
+                "parallel_criterion leaves out a shard of weight 0"
+                if self.nan
+                else "the step couples samples across the batch (a contrastive loss: self.all_gather(..., "
+                "sync_grads=True) or strategy='dp'), or adds terms normalised differently (return 'loss_terms')"
             )
         why = "e.g. no ignored label"
         if len(self.sizes) < 2:
@@ -121,33 +130,44 @@ def check_loss_reduction(
         layer.eval()
     batch = move_to(batch, target)
 
-    def loss_of(part: Any, draw_seed: int = seed) -> tuple[Tensor, str | None]:
+    def step(part: Any, draw_seed: int = seed) -> dict[str, Any]:
         torch.manual_seed(draw_seed)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # self.log without a Trainer
             output = replica.training_step(part, batch_idx)
-        outputs = output if isinstance(output, Mapping) else {"loss": output}
-        declared = next((key for key in (LOSS_WEIGHT_KEY, LOSS_TERMS_KEY) if key in outputs), None)
-        if not isinstance(outputs["loss"], Tensor) or outputs["loss"].numel() != 1:
-            raise TypeError(f"training_step returned {type(outputs['loss']).__name__}, not a scalar loss.")
-        return outputs["loss"], declared
+        output = output if isinstance(output, Mapping) else {"loss": output}
+        return {key: output[key] for key in ("loss", *_DECLARED) if key in output}  # no extras to merge
 
-    whole_loss, declared = loss_of(batch)
-    whole = float(whole_loss.detach())
-    noise = abs(float(loss_of(batch, seed + 1)[0].detach()) - whole)
-    chunks, sizes = split_batch(batch, [target] * devices, dim, sizes=_uneven_sizes(batch_size_of(batch, dim), devices))
-    losses = [loss_of(chunk)[0] for chunk in chunks]
+    def loss_of(outputs: list[dict[str, Any]], sizes: list[int]) -> Tensor:
+        """The loss parallel_criterion makes of ``outputs``: one's own, or combined by the weights they declare."""
+        loss = step_outputs.reduce_training_outputs(outputs, sizes, target, sum)["loss"]  # sum: never called here
+        if not isinstance(loss, Tensor) or loss.numel() != 1:
+            raise TypeError(f"training_step returned {type(loss).__name__}, not a scalar loss.")
+        return loss
+
+    size = batch_size_of(batch, dim)
+    whole = float(loss_of([step(batch)], [size]).detach())
+    noise = abs(float(loss_of([step(batch, seed + 1)], [size]).detach()) - whole)
+    chunks, sizes = split_batch(batch, [target] * devices, dim, sizes=_uneven_sizes(size, devices))
+    outputs = [step(chunk) for chunk in chunks]
+    declared = next((key for key in _DECLARED if key in outputs[0]), None)
+    check = LossCheck(whole, {}, noise, declared, None, sizes, len(dropout), len(batchnorm), [])
+    if declared is not None:  # parallel_criterion's only rule for this step
+        check.predictions[AUTO] = float(loss_of(outputs, sizes).detach())
+        check.known = f"the step's own weights ({declared}) whatever loss_reduction says"
+        return check
+    losses = [loss_of([output], [n]) for output, n in zip(outputs, sizes, strict=True)]
     values = [loss.detach().double().cpu() for loss in losses]
-    predictions = {  # combined as the strategy combines them, in float64
-        rule.spec(): float(combine_losses(values, rule.weights(chunks, sizes), torch.device("cpu")))
-        for rule in _candidates(batch, dim)
-    }
-    records = [read_loss(loss, size) for loss, size in zip(losses, sizes, strict=True)]
+    check.nan = [i for i, value in enumerate(values) if value.isnan()]
+    for rule in _candidates(batch, dim):  # combined as the strategy combines them, in float64
+        weights = rule.weights(chunks, sizes)
+        check.predictions[rule.spec()] = float(step_outputs.combine_losses(values, weights, values[0].device))
+    records = [read_loss(loss, n) for loss, n in zip(losses, sizes, strict=True)]
     read = combine_losses_by_record(losses, records, sizes, target, scale_gradients=False)
     if read is not None:
-        predictions[AUTO] = float(read.loss.detach())
-    known = None if read is None else describe(records[0], read.weights)
-    return LossCheck(whole, predictions, noise, declared, known, sizes, len(dropout), len(batchnorm))
+        check.predictions[AUTO] = float(read.loss.detach())
+        check.known = f"the rule read from the autograd record ({describe(records[0], read.weights)})"
+    return check
 
 
 def _uneven_sizes(size: int, devices: int) -> list[int]:

@@ -10,7 +10,9 @@ from typing import Any
 import lightning.pytorch as L
 import pytest
 import torch
-from hf_models import make_mlp, mlp_loader
+import torch.nn.functional as F
+from hf_models import STEPS, assert_equal_runs, fit, make_mlp, mlp_loader
+from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_mgpu
 from benchmarks.compare.process_group import run_in_process_group
@@ -147,3 +149,89 @@ def test_the_command_starts_without_python_warnings(tmp_path):
     run = run_in_process_group(command, 120, env=env, log=tmp_path / "log")
     assert run.returncode == 0, run.describe()
     assert "usage: python -m lightning_mgpu.loss_check" in run.output and "Warning" not in run.output
+
+
+def _masked_module(ns: Any, style: str) -> Any:
+    """A mean over the positive rows (``y == 1``), which lie in each batch's first 4 rows: the later shards have none.
+
+    ``clamped`` divides by ``m.sum().clamp(min=1)`` (its record reads a count of 1 on an empty shard: hazards.md), with
+    ``loss_weight`` or as a ``loss_terms`` term; ``opaque`` hides ``(l * m).sum() / m.sum()`` behind a custom autograd
+    Function (no rule read; NaN on an empty shard); ``read`` is that mean bare; ``infonce`` is a contrastive loss over
+    the shard's similarity matrix (each row's positive is itself), which couples the shard's rows."""
+
+    class Masked(ns.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)).double()
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            x, y = batch
+            logits = self.net(x)
+            if style == "infonce":
+                z = F.normalize(logits, dim=1)
+                return F.cross_entropy(z @ z.T / 0.5, torch.arange(len(x)))
+            per_row, m = F.cross_entropy(logits, y, reduction="none"), (y == 1).double()
+            if style in ("opaque", "read"):
+                loss = (per_row * m).sum() / m.sum()
+                return _Opaque.apply(loss) if style == "opaque" else loss
+            loss = (per_row * m).sum() / m.sum().clamp(min=1)
+            self.log("train_loss", loss)
+            if style == "clamped_terms":
+                mean = per_row.mean()
+                return {"loss": loss + mean, "loss_terms": {"pos": (loss, m.sum()), "all": (mean, len(y))}}
+            return {"loss": loss, "loss_weight": m.sum()}
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    return Masked()
+
+
+def _positives_first(batches: int = STEPS, size: int = 12) -> DataLoader:
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(batches * size, 5, dtype=torch.float64, generator=generator)
+    y = torch.full((batches, size), 2)
+    y[:, :4] = torch.tensor([1, 0, 1, 1])  # shards of 12 over 3: 8 + 2 + 2 here, 4 + 4 + 4 in training
+    return DataLoader(TensorDataset(x, y.flatten()), batch_size=size)
+
+
+@pytest.mark.parametrize("namespace", ["lightning.pytorch", "pytorch_lightning"])
+@pytest.mark.parametrize("style", ["clamped_weight", "clamped_terms"])
+def test_a_step_that_declares_its_weights_is_the_auto_row(style, namespace, tmp_path):
+    """The step's ``loss_weight`` / ``loss_terms`` are parallel_criterion's only rule for it: the check's ``auto`` row
+    combines the shards by them (not by the record, which reads the clamped divisor as a count of 1 on an empty
+    shard: 0.358 off before), and training on 3 devices equals one device, as the check says."""
+    ns = pytest.importorskip(namespace)
+    check = lightning_mgpu.check_loss_reduction(_masked_module(ns, style), next(iter(_positives_first())), devices=3)
+    assert list(check.predictions) == ["auto"] and check.rule == "auto", str(check)
+    assert abs(check.predictions["auto"] - check.whole) <= 1e-12, str(check)
+    verdict = str(check).splitlines()[-1]
+    assert "step's own weights" in verdict and "nothing to declare" in verdict, str(check)
+    one = fit(_masked_module(ns, style), "auto", 1, _positives_first(), tmp_path / "one", ns)
+    three = fit(_masked_module(ns, style), "parallel_criterion", 3, _positives_first(), tmp_path / "three", ns)
+    assert_equal_runs(three, one, atol=1e-12)
+
+
+@pytest.mark.parametrize("read", [False, True])
+def test_an_empty_mask_on_a_shard_is_not_called_coupling(read, tmp_path):
+    """A masked mean over a shard with an empty mask is 0/0 = NaN there. Unread (behind a custom Function), every rule
+    keeps that NaN, as training does: the report says so and how to leave the shard out (the coupling message was
+    wrong). Read from its record, the empty shard is left out and the report says there is nothing to declare."""
+    module = _masked_module(L, "read" if read else "opaque")
+    check = lightning_mgpu.check_loss_reduction(module, next(iter(_positives_first())), devices=3)
+    verdict = str(check).splitlines()[-1]
+    assert "couples" not in verdict, str(check)
+    if read:
+        assert check.rule == "auto" and "nothing to declare" in verdict, str(check)
+        return
+    assert check.nan == [1, 2] and check.rule is None, str(check)
+    assert "NaN on shard(s) 1, 2" in verdict and "'loss_weight': <what it divides by, e.g. mask.sum()>" in verdict
+    three = fit(module, "parallel_criterion", 3, _positives_first(), tmp_path)  # unread: each device's sample count
+    assert all(torch.tensor(three.losses).isnan()), three.losses
+
+
+def test_a_contrastive_loss_over_the_shard_is_still_called_coupling():
+    check = lightning_mgpu.check_loss_reduction(_masked_module(L, "infonce"), next(iter(_positives_first())), devices=3)
+    assert check.rule is None and not check.nan, str(check)
+    assert "couples samples across the batch" in str(check).splitlines()[-1], str(check)
