@@ -42,6 +42,11 @@ _CALL_COUNTS: dict[Any, Callable[[dict[str, Any]], Any]] = {
 }
 _SIGNS = {"add": 1, "__add__": 1, "__radd__": 1, "sub": -1, "__sub__": -1}
 _SCALES = {"mul": 1, "__mul__": 1, "__rmul__": 1, "div": -1, "__truediv__": -1}
+#: Operations that leave a scalar loss what it was (casts, copies, views), and a sign change.
+_SAME = frozenset({"detach", "clone", "contiguous", "to", "float", "double", "half", "bfloat16", "squeeze", "view"})
+_NEGATE = frozenset({"neg", "__neg__", "negative"})
+_CALL_NAMES = frozenset(function.__name__ for function in _CALL_COUNTS)
+_UNFOLLOWED = "_lightning_mgpu_unfollowed"  # set on a scalar made from a loss call by an operation not followed
 
 
 _signature = functools.cache(inspect.signature)  # read once per loss function, not at every call
@@ -69,7 +74,8 @@ class LossCalls(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        if args and _in_place(name) and self.record_of(args[0]) is not None:
+        changed = self.record_of(args[0]) if args and _in_place(name) else None
+        if changed is not None:
             del self.records[id(args[0])]  # changed in place (loss += reg): no longer what was recorded
         output = func(*args, **kwargs)
         if name == "stack" and args and isinstance(args[0], (list, tuple)) and not kwargs.get("dim"):
@@ -77,14 +83,29 @@ class LossCalls(TorchFunctionMode):
             if records and None not in records:
                 self.stacks[id(output)] = (output, records)
         if isinstance(output, Tensor) and output.dim() == 0 and not kwargs.get("out"):
-            record = (
-                self._loss_call(func, args, kwargs, output)
-                if func in _CALL_COUNTS
-                else self._reduction(name, args, kwargs, output) or self._combined(func, args, kwargs, output)
-            )
+            record = None if changed else self._record(func, name, args, kwargs, output)
             if record is not None:
                 self.records[id(output)] = (output, record)
+            elif args:
+                self._note_unfollowed(name, args[:2], changed, output)
         return output
+
+    def _note_unfollowed(self, name: str, args: tuple[Any, ...], changed: LossRecord | None, output: Tensor) -> None:
+        """Marks a scalar made from a loss call by an operation not followed (``loss.sqrt()``, ``loss *= 2``): its
+        logged value merges per sample, said once (:func:`unfollowed`)."""
+        earlier = next(filter(None, map(unfollowed, args)), None)
+        inputs = (changed, *map(self.record_of, args))
+        if earlier or any(r is not None and any(map(_of_call, r.terms)) for r in inputs):
+            setattr(output, _UNFOLLOWED, earlier or name)
+
+    def _record(self, func: Any, name: str, args: tuple[Any, ...], kwargs: Any, output: Tensor) -> LossRecord | None:
+        if func in _CALL_COUNTS:
+            return self._loss_call(func, args, kwargs, output)
+        if name in _SAME or name in _NEGATE:  # loss.detach(), -loss
+            record = self.record_of(args[0]) if len(args) == 1 or name in ("to", "view") else None
+            sign = -1 if name in _NEGATE else 1
+            return record and LossRecord([replace(t, coefficient=t.coefficient * sign) for t in record.terms])
+        return self._reduction(name, args, kwargs, output) or self._combined(func, args, kwargs, output)
 
     def _loss_call(self, func: Any, args: tuple[Any, ...], kwargs: Any, output: Tensor) -> LossRecord | None:
         bound = _signature(func).bind(*args, **kwargs).arguments
@@ -103,7 +124,7 @@ class LossCalls(TorchFunctionMode):
         """``x.sum()`` / ``x.mean()`` over every element: a sum (its size kept, for a division) or a mean."""
         if name not in ("sum", "mean") or len(args) != 1 or kwargs or not isinstance(args[0], Tensor):
             return None
-        if not args[0].is_floating_point():  # a count ((y == 0).sum(), mask.sum()), not a loss
+        if not args[0].is_floating_point() or unfollowed(args[0]):  # a count (mask.sum()), or what is not followed
             return None
         if self.record_of(args[0]) is not None:  # loss.mean() of a scalar
             return self.record_of(args[0])
@@ -131,18 +152,56 @@ class LossCalls(TorchFunctionMode):
         record = records[0] if records[0] is not None else records[1]
         if record is None or name not in _SCALES or (_SCALES[name] < 0 and records[0] is None):
             return None
-        if isinstance(scale, Tensor) and (scale.dim() != 0 or (_SCALES[name] > 0 and self.record_of(scale))):
+        if isinstance(scale, Tensor) and (
+            scale.dim() != 0 or (_SCALES[name] > 0 and self.record_of(scale)) or unfollowed(scale)
+        ):
             return None  # a divisor may be recorded itself: mask.sum()
         (first, *others) = record.terms
         if _SCALES[name] < 0 and not others and first.count is None and first.summed is not None:
             return LossRecord([replace(first, name="sum / divisor", count=scale, value=lambda: output)])
-        factor = scale if _SCALES[name] > 0 else 1 / scale
-        return LossRecord([replace(t, coefficient=t.coefficient * factor) for t in record.terms])
+        if _SCALES[name] < 0:
+            return LossRecord([replace(t, coefficient=t.coefficient / scale) for t in record.terms])
+        # A product's terms get their own name: what steps show of its number is not taken for the loss alone's.
+        return LossRecord([replace(t, name=_scaled(t.name), coefficient=_product(t, scale)) for t in record.terms])
 
     def record_of(self, value: Any) -> LossRecord | None:
         """The record of ``value`` if it is a recorded loss (the same object), else ``None``."""
         found = self.records.get(id(value))
         return found[1] if found is not None and found[0] is value else None
+
+
+def _scaled(name: str) -> str:
+    return name if name.endswith(" * n") else f"{name} * n"
+
+
+def _product(term: Term, scale: Any) -> Any:
+    """A term's coefficient times ``scale``; a product of 1 (``ce * len(x)`` on shards of one sample) as a tensor, read
+    as a number the shards multiply by, as other products are (a number 1 is a term's own)."""
+    product = term.coefficient * scale
+    return torch.ones((), dtype=torch.float64) if not isinstance(product, Tensor) and product == 1 else product
+
+
+def _of_call(term: Term) -> bool:
+    """Whether ``term`` comes from a functional loss call (not a ``.sum()`` or ``.mean()`` of other values)."""
+    return term.of_loss or term.name.partition(" ")[0] in _CALL_NAMES
+
+
+def unfollowed(value: Any) -> str | None:
+    """The operation that made ``value`` from a loss call where :class:`LossCalls` does not follow it, else ``None``."""
+    return getattr(value, _UNFOLLOWED, None) if isinstance(value, Tensor) else None
+
+
+def unfollowed_message(strategy: Any, module: Any, name: str, op: str) -> str:
+    """Said once per logged ``name``: a value made from a loss call through ``op`` merges per sample, and the fix."""
+    hook = module._current_fx_name
+    return (
+        f"{strategy.strategy_name}: {name!r}, logged in `{hook}`, was made from a loss call through `{op}`, which the "
+        "strategy does not follow (it follows sums and differences of losses, their products and quotients by "
+        "numbers and counts, `.sum()`, `.mean()`), so the devices' values of it are merged as a per-sample mean: one "
+        "device's value only if it is a per-sample mean itself. For one device's value, log the loss itself and "
+        f"compute {name!r} from its merged value: update a torchmetrics MeanMetric held by the module with the loss "
+        f"in `{hook}`, and log what you make of its compute() in `on_{hook.removesuffix('_step')}_epoch_end`."
+    )
 
 
 def once_per_shard_alike(records: list[LossRecord]) -> None:

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric
 
+from lightning_mgpu.parallel.loss_calls import unfollowed, unfollowed_message
 from lightning_mgpu.parallel.reduce import stack_scalars, weighted_mean
 from lightning_mgpu.parallel.scatter_gather import iter_tensors
 from lightning_mgpu.strategies.loader_batch import step_sample_counts
@@ -100,6 +101,9 @@ def merge_and_log(
             if len(entries) == 1 < len(recorders):  # behind is_global_zero
                 entries, values = _logged_alone(name, entries[0], outputs, alone)
             copy = loss_copy(values) if loss_copy is not None and len(entries) == len(recorders) else None
+            if copy is None and (op := next(filter(None, map(unfollowed, values)), None)):
+                strategy = root.trainer.strategy
+                strategy._warn_once(f"unfollowed:{name}", unfollowed_message(strategy, root, name, op))
         sizes = [call.options.get("batch_size") for _, call in entries]
         counts = [sample_counts[index] for index, _ in entries]
         value, options = _merge_values(name, values, sizes, counts, options, copy, loader_batch=loader_batch)
