@@ -74,16 +74,8 @@ def merge_and_log(
     loader_batch = functools.partial(step_sample_counts, root)  # the DataLoader's counts, read only where needed
     alone: dict[str, int] = {}
     for (name, _), entries in calls.items():
-        (first_index, first), *others = entries
-        for index, call in others:  # batch_size= may differ: each replica counts its shard
-            if call.options != first.options and (got := {**_LOG_DEFAULTS, **call.options, "batch_size": None}) != (
-                expected := {**_LOG_DEFAULTS, **first.options, "batch_size": None}
-            ):
-                raise ValueError(
-                    f"Replicas logged {name!r} with different options ({expected} on replica {first_index} vs {got} "
-                    f"on replica {index}); log it the same way."
-                )
-        options = {**_LOG_DEFAULTS, **first.options}
+        _require_same_options(name, entries)
+        options = {**_LOG_DEFAULTS, **entries[0][1].options}
         values = [call.value for _, call in entries]
         if isinstance(values[0], Metric):
             if (owner := metric_owner(values[0])) is None:
@@ -109,6 +101,19 @@ def merge_and_log(
         value, options = _merge_values(name, values, sizes, counts, options, copy, loader_batch=loader_batch)
         root.log(name, value, **options)
     return alone
+
+
+def _require_same_options(name: str, entries: list[tuple[int, LogCall]]) -> None:
+    """Replicas log a name with the same options (``batch_size=`` may differ: each replica counts its shard)."""
+    (first_index, first), *others = entries
+    for index, call in others:
+        if call.options != first.options and (got := {**_LOG_DEFAULTS, **call.options, "batch_size": None}) != (
+            expected := {**_LOG_DEFAULTS, **first.options, "batch_size": None}
+        ):
+            raise ValueError(
+                f"Replicas logged {name!r} with different options ({expected} on replica {first_index} vs {got} "
+                f"on replica {index}); log it the same way."
+            )
 
 
 def _logged_alone(
