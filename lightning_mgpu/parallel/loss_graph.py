@@ -106,6 +106,7 @@ class Term:
     value: Callable[[], Tensor] | None = None
     summed: Any = None
     of_loss: bool = False
+    scaled: bool = False  # reached through a product or quotient by a number (``ce * len(x)``, even where it is 1)
 
     def contribution(self, count: Any = None) -> Tensor | None:
         """The term's part of the loss, recomputed from saved tensors (through the graph where gradients are on);
@@ -131,7 +132,9 @@ class LossRecord:
     def signature(self) -> tuple[str, ...]:
         """The record's shape: each term's node and whether it is a mean (kept until its terms change)."""
         if self._signature is None:
-            self._signature = tuple(f"{t.name}:{'sum' if t.count is None else 'mean'}" for t in self.terms)
+            self._signature = tuple(
+                f"{t.name}{' scaled' * t.scaled}:{'sum' if t.count is None else 'mean'}" for t in self.terms
+            )
         return self._signature
 
 
@@ -191,7 +194,10 @@ def _scaled(node: Node, divides: bool, child: Node, coefficient: Any, record: Lo
     elif divides and name in LOSS_NODES and _REDUCTION.get(below._saved_reduction) == "sum":
         size, value = LOSS_NODES[name](below)
     else:
+        first = len(record.terms)
         _walk(child, coefficient / other if divides else coefficient * other, record)
+        for term in record.terms[first:]:  # their multiplier's reading is their own, kept across steps
+            term.scaled = True
         return
     quotient = None if value is None else (lambda: value() / other)
     record.terms.append(Term(node, "sum / divisor", other, coefficient * factor, quotient, size, value is not None))
@@ -298,13 +304,14 @@ def settle_weights(
 
 def _settle(memory: dict[Any, str] | None, key: Any, differs: bool, candidate: bool, reading: str) -> str:
     """What a number the shards divide or multiply by is: ``reading`` where it differs between shards, a constant where
-    it is the same and not ``candidate`` (each shard's own count); else what an earlier step showed, or ``reading``."""
+    it is the same and not ``candidate`` (each shard's own count); else what an earlier step showed, or ``reading``,
+    kept for the steps that cannot tell either (``ce * len(x)`` on shards of one sample)."""
     if differs or not candidate:
         decided = reading if differs else "constant"
         if memory is not None:
             memory[key] = decided
         return decided
-    return memory.get(key, reading) if memory is not None else reading
+    return memory.setdefault(key, reading) if memory is not None else reading
 
 
 @dataclass
