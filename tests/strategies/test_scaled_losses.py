@@ -4,6 +4,7 @@ and a plain loss logged beside it keeps its own."""
 
 from __future__ import annotations
 
+import functools
 import tempfile
 from typing import Any
 
@@ -36,6 +37,7 @@ def _scaled_classifier(namespace: str) -> Any:
     return Scaled
 
 
+@functools.cache  # the one-device reference once per namespace
 def _fit(namespace: str, strategy: str, devices: int) -> tuple[torch.Tensor, dict[str, float]]:
     module_cls = _scaled_classifier(namespace)
     torch.manual_seed(0)
