@@ -531,6 +531,14 @@ _ACROSS = frozenset(
     for n in (0, 1)
 )
 _VIEWS = frozenset({"TBackward0", "PermuteBackward0", *_PASS})
+#: Nonlinear functions of a scalar: of a reduction over the batch (``sqrt(mse)``), they are no mean of the shards'.
+_NONLINEAR = frozenset(
+    f"{name}Backward0" for name in ("Sqrt", "Rsqrt", "Exp", "Log", "Log1p", "Pow", "Reciprocal", "Sigmoid", "Tanh")
+)
+
+
+def _short(name: str) -> str:
+    return name.removesuffix("Backward0").removesuffix("Backward1")
 
 
 def coupling(loss: Tensor, samples: int, limit: int = 200_000) -> str | None:
@@ -538,18 +546,36 @@ def coupling(loss: Tensor, samples: int, limit: int = 200_000) -> str | None:
     product, a reduction over the batch dimension before the loss), or ``None``: about a microsecond a node."""
     if loss.grad_fn is None or samples < 2:
         return None
-    seen, stack = set(), [(loss.grad_fn, True)]
+    seen, stack = set(), [(loss.grad_fn, True, None)]
     while stack and len(seen) < limit:
-        node, top = stack.pop()
+        node, top, through = stack.pop()
         if node is None or id(node) in seen:
             continue
         seen.add(id(node))
-        found = _couples(node, samples, top)
-        if found is not None:
+        found = _couples(node, samples, top) or (through and top and _of_batch(node, samples, through))
+        if found:
             return found
         name = type(node).__name__
         below = top and name not in LOSS_NODES and name not in _MEANS and name not in _SUMS  # a term's own node
-        stack.extend((child, below) for child, _ in node.next_functions)
+        children = [child for child, _ in node.next_functions]
+        quotient = name in _QUOTIENTS and len(children) > 1 and children[1] is not None  # of two computed tensors
+        through = through or (name if name in _NONLINEAR or quotient else None)
+        stack.extend((child, below, through) for child in children)
+    return None
+
+
+def _of_batch(node: Node, samples: int, through: str) -> str | None:
+    """A reduction over the batch (a loss function's, a mean or sum over the shard's rows) below ``through``."""
+    name = type(node).__name__
+    if name in LOSS_NODES or (
+        name in _MEANS | _SUMS
+        and (sizes := node._saved_self_sym_sizes)
+        and sizes[0] == samples
+        and not _of_parameters(node, samples)
+    ):
+        return (
+            f"a nonlinear function ({_short(through)}) of a reduction over the batch ({_short(name)}), as RMSE or Dice"
+        )
     return None
 
 
@@ -569,5 +595,5 @@ def _couples(node: Node, samples: int, top: bool) -> str | None:
         dim = getattr(node, "_saved_dim", None)  # none saved: a reduction over every element
         dims = [0] if dim is None else [_signed(d) % len(sizes) for d in (dim if isinstance(dim, tuple) else (dim,))]
         if sizes and sizes[0] == samples and 0 in dims and (len(sizes) > 1 or name in _ACROSS):
-            return f"a reduction over the batch dimension ({name.removesuffix('Backward0').removesuffix('Backward1')})"
+            return f"a reduction over the batch dimension ({_short(name)})"
     return None

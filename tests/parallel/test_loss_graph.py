@@ -145,6 +145,9 @@ def test_saved_integers_come_back_signed_and_class_weights_count_per_target():
         ("logsumexp over the batch", lambda z: z.logsumexp(0).mean(), "batch dimension"),
         ("x / x.std(0)", lambda z: F.mse_loss(z / z.std(0), DENSE), "batch dimension"),
         ("BatchNorm", lambda z: F.mse_loss(torch.nn.BatchNorm1d(C).double()(z), DENSE), "BatchNorm"),
+        ("RMSE", lambda z: F.mse_loss(z, DENSE).sqrt(), "nonlinear function (Sqrt)"),
+        ("log of a mean", lambda z: _ce(z, (Y,)).log(), "nonlinear function (Log)"),
+        ("Dice", lambda z: 1 - 2 * (z.sigmoid() * DENSE).sum() / (z.sigmoid().sum() + DENSE.sum()), "(Div)"),
     ],
 )
 def test_a_loss_that_couples_samples_is_named(name, loss, says):
@@ -156,6 +159,21 @@ def test_per_sample_losses_and_layers_do_not_count_as_coupling():
     layer = torch.nn.Linear(4, N, bias=False).double()  # output width == batch: not a batch-by-batch product
     assert coupling(F.mse_loss(layer(X), torch.zeros(N, N, dtype=torch.float64)), N) is None
     assert coupling(F.cross_entropy(torch.nn.LayerNorm(4).double()(X) @ torch.ones(4, C).double(), Y), N) is None
+
+
+def test_nonlinear_functions_of_per_sample_parts_or_of_the_weights_do_not_count_as_coupling():
+    """A learned weight of a mean (uncertainty weighting), a focal term, the norm of the weights, a masked mean."""
+    weight = torch.randn(C, 4, dtype=torch.float64, requires_grad=True)
+    log_var = torch.zeros((), dtype=torch.float64, requires_grad=True)
+    z = X @ weight.T
+    per_sample = F.cross_entropy(z, Y.clamp(min=0), reduction="none")
+    for loss in (
+        _ce(z, (Y,)) * torch.exp(-log_var) + log_var,
+        ((1 - torch.exp(-per_sample)) ** 2 * per_sample).mean(),
+        _ce(z, (Y,)) + 0.1 * weight.pow(2).sum().sqrt(),
+        (per_sample * MASK).sum() / MASK.sum(),
+    ):
+        assert coupling(loss, N) is None
 
 
 def test_what_it_cannot_read_it_says_and_combines_nothing():

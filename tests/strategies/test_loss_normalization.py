@@ -126,12 +126,12 @@ def test_handwritten_per_sample_mean_equals_one_device(root, devices, batch):
 
 
 def test_a_loss_its_record_does_not_explain_gets_the_one_line_notice_once(root):
-    """A squared mean (a node the reader does not know): per-sample weighting, said once in one line (5 steps),
+    """A clamped mean (a node the reader does not know): per-sample weighting, said once in one line (5 steps),
     naming the node it could not read and the fixes that work (``loss_reduction``, ``loss_weight``)."""
-    got = fit(make_mlp(L, "squared"), "parallel_criterion", 3, mlp_loader("squared", 10), root)
+    got = fit(make_mlp(L, "clamped"), "parallel_criterion", 3, mlp_loader("clamped", 10), root)
     (notice,) = notices(got)
     assert strategy_warnings(got) == [notice]
-    assert "\n" not in notice and "PowBackward0" in notice
+    assert "\n" not in notice and "ClampBackward1" in notice
     assert "loss_reduction='sum'" in notice and "'tokens:<labels key>'" in notice
     assert "ParallelCriterionStrategy" in notice and "loss_weight" in notice
     assert got.decisions() == []
@@ -144,7 +144,7 @@ def test_the_notices_command_line_fix_works_on_a_config_that_names_the_strategy(
     refused)."""
     from lightning_mgpu.cli import main as cli_main
 
-    (notice,) = notices(fit(make_mlp(L, "squared"), "parallel_criterion", 2, mlp_loader("squared", 7), tmp_path))
+    (notice,) = notices(fit(make_mlp(L, "clamped"), "parallel_criterion", 2, mlp_loader("clamped", 7), tmp_path))
     options = re.search(r"\(CLI: (.+?)\)", notice).group(1).replace("...", "sum").split()
     config = tmp_path / "config.yaml"
     config.write_text(
@@ -155,6 +155,15 @@ def test_the_notices_command_line_fix_works_on_a_config_that_names_the_strategy(
     cli = cli_main(["-c", str(config), *options], run=False)
     assert type(cli.trainer.strategy).__name__ == "ParallelCriterionStrategy"
     assert cli.trainer.strategy.normalization.spec() == "sum"
+
+
+def test_a_squared_mean_is_named_as_coupling_samples_not_as_a_rule_to_declare(root):
+    """``ce ** 2``: no weighting of the shards' values gives the square of the batch's mean (no ``loss_reduction``
+    to declare): one warning names it and the fixes that work (dp, all_gather)."""
+    got = fit(make_mlp(L, "squared"), "parallel_criterion", 2, mlp_loader("squared", 7), root)
+    (warned,) = strategy_warnings(got)
+    assert "couples samples" in warned and "(Pow)" in warned and "strategy='dp'" in warned, warned
+    assert "loss_reduction" not in warned
 
 
 def test_a_median_of_per_sample_losses_is_named_as_coupling_samples(root):
