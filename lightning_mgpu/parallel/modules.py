@@ -223,8 +223,7 @@ class DataParallelCriterion(_Replicated):
         if self.weight_fn is not None:
             weights = [self.weight_fn(o, t) for o, t in zip(outputs, target_chunks, strict=True)]
             return reduce_losses(losses, weights, device=root)
-        combined = combine_by_record(losses, calls, [n or 1 for n in samples], root) if read else None
-        if combined is not None:
+        if (combined := combine_by_record(losses, calls, [n or 1 for n in samples], root)) is not None:
             return combined
         if not self._said_sample_weights:
             self._said_sample_weights = True
@@ -355,12 +354,9 @@ def _refuse_per_device_targets(targets: tuple[Any, ...], out_sizes: list[int], d
     """Raise where a target is a list of one tensor per device sized as the outputs: another DataParallelModel's
     outputs (a teacher's), which the criterion would split as one batch."""
     for index, target in enumerate(targets):
-        if (
-            isinstance(target, list)
-            and len(target) == len(out_sizes) > 1
-            and all(isinstance(t, Tensor) and t.dim() > dim for t in target)
-            and [t.shape[dim] for t in target] == out_sizes
-        ):
+        if not isinstance(target, list) or len(out_sizes) < 2:
+            continue
+        if [t.shape[dim] if isinstance(t, Tensor) and t.dim() > dim else None for t in target] == out_sizes:
             raise ValueError(
                 f"targets[{index}] is a list of one tensor per device, sized as the outputs ({out_sizes}): another "
                 "DataParallelModel's outputs? DataParallelCriterion splits whole-batch targets itself: pass "

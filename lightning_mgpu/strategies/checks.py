@@ -143,9 +143,8 @@ _functional_metric = functools.partial(_library_call, ("torchmetrics.functional"
 
 
 def distributed_gathers(module: nn.Module) -> list[str]:
-    """What in ``module`` gathers through ``torch.distributed``, one line per finding: a submodule with a
-    ``gather_distributed``-style flag set (one whose flag is off is not read), or a user class whose step or
-    ``forward`` calls a collective, directly or through helpers and autograd Functions."""
+    """What in ``module`` gathers through ``torch.distributed``, one line per finding: a submodule whose
+    ``gather_distributed``-style flag is set, or a user class whose step or ``forward`` calls a collective."""
     found: dict[str, list[str]] = {}  # what -> the paths of the modules that do it
     for path, sub in module.named_modules():
         flags = {name: value for name, value in vars(sub).items() if isinstance(value, bool) and _FLAG.search(name)}
@@ -205,14 +204,12 @@ def _metric_class(function: str) -> str | None:
 
 @functools.cache
 def lightning_collectives(cls: type) -> str | None:
-    """``"MoCo calls all_gather in the module's code"``: the module's classes call Lightning's collectives, which make
-    the replicas meet inside a step. Read from the names the calls go through (``self.trainer`` cannot be looked up
-    statically); ``torch.distributed``'s are not Lightning's."""
+    """``"MoCo calls all_gather in the module's code"``: the module's classes call Lightning's collectives (read by
+    name: ``self.trainer`` cannot be looked up statically; ``torch.distributed``'s are not Lightning's)."""
     for klass, function in _functions(cls):
         for _, (*through, last) in _chains(function.__code__):
-            if "distributed" in through or "dist" in through:
-                continue
-            if (last in _LIGHTNING_COLLECTIVES and through) or (last == "reduce" and "strategy" in through):
+            lightning = (last in _LIGHTNING_COLLECTIVES and through) or (last == "reduce" and "strategy" in through)
+            if lightning and "distributed" not in through and "dist" not in through:
                 return f"{klass.__name__} calls {last} in the module's code"
     return None
 
@@ -273,8 +270,7 @@ def _lightning_attributes(cls: type) -> frozenset[str]:
 
 
 def _state(value: Any) -> Any:
-    """A collection's size; a dict's or an object's length, entries and their collections' sizes (``None``: a dict
-    too large to read)."""
+    """A collection's size; a dict's or an object's length, entries and their collections' sizes."""
     if isinstance(value, _CONTAINERS) and not isinstance(value, dict):
         return _size(value)
     if isinstance(value, dict) and len(value) > ENTRIES_READ:
@@ -398,8 +394,8 @@ class StepChecks:
         self._before: tuple[Any, ...] | None = None
 
     def before(self, hook: str, module: nn.Module, root: Any, builds: int) -> bool:
-        """Snapshot what the call may change, if it is among the first two of ``hook``; whether it is (``builds`` is
-        not needed: the shared dicts are found again at each snapshot)."""
+        """Snapshot what the call may change if it is among the first two of ``hook``; whether it is (``builds``:
+        unused, the shared dicts are found again at each snapshot)."""
         self._calls[hook] += 1
         if self._calls[hook] > 2:
             return False
@@ -419,7 +415,7 @@ class StepChecks:
         assert self._before is not None, "after() without before()"
         (module, root, held, dicts, entries, steps), self._before = self._before, None
         count = len(others) + 1
-        _check_scheduler_steps(root, hook, steps, count, manual)
+        _check_scheduler_steps(hook, steps, count, manual)
         if changes := [c for c in held.changes() if c.key not in self._announced]:
             owner, said = type(module).__name__, hook if self._step_per_replica else "forward"
             self._warn_once(changes[0].key, held_objects_message(owner, changes, count, said))
@@ -466,15 +462,14 @@ def _dict_entries(dicts: Sequence[tuple[str, dict]]) -> dict[tuple[str, Any], An
     return {(path, key): value for path, held in dicts for key, value in held.items() if _holds_tensors(value)}
 
 
-def _scheduler_steps(root: Any) -> list[tuple[str, Any]]:
-    """(class name, ``last_epoch``) of each learning-rate scheduler of the trainer or held by ``root``."""
+def _scheduler_steps(root: Any) -> dict[int, tuple[Any, Any]]:
+    """(scheduler, ``last_epoch``) of each learning-rate scheduler of the trainer or held by ``root``, by id."""
     configs = root.trainer.lr_scheduler_configs if getattr(root, "_trainer", None) is not None else []
     held = [value for value in vars(root).values() if isinstance(value, LRScheduler)]
-    schedulers = {id(s): s for s in [*(c.scheduler for c in configs), *held]}.values()
-    return [(type(s).__name__, getattr(s, "last_epoch", None)) for s in schedulers]
+    return {id(s): (s, getattr(s, "last_epoch", None)) for s in [*(c.scheduler for c in configs), *held]}
 
 
-def _check_scheduler_steps(root: Any, hook: str, before: list[tuple[str, Any]], count: int, manual: bool) -> None:
+def _check_scheduler_steps(hook: str, before: dict[int, tuple[Any, Any]], count: int, manual: bool) -> None:
     """Raise if a scheduler stepped during a call on ``count`` replicas (under manual optimization
     ``self.lr_schedulers()`` steps replica 0's only: a move by a multiple of ``count`` is one per replica)."""
     fix = (  # under manual optimization Lightning steps none
@@ -485,13 +480,14 @@ def _check_scheduler_steps(root: Any, hook: str, before: list[tuple[str, Any]], 
         "Lightning step it (configure_optimizers returning {'optimizer': ..., 'lr_scheduler': {'scheduler': ..., "
         "'interval': 'step'}})."
     )
-    for (name, first), (_, last) in zip(before, _scheduler_steps(root), strict=False):
+    for scheduler, first in before.values():
+        last = getattr(scheduler, "last_epoch", None)
         counted = manual and isinstance(first, int) and isinstance(last, int) and (last - first) % count
         if first != last and not counted:
             raise RuntimeError(
-                f"`{hook}` stepped the learning-rate scheduler {name} on each of the {count} replicas (its last_epoch "
-                f"went from {first} to {last} in one step): it advanced {count} times where one device advances it "
-                f"once. {fix}"
+                f"`{hook}` stepped the learning-rate scheduler {type(scheduler).__name__} on each of the {count} "
+                f"replicas (its last_epoch went from {first} to {last} in one step): it advanced {count} times where "
+                f"one device advances it once. {fix}"
             )
 
 
