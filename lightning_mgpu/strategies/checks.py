@@ -323,10 +323,8 @@ def _dict_changes(path: str, value: dict, length: int, entries: dict, sizes: dic
     new = list(itertools.islice(value.values(), length, length + ENTRIES_READ))
     if not changes and new and not any(_holds_tensors(v) or isinstance(v, (bool, type(None))) for v in new):
         changes.append(HeldChange(path, type(value).__name__, _size_change((0, None), (len(new), None)), True))
-    plain = [
-        k for k in entries if k in value and not isinstance(value[k], _CONTAINERS) and not _holds_tensors(value[k])
-    ]
-    if rebound := [repr(k) for k in plain if not _same(entries[k], value[k])]:
+    plain = [k for k in entries if k in value and not isinstance(value[k], _CONTAINERS)]
+    if rebound := [repr(k) for k in plain if not _holds_tensors(value[k]) and not _same(entries[k], value[k])]:
         detail = f"its entr{'ies' if len(rebound) > 1 else 'y'} {', '.join(rebound)} changed"
         changes.append(HeldChange(path, type(value).__name__, detail, False))
     return changes
