@@ -308,9 +308,8 @@ class DataParallelCriterion(_Replicated):
     def _split_targets(
         self, outputs: list[Any], targets: tuple[Any, ...], kwargs: dict[str, Any], devices: list[torch.device]
     ) -> tuple[list[tuple[Any, ...]], list[dict[str, Any]], list[int]]:
-        """Targets chunked exactly as the outputs are (by their own batch sizes when every output has one), and each
-        device's samples (0: unknown); options of torch's loss functions passed as keywords (``F.cross_entropy``'s class
-        ``weight``, ``F.binary_cross_entropy_with_logits``'s ``pos_weight``...) go whole."""
+        """Targets chunked as the outputs are (by their batch sizes when every output has one), and each device's
+        samples (0: unknown); per-class options of torch's loss functions (``F.cross_entropy``'s weight) go whole."""
         base = self.criterion.func if isinstance(self.criterion, functools.partial) else self.criterion
         options = {name for function, name in _PER_CLASS if function is base}
         whole = {k: v for k, v in kwargs.items() if k in options}
@@ -324,8 +323,7 @@ class DataParallelCriterion(_Replicated):
                 tuple(targets), per_sample, devices, self.dim, total, sizes=sizes, names=("targets", "kwargs")
             )
         except NothingToSplitError:
-            # Nothing to split (no targets, as for TripletMarginLoss on (anchor, positive, negative), or only
-            # non-batch values) and some output's size unknown: every replica gets them whole, on its device.
+            # No targets (TripletMarginLoss) nor batch values, some output's size unknown: each replica gets them whole.
             return [move_to(targets, d) for d in devices], [move_to(kwargs, d) for d in devices], out_sizes
         except BatchSplitError as err:
             option = (

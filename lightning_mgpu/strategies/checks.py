@@ -381,8 +381,7 @@ _ON_ROOT = "in `on_train_batch_end` / `on_validation_batch_end` (once, on the ro
 
 class StepChecks:
     """Around the first two replicated calls of each hook, what the call did that one device would not: held objects
-    changed per replica, tensors written into shared dicts, schedulers stepped per replica (an error), attributes
-    rebound to values that differ between the replicas. ``step_per_replica``: not only ``forward`` (dp) is."""
+    changed, tensors written into shared dicts, schedulers stepped (an error), attributes rebound to unequal values."""
 
     def __init__(self, step_per_replica: bool, announced: set[str], warn_once: Callable[[str, str], None]) -> None:
         self._step_per_replica = step_per_replica
