@@ -82,19 +82,14 @@ class _Replicated(nn.Module):
 
 
 class DataParallelModel(_Replicated):
-    """Run ``module`` on chunks of the batch on several devices; return the per-device outputs, not gathered.
+    """Run ``module`` (its parameters on ``device_ids[0]``, the root) on chunks of the batch split along ``dim`` on
+    ``device_ids`` (ints, strings or devices, repeats allowed; ``None``: every visible GPU, else the module's device);
+    return the per-device outputs, not gathered (:meth:`gather` puts them on ``output_device``, default the root).
+    ``execution_mode``: ``"auto"`` (threads on distinct GPUs, else sequential), ``"threads"`` or ``"sequential"``
+    (compiled modules run sequentially, :class:`SyncBatchNorm` training in threads).
 
-    Args:
-        module: the model, with its parameters on ``device_ids[0]`` (the root, where gradients accumulate).
-        device_ids: ints (CUDA indices), strings or ``torch.device`` (repeats allowed: ``["cpu"] * 4``); ``None``:
-            every visible CUDA device, else the module's device.
-        output_device: where :meth:`gather` puts outputs; default ``device_ids[0]``.
-        dim: the batch dimension of inputs and outputs.
-        execution_mode: ``"auto"`` (threads on distinct GPUs, else sequential), ``"threads"`` or ``"sequential"``;
-            compiled modules run sequentially (Dynamo is not thread-safe), :class:`SyncBatchNorm` training in threads.
-
-    One device, a batch of one sample or inputs with no batch dimension: the module runs once, on ``device_ids[0]``.
-    Replicas last across calls. :attr:`last_split_sizes`: the last call's per-replica samples.
+    One device, a batch of one sample or inputs with no batch dimension: the module runs once, on the root. Replicas
+    last across calls. :attr:`last_split_sizes`: the last call's per-replica samples.
     """
 
     def __init__(
@@ -123,11 +118,10 @@ class DataParallelModel(_Replicated):
             on_root, size = _scan(inputs, kwargs, self.device_ids[0], self.dim)
             if not on_root:
                 inputs, kwargs = move_to((inputs, kwargs), self.device_ids[0])
-            self.__dict__["last_split_sizes"] = (size,) if one_device else ()  # skips nn.Module.__setattr__'s checks
-            return [self.module(*inputs, **kwargs)]
+            split = [inputs], [kwargs], [size] if one_device else []
         args_chunks, kwargs_chunks, sizes = split
-        self.last_split_sizes = tuple(sizes)
-        if len(sizes) == 1:  # a batch of one sample: all of it on the root, no replica needed
+        self.__dict__["last_split_sizes"] = tuple(sizes)  # skips nn.Module.__setattr__'s checks
+        if len(args_chunks) == 1:  # one run on the root, no replica needed
             return [self.module(*args_chunks[0], **kwargs_chunks[0])]
         used = self.device_ids[: len(sizes)]
         replica_set = self._replicas.of(self.module, self.device_ids)
@@ -229,8 +223,7 @@ class DataParallelCriterion(_Replicated):
         if self.weight_fn is not None:
             weights = [self.weight_fn(o, t) for o, t in zip(outputs, target_chunks, strict=True)]
             return reduce_losses(losses, weights, device=root)
-        combined = combine_by_record(losses, calls, [n or 1 for n in samples], root) if read else None
-        if combined is not None:
+        if (combined := combine_by_record(losses, calls, [n or 1 for n in samples], root)) is not None:
             return combined
         if not self._said_sample_weights:
             self._said_sample_weights = True
@@ -256,14 +249,15 @@ class DataParallelCriterion(_Replicated):
 
     def _check_outputs(self, outputs: Sequence[Any]) -> None:
         if not isinstance(outputs, list):
-            tuple_hint = (
-                " A tuple is taken as one model output (anchor, positive, negative): wrap it in a list for one device, "
-                "or pass list(outputs) if it holds per-device outputs."
-            )
             raise TypeError(
                 "DataParallelCriterion expects the list of per-device outputs returned by DataParallelModel, got "
                 f"{type(outputs).__name__}. For one gathered output, call the criterion itself."
-                + (tuple_hint if isinstance(outputs, tuple) else "")
+                + (
+                    " A tuple is taken as one model output (anchor, positive, negative): wrap it in a list for one "
+                    "device, or pass list(outputs) if it holds per-device outputs."
+                    if isinstance(outputs, tuple)
+                    else ""
+                )
             )
         if not outputs:
             raise ValueError("DataParallelCriterion got an empty list of outputs.")
@@ -289,7 +283,10 @@ class DataParallelCriterion(_Replicated):
             replicas = replica_set.prepare(len(devices))
         # Loss calls say the count of a loss that will carry no autograd record (no gradients, or outputs without).
         grads = torch.is_grad_enabled()
-        calls = [LossCalls() if record and not (grads and _requires_grad(o)) else None for o in outputs]
+        calls = [
+            LossCalls() if record and not (grads and any(t.requires_grad for _, t in iter_tensors(o))) else None
+            for o in outputs
+        ]
 
         def call(i: int) -> Tensor:
             with contextlib.nullcontext() if calls[i] is None else calls[i]:
@@ -311,9 +308,8 @@ class DataParallelCriterion(_Replicated):
     def _split_targets(
         self, outputs: list[Any], targets: tuple[Any, ...], kwargs: dict[str, Any], devices: list[torch.device]
     ) -> tuple[list[tuple[Any, ...]], list[dict[str, Any]], list[int]]:
-        """Targets chunked exactly as the outputs are (by their own batch sizes when every output has one), and each
-        device's samples (0: unknown); options of torch's loss functions passed as keywords (``F.cross_entropy``'s class
-        ``weight``, ``F.binary_cross_entropy_with_logits``'s ``pos_weight``...) go whole."""
+        """Targets chunked as the outputs are (by their batch sizes when every output has one), and each device's
+        samples (0: unknown); per-class options of torch's loss functions (``F.cross_entropy``'s weight) go whole."""
         base = self.criterion.func if isinstance(self.criterion, functools.partial) else self.criterion
         options = {name for function, name in _PER_CLASS if function is base}
         whole = {k: v for k, v in kwargs.items() if k in options}
@@ -327,8 +323,7 @@ class DataParallelCriterion(_Replicated):
                 tuple(targets), per_sample, devices, self.dim, total, sizes=sizes, names=("targets", "kwargs")
             )
         except NothingToSplitError:
-            # Nothing to split (no targets, as for TripletMarginLoss on (anchor, positive, negative), or only
-            # non-batch values) and some output's size unknown: every replica gets them whole, on its device.
+            # No targets (TripletMarginLoss) nor batch values, some output's size unknown: each replica gets them whole.
             return [move_to(targets, d) for d in devices], [move_to(kwargs, d) for d in devices], out_sizes
         except BatchSplitError as err:
             option = (
@@ -357,12 +352,9 @@ def _refuse_per_device_targets(targets: tuple[Any, ...], out_sizes: list[int], d
     """Raise where a target is a list of one tensor per device sized as the outputs: another DataParallelModel's
     outputs (a teacher's), which the criterion would split as one batch."""
     for index, target in enumerate(targets):
-        if (
-            isinstance(target, list)
-            and len(target) == len(out_sizes) > 1
-            and all(isinstance(t, Tensor) and t.dim() > dim for t in target)
-            and [t.shape[dim] for t in target] == out_sizes
-        ):
+        if not isinstance(target, list) or len(out_sizes) < 2:
+            continue
+        if [t.shape[dim] if isinstance(t, Tensor) and t.dim() > dim else None for t in target] == out_sizes:
             raise ValueError(
                 f"targets[{index}] is a list of one tensor per device, sized as the outputs ({out_sizes}): another "
                 "DataParallelModel's outputs? DataParallelCriterion splits whole-batch targets itself: pass "
@@ -374,10 +366,6 @@ def _reduction(criterion: Any, kwargs: dict[str, Any]) -> str:
     """The reduction of a call: its ``reduction=`` keyword, a partial's, else the criterion's attribute, else mean."""
     keywords = criterion.keywords if isinstance(criterion, functools.partial) else {}
     return kwargs.get("reduction", keywords.get("reduction", getattr(criterion, "reduction", "mean")))
-
-
-def _requires_grad(output: Any) -> bool:
-    return any(t.requires_grad for _, t in iter_tensors(output))
 
 
 def _as_args(output: Any) -> tuple[Any, ...]:

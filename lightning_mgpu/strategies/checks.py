@@ -98,10 +98,8 @@ def _route(target: Any, owner: type | None, depth: int, seen: set[int], wanted: 
     if depth == 0 or id(target) in seen:
         return None
     seen.add(id(target))
-    if isinstance(target, type):
-        routes = (_route(function, target, depth, seen, wanted) for _, function in _functions(target))
-        return next((route for route in routes if route is not None), None)
-    for obj in _loaded(target, owner):
+    functions = [function for _, function in _functions(target)] if isinstance(target, type) else [target]
+    for obj in itertools.chain.from_iterable(_loaded(function, owner) for function in functions):
         if (name := wanted(obj)) is not None:
             return [name]
         if isinstance(obj, (type, types.FunctionType)) and not _is_library(obj):
@@ -129,8 +127,8 @@ _GATHERS = frozenset(
     | {"all_to_all_single"}
 )
 _FLAG = re.compile(r"gather.*dist|dist.*gather", re.IGNORECASE)  # gather_distributed (lightly), distributed_gather...
-_STEP_ENTRIES = ("training_step", "validation_step", "test_step", "predict_step", "forward")
 _LIGHTNING_COLLECTIVES = frozenset(("all_gather", "reduce_boolean_decision", "barrier", "broadcast"))
+_STEPS = ("training_step", "validation_step", "test_step")
 
 
 def _library_call(prefixes: tuple[str, ...], names: frozenset[str] | None, obj: Any) -> str | None:
@@ -145,14 +143,13 @@ _functional_metric = functools.partial(_library_call, ("torchmetrics.functional"
 
 
 def distributed_gathers(module: nn.Module) -> list[str]:
-    """What in ``module`` gathers through ``torch.distributed``, one line per finding: a submodule with a
-    ``gather_distributed``-style flag set (one whose flag is off is not read), or a user class whose step or
-    ``forward`` calls a collective, directly or through helpers and autograd Functions."""
+    """What in ``module`` gathers through ``torch.distributed``, one line per finding: a submodule whose
+    ``gather_distributed``-style flag is set, or a user class whose step or ``forward`` calls a collective."""
     found: dict[str, list[str]] = {}  # what -> the paths of the modules that do it
     for path, sub in module.named_modules():
         flags = {name: value for name, value in vars(sub).items() if isinstance(value, bool) and _FLAG.search(name)}
         on = [f"({type(sub).__name__}) has {name}=True" for name, value in flags.items() if value]
-        entries = _STEP_ENTRIES if sub is module else ("forward",)
+        entries = (*_STEPS, "predict_step", "forward") if sub is module else ("forward",)
         what = on[0] if on else (None if flags else _code_finding(type(sub), entries, _gather))  # flag off: not read
         if what is not None:
             found.setdefault(what, []).append(f"`self.{path}`" if path else "`self`")
@@ -177,7 +174,7 @@ def distributed_gather_message(strategy_name: str, findings: Sequence[str]) -> s
 
 def functional_metrics(module: nn.Module) -> str | None:
     """Where ``module``'s step calls a ``torchmetrics.functional`` metric (read once per class, never run)."""
-    what = _code_finding(type(module), ("training_step", "validation_step", "test_step"), _functional_metric)
+    what = _code_finding(type(module), _STEPS, _functional_metric)
     return None if what is None else f"`self` {what}"
 
 
@@ -200,25 +197,19 @@ def functional_metric_message(strategy_name: str, finding: str) -> str:
 
 def _metric_class(function: str) -> str | None:
     """``"torchmetrics.classification.MulticlassAccuracy"`` for ``"multiclass_accuracy"``, where torchmetrics has it."""
-    wanted = function.replace("_", "").lower()
-    for name in ("torchmetrics", "torchmetrics.classification", "torchmetrics.regression"):
-        module = importlib.import_module(name)
-        found = next((n for n in dir(module) if n.lower() == wanted and isinstance(getattr(module, n), type)), None)
-        if found:
-            return f"{name}.{found}"
-    return None
+    modules = [importlib.import_module(f"torchmetrics{m}") for m in ("", ".classification", ".regression")]
+    found = ((m, n) for m in modules for n in dir(m) if n.lower() == function.replace("_", "").lower())
+    return next((f"{m.__name__}.{n}" for m, n in found if isinstance(getattr(m, n), type)), None)
 
 
 @functools.cache
 def lightning_collectives(cls: type) -> str | None:
-    """``"MoCo calls all_gather in the module's code"``: the module's classes call Lightning's collectives, which make
-    the replicas meet inside a step. Read from the names the calls go through (``self.trainer`` cannot be looked up
-    statically); ``torch.distributed``'s are not Lightning's."""
+    """``"MoCo calls all_gather in the module's code"``: the module's classes call Lightning's collectives (read by
+    name: ``self.trainer`` cannot be looked up statically; ``torch.distributed``'s are not Lightning's)."""
     for klass, function in _functions(cls):
         for _, (*through, last) in _chains(function.__code__):
-            if "distributed" in through or "dist" in through:
-                continue
-            if (last in _LIGHTNING_COLLECTIVES and through) or (last == "reduce" and "strategy" in through):
+            lightning = (last in _LIGHTNING_COLLECTIVES and through) or (last == "reduce" and "strategy" in through)
+            if lightning and "distributed" not in through and "dist" not in through:
                 return f"{klass.__name__} calls {last} in the module's code"
     return None
 
@@ -279,14 +270,13 @@ def _lightning_attributes(cls: type) -> frozenset[str]:
 
 
 def _state(value: Any) -> Any:
-    """A collection's size; a dict's length, entries and sizes (``None``: too large to read); an object's too."""
-    if isinstance(value, dict) and len(value) > ENTRIES_READ:
-        return len(value), {}, None
+    """A collection's size; a dict's or an object's length, entries and their collections' sizes."""
     if isinstance(value, _CONTAINERS) and not isinstance(value, dict):
         return _size(value)
+    if isinstance(value, dict) and len(value) > ENTRIES_READ:
+        return len(value), {}, None
     mapping = dict(value if isinstance(value, dict) else vars(value))
-    sizes = {key: _size(entry) for key, entry in mapping.items() if isinstance(entry, _CONTAINERS)}
-    return (len(value), mapping, sizes) if isinstance(value, dict) else (mapping, sizes)
+    return len(mapping), mapping, {key: _size(e) for key, e in mapping.items() if isinstance(e, _CONTAINERS)}
 
 
 def _size(value: Any) -> tuple[int, Any]:
@@ -310,13 +300,15 @@ def _compare(path: str, value: Any, before: Any) -> list[HeldChange]:
     if isinstance(value, _CONTAINERS):
         detail = _size_change(before, _size(value))
         return [] if detail is None else [HeldChange(path, kind, detail, detail.endswith("more"))]
-    (attributes, sizes), current = before, vars(value)
+    (_, attributes, sizes), current = before, vars(value)
     names = dict.fromkeys([*attributes, *current])
     rebound = [n for n in names if not _same(attributes.get(n, _MISSING), current.get(n, _MISSING))]
     details = [f"its attribute{'s' if len(rebound) > 1 else ''} {', '.join(rebound)} changed"] if rebound else []
-    for name, size in sizes.items():  # the same collection unless rebound
-        if name not in rebound and (detail := _size_change(size, _size(current[name]))):
-            details.append(f"its {name}: {detail}")
+    details += [  # the same collection unless rebound
+        f"its {name}: {detail}"
+        for name, size in sizes.items()
+        if name not in rebound and (detail := _size_change(size, _size(current[name])))
+    ]
     return [HeldChange(path, kind, "; ".join(details), False)] if details else []
 
 
@@ -331,10 +323,8 @@ def _dict_changes(path: str, value: dict, length: int, entries: dict, sizes: dic
     new = list(itertools.islice(value.values(), length, length + ENTRIES_READ))
     if not changes and new and not any(_holds_tensors(v) or isinstance(v, (bool, type(None))) for v in new):
         changes.append(HeldChange(path, type(value).__name__, _size_change((0, None), (len(new), None)), True))
-    plain = [
-        k for k in entries if k in value and not isinstance(value[k], _CONTAINERS) and not _holds_tensors(value[k])
-    ]
-    if rebound := [repr(k) for k in plain if not _same(entries[k], value[k])]:
+    plain = [k for k in entries if k in value and not isinstance(value[k], _CONTAINERS)]
+    if rebound := [repr(k) for k in plain if not _holds_tensors(value[k]) and not _same(entries[k], value[k])]:
         detail = f"its entr{'ies' if len(rebound) > 1 else 'y'} {', '.join(rebound)} changed"
         changes.append(HeldChange(path, type(value).__name__, detail, False))
     return changes
@@ -391,8 +381,7 @@ _ON_ROOT = "in `on_train_batch_end` / `on_validation_batch_end` (once, on the ro
 
 class StepChecks:
     """Around the first two replicated calls of each hook, what the call did that one device would not: held objects
-    changed per replica, tensors written into shared dicts, schedulers stepped per replica (an error), attributes
-    rebound to values that differ between the replicas. ``step_per_replica``: not only ``forward`` (dp) is."""
+    changed, tensors written into shared dicts, schedulers stepped (an error), attributes rebound to unequal values."""
 
     def __init__(self, step_per_replica: bool, announced: set[str], warn_once: Callable[[str, str], None]) -> None:
         self._step_per_replica = step_per_replica
@@ -402,8 +391,8 @@ class StepChecks:
         self._before: tuple[Any, ...] | None = None
 
     def before(self, hook: str, module: nn.Module, root: Any, builds: int) -> bool:
-        """Snapshot what the call may change, if it is among the first two of ``hook``; whether it is (``builds`` is
-        not needed: the shared dicts are found again at each snapshot)."""
+        """Snapshot what the call may change if it is among the first two of ``hook``; whether it is (``builds``:
+        unused, the shared dicts are found again at each snapshot)."""
         self._calls[hook] += 1
         if self._calls[hook] > 2:
             return False
@@ -423,7 +412,7 @@ class StepChecks:
         assert self._before is not None, "after() without before()"
         (module, root, held, dicts, entries, steps), self._before = self._before, None
         count = len(others) + 1
-        _check_scheduler_steps(root, hook, steps, count, manual)
+        _check_scheduler_steps(hook, steps, count, manual)
         if changes := [c for c in held.changes() if c.key not in self._announced]:
             owner, said = type(module).__name__, hook if self._step_per_replica else "forward"
             self._warn_once(changes[0].key, held_objects_message(owner, changes, count, said))
@@ -470,40 +459,33 @@ def _dict_entries(dicts: Sequence[tuple[str, dict]]) -> dict[tuple[str, Any], An
     return {(path, key): value for path, held in dicts for key, value in held.items() if _holds_tensors(value)}
 
 
-def _scheduler_steps(root: Any) -> list[tuple[str, Any]]:
-    """(class name, ``last_epoch``) of each learning-rate scheduler of the trainer or held by ``root``."""
+def _scheduler_steps(root: Any) -> dict[int, tuple[Any, Any]]:
+    """(scheduler, ``last_epoch``) of each learning-rate scheduler of the trainer or held by ``root``, by id."""
     configs = root.trainer.lr_scheduler_configs if getattr(root, "_trainer", None) is not None else []
     held = [value for value in vars(root).values() if isinstance(value, LRScheduler)]
-    schedulers = {id(s): s for s in [*(c.scheduler for c in configs), *held]}.values()
-    return [(type(s).__name__, getattr(s, "last_epoch", None)) for s in schedulers]
+    return {id(s): (s, getattr(s, "last_epoch", None)) for s in [*(c.scheduler for c in configs), *held]}
 
 
-def _check_scheduler_steps(root: Any, hook: str, before: list[tuple[str, Any]], count: int, manual: bool) -> None:
+def _check_scheduler_steps(hook: str, before: dict[int, tuple[Any, Any]], count: int, manual: bool) -> None:
     """Raise if a scheduler stepped during a call on ``count`` replicas (under manual optimization
     ``self.lr_schedulers()`` steps replica 0's only: a move by a multiple of ``count`` is one per replica)."""
-    for (name, first), (_, last) in zip(before, _scheduler_steps(root), strict=False):
+    fix = (  # under manual optimization Lightning steps none
+        "Under manual optimization step it through self.lr_schedulers() in the step (replica 0 steps it for all), "
+        "e.g. `self.lr_schedulers().step()`, with the scheduler returned by configure_optimizers."
+        if manual
+        else f"Step it once per step, on the root: in `{_BATCH_HOOKS.get(hook, 'on_train_batch')}_end`, or let "
+        "Lightning step it (configure_optimizers returning {'optimizer': ..., 'lr_scheduler': {'scheduler': ..., "
+        "'interval': 'step'}})."
+    )
+    for scheduler, first in before.values():
+        last = getattr(scheduler, "last_epoch", None)
         counted = manual and isinstance(first, int) and isinstance(last, int) and (last - first) % count
         if first != last and not counted:
             raise RuntimeError(
-                f"`{hook}` stepped the learning-rate scheduler {name} on each of the {count} replicas (its last_epoch "
-                f"went from {first} to {last} in one step): it advanced {count} times where one device advances it "
-                f"once. {_scheduler_fix(hook, manual)}"
+                f"`{hook}` stepped the learning-rate scheduler {type(scheduler).__name__} on each of the {count} "
+                f"replicas (its last_epoch went from {first} to {last} in one step): it advanced {count} times where "
+                f"one device advances it once. {fix}"
             )
-
-
-def _scheduler_fix(hook: str, manual: bool) -> str:
-    """What steps a scheduler once per step: under manual optimization, ``self.lr_schedulers()`` (Lightning steps
-    none then); else Lightning, or the root's batch-end hook."""
-    if manual:
-        return (
-            "Under manual optimization step it through self.lr_schedulers() in the step (replica 0 steps it for "
-            "all), e.g. `self.lr_schedulers().step()`, with the scheduler returned by configure_optimizers."
-        )
-    return (
-        f"Step it once per step, on the root: in `{_BATCH_HOOKS.get(hook, 'on_train_batch')}_end`, or let Lightning "
-        "step it (configure_optimizers returning {'optimizer': ..., 'lr_scheduler': {'scheduler': ..., 'interval': "
-        "'step'}})."
-    )
 
 
 def _alike(a: Any, b: Any) -> bool:
