@@ -247,11 +247,13 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
             if declared is not None:
                 return declared
             returned = [_returned_loss(output) for output in outputs]
-            copies = all(same_tensor(v, r) for v, r in zip(values, returned, strict=True))
+            copies = all(same_tensor(v, r) or _its_value(v, r) for v, r in zip(values, returned, strict=True))
+            # A logged number becomes a tensor of the default dtype in self.log, as on one device.
+            dtype = torch.get_default_dtype() if isinstance(values[0], float) else None
             if weights is not None and copies:
-                return combine_losses([v.detach() for v in values], weights, self.root_device)
+                return combine_losses([r.detach() for r in returned], weights, self.root_device).to(dtype)
             if copies and hook == "training_step":  # the training loss itself: combined once, for both
-                return self._combine(sizes, None, returned).detach()
+                return self._combine(sizes, None, returned).detach().to(dtype)
             sources = returned if copies else values  # a detached copy merges as the loss it copies
             combined = self._by_record(hook, sources, sizes, calls)
             return None if combined is None else combined.detach()
@@ -288,6 +290,11 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         if self.collectives is None:
             return lightning_collectives(type(module))
         return "collectives=True" if self.collectives else None
+
+
+def _its_value(value: Any, loss: Any) -> bool:
+    """Whether a logged Python number is the returned loss's value (``loss.item()``: the step has read it already)."""
+    return isinstance(value, float) and isinstance(loss, Tensor) and loss.numel() == 1 and value == loss.item()
 
 
 def _returned_loss(output: Any) -> Any:

@@ -17,6 +17,7 @@ from torch import Tensor
 from torchmetrics import Metric
 
 from lightning_mgpu.parallel.loss_calls import unfollowed, unfollowed_message
+from lightning_mgpu.parallel.loss_graph import read_loss
 from lightning_mgpu.parallel.reduce import stack_scalars, weighted_mean
 from lightning_mgpu.parallel.scatter_gather import iter_tensors
 from lightning_mgpu.strategies.loader_batch import step_sample_counts
@@ -93,14 +94,56 @@ def merge_and_log(
             if len(entries) == 1 < len(recorders):  # behind is_global_zero
                 entries, values = _logged_alone(name, entries[0], outputs, alone)
             copy = loss_copy(values) if loss_copy is not None and len(entries) == len(recorders) else None
-            if copy is None and (op := next(filter(None, map(unfollowed, values)), None)):
-                strategy = root.trainer.strategy
-                strategy._warn_once(f"unfollowed:{name}", unfollowed_message(strategy, root, name, op))
+            if copy is None:
+                _say_unexplained(root, name, values, options)
         sizes = [call.options.get("batch_size") for _, call in entries]
         counts = [sample_counts[index] for index, _ in entries]
         value, options = _merge_values(name, values, sizes, counts, options, copy, loader_batch=loader_batch)
         root.log(name, value, **options)
     return alone
+
+
+def _say_unexplained(root: Any, name: str, values: list[Any], options: dict[str, Any]) -> None:
+    """Said once per name: a value made from a loss call by an operation evaluation does not follow, or in training
+    a mean whose autograd record the reader cannot explain (``torch.exp(loss)``, ``logits.std()``) where the devices'
+    values differ (a norm of the weights is alike on every device), is merged as a per-sample mean."""
+    op = next(filter(None, map(unfollowed, values)), None)
+    graphs = all(isinstance(v, Tensor) and v.grad_fn is not None and v.numel() == 1 for v in values)
+    if op is None and not (graphs and _REDUCE_FX.get(options["reduce_fx"]) == "mean"):
+        return
+    strategy, key = root.trainer.strategy, f"unfollowed:{name}"
+    if key in strategy._announced:
+        return
+    if op is not None:
+        strategy._warn_once(key, unfollowed_message(strategy, root, name, op))
+    elif (node := _unexplained(values)) is not None:
+        strategy._warn_once(key, unexplained_message(strategy, root, name, node))
+    else:
+        strategy._announced.add(key)  # read, or alike on every device: said never, read no more
+
+
+def _unexplained(values: list[Tensor]) -> str | None:
+    """The node a training value's autograd record stops at, where the devices' values of it differ."""
+    try:
+        record = read_loss(values[0])
+    except RuntimeError:  # its graph was freed by a backward pass in the step (manual optimization)
+        return None
+    if record is None or record.unknown is None:
+        return None
+    first = values[0].detach()
+    return None if all(torch.equal(first, v.detach().to(first.device)) for v in values[1:]) else record.unknown
+
+
+def unexplained_message(strategy: Any, module: Any, name: str, node: str) -> str:
+    hook = module._current_fx_name
+    return (
+        f"{strategy.strategy_name}: {name!r}, logged in `{hook}`, was made through `{node}`, which its autograd record "
+        "does not explain as a mean, a sum or a loss function's mean, so the devices' values of it are merged as a "
+        "per-sample mean: one device's value only if it is a per-sample mean itself (a function of the batch's mean, "
+        "as torch.exp(loss) or a root of a mean square, is not). For one device's value, log a torchmetrics metric "
+        "held by the module (its states merge exactly: e.g. MeanSquaredError(squared=False), "
+        "text.Perplexity), or use strategy='dp'."
+    )
 
 
 def _require_same_options(name: str, entries: list[tuple[int, LogCall]]) -> None:
