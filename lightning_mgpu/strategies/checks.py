@@ -379,6 +379,38 @@ def held_objects_message(owner: str, changes: Sequence[HeldChange], replicas: in
 _ON_ROOT = "in `on_train_batch_end` / `on_validation_batch_end` (once, on the root, with the gathered outputs)"
 
 
+def diverged_buffers(replicas: Sequence[nn.Module]) -> list[str]:
+    """Buffers (BatchNorm's statistics aside) that a call changed differently on the replicas, synced alike before
+    it: updated from each shard (an EMA of inputs in ``forward``, DINO's center)."""
+    others = [dict(replica.named_buffers()) for replica in replicas[1:]]
+    statistics = {
+        f"{path}.{name}".lstrip(".")
+        for path, module in replicas[0].named_modules()
+        if isinstance(module, nn.modules.batchnorm._BatchNorm)
+        for name, _ in module.named_buffers(recurse=False)
+    }
+    return [
+        name
+        for name, buffer in replicas[0].named_buffers()
+        if name not in statistics
+        and not all(torch.equal(buffer, other[name].to(buffer.device)) for other in others if name in other)
+    ]
+
+
+def diverged_buffers_message(strategy: str, hook: str, names: list[str], step_per_replica: bool) -> str:
+    fix = (
+        "compute the update from the whole batch (`self.all_gather(...)`, or `torch.distributed.all_reduce` of the "
+        "batch statistic, as DINO's update_center does: it runs across the replicas here)"
+        if step_per_replica
+        else "update it in `training_step` from the gathered outputs (the step runs once, on the root)"
+    )
+    return (
+        f"{strategy}: buffer(s) {', '.join(f'`{n}`' for n in names)} changed differently on each replica during "
+        f"`{hook}` (each updated from its shard, e.g. an average of inputs in forward): the module keeps replica 0's, "
+        f"where one device updates it from the whole batch. For one device's value, {fix}."
+    )
+
+
 class StepChecks:
     """Around the first two replicated calls of each hook, what the call did that one device would not: held objects
     changed, tensors written into shared dicts, schedulers stepped (an error), attributes rebound to unequal values."""

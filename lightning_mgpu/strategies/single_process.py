@@ -30,6 +30,8 @@ from lightning_mgpu.strategies.checks import (
     StepChecks,
     distributed_gather_message,
     distributed_gathers,
+    diverged_buffers,
+    diverged_buffers_message,
     functional_metric_message,
     functional_metrics,
 )
@@ -403,6 +405,9 @@ class SingleProcessParallel:
         if checking:
             others = [rebound_attributes(r, b) for r, b in zip(replica_set.replicas[1:], snapshots[1:], strict=False)]
             self._checks.after(hook, kept, others, manual=manual, interleaved=interleaved)
+            if names := diverged_buffers(replica_set.replicas[:count]):
+                message = diverged_buffers_message(self.strategy_name, hook, names, self._STEP_PER_REPLICA)
+                self._warn_once(f"buffers:{','.join(names)}", message)
         copy = loss_copy(outputs) if loss_copy is not None else None
         if alone := replicas.merge_into(root, sample_counts, copy, outputs):
             self._warn_once(f"logged alone:{hook}", self._alone_message(hook, alone, sample_counts))

@@ -703,3 +703,64 @@ def test_a_batch_smaller_than_the_device_count_is_said_once(strategy, caplog):
         f"{strategy}: a batch of 1 sample(s) ran on 1 of the 3 devices (at least one sample per device); "
         "the others had nothing to do."
     ]
+
+
+class _Centered(nn.Module):
+    """A layer that keeps a running center of its outputs, updated in ``forward`` (DINO's center), and a counter of
+    its calls (alike on every replica)."""
+
+    def __init__(self, from_batch: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.norm = nn.BatchNorm1d(3)
+        self.from_batch = from_batch
+        self.register_buffer("center", torch.zeros(3))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.norm(self.lin(x))
+        if self.training:
+            with torch.no_grad():
+                self.calls += 1
+                if self.from_batch:
+                    self.center.mul_(0.9).add_(0.1 * out.mean(0))
+        return out - self.center
+
+
+class _CenteredModule(L.LightningModule):
+    def __init__(self, from_batch: bool) -> None:
+        super().__init__()
+        self.net = _Centered(from_batch)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("strategy", ["parallel_criterion", "dp"])
+@pytest.mark.parametrize("from_batch", [True, False])
+def test_a_buffer_updated_from_each_shard_in_forward_is_said_once(strategy: str, from_batch: bool, tmp_path: Any):
+    """An average of the outputs updated in ``forward`` differs per replica (the root keeps replica 0's): said once,
+    naming the buffer; a counter, alike on every replica, and BatchNorm's statistics (synchronised) are not."""
+    g = torch.Generator().manual_seed(4)
+    x, y = torch.randn(14, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (14,), generator=g)
+    module = _CenteredModule(from_batch).double()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=2, default_root_dir=tmp_path)
+        trainer.fit(module, DataLoader(TensorDataset(x, y), batch_size=7))
+    said = [str(w.message) for w in seen if "buffer(s)" in str(w.message)]
+    if from_batch:
+        (message,) = said
+        assert "`net.center`" in message and "calls" not in message and "norm" not in message
+        assert ("all_gather" in message) == (strategy == "parallel_criterion")
+    else:
+        assert said == []
