@@ -95,7 +95,7 @@ class _Merger:
             return None
         if isinstance(first, PerSample):
             _check_kind(outputs, path, PerSample, "a PerSample list")
-            return PerSample(move_to(item, self.device) for o in outputs for item in o)
+            return self._concat(outputs)
         if isinstance(first, (Tensor, np.ndarray)):
             _check_kind(outputs, path)
             return self._arrays(outputs, path) if first.ndim else self._scalars(outputs, path)
@@ -189,16 +189,19 @@ class _Merger:
             )
         return False
 
+    def _concat(self, outputs: list[Sequence[Any]]) -> Any:
+        return type(outputs[0])(move_to(x, self.device) for o in outputs for x in o)
+
     def _sequence(self, outputs: list[Any], path: str) -> Any:
+        """Per-sample lists concatenated in batch order: plain items (ids) where the counts or shapes differ, rows of
+        strings unless every device returns the same, what :meth:`_per_sample` says; else merged item by item."""
         first = outputs[0]
         plain_lists = all(isinstance(o, list) for o in outputs) and not any(map(contains_tensor, outputs))
         same_shape = all(type(o) is type(first) and len(o) == len(first) for o in outputs)
-        if plain_lists and (self.sizes is None or not same_shape):  # plain items (ids): one list in batch order
-            return [x for o in outputs for x in o]
-        if not is_namedtuple(first) and self._per_sample(outputs):
-            return type(first)(move_to(x, self.device) for o in outputs for x in o)
-        if plain_lists and all(isinstance(x, str) for o in outputs for x in o) and not all_equal(outputs):
-            return [x for o in outputs for x in o]  # rows of strings (ids of selected samples): as many on each device
+        strings = all(isinstance(x, str) for o in outputs for x in o) and not all_equal(outputs)
+        rows = plain_lists and (self.sizes is None or not same_shape or strings)
+        if rows or (not is_namedtuple(first) and self._per_sample(outputs)):
+            return self._concat(outputs)
         return self._fields(outputs, path) if same_shape else ReplicaValues(outputs)
 
     def _per_sample(self, outputs: list[Sequence[Any]]) -> bool:

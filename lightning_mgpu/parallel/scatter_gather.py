@@ -76,8 +76,8 @@ def labelled(path: str, obj: Any) -> list[tuple[str, Any]]:
 
 
 def iter_nodes(obj: Any, path: str = "batch", closed: Callable[[Any], bool] | None = None) -> Iterator[tuple[str, Any]]:
-    """``(key path, node)`` for ``obj`` and everything in it, outermost first, paths as errors print them
-    (``batch['mask']``, ``output.logits``); a node for which ``closed(node)`` is True is not opened."""
+    """``(key path, node)`` for ``obj`` and everything in it, outermost first (``batch['mask']``, ``output.logits``);
+    a node for which ``closed(node)`` is True is not opened."""
     stack = [(path, obj)]
     while stack:
         path, node = stack.pop()
@@ -104,9 +104,9 @@ def rebuild(template: Any, values: Sequence[Any] | Mapping[str, Any]) -> Any:
         return kind(*values)
     if isinstance(template, defaultdict):
         return defaultdict(template.default_factory, values)
-    if is_dataclass_instance(template) and isinstance(template, Mapping):  # transformers ModelOutput
-        return kind(**values)
     if is_dataclass_instance(template):
+        if isinstance(template, Mapping):  # transformers ModelOutput
+            return kind(**values)
         fields = list(zip(dataclasses.fields(template), values, strict=True))
         obj = kind(**{f.name: v for f, v in fields if f.init})
         for f, v in fields:
@@ -550,12 +550,11 @@ class _Split:
                 self.whole.append((leaf, f"has no dimension {dim} to split"))
             return [leaf.to(d) for d in targets[:n]]
         if isinstance(leaf, (list, tuple)):  # a PerSample, one item per sample, or plain items (ids): by item
-            parts = [leaf[a:b] for a, b in zip([0, *self.bounds], [*self.bounds, self.size], strict=True)]
-            if isinstance(leaf, PerSample):
-                return [PerSample(move_to(part, d)) for part, d in zip(parts, targets, strict=False)]
-            return (
-                [move_to(part, d) for part, d in zip(parts, targets, strict=False)] if id(leaf) in self.items else parts
-            )
+            parts = [
+                rebuild(leaf, leaf[a:b]) for a, b in zip([0, *self.bounds], [*self.bounds, self.size], strict=True)
+            ]
+            moved = isinstance(leaf, PerSample) or id(leaf) in self.items  # plain items stay as they are
+            return [move_to(part, d) if moved else part for part, d in zip(parts, targets, strict=False)]
         if is_shared_state(leaf):
             raise SharedStateError(
                 f"Cannot split inputs that hold a {type(leaf).__name__}: every replica would change that one object "
@@ -611,9 +610,8 @@ def gather(outputs: Sequence[Any], target_device: DeviceLike, dim: int = 0) -> A
         return torch.cat([t.to(device) for t in outputs], dim=dim)
     if first is None:
         return None
+    if isinstance(first, dict) and not all(len(first) == len(d) for d in outputs):
+        raise ValueError("All dicts must have the same number of keys")
     if isinstance(first, dict):
-        if not all(len(first) == len(d) for d in outputs):
-            raise ValueError("All dicts must have the same number of keys")
-        return type(first)((k, gather([d[k] for d in outputs], device, dim)) for k in first)
-    items = (gather(values, device, dim) for values in zip(*outputs, strict=True))
-    return type(first)._make(items) if is_namedtuple(first) else type(first)(items)
+        return rebuild(first, {k: gather([d[k] for d in outputs], device, dim) for k in first})
+    return rebuild(first, [gather(values, device, dim) for values in zip(*outputs, strict=True)])
