@@ -58,11 +58,9 @@ def merge_outputs(
     """Merge per-replica ``outputs`` on ``device`` as one device would have returned them (differentiable).
 
     ``sizes``: each replica's sample count (read from its tensors when omitted). ``weights``: per value path (as
-    error messages print it, e.g. ``"output['loss']"``), the weights to average that scalar with instead of the
-    sample counts, ``"sum"`` to add the replicas' values, or the merged value itself (a tensor: a loss its record
-    combined). Integers that differ between replicas, or equal their sample counts, are counts and add up (one device
-    counts the whole batch); the same integer on every replica is kept (a constant passed whole), unless ``counts``
-    says every integer is a count (a step's ``correct``, which may be equal on every shard).
+    messages print it, ``"output['loss']"``), the weights to average that scalar with instead of the sample counts,
+    ``"sum"``, or the merged value itself (a loss its record combined). ``counts``: every integer is a count, summed
+    (a step's ``correct``); else only integers that differ or equal the sample counts are, and a constant is kept.
     """
     if isinstance(outputs, (Tensor, Mapping, str)) or not isinstance(outputs, Sequence):
         raise TypeError(
@@ -205,9 +203,8 @@ class _Merger:
         return self._fields(outputs, path) if same_shape else ReplicaValues(outputs)
 
     def _per_sample(self, outputs: list[Sequence[Any]]) -> bool:
-        """A list or tuple with one item per sample on every replica, not a fixed structure such as ``(preds, y)``:
-        lengths equal to sample counts that differ between replicas settle it; else strings (and in lists, numbers)
-        are per-sample, records are unless every tensor in them is batched, tensors are when ragged."""
+        """One item per sample on every replica, not a fixed structure such as ``(preds, y)``: strings, numbers in
+        lists, records unless every tensor in them is batched, ragged tensors; any items where the counts differ."""
         sizes, dim = self.sizes, self.dim
         if sizes is None or any(len(o) != n for o, n in zip(outputs, sizes, strict=True)):
             return False
@@ -225,8 +222,7 @@ class _Merger:
 
 
 def all_equal(values: Sequence[Any]) -> bool:
-    """Whether every value equals the first (arrays of one type and shape element-wise; by identity where ``==``
-    fails)."""
+    """Whether every value equals the first (arrays element-wise; by identity where ``==`` fails)."""
     first, rest = values[0], values[1:]
     try:
         if isinstance(first, (Tensor, np.ndarray)):
