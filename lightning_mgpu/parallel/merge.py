@@ -150,14 +150,13 @@ class _Merger:
         return np.concatenate(outputs, axis=dim)
 
     def _scalars(self, outputs: list[Any], path: str) -> Any:
-        tensors = any(isinstance(o, Tensor) for o in outputs)
+        tensors, weights = any(isinstance(o, Tensor) for o in outputs), self.weights.get(path, self.sizes)
         if path not in self.weights and all(map(_is_count, outputs)) and self._counts(outputs, path):
-            return _stack(outputs, self.device).sum() if tensors else sum(outputs)  # each shard's count: one device's
-        if all_equal(outputs):
+            weights = "sum"  # each shard's count: one device's is their sum
+        elif all_equal(outputs):
             return outputs[0]
-        if all(isinstance(o, bool) for o in outputs):
+        elif all(isinstance(o, bool) for o in outputs):
             return ReplicaValues(outputs)
-        weights = self.weights.get(path, self.sizes)
         if isinstance(weights, Tensor):  # the caller's merged value (a loss combined by its rule)
             return weights
         if isinstance(weights, str):  # "sum": a sum over each replica's samples

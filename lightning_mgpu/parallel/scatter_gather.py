@@ -538,9 +538,8 @@ class _Split:
                 self.whole.append((leaf, f"has no dimension {dim} to split"))
             return [leaf.to(d) for d in targets[:n]]
         if isinstance(leaf, (list, tuple)):  # a PerSample, one item per sample, or plain items (ids): by item
-            parts = [
-                rebuild(leaf, leaf[a:b]) for a, b in zip([0, *self.bounds], [*self.bounds, self.size], strict=True)
-            ]
+            cuts = zip([0, *self.bounds], [*self.bounds, self.size], strict=True)
+            parts = [PerSample(leaf[a:b]) if isinstance(leaf, PerSample) else leaf[a:b] for a, b in cuts]
             moved = isinstance(leaf, PerSample) or id(leaf) in self.items  # plain items stay as they are
             return [move_to(part, d) if moved else part for part, d in zip(parts, targets, strict=False)]
         if is_shared_state(leaf):
