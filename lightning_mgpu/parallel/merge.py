@@ -58,11 +58,9 @@ def merge_outputs(
     """Merge per-replica ``outputs`` on ``device`` as one device would have returned them (differentiable).
 
     ``sizes``: each replica's sample count (read from its tensors when omitted). ``weights``: per value path (as
-    error messages print it, e.g. ``"output['loss']"``), the weights to average that scalar with instead of the
-    sample counts, ``"sum"`` to add the replicas' values, or the merged value itself (a tensor: a loss its record
-    combined). Integers that differ between replicas, or equal their sample counts, are counts and add up (one device
-    counts the whole batch); the same integer on every replica is kept (a constant passed whole), unless ``counts``
-    says every integer is a count (a step's ``correct``, which may be equal on every shard).
+    messages print it, ``"output['loss']"``), the weights to average that scalar with instead of the sample counts,
+    ``"sum"``, or the merged value itself (a loss its record combined). ``counts``: every integer is a count, summed
+    (a step's ``correct``); else only integers that differ or equal the sample counts are, and a constant is kept.
     """
     if isinstance(outputs, (Tensor, Mapping, str)) or not isinstance(outputs, Sequence):
         raise TypeError(
@@ -95,7 +93,7 @@ class _Merger:
             return None
         if isinstance(first, PerSample):
             _check_kind(outputs, path, PerSample, "a PerSample list")
-            return PerSample(move_to(item, self.device) for o in outputs for item in o)
+            return self._concat(outputs)
         if isinstance(first, (Tensor, np.ndarray)):
             _check_kind(outputs, path)
             return self._arrays(outputs, path) if first.ndim else self._scalars(outputs, path)
@@ -152,14 +150,13 @@ class _Merger:
         return np.concatenate(outputs, axis=dim)
 
     def _scalars(self, outputs: list[Any], path: str) -> Any:
-        tensors = any(isinstance(o, Tensor) for o in outputs)
+        tensors, weights = any(isinstance(o, Tensor) for o in outputs), self.weights.get(path, self.sizes)
         if path not in self.weights and all(map(_is_count, outputs)) and self._counts(outputs, path):
-            return _stack(outputs, self.device).sum() if tensors else sum(outputs)  # each shard's count: one device's
-        if all_equal(outputs):
+            weights = "sum"  # each shard's count: one device's is their sum
+        elif all_equal(outputs):
             return outputs[0]
-        if all(isinstance(o, bool) for o in outputs):
+        elif all(isinstance(o, bool) for o in outputs):
             return ReplicaValues(outputs)
-        weights = self.weights.get(path, self.sizes)
         if isinstance(weights, Tensor):  # the caller's merged value (a loss combined by its rule)
             return weights
         if isinstance(weights, str):  # "sum": a sum over each replica's samples
@@ -189,22 +186,24 @@ class _Merger:
             )
         return False
 
+    def _concat(self, outputs: list[Sequence[Any]]) -> Any:
+        return type(outputs[0])(move_to(x, self.device) for o in outputs for x in o)
+
     def _sequence(self, outputs: list[Any], path: str) -> Any:
+        """Per-sample lists concatenated in batch order: plain items (ids) where the counts or shapes differ, rows of
+        strings unless every device returns the same, what :meth:`_per_sample` says; else merged item by item."""
         first = outputs[0]
         plain_lists = all(isinstance(o, list) for o in outputs) and not any(map(contains_tensor, outputs))
         same_shape = all(type(o) is type(first) and len(o) == len(first) for o in outputs)
-        if plain_lists and (self.sizes is None or not same_shape):  # plain items (ids): one list in batch order
-            return [x for o in outputs for x in o]
-        if not is_namedtuple(first) and self._per_sample(outputs):
-            return type(first)(move_to(x, self.device) for o in outputs for x in o)
-        if plain_lists and all(isinstance(x, str) for o in outputs for x in o) and not all_equal(outputs):
-            return [x for o in outputs for x in o]  # rows of strings (ids of selected samples): as many on each device
+        strings = all(isinstance(x, str) for o in outputs for x in o) and not all_equal(outputs)
+        rows = plain_lists and (self.sizes is None or not same_shape or strings)
+        if rows or (not is_namedtuple(first) and self._per_sample(outputs)):
+            return self._concat(outputs)
         return self._fields(outputs, path) if same_shape else ReplicaValues(outputs)
 
     def _per_sample(self, outputs: list[Sequence[Any]]) -> bool:
-        """A list or tuple with one item per sample on every replica, not a fixed structure such as ``(preds, y)``:
-        lengths equal to sample counts that differ between replicas settle it; else strings (and in lists, numbers)
-        are per-sample, records are unless every tensor in them is batched, tensors are when ragged."""
+        """One item per sample on every replica, not a fixed structure such as ``(preds, y)``: strings, numbers in
+        lists, records unless every tensor in them is batched, ragged tensors; any items where the counts differ."""
         sizes, dim = self.sizes, self.dim
         if sizes is None or any(len(o) != n for o, n in zip(outputs, sizes, strict=True)):
             return False
@@ -222,8 +221,7 @@ class _Merger:
 
 
 def all_equal(values: Sequence[Any]) -> bool:
-    """Whether every value equals the first (arrays of one type and shape element-wise; by identity where ``==``
-    fails)."""
+    """Whether every value equals the first (arrays element-wise; by identity where ``==`` fails)."""
     first, rest = values[0], values[1:]
     try:
         if isinstance(first, (Tensor, np.ndarray)):

@@ -76,8 +76,7 @@ def labelled(path: str, obj: Any) -> list[tuple[str, Any]]:
 
 
 def iter_nodes(obj: Any, path: str = "batch", closed: Callable[[Any], bool] | None = None) -> Iterator[tuple[str, Any]]:
-    """``(key path, node)`` for ``obj`` and everything in it, outermost first, paths as errors print them
-    (``batch['mask']``, ``output.logits``); a node for which ``closed(node)`` is True is not opened."""
+    """``(key path, node)`` for ``obj`` and everything in it, outermost first, but inside ``closed`` nodes."""
     stack = [(path, obj)]
     while stack:
         path, node = stack.pop()
@@ -95,8 +94,7 @@ def contains_tensor(obj: Any) -> bool:
 
 
 def rebuild(template: Any, values: Sequence[Any] | Mapping[str, Any]) -> Any:
-    """A container of ``template``'s type holding ``values`` (a mapping for mappings); a subclass with another
-    constructor becomes its base type."""
+    """A container of ``template``'s type holding ``values`` (a mapping for mappings), else of its base type."""
     kind = type(template)
     if kind in (list, tuple, dict):
         return kind(values)
@@ -104,9 +102,9 @@ def rebuild(template: Any, values: Sequence[Any] | Mapping[str, Any]) -> Any:
         return kind(*values)
     if isinstance(template, defaultdict):
         return defaultdict(template.default_factory, values)
-    if is_dataclass_instance(template) and isinstance(template, Mapping):  # transformers ModelOutput
-        return kind(**values)
     if is_dataclass_instance(template):
+        if isinstance(template, Mapping):  # transformers ModelOutput
+            return kind(**values)
         fields = list(zip(dataclasses.fields(template), values, strict=True))
         obj = kind(**{f.name: v for f, v in fields if f.init})
         for f, v in fields:
@@ -174,19 +172,17 @@ def agreed_size(obj: Any, dim: int = 0) -> int | None:
 
 def _sized(roots: Roots, dim: int, items: Collection[int] = ()) -> tuple[list[tuple[str, list[Any]]], Paths]:
     """The PerSample lists and tensors in the roots, with key paths (sequences whose id is in ``items`` shut)."""
-    marked, tensors = [], []
-    for root, obj in roots:
-        for path, node in iter_nodes(obj, root, lambda n: isinstance(n, PerSample) or id(n) in items):
-            if isinstance(node, (PerSample, Tensor)):
-                (marked if isinstance(node, PerSample) else tensors).append((path, node))
-    return marked, tensors
+    nodes = [
+        (p, n) for r, v in roots for p, n in iter_nodes(v, r, lambda n: isinstance(n, PerSample) or id(n) in items)
+    ]
+    return [(p, n) for p, n in nodes if isinstance(n, PerSample)], [(p, n) for p, n in nodes if isinstance(n, Tensor)]
 
 
 def roots_batch_size(
     roots: Roots, dim: int = 0, what: str = "no tensor argument", *, samples: Sequence[int] = ()
 ) -> int:
-    """The length of the PerSample lists, else the size along ``dim`` that every tensor having it shares; else a
-    :class:`BatchSplitError` naming two parts that disagree, with the fix (``samples``: the DataLoader's counts)."""
+    """The size along ``dim`` that every PerSample list and tensor having it shares; else an error naming two parts that
+    disagree, with the fix (``samples``: the DataLoader's counts)."""
     sizes = set().union(*(_add_sizes(obj, dim, set()) for _, obj in roots))
     if len(sizes) == 1 and 0 not in sizes:
         return sizes.pop()
@@ -218,10 +214,6 @@ def _plain(obj: Any) -> bool:
     return isinstance(obj, (list, tuple)) and not is_namedtuple(obj) and bool(obj)
 
 
-def _strings(obj: Any) -> bool:
-    return _plain(obj) and all(isinstance(x, str) for x in obj)
-
-
 def _plain_items(obj: Any) -> bool:
     """A list or tuple of plain items only (ids, strings, numbers): no container, no tensor."""
     if not isinstance(obj, (list, tuple)) or is_namedtuple(obj):
@@ -235,13 +227,12 @@ def _per_sample_list(obj: Any, size: int) -> bool:
     if not _plain(obj) or len(obj) != size:
         return False
     if isinstance(obj, tuple):
-        return _strings(obj)
+        return all(isinstance(x, str) for x in obj)
     return not all(_plain(item) and len(item) == size for item in obj) and not contains_tensor(obj)
 
 
 def _outline(obj: Any) -> Any:
-    """A hashable outline (containers' types and keys, tensors' numbers of dimensions, other leaves' types; a sequence
-    of plain items whatever its length), which the samples of one data set share."""
+    """A hashable outline (types, keys, tensors' numbers of dimensions), which the samples of one data set share."""
     children = _children(obj)
     if children is None or _plain_items(obj):
         return (Tensor, obj.dim()) if isinstance(obj, Tensor) else type(obj) if children is None else (type(obj), "")
@@ -266,10 +257,9 @@ def _one_outline(seq: Any) -> bool:
 
 
 def _samples_sequence(seq: Any, count: int, dim: int, counts: Sequence[int]) -> bool:
-    """Whether ``seq`` holds one item per sample of a batch of ``count``: ``count`` items of one outline, holding
-    tensors, that are not batches of any of the DataLoader's ``counts`` themselves (a full batch's two stacked views
-    are no last batch of two samples): no tensor item is, and not every container item is (a detection target may
-    hold as many boxes as the batch has samples). A tuple of such sequences is ``zip(*batch)``'s per-field tuples."""
+    """``count`` items of one outline, holding tensors, not batches of the DataLoader's ``counts`` themselves (a full
+    batch's two stacked views; a detection target may hold as many boxes as the batch has samples, so not every
+    container item); not a tuple of such sequences (``zip(*batch)``'s per-field tuples, opened)."""
     if not isinstance(seq, (list, tuple)) or len(seq) != count or not _one_outline(seq):
         return False
     batched = (any(_batched(item, n, dim) for n in counts) for item in seq)
@@ -288,8 +278,7 @@ def _find_samples(obj: Any, path: str, count: int, dim: int, counts: Sequence[in
 
 
 def _sample_items(roots: Roots, dim: int, samples: Sequence[int]) -> list[tuple[str, Any]]:
-    """The outermost sequences holding one item per sample, for the first of the DataLoader's counts that any does;
-    none where none does. A tensor or PerSample list that disagrees with that count is refused."""
+    """The outermost sequences holding one item per sample of the first of the DataLoader's counts that any does."""
     for count in samples:
         found = [hit for root, obj in roots for hit in _find_samples(obj, root, count, dim, samples)]
         if not found:
@@ -459,8 +448,7 @@ def split_batch(
     samples: Sequence[int] = (),
 ) -> tuple[list[Any], list[int]]:
     """``(chunks, sizes)``: ``obj`` split into one chunk per device, moved there (differentiably); fewer chunks for a
-    smaller batch. ``sizes`` imposes the chunk sizes. ``samples``: the DataLoader's counts (its batch size, then its
-    last batch's): a sequence of that many items of one outline is split by item."""
+    smaller batch. ``sizes`` imposes the chunk sizes; ``samples``: the DataLoader's counts (batch, last batch)."""
     (chunks,), sizes = _split_roots([("batch", obj)], devices, dim, batch_size, sizes, type(obj).__name__, samples)
     return chunks, sizes
 
@@ -479,9 +467,9 @@ def split_arguments(
     """:func:`split_batch` for call arguments (one batch size): per-device args and kwargs, and the sizes."""
     roots = argument_roots(args, kwargs, names)
     chunks, sizes = _split_roots(roots, devices, dim, batch_size, sizes, "no tensor argument", samples)
-    per_device = [[c[i] for c in chunks] for i in range(len(sizes))]  # each device's chunk of every argument
+    per_device = list(zip(*chunks, strict=True)) or [()] * len(sizes)  # each device's chunk of every argument
     n = len(args)
-    return [tuple(c[:n]) for c in per_device], [dict(zip(kwargs, c[n:], strict=True)) for c in per_device], sizes
+    return [c[:n] for c in per_device], [dict(zip(kwargs, c[n:], strict=True)) for c in per_device], sizes
 
 
 def _split_roots(
@@ -494,8 +482,8 @@ def _split_roots(
     samples: Sequence[int] = (),
     plain_lists: bool = True,
 ) -> tuple[list[list[Any]], list[int]]:
-    """Each root's chunks, split with one batch size, and the chunk sizes. A given ``batch_size`` serves when nothing
-    tells it (a list of ids). ``plain_lists=False``: plain lists go whole to every chunk (torch's ``scatter``)."""
+    """Each root's chunks and the chunk sizes; ``batch_size`` serves when nothing tells it (a list of ids).
+    ``plain_lists=False``: plain lists go whole to every chunk (torch's ``scatter``)."""
     found = _sample_items(roots, dim, samples) if plain_lists and samples else []
     try:
         size = len(found[0][1]) if found else roots_batch_size(roots, dim, what, samples=samples)
@@ -550,12 +538,10 @@ class _Split:
                 self.whole.append((leaf, f"has no dimension {dim} to split"))
             return [leaf.to(d) for d in targets[:n]]
         if isinstance(leaf, (list, tuple)):  # a PerSample, one item per sample, or plain items (ids): by item
-            parts = [leaf[a:b] for a, b in zip([0, *self.bounds], [*self.bounds, self.size], strict=True)]
-            if isinstance(leaf, PerSample):
-                return [PerSample(move_to(part, d)) for part, d in zip(parts, targets, strict=False)]
-            return (
-                [move_to(part, d) for part, d in zip(parts, targets, strict=False)] if id(leaf) in self.items else parts
-            )
+            cuts = zip([0, *self.bounds], [*self.bounds, self.size], strict=True)
+            parts = [PerSample(leaf[a:b]) if isinstance(leaf, PerSample) else leaf[a:b] for a, b in cuts]
+            moved = isinstance(leaf, PerSample) or id(leaf) in self.items  # plain items stay as they are
+            return [move_to(part, d) if moved else part for part, d in zip(parts, targets, strict=False)]
         if is_shared_state(leaf):
             raise SharedStateError(
                 f"Cannot split inputs that hold a {type(leaf).__name__}: every replica would change that one object "
@@ -576,7 +562,15 @@ def split_or_run_once(split: Callable[[], T], roots: Roots) -> T | None:
     except SharedStateError:
         return None
     except NothingToSplitError:
-        strings = next(((p, n) for root, v in roots for p, n in iter_nodes(v, root) if _strings(n)), None)
+        strings = next(
+            (
+                (p, n)
+                for root, v in roots
+                for p, n in iter_nodes(v, root)
+                if _plain(n) and all(isinstance(x, str) for x in n)
+            ),
+            None,
+        )
     if strings is not None:
         raise BatchSplitError(
             f"Cannot split the batch: it holds no tensor with a batch dimension, only {strings[0]}, a sequence of "
@@ -611,9 +605,8 @@ def gather(outputs: Sequence[Any], target_device: DeviceLike, dim: int = 0) -> A
         return torch.cat([t.to(device) for t in outputs], dim=dim)
     if first is None:
         return None
+    if isinstance(first, dict) and not all(len(first) == len(d) for d in outputs):
+        raise ValueError("All dicts must have the same number of keys")
     if isinstance(first, dict):
-        if not all(len(first) == len(d) for d in outputs):
-            raise ValueError("All dicts must have the same number of keys")
-        return type(first)((k, gather([d[k] for d in outputs], device, dim)) for k in first)
-    items = (gather(values, device, dim) for values in zip(*outputs, strict=True))
-    return type(first)._make(items) if is_namedtuple(first) else type(first)(items)
+        return rebuild(first, {k: gather([d[k] for d in outputs], device, dim) for k in first})
+    return rebuild(first, [gather(values, device, dim) for values in zip(*outputs, strict=True)])
