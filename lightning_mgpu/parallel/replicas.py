@@ -498,7 +498,8 @@ class ReplicaSet:
         self._owning = False
         self._queued = False
         self._queue_lock = threading.Lock()
-        self._run: _Run | None = None  # between prepare() and watch()
+        self._stop_recording: Callable[[], Any] | None = None  # between prepare() and watch()
+        self._rebound: set[tuple[int, int, str]] = set()  # (replica, position, buffer name) the step rebound
         self._build()
 
     # --- build -------------------------------------------------------------------------------------------------------
@@ -642,7 +643,8 @@ class ReplicaSet:
                 self._point(i, flat.leaves[i])
             self._pointed[i] = not (linked or linked_buffers)
         if not linked:
-            self._run = _Run(self._places)
+            self._rebound = set()
+            self._stop_recording = _record(self, self._places, self._rebound)
         return self.replicas[:n]
 
     def _new_flat(self, buffers: list[Tensor]) -> None:
@@ -668,11 +670,11 @@ class ReplicaSet:
 
     def _end_run(self, adopt: bool) -> None:
         """Stop recording the run in progress; ``adopt``: buffers it rebound take replica 0's value."""
-        run, self._run = self._run, None
-        if run is not None:
-            run.stop()
-            if adopt and run.rebound:
-                self._adopt_buffers(run.rebound)
+        stop, self._stop_recording = self._stop_recording, None
+        if stop is not None:
+            stop()
+            if adopt and self._rebound:
+                self._adopt_buffers(self._rebound)
 
     def watch(self, outputs: Sequence[Any]) -> None:
         """Reduce the replicas' gradients onto the originals after any backward pass that reaches ``outputs`` (this
@@ -772,17 +774,23 @@ class ReplicaSet:
         replica. One ``==`` of every watched dict against its copy settles the common case (no change)."""
         if _same(self._live, self._saved):
             return
-        for k in range(len(self._originals)):
-            attrs, params, buffers, children = self._live[4 * k : 4 * k + 4]
-            saved = self._saved[4 * k : 4 * k + 4]
-            same_structure = _same(params, saved[1]) and _same(buffers, saved[2]) and _same(children, saved[3])
-            if same_structure and _same(attrs, saved[0]):
+        for k, original in enumerate(self._originals):
+            live, (before, *saved) = self._live[4 * k : 4 * k + 4], self._saved[4 * k : 4 * k + 4]
+            if _same(live, [before, *saved]):
                 continue
-            if not same_structure or attrs.get("_compiled_call_impl") is not saved[0].get("_compiled_call_impl"):
+            if not _same(live[1:], saved) or live[0].get("_compiled_call_impl") is not before.get(
+                "_compiled_call_impl"
+            ):
                 self.reduce_gradients()  # what the old replicas accumulated still belongs to the originals
                 self._build()
                 return
-            self._copy_attributes(k, saved[0])
+            changed = rebound_attributes(original, before, self._overrides)
+            removed = [key for key in before if key not in live[0] and key not in self._overrides]
+            for copies in self._copies:
+                copies[k].__dict__.update(self._for_replica(changed, copies))
+                for key in removed:
+                    copies[k].__dict__.pop(key, None)
+            self._saved[4 * k : 4 * k + 4] = [d.copy() for d in live]
 
     def keep_first_replicas(self, before: dict[str, Any]) -> dict[str, Any]:
         """Rebind on the original module what replica 0's root module rebound in its step since ``before`` (a copy of
@@ -791,17 +799,6 @@ class ReplicaSet:
         rebound = rebound_attributes(self._copies[0][0], before, self._overrides)
         self.module.__dict__.update(rebound)
         return rebound
-
-    def _copy_attributes(self, k: int, before: dict[str, Any]) -> None:
-        current = self._originals[k].__dict__
-        changed = rebound_attributes(self._originals[k], before, self._overrides)
-        removed = [key for key in before if key not in current and key not in self._overrides]
-        for copies in self._copies:
-            replica_dict = copies[k].__dict__
-            replica_dict.update(self._for_replica(changed, copies))
-            for key in removed:
-                replica_dict.pop(key, None)
-        self._saved[4 * k : 4 * k + 4] = [d.copy() for d in self._live[4 * k : 4 * k + 4]]
 
     def _for_replica(self, attributes: dict[str, Any], copies: Sequence[nn.Module]) -> dict[str, Any]:
         """``attributes`` for the replica whose modules are ``copies``: :class:`OriginalOnly` values replaced by what
@@ -825,44 +822,36 @@ class ReplicaSet:
         self._flat = ReplicaParameters([], self.devices, self._root)
 
 
-_runs: weakref.WeakSet[_Run] = weakref.WeakSet()  # in progress (replica sets may nest, or run in threads)
-_runs_lock = threading.RLock()  # re-entered by _drop_hook when the collector frees a run inside a locked section
-_hook: list[Any] = []  # torch's buffer registration hook, installed while runs are in progress
-
-
-def _drop_hook(_: object = None) -> None:
-    """Remove the hook once no run is in progress (the last one stopped, or was freed unstopped by the collector)."""
-    with _runs_lock:
-        if _hook and not list(_runs):
-            _hook.pop().remove()
+# Replica modules whose buffer rebinding is recorded -> (the record, replica, position); torch's global buffer
+# registration hook is installed while any are (replica sets may nest, or run in threads).
+_recording: dict[int, tuple[set[tuple[int, int, str]], int, int]] = {}
+_lock = threading.RLock()  # re-entered when the collector frees a replica set inside a locked section
+_hook: list[Any] = []
 
 
 def _on_buffer(module: nn.Module, name: str, value: Tensor | None) -> None:
-    with _runs_lock:
-        runs = list(_runs)
-    for run in runs:
-        place = run.places.get(id(module))
-        if place is not None:
-            run.rebound.add((*place, name))
+    place = _recording.get(id(module))
+    if place is not None:
+        place[0].add((place[1], place[2], name))
 
 
-class _Run:
-    """One step's replicas at work: the buffers they rebind are recorded by torch's global buffer registration hook,
-    installed while runs are in progress."""
+def _record(owner: object, places: dict[int, tuple[int, int]], record: set[tuple[int, int, str]]) -> Callable[[], Any]:
+    """Record into ``record`` the buffers that the modules of ``places`` rebind, until the returned stop is called or
+    ``owner`` is collected."""
+    with _lock:
+        _recording.update({key: (record, i, k) for key, (i, k) in places.items()})
+        if not _hook:
+            _hook.append(register_module_buffer_registration_hook(_on_buffer))
+    return weakref.finalize(owner, _stop, list(places), record)
 
-    def __init__(self, places: dict[int, tuple[int, int]]) -> None:
-        self.places = places
-        self.rebound: set[tuple[int, int, str]] = set()  # (replica, position, buffer name)
-        with _runs_lock:
-            _runs.add(self)
-            self._ref = weakref.ref(self, _drop_hook)
-            if not _hook:
-                _hook.append(register_module_buffer_registration_hook(_on_buffer))
 
-    def stop(self) -> None:
-        with _runs_lock:
-            _runs.discard(self)
-            _drop_hook()
+def _stop(keys: list[int], record: set[tuple[int, int, str]]) -> None:
+    with _lock:
+        for key in keys:
+            if _recording.get(key, (None,))[0] is record:
+                del _recording[key]
+        if _hook and not _recording:
+            _hook.pop().remove()
 
 
 _MISSING = object()
