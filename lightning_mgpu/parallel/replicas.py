@@ -1,4 +1,4 @@
-"""Lasting replicas that own their state as DDP ranks do: copies of a module's tree, built once per device list, whose
+"""Lasting replicas that own their state, as DDP ranks do: copies of a module's tree built once per device list, whose
 parameters and buffers live in flat per-device, per-dtype buffers synced from the root once per optimizer step, and
 whose gradients are reduced once, in a fixed order; the root module is replica 0. A step costs a number of tensor
 operations that does not grow with depth (``nn.DataParallel`` rebuilds its replicas every step)."""
@@ -70,15 +70,14 @@ def replicate(module: nn.Module, devices: Sequence[DeviceLike], detach: bool = F
         return ReplicaSet(module, devices).prepare(linked=True)
 
 
-# --- flat buffers ----------------------------------------------------------------------------------------------------
 def _storage_uses(tensor: Tensor) -> int:
     """How many tensors hold ``tensor``'s storage (torch's own check, private API: its CUDA graph trees use it)."""
     return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
 
 
 def alias(base: Tensor, offset: int, shape: Sequence[int], stride: Sequence[int]) -> Tensor:
-    """A tensor over ``base``'s storage from element ``offset`` (relative to ``base``), with its own version counter
-    (``set_``, not a view: autograd's in-place accumulation into one alias is then visible on that alias alone)."""
+    """A tensor over ``base``'s storage from element ``offset`` with its own version counter (``set_``, not a view:
+    autograd's in-place accumulation into one alias is then visible on that alias alone)."""
     with torch.no_grad():
         return torch.empty(0, dtype=base.dtype, device=base.device).set_(
             base.untyped_storage(), base.storage_offset() + offset, shape, stride
@@ -127,9 +126,8 @@ class DtypeGroups:
         views: list[Tensor | None] = []
         for j in indices:
             t = self.tensors[j]
-            views.append(
-                t.as_strided((t.numel(),), (1,)) if _part_strides(t) == self.strides[j] and _dense(t) else None
-            )
+            laid_out = _part_strides(t) == self.strides[j] and _dense(t)
+            views.append(t.as_strided((t.numel(),), (1,)) if laid_out else None)
         return views, [k for k, v in enumerate(views) if v is None]
 
     def flatten(self) -> dict[torch.dtype, Tensor]:
@@ -139,10 +137,9 @@ class DtypeGroups:
                 views = list(views)
                 for k in relaid:
                     j = self.indices[dtype][k]
-                    laid = torch.empty_strided(
-                        self.tensors[j].shape, self.strides[j], dtype=dtype, device=self.tensors[j].device
-                    )
-                    views[k] = laid.copy_(self.tensors[j]).as_strided((laid.numel(),), (1,))
+                    t = self.tensors[j]
+                    laid = torch.empty_strided(t.shape, self.strides[j], dtype=dtype, device=t.device).copy_(t)
+                    views[k] = laid.as_strided((t.numel(),), (1,))
             flats[dtype] = torch.cat(views)
         return flats
 
@@ -160,8 +157,8 @@ class DtypeGroups:
         }
 
     def alias(self, flats: dict[torch.dtype, Tensor], j: int) -> Tensor:
-        """Tensor ``j``'s part of ``flats`` (one flat tensor per dtype: shaped and laid out like it; 2-D, one row per
-        copy: its columns), with a version counter of its own: an in-place change of any row's part bumps it."""
+        """Tensor ``j``'s part of ``flats`` (shaped and laid out like it; of 2-D ``flats``, one row per copy, its
+        columns) with a version counter of its own: an in-place change of any row's part bumps it."""
         like, flat = self.tensors[j], flats[self.tensors[j].dtype]
         if flat.dim() == 2:
             return alias(flat, self.offsets[j], (len(flat), like.numel()), (flat.stride(0), 1))
@@ -169,28 +166,26 @@ class DtypeGroups:
 
     def view(self, flats: dict[torch.dtype, Tensor], j: int) -> Tensor:
         """Tensor ``j``'s part of ``flats`` (one flat tensor per dtype), shaped and laid out like it."""
-        start = self.offsets[j]
-        return self.shaped(flats[self.tensors[j].dtype][start : start + self.tensors[j].numel()], j)
+        return self.shaped(flats[self.tensors[j].dtype][self.offsets[j] :], j)
 
     def shaped(self, part: Tensor, j: int) -> Tensor:
-        """``part`` (tensor ``j``'s elements, 1-D, in memory order) as a view shaped and laid out like tensor ``j``."""
+        """``part`` (from tensor ``j``'s elements, 1-D, in memory order) as a view shaped and laid out like it."""
         return part.as_strided(self.tensors[j].shape, self.strides[j])
 
 
 class ReplicaParameters:
-    """Every replica's own state for the unique original parameters ``params`` (on ``root``) and ``buffers``.
+    """Every replica's own parameters and buffers for the unique originals ``params`` (on ``root``) and ``buffers``.
 
-    :attr:`leaves` ``[i][j]``, replica ``i``'s tensor for ``params[j]`` (then for ``buffers[j - len(params)]``): the
-    first replica on the root holds the originals' storage and version counters (it stands for the root module, as
-    DDP's rank 0 does: the original buffers themselves); every other replica holds its own copy in one flat buffer per
-    replica and dtype, even on the same device, each an alias with a version counter of its own (a write into one, a
-    target network copied after its loss was computed, leaves the others' saved tensors valid), copied when the
-    originals or the copies changed. A leaf's ``.grad`` is its replica's row of one buffer per device and dtype; an
-    alias per device and parameter spanning the rows counts the accumulations into that parameter's gradients there.
-    ``renormed`` parameters (``Embedding(max_norm=...)`` renormalises the rows it looks up in place: idempotent, and
-    one device would renormalise every shard's rows) stay over the originals' storage on the root device; ``sparse``
-    ones (``Embedding(sparse=True)``) get sparse gradients, summed one by one. Call :meth:`sync` before a step,
-    :meth:`backward_done` after each backward pass and :meth:`reduce` when the gradients belong on the originals.
+    :attr:`leaves` ``[i][j]`` is replica ``i``'s tensor for ``params[j]``, then for ``buffers[j - len(params)]``. The
+    first replica on the root stands for the root module (as DDP's rank 0): its leaves share the originals' storage and
+    version counters, its buffers are the originals. Every other replica holds copies in one flat buffer per replica,
+    dtype and kind, even on the same device, each an alias with a version counter of its own (a write into one leaves
+    the others' saved tensors valid), copied when the originals or the copies changed. A leaf's ``.grad`` is its
+    replica's row of one buffer per device and dtype, whose columns (an alias per device and parameter) count the
+    accumulations. ``renormed`` parameters (``Embedding(max_norm=...)`` renormalises the rows it looks up in place:
+    idempotent, as one device does for every shard's rows) keep the originals' storage on the root device; ``sparse``
+    ones get sparse gradients, summed one by one. Call :meth:`sync` before a step, :meth:`backward_done` after each
+    backward pass and :meth:`reduce` when the gradients belong on the originals.
     """
 
     def __init__(
@@ -205,8 +200,8 @@ class ReplicaParameters:
         self.params, self.buffers = list(params), list(buffers)
         self.devices = list(devices)
         self.root = root
-        self._groups = groups = DtypeGroups(self.params)  # gradients
-        self._values = DtypeGroups(self.params + self.buffers)  # a parameter's part is at the same offset in both
+        self._groups = groups = DtypeGroups(self.params)
+        self._parts = [(groups, 0), (DtypeGroups(self.buffers), len(self.params))]  # (layout, first index in leaves)
         self._alias = next((i for i, d in enumerate(self.devices) if d == root), None)  # stands for the root module
         self._owners = [i for i in range(len(self.devices)) if i != self._alias]
         self._sparse = frozenset(sparse)
@@ -215,43 +210,40 @@ class ReplicaParameters:
         self._slots = [distinct.index(d) for d in self.devices]  # replica -> its device's place in ``distinct``
         rows = [self.devices[:i].count(d) for i, d in enumerate(self.devices)]  # replica -> its row on its device
         with torch.inference_mode(False), torch.no_grad():
-            self._storage = {i: self._values.flats(self.devices[i]) for i in self._owners}
+            self._storage = {i: [part.flats(self.devices[i]) for part, _ in self._parts] for i in self._owners}
             blocks = [groups.flats(d, zero=True, rows=self.devices.count(d)) for d in distinct]
             self._grads = [
                 {dtype: flat[row] for dtype, flat in blocks[k].items()}
                 for k, row in zip(self._slots, rows, strict=True)
             ]
             self._counted = [[groups.alias(block, j) for j in range(len(self.params))] for block in blocks]
-            self.leaves = [
-                list(map(self._make_leaf, repeat(i), range(len(self._values.tensors))))
-                for i in range(len(self.devices))
-            ]
+            count = len(self.params) + len(self.buffers)
+            self.leaves = [[self._make_leaf(i, j) for j in range(count)] for i in range(len(self.devices))]
             for i, leaves in enumerate(self.leaves):
-                for j in range(len(self.params)):
-                    if j not in self._sparse:
-                        leaves[j].grad = groups.shaped(self._counted[self._slots[i]][j][rows[i]], j)
+                for j in set(range(len(self.params))) - self._sparse:
+                    leaves[j].grad = groups.shaped(self._counted[self._slots[i]][j][rows[i]], j)
             self._train_index: list[int] = []
             self._frozen_index: list[int] = []
             self._new_root_grads()
         self._dense = next((j for j in range(len(self.params)) if j not in self._sparse), None)
         self._first_grads = [None if self._dense is None else leaves[self._dense].grad for leaves in self.leaves]
-        self._pointers = list(map(_data_ptr, self._values.tensors))
-        self._stamp: tuple[int, list[int]] | None = None  # versions of the originals and copies at the last copy
+        self._pointers = list(map(_data_ptr, self.params + self.buffers))
+        self._stamps: list[Any] = [None, None]  # per kind, versions of the originals and copies at the last copy
         self._set_trainable(list(map(_requires_grad, self.params)))
         self.active = 0  # how many replicas have run: a backward pass through an older graph may reach any of them
         self.pending = False  # replicas ran since the last reduction: their gradients may not be on the originals yet
 
     def _make_leaf(self, i: int, j: int) -> Tensor:
-        t = self._values.tensors[j]
-        if i == self._alias and j >= len(self.params):
-            return t
+        is_param = j < len(self.params)
+        t = self.params[j] if is_param else self.buffers[j - len(self.params)]
         if i == self._alias:
-            data = t.detach()
-        elif j in self._renormed and self.devices[i] == self.root:
+            data = t.detach() if is_param else t
+        elif is_param and j in self._renormed and self.devices[i] == self.root:
             data = alias(t, 0, t.shape, t.stride())
         else:
-            data = self._values.alias(self._storage[i], j)
-        return nn.Parameter(data, requires_grad=t.requires_grad) if j < len(self.params) else data
+            groups, first = self._parts[0 if is_param else 1]
+            data = groups.alias(self._storage[i][0 if is_param else 1], j - first)
+        return nn.Parameter(data, requires_grad=t.requires_grad) if is_param else data
 
     def _new_root_grads(self) -> None:
         """The originals' ``.grad`` to be: views of one flat buffer per dtype on the root, reused from step to step."""
@@ -268,7 +260,7 @@ class ReplicaParameters:
     def _set_trainable(self, trainable: list[bool]) -> None:
         self._trainable = trainable
         for leaves in self.leaves:
-            for leaf, flag in zip(leaves, trainable, strict=False):
+            for leaf, flag in zip(leaves, trainable, strict=False):  # the parameters' leaves
                 if leaf.requires_grad != flag:
                     leaf.requires_grad_(flag)
         self._train_index = [j for j, flag in enumerate(trainable) if flag and j not in self._sparse]
@@ -280,9 +272,9 @@ class ReplicaParameters:
         self._seen = [list(map(_version, counted)) for counted in self._train_counted]
 
     def sync(self, n: int) -> bool:
-        """Bring the first ``n`` replicas up to date with the originals (``requires_grad``, values). ``False``
+        """Bring the first ``n`` replicas up to date with the originals (``requires_grad``, values); ``False``
         (nothing done) when an original's tensor was replaced (``param.data = ...``): rebuild."""
-        if list(map(_data_ptr, self._values.tensors)) != self._pointers:
+        if list(map(_data_ptr, self.params + self.buffers)) != self._pointers:
             return False
         trainable = list(map(_requires_grad, self.params))
         if trainable != self._trainable:
@@ -294,28 +286,32 @@ class ReplicaParameters:
         return True
 
     def copy_values(self, n: int) -> None:
-        """The originals' values into the first ``n`` replicas' copies, where the originals (an optimizer step) or the
-        copies (a replica's in-place change of its own) changed since the last copy."""
+        """The originals' values into the first ``n`` replicas' copies, per kind where the originals (an optimizer
+        step, the root's running statistics) or the copies (a replica's in-place change of its own) changed."""
         owners = [i for i in self._owners if i < n]
-        stamp = (sum(map(_version, self._values.tensors)), [sum(map(_version, self.leaves[i])) for i in owners])
-        if owners and stamp != self._stamp:
-            with torch.no_grad():
-                for dtype, staged in self._values.flatten().items():
-                    for i in owners:
-                        self._storage[i][dtype].copy_(staged, non_blocking=True)
-            self._stamp = stamp
+        for kind, (groups, first) in enumerate(self._parts):
+            last = first + len(groups.tensors)
+            stamp = (
+                sum(map(_version, groups.tensors)),
+                [sum(map(_version, self.leaves[i][first:last])) for i in owners],
+            )
+            if owners and groups.tensors and stamp != self._stamps[kind]:
+                with torch.no_grad():
+                    for dtype, staged in groups.flatten().items():
+                        for i in owners:
+                            self._storage[i][kind][dtype].copy_(staged, non_blocking=True)
+                self._stamps[kind] = stamp
 
     def replace(self, old: Tensor, new: Tensor) -> bool:
         """Keep ``new`` (shaped like the original buffer ``old``, same dtype), which a step bound in its place, up to
         date in the replicas; ``False`` when ``old`` is none of the buffers."""
-        j = next((j for j, b in enumerate(self.buffers) if b is old), None)
-        if j is None:
+        k = next((k for k, b in enumerate(self.buffers) if b is old), None)
+        if k is None:
             return False
-        self.buffers[j] = new
-        j += len(self.params)
-        self._values.replace(j, new)
-        self._pointers[j], self._stamp = new.data_ptr(), None
-        if self._alias is not None and self.leaves[self._alias][j] is old:
+        self.buffers[k], j = new, len(self.params) + k
+        self._parts[1][0].replace(k, new)
+        self._pointers[j], self._stamps[1] = new.data_ptr(), None
+        if self._alias is not None:
             self.leaves[self._alias][j] = new
         return True
 
@@ -338,7 +334,7 @@ class ReplicaParameters:
 
     def mark_stale(self) -> None:
         """Copy the originals into the replicas at the next :meth:`sync`, whatever their version counters say."""
-        self._stamp = None
+        self._stamps = [None, None]
 
     def backward_done(self) -> None:
         """A backward pass through the replicas finished (autograd accumulated into their flat gradients)."""
@@ -427,18 +423,14 @@ class ReplicaParameters:
         its replicas in replica order (in place, into the first one's), then the devices' sums in device order."""
         sums: dict[torch.device, dict[torch.dtype, Tensor]] = {}
         for i in range(count):
-            if self.devices[i] not in sums:
+            if self.devices[i] in sums:
+                torch._foreach_add_(list(sums[self.devices[i]].values()), list(self._grads[i].values()))
+            else:
                 sums[self.devices[i]] = self._grads[i]
-                continue
-            for dtype, flat in self._grads[i].items():
-                sums[self.devices[i]][dtype].add_(flat)
         for k, per_dtype in enumerate(sums.values()):
             for dtype, flat in per_dtype.items():
-                flat = flat.to(self.root, non_blocking=True)
-                if k == 0 and not accumulate:
-                    targets[dtype].copy_(flat)
-                else:
-                    targets[dtype].add_(flat)
+                add = targets[dtype].copy_ if k == 0 and not accumulate else targets[dtype].add_
+                add(flat.to(self.root, non_blocking=True))
 
     def _assign_each(
         self, totals: dict[torch.dtype, Tensor], grads: list[Tensor | None], reached: list[bool] | None, hooked: bool
@@ -471,8 +463,8 @@ class ReplicaSet:
 
     Call :meth:`prepare` before each step and :meth:`watch` right after it. Every replica owns its parameters and
     buffers (:class:`ReplicaParameters`); a buffer a step rebinds takes replica 0's value. Attributes rebound on the
-    originals reach the replicas, except ``overrides`` (set per replica by the owner); a structural change rebuilds them
-    (:attr:`builds`). Every replica holds the original of a ``shared(submodule)`` (``on_build`` may swap in
+    originals reach the replicas, except ``overrides`` (set per replica by the owner); a structural change rebuilds
+    them (:attr:`builds`). Every replica holds the original of a ``shared(submodule)`` (``on_build`` may swap in
     per-replica objects).
     """
 
@@ -485,7 +477,7 @@ class ReplicaSet:
         shared: Callable[[nn.Module], bool] | None = None,
     ) -> None:
         self.module = module
-        self._shared = shared or _nothing_shared
+        self._shared = shared or (lambda submodule: False)
         self.devices = [to_device(d) for d in devices]
         if not self.devices:
             raise ValueError("A ReplicaSet needs at least one device.")
@@ -502,7 +494,6 @@ class ReplicaSet:
         self._rebound: set[tuple[int, int, str]] = set()  # (replica, position, buffer name) the step rebound
         self._build()
 
-    # --- build -------------------------------------------------------------------------------------------------------
     def _build(self) -> None:
         self._end_run(adopt=True)  # a step that raised before watch(): keep what replica 0 rebound
         for prepare in _BEFORE_BUILDING:
@@ -515,15 +506,12 @@ class ReplicaSet:
         self._param_index = {id(p): j for j, p in enumerate(self._params)}
         buffers = _unique(b for m in originals for b in m._buffers.values() if b is not None)
         self._root = next((t.device for t in (*self._params, *buffers)), self.devices[0])
-        # Embedding(max_norm=...) renormalises the rows it looks up in place: on one device, every shard's rows.
         embeddings = [m for m in originals if isinstance(m, (nn.Embedding, nn.EmbeddingBag))]
         renormed = {id(m.weight) for m in embeddings if isinstance(m, nn.Embedding) and m.max_norm is not None}
-        sparse = {id(m.weight) for m in embeddings if m.sparse}
         self._renormed = [j for j, p in enumerate(self._params) if id(p) in renormed]
-        self._sparse = [j for j, p in enumerate(self._params) if id(p) in sparse]
-        self._copies: list[list[nn.Module]] = []
-        self._slots: list[list[Slot]] = []
-        self._rnns: list[list[nn.RNNBase]] = []
+        self._sparse = [
+            j for j, p in enumerate(self._params) if id(p) in {id(m.weight) for m in embeddings if m.sparse}
+        ]
         self.compiled = any(is_compiled(m) for m in originals)
         uses_sync_batchnorm(self.module)  # names the sync layers built directly, for their errors
         self._sync_layers = [m for m in originals if isinstance(m, SyncBatchNorm)]
@@ -532,8 +520,20 @@ class ReplicaSet:
         ]
         index = {id(t): j for j, t in enumerate((*self._params, *buffers))}
         with torch.inference_mode(False), torch.no_grad():  # copies must be normal tensors, whatever the caller's mode
-            for _ in self.devices:
-                self._build_replica(index)
+            self._copies = [self._module_copies() for _ in self.devices]
+        self._slots: list[list[Slot]] = [[] for _ in self.devices]
+        for copies, slots in zip(self._copies, self._slots, strict=True):
+            for original, copy in zip(originals, copies, strict=True):
+                if copy is not original and not is_optimized_module(original):  # a wrapper holds no tensors
+                    for store, tensors in (
+                        (copy._parameters, original._parameters),
+                        (copy._buffers, original._buffers),
+                    ):
+                        slots += [(store, name, index[id(t)]) for name, t in tensors.items() if t is not None]
+        self._rnns = [
+            [c for c, o in zip(cs, originals, strict=True) if c is not o and isinstance(c, nn.RNNBase)]
+            for cs in self._copies
+        ]
         self._new_flat(buffers)
         self._places = {  # replica modules (not shared ones) -> (replica, position)
             id(c): (i, k)
@@ -543,42 +543,34 @@ class ReplicaSet:
         }
         # Per module its attribute, parameter, buffer and child dicts (none for a shared one: replicas hold it), and
         # shallow copies of them: one ``==`` of the two lists tells whether anything changed.
-        self._live = [d for m in originals for d in (({},) * 4 if self._shared(m) else _watched_dicts(m))]
+        self._live = [
+            d
+            for m in originals
+            for d in (({},) * 4 if self._shared(m) else (m.__dict__, m._parameters, m._buffers, m._modules))
+        ]
         self._saved = [d.copy() for d in self._live]
         self.builds += 1
         if self._on_build is not None:
             self._on_build(self.replicas)
 
-    def _build_replica(self, index: dict[int, int]) -> None:
-        copies = self._module_copies()
-        slots: list[Slot] = []
-        for k, (original, copy) in enumerate(zip(self._originals, copies, strict=True)):
-            if copy is original or is_optimized_module(original):
-                continue  # shared as is, or a compiled wrapper (its tensors are those of the wrapped module)
-            copy._modules = self._children(k, copies)
-            copy.__dict__ = self._for_replica(copy.__dict__, copies)
-            copy._parameters = dict(original._parameters)
-            for store, tensors in ((copy._parameters, original._parameters), (copy._buffers, original._buffers)):
-                slots += [(store, name, index[id(t)]) for name, t in tensors.items() if t is not None]
-            if original.__dict__.get("_compiled_call_impl") is not None:
-                copy._compiled_call_impl = compiled_call(original, copy)
-        self._copies.append(copies)
-        self._slots.append(slots)
-        self._rnns.append(
-            [c for c, o in zip(copies, self._originals, strict=True) if c is not o and isinstance(c, nn.RNNBase)]
-        )
-
     def _module_copies(self) -> list[nn.Module]:
-        """One replica's modules: shared ones as they are, shallow copies of the others, and ``torch.compile``
-        wrappers built around their wrapped module's copy (innermost first)."""
+        """One replica's modules: shared ones as they are, shallow copies of the others (bound to their copied children
+        and attributes), and ``torch.compile`` wrappers built around their wrapped module's copy."""
         copies: list[Any] = [
             m if self._shared(m) else None if is_optimized_module(m) else m._replicate_for_data_parallel()
             for m in self._originals
         ]
-        for k in reversed(range(len(copies))):
+        for k in reversed(range(len(copies))):  # innermost first
             if copies[k] is None:
                 original = self._originals[k]
                 copies[k] = type(original)(self._children(k, copies)["_orig_mod"], original.dynamo_ctx)
+        for k, (original, copy) in enumerate(zip(self._originals, copies, strict=True)):
+            if copy is not original and not is_optimized_module(original):
+                copy._modules = self._children(k, copies)
+                copy.__dict__ = self._for_replica(copy.__dict__, copies)
+                copy._parameters = dict(original._parameters)
+                if original.__dict__.get("_compiled_call_impl") is not None:
+                    copy._compiled_call_impl = compiled_call(original, copy)
         return copies
 
     def _children(self, k: int, copies: Sequence[nn.Module]) -> dict[str, nn.Module | None]:
@@ -617,7 +609,6 @@ class ReplicaSet:
             return requested, None
         return mode, reason if resolve_mode(requested, self.devices[:count]) != mode else None
 
-    # --- every step --------------------------------------------------------------------------------------------------
     def prepare(self, n: int | None = None, linked: bool = False) -> list[nn.Module]:
         """The first ``n`` replicas (default all), synced with the original for a step, each with its own leaves:
         pass their outputs to :meth:`watch`. ``linked=True``: see :func:`replicate`."""
@@ -634,14 +625,11 @@ class ReplicaSet:
             self._flat.reduce()  # what the replicas accumulated still belongs to the originals
             self._new_flat(self._flat.buffers)
             self._flat.sync(n)
-        flat = self._flat
-        linked_buffers = torch.is_grad_enabled() and any(map(_requires_grad, flat.buffers))
+        relink = linked or (torch.is_grad_enabled() and any(map(_requires_grad, self._flat.buffers)))
         for i in range(n):
-            if linked or linked_buffers:
-                self._point(i, self._linked(i, linked))
-            elif not self._pointed[i]:
-                self._point(i, flat.leaves[i])
-            self._pointed[i] = not (linked or linked_buffers)
+            if relink or not self._pointed[i]:
+                self._point(i, self._linked(i, linked) if relink else self._flat.leaves[i])
+            self._pointed[i] = not relink
         if not linked:
             self._rebound = set()
             self._stop_recording = _record(self, self._places, self._rebound)
@@ -668,8 +656,15 @@ class ReplicaSet:
                 tensors[j] = b.to(device, copy=True)
         return tensors
 
+    def _point(self, i: int, tensors: Sequence[Tensor]) -> None:
+        """Replica ``i``'s parameters and buffers from ``tensors`` (indexed like :attr:`ReplicaParameters.leaves`)."""
+        for store, name, j in self._slots[i]:
+            store[name] = tensors[j]
+        for rnn in self._rnns[i]:  # RNNs run on a cached list of their weights, which must hold this replica's tensors
+            rnn._flat_weights = [getattr(rnn, wn, None) for wn in rnn._flat_weights_names]
+
     def _end_run(self, adopt: bool) -> None:
-        """Stop recording the run in progress; ``adopt``: buffers it rebound take replica 0's value."""
+        """Stop recording the step's buffer rebinding; ``adopt``: rebound buffers take replica 0's value."""
         stop, self._stop_recording = self._stop_recording, None
         if stop is not None:
             stop()
@@ -746,8 +741,8 @@ class ReplicaSet:
 
     def _adopt_buffers(self, rebound: set[tuple[int, int, str]]) -> None:
         """Buffers the step rebound: replica 0's value becomes the original's (a new value of the same shape and dtype
-        is no structural change; anything else rebuilds at the next :meth:`prepare`), and every replica holds the
-        buffers this set keeps up to date again."""
+        is no structural change; anything else rebuilds at the next :meth:`prepare`), and every replica holds its
+        own again."""
         for k, name in sorted({(k, name) for i, k, name in rebound if i == 0}):
             value, buffers = self._copies[0][k]._buffers.get(name), self._originals[k]._buffers
             old = buffers.get(name)
@@ -761,13 +756,6 @@ class ReplicaSet:
                 self._copies[i][k]._buffers.pop(name, None)
         for i in sorted({i for i, _, _ in rebound}):
             self._point(i, self._flat.leaves[i])
-
-    def _point(self, i: int, tensors: Sequence[Tensor | None]) -> None:
-        """Replica ``i``'s parameters from ``tensors`` (indexed like the unique originals)."""
-        for store, name, j in self._slots[i]:
-            store[name] = tensors[j]
-        for rnn in self._rnns[i]:  # RNNs run on a cached list of their weights, which must hold this replica's tensors
-            rnn._flat_weights = [getattr(rnn, wn, None) for wn in rnn._flat_weights_names]
 
     def _sync_structure(self) -> None:
         """Rebuild on a structural change or a (un)compiled module; copy attributes rebound on the originals to every
@@ -885,10 +873,6 @@ def _differentiable(outputs: Any, depth: int = 3) -> Iterator[Tensor]:
             yield from _differentiable(vars(node), depth - 1)
 
 
-def _nothing_shared(module: nn.Module) -> bool:
-    return False
-
-
 def _walk(module: nn.Module, shared: Callable[[nn.Module], bool]) -> list[nn.Module]:
     """Every distinct module of the tree, parents before children, without entering a ``shared`` module's subtree."""
     seen: set[int] = set()
@@ -920,10 +904,6 @@ def _check_initialized(root: nn.Module, modules: Iterable[nn.Module]) -> None:
 
 def _unique(tensors: Iterable[Tensor]) -> list[Tensor]:
     return list({id(t): t for t in tensors}.values())  # first-seen order
-
-
-def _watched_dicts(module: nn.Module) -> tuple[dict[str, Any], ...]:
-    return (module.__dict__, module._parameters, module._buffers, module._modules)
 
 
 def _same(current: Any, saved: Any) -> bool:

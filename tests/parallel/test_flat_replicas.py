@@ -390,7 +390,7 @@ def test_replica_buffers_are_parts_of_one_flat_buffer_per_replica_and_dtype():
     means = [leaves[0] for leaves in flat.leaves[1:]]
     assert means[0].data_ptr() != means[1].data_ptr()
     for i, mean in enumerate(means, 1):
-        assert mean.untyped_storage().data_ptr() == flat._storage[i][torch.float32].data_ptr()
+        assert mean.untyped_storage().data_ptr() == flat._storage[i][1][torch.float32].data_ptr()
 
 
 def test_buffers_requiring_grad_reach_replicas_through_autograd_and_back_to_plain_copies():
