@@ -508,10 +508,9 @@ class ReplicaSet:
         self._root = next((t.device for t in (*self._params, *buffers)), self.devices[0])
         embeddings = [m for m in originals if isinstance(m, (nn.Embedding, nn.EmbeddingBag))]
         renormed = {id(m.weight) for m in embeddings if isinstance(m, nn.Embedding) and m.max_norm is not None}
+        sparse = {id(m.weight) for m in embeddings if m.sparse}
         self._renormed = [j for j, p in enumerate(self._params) if id(p) in renormed]
-        self._sparse = [
-            j for j, p in enumerate(self._params) if id(p) in {id(m.weight) for m in embeddings if m.sparse}
-        ]
+        self._sparse = [j for j, p in enumerate(self._params) if id(p) in sparse]
         self.compiled = any(is_compiled(m) for m in originals)
         uses_sync_batchnorm(self.module)  # names the sync layers built directly, for their errors
         self._sync_layers = [m for m in originals if isinstance(m, SyncBatchNorm)]
@@ -520,26 +519,11 @@ class ReplicaSet:
         ]
         index = {id(t): j for j, t in enumerate((*self._params, *buffers))}
         with torch.inference_mode(False), torch.no_grad():  # copies must be normal tensors, whatever the caller's mode
-            self._copies = [self._module_copies() for _ in self.devices]
-        self._slots: list[list[Slot]] = [[] for _ in self.devices]
-        for copies, slots in zip(self._copies, self._slots, strict=True):
-            for original, copy in zip(originals, copies, strict=True):
-                if copy is not original and not is_optimized_module(original):  # a wrapper holds no tensors
-                    for store, tensors in (
-                        (copy._parameters, original._parameters),
-                        (copy._buffers, original._buffers),
-                    ):
-                        slots += [(store, name, index[id(t)]) for name, t in tensors.items() if t is not None]
-        self._rnns = [
-            [c for c, o in zip(cs, originals, strict=True) if c is not o and isinstance(c, nn.RNNBase)]
-            for cs in self._copies
-        ]
+            built = [self._replica(index) for _ in self.devices]
+        self._copies, self._slots, self._rnns = ([replica[part] for replica in built] for part in range(3))
         self._new_flat(buffers)
-        self._places = {  # replica modules (not shared ones) -> (replica, position)
-            id(c): (i, k)
-            for i, copies in enumerate(self._copies)
-            for k, c in enumerate(copies)
-            if c is not originals[k]
+        self._places = {
+            id(c): (i, k) for i, cs in enumerate(self._copies) for k, c in enumerate(cs) if c is not originals[k]
         }
         # Per module its attribute, parameter, buffer and child dicts (none for a shared one: replicas hold it), and
         # shallow copies of them: one ``==`` of the two lists tells whether anything changed.
@@ -553,9 +537,10 @@ class ReplicaSet:
         if self._on_build is not None:
             self._on_build(self.replicas)
 
-    def _module_copies(self) -> list[nn.Module]:
-        """One replica's modules: shared ones as they are, shallow copies of the others (bound to their copied children
-        and attributes), and ``torch.compile`` wrappers built around their wrapped module's copy."""
+    def _replica(self, index: dict[int, int]) -> tuple[list[nn.Module], list[Slot], list[nn.RNNBase]]:
+        """One replica's modules (shared ones as they are, shallow copies of the others, ``torch.compile`` wrappers
+        built around their wrapped module's copy), the slots of their tensors (``index``: tensor id -> leaf index)
+        and their RNNs."""
         copies: list[Any] = [
             m if self._shared(m) else None if is_optimized_module(m) else m._replicate_for_data_parallel()
             for m in self._originals
@@ -564,14 +549,19 @@ class ReplicaSet:
             if copies[k] is None:
                 original = self._originals[k]
                 copies[k] = type(original)(self._children(k, copies)["_orig_mod"], original.dynamo_ctx)
+        slots: list[Slot] = []
         for k, (original, copy) in enumerate(zip(self._originals, copies, strict=True)):
-            if copy is not original and not is_optimized_module(original):
-                copy._modules = self._children(k, copies)
-                copy.__dict__ = self._for_replica(copy.__dict__, copies)
-                copy._parameters = dict(original._parameters)
-                if original.__dict__.get("_compiled_call_impl") is not None:
-                    copy._compiled_call_impl = compiled_call(original, copy)
-        return copies
+            if copy is original or is_optimized_module(original):
+                continue  # shared as is, or a compiled wrapper (its tensors are those of the wrapped module)
+            copy._modules = self._children(k, copies)
+            copy.__dict__ = self._for_replica(copy.__dict__, copies)
+            copy._parameters = dict(original._parameters)
+            for store, tensors in ((copy._parameters, original._parameters), (copy._buffers, original._buffers)):
+                slots += [(store, name, index[id(t)]) for name, t in tensors.items() if t is not None]
+            if original.__dict__.get("_compiled_call_impl") is not None:
+                copy._compiled_call_impl = compiled_call(original, copy)
+        rnns = [c for c, o in zip(copies, self._originals, strict=True) if c is not o and isinstance(c, nn.RNNBase)]
+        return copies, slots, rnns
 
     def _children(self, k: int, copies: Sequence[nn.Module]) -> dict[str, nn.Module | None]:
         position = self._position
