@@ -84,23 +84,13 @@ def alias(base: Tensor, offset: int, shape: Sequence[int], stride: Sequence[int]
         )
 
 
-def _part_strides(tensor: Tensor) -> tuple[int, ...]:
-    """The strides of ``tensor``'s part of a flat buffer: its own where it is dense and not contiguous, else the
-    contiguous ones; never 0 on a dimension of size 1 (autograd's layout contract refuses that in a gradient)."""
+def _part_strides(tensor: Tensor, strides: Sequence[int] | None = None) -> tuple[int, ...]:
+    """The strides of ``tensor``'s part of a flat buffer (of ``strides``, a layout of it): its own where it is dense
+    (``empty_like`` keeps them), else a dense layout; never 0 on a dimension of size 1 (autograd's layout contract
+    refuses that in a gradient)."""
+    laid = torch.empty_like(tensor, device="meta").stride() if strides is None else strides
     contiguous = torch.empty(tensor.shape, device="meta").stride()
-    if tensor.is_contiguous() or not _dense(tensor):
-        return contiguous
-    return tuple(c if size == 1 else st for size, st, c in zip(tensor.shape, tensor.stride(), contiguous, strict=True))
-
-
-def _dense(tensor: Tensor) -> bool:
-    """Whether ``tensor``'s elements fill one block of its storage, each once (contiguous in some dimension order)."""
-    step = 1
-    for stride, size in sorted((st, s) for s, st in zip(tensor.shape, tensor.stride(), strict=True) if s != 1):
-        if stride != step:
-            return False
-        step *= size
-    return True
+    return tuple(c if size == 1 else st for size, st, c in zip(tensor.shape, laid, contiguous, strict=True))
 
 
 class DtypeGroups:
@@ -126,7 +116,7 @@ class DtypeGroups:
         views: list[Tensor | None] = []
         for j in indices:
             t = self.tensors[j]
-            laid_out = _part_strides(t) == self.strides[j] and _dense(t)
+            laid_out = _part_strides(t, t.stride()) == self.strides[j]  # then dense: its memory is its part
             views.append(t.as_strided((t.numel(),), (1,)) if laid_out else None)
         return views, [k for k, v in enumerate(views) if v is None]
 
@@ -174,18 +164,17 @@ class DtypeGroups:
 
 
 class ReplicaParameters:
-    """Every replica's own parameters and buffers for the unique originals ``params`` (on ``root``) and ``buffers``.
+    """Every replica's own parameters and buffers: :attr:`leaves` ``[i][j]``, replica ``i``'s tensor for ``params[j]``,
+    then for ``buffers[j - len(params)]``.
 
-    :attr:`leaves` ``[i][j]`` is replica ``i``'s tensor for ``params[j]``, then for ``buffers[j - len(params)]``. The
-    first replica on the root stands for the root module (as DDP's rank 0): its leaves share the originals' storage and
-    version counters, its buffers are the originals. Every other replica holds copies in one flat buffer per replica,
-    dtype and kind, even on the same device, each an alias with a version counter of its own (a write into one leaves
-    the others' saved tensors valid), copied when the originals or the copies changed. A leaf's ``.grad`` is its
-    replica's row of one buffer per device and dtype, whose columns (an alias per device and parameter) count the
-    accumulations. ``renormed`` parameters (``Embedding(max_norm=...)`` renormalises the rows it looks up in place:
-    idempotent, as one device does for every shard's rows) keep the originals' storage on the root device; ``sparse``
-    ones get sparse gradients, summed one by one. Call :meth:`sync` before a step, :meth:`backward_done` after each
-    backward pass and :meth:`reduce` when the gradients belong on the originals.
+    The first replica on ``root`` stands for the root module (as DDP's rank 0): its leaves share the originals' storage
+    and version counters, its buffers are the originals. Every other replica holds copies in one flat buffer per
+    replica, dtype and kind, even on the same device, each an alias with a version counter of its own (a write into one
+    leaves the others' saved tensors valid). A leaf's ``.grad`` is its replica's row of one buffer per device and
+    dtype, whose columns count the accumulations. ``renormed`` parameters (``Embedding(max_norm=...)`` renormalises
+    looked-up rows in place, idempotently) keep the originals' storage on the root device; ``sparse`` ones get sparse
+    gradients, summed one by one. Call :meth:`sync` before a step, :meth:`backward_done` after each backward pass and
+    :meth:`reduce` when the gradients belong on the originals.
     """
 
     def __init__(
@@ -350,14 +339,11 @@ class ReplicaParameters:
                 )
 
     def reduce(self, run_hooks: bool = True, only_trainable: bool = False) -> None:
-        """Add the replicas' gradients onto the originals' ``.grad`` and zero the replicas' flat gradients.
-
-        Order: per device its replicas, then the devices, each moved to the root with one copy per dtype. A parameter
-        no replica's backward reached (no gradient version counter moved) keeps its ``.grad``, as on one device. The
-        originals' gradient hooks run once per reduction on the summed gradient (``run_hooks=False``: the gradients of
-        backward passes that ran before the hooks existed). ``only_trainable``: a parameter frozen on the original
-        since the sync (``toggle_optimizer``) gets nothing, as on one device.
-        """
+        """Add the replicas' gradients onto the originals' ``.grad`` (per device its replicas, then the devices, one
+        copy to the root per dtype) and zero them. As on one device, a parameter no backward reached (no version
+        counter moved) keeps its ``.grad``, and with ``only_trainable`` one frozen since the sync (``toggle_optimizer``)
+        gets nothing. The originals' gradient hooks run once, on the sum (``run_hooks=False``: backward passes that ran
+        before the hooks existed)."""
         count = self.active
         self.pending = False
         self._reduce_sparse(count)
