@@ -506,7 +506,7 @@ class ReplicaSet:
         index = {id(t): j for j, t in enumerate((*self._params, *buffers))}
         with torch.inference_mode(False), torch.no_grad():  # copies must be normal tensors, whatever the caller's mode
             built = [self._replica(index) for _ in self.devices]
-        self._copies, self._slots, self._rnns = ([replica[part] for replica in built] for part in range(3))
+        self._copies, self._slots, self._rnns = map(list, zip(*built, strict=True))  # per replica
         self._new_flat(buffers)
         self._places = {
             id(c): (i, k) for i, cs in enumerate(self._copies) for k, c in enumerate(cs) if c is not originals[k]
