@@ -43,7 +43,7 @@ from torch import nn  # noqa: E402
 
 from benchmarks.replica_overhead import cpu_model  # noqa: E402
 from lightning_mgpu import DataParallelCriterion, DataParallelModel  # noqa: E402
-from lightning_mgpu.parallel import flat_replicas, replicas  # noqa: E402
+from lightning_mgpu.parallel import replicas  # noqa: E402
 from recipes.pyramidnet.model import PYRAMIDNET_CONFIGS, PyramidNet  # noqa: E402
 
 MODEL = "pyramidnet272_bottleneck_a200"
@@ -80,7 +80,7 @@ def in_real_steps(n: int, steps: int, warmup: int, alpha: int) -> dict[str, Any]
     timers.wrap(replicas.ReplicaSet, "execution_mode", "sync")
     timers.wrap(replicas.ReplicaSet, "prepare", "sync")
     timers.wrap(replicas.ReplicaSet, "watch", "sync")  # the in-place check's second half, after the forward
-    timers.wrap(flat_replicas.ReplicaParameters, "reduce", "reduce")
+    timers.wrap(replicas.ReplicaParameters, "reduce", "reduce")
     rows = []
     for step in range(warmup + steps):
         timers.current = {}

@@ -1,13 +1,18 @@
-"""Lasting replicas: copies of a module's tree, built once per device list and synced every step with a number of
-tensor operations that does not grow with depth (``nn.DataParallel`` rebuilds its replicas every step)."""
+"""Lasting replicas that own their state, as DDP ranks do: copies of a module's tree built once per device list, whose
+parameters and buffers live in flat per-device, per-dtype buffers synced from the root once per optimizer step, and
+whose gradients are reduced once, in a fixed order; the root module is replica 0. A step costs a number of tensor
+operations that does not grow with depth (``nn.DataParallel`` rebuilds its replicas every step)."""
 
 from __future__ import annotations
 
 import operator
+import sys
 import threading
 import types
 import weakref
+from collections import deque
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from itertools import repeat
 from typing import Any, Generic, Protocol, TypeVar
 
 import torch
@@ -20,11 +25,22 @@ from torch.nn.utils.weight_norm import WeightNorm
 
 from lightning_mgpu.parallel.compiled import compiled_call, is_compiled, is_optimized_module
 from lightning_mgpu.parallel.devices import DeviceLike, to_device
-from lightning_mgpu.parallel.flat_replicas import ReplicaBuffers, ReplicaParameters, Slot
 from lightning_mgpu.parallel.run_replicas import ExecutionMode, resolve_mode
 from lightning_mgpu.parallel.scatter_gather import is_dataclass_instance, iter_nodes
 from lightning_mgpu.parallel.sync_batchnorm import SyncBatchNorm, uses_sync_batchnorm
 
+_version = operator.attrgetter("_version")
+_requires_grad = operator.attrgetter("requires_grad")
+_grad = operator.attrgetter("grad")
+_tensor_hooks = operator.attrgetter("_backward_hooks")
+_post_accumulate_hooks = operator.attrgetter("_post_accumulate_grad_hooks")
+_data_ptr = Tensor.data_ptr
+Slot = tuple[dict[str, Any], str, int]  # (a replica module's _parameters or _buffers, name, index of the original)
+# What sys.getrefcount says, through map, of an object two lists alone hold (a root view held by _root_views and
+# _train_views only); interpreters differ in whether the call's own reference counts.
+_probe = [object()]
+_OWN_REFERENCES = next(map(sys.getrefcount, list(_probe)))
+del _probe
 _NEVER_SYNCED = frozenset({"_parameters", "_buffers", "_modules", "_is_replica", "_compiled_call_impl"})
 _WEIGHT_HOOKS = (BasePruningMethod, WeightNorm, SpectralNorm)  # forward pre-hooks that set an attribute: `weight`
 _BEFORE_BUILDING: list[Callable[[nn.Module], None]] = []
@@ -54,14 +70,387 @@ def replicate(module: nn.Module, devices: Sequence[DeviceLike], detach: bool = F
         return ReplicaSet(module, devices).prepare(linked=True)
 
 
+def _storage_uses(tensor: Tensor) -> int:
+    """How many tensors hold ``tensor``'s storage (torch's own check, private API: its CUDA graph trees use it)."""
+    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
+
+
+def alias(base: Tensor, offset: int, shape: Sequence[int], stride: Sequence[int]) -> Tensor:
+    """A tensor over ``base``'s storage from element ``offset`` with its own version counter (``set_``, not a view:
+    autograd's in-place accumulation into one alias is then visible on that alias alone)."""
+    with torch.no_grad():
+        return torch.empty(0, dtype=base.dtype, device=base.device).set_(
+            base.untyped_storage(), base.storage_offset() + offset, shape, stride
+        )
+
+
+def _part_strides(tensor: Tensor, strides: Sequence[int] | None = None) -> tuple[int, ...]:
+    """The strides of ``tensor``'s part of a flat buffer (of ``strides``, a layout of it): its own where it is dense
+    (``empty_like`` keeps them), else a dense layout; never 0 on a dimension of size 1 (autograd's layout contract
+    refuses that in a gradient)."""
+    laid = torch.empty_like(tensor, device="meta").stride() if strides is None else strides
+    contiguous = torch.empty(tensor.shape, device="meta").stride()
+    return tuple(c if size == 1 else st for size, st, c in zip(tensor.shape, laid, contiguous, strict=True))
+
+
+class DtypeGroups:
+    """``tensors`` grouped by dtype, each at an offset in its group's flat buffer, laid out as the tensor is where it
+    is dense (a channels_last weight's gradient laid out otherwise costs autograd a copy per accumulation), else
+    contiguously. :meth:`flatten` concatenates each group from flat views made once."""
+
+    def __init__(self, tensors: Iterable[Tensor]) -> None:
+        self.tensors = list(tensors)
+        self.indices: dict[torch.dtype, list[int]] = {}
+        self.offsets: list[int] = []
+        self.totals: dict[torch.dtype, int] = {}
+        self.strides = list(map(_part_strides, self.tensors))
+        for j, t in enumerate(self.tensors):
+            self.indices.setdefault(t.dtype, []).append(j)
+            self.offsets.append(self.totals.get(t.dtype, 0))
+            self.totals[t.dtype] = self.offsets[j] + t.numel()
+        self._views = {dtype: self._flat_views(indices) for dtype, indices in self.indices.items()}
+
+    def _flat_views(self, indices: list[int]) -> tuple[list[Tensor | None], list[int]]:
+        """The group's tensors as flat views of their memory, and the positions of those not laid out as their part
+        (``None`` there, copied into that layout at every :meth:`flatten`)."""
+        views: list[Tensor | None] = []
+        for j in indices:
+            t = self.tensors[j]
+            laid_out = _part_strides(t, t.stride()) == self.strides[j]  # then dense: its memory is its part
+            views.append(t.as_strided((t.numel(),), (1,)) if laid_out else None)
+        return views, [k for k, v in enumerate(views) if v is None]
+
+    def flatten(self) -> dict[torch.dtype, Tensor]:
+        flats = {}
+        for dtype, (views, relaid) in self._views.items():
+            if relaid:
+                views = list(views)
+                for k in relaid:
+                    j = self.indices[dtype][k]
+                    t = self.tensors[j]
+                    laid = torch.empty_strided(t.shape, self.strides[j], dtype=dtype, device=t.device).copy_(t)
+                    views[k] = laid.as_strided((t.numel(),), (1,))
+            flats[dtype] = torch.cat(views)
+        return flats
+
+    def replace(self, j: int, tensor: Tensor) -> None:
+        """``tensor`` (shaped like tensor ``j``, same dtype) in place of tensor ``j``."""
+        self.tensors[j] = tensor
+        self._views[tensor.dtype] = self._flat_views(self.indices[tensor.dtype])
+
+    def flats(self, device: torch.device, zero: bool = False, rows: int | None = None) -> dict[torch.dtype, Tensor]:
+        """One flat buffer per dtype on ``device`` (``rows`` of them stacked: a 2-D buffer per dtype)."""
+        make = torch.zeros if zero else torch.empty
+        return {
+            dtype: make((total,) if rows is None else (rows, total), dtype=dtype, device=device)
+            for dtype, total in self.totals.items()
+        }
+
+    def alias(self, flats: dict[torch.dtype, Tensor], j: int) -> Tensor:
+        """Tensor ``j``'s part of ``flats`` (shaped and laid out like it; of 2-D ``flats``, one row per copy, its
+        columns) with a version counter of its own: an in-place change of any row's part bumps it."""
+        like, flat = self.tensors[j], flats[self.tensors[j].dtype]
+        if flat.dim() == 2:
+            return alias(flat, self.offsets[j], (len(flat), like.numel()), (flat.stride(0), 1))
+        return alias(flat, self.offsets[j], like.shape, self.strides[j])
+
+    def view(self, flats: dict[torch.dtype, Tensor], j: int) -> Tensor:
+        """Tensor ``j``'s part of ``flats`` (one flat tensor per dtype), shaped and laid out like it."""
+        return self.shaped(flats[self.tensors[j].dtype][self.offsets[j] :], j)
+
+    def shaped(self, part: Tensor, j: int) -> Tensor:
+        """``part`` (from tensor ``j``'s elements, 1-D, in memory order) as a view shaped and laid out like it."""
+        return part.as_strided(self.tensors[j].shape, self.strides[j])
+
+
+class ReplicaParameters:
+    """Every replica's own parameters and buffers: :attr:`leaves` ``[i][j]``, replica ``i``'s tensor for ``params[j]``,
+    then for ``buffers[j - len(params)]``.
+
+    The first replica on ``root`` stands for the root module (as DDP's rank 0): its leaves share the originals' storage
+    and version counters, its buffers are the originals. Every other replica holds copies in one flat buffer per
+    replica, dtype and kind, even on the same device, each an alias with a version counter of its own (a write into one
+    leaves the others' saved tensors valid). A leaf's ``.grad`` is its replica's row of one buffer per device and
+    dtype, whose columns count the accumulations. ``renormed`` parameters (``Embedding(max_norm=...)`` renormalises
+    looked-up rows in place, idempotently) keep the originals' storage on the root device; ``sparse`` ones get sparse
+    gradients, summed one by one. Call :meth:`sync` before a step, :meth:`backward_done` after each backward pass and
+    :meth:`reduce` when the gradients belong on the originals.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor],
+        devices: Sequence[torch.device],
+        root: torch.device,
+        renormed: Collection[int] = (),
+        sparse: Collection[int] = (),
+        buffers: Iterable[Tensor] = (),
+    ) -> None:
+        self.params, self.buffers = list(params), list(buffers)
+        self.devices = list(devices)
+        self.root = root
+        self._groups = groups = DtypeGroups(self.params)
+        self._parts = [(groups, 0), (DtypeGroups(self.buffers), len(self.params))]  # (layout, first index in leaves)
+        self._alias = next((i for i, d in enumerate(self.devices) if d == root), None)  # stands for the root module
+        self._owners = [i for i in range(len(self.devices)) if i != self._alias]
+        self._sparse = frozenset(sparse)
+        self._renormed = frozenset(renormed)
+        distinct = list(dict.fromkeys(self.devices))
+        self._slots = [distinct.index(d) for d in self.devices]  # replica -> its device's place in ``distinct``
+        rows = [self.devices[:i].count(d) for i, d in enumerate(self.devices)]  # replica -> its row on its device
+        with torch.inference_mode(False), torch.no_grad():
+            self._storage = {i: [part.flats(self.devices[i]) for part, _ in self._parts] for i in self._owners}
+            blocks = [groups.flats(d, zero=True, rows=self.devices.count(d)) for d in distinct]
+            self._grads = [
+                {dtype: flat[row] for dtype, flat in blocks[k].items()}
+                for k, row in zip(self._slots, rows, strict=True)
+            ]
+            self._counted = [[groups.alias(block, j) for j in range(len(self.params))] for block in blocks]
+            count = len(self.params) + len(self.buffers)
+            self.leaves = [[self._make_leaf(i, j) for j in range(count)] for i in range(len(self.devices))]
+            for i, leaves in enumerate(self.leaves):
+                for j in set(range(len(self.params))) - self._sparse:
+                    leaves[j].grad = groups.shaped(self._counted[self._slots[i]][j][rows[i]], j)
+            self._train_index: list[int] = []
+            self._frozen_index: list[int] = []
+            self._new_root_grads()
+        self._dense = next((j for j in range(len(self.params)) if j not in self._sparse), None)
+        self._first_grads = [None if self._dense is None else leaves[self._dense].grad for leaves in self.leaves]
+        self._pointers = list(map(_data_ptr, self.params + self.buffers))
+        self._stamps: list[Any] = [None, None]  # per kind, versions of the originals and copies at the last copy
+        self._set_trainable(list(map(_requires_grad, self.params)))
+        self.active = 0  # how many replicas have run: a backward pass through an older graph may reach any of them
+        self.pending = False  # replicas ran since the last reduction: their gradients may not be on the originals yet
+
+    def _make_leaf(self, i: int, j: int) -> Tensor:
+        is_param = j < len(self.params)
+        t = self.params[j] if is_param else self.buffers[j - len(self.params)]
+        if i == self._alias:
+            data = t.detach() if is_param else t
+        elif is_param and j in self._renormed and self.devices[i] == self.root:
+            data = alias(t, 0, t.shape, t.stride())
+        else:
+            groups, first = self._parts[0 if is_param else 1]
+            data = groups.alias(self._storage[i][0 if is_param else 1], j - first)
+        return nn.Parameter(data, requires_grad=t.requires_grad) if is_param else data
+
+    def _new_root_grads(self) -> None:
+        """The originals' ``.grad`` to be: views of one flat buffer per dtype on the root, reused from step to step."""
+        with torch.inference_mode(False), torch.no_grad():
+            self._root_grads = self._groups.flats(self.root)
+            self._root_views = [self._groups.alias(self._root_grads, j) for j in range(len(self.params))]
+        self._root_uses = list(map(_storage_uses, self._root_grads.values()))  # held by this class alone
+        self._index_views()
+
+    def _index_views(self) -> None:
+        self._train_views = [self._root_views[j] for j in self._train_index]
+        self._frozen_views = [self._root_views[j] for j in self._frozen_index]
+
+    def _set_trainable(self, trainable: list[bool]) -> None:
+        self._trainable = trainable
+        for leaves in self.leaves:
+            for leaf, flag in zip(leaves, trainable, strict=False):  # the parameters' leaves
+                if leaf.requires_grad != flag:
+                    leaf.requires_grad_(flag)
+        self._train_index = [j for j, flag in enumerate(trainable) if flag and j not in self._sparse]
+        self._frozen_index = [j for j, flag in enumerate(trainable) if not flag and j not in self._sparse]
+        self._train_params = [self.params[j] for j in self._train_index]
+        self._frozen_params = [self.params[j] for j in self._frozen_index]
+        self._index_views()
+        self._train_counted = [[counted[j] for j in self._train_index] for counted in self._counted]
+        self._seen = [list(map(_version, counted)) for counted in self._train_counted]
+
+    def sync(self, n: int) -> bool:
+        """Bring the first ``n`` replicas up to date with the originals (``requires_grad``, values); ``False``
+        (nothing done) when an original's tensor was replaced (``param.data = ...``): rebuild."""
+        if list(map(_data_ptr, self.params + self.buffers)) != self._pointers:
+            return False
+        trainable = list(map(_requires_grad, self.params))
+        if trainable != self._trainable:
+            self.reduce()  # what the replicas accumulated (between micro-batches) belongs to the originals
+            self._set_trainable(trainable)
+        self.active = max(self.active, n)
+        self.pending = True
+        self.copy_values(n)
+        return True
+
+    def copy_values(self, n: int) -> None:
+        """The originals' values into the first ``n`` replicas' copies, per kind where the originals (an optimizer
+        step, the root's running statistics) or the copies (a replica's in-place change of its own) changed."""
+        owners = [i for i in self._owners if i < n]
+        for kind, (groups, first) in enumerate(self._parts):
+            last = first + len(groups.tensors)
+            stamp = (
+                sum(map(_version, groups.tensors)),
+                [sum(map(_version, self.leaves[i][first:last])) for i in owners],
+            )
+            if owners and groups.tensors and stamp != self._stamps[kind]:
+                with torch.no_grad():
+                    for dtype, staged in groups.flatten().items():
+                        for i in owners:
+                            self._storage[i][kind][dtype].copy_(staged, non_blocking=True)
+                self._stamps[kind] = stamp
+
+    def replace(self, old: Tensor, new: Tensor) -> bool:
+        """Keep ``new`` (shaped like the original buffer ``old``, same dtype), which a step bound in its place, up to
+        date in the replicas; ``False`` when ``old`` is none of the buffers."""
+        k = next((k for k, b in enumerate(self.buffers) if b is old), None)
+        if k is None:
+            return False
+        self.buffers[k], j = new, len(self.params) + k
+        self._parts[1][0].replace(k, new)
+        self._pointers[j], self._stamps[1] = new.data_ptr(), None
+        if self._alias is not None:
+            self.leaves[self._alias][j] = new
+        return True
+
+    def keep_rebound_data(self) -> bool:
+        """After a step that rebound a parameter's ``.data`` on the replica that stands for the root (MoCo's momentum
+        update): the original takes its new value, and every replica gets new leaves over its storage (their ``.grad``
+        kept); ``True`` when the caller must point its modules at :attr:`leaves` again."""
+        m = len(self.params)
+        if self._alias is None or list(map(_data_ptr, self.leaves[self._alias][:m])) == self._pointers[:m]:
+            return False
+        rebound = [j for j, leaf in enumerate(self.leaves[self._alias][:m]) if leaf.data_ptr() != self._pointers[j]]
+        with torch.no_grad():
+            for j in rebound:
+                self.params[j].copy_(self.leaves[self._alias][j])  # moves its version: the copies follow at sync
+        for i, leaves in enumerate(self.leaves):
+            for j in rebound:
+                fresh = self._make_leaf(i, j)
+                fresh.grad, leaves[j] = leaves[j].grad, fresh
+        return True
+
+    def mark_stale(self) -> None:
+        """Copy the originals into the replicas at the next :meth:`sync`, whatever their version counters say."""
+        self._stamps = [None, None]
+
+    def backward_done(self) -> None:
+        """A backward pass through the replicas finished (autograd accumulated into their flat gradients)."""
+        for i, leaves in enumerate(self.leaves[: self.active]):
+            if self._dense is not None and leaves[self._dense].grad is not self._first_grads[i]:
+                raise RuntimeError(
+                    "A backward pass replaced the gradient tensors of replica parameters instead of accumulating into "
+                    "them (backward(create_graph=True) does that). Replicas hold their own parameters and reduce "
+                    "their gradients from flat buffers, so they cannot reduce such gradients. Take higher-order "
+                    "gradients with torch.autograd.grad(..., create_graph=True), which leaves .grad alone (a gradient "
+                    "penalty), or, in plain PyTorch, replicate per call with lightning_mgpu.replicate(model, devices), "
+                    "whose replicas are linked to the originals."
+                )
+
+    def reduce(self, run_hooks: bool = True, only_trainable: bool = False) -> None:
+        """Add the replicas' gradients onto the originals' ``.grad`` (per device its replicas, then the devices, one
+        copy to the root per dtype) and zero them. As on one device, a parameter no backward reached (no version
+        counter moved) keeps its ``.grad``, and with ``only_trainable`` one frozen since the sync (``toggle_optimizer``)
+        gets nothing. The originals' gradient hooks run once, on the sum (``run_hooks=False``: backward passes that ran
+        before the hooks existed)."""
+        count = self.active
+        self.pending = False
+        self._reduce_sparse(count)
+        if count == 0 or not self._train_index:
+            return
+        slots = sorted(set(self._slots[:count]))
+        counters = [list(map(_version, self._train_counted[k])) for k in slots]  # one step per accumulation
+        seen = [self._seen[k] for k in slots]
+        if counters == seen:
+            return
+        reached: list[bool] | None = None  # None: every parameter reached, as replica 0's device usually shows
+        if not all(map(operator.ne, counters[0], seen[0])):
+            changed = [list(map(operator.ne, now, old)) for now, old in zip(counters, seen, strict=True)]
+            reached = [any(column) for column in zip(*changed, strict=True)]
+        if only_trainable and (now := list(map(_requires_grad, self.params))) != self._trainable:
+            reached = [r and now[j] for r, j in zip(reached or repeat(True), self._train_index, strict=False)]
+        everywhere = reached is None or all(reached)
+        params = self._train_params
+        hooked = run_hooks and (any(map(_tensor_hooks, params)) or any(map(_post_accumulate_hooks, params)))
+        fast = everywhere and not hooked  # whole flat buffers at once
+        grads = list(map(_grad, params))
+        # Views that .grad dropped (zero_grad(set_to_none=True)) but something still holds, as such or through another
+        # tensor on their storage (PCGrad's kept gradients, a `.detach()` kept to compare with the next step's): this
+        # step's gradients go to new tensors, as on one device.
+        if any(map(operator.is_, grads, repeat(None))) and (
+            any(map(operator.gt, map(sys.getrefcount, self._train_views), repeat(_OWN_REFERENCES)))
+            or list(map(_storage_uses, self._root_grads.values())) != self._root_uses
+        ):
+            self._new_root_grads()
+        with torch.no_grad():
+            # After zero_grad(set_to_none=True), unless a frozen parameter's .grad still is its part of the buffer
+            # (frozen between backward passes, as toggle_optimizer does): a whole-buffer copy would overwrite it.
+            if (
+                fast
+                and all(map(operator.is_, grads, repeat(None)))
+                and not any(map(operator.is_, map(_grad, self._frozen_params), self._frozen_views))
+            ):
+                deque(map(setattr, params, repeat("grad"), self._train_views), maxlen=0)
+                self._sum_into(count, self._root_grads, accumulate=False)
+            elif fast and all(map(operator.is_, grads, self._train_views)):  # .grad still the views
+                self._sum_into(count, self._root_grads, accumulate=True)
+            else:
+                totals = {dtype: torch.empty_like(flat) for dtype, flat in self._root_grads.items()}
+                self._sum_into(count, totals, accumulate=False)
+                self._assign_each(totals, grads, None if everywhere else reached, hooked)
+            torch._foreach_zero_([flat for flats in self._grads[:count] for flat in flats.values()])
+        for k, now in zip(slots, counters, strict=True):  # zeroing the rows leaves the counting aliases' counters alone
+            self._seen[k] = now
+
+    def _reduce_sparse(self, count: int) -> None:
+        """Sparse gradients, parameter by parameter: the replicas' sum (in replica order) added to the original's."""
+        for j in sorted(self._sparse):
+            grads = [leaves[j].grad for leaves in self.leaves[:count] if leaves[j].grad is not None]
+            if grads:
+                total = sum((grad.to(self.root) for grad in grads[1:]), grads[0].to(self.root))
+                param = self.params[j]
+                param.grad = total if param.grad is None else param.grad + total
+                for leaves in self.leaves[:count]:
+                    leaves[j].grad = None
+
+    def _sum_into(self, count: int, targets: dict[torch.dtype, Tensor], accumulate: bool) -> None:
+        """``targets`` (flat, per dtype, on the root) += (or =) the first ``count`` replicas' gradients: per device
+        its replicas in replica order (in place, into the first one's), then the devices' sums in device order."""
+        sums: dict[torch.device, dict[torch.dtype, Tensor]] = {}
+        for i in range(count):
+            if self.devices[i] in sums:
+                torch._foreach_add_(list(sums[self.devices[i]].values()), list(self._grads[i].values()))
+            else:
+                sums[self.devices[i]] = self._grads[i]
+        for k, per_dtype in enumerate(sums.values()):
+            for dtype, flat in per_dtype.items():
+                add = targets[dtype].copy_ if k == 0 and not accumulate else targets[dtype].add_
+                add(flat.to(self.root, non_blocking=True))
+
+    def _assign_each(
+        self, totals: dict[torch.dtype, Tensor], grads: list[Tensor | None], reached: list[bool] | None, hooked: bool
+    ) -> None:
+        """The general case, one parameter at a time: ``.grad`` set by someone else, parameters not every replica's
+        backward reached (skipped where ``reached`` says none did), or, when ``hooked``, gradient hooks to run as
+        ``AccumulateGrad`` does: tensor hooks on the incoming gradient, then post-accumulate hooks."""
+        hits = repeat(True) if reached is None else reached
+        for j, p, grad, hit in zip(self._train_index, self._train_params, grads, hits, strict=False):
+            if not hit:
+                continue
+            part = self._groups.view(totals, j)
+            for hook in (p._backward_hooks or {}).values() if hooked else ():
+                result = hook(part)
+                part = part if result is None else result
+            view = self._root_views[j]
+            if grad is None:
+                view.copy_(part)
+                p.grad = view
+            elif grad is view:
+                view.add_(part)
+            else:
+                grad.add_(part.to(grad.dtype))
+            for hook in (p._post_accumulate_grad_hooks or {}).values() if hooked else ():
+                hook(p)
+
+
 class ReplicaSet:
     """Lasting replicas of ``module``, one per device of ``devices`` (devices may repeat: "virtual devices").
 
-    Call :meth:`prepare` before each step and :meth:`watch` right after it. Every replica owns its parameters
-    (:class:`.flat_replicas.ReplicaParameters`); replica 0 shares the original buffers, the others hold copies, and a
-    buffer a step rebinds takes replica 0's value (``nn.DataParallel``'s rule). Attributes rebound on the originals
-    reach the replicas, except ``overrides`` (set per replica by the owner); a structural change rebuilds them
-    (:attr:`builds`). Every replica holds the original of a ``shared(submodule)`` (``on_build`` may swap in
+    Call :meth:`prepare` before each step and :meth:`watch` right after it. Every replica owns its parameters and
+    buffers (:class:`ReplicaParameters`); a buffer a step rebinds takes replica 0's value. Attributes rebound on the
+    originals reach the replicas, except ``overrides`` (set per replica by the owner); a structural change rebuilds
+    them (:attr:`builds`). Every replica holds the original of a ``shared(submodule)`` (``on_build`` may swap in
     per-replica objects).
     """
 
@@ -74,7 +463,7 @@ class ReplicaSet:
         shared: Callable[[nn.Module], bool] | None = None,
     ) -> None:
         self.module = module
-        self._shared = shared or _nothing_shared
+        self._shared = shared or (lambda submodule: False)
         self.devices = [to_device(d) for d in devices]
         if not self.devices:
             raise ValueError("A ReplicaSet needs at least one device.")
@@ -87,10 +476,10 @@ class ReplicaSet:
         self._owning = False
         self._queued = False
         self._queue_lock = threading.Lock()
-        self._run: _Run | None = None  # between prepare() and watch()
+        self._stop_recording: Callable[[], Any] | None = None  # between prepare() and watch()
+        self._rebound: set[tuple[int, int, str]] = set()  # (replica, position, buffer name) the step rebound
         self._build()
 
-    # --- build -------------------------------------------------------------------------------------------------------
     def _build(self) -> None:
         self._end_run(adopt=True)  # a step that raised before watch(): keep what replica 0 rebound
         for prepare in _BEFORE_BUILDING:
@@ -101,79 +490,64 @@ class ReplicaSet:
         self._position = {id(m): k for k, m in enumerate(originals)}
         self._params = _unique(p for m in originals for p in m._parameters.values() if p is not None)
         self._param_index = {id(p): j for j, p in enumerate(self._params)}
-        self._root = self._params[0].device if self._params else self.devices[0]
         buffers = _unique(b for m in originals for b in m._buffers.values() if b is not None)
-        self._copies: list[list[nn.Module]] = []
-        self._param_slots: list[list[Slot]] = []
-        self._buffer_slots: list[list[Slot]] = []
-        self._rnns: list[list[nn.RNNBase]] = []
+        self._root = next((t.device for t in (*self._params, *buffers)), self.devices[0])
+        embeddings = [m for m in originals if isinstance(m, (nn.Embedding, nn.EmbeddingBag))]
+        renormed = {id(m.weight) for m in embeddings if isinstance(m, nn.Embedding) and m.max_norm is not None}
+        sparse = {id(m.weight) for m in embeddings if m.sparse}
+        self._renormed = [j for j, p in enumerate(self._params) if id(p) in renormed]
+        self._sparse = [j for j, p in enumerate(self._params) if id(p) in sparse]
         self.compiled = any(is_compiled(m) for m in originals)
         uses_sync_batchnorm(self.module)  # names the sync layers built directly, for their errors
         self._sync_layers = [m for m in originals if isinstance(m, SyncBatchNorm)]
         self._weight_hooks = [
             (m, hook) for m in originals for hook in m._forward_pre_hooks.values() if isinstance(hook, _WEIGHT_HOOKS)
         ]
+        index = {id(t): j for j, t in enumerate((*self._params, *buffers))}
         with torch.inference_mode(False), torch.no_grad():  # copies must be normal tensors, whatever the caller's mode
-            for i in range(len(self.devices)):
-                self._build_replica(i, {id(b): k for k, b in enumerate(buffers)})
-        self._buffers = ReplicaBuffers(buffers, self._buffer_slots, self.devices)
-        self._flat: ReplicaParameters | None = None  # built on the first step that needs the replicas' own leaves
-        self._pointed = [False] * len(self.devices)  # replicas whose modules hold their own leaves
-        self._places = {  # replica modules (not shared ones) -> (replica, position)
-            id(c): (i, k)
-            for i, copies in enumerate(self._copies)
-            for k, c in enumerate(copies)
-            if c is not originals[k]
+            built = [self._replica(index) for _ in self.devices]
+        self._copies, self._slots, self._rnns = map(list, zip(*built, strict=True))  # per replica
+        self._new_flat(buffers)
+        self._places = {
+            id(c): (i, k) for i, cs in enumerate(self._copies) for k, c in enumerate(cs) if c is not originals[k]
         }
         # Per module its attribute, parameter, buffer and child dicts (none for a shared one: replicas hold it), and
         # shallow copies of them: one ``==`` of the two lists tells whether anything changed.
-        self._live = [d for m in originals for d in (({},) * 4 if self._shared(m) else _watched_dicts(m))]
+        self._live = [
+            d
+            for m in originals
+            for d in (({},) * 4 if self._shared(m) else (m.__dict__, m._parameters, m._buffers, m._modules))
+        ]
         self._saved = [d.copy() for d in self._live]
         self.builds += 1
         if self._on_build is not None:
             self._on_build(self.replicas)
 
-    def _build_replica(self, i: int, buffer_index: dict[int, int]) -> None:
-        copies = self._module_copies()
+    def _replica(self, index: dict[int, int]) -> tuple[list[nn.Module], list[Slot], list[nn.RNNBase]]:
+        """One replica's modules (shared ones as they are, shallow copies of the others, ``torch.compile`` wrappers
+        built around their wrapped module's copy), the slots of their tensors (``index``: tensor id -> leaf index)
+        and their RNNs."""
+        copies: list[Any] = [
+            m if self._shared(m) else None if is_optimized_module(m) else m._replicate_for_data_parallel()
+            for m in self._originals
+        ]
+        for k in reversed(range(len(copies))):  # innermost first
+            if copies[k] is None:
+                original = self._originals[k]
+                copies[k] = type(original)(self._children(k, copies)["_orig_mod"], original.dynamo_ctx)
         slots: list[Slot] = []
-        buffer_slots: list[Slot] = []
         for k, (original, copy) in enumerate(zip(self._originals, copies, strict=True)):
             if copy is original or is_optimized_module(original):
                 continue  # shared as is, or a compiled wrapper (its tensors are those of the wrapped module)
             copy._modules = self._children(k, copies)
             copy.__dict__ = self._for_replica(copy.__dict__, copies)
-            copy._parameters = dict(original._parameters)  # the originals until the first prepare()
-            slots += [
-                (copy._parameters, n, self._param_index[id(p)])
-                for n, p in original._parameters.items()
-                if p is not None
-            ]
-            for name, buffer in original._buffers.items():
-                if i == 0 and buffer is not None and buffer.device == self.devices[0]:
-                    copy._buffers[name] = buffer  # replica 0 shares the originals (DataParallel's semantics)
-                elif buffer is not None:
-                    buffer_slots.append((copy._buffers, name, buffer_index[id(buffer)]))
+            copy._parameters = dict(original._parameters)
+            for store, tensors in ((copy._parameters, original._parameters), (copy._buffers, original._buffers)):
+                slots += [(store, name, index[id(t)]) for name, t in tensors.items() if t is not None]
             if original.__dict__.get("_compiled_call_impl") is not None:
                 copy._compiled_call_impl = compiled_call(original, copy)
-        self._copies.append(copies)
-        self._param_slots.append(slots)
-        self._buffer_slots.append(buffer_slots)
-        self._rnns.append(
-            [c for c, o in zip(copies, self._originals, strict=True) if c is not o and isinstance(c, nn.RNNBase)]
-        )
-
-    def _module_copies(self) -> list[nn.Module]:
-        """One replica's modules: shared ones as they are, shallow copies of the others, and ``torch.compile``
-        wrappers built around their wrapped module's copy (innermost first)."""
-        copies: list[Any] = [
-            m if self._shared(m) else None if is_optimized_module(m) else m._replicate_for_data_parallel()
-            for m in self._originals
-        ]
-        for k in reversed(range(len(copies))):
-            if copies[k] is None:
-                original = self._originals[k]
-                copies[k] = type(original)(self._children(k, copies)["_orig_mod"], original.dynamo_ctx)
-        return copies
+        rnns = [c for c, o in zip(copies, self._originals, strict=True) if c is not o and isinstance(c, nn.RNNBase)]
+        return copies, slots, rnns
 
     def _children(self, k: int, copies: Sequence[nn.Module]) -> dict[str, nn.Module | None]:
         position = self._position
@@ -211,7 +585,6 @@ class ReplicaSet:
             return requested, None
         return mode, reason if resolve_mode(requested, self.devices[:count]) != mode else None
 
-    # --- every step --------------------------------------------------------------------------------------------------
     def prepare(self, n: int | None = None, linked: bool = False) -> list[nn.Module]:
         """The first ``n`` replicas (default all), synced with the original for a step, each with its own leaves:
         pass their outputs to :meth:`watch`. ``linked=True``: see :func:`replicate`."""
@@ -222,23 +595,57 @@ class ReplicaSet:
         if not self._structure_checked:
             self._sync_structure()
         self._structure_checked = False
-        self._buffers.refresh(n)
         self._queued = False
         self._owning = not linked
-        if linked:
-            self._link_parameters(n)
-        else:
-            self._own_parameters(n)
-            self._run = _Run(self._places)
+        if not self._flat.sync(n):  # an original's tensor was replaced (``param.data = ...``)
+            self._flat.reduce()  # what the replicas accumulated still belongs to the originals
+            self._new_flat(self._flat.buffers)
+            self._flat.sync(n)
+        relink = linked or (torch.is_grad_enabled() and any(map(_requires_grad, self._flat.buffers)))
+        for i in range(n):
+            if relink or not self._pointed[i]:
+                self._point(i, self._linked(i, linked) if relink else self._flat.leaves[i])
+            self._pointed[i] = not relink
+        if not linked:
+            self._rebound = set()
+            self._stop_recording = _record(self, self._places, self._rebound)
         return self.replicas[:n]
 
+    def _new_flat(self, buffers: list[Tensor]) -> None:
+        self._flat = ReplicaParameters(self._params, self.devices, self._root, self._renormed, self._sparse, buffers)
+        self._flat.copy_values(len(self.devices))
+        for i in range(len(self.devices)):
+            self._point(i, self._flat.leaves[i])
+        self._pointed = [True] * len(self.devices)  # replicas whose modules hold their own leaves
+
+    def _linked(self, i: int, params: bool) -> list[Tensor]:
+        """Replica ``i``'s leaves, but linked to the originals by autograd for one step: the buffers that require grad
+        (as under ``nn.DataParallel``) and with ``params`` the parameters (see :func:`replicate`: the trainable ones
+        as views on the root's device, copies elsewhere, the others detached)."""
+        grad, flat, device = torch.is_grad_enabled(), self._flat, self.devices[i]
+        tensors = list(flat.leaves[i])
+        for j, p in enumerate(flat.params if params else ()):
+            t = p if grad and p.requires_grad else p.detach()
+            tensors[j] = t.view_as(t) if t.device == device else t.to(device)
+        for j, b in enumerate(flat.buffers, len(flat.params)):
+            if grad and b.requires_grad and tensors[j] is not b:
+                tensors[j] = b.to(device, copy=True)
+        return tensors
+
+    def _point(self, i: int, tensors: Sequence[Tensor]) -> None:
+        """Replica ``i``'s parameters and buffers from ``tensors`` (indexed like :attr:`ReplicaParameters.leaves`)."""
+        for store, name, j in self._slots[i]:
+            store[name] = tensors[j]
+        for rnn in self._rnns[i]:  # RNNs run on a cached list of their weights, which must hold this replica's tensors
+            rnn._flat_weights = [getattr(rnn, wn, None) for wn in rnn._flat_weights_names]
+
     def _end_run(self, adopt: bool) -> None:
-        """Stop recording the run in progress; ``adopt``: buffers it rebound take replica 0's value."""
-        run, self._run = self._run, None
-        if run is not None:
-            run.stop()
-            if adopt and run.rebound:
-                self._adopt_buffers(run.rebound)
+        """Stop recording the step's buffer rebinding; ``adopt``: rebound buffers take replica 0's value."""
+        stop, self._stop_recording = self._stop_recording, None
+        if stop is not None:
+            stop()
+            if adopt and self._rebound:
+                self._adopt_buffers(self._rebound)
 
     def watch(self, outputs: Sequence[Any]) -> None:
         """Reduce the replicas' gradients onto the originals after any backward pass that reaches ``outputs`` (this
@@ -249,7 +656,7 @@ class ReplicaSet:
                 setattr(module, hook.name, hook.compute_weight(module, do_power_iteration=False))
             else:
                 hook(module, ())
-        if self._owning and self._flat is not None and self._flat.keep_rebound_data():
+        if self._owning and self._flat.keep_rebound_data():
             for i in range(len(self.devices)):
                 if self._pointed[i]:
                     self._point(i, self._flat.leaves[i])
@@ -272,130 +679,82 @@ class ReplicaSet:
 
     def _after_backward(self) -> None:
         self._queued = False
-        if self._flat is not None:
-            self._flat.backward_done()
+        self._flat.backward_done()
         if not self.defer_reduction:
             self.reduce_gradients()
 
     def reduce_gradients(self, run_hooks: bool = True) -> None:
         """Add the replicas' gradients onto the originals' ``.grad`` (after every backward pass unless
         :attr:`defer_reduction`). ``run_hooks=False``: backward passes ran before the originals had hooks."""
-        if self._flat is not None:
-            self._flat.reduce(run_hooks)
+        self._flat.reduce(run_hooks)
 
     def after_manual_backward(self) -> None:
         """Reduce a backward pass inside the step (manual optimization) onto the parameters trainable now."""
-        if self._flat is not None:
-            self._flat.backward_done()
-            self._flat.reduce(only_trainable=True)
+        self._flat.backward_done()
+        self._flat.reduce(only_trainable=True)
 
     def after_optimizer_step(self, n: int) -> None:
         """Inside a step, after the optimizer stepped the originals: the first ``n`` replicas' copies follow."""
-        if self._flat is not None:
-            self._flat.copy_values(n)
+        self._flat.copy_values(n)
 
     def leaves_of(self, param: Tensor) -> list[Tensor]:
         """The replicas' own leaves that stand for the original ``param`` in the graph of the last step, for
         ``backward(inputs=...)``: empty when the replicas held the originals (or ``param`` is none of them)."""
         j = self._param_index.get(id(param))
-        if not self._owning or self._flat is None or j is None or self._params[j] is not param:
+        if not self._owning or j is None or self._params[j] is not param:
             return []
         return [leaves[j] for leaves in self._flat.leaves[: self._flat.active]]
 
     def mark_stale(self) -> None:
         """Copy every parameter and buffer into the replicas at the next :meth:`prepare`, changed or not: writes
         through ``.data`` (Lightning's ``WeightAveraging`` swaps weights so) move no version counter."""
-        self._buffers.mark_stale()
-        if self._flat is not None:
-            self._flat.mark_stale()
+        self._flat.mark_stale()
 
     @property
     def pending(self) -> bool:
         """Replicas ran since the last reduction (their gradients may wait for one)."""
-        return self._flat is not None and self._flat.pending
+        return self._flat.pending
 
     def _adopt_buffers(self, rebound: set[tuple[int, int, str]]) -> None:
         """Buffers the step rebound: replica 0's value becomes the original's (a new value of the same shape and dtype
-        is no structural change; anything else rebuilds at the next :meth:`prepare`), and every replica holds the
-        buffers this set keeps up to date again (its copies, or the originals for replica 0)."""
+        is no structural change; anything else rebuilds at the next :meth:`prepare`), and every replica holds its
+        own again."""
         for k, name in sorted({(k, name) for i, k, name in rebound if i == 0}):
             value, buffers = self._copies[0][k]._buffers.get(name), self._originals[k]._buffers
             old = buffers.get(name)
             if value is not None and old is not None:
                 value = value.to(old.device)
-                if value.shape == old.shape and value.dtype == old.dtype and self._buffers.replace(old, value):
+                if value.shape == old.shape and value.dtype == old.dtype and self._flat.replace(old, value):
                     self._saved[4 * k + 2][name] = value  # the saved copy of its buffer dict
             buffers[name] = value
+        for i, k, name in rebound:
+            if name not in self._originals[k]._buffers:
+                self._copies[i][k]._buffers.pop(name, None)
         for i in sorted({i for i, _, _ in rebound}):
-            self._buffers.restore(i)
-            kept = {(id(store), name) for store, name, _ in self._buffer_slots[i]}
-            for _, k, name in (r for r in rebound if r[0] == i):
-                buffers, original = self._copies[i][k]._buffers, self._originals[k]._buffers
-                if name not in original:
-                    buffers.pop(name, None)
-                elif (id(buffers), name) not in kept:  # replica 0 shares the original
-                    buffers[name] = original[name]
-
-    def _own_parameters(self, n: int) -> None:
-        """Point the first ``n`` replicas at their own leaf parameters, synced with the originals."""
-        flat = self._flat
-        if flat is None or not flat.sync(n):
-            if flat is not None:
-                flat.reduce()  # what the replicas accumulated still belongs to the originals
-            # Embedding(max_norm=...) renormalises the rows it looks up in place: on one device, every shard's rows.
-            embeddings = [m for m in self._originals if isinstance(m, (nn.Embedding, nn.EmbeddingBag))]
-            renormed = {id(m.weight) for m in embeddings if isinstance(m, nn.Embedding) and m.max_norm is not None}
-            sparse = {id(m.weight) for m in embeddings if m.sparse}
-            params = self._params
-            flat = self._flat = ReplicaParameters(
-                params,
-                self.devices,
-                self._root,
-                [j for j, p in enumerate(params) if id(p) in renormed],
-                [j for j, p in enumerate(params) if id(p) in sparse],
-            )
-            flat.sync(n)
-            self._pointed = [False] * len(self.devices)
-        for i in range(n):
-            if not self._pointed[i]:
-                self._point(i, flat.leaves[i])
-                self._pointed[i] = True
-
-    def _point(self, i: int, tensors: Sequence[Tensor | None]) -> None:
-        """Replica ``i``'s parameters from ``tensors`` (indexed like the unique originals)."""
-        for store, name, j in self._param_slots[i]:
-            store[name] = tensors[j]
-        for rnn in self._rnns[i]:  # RNNs run on a cached list of their weights, which must hold this replica's tensors
-            rnn._flat_weights = [getattr(rnn, wn, None) for wn in rnn._flat_weights_names]
-
-    def _link_parameters(self, n: int) -> None:
-        """The first ``n`` replicas' parameters for a one-off step: the trainable ones linked to the originals by
-        autograd (views on the root's device, copies elsewhere), the others detached."""
-        grad = torch.is_grad_enabled()
-        for i, device in enumerate(self.devices[:n]):
-            tensors = []
-            for p in self._params:
-                t = p if grad and p.requires_grad else p.detach()
-                tensors.append(t.view_as(t) if t.device == device else t.to(device))
-            self._point(i, tensors)
-        self._pointed[:n] = [False] * n  # back to their own leaves at the next prepare()
+            self._point(i, self._flat.leaves[i])
 
     def _sync_structure(self) -> None:
         """Rebuild on a structural change or a (un)compiled module; copy attributes rebound on the originals to every
         replica. One ``==`` of every watched dict against its copy settles the common case (no change)."""
         if _same(self._live, self._saved):
             return
-        for k in range(len(self._originals)):
-            attrs, params, buffers, children = self._live[4 * k : 4 * k + 4]
-            saved = self._saved[4 * k : 4 * k + 4]
-            same_structure = _same(params, saved[1]) and _same(buffers, saved[2]) and _same(children, saved[3])
-            if same_structure and _same(attrs, saved[0]):
+        for k, original in enumerate(self._originals):
+            live, (before, *saved) = self._live[4 * k : 4 * k + 4], self._saved[4 * k : 4 * k + 4]
+            if _same(live, [before, *saved]):
                 continue
-            if not same_structure or attrs.get("_compiled_call_impl") is not saved[0].get("_compiled_call_impl"):
+            if not _same(live[1:], saved) or live[0].get("_compiled_call_impl") is not before.get(
+                "_compiled_call_impl"
+            ):
                 self.reduce_gradients()  # what the old replicas accumulated still belongs to the originals
                 self._build()
                 return
-            self._copy_attributes(k, saved[0])
+            changed = rebound_attributes(original, before, self._overrides)
+            removed = [key for key in before if key not in live[0] and key not in self._overrides]
+            for copies in self._copies:
+                copies[k].__dict__.update(self._for_replica(changed, copies))
+                for key in removed:
+                    copies[k].__dict__.pop(key, None)
+            self._saved[4 * k : 4 * k + 4] = [d.copy() for d in live]
 
     def keep_first_replicas(self, before: dict[str, Any]) -> dict[str, Any]:
         """Rebind on the original module what replica 0's root module rebound in its step since ``before`` (a copy of
@@ -404,17 +763,6 @@ class ReplicaSet:
         rebound = rebound_attributes(self._copies[0][0], before, self._overrides)
         self.module.__dict__.update(rebound)
         return rebound
-
-    def _copy_attributes(self, k: int, before: dict[str, Any]) -> None:
-        current = self._originals[k].__dict__
-        changed = rebound_attributes(self._originals[k], before, self._overrides)
-        removed = [key for key in before if key not in current and key not in self._overrides]
-        for copies in self._copies:
-            replica_dict = copies[k].__dict__
-            replica_dict.update(self._for_replica(changed, copies))
-            for key in removed:
-                replica_dict.pop(key, None)
-        self._saved[4 * k : 4 * k + 4] = [d.copy() for d in self._live[4 * k : 4 * k + 4]]
 
     def _for_replica(self, attributes: dict[str, Any], copies: Sequence[nn.Module]) -> dict[str, Any]:
         """``attributes`` for the replica whose modules are ``copies``: :class:`OriginalOnly` values replaced by what
@@ -434,48 +782,40 @@ class ReplicaSet:
     def release(self) -> None:
         """Drop every replica and copy (frees their memory on the other devices); the set is not used again."""
         self._end_run(adopt=False)
-        self._copies, self._param_slots, self._buffer_slots, self._rnns, self._places = [], [], [], [], {}
-        self._flat, self._buffers = None, ReplicaBuffers([], [], [])
+        self._copies, self._slots, self._rnns, self._places = [], [], [], {}
+        self._flat = ReplicaParameters([], self.devices, self._root)
 
 
-_runs: weakref.WeakSet[_Run] = weakref.WeakSet()  # in progress (replica sets may nest, or run in threads)
-_runs_lock = threading.RLock()  # re-entered by _drop_hook when the collector frees a run inside a locked section
-_hook: list[Any] = []  # torch's buffer registration hook, installed while runs are in progress
-
-
-def _drop_hook(_: object = None) -> None:
-    """Remove the hook once no run is in progress (the last one stopped, or was freed unstopped by the collector)."""
-    with _runs_lock:
-        if _hook and not list(_runs):
-            _hook.pop().remove()
+# Replica modules whose buffer rebinding is recorded -> (the record, replica, position); torch's global buffer
+# registration hook is installed while any are (replica sets may nest, or run in threads).
+_recording: dict[int, tuple[set[tuple[int, int, str]], int, int]] = {}
+_lock = threading.RLock()  # re-entered when the collector frees a replica set inside a locked section
+_hook: list[Any] = []
 
 
 def _on_buffer(module: nn.Module, name: str, value: Tensor | None) -> None:
-    with _runs_lock:
-        runs = list(_runs)
-    for run in runs:
-        place = run.places.get(id(module))
-        if place is not None:
-            run.rebound.add((*place, name))
+    place = _recording.get(id(module))
+    if place is not None:
+        place[0].add((place[1], place[2], name))
 
 
-class _Run:
-    """One step's replicas at work: the buffers they rebind are recorded by torch's global buffer registration hook,
-    installed while runs are in progress."""
+def _record(owner: object, places: dict[int, tuple[int, int]], record: set[tuple[int, int, str]]) -> Callable[[], Any]:
+    """Record into ``record`` the buffers that the modules of ``places`` rebind, until the returned stop is called or
+    ``owner`` is collected."""
+    with _lock:
+        _recording.update({key: (record, i, k) for key, (i, k) in places.items()})
+        if not _hook:
+            _hook.append(register_module_buffer_registration_hook(_on_buffer))
+    return weakref.finalize(owner, _stop, list(places), record)
 
-    def __init__(self, places: dict[int, tuple[int, int]]) -> None:
-        self.places = places
-        self.rebound: set[tuple[int, int, str]] = set()  # (replica, position, buffer name)
-        with _runs_lock:
-            _runs.add(self)
-            self._ref = weakref.ref(self, _drop_hook)
-            if not _hook:
-                _hook.append(register_module_buffer_registration_hook(_on_buffer))
 
-    def stop(self) -> None:
-        with _runs_lock:
-            _runs.discard(self)
-            _drop_hook()
+def _stop(keys: list[int], record: set[tuple[int, int, str]]) -> None:
+    with _lock:
+        for key in keys:
+            if _recording.get(key, (None,))[0] is record:
+                del _recording[key]
+        if _hook and not _recording:
+            _hook.pop().remove()
 
 
 _MISSING = object()
@@ -509,10 +849,6 @@ def _differentiable(outputs: Any, depth: int = 3) -> Iterator[Tensor]:
             yield from _differentiable(vars(node), depth - 1)
 
 
-def _nothing_shared(module: nn.Module) -> bool:
-    return False
-
-
 def _walk(module: nn.Module, shared: Callable[[nn.Module], bool]) -> list[nn.Module]:
     """Every distinct module of the tree, parents before children, without entering a ``shared`` module's subtree."""
     seen: set[int] = set()
@@ -544,10 +880,6 @@ def _check_initialized(root: nn.Module, modules: Iterable[nn.Module]) -> None:
 
 def _unique(tensors: Iterable[Tensor]) -> list[Tensor]:
     return list({id(t): t for t in tensors}.values())  # first-seen order
-
-
-def _watched_dicts(module: nn.Module) -> tuple[dict[str, Any], ...]:
-    return (module.__dict__, module._parameters, module._buffers, module._modules)
 
 
 def _same(current: Any, saved: Any) -> bool:

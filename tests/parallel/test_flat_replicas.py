@@ -1,8 +1,9 @@
 """Lasting replicas whose parameters, gradients and buffers live in flat buffers (threads mode, other devices).
 
-Units pin each invariant of the per-step sync (:mod:`lightning_mgpu.parallel.flat_replicas`); the module-level tests
-check equality with one device in every case the flat layout must handle. ``cpu:0`` is a device distinct from ``cpu``
-for these classes (tensors land on the same memory), which exercises the copy-to-other-devices path without a GPU.
+Units pin each invariant of the per-step sync (:class:`lightning_mgpu.parallel.replicas.ReplicaParameters`); the
+module-level tests check equality with one device in every case the flat layout must handle. ``cpu:0`` is a device
+distinct from ``cpu`` for these classes (tensors land on the same memory), which exercises the copy-to-other-devices
+path without a GPU.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from torch import Tensor, nn
 
 from lightning_mgpu.parallel import DataParallelCriterion, DataParallelModel, ReplicaSet
 from lightning_mgpu.parallel import replicas as replicas_module
-from lightning_mgpu.parallel.flat_replicas import DtypeGroups, ReplicaBuffers, ReplicaParameters
+from lightning_mgpu.parallel.replicas import DtypeGroups, ReplicaParameters
 
 CPU = torch.device("cpu")
 OTHER = torch.device("cpu", 0)  # compares unequal to CPU: the "other device" path
@@ -357,51 +358,54 @@ def test_prepare_checks_the_structure_unless_execution_mode_just_did():
     assert replicas.builds == 3 and all(isinstance(replica[1], nn.ReLU) for replica in replicas.replicas)
 
 
-# --- units: ReplicaBuffers ------------------------------------------------------------------------------------------
-def _buffers(n: int = 3) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]], ReplicaBuffers]:
+# --- units: buffers -------------------------------------------------------------------------------------------------
+def _buffers(n: int = 3) -> tuple[list[torch.Tensor], ReplicaParameters]:
     sources = [torch.zeros(3), torch.zeros((), dtype=torch.long)]
-    stores: list[dict[str, torch.Tensor]] = [{} for _ in range(n)]
-    slots = [[] if i == 0 else [(stores[i], "mean", 0), (stores[i], "count", 1)] for i in range(n)]
-    return sources, stores, ReplicaBuffers(sources, slots, [CPU] * n)
+    return sources, ReplicaParameters([], [CPU] * n, CPU, buffers=sources)
 
 
 def test_replicas_see_the_roots_buffers_after_every_step():
-    sources, stores, buffers = _buffers()
+    sources, flat = _buffers()
+    assert flat.leaves[0] == sources  # replica 0 holds the originals
     for step in range(3):
-        buffers.refresh(3)
-        for store in stores[1:]:
-            assert torch.equal(store["mean"], sources[0]) and torch.equal(store["count"], sources[1]), step
-            store["mean"].add_(100.0)  # replica >= 1 updates its own running statistics in its forward
-            store["count"].add_(1)
+        flat.sync(3)
+        for mean, count in flat.leaves[1:]:
+            assert torch.equal(mean, sources[0]) and torch.equal(count, sources[1]), step
+            mean.add_(100.0)  # replica >= 1 updates its own running statistics in its forward
+            count.add_(1)
         sources[0].add_(1.0)  # replica 0 (the original) updates the root's
         sources[1].add_(1)
 
 
 def test_a_replica_whose_copy_changed_is_refreshed_even_when_the_root_did_not_change():
-    sources, stores, buffers = _buffers()
-    buffers.refresh(3)
-    stores[2]["mean"].fill_(5.0)
-    buffers.refresh(3)
-    assert torch.equal(stores[2]["mean"], sources[0])
+    sources, flat = _buffers()
+    flat.sync(3)
+    flat.leaves[2][0].fill_(5.0)
+    flat.sync(3)
+    assert torch.equal(flat.leaves[2][0], sources[0])
 
 
-def test_replica_buffers_are_views_of_one_flat_buffer_per_dtype():
-    _, stores, buffers = _buffers()
-    buffers.refresh(3)
-    means = [store["mean"] for store in stores[1:]]
-    assert means[0]._base is not None and means[0].data_ptr() != means[1].data_ptr()
+def test_replica_buffers_are_parts_of_one_flat_buffer_per_replica_and_dtype():
+    _, flat = _buffers()
+    means = [leaves[0] for leaves in flat.leaves[1:]]
+    assert means[0].data_ptr() != means[1].data_ptr()
+    for i, mean in enumerate(means, 1):
+        assert mean.untyped_storage().data_ptr() == flat._storage[i][1][torch.float32].data_ptr()
 
 
 def test_buffers_requiring_grad_reach_replicas_through_autograd_and_back_to_plain_copies():
-    sources, stores, buffers = _buffers()
-    sources[0].requires_grad_(True)
-    buffers.refresh(3)
-    assert stores[1]["mean"].grad_fn is not None
-    (stores[1]["mean"].sum() * 2 + stores[2]["mean"].sum()).backward()
-    assert torch.equal(sources[0].grad, torch.full((3,), 3.0))
+    module = nn.Module()
+    module.register_buffer("mean", torch.zeros(3, requires_grad=True))
+    replica_set = ReplicaSet(module, CPU3)
+    replicas = replica_set.prepare(3)
+    assert replicas[0].mean is module.mean and replicas[1].mean.grad_fn is not None
+    (replicas[1].mean.sum() * 2 + replicas[2].mean.sum()).backward()
+    assert torch.equal(module.mean.grad, torch.full((3,), 3.0))
+    replica_set.watch([])
     with torch.no_grad():
-        buffers.refresh(3)
-    assert stores[1]["mean"].grad_fn is None
+        replicas = replica_set.prepare(3)
+    assert replicas[1].mean.grad_fn is None
+    replica_set.watch([])
 
 
 # --- DataParallelModel / DataParallelCriterion, threads mode ---------------------------------------------------------

@@ -92,16 +92,16 @@ _REDUCTIONS = [0]
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_gradient_accumulation_reduces_once_per_optimizer_step_and_equals_one_device(strategy, monkeypatch):
-    from lightning_mgpu.parallel import flat_replicas
+    from lightning_mgpu.parallel import replicas
 
-    original = flat_replicas.ReplicaParameters.reduce
+    original = replicas.ReplicaParameters.reduce
 
     def counted(self: Any, run_hooks: bool = True) -> None:
         if self.active:
             _REDUCTIONS[0] += 1
         original(self, run_hooks)
 
-    monkeypatch.setattr(flat_replicas.ReplicaParameters, "reduce", counted)
+    monkeypatch.setattr(replicas.ReplicaParameters, "reduce", counted)
     _REDUCTIONS[0] = 0
     base = seeded(CountsReductions)
     single, multi = clone(base), clone(base)
