@@ -217,9 +217,9 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         f"Command: `{report['command']}` ({report['wall_s']:.0f} s)  ",
         f"Date: {report['date']}  ",
-        f"Machine: {env['machine']['cpu_model']}, {env['machine']['cpus']} CPUs shared with other work (other agents "
-        f"ran tests at the same time); load average before {env['load_before']} after {env['load_after']}; torch "
-        f"threads {env['torch_threads']}, OMP_NUM_THREADS={env['omp_num_threads']}  ",
+        f"Machine: {env['machine']['cpu_model']}, {env['machine']['cpus']} CPUs of a shared virtual machine (other "
+        f"work may run at the same time: see the load); load average before {env['load_before']} after "
+        f"{env['load_after']}; torch threads {env['torch_threads']}, OMP_NUM_THREADS={env['omp_num_threads']}  ",
         f"torch {v['torch']}, lightning {v.get('lightning', '-')}, Python {v['python']}; lightning_mgpu "
         f"{v['lightning_mgpu']} at {env['git']}",
         "",

@@ -239,8 +239,7 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         f"Command: `{report['command']}` ({report['wall_s']:.0f} s)  ",
         f"Date: {report['date']}  ",
-        f"Machine: {env['cpu_model']}, {env['cpus']} CPUs (shared with other agents' tests; counts do not depend on "
-        "load)  ",
+        f"Machine: {env['cpu_model']}, {env['cpus']} CPUs of a shared virtual machine (counts do not depend on load)  ",
         f"torch {env['torch']}, lightning {env['lightning']}, Python {env['python']}; lightning_mgpu "
         f"{env['lightning_mgpu']} at {env['git']}",
         "",
