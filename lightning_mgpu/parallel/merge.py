@@ -140,8 +140,9 @@ class _Merger:
             warnings.warn(  # a message without the step's counts: said once per output
                 f"{path}: every device's array has as many entries along dim {dim}, none its sample count: "
                 f"concatenated along dim {dim}, as nn.DataParallel does. That is one device's result for rows you "
-                "selected (as many on each device by chance), not where the batch is on another dimension (an "
-                "LSTM's (layers, batch, hidden) state): return that batch first (h_n.transpose(0, 1)).",
+                "selected (as many on each device by chance), not for a statistic of the batch (x.mean(0): one per "
+                "device; return per-sample rows and reduce them in on_*_batch_end) nor where the batch is on another "
+                "dimension (an LSTM's (layers, batch, hidden) state): return that batch first (h_n.transpose(0, 1)).",
                 UserWarning,
                 stacklevel=2,
             )

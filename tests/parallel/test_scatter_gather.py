@@ -369,6 +369,14 @@ def test_an_array_without_the_sample_dimension_first_is_concatenated_with_a_warn
     assert merged[1].shape == (6, 3, 6)
 
 
+def test_a_statistic_of_each_shard_is_concatenated_with_a_warning_that_names_the_fix():
+    """``logits.mean(0)`` returned from a step: one row per device, concatenated; the warning says to return
+    per-sample rows and reduce them where the hook runs (found by a review: it named only LSTM states)."""
+    with pytest.warns(UserWarning, match=r"a statistic of the batch \(x\.mean\(0\).*per-sample rows"):
+        merged = merge_outputs([{"mean": torch.zeros(3)} for _ in range(2)], "cpu", sizes=[4, 4])
+    assert merged["mean"].shape == (6,)
+
+
 def test_samples_flattened_with_time_concatenate_without_a_word():
     """A language model's ``(batch * time, vocab)`` logits: the same multiple of every device's count, one device's
     result once concatenated (Lightning's demo Transformer under dp warned at every shard size)."""
