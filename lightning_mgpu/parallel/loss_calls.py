@@ -191,19 +191,6 @@ def unfollowed(value: Any) -> str | None:
     return getattr(value, _UNFOLLOWED, None) if isinstance(value, Tensor) else None
 
 
-def unfollowed_message(strategy: Any, module: Any, name: str, op: str) -> str:
-    """Said once per logged ``name``: a value made from a loss call through ``op`` merges per sample, and the fix."""
-    hook = module._current_fx_name
-    return (
-        f"{strategy.strategy_name}: {name!r}, logged in `{hook}`, was made from a loss call through `{op}`, which the "
-        "strategy does not follow (it follows sums and differences of losses, their products and quotients by "
-        "numbers and counts, `.sum()`, `.mean()`), so the devices' values of it are merged as a per-sample mean: one "
-        "device's value only if it is a per-sample mean itself. For one device's value, log the loss itself and "
-        f"compute {name!r} from its merged value: update a torchmetrics MeanMetric held by the module with the loss "
-        f"in `{hook}`, and log what you make of its compute() in `on_{hook.removesuffix('_step')}_epoch_end`."
-    )
-
-
 def once_per_shard_alike(records: list[LossRecord]) -> None:
     """In evaluation, a sum every shard computes alike (a regulariser of the weights) counts once, as on one device
     (a data sum equal on every shard to the last bit is a coincidence this accepts)."""

@@ -4,6 +4,7 @@ scalar loss per device reaches the root, combined by the rule of :mod:`.loss_rul
 from __future__ import annotations
 
 import contextlib
+import math
 import operator
 from collections.abc import Mapping
 from functools import partial
@@ -79,6 +80,7 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         self._readable: dict[int, bool] = {}  # per module: whether evaluation reads its loss calls
         self._shards: tuple[list[int], list[Any] | None] = ([], None)  # the step's sample counts and declared weights
         self._combined: tuple[list[Tensor], Tensor] | None = None  # this step's training losses and their combination
+        self._number_copies: dict[tuple[str, str | None], bool] = {}  # (hook, name) logged as numbers: the loss's?
 
     @property
     def loss_counts(self) -> tuple[Tensor | None, ...] | None:
@@ -242,12 +244,12 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         by their own autograd record (training) or by the loss call that made them (evaluation); ``None`` for other
         values (merged per sample)."""
 
-        def merge(values: list[Any]) -> Tensor | None:
+        def merge(values: list[Any], name: str | None) -> Tensor | None:
             declared = declared_copy(values, outputs, self.root_device)
             if declared is not None:
                 return declared
             returned = [_returned_loss(output) for output in outputs]
-            copies = all(same_tensor(v, r) or _its_value(v, r) for v, r in zip(values, returned, strict=True))
+            copies = all(map(same_tensor, values, returned)) or self._number_copy((hook, name), values, returned)
             # A logged number becomes a tensor of the default dtype in self.log, as on one device.
             dtype = torch.get_default_dtype() if isinstance(values[0], float) else None
             if weights is not None and copies:
@@ -259,6 +261,18 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
             return None if combined is None else combined.detach()
 
         return merge
+
+    def _number_copy(self, key: tuple[str, str | None], values: list[Any], returned: list[Any]) -> bool:
+        """Whether Python numbers logged under ``key`` are the returned losses' values (``loss.item()``): compared on
+        the name's first step (the step read them already) and remembered, so no later step reads a value again."""
+        if key[1] is None or not all(isinstance(v, float) for v in values):
+            return False
+        if key not in self._number_copies:
+            self._number_copies[key] = all(  # a shard that counts nothing logs NaN, as its loss is
+                isinstance(r, Tensor) and r.numel() == 1 and _same_number(v, r.item())
+                for v, r in zip(values, returned, strict=True)
+            )
+        return self._number_copies[key]
 
     def _by_record(self, hook: str, values: list[Any], sizes: list[int], calls: list[LossCalls]) -> Tensor | None:
         """``values`` merged as the losses they are, by their autograd record (training) or their loss calls'
@@ -292,9 +306,8 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         return "collectives=True" if self.collectives else None
 
 
-def _its_value(value: Any, loss: Any) -> bool:
-    """Whether a logged Python number is the returned loss's value (``loss.item()``: the step has read it already)."""
-    return isinstance(value, float) and isinstance(loss, Tensor) and loss.numel() == 1 and value == loss.item()
+def _same_number(a: float, b: float) -> bool:
+    return a == b or (math.isnan(a) and math.isnan(b))
 
 
 def _returned_loss(output: Any) -> Any:

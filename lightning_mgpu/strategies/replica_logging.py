@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric
 
-from lightning_mgpu.parallel.loss_calls import unfollowed, unfollowed_message
+from lightning_mgpu.parallel.loss_calls import unfollowed
 from lightning_mgpu.parallel.loss_graph import read_loss
 from lightning_mgpu.parallel.reduce import stack_scalars, weighted_mean
 from lightning_mgpu.parallel.scatter_gather import iter_tensors
@@ -30,8 +30,8 @@ _REDUCE_FX: dict[Any, str] = {  # what Lightning's reduce_fx= accepts, and the k
     **dict.fromkeys(("min", torch.min, min), "min"),
 }
 _LOG_DEFAULTS: dict[str, Any] = {"reduce_fx": "mean", "batch_size": None, "enable_graph": False}
-#: Merges the replicas' logged values of one name as a loss (by its rule), or says ``None``: not a loss.
-LossCopy = Callable[[list[Any]], Tensor | None]
+#: Merges the replicas' logged values of one name (given where known) as a loss (by its rule), or says ``None``.
+LossCopy = Callable[[list[Any], str | None], Tensor | None]
 
 
 @dataclass
@@ -93,7 +93,7 @@ def merge_and_log(
         else:
             if len(entries) == 1 < len(recorders):  # behind is_global_zero
                 entries, values = _logged_alone(name, entries[0], outputs, alone)
-            copy = loss_copy(values) if loss_copy is not None and len(entries) == len(recorders) else None
+            copy = loss_copy(values, name) if loss_copy is not None and len(entries) == len(recorders) else None
             if copy is None:
                 _say_unexplained(root, name, values, options)
         sizes = [call.options.get("batch_size") for _, call in entries]
@@ -114,10 +114,11 @@ def _say_unexplained(root: Any, name: str, values: list[Any], options: dict[str,
     strategy, key = root.trainer.strategy, f"unfollowed:{name}"
     if key in strategy._announced:
         return
+    hook = root._current_fx_name
     if op is not None:
-        strategy._warn_once(key, unfollowed_message(strategy, root, name, op))
+        strategy._warn_once(key, merged_per_sample_message(strategy.strategy_name, hook, name, op, graph=False))
     elif (node := _unexplained(values)) is not None:
-        strategy._warn_once(key, unexplained_message(strategy, root, name, node))
+        strategy._warn_once(key, merged_per_sample_message(strategy.strategy_name, hook, name, node, graph=True))
     else:
         strategy._announced.add(key)  # read, or alike on every device: said never, read no more
 
@@ -134,15 +135,32 @@ def _unexplained(values: list[Tensor]) -> str | None:
     return None if all(torch.equal(first, v.detach().to(first.device)) for v in values[1:]) else record.unknown
 
 
-def unexplained_message(strategy: Any, module: Any, name: str, node: str) -> str:
-    hook = module._current_fx_name
+def merged_per_sample_message(strategy: str, hook: str, name: str, made_by: str, *, graph: bool) -> str:
+    """Said once per logged ``name`` that ``made_by`` made where no record follows it (its autograd record's node in
+    training, ``graph``; an operation on a loss call's output in evaluation): merged per sample, and the fix."""
+    if graph:
+        how = (
+            f"was made through `{made_by}`, which its autograd record does not explain as a mean, a sum or a loss "
+            "function's mean (a function of the batch's mean, as torch.exp(loss) or a root of a mean square, is not "
+            "one)"
+        )
+        fix = (
+            "log a torchmetrics metric held by the module (its states merge exactly: e.g. "
+            "MeanSquaredError(squared=False), text.Perplexity), or use strategy='dp'"
+        )
+    else:
+        how = (
+            f"was made from a loss call through `{made_by}`, which the strategy does not follow (it follows sums and "
+            "differences of losses, their products and quotients by numbers and counts, `.sum()`, `.mean()`)"
+        )
+        fix = (
+            f"log the loss itself and compute {name!r} from its merged value: update a torchmetrics MeanMetric held by "
+            f"the module with the loss in `{hook}`, and log what you make of its compute() in "
+            f"`on_{hook.removesuffix('_step')}_epoch_end`"
+        )
     return (
-        f"{strategy.strategy_name}: {name!r}, logged in `{hook}`, was made through `{node}`, which its autograd record "
-        "does not explain as a mean, a sum or a loss function's mean, so the devices' values of it are merged as a "
-        "per-sample mean: one device's value only if it is a per-sample mean itself (a function of the batch's mean, "
-        "as torch.exp(loss) or a root of a mean square, is not). For one device's value, log a torchmetrics metric "
-        "held by the module (its states merge exactly: e.g. MeanSquaredError(squared=False), "
-        "text.Perplexity), or use strategy='dp'."
+        f"{strategy}: {name!r}, logged in `{hook}`, {how}, so the devices' values of it are merged as a per-sample "
+        f"mean: one device's value only if it is a per-sample mean itself. For one device's value, {fix}."
     )
 
 
@@ -194,7 +212,7 @@ def merge_scalars(
     if not all(map(_is_scalar, values)) or (weights is not None and not all(map(_is_scalar, weights))):
         return None
     everyone = len(entries) == replicas and all(isinstance(v, Tensor) for v in values)
-    copy = loss_copy(values) if loss_copy is not None and everyone else None
+    copy = loss_copy(values, None) if loss_copy is not None and everyone else None
     if copy is None and kind == "cat":
         return None
     options = {**_LOG_DEFAULTS, "reduce_fx": "mean" if kind == "cat" else kind}

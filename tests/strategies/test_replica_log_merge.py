@@ -119,7 +119,7 @@ def test_a_logged_copy_of_the_loss_merges_as_the_loss_whatever_reduce_fx(reduce_
         recorder.log("loss", loss.detach(), reduce_fx=reduce_fx)
     root = Root()
 
-    def as_the_loss(values: list[torch.Tensor]) -> torch.Tensor:  # what the strategy gives: the loss's rule
+    def as_the_loss(values: list[torch.Tensor], name: str | None) -> torch.Tensor:  # the strategy's: the loss's rule
         return weighted_mean(stack_scalars(values, values[0].device, torch.float64), torch.tensor([3.0, 1.0]))
 
     merge_and_log(root, recorders, [2, 2], lambda _: None, as_the_loss)
