@@ -127,9 +127,8 @@ def _map(obj: Any, leaf: Callable[[Any], Sequence[Any]], count: int, opened: Cal
         keys.append(key)
         columns.append(_map(child, leaf, count, opened))
     rows = zip(*columns, strict=True) if columns else [()] * count
-    if isinstance(obj, Mapping):
-        return [rebuild(obj, dict(zip(keys, row, strict=True))) for row in rows]
-    return [rebuild(obj, row) for row in rows]
+    keyed = isinstance(obj, Mapping)
+    return [rebuild(obj, dict(zip(keys, row, strict=True)) if keyed else row) for row in rows]
 
 
 def move_to(obj: Any, device: DeviceLike) -> Any:
@@ -221,21 +220,13 @@ def _plain_items(obj: Any) -> bool:
     return not any(isinstance(x, Tensor) or _children(x) is not None for x in obj)
 
 
-def _per_sample_list(obj: Any, size: int) -> bool:
-    """A list of plain items (ids) or a tuple of strings with one item per sample (tuples of numbers are options,
-    ``size=(16, 16)``; a list of batch-long sequences is ``default_collate``'s structure, opened)."""
-    if not _plain(obj) or len(obj) != size:
-        return False
-    if isinstance(obj, tuple):
-        return all(isinstance(x, str) for x in obj)
-    return not all(_plain(item) and len(item) == size for item in obj) and not contains_tensor(obj)
-
-
 def _outline(obj: Any) -> Any:
     """A hashable outline (types, keys, tensors' numbers of dimensions), which the samples of one data set share."""
+    if isinstance(obj, Tensor):
+        return Tensor, obj.dim()
     children = _children(obj)
     if children is None or _plain_items(obj):
-        return (Tensor, obj.dim()) if isinstance(obj, Tensor) else type(obj) if children is None else (type(obj), "")
+        return type(obj)
     return type(obj), tuple((key, _outline(child)) for key, child in children)
 
 
@@ -305,6 +296,13 @@ def _kind(seq: Sequence[Any]) -> str:
 
 
 # --- advice for batch sizes that disagree -----------------------------------------------------------------------------
+_KEEP_OUT = (
+    "If one of them is not per sample, keep it out of what is split: class weights in the loss module "
+    "(`nn.CrossEntropyLoss(weight=w)`, whose weighting the replicas' losses then follow), other values (a "
+    "temperature) as a buffer of the module (`register_buffer`), a 0-dim tensor or a Python number."
+)
+
+
 @dataclasses.dataclass
 class _Advice:
     """What to do about tensors of different batch sizes: the first specific advice that fits, else the general one."""
@@ -315,15 +313,8 @@ class _Advice:
     samples: Sequence[int]
 
     def __str__(self) -> str:
-        dim_hint = [self.batch_dim] if self.dim else []  # (B, 1) labels beside (T, B, F) inputs, dim=1
-        for hint in [*dim_hint, self.parts, self.count, self.per_sample, self.flat_ids]:
-            if said := hint():
-                return said
-        return (
-            "If one of them is not per sample, keep it out of what is split: class weights in the loss module "
-            "(`nn.CrossEntropyLoss(weight=w)`, whose weighting the replicas' losses then follow), other values (a "
-            "temperature) as a buffer of the module (`register_buffer`), a 0-dim tensor or a Python number."
-        )
+        hints = [self.batch_dim] * bool(self.dim) + [self.parts, self.count, self.per_sample, self.flat_ids]
+        return next(filter(None, (hint() for hint in hints)), _KEEP_OUT)  # batch_dim: (B, 1) labels, dim=1
 
     def along(self, inside: str = "", outside: str | None = None) -> list[tuple[str, int]]:
         """``(path, size along dim)`` of the tensors having ``dim`` under the path ``inside``, not ``outside``."""
@@ -344,14 +335,12 @@ class _Advice:
         for path, t in self.tensors if where else ():
             axis = next((a for a, n in enumerate(t.shape) if n in batch and a != dim), None)
             if t.dim() > dim and t.shape[dim] not in batch and axis is not None:
-                moved = [*t.shape[:axis], *t.shape[axis + 1 :]]
-                moved.insert(dim, t.shape[axis])
                 return (
                     f"{path} has shape {tuple(t.shape)}: its {t.shape[axis]} samples are on dim {axis}, not on dim "
                     f"{dim}, which the batch is split along ({where} has {t.shape[axis]} there). Put them on dim "
-                    f"{dim} in your collate_fn, `.movedim({axis}, {dim})` (shape {tuple(moved)}), and back in the "
-                    f"step, `.movedim({dim}, {axis})`: each device then gets its samples' rows (kept out of the "
-                    "batch, every device would get all of them)."
+                    f"{dim} in your collate_fn, `.movedim({axis}, {dim})` (shape {tuple(t.movedim(axis, dim).shape)}), "
+                    f"and back in the step, `.movedim({dim}, {axis})`: each device then gets its samples' rows (kept "
+                    "out of the batch, every device would get all of them)."
                 )
         return None
 
@@ -403,9 +392,8 @@ class _Advice:
 
     def flat_ids(self) -> str | None:
         """Flat ids with offsets (``nn.EmbeddingBag``'s input), when the batch is 1-D integer tensors."""
-        if len(self.tensors) < 2 or any(
-            t.dim() != 1 or t.is_floating_point() or t.is_complex() for _, t in self.tensors
-        ):
+        ids = all(t.dim() == 1 and not (t.is_floating_point() or t.is_complex()) for _, t in self.tensors)
+        if len(self.tensors) < 2 or not ids:
             return None
         return (
             "If these are flat ids with offsets (as nn.EmbeddingBag takes), pass one item per sample instead, e.g. "
@@ -434,8 +422,9 @@ def is_shared_state(obj: Any) -> bool:
 
 def shared_state(roots: Roots) -> str | None:
     """Where the roots hold a :func:`is_shared_state` object, with its type; else None."""
-    found = (f"{p} ({type(n).__name__})" for root, v in roots for p, n in iter_nodes(v, root) if is_shared_state(n))
-    return next(found, None)
+    return next(
+        (f"{p} ({type(n).__name__})" for r, v in roots for p, n in iter_nodes(v, r) if is_shared_state(n)), None
+    )
 
 
 def split_batch(
@@ -523,10 +512,16 @@ class _Split:
         self.whole: list[tuple[Any, str]] = []
 
     def opened(self, node: Any) -> bool:
-        """Whether ``node`` is split part by part, not as one leaf."""
+        """Whether ``node`` is split part by part: not a PerSample, nor a list of plain items (ids) or a tuple of
+        strings as long as the batch (tuples of numbers are options, ``size=(16, 16)``; a list of batch-long
+        sequences is ``default_collate``'s structure, opened)."""
         if isinstance(node, PerSample) or id(node) in self.items:
             return False
-        return not (self.plain and _per_sample_list(node, self.size))
+        if not (self.plain and _plain(node) and len(node) == self.size):
+            return True
+        if isinstance(node, tuple):
+            return not all(isinstance(x, str) for x in node)
+        return all(_plain(item) and len(item) == self.size for item in node) or contains_tensor(node)
 
     def leaf(self, leaf: Any) -> list[Any]:
         """``leaf``'s chunks, one per device, moved there."""
@@ -562,21 +557,14 @@ def split_or_run_once(split: Callable[[], T], roots: Roots) -> T | None:
     except SharedStateError:
         return None
     except NothingToSplitError:
-        strings = next(
-            (
-                (p, n)
-                for root, v in roots
-                for p, n in iter_nodes(v, root)
-                if _plain(n) and all(isinstance(x, str) for x in n)
-            ),
-            None,
-        )
-    if strings is not None:
-        raise BatchSplitError(
-            f"Cannot split the batch: it holds no tensor with a batch dimension, only {strings[0]}, a sequence of "
-            f"{len(strings[1])} strings, and nothing says that it holds one item per sample. Wrap it in "
-            "lightning_mgpu.PerSample(...) in your collate_fn (or before the call) so that it is split by item."
-        )
+        nodes = [(p, n) for root, v in roots for p, n in iter_nodes(v, root)]
+    for path, strings in nodes:
+        if _plain(strings) and all(isinstance(x, str) for x in strings):
+            raise BatchSplitError(
+                f"Cannot split the batch: it holds no tensor with a batch dimension, only {path}, a sequence of "
+                f"{len(strings)} strings, and nothing says that it holds one item per sample. Wrap it in "
+                "lightning_mgpu.PerSample(...) in your collate_fn (or before the call) so that it is split by item."
+            )
     return None
 
 
@@ -605,8 +593,8 @@ def gather(outputs: Sequence[Any], target_device: DeviceLike, dim: int = 0) -> A
         return torch.cat([t.to(device) for t in outputs], dim=dim)
     if first is None:
         return None
-    if isinstance(first, dict) and not all(len(first) == len(d) for d in outputs):
-        raise ValueError("All dicts must have the same number of keys")
     if isinstance(first, dict):
+        if any(len(first) != len(d) for d in outputs):
+            raise ValueError("All dicts must have the same number of keys")
         return rebuild(first, {k: gather([d[k] for d in outputs], device, dim) for k in first})
     return rebuild(first, [gather(values, device, dim) for values in zip(*outputs, strict=True)])
