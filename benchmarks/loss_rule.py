@@ -55,7 +55,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_mgpu  # noqa: F401 - registers "parallel_criterion" and "dp"
-from lightning_mgpu.parallel.loss_graph import combine_losses_by_record, coupling, read_loss
+from lightning_mgpu.parallel.loss_combine import combine_losses_by_record
+from lightning_mgpu.parallel.loss_coupling import coupling
+from lightning_mgpu.parallel.loss_graph import read_loss
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CONFIGS = [("auto", 1), ("parallel_criterion", 2), ("dp", 2)]  # (strategy, devices)

@@ -18,7 +18,8 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_mgpu.parallel.devices import DeviceLike, to_device
-from lightning_mgpu.parallel.loss_graph import combine_losses_by_record, read_loss
+from lightning_mgpu.parallel.loss_combine import combine_losses_by_record
+from lightning_mgpu.parallel.loss_graph import read_loss
 from lightning_mgpu.parallel.scatter_gather import batch_size_of, move_to, split_batch
 from lightning_mgpu.strategies import step_outputs
 from lightning_mgpu.strategies.loss_rules import SAMPLES, SUM, LossNormalization, describe

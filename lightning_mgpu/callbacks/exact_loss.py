@@ -16,7 +16,8 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_mgpu.parallel.loss_graph import read_loss, settle_weights
+from lightning_mgpu.parallel.loss_combine import settle_weights
+from lightning_mgpu.parallel.loss_graph import read_loss
 from lightning_mgpu.parallel.scatter_gather import iter_tensors
 from lightning_mgpu.strategies.loss_rules import describe
 

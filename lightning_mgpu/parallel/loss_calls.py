@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-from lightning_mgpu.parallel.loss_graph import LossRecord, Term, combine_losses_by_record, count_targets, read_loss
+from lightning_mgpu.parallel.loss_combine import combine_losses_by_record
+from lightning_mgpu.parallel.loss_graph import LossRecord, Term, count_targets, read_loss
 
 
 def _class_loss_count(bound: dict[str, Any]) -> Any:
@@ -200,7 +201,6 @@ def once_per_shard_alike(records: list[LossRecord]) -> None:
             if all(torch.equal(values[0], value) for value in values[1:]):
                 for record in records:
                     record.terms[t] = replace(record.terms[t], count=1, summed=None)
-                    record._signature = None
 
 
 #: Layers with a fast path only while no torch function mode is active: reading loss calls would change their outputs.
@@ -216,7 +216,7 @@ def combine_by_record(
     losses: list[Any], calls: Sequence[LossCalls | None], sizes: list[int], root: torch.device, memory: Any = None
 ) -> Tensor | None:
     """The whole batch's loss on ``root`` from the replicas' ``losses`` by their autograd records or, without one,
-    their loss calls; ``None`` where they do not say (:func:`.loss_graph.combine_losses_by_record`)."""
+    their loss calls; ``None`` where they do not say (:func:`.loss_combine.combine_losses_by_record`)."""
     graphs = [getattr(loss, "grad_fn", None) is not None for loss in losses]
     records = [
         read_loss(loss, n) if graph else c and c.record_of(loss)

@@ -16,7 +16,9 @@ from typing_extensions import override
 
 from lightning_mgpu.parallel import collectives
 from lightning_mgpu.parallel.loss_calls import LossCalls, can_read_calls, once_per_shard_alike
-from lightning_mgpu.parallel.loss_graph import Combined, combine_losses_by_record, coupling, read_loss, term_totals
+from lightning_mgpu.parallel.loss_combine import Combined, combine_losses_by_record, term_totals
+from lightning_mgpu.parallel.loss_coupling import coupling
+from lightning_mgpu.parallel.loss_graph import read_loss
 from lightning_mgpu.parallel.merge import merge_outputs
 from lightning_mgpu.parallel.run_replicas import ExecutionMode
 from lightning_mgpu.parallel.scatter_gather import split_batch

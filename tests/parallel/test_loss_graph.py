@@ -11,7 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_mgpu.parallel.loss_graph import combine_losses_by_record, coupling, read_loss
+from lightning_mgpu.parallel.loss_combine import combine_losses_by_record
+from lightning_mgpu.parallel.loss_coupling import coupling
+from lightning_mgpu.parallel.loss_graph import read_loss
 
 N, C = 10, 5
 GEN = torch.Generator().manual_seed(0)
