@@ -13,7 +13,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from itertools import repeat
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -100,10 +100,10 @@ class DtypeGroups:
 
     def __init__(self, tensors: Iterable[Tensor]) -> None:
         self.tensors = list(tensors)
+        self.strides = list(map(_part_strides, self.tensors))
         self.indices: dict[torch.dtype, list[int]] = {}
         self.offsets: list[int] = []
         self.totals: dict[torch.dtype, int] = {}
-        self.strides = list(map(_part_strides, self.tensors))
         for j, t in enumerate(self.tensors):
             self.indices.setdefault(t.dtype, []).append(j)
             self.offsets.append(self.totals.get(t.dtype, 0))
@@ -111,13 +111,12 @@ class DtypeGroups:
         self._views = {dtype: self._flat_views(indices) for dtype, indices in self.indices.items()}
 
     def _flat_views(self, indices: list[int]) -> tuple[list[Tensor | None], list[int]]:
-        """The group's tensors as flat views of their memory, and the positions of those not laid out as their part
-        (``None`` there, copied into that layout at every :meth:`flatten`)."""
+        """Flat views of the tensors whose memory is their part, ``None`` for the others (copied into their part's
+        layout at every :meth:`flatten`), and the positions of those."""
         views: list[Tensor | None] = []
         for j in indices:
             t = self.tensors[j]
-            laid_out = _part_strides(t, t.stride()) == self.strides[j]  # then dense: its memory is its part
-            views.append(t.as_strided((t.numel(),), (1,)) if laid_out else None)
+            views.append(t.as_strided((t.numel(),), (1,)) if _part_strides(t, t.stride()) == self.strides[j] else None)
         return views, [k for k, v in enumerate(views) if v is None]
 
     def flatten(self) -> dict[torch.dtype, Tensor]:
@@ -141,14 +140,11 @@ class DtypeGroups:
     def flats(self, device: torch.device, zero: bool = False, rows: int | None = None) -> dict[torch.dtype, Tensor]:
         """One flat buffer per dtype on ``device`` (``rows`` of them stacked: a 2-D buffer per dtype)."""
         make = torch.zeros if zero else torch.empty
-        return {
-            dtype: make((total,) if rows is None else (rows, total), dtype=dtype, device=device)
-            for dtype, total in self.totals.items()
-        }
+        return {d: make((n,) if rows is None else (rows, n), dtype=d, device=device) for d, n in self.totals.items()}
 
     def alias(self, flats: dict[torch.dtype, Tensor], j: int) -> Tensor:
-        """Tensor ``j``'s part of ``flats`` (shaped and laid out like it; of 2-D ``flats``, one row per copy, its
-        columns) with a version counter of its own: an in-place change of any row's part bumps it."""
+        """Tensor ``j``'s part of ``flats`` (of 2-D ``flats``, its columns) as an :func:`alias`: an in-place change of
+        any row's part bumps its version counter."""
         like, flat = self.tensors[j], flats[self.tensors[j].dtype]
         if flat.dim() == 2:
             return alias(flat, self.offsets[j], (len(flat), like.numel()), (flat.stride(0), 1))
@@ -159,7 +155,7 @@ class DtypeGroups:
         return self.shaped(flats[self.tensors[j].dtype][self.offsets[j] :], j)
 
     def shaped(self, part: Tensor, j: int) -> Tensor:
-        """``part`` (from tensor ``j``'s elements, 1-D, in memory order) as a view shaped and laid out like it."""
+        """``part`` (1-D, from tensor ``j``'s first element) as a view shaped and laid out like tensor ``j``."""
         return part.as_strided(self.tensors[j].shape, self.strides[j])
 
 
@@ -168,13 +164,12 @@ class ReplicaParameters:
     then for ``buffers[j - len(params)]``.
 
     The first replica on ``root`` stands for the root module (as DDP's rank 0): its leaves share the originals' storage
-    and version counters, its buffers are the originals. Every other replica holds copies in one flat buffer per
-    replica, dtype and kind, even on the same device, each an alias with a version counter of its own (a write into one
-    leaves the others' saved tensors valid). A leaf's ``.grad`` is its replica's row of one buffer per device and
-    dtype, whose columns count the accumulations. ``renormed`` parameters (``Embedding(max_norm=...)`` renormalises
-    looked-up rows in place, idempotently) keep the originals' storage on the root device; ``sparse`` ones get sparse
-    gradients, summed one by one. Call :meth:`sync` before a step, :meth:`backward_done` after each backward pass and
-    :meth:`reduce` when the gradients belong on the originals.
+    and version counters. Every other replica holds copies in one flat buffer per replica, dtype and kind, each an
+    :func:`alias` (a write into one leaves the others' saved tensors valid). A leaf's ``.grad`` is its replica's row of
+    one buffer per device and dtype, whose columns count the accumulations. ``renormed`` parameters
+    (``Embedding(max_norm=...)`` renormalises looked-up rows in place, idempotently) keep the originals' storage on the
+    root device; ``sparse`` ones get sparse gradients, summed one by one. Call :meth:`sync` before a step,
+    :meth:`backward_done` after each backward pass and :meth:`reduce` when the gradients belong on the originals.
     """
 
     def __init__(
@@ -186,36 +181,33 @@ class ReplicaParameters:
         sparse: Collection[int] = (),
         buffers: Iterable[Tensor] = (),
     ) -> None:
-        self.params, self.buffers = list(params), list(buffers)
-        self.devices = list(devices)
-        self.root = root
+        self.params, self.buffers, self.devices, self.root = list(params), list(buffers), list(devices), root
         self._groups = groups = DtypeGroups(self.params)
         self._parts = [(groups, 0), (DtypeGroups(self.buffers), len(self.params))]  # (layout, first index in leaves)
         self._alias = next((i for i, d in enumerate(self.devices) if d == root), None)  # stands for the root module
         self._owners = [i for i in range(len(self.devices)) if i != self._alias]
-        self._sparse = frozenset(sparse)
-        self._renormed = frozenset(renormed)
+        self._sparse, self._renormed = frozenset(sparse), frozenset(renormed)
         distinct = list(dict.fromkeys(self.devices))
         self._slots = [distinct.index(d) for d in self.devices]  # replica -> its device's place in ``distinct``
         rows = [self.devices[:i].count(d) for i, d in enumerate(self.devices)]  # replica -> its row on its device
+        dense = [j for j in range(len(self.params)) if j not in self._sparse]
         with torch.inference_mode(False), torch.no_grad():
             self._storage = {i: [part.flats(self.devices[i]) for part, _ in self._parts] for i in self._owners}
             blocks = [groups.flats(d, zero=True, rows=self.devices.count(d)) for d in distinct]
             self._grads = [
-                {dtype: flat[row] for dtype, flat in blocks[k].items()}
-                for k, row in zip(self._slots, rows, strict=True)
+                {dt: flat[r] for dt, flat in blocks[k].items()} for k, r in zip(self._slots, rows, strict=True)
             ]
             self._counted = [[groups.alias(block, j) for j in range(len(self.params))] for block in blocks]
             count = len(self.params) + len(self.buffers)
             self.leaves = [[self._make_leaf(i, j) for j in range(count)] for i in range(len(self.devices))]
             for i, leaves in enumerate(self.leaves):
-                for j in set(range(len(self.params))) - self._sparse:
+                for j in dense:
                     leaves[j].grad = groups.shaped(self._counted[self._slots[i]][j][rows[i]], j)
             self._train_index: list[int] = []
             self._frozen_index: list[int] = []
             self._new_root_grads()
-        self._dense = next((j for j in range(len(self.params)) if j not in self._sparse), None)
-        self._first_grads = [None if self._dense is None else leaves[self._dense].grad for leaves in self.leaves]
+        self._first_grads = [leaves[dense[0]].grad if dense else None for leaves in self.leaves]
+        self._dense = dense[0] if dense else None
         self._pointers = list(map(_data_ptr, self.params + self.buffers))
         self._stamps: list[Any] = [None, None]  # per kind, versions of the originals and copies at the last copy
         self._set_trainable(list(map(_requires_grad, self.params)))
@@ -223,16 +215,16 @@ class ReplicaParameters:
         self.pending = False  # replicas ran since the last reduction: their gradients may not be on the originals yet
 
     def _make_leaf(self, i: int, j: int) -> Tensor:
-        is_param = j < len(self.params)
-        t = self.params[j] if is_param else self.buffers[j - len(self.params)]
+        kind = int(j >= len(self.params))
+        t = self.buffers[j - len(self.params)] if kind else self.params[j]
         if i == self._alias:
-            data = t.detach() if is_param else t
-        elif is_param and j in self._renormed and self.devices[i] == self.root:
+            data = t if kind else t.detach()
+        elif not kind and j in self._renormed and self.devices[i] == self.root:
             data = alias(t, 0, t.shape, t.stride())
         else:
-            groups, first = self._parts[0 if is_param else 1]
-            data = groups.alias(self._storage[i][0 if is_param else 1], j - first)
-        return nn.Parameter(data, requires_grad=t.requires_grad) if is_param else data
+            groups, first = self._parts[kind]
+            data = groups.alias(self._storage[i][kind], j - first)
+        return data if kind else nn.Parameter(data, requires_grad=t.requires_grad)
 
     def _new_root_grads(self) -> None:
         """The originals' ``.grad`` to be: views of one flat buffer per dtype on the root, reused from step to step."""
@@ -240,9 +232,6 @@ class ReplicaParameters:
             self._root_grads = self._groups.flats(self.root)
             self._root_views = [self._groups.alias(self._root_grads, j) for j in range(len(self.params))]
         self._root_uses = list(map(_storage_uses, self._root_grads.values()))  # held by this class alone
-        self._index_views()
-
-    def _index_views(self) -> None:
         self._train_views = [self._root_views[j] for j in self._train_index]
         self._frozen_views = [self._root_views[j] for j in self._frozen_index]
 
@@ -252,11 +241,13 @@ class ReplicaParameters:
             for leaf, flag in zip(leaves, trainable, strict=False):  # the parameters' leaves
                 if leaf.requires_grad != flag:
                     leaf.requires_grad_(flag)
-        self._train_index = [j for j, flag in enumerate(trainable) if flag and j not in self._sparse]
-        self._frozen_index = [j for j, flag in enumerate(trainable) if not flag and j not in self._sparse]
+        dense = [j for j in range(len(self.params)) if j not in self._sparse]
+        self._train_index = [j for j in dense if trainable[j]]
+        self._frozen_index = [j for j in dense if not trainable[j]]
         self._train_params = [self.params[j] for j in self._train_index]
         self._frozen_params = [self.params[j] for j in self._frozen_index]
-        self._index_views()
+        self._train_views = [self._root_views[j] for j in self._train_index]
+        self._frozen_views = [self._root_views[j] for j in self._frozen_index]
         self._train_counted = [[counted[j] for j in self._train_index] for counted in self._counted]
         self._seen = [list(map(_version, counted)) for counted in self._train_counted]
 
@@ -344,8 +335,7 @@ class ReplicaParameters:
         counter moved) keeps its ``.grad``, and with ``only_trainable`` one frozen since the sync (``toggle_optimizer``)
         gets nothing. The originals' gradient hooks run once, on the sum (``run_hooks=False``: backward passes that ran
         before the hooks existed)."""
-        count = self.active
-        self.pending = False
+        count, self.pending = self.active, False
         self._reduce_sparse(count)
         if count == 0 or not self._train_index:
             return
@@ -363,8 +353,8 @@ class ReplicaParameters:
         everywhere = reached is None or all(reached)
         params = self._train_params
         hooked = run_hooks and (any(map(_tensor_hooks, params)) or any(map(_post_accumulate_hooks, params)))
-        fast = everywhere and not hooked  # whole flat buffers at once
         grads = list(map(_grad, params))
+        unset = all(map(operator.is_, grads, repeat(None)))
         # Views that .grad dropped (zero_grad(set_to_none=True)) but something still holds, as such or through another
         # tensor on their storage (PCGrad's kept gradients, a `.detach()` kept to compare with the next step's): this
         # step's gradients go to new tensors, as on one device.
@@ -374,17 +364,14 @@ class ReplicaParameters:
         ):
             self._new_root_grads()
         with torch.no_grad():
-            # After zero_grad(set_to_none=True), unless a frozen parameter's .grad still is its part of the buffer
-            # (frozen between backward passes, as toggle_optimizer does): a whole-buffer copy would overwrite it.
-            if (
-                fast
-                and all(map(operator.is_, grads, repeat(None)))
-                and not any(map(operator.is_, map(_grad, self._frozen_params), self._frozen_views))
-            ):
+            # Whole flat buffers at once: after zero_grad(set_to_none=True), unless a frozen parameter's .grad still
+            # is its part of the buffer (frozen between backward passes, as toggle_optimizer does), or into .grad that
+            # still are the views.
+            fresh = unset and not any(map(operator.is_, map(_grad, self._frozen_params), self._frozen_views))
+            if fresh and everywhere and not hooked:
                 deque(map(setattr, params, repeat("grad"), self._train_views), maxlen=0)
-                self._sum_into(count, self._root_grads, accumulate=False)
-            elif fast and all(map(operator.is_, grads, self._train_views)):  # .grad still the views
-                self._sum_into(count, self._root_grads, accumulate=True)
+            if everywhere and not hooked and (fresh or all(map(operator.is_, grads, self._train_views))):
+                self._sum_into(count, self._root_grads, accumulate=not fresh)
             else:
                 totals = {dtype: torch.empty_like(flat) for dtype, flat in self._root_grads.items()}
                 self._sum_into(count, totals, accumulate=False)
@@ -421,11 +408,10 @@ class ReplicaParameters:
     def _assign_each(
         self, totals: dict[torch.dtype, Tensor], grads: list[Tensor | None], reached: list[bool] | None, hooked: bool
     ) -> None:
-        """The general case, one parameter at a time: ``.grad`` set by someone else, parameters not every replica's
-        backward reached (skipped where ``reached`` says none did), or, when ``hooked``, gradient hooks to run as
-        ``AccumulateGrad`` does: tensor hooks on the incoming gradient, then post-accumulate hooks."""
-        hits = repeat(True) if reached is None else reached
-        for j, p, grad, hit in zip(self._train_index, self._train_params, grads, hits, strict=False):
+        """One parameter at a time: ``.grad`` set by someone else, parameters not every replica's backward reached
+        (skipped where ``reached`` says none did), or, when ``hooked``, gradient hooks to run as ``AccumulateGrad``
+        does: tensor hooks on the incoming gradient, then post-accumulate hooks."""
+        for j, p, grad, hit in zip(self._train_index, self._train_params, grads, reached or repeat(True), strict=False):
             if not hit:
                 continue
             part = self._groups.view(totals, j)
@@ -473,8 +459,7 @@ class ReplicaSet:
         self._structure_checked = False  # by execution_mode(), for the prepare() that follows it
         self.meets_at_batchnorm = False  # set by execution_mode()
         self.defer_reduction = False
-        self._owning = False
-        self._queued = False
+        self._owning = self._queued = False
         self._queue_lock = threading.Lock()
         self._stop_recording: Callable[[], Any] | None = None  # between prepare() and watch()
         self._rebound: set[tuple[int, int, str]] = set()  # (replica, position, buffer name) the step rebound
@@ -525,8 +510,7 @@ class ReplicaSet:
 
     def _replica(self, index: dict[int, int]) -> tuple[list[nn.Module], list[Slot], list[nn.RNNBase]]:
         """One replica's modules (shared ones as they are, shallow copies of the others, ``torch.compile`` wrappers
-        built around their wrapped module's copy), the slots of their tensors (``index``: tensor id -> leaf index)
-        and their RNNs."""
+        around their wrapped module's copy), the slots of their tensors (``index``: tensor id -> leaf), its RNNs."""
         copies: list[Any] = [
             m if self._shared(m) else None if is_optimized_module(m) else m._replicate_for_data_parallel()
             for m in self._originals
@@ -573,16 +557,17 @@ class ReplicaSet:
                 "the model here (DDP runs compiled models with synchronised BatchNorm)."
             )
         self._structure_checked = True
-        if self.compiled:
-            mode: ExecutionMode = "sequential"
-            reason = (
+        if not self.compiled and not sync:
+            return requested, None
+        mode: ExecutionMode = "sequential" if self.compiled else "threads"
+        reason = (
+            SYNC_BATCHNORM_THREADS
+            if sync
+            else (
                 "the model is compiled, and torch.compile's compiler is not thread-safe: replicas run one after "
                 "another from one thread (on distinct GPUs they still overlap)"
             )
-        elif sync:
-            mode, reason = "threads", SYNC_BATCHNORM_THREADS
-        else:
-            return requested, None
+        )
         return mode, reason if resolve_mode(requested, self.devices[:count]) != mode else None
 
     def prepare(self, n: int | None = None, linked: bool = False) -> list[nn.Module]:
@@ -594,8 +579,7 @@ class ReplicaSet:
         self._end_run(adopt=True)  # a step that raised before watch(): keep what replica 0 rebound
         if not self._structure_checked:
             self._sync_structure()
-        self._structure_checked = False
-        self._queued = False
+        self._structure_checked = self._queued = False
         self._owning = not linked
         if not self._flat.sync(n):  # an original's tensor was replaced (``param.data = ...``)
             self._flat.reduce()  # what the replicas accumulated still belongs to the originals
@@ -638,14 +622,6 @@ class ReplicaSet:
             store[name] = tensors[j]
         for rnn in self._rnns[i]:  # RNNs run on a cached list of their weights, which must hold this replica's tensors
             rnn._flat_weights = [getattr(rnn, wn, None) for wn in rnn._flat_weights_names]
-
-    def _end_run(self, adopt: bool) -> None:
-        """Stop recording the step's buffer rebinding; ``adopt``: rebound buffers take replica 0's value."""
-        stop, self._stop_recording = self._stop_recording, None
-        if stop is not None:
-            stop()
-            if adopt and self._rebound:
-                self._adopt_buffers(self._rebound)
 
     def watch(self, outputs: Sequence[Any]) -> None:
         """Reduce the replicas' gradients onto the originals after any backward pass that reaches ``outputs`` (this
@@ -715,11 +691,17 @@ class ReplicaSet:
         """Replicas ran since the last reduction (their gradients may wait for one)."""
         return self._flat.pending
 
-    def _adopt_buffers(self, rebound: set[tuple[int, int, str]]) -> None:
-        """Buffers the step rebound: replica 0's value becomes the original's (a new value of the same shape and dtype
-        is no structural change; anything else rebuilds at the next :meth:`prepare`), and every replica holds its
-        own again."""
-        for k, name in sorted({(k, name) for i, k, name in rebound if i == 0}):
+    def _end_run(self, adopt: bool) -> None:
+        """Stop recording the step's buffer rebinding; with ``adopt``, what replica 0 rebound becomes the original's
+        (a new value of the same shape and dtype is no structural change; anything else rebuilds at the next
+        :meth:`prepare`), and every replica holds its own again."""
+        stop, self._stop_recording = self._stop_recording, None
+        if stop is None:
+            return
+        stop()
+        if not adopt or not self._rebound:
+            return
+        for k, name in sorted({(k, name) for i, k, name in self._rebound if i == 0}):
             value, buffers = self._copies[0][k]._buffers.get(name), self._originals[k]._buffers
             old = buffers.get(name)
             if value is not None and old is not None:
@@ -727,10 +709,10 @@ class ReplicaSet:
                 if value.shape == old.shape and value.dtype == old.dtype and self._flat.replace(old, value):
                     self._saved[4 * k + 2][name] = value  # the saved copy of its buffer dict
             buffers[name] = value
-        for i, k, name in rebound:
+        for i, k, name in self._rebound:
             if name not in self._originals[k]._buffers:
                 self._copies[i][k]._buffers.pop(name, None)
-        for i in sorted({i for i, _, _ in rebound}):
+        for i in sorted({i for i, _, _ in self._rebound}):
             self._point(i, self._flat.leaves[i])
 
     def _sync_structure(self) -> None:
@@ -742,9 +724,8 @@ class ReplicaSet:
             live, (before, *saved) = self._live[4 * k : 4 * k + 4], self._saved[4 * k : 4 * k + 4]
             if _same(live, [before, *saved]):
                 continue
-            if not _same(live[1:], saved) or live[0].get("_compiled_call_impl") is not before.get(
-                "_compiled_call_impl"
-            ):
+            compiled = live[0].get("_compiled_call_impl") is not before.get("_compiled_call_impl")
+            if compiled or not _same(live[1:], saved):
                 self.reduce_gradients()  # what the old replicas accumulated still belongs to the originals
                 self._build()
                 return
@@ -758,8 +739,8 @@ class ReplicaSet:
 
     def keep_first_replicas(self, before: dict[str, Any]) -> dict[str, Any]:
         """Rebind on the original module what replica 0's root module rebound in its step since ``before`` (a copy of
-        its ``__dict__``): the original stands for replica 0, as DDP's rank 0 does; the next :meth:`prepare` hands
-        the values to every replica. Returns them (per-replica ``overrides`` are never taken)."""
+        its ``__dict__``), as DDP's rank 0 stands for the model; the next :meth:`prepare` hands the values to every
+        replica. Returns them (per-replica ``overrides`` are never taken)."""
         rebound = rebound_attributes(self._copies[0][0], before, self._overrides)
         self.module.__dict__.update(rebound)
         return rebound
@@ -774,9 +755,8 @@ class ReplicaSet:
                 continue
             owner = value.__self__ if isinstance(value, types.MethodType) else None
             k = self._position.get(id(owner))
-            kept[key] = (
-                types.MethodType(value.__func__, copies[k]) if k is not None and self._originals[k] is owner else value
-            )
+            bound = k is not None and self._originals[k] is owner
+            kept[key] = types.MethodType(value.__func__, copies[k]) if bound else value
         return kept
 
     def release(self) -> None:
@@ -840,29 +820,21 @@ def _differentiable(outputs: Any, depth: int = 3) -> Iterator[Tensor]:
         if isinstance(node, Tensor):
             if node.requires_grad:
                 yield node
-        elif (
-            depth
-            and hasattr(node, "__dict__")
-            and not isinstance(node, _NOT_OPAQUE)
-            and not is_dataclass_instance(node)
-        ):
+        elif depth and hasattr(node, "__dict__") and not (isinstance(node, _NOT_OPAQUE) or is_dataclass_instance(node)):
             yield from _differentiable(vars(node), depth - 1)
 
 
 def _walk(module: nn.Module, shared: Callable[[nn.Module], bool]) -> list[nn.Module]:
     """Every distinct module of the tree, parents before children, without entering a ``shared`` module's subtree."""
-    seen: set[int] = set()
-    order: list[nn.Module] = []
+    order: dict[int, nn.Module] = {}
     stack = [module]
     while stack:
         current = stack.pop()
-        if id(current) in seen:
-            continue
-        seen.add(id(current))
-        order.append(current)
-        if current is module or not shared(current):
-            stack.extend(child for child in reversed(current._modules.values()) if child is not None)
-    return order
+        if id(current) not in order:
+            order[id(current)] = current
+            if current is module or not shared(current):
+                stack.extend(child for child in reversed(current._modules.values()) if child is not None)
+    return list(order.values())
 
 
 def _check_initialized(root: nn.Module, modules: Iterable[nn.Module]) -> None:
@@ -891,12 +863,7 @@ def _same(current: Any, saved: Any) -> bool:
         return False
 
 
-class _Entry(Protocol):
-    module: nn.Module
-    devices: list[torch.device]
-
-
-R = TypeVar("R", bound=_Entry)
+R = TypeVar("R")
 
 
 class ReplicaCache(Generic[R]):
@@ -905,24 +872,20 @@ class ReplicaCache(Generic[R]):
 
     def __init__(self, build: Callable[[nn.Module, list[torch.device]], R]) -> None:
         self._build = build
-        self._entries: dict[int, R] = {}
+        self._entries: dict[int, tuple[nn.Module, list[torch.device], R]] = {}
 
     def of(self, module: nn.Module, devices: Sequence[torch.device]) -> R:
-        devices = list(devices)
         entry = self._entries.get(id(module))
-        if entry is None or entry.module is not module or entry.devices != devices:
-            entry = self._entries[id(module)] = self._build(module, devices)
-        return entry
+        if entry is None or entry[0] is not module or entry[1] != list(devices):
+            entry = self._entries[id(module)] = (module, list(devices), self._build(module, list(devices)))
+        return entry[2]
 
     def values(self) -> list[R]:
-        return list(self._entries.values())
-
-    def __len__(self) -> int:
-        return len(self._entries)
+        return [entry[2] for entry in self._entries.values()]
 
     def pop_all(self) -> list[R]:
         """Every entry, removed from the cache (to release them)."""
-        entries, self._entries = list(self._entries.values()), {}
+        entries, self._entries = self.values(), {}
         return entries
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ReplicaCache[R]:
