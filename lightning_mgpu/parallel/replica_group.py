@@ -37,14 +37,15 @@ class PeerFailedError(RendezvousError):
 
 
 class ReplicaGroup:
-    """The replicas of one ``run_replicas`` call; ``sequential``: they run one after another (and cannot meet)."""
+    """The replicas of one ``run_replicas`` call; ``sequential``: they run one after another (and cannot meet).
+
+    One replica runs Python at a time (its turn), until it finishes or waits at a sync point: otherwise the GIL changes
+    hands at every torch call, which costs as much as the calls on a launch-bound step."""
 
     def __init__(self, devices: Sequence[torch.device], sequential: bool) -> None:
         self.devices = tuple(devices)
         self.size = len(self.devices)
         self.sequential = sequential
-        # One replica runs Python at a time, until it finishes or waits at a sync point: otherwise the GIL changes
-        # hands at every torch call, which costs as much as the calls on a launch-bound step.
         self._turn = threading.Lock() if TAKE_TURNS and not sequential else None
         self._turn_holder: int | None = None
         group = weakref.ref(self)  # a bound method as the action would make each call's group a garbage cycle
@@ -62,11 +63,12 @@ class ReplicaGroup:
     @contextmanager
     def member(self, index: int) -> Iterator[None]:
         """Run the enclosed code as replica ``index`` (see :func:`current_replica`) in its turn (see
-        :data:`TURN_PATIENCE_S`). Then it departs, finished or raising: it reaches no more sync points, so the barrier
-        breaks for the replicas waiting at one or arriving later."""
-        previous = current_replica()
+        :data:`TURN_PATIENCE_S`). Then it departs, finished or raising: the barrier breaks for the replicas waiting at a
+        sync point or arriving later."""
+        previous = getattr(_LOCAL, "replica", None)
         _LOCAL.replica = ReplicaContext(self, index)
-        self._take_turn(index)
+        if self._turn is not None:
+            self._take_turn(index)
         error = None
         try:
             yield
@@ -74,7 +76,8 @@ class ReplicaGroup:
             error = err
             raise
         finally:
-            self._give_turn(index)
+            if self._turn is not None:
+                self._give_turn(index)
             _LOCAL.replica = previous
             self._departed[index] = error
             self._barrier.abort()
@@ -92,6 +95,16 @@ class ReplicaGroup:
         self._turn.release()
         return True
 
+    @contextmanager
+    def _waiting(self, index: int) -> Iterator[None]:
+        """Replica ``index`` waits for the others: it gives up its turn meanwhile."""
+        handed_over = self._give_turn(index)
+        try:
+            yield
+        finally:
+            if handed_over and self._turn_holder != index:
+                self._take_turn(index)
+
     def rendezvous(
         self, index: int, site: Hashable, value: Any, combine: Combine, label: str, hint: str, sequential_hint: str = ""
     ) -> Any:
@@ -107,15 +120,12 @@ class ReplicaGroup:
         self._arrivals[index] = (site, label, hint, value, combine)
         self._reached[index] += 1
         self._last = index
-        handed_over = self._give_turn(index)
-        try:
-            self._barrier.wait(RENDEZVOUS_TIMEOUT_S)
-        except threading.BrokenBarrierError:
-            if self._met < self._reached[index]:  # else a departure aborted the barrier after this meeting completed
-                raise self._why_broken(index, label, hint) from None
-        finally:
-            if handed_over and self._turn_holder != index:
-                self._take_turn(index)
+        with self._waiting(index):
+            try:
+                self._barrier.wait(RENDEZVOUS_TIMEOUT_S)
+            except threading.BrokenBarrierError:
+                if self._met < self._reached[index]:  # else a departure aborted the barrier after this meeting
+                    raise self._why_broken(index, label, hint) from None
         return self._results[index]
 
     def lead(self, key: Hashable) -> None:
@@ -128,18 +138,13 @@ class ReplicaGroup:
         """Wait, as replica ``index``, until replica 0 has done its ``call``-th ``key``: a one-sided meeting (replica 0
         never waits, so a step it alone takes is fine). Fails with an error naming ``label`` and ``hint`` when replica 0
         raised or finished without it."""
-        handed_over = self._give_turn(index)
-        try:
-            with self._led:
-                done = self._led.wait_for(
-                    lambda: self._lead_counts[key] >= call or 0 in self._departed or self._failure is not None,
-                    RENDEZVOUS_TIMEOUT_S,
-                )
-                if self._lead_counts[key] >= call:
-                    return
-        finally:
-            if handed_over and self._turn_holder != index:
-                self._take_turn(index)
+        with self._waiting(index), self._led:
+            done = self._led.wait_for(
+                lambda: self._lead_counts[key] >= call or 0 in self._departed or self._failure is not None,
+                RENDEZVOUS_TIMEOUT_S,
+            )
+            if self._lead_counts[key] >= call:
+                return
         if self._failure is not None or self._departed.get(0) is not None:
             raise PeerFailedError(f"{label}: {self._failure or 'replica 0 raised; its error is the one to read.'}")
         waited = "finished without reaching it" if done else f"did not reach it in {RENDEZVOUS_TIMEOUT_S:g} s"
@@ -162,16 +167,16 @@ class ReplicaGroup:
 
     def _why_broken(self, index: int, label: str, hint: str) -> RendezvousError:
         """Why the meeting at ``label`` cannot complete for replica ``index``."""
-        if self._failure is not None:
-            return PeerFailedError(f"{label}: {self._failure}")
         missing = [i for i in range(self.size) if self._reached[i] < self._reached[index]]
         raised = [i for i in missing if self._departed.get(i) is not None]
+        finished = [i for i in missing if i in self._departed]
+        if self._failure is not None:
+            return PeerFailedError(f"{label}: {self._failure}")
         if raised:
             return PeerFailedError(
                 f"{label}: replica {index} stopped waiting because replica(s) {raised} raised "
                 f"{type(self._departed[raised[0]]).__name__} before reaching this point; that error is the one to read."
             )
-        finished = [i for i in missing if i in self._departed]
         if finished:
             return RendezvousError(
                 f"{label}: replica {index} waited here for replica(s) {finished}, which finished without reaching it. "
