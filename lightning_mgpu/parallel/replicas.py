@@ -1,7 +1,6 @@
 """Lasting replicas that own their state, as DDP ranks do: copies of a module's tree built once per device list, whose
-parameters and buffers live in flat per-device, per-dtype buffers synced from the root once per optimizer step, and
-whose gradients are reduced once, in a fixed order; the root module is replica 0. A step costs a number of tensor
-operations that does not grow with depth (``nn.DataParallel`` rebuilds its replicas every step)."""
+parameters and buffers live in flat per-device, per-dtype buffers synced from the root once per optimizer step and
+whose gradients are reduced once, in a fixed order; the root module is replica 0."""
 
 from __future__ import annotations
 
@@ -50,8 +49,7 @@ SYNC_BATCHNORM_THREADS = (
 
 
 def before_building_replicas(prepare: Callable[[nn.Module], None]) -> None:
-    """Run ``prepare(module)`` on the original module each time its replicas are built: a library's one-time set-up
-    that the copies would otherwise each repeat (see :mod:`lightning_mgpu.integrations`)."""
+    """Run ``prepare(module)`` on the original each time its replicas are built (a library's one-time set-up)."""
     if prepare not in _BEFORE_BUILDING:
         _BEFORE_BUILDING.append(prepare)
 
@@ -85,9 +83,8 @@ def alias(base: Tensor, offset: int, shape: Sequence[int], stride: Sequence[int]
 
 
 def _part_strides(tensor: Tensor, strides: Sequence[int] | None = None) -> tuple[int, ...]:
-    """The strides of ``tensor``'s part of a flat buffer (of ``strides``, a layout of it): its own where it is dense
-    (``empty_like`` keeps them), else a dense layout; never 0 on a dimension of size 1 (autograd's layout contract
-    refuses that in a gradient)."""
+    """The strides of ``tensor``'s (or its layout ``strides``') part of a flat buffer: its own where it is dense, else
+    contiguous; never 0 on a dimension of size 1 (autograd's layout contract refuses that in a gradient)."""
     laid = torch.empty_like(tensor, device="meta").stride() if strides is None else strides
     contiguous = torch.empty(tensor.shape, device="meta").stride()
     return tuple(c if size == 1 else st for size, st, c in zip(tensor.shape, laid, contiguous, strict=True))
@@ -111,8 +108,7 @@ class DtypeGroups:
         self._views = {dtype: self._flat_views(indices) for dtype, indices in self.indices.items()}
 
     def _flat_views(self, indices: list[int]) -> tuple[list[Tensor | None], list[int]]:
-        """Flat views of the tensors whose memory is their part, ``None`` for the others (copied into their part's
-        layout at every :meth:`flatten`), and the positions of those."""
+        """Flat views of the tensors whose memory is their part; ``None`` (and its position) for the others."""
         views: list[Tensor | None] = []
         for j in indices:
             t = self.tensors[j]
@@ -138,39 +134,34 @@ class DtypeGroups:
         self._views[tensor.dtype] = self._flat_views(self.indices[tensor.dtype])
 
     def flats(self, device: torch.device, zero: bool = False, rows: int | None = None) -> dict[torch.dtype, Tensor]:
-        """One flat buffer per dtype on ``device`` (``rows`` of them stacked: a 2-D buffer per dtype)."""
+        """One flat buffer per dtype on ``device`` (with ``rows``, 2-D)."""
         make = torch.zeros if zero else torch.empty
         return {d: make((n,) if rows is None else (rows, n), dtype=d, device=device) for d, n in self.totals.items()}
 
     def alias(self, flats: dict[torch.dtype, Tensor], j: int) -> Tensor:
-        """Tensor ``j``'s part of ``flats`` (of 2-D ``flats``, its columns) as an :func:`alias`: an in-place change of
-        any row's part bumps its version counter."""
+        """Tensor ``j``'s part (of 2-D ``flats``, its columns: any row's change bumps it) as an :func:`alias`."""
         like, flat = self.tensors[j], flats[self.tensors[j].dtype]
         if flat.dim() == 2:
             return alias(flat, self.offsets[j], (len(flat), like.numel()), (flat.stride(0), 1))
         return alias(flat, self.offsets[j], like.shape, self.strides[j])
 
     def view(self, flats: dict[torch.dtype, Tensor], j: int) -> Tensor:
-        """Tensor ``j``'s part of ``flats`` (one flat tensor per dtype), shaped and laid out like it."""
+        """Tensor ``j``'s part of ``flats``, shaped and laid out like it."""
         return self.shaped(flats[self.tensors[j].dtype][self.offsets[j] :], j)
 
     def shaped(self, part: Tensor, j: int) -> Tensor:
-        """``part`` (1-D, from tensor ``j``'s first element) as a view shaped and laid out like tensor ``j``."""
+        """``part`` (1-D, from tensor ``j``'s first element) shaped and laid out like tensor ``j``."""
         return part.as_strided(self.tensors[j].shape, self.strides[j])
 
 
 class ReplicaParameters:
     """Every replica's own parameters and buffers: :attr:`leaves` ``[i][j]``, replica ``i``'s tensor for ``params[j]``,
-    then for ``buffers[j - len(params)]``.
-
-    The first replica on ``root`` stands for the root module (as DDP's rank 0): its leaves share the originals' storage
-    and version counters. Every other replica holds copies in one flat buffer per replica, dtype and kind, each an
-    :func:`alias` (a write into one leaves the others' saved tensors valid). A leaf's ``.grad`` is its replica's row of
-    one buffer per device and dtype, whose columns count the accumulations. ``renormed`` parameters
-    (``Embedding(max_norm=...)`` renormalises looked-up rows in place, idempotently) keep the originals' storage on the
-    root device; ``sparse`` ones get sparse gradients, summed one by one. Call :meth:`sync` before a step,
-    :meth:`backward_done` after each backward pass and :meth:`reduce` when the gradients belong on the originals.
-    """
+    then for ``buffers[j - len(params)]``. The first replica on ``root`` stands for the root module: its leaves share
+    the originals' storage and version counters. Every other one holds an :func:`alias` per tensor into its flat buffer
+    per dtype and kind. A leaf's ``.grad`` is its replica's row of one buffer per device and dtype, whose columns count
+    the accumulations. ``renormed`` parameters (``Embedding(max_norm=...)``) keep the originals' storage on the root
+    device; ``sparse`` ones get sparse gradients. Call :meth:`sync` before a step, :meth:`backward_done` after each
+    backward pass and :meth:`reduce` when the gradients belong on the originals."""
 
     def __init__(
         self,
@@ -227,7 +218,7 @@ class ReplicaParameters:
         return data if kind else nn.Parameter(data, requires_grad=t.requires_grad)
 
     def _new_root_grads(self) -> None:
-        """The originals' ``.grad`` to be: views of one flat buffer per dtype on the root, reused from step to step."""
+        """The originals' ``.grad`` to be: views of one flat buffer per dtype on the root, reused across steps."""
         with torch.inference_mode(False), torch.no_grad():
             self._root_grads = self._groups.flats(self.root)
             self._root_views = [self._groups.alias(self._root_grads, j) for j in range(len(self.params))]
@@ -252,8 +243,8 @@ class ReplicaParameters:
         self._seen = [list(map(_version, counted)) for counted in self._train_counted]
 
     def sync(self, n: int) -> bool:
-        """Bring the first ``n`` replicas up to date with the originals (``requires_grad``, values); ``False``
-        (nothing done) when an original's tensor was replaced (``param.data = ...``): rebuild."""
+        """The first ``n`` replicas take the originals' ``requires_grad`` and values; ``False`` (nothing done) when an
+        original's tensor was replaced (``param.data = ...``): rebuild."""
         if list(map(_data_ptr, self.params + self.buffers)) != self._pointers:
             return False
         trainable = list(map(_requires_grad, self.params))
@@ -266,8 +257,7 @@ class ReplicaParameters:
         return True
 
     def copy_values(self, n: int) -> None:
-        """The originals' values into the first ``n`` replicas' copies, per kind where the originals (an optimizer
-        step, the root's running statistics) or the copies (a replica's in-place change of its own) changed."""
+        """The originals' values into the first ``n`` replicas' copies, per kind where either changed."""
         owners = [i for i in self._owners if i < n]
         for kind, (groups, first) in enumerate(self._parts):
             last = first + len(groups.tensors)
@@ -283,8 +273,8 @@ class ReplicaParameters:
                 self._stamps[kind] = stamp
 
     def replace(self, old: Tensor, new: Tensor) -> bool:
-        """Keep ``new`` (shaped like the original buffer ``old``, same dtype), which a step bound in its place, up to
-        date in the replicas; ``False`` when ``old`` is none of the buffers."""
+        """``new`` (like the buffer ``old``), which a step bound in its place, in place of ``old`` (``False``: not
+        one of them)."""
         k = next((k for k, b in enumerate(self.buffers) if b is old), None)
         if k is None:
             return False
@@ -296,9 +286,8 @@ class ReplicaParameters:
         return True
 
     def keep_rebound_data(self) -> bool:
-        """After a step that rebound a parameter's ``.data`` on the replica that stands for the root (MoCo's momentum
-        update): the original takes its new value, and every replica gets new leaves over its storage (their ``.grad``
-        kept); ``True`` when the caller must point its modules at :attr:`leaves` again."""
+        """A parameter's ``.data`` rebound on the replica that stands for the root (a momentum update) becomes the
+        original's value; every replica gets new leaves (``.grad`` kept): ``True``, point the modules at them again."""
         m = len(self.params)
         if self._alias is None or list(map(_data_ptr, self.leaves[self._alias][:m])) == self._pointers[:m]:
             return False
@@ -313,7 +302,7 @@ class ReplicaParameters:
         return True
 
     def mark_stale(self) -> None:
-        """Copy the originals into the replicas at the next :meth:`sync`, whatever their version counters say."""
+        """Copy the originals into the replicas at the next :meth:`sync`, whatever the version counters say."""
         self._stamps = [None, None]
 
     def backward_done(self) -> None:
@@ -330,11 +319,9 @@ class ReplicaParameters:
                 )
 
     def reduce(self, run_hooks: bool = True, only_trainable: bool = False) -> None:
-        """Add the replicas' gradients onto the originals' ``.grad`` (per device its replicas, then the devices, one
-        copy to the root per dtype) and zero them. As on one device, a parameter no backward reached (no version
-        counter moved) keeps its ``.grad``, and with ``only_trainable`` one frozen since the sync (``toggle_optimizer``)
-        gets nothing. The originals' gradient hooks run once, on the sum (``run_hooks=False``: backward passes that ran
-        before the hooks existed)."""
+        """Add the replicas' gradients onto the originals' ``.grad`` (per device, then one copy to the root per dtype)
+        and zero them. A parameter no backward reached keeps its ``.grad``, as does one frozen since the sync with
+        ``only_trainable``. The originals' gradient hooks run once, on the sum, unless ``run_hooks=False``."""
         count, self.pending = self.active, False
         self._reduce_sparse(count)
         if count == 0 or not self._train_index:
@@ -392,8 +379,8 @@ class ReplicaParameters:
                     leaves[j].grad = None
 
     def _sum_into(self, count: int, targets: dict[torch.dtype, Tensor], accumulate: bool) -> None:
-        """``targets`` (flat, per dtype, on the root) += (or =) the first ``count`` replicas' gradients: per device
-        its replicas in replica order (in place, into the first one's), then the devices' sums in device order."""
+        """``targets`` += (or =) the first ``count`` replicas' gradients: per device in replica order, into the first
+        one's, then the devices' sums in device order."""
         sums: dict[torch.device, dict[torch.dtype, Tensor]] = {}
         for i in range(count):
             if self.devices[i] in sums:
@@ -408,9 +395,8 @@ class ReplicaParameters:
     def _assign_each(
         self, totals: dict[torch.dtype, Tensor], grads: list[Tensor | None], reached: list[bool] | None, hooked: bool
     ) -> None:
-        """One parameter at a time: ``.grad`` set by someone else, parameters not every replica's backward reached
-        (skipped where ``reached`` says none did), or, when ``hooked``, gradient hooks to run as ``AccumulateGrad``
-        does: tensor hooks on the incoming gradient, then post-accumulate hooks."""
+        """One parameter at a time (``.grad`` set by someone else, parameters not ``reached``, or hooks, run as
+        ``AccumulateGrad`` does: tensor hooks on the incoming gradient, then post-accumulate hooks)."""
         for j, p, grad, hit in zip(self._train_index, self._train_params, grads, reached or repeat(True), strict=False):
             if not hit:
                 continue
@@ -431,14 +417,10 @@ class ReplicaParameters:
 
 
 class ReplicaSet:
-    """Lasting replicas of ``module``, one per device of ``devices`` (devices may repeat: "virtual devices").
-
-    Call :meth:`prepare` before each step and :meth:`watch` right after it. Every replica owns its parameters and
-    buffers (:class:`ReplicaParameters`); a buffer a step rebinds takes replica 0's value. Attributes rebound on the
-    originals reach the replicas, except ``overrides`` (set per replica by the owner); a structural change rebuilds
-    them (:attr:`builds`). Every replica holds the original of a ``shared(submodule)`` (``on_build`` may swap in
-    per-replica objects).
-    """
+    """Lasting replicas of ``module``, one per device of ``devices`` (which may repeat: "virtual devices"). Call
+    :meth:`prepare` before each step and :meth:`watch` right after it. A buffer a step rebinds takes replica 0's value;
+    attributes rebound on the originals reach the replicas, except ``overrides``; a structural change rebuilds them
+    (:attr:`builds`). Every replica holds the original of a ``shared(submodule)`` (``on_build`` may swap it)."""
 
     def __init__(
         self,
@@ -509,8 +491,7 @@ class ReplicaSet:
             self._on_build(self.replicas)
 
     def _replica(self, index: dict[int, int]) -> tuple[list[nn.Module], list[Slot], list[nn.RNNBase]]:
-        """One replica's modules (shared ones as they are, shallow copies of the others, ``torch.compile`` wrappers
-        around their wrapped module's copy), the slots of their tensors (``index``: tensor id -> leaf), its RNNs."""
+        """One replica's modules (shallow copies; compile wrappers around their module's copy), slots and RNNs."""
         copies: list[Any] = [
             m if self._shared(m) else None if is_optimized_module(m) else m._replicate_for_data_parallel()
             for m in self._originals
@@ -543,9 +524,8 @@ class ReplicaSet:
         return [copies[0] for copies in self._copies]
 
     def execution_mode(self, requested: ExecutionMode, count: int) -> tuple[ExecutionMode, str | None]:
-        """The mode to run ``count`` replicas in, and why it is not ``requested`` (``None`` when it is): compiled
-        replicas run one after another (Dynamo is not thread-safe), SyncBatchNorm in training needs threads. Checks
-        the structure first, for the next :meth:`prepare`."""
+        """The mode to run ``count`` replicas in, and why it is not ``requested`` (``None`` when it is). Checks the
+        structure first, for the next :meth:`prepare`."""
         self._sync_structure()
         sync = count > 1 and any(layer._uses_batch_stats() for layer in self._sync_layers)
         self.meets_at_batchnorm = sync  # the replicas hand over inside their step, at every SyncBatchNorm layer
@@ -571,8 +551,7 @@ class ReplicaSet:
         return mode, reason if resolve_mode(requested, self.devices[:count]) != mode else None
 
     def prepare(self, n: int | None = None, linked: bool = False) -> list[nn.Module]:
-        """The first ``n`` replicas (default all), synced with the original for a step, each with its own leaves:
-        pass their outputs to :meth:`watch`. ``linked=True``: see :func:`replicate`."""
+        """The first ``n`` replicas (default all), synced for a step (``linked=True``: see :func:`replicate`)."""
         n = len(self.devices) if n is None else n
         if not 1 <= n <= len(self.devices):
             raise ValueError(f"Asked for {n} replicas of a set of {len(self.devices)}.")
@@ -604,8 +583,7 @@ class ReplicaSet:
 
     def _linked(self, i: int, params: bool) -> list[Tensor]:
         """Replica ``i``'s leaves, but linked to the originals by autograd for one step: the buffers that require grad
-        (as under ``nn.DataParallel``) and with ``params`` the parameters (see :func:`replicate`: the trainable ones
-        as views on the root's device, copies elsewhere, the others detached)."""
+        (as under ``nn.DataParallel``) and with ``params`` the parameters (see :func:`replicate`)."""
         grad, flat, device = torch.is_grad_enabled(), self._flat, self.devices[i]
         tensors = list(flat.leaves[i])
         for j, p in enumerate(flat.params if params else ()):
@@ -624,8 +602,7 @@ class ReplicaSet:
             rnn._flat_weights = [getattr(rnn, wn, None) for wn in rnn._flat_weights_names]
 
     def watch(self, outputs: Sequence[Any]) -> None:
-        """Reduce the replicas' gradients onto the originals after any backward pass that reaches ``outputs`` (this
-        step's replica outputs)."""
+        """Reduce the replicas' gradients after any backward pass that reaches ``outputs`` (this step's)."""
         self._end_run(adopt=True)
         for module, hook in self._weight_hooks:  # what one device's forward leaves on the module (ModelPruning ranks
             if isinstance(hook, SpectralNorm):  # by it); replica 0's forward already ran the power iteration
@@ -660,8 +637,8 @@ class ReplicaSet:
             self.reduce_gradients()
 
     def reduce_gradients(self, run_hooks: bool = True) -> None:
-        """Add the replicas' gradients onto the originals' ``.grad`` (after every backward pass unless
-        :attr:`defer_reduction`). ``run_hooks=False``: backward passes ran before the originals had hooks."""
+        """Add the replicas' gradients onto the originals' ``.grad`` (after every backward unless
+        :attr:`defer_reduction`)."""
         self._flat.reduce(run_hooks)
 
     def after_manual_backward(self) -> None:
@@ -674,16 +651,14 @@ class ReplicaSet:
         self._flat.copy_values(n)
 
     def leaves_of(self, param: Tensor) -> list[Tensor]:
-        """The replicas' own leaves that stand for the original ``param`` in the graph of the last step, for
-        ``backward(inputs=...)``: empty when the replicas held the originals (or ``param`` is none of them)."""
+        """The replicas' leaves that stand for ``param`` in the last step's graph, for ``backward(inputs=...)``."""
         j = self._param_index.get(id(param))
         if not self._owning or j is None or self._params[j] is not param:
             return []
         return [leaves[j] for leaves in self._flat.leaves[: self._flat.active]]
 
     def mark_stale(self) -> None:
-        """Copy every parameter and buffer into the replicas at the next :meth:`prepare`, changed or not: writes
-        through ``.data`` (Lightning's ``WeightAveraging`` swaps weights so) move no version counter."""
+        """Copy everything at the next :meth:`prepare` (writes through ``.data`` move no version counter)."""
         self._flat.mark_stale()
 
     @property
@@ -692,9 +667,8 @@ class ReplicaSet:
         return self._flat.pending
 
     def _end_run(self, adopt: bool) -> None:
-        """Stop recording the step's buffer rebinding; with ``adopt``, what replica 0 rebound becomes the original's
-        (a new value of the same shape and dtype is no structural change; anything else rebuilds at the next
-        :meth:`prepare`), and every replica holds its own again."""
+        """Stop recording the step's buffer rebinding; with ``adopt``, buffers replica 0 rebound become the
+        original's (of another shape or dtype: a rebuild at the next :meth:`prepare`); every replica holds its own."""
         stop, self._stop_recording = self._stop_recording, None
         if stop is None:
             return
@@ -738,17 +712,15 @@ class ReplicaSet:
             self._saved[4 * k : 4 * k + 4] = [d.copy() for d in live]
 
     def keep_first_replicas(self, before: dict[str, Any]) -> dict[str, Any]:
-        """Rebind on the original module what replica 0's root module rebound in its step since ``before`` (a copy of
-        its ``__dict__``), as DDP's rank 0 stands for the model; the next :meth:`prepare` hands the values to every
-        replica. Returns them (per-replica ``overrides`` are never taken)."""
+        """Rebind on the original module, and return, what replica 0's root module rebound since ``before`` (a copy of
+        its ``__dict__``), ``overrides`` aside; the next :meth:`prepare` hands them to every replica."""
         rebound = rebound_attributes(self._copies[0][0], before, self._overrides)
         self.module.__dict__.update(rebound)
         return rebound
 
     def _for_replica(self, attributes: dict[str, Any], copies: Sequence[nn.Module]) -> dict[str, Any]:
-        """``attributes`` for the replica whose modules are ``copies``: :class:`OriginalOnly` values replaced by what
-        replicas get, and methods bound to an original module (a ``forward`` replaced on the instance) bound to its
-        copy, else the replica would run on the original's parameters."""
+        """``attributes`` for the replica of ``copies``: :class:`OriginalOnly` values replaced, methods bound to an
+        original module (a ``forward`` set on the instance) bound to its copy."""
         kept = {}
         for key, value in attributes.items():
             if isinstance(value, OriginalOnly) and (value := value.replica_value) is None:
@@ -760,7 +732,7 @@ class ReplicaSet:
         return kept
 
     def release(self) -> None:
-        """Drop every replica and copy (frees their memory on the other devices); the set is not used again."""
+        """Drop every replica and copy; the set is not used again."""
         self._end_run(adopt=False)
         self._copies, self._slots, self._rnns, self._places = [], [], [], {}
         self._flat = ReplicaParameters([], self.devices, self._root)
@@ -780,8 +752,7 @@ def _on_buffer(module: nn.Module, name: str, value: Tensor | None) -> None:
 
 
 def _record(owner: object, places: dict[int, tuple[int, int]], record: set[tuple[int, int, str]]) -> Callable[[], Any]:
-    """Record into ``record`` the buffers that the modules of ``places`` rebind, until the returned stop is called or
-    ``owner`` is collected."""
+    """Record the buffers the modules of ``places`` rebind, until the returned stop is called or ``owner`` dies."""
     with _lock:
         _recording.update({key: (record, i, k) for key, (i, k) in places.items()})
         if not _hook:
@@ -802,8 +773,7 @@ _MISSING = object()
 
 
 def rebound_attributes(module: nn.Module, before: dict[str, Any], skip: Collection[str] = ()) -> dict[str, Any]:
-    """The attributes ``module`` rebound since ``before`` (a copy of its ``__dict__``), with their new values, but
-    those in ``skip``."""
+    """The attributes (but ``skip``) ``module`` rebound since ``before`` (a copy of its ``__dict__``)."""
     current = module.__dict__
     if len(current) == len(before) and all(map(operator.is_, current.values(), before.values())):
         return {}  # the common case, checked at C speed
@@ -855,8 +825,8 @@ def _unique(tensors: Iterable[Tensor]) -> list[Tensor]:
 
 
 def _same(current: Any, saved: Any) -> bool:
-    """Whether a dict still holds what ``saved`` copied from it (identity first, at C speed); a value whose ``==``
-    cannot answer (a tensor rebound to another tensor) counts as changed."""
+    """Whether ``current == saved`` (identity first, at C speed); a value whose ``==`` cannot answer counts as
+    changed."""
     try:
         return bool(current == saved)
     except Exception:
