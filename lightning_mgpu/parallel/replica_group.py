@@ -37,9 +37,8 @@ class PeerFailedError(RendezvousError):
 
 
 class ReplicaGroup:
-    """The replicas of one ``run_replicas`` call; ``sequential``: they run one after another (and cannot meet).
-
-    One replica runs Python at a time (its turn), until it finishes or waits at a sync point: otherwise the GIL changes
+    """The replicas of one ``run_replicas`` call; ``sequential``: they run one after another (and cannot meet). One
+    replica runs Python at a time (its turn) until it finishes or waits at a sync point: otherwise the GIL changes
     hands at every torch call, which costs as much as the calls on a launch-bound step."""
 
     def __init__(self, devices: Sequence[torch.device], sequential: bool) -> None:
@@ -62,9 +61,8 @@ class ReplicaGroup:
 
     @contextmanager
     def member(self, index: int) -> Iterator[None]:
-        """Run the enclosed code as replica ``index`` (see :func:`current_replica`) in its turn (see
-        :data:`TURN_PATIENCE_S`). Then it departs, finished or raising: the barrier breaks for the replicas waiting at a
-        sync point or arriving later."""
+        """Run the enclosed code as replica ``index`` in its turn; then it departs, finished or raising, which breaks
+        the barrier for the replicas waiting at a sync point or arriving later."""
         previous = getattr(_LOCAL, "replica", None)
         _LOCAL.replica = ReplicaContext(self, index)
         if self._turn is not None:
@@ -108,10 +106,9 @@ class ReplicaGroup:
     def rendezvous(
         self, index: int, site: Hashable, value: Any, combine: Combine, label: str, hint: str, sequential_hint: str = ""
     ) -> Any:
-        """Meet the other replicas at ``site``; return ``combine(values in replica order)[index]``. ``combine`` runs
-        once for all (e.g. one autograd node spanning the replicas) while every replica waits, its turn given up; the
-        last to arrive goes on first. Replicas that run one after another, reach another site or cannot arrive fail
-        with an error naming ``label``, then ``sequential_hint`` or ``hint``."""
+        """Meet the other replicas at ``site``; return ``combine(values in replica order)[index]``, run once for all
+        while they wait (the last to arrive goes on first). Replicas that run one after another, reach another site or
+        cannot arrive fail with an error naming ``label``, then ``sequential_hint`` or ``hint``."""
         if self.sequential and self.size > 1:
             raise RendezvousError(
                 f"{label} makes the {self.size} replicas meet, but this call runs them one after another, so they "
@@ -135,9 +132,8 @@ class ReplicaGroup:
             self._led.notify_all()
 
     def follow(self, index: int, key: Hashable, call: int, label: str, hint: str) -> None:
-        """Wait, as replica ``index``, until replica 0 has done its ``call``-th ``key``: a one-sided meeting (replica 0
-        never waits, so a step it alone takes is fine). Fails with an error naming ``label`` and ``hint`` when replica 0
-        raised or finished without it."""
+        """Wait, as replica ``index``, until replica 0 has done its ``call``-th ``key`` (replica 0 never waits); fail
+        with an error naming ``label`` and ``hint`` when replica 0 raised or finished without it."""
         with self._waiting(index), self._led:
             done = self._led.wait_for(
                 lambda: self._lead_counts[key] >= call or 0 in self._departed or self._failure is not None,

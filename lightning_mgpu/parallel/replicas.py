@@ -474,6 +474,7 @@ class ReplicaSet:
         with torch.inference_mode(False), torch.no_grad():  # copies must be normal tensors, whatever the caller's mode
             built = [self._replica(index) for _ in self.devices]
         self._copies, self._slots, self._rnns = map(list, zip(*built, strict=True))  # per replica
+        self.replicas = [copies[0] for copies in self._copies]  # every replica's root module, in device order
         self._new_flat(buffers)
         self._places = {
             id(c): (i, k) for i, cs in enumerate(self._copies) for k, c in enumerate(cs) if c is not originals[k]
@@ -517,11 +518,6 @@ class ReplicaSet:
     def _children(self, k: int, copies: Sequence[nn.Module]) -> dict[str, nn.Module | None]:
         position = self._position
         return {n: None if c is None else copies[position[id(c)]] for n, c in self._originals[k]._modules.items()}
-
-    @property
-    def replicas(self) -> list[nn.Module]:
-        """Every replica's root module, in device order."""
-        return [copies[0] for copies in self._copies]
 
     def execution_mode(self, requested: ExecutionMode, count: int) -> tuple[ExecutionMode, str | None]:
         """The mode to run ``count`` replicas in, and why it is not ``requested`` (``None`` when it is). Checks the
@@ -734,7 +730,7 @@ class ReplicaSet:
     def release(self) -> None:
         """Drop every replica and copy; the set is not used again."""
         self._end_run(adopt=False)
-        self._copies, self._slots, self._rnns, self._places = [], [], [], {}
+        self._copies, self._slots, self._rnns, self._places, self.replicas = [], [], [], {}, []
         self._flat = ReplicaParameters([], self.devices, self._root)
 
 
@@ -851,7 +847,7 @@ class ReplicaCache(Generic[R]):
         return entry[2]
 
     def values(self) -> list[R]:
-        return [entry[2] for entry in self._entries.values()]
+        return list(map(operator.itemgetter(2), self._entries.values()))
 
     def pop_all(self) -> list[R]:
         """Every entry, removed from the cache (to release them)."""
