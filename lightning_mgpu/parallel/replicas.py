@@ -849,6 +849,9 @@ class ReplicaCache(Generic[R]):
     def values(self) -> list[R]:
         return list(map(operator.itemgetter(2), self._entries.values()))
 
+    def __len__(self) -> int:
+        return len(self._entries)
+
     def pop_all(self) -> list[R]:
         """Every entry, removed from the cache (to release them)."""
         entries, self._entries = self.values(), {}
