@@ -42,6 +42,10 @@ _OWN_REFERENCES = next(map(sys.getrefcount, list(_probe)))
 del _probe
 _NEVER_SYNCED = frozenset({"_parameters", "_buffers", "_modules", "_is_replica", "_compiled_call_impl"})
 _WEIGHT_HOOKS = (BasePruningMethod, WeightNorm, SpectralNorm)  # forward pre-hooks that set an attribute: `weight`
+_COMPILED_SEQUENTIAL = (
+    "the model is compiled, and torch.compile's compiler is not thread-safe: replicas run one after another from one "
+    "thread (on distinct GPUs they still overlap)"
+)
 _BEFORE_BUILDING: list[Callable[[nn.Module], None]] = []
 SYNC_BATCHNORM_THREADS = (
     "SyncBatchNorm layers make the replicas meet inside every BatchNorm layer: replicas run in threads"
@@ -535,15 +539,7 @@ class ReplicaSet:
         self._structure_checked = True
         if not self.compiled and not sync:
             return requested, None
-        mode: ExecutionMode = "sequential" if self.compiled else "threads"
-        reason = (
-            SYNC_BATCHNORM_THREADS
-            if sync
-            else (
-                "the model is compiled, and torch.compile's compiler is not thread-safe: replicas run one after "
-                "another from one thread (on distinct GPUs they still overlap)"
-            )
-        )
+        mode, reason = ("sequential", _COMPILED_SEQUENTIAL) if self.compiled else ("threads", SYNC_BATCHNORM_THREADS)
         return mode, reason if resolve_mode(requested, self.devices[:count]) != mode else None
 
     def prepare(self, n: int | None = None, linked: bool = False) -> list[nn.Module]:
