@@ -140,7 +140,10 @@ class DtypeGroups:
     def flats(self, device: torch.device, zero: bool = False, rows: int | None = None) -> dict[torch.dtype, Tensor]:
         """One flat buffer per dtype on ``device`` (with ``rows``, 2-D)."""
         make = torch.zeros if zero else torch.empty
-        return {d: make((n,) if rows is None else (rows, n), dtype=d, device=device) for d, n in self.totals.items()}
+        return {
+            dtype: make((total,) if rows is None else (rows, total), dtype=dtype, device=device)
+            for dtype, total in self.totals.items()
+        }
 
     def alias(self, flats: dict[torch.dtype, Tensor], j: int) -> Tensor:
         """Tensor ``j``'s part (of 2-D ``flats``, its columns: any row's change bumps it) as an :func:`alias`."""
@@ -190,7 +193,8 @@ class ReplicaParameters:
             self._storage = {i: [part.flats(self.devices[i]) for part, _ in self._parts] for i in self._owners}
             blocks = [groups.flats(d, zero=True, rows=self.devices.count(d)) for d in distinct]
             self._grads = [
-                {dt: flat[r] for dt, flat in blocks[k].items()} for k, r in zip(self._slots, rows, strict=True)
+                {dtype: flat[row] for dtype, flat in blocks[k].items()}
+                for k, row in zip(self._slots, rows, strict=True)
             ]
             self._counted = [[groups.alias(block, j) for j in range(len(self.params))] for block in blocks]
             count = len(self.params) + len(self.buffers)
@@ -355,13 +359,14 @@ class ReplicaParameters:
         ):
             self._new_root_grads()
         with torch.no_grad():
-            # Whole flat buffers at once: after zero_grad(set_to_none=True), unless a frozen parameter's .grad still
-            # is its part of the buffer (frozen between backward passes, as toggle_optimizer does), or into .grad that
-            # still are the views.
+            # Whole flat buffers at once where every parameter was reached and no hook runs: written after
+            # zero_grad(set_to_none=True), unless a frozen parameter's .grad still is its part of the buffer (frozen
+            # between backward passes, as toggle_optimizer does); added where .grad still are the views.
+            whole = everywhere and not hooked
             fresh = unset and not any(map(operator.is_, map(_grad, self._frozen_params), self._frozen_views))
-            if fresh and everywhere and not hooked:
+            if whole and fresh:
                 deque(map(setattr, params, repeat("grad"), self._train_views), maxlen=0)
-            if everywhere and not hooked and (fresh or all(map(operator.is_, grads, self._train_views))):
+            if whole and (fresh or all(map(operator.is_, grads, self._train_views))):
                 self._sum_into(count, self._root_grads, accumulate=not fresh)
             else:
                 totals = {dtype: torch.empty_like(flat) for dtype, flat in self._root_grads.items()}
