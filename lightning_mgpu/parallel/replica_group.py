@@ -93,16 +93,6 @@ class ReplicaGroup:
         self._turn.release()
         return True
 
-    @contextmanager
-    def _waiting(self, index: int) -> Iterator[None]:
-        """Replica ``index`` waits for the others: it gives up its turn meanwhile."""
-        handed_over = self._give_turn(index)
-        try:
-            yield
-        finally:
-            if handed_over and self._turn_holder != index:
-                self._take_turn(index)
-
     def rendezvous(
         self, index: int, site: Hashable, value: Any, combine: Combine, label: str, hint: str, sequential_hint: str = ""
     ) -> Any:
@@ -117,12 +107,15 @@ class ReplicaGroup:
         self._arrivals[index] = (site, label, hint, value, combine)
         self._reached[index] += 1
         self._last = index
-        with self._waiting(index):
-            try:
-                self._barrier.wait(RENDEZVOUS_TIMEOUT_S)
-            except threading.BrokenBarrierError:
-                if self._met < self._reached[index]:  # else a departure aborted the barrier after this meeting
-                    raise self._why_broken(index, label, hint) from None
+        handed_over = self._give_turn(index)  # inline, not a context manager: this runs at every SyncBatchNorm layer
+        try:
+            self._barrier.wait(RENDEZVOUS_TIMEOUT_S)
+        except threading.BrokenBarrierError:
+            if self._met < self._reached[index]:  # else a departure aborted the barrier after this meeting completed
+                raise self._why_broken(index, label, hint) from None
+        finally:
+            if handed_over and self._turn_holder != index:
+                self._take_turn(index)
         return self._results[index]
 
     def lead(self, key: Hashable) -> None:
@@ -134,13 +127,18 @@ class ReplicaGroup:
     def follow(self, index: int, key: Hashable, call: int, label: str, hint: str) -> None:
         """Wait, as replica ``index``, until replica 0 has done its ``call``-th ``key`` (replica 0 never waits); fail
         with an error naming ``label`` and ``hint`` when replica 0 raised or finished without it."""
-        with self._waiting(index), self._led:
-            done = self._led.wait_for(
-                lambda: self._lead_counts[key] >= call or 0 in self._departed or self._failure is not None,
-                RENDEZVOUS_TIMEOUT_S,
-            )
-            if self._lead_counts[key] >= call:
-                return
+        handed_over = self._give_turn(index)
+        try:
+            with self._led:
+                done = self._led.wait_for(
+                    lambda: self._lead_counts[key] >= call or 0 in self._departed or self._failure is not None,
+                    RENDEZVOUS_TIMEOUT_S,
+                )
+                if self._lead_counts[key] >= call:
+                    return
+        finally:
+            if handed_over and self._turn_holder != index:
+                self._take_turn(index)
         if self._failure is not None or self._departed.get(0) is not None:
             raise PeerFailedError(f"{label}: {self._failure or 'replica 0 raised; its error is the one to read.'}")
         waited = "finished without reaching it" if done else f"did not reach it in {RENDEZVOUS_TIMEOUT_S:g} s"
