@@ -37,14 +37,14 @@ class PeerFailedError(RendezvousError):
 
 
 class ReplicaGroup:
-    """The replicas of one ``run_replicas`` call; ``sequential``: they run one after another (and cannot meet)."""
+    """The replicas of one ``run_replicas`` call; ``sequential``: they run one after another (and cannot meet). One
+    replica runs Python at a time (its turn) until it finishes or waits at a sync point: otherwise the GIL changes
+    hands at every torch call, which costs as much as the calls on a launch-bound step."""
 
     def __init__(self, devices: Sequence[torch.device], sequential: bool) -> None:
         self.devices = tuple(devices)
         self.size = len(self.devices)
         self.sequential = sequential
-        # One replica runs Python at a time, until it finishes or waits at a sync point: otherwise the GIL changes
-        # hands at every torch call, which costs as much as the calls on a launch-bound step.
         self._turn = threading.Lock() if TAKE_TURNS and not sequential else None
         self._turn_holder: int | None = None
         group = weakref.ref(self)  # a bound method as the action would make each call's group a garbage cycle
@@ -61,12 +61,12 @@ class ReplicaGroup:
 
     @contextmanager
     def member(self, index: int) -> Iterator[None]:
-        """Run the enclosed code as replica ``index`` (see :func:`current_replica`) in its turn (see
-        :data:`TURN_PATIENCE_S`). Then it departs, finished or raising: it reaches no more sync points, so the barrier
-        breaks for the replicas waiting at one or arriving later."""
-        previous = current_replica()
+        """Run the enclosed code as replica ``index`` in its turn; then it departs, finished or raising, which breaks
+        the barrier for the replicas waiting at a sync point or arriving later."""
+        previous = getattr(_LOCAL, "replica", None)
         _LOCAL.replica = ReplicaContext(self, index)
-        self._take_turn(index)
+        if self._turn is not None:
+            self._take_turn(index)
         error = None
         try:
             yield
@@ -74,7 +74,8 @@ class ReplicaGroup:
             error = err
             raise
         finally:
-            self._give_turn(index)
+            if self._turn is not None:
+                self._give_turn(index)
             _LOCAL.replica = previous
             self._departed[index] = error
             self._barrier.abort()
@@ -95,10 +96,9 @@ class ReplicaGroup:
     def rendezvous(
         self, index: int, site: Hashable, value: Any, combine: Combine, label: str, hint: str, sequential_hint: str = ""
     ) -> Any:
-        """Meet the other replicas at ``site``; return ``combine(values in replica order)[index]``. ``combine`` runs
-        once for all (e.g. one autograd node spanning the replicas) while every replica waits, its turn given up; the
-        last to arrive goes on first. Replicas that run one after another, reach another site or cannot arrive fail
-        with an error naming ``label``, then ``sequential_hint`` or ``hint``."""
+        """Meet the other replicas at ``site``; return ``combine(values in replica order)[index]``, run once for all
+        while they wait (the last to arrive goes on first). Replicas that run one after another, reach another site or
+        cannot arrive fail with an error naming ``label``, then ``sequential_hint`` or ``hint``."""
         if self.sequential and self.size > 1:
             raise RendezvousError(
                 f"{label} makes the {self.size} replicas meet, but this call runs them one after another, so they "
@@ -107,7 +107,7 @@ class ReplicaGroup:
         self._arrivals[index] = (site, label, hint, value, combine)
         self._reached[index] += 1
         self._last = index
-        handed_over = self._give_turn(index)
+        handed_over = self._give_turn(index)  # inline, not a context manager: this runs at every SyncBatchNorm layer
         try:
             self._barrier.wait(RENDEZVOUS_TIMEOUT_S)
         except threading.BrokenBarrierError:
@@ -125,9 +125,8 @@ class ReplicaGroup:
             self._led.notify_all()
 
     def follow(self, index: int, key: Hashable, call: int, label: str, hint: str) -> None:
-        """Wait, as replica ``index``, until replica 0 has done its ``call``-th ``key``: a one-sided meeting (replica 0
-        never waits, so a step it alone takes is fine). Fails with an error naming ``label`` and ``hint`` when replica 0
-        raised or finished without it."""
+        """Wait, as replica ``index``, until replica 0 has done its ``call``-th ``key`` (replica 0 never waits); fail
+        with an error naming ``label`` and ``hint`` when replica 0 raised or finished without it."""
         handed_over = self._give_turn(index)
         try:
             with self._led:
@@ -162,16 +161,16 @@ class ReplicaGroup:
 
     def _why_broken(self, index: int, label: str, hint: str) -> RendezvousError:
         """Why the meeting at ``label`` cannot complete for replica ``index``."""
-        if self._failure is not None:
-            return PeerFailedError(f"{label}: {self._failure}")
         missing = [i for i in range(self.size) if self._reached[i] < self._reached[index]]
         raised = [i for i in missing if self._departed.get(i) is not None]
+        finished = [i for i in missing if i in self._departed]
+        if self._failure is not None:
+            return PeerFailedError(f"{label}: {self._failure}")
         if raised:
             return PeerFailedError(
                 f"{label}: replica {index} stopped waiting because replica(s) {raised} raised "
                 f"{type(self._departed[raised[0]]).__name__} before reaching this point; that error is the one to read."
             )
-        finished = [i for i in missing if i in self._departed]
         if finished:
             return RendezvousError(
                 f"{label}: replica {index} waited here for replica(s) {finished}, which finished without reaching it. "

@@ -1,7 +1,6 @@
 """Lasting replicas that own their state, as DDP ranks do: copies of a module's tree built once per device list, whose
-parameters and buffers live in flat per-device, per-dtype buffers synced from the root once per optimizer step, and
-whose gradients are reduced once, in a fixed order; the root module is replica 0. A step costs a number of tensor
-operations that does not grow with depth (``nn.DataParallel`` rebuilds its replicas every step)."""
+parameters and buffers live in flat per-device, per-dtype buffers synced from the root once per optimizer step and
+whose gradients are reduced once, in a fixed order; the root module is replica 0."""
 
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from itertools import repeat
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -43,6 +42,10 @@ _OWN_REFERENCES = next(map(sys.getrefcount, list(_probe)))
 del _probe
 _NEVER_SYNCED = frozenset({"_parameters", "_buffers", "_modules", "_is_replica", "_compiled_call_impl"})
 _WEIGHT_HOOKS = (BasePruningMethod, WeightNorm, SpectralNorm)  # forward pre-hooks that set an attribute: `weight`
+_COMPILED_SEQUENTIAL = (
+    "the model is compiled, and torch.compile's compiler is not thread-safe: replicas run one after another from one "
+    "thread (on distinct GPUs they still overlap)"
+)
 _BEFORE_BUILDING: list[Callable[[nn.Module], None]] = []
 SYNC_BATCHNORM_THREADS = (
     "SyncBatchNorm layers make the replicas meet inside every BatchNorm layer: replicas run in threads"
@@ -50,8 +53,7 @@ SYNC_BATCHNORM_THREADS = (
 
 
 def before_building_replicas(prepare: Callable[[nn.Module], None]) -> None:
-    """Run ``prepare(module)`` on the original module each time its replicas are built: a library's one-time set-up
-    that the copies would otherwise each repeat (see :mod:`lightning_mgpu.integrations`)."""
+    """Run ``prepare(module)`` on the original each time its replicas are built (a library's one-time set-up)."""
     if prepare not in _BEFORE_BUILDING:
         _BEFORE_BUILDING.append(prepare)
 
@@ -85,9 +87,8 @@ def alias(base: Tensor, offset: int, shape: Sequence[int], stride: Sequence[int]
 
 
 def _part_strides(tensor: Tensor, strides: Sequence[int] | None = None) -> tuple[int, ...]:
-    """The strides of ``tensor``'s part of a flat buffer (of ``strides``, a layout of it): its own where it is dense
-    (``empty_like`` keeps them), else a dense layout; never 0 on a dimension of size 1 (autograd's layout contract
-    refuses that in a gradient)."""
+    """The strides of ``tensor``'s (or its layout ``strides``') part of a flat buffer: its own where it is dense, else
+    contiguous; never 0 on a dimension of size 1 (autograd's layout contract refuses that in a gradient)."""
     laid = torch.empty_like(tensor, device="meta").stride() if strides is None else strides
     contiguous = torch.empty(tensor.shape, device="meta").stride()
     return tuple(c if size == 1 else st for size, st, c in zip(tensor.shape, laid, contiguous, strict=True))
@@ -100,10 +101,10 @@ class DtypeGroups:
 
     def __init__(self, tensors: Iterable[Tensor]) -> None:
         self.tensors = list(tensors)
+        self.strides = list(map(_part_strides, self.tensors))
         self.indices: dict[torch.dtype, list[int]] = {}
         self.offsets: list[int] = []
         self.totals: dict[torch.dtype, int] = {}
-        self.strides = list(map(_part_strides, self.tensors))
         for j, t in enumerate(self.tensors):
             self.indices.setdefault(t.dtype, []).append(j)
             self.offsets.append(self.totals.get(t.dtype, 0))
@@ -111,13 +112,11 @@ class DtypeGroups:
         self._views = {dtype: self._flat_views(indices) for dtype, indices in self.indices.items()}
 
     def _flat_views(self, indices: list[int]) -> tuple[list[Tensor | None], list[int]]:
-        """The group's tensors as flat views of their memory, and the positions of those not laid out as their part
-        (``None`` there, copied into that layout at every :meth:`flatten`)."""
+        """Flat views of the tensors whose memory is their part; ``None`` (and its position) for the others."""
         views: list[Tensor | None] = []
         for j in indices:
             t = self.tensors[j]
-            laid_out = _part_strides(t, t.stride()) == self.strides[j]  # then dense: its memory is its part
-            views.append(t.as_strided((t.numel(),), (1,)) if laid_out else None)
+            views.append(t.as_strided((t.numel(),), (1,)) if _part_strides(t, t.stride()) == self.strides[j] else None)
         return views, [k for k, v in enumerate(views) if v is None]
 
     def flatten(self) -> dict[torch.dtype, Tensor]:
@@ -139,7 +138,7 @@ class DtypeGroups:
         self._views[tensor.dtype] = self._flat_views(self.indices[tensor.dtype])
 
     def flats(self, device: torch.device, zero: bool = False, rows: int | None = None) -> dict[torch.dtype, Tensor]:
-        """One flat buffer per dtype on ``device`` (``rows`` of them stacked: a 2-D buffer per dtype)."""
+        """One flat buffer per dtype on ``device`` (with ``rows``, 2-D)."""
         make = torch.zeros if zero else torch.empty
         return {
             dtype: make((total,) if rows is None else (rows, total), dtype=dtype, device=device)
@@ -147,35 +146,29 @@ class DtypeGroups:
         }
 
     def alias(self, flats: dict[torch.dtype, Tensor], j: int) -> Tensor:
-        """Tensor ``j``'s part of ``flats`` (shaped and laid out like it; of 2-D ``flats``, one row per copy, its
-        columns) with a version counter of its own: an in-place change of any row's part bumps it."""
+        """Tensor ``j``'s part (of 2-D ``flats``, its columns: any row's change bumps it) as an :func:`alias`."""
         like, flat = self.tensors[j], flats[self.tensors[j].dtype]
         if flat.dim() == 2:
             return alias(flat, self.offsets[j], (len(flat), like.numel()), (flat.stride(0), 1))
         return alias(flat, self.offsets[j], like.shape, self.strides[j])
 
     def view(self, flats: dict[torch.dtype, Tensor], j: int) -> Tensor:
-        """Tensor ``j``'s part of ``flats`` (one flat tensor per dtype), shaped and laid out like it."""
+        """Tensor ``j``'s part of ``flats``, shaped and laid out like it."""
         return self.shaped(flats[self.tensors[j].dtype][self.offsets[j] :], j)
 
     def shaped(self, part: Tensor, j: int) -> Tensor:
-        """``part`` (from tensor ``j``'s elements, 1-D, in memory order) as a view shaped and laid out like it."""
+        """``part`` (1-D, from tensor ``j``'s first element) shaped and laid out like tensor ``j``."""
         return part.as_strided(self.tensors[j].shape, self.strides[j])
 
 
 class ReplicaParameters:
     """Every replica's own parameters and buffers: :attr:`leaves` ``[i][j]``, replica ``i``'s tensor for ``params[j]``,
-    then for ``buffers[j - len(params)]``.
-
-    The first replica on ``root`` stands for the root module (as DDP's rank 0): its leaves share the originals' storage
-    and version counters, its buffers are the originals. Every other replica holds copies in one flat buffer per
-    replica, dtype and kind, even on the same device, each an alias with a version counter of its own (a write into one
-    leaves the others' saved tensors valid). A leaf's ``.grad`` is its replica's row of one buffer per device and
-    dtype, whose columns count the accumulations. ``renormed`` parameters (``Embedding(max_norm=...)`` renormalises
-    looked-up rows in place, idempotently) keep the originals' storage on the root device; ``sparse`` ones get sparse
-    gradients, summed one by one. Call :meth:`sync` before a step, :meth:`backward_done` after each backward pass and
-    :meth:`reduce` when the gradients belong on the originals.
-    """
+    then for ``buffers[j - len(params)]``. The first replica on ``root`` stands for the root module: its leaves share
+    the originals' storage and version counters. Every other one holds an :func:`alias` per tensor into its flat buffer
+    per dtype and kind. A leaf's ``.grad`` is its replica's row of one buffer per device and dtype, whose columns count
+    the accumulations. ``renormed`` parameters (``Embedding(max_norm=...)``) keep the originals' storage on the root
+    device; ``sparse`` ones get sparse gradients. Call :meth:`sync` before a step, :meth:`backward_done` after each
+    backward pass and :meth:`reduce` when the gradients belong on the originals."""
 
     def __init__(
         self,
@@ -186,18 +179,16 @@ class ReplicaParameters:
         sparse: Collection[int] = (),
         buffers: Iterable[Tensor] = (),
     ) -> None:
-        self.params, self.buffers = list(params), list(buffers)
-        self.devices = list(devices)
-        self.root = root
+        self.params, self.buffers, self.devices, self.root = list(params), list(buffers), list(devices), root
         self._groups = groups = DtypeGroups(self.params)
         self._parts = [(groups, 0), (DtypeGroups(self.buffers), len(self.params))]  # (layout, first index in leaves)
         self._alias = next((i for i, d in enumerate(self.devices) if d == root), None)  # stands for the root module
         self._owners = [i for i in range(len(self.devices)) if i != self._alias]
-        self._sparse = frozenset(sparse)
-        self._renormed = frozenset(renormed)
+        self._sparse, self._renormed = frozenset(sparse), frozenset(renormed)
         distinct = list(dict.fromkeys(self.devices))
         self._slots = [distinct.index(d) for d in self.devices]  # replica -> its device's place in ``distinct``
         rows = [self.devices[:i].count(d) for i, d in enumerate(self.devices)]  # replica -> its row on its device
+        dense = [j for j in range(len(self.params)) if j not in self._sparse]
         with torch.inference_mode(False), torch.no_grad():
             self._storage = {i: [part.flats(self.devices[i]) for part, _ in self._parts] for i in self._owners}
             blocks = [groups.flats(d, zero=True, rows=self.devices.count(d)) for d in distinct]
@@ -209,13 +200,13 @@ class ReplicaParameters:
             count = len(self.params) + len(self.buffers)
             self.leaves = [[self._make_leaf(i, j) for j in range(count)] for i in range(len(self.devices))]
             for i, leaves in enumerate(self.leaves):
-                for j in set(range(len(self.params))) - self._sparse:
+                for j in dense:
                     leaves[j].grad = groups.shaped(self._counted[self._slots[i]][j][rows[i]], j)
             self._train_index: list[int] = []
             self._frozen_index: list[int] = []
             self._new_root_grads()
-        self._dense = next((j for j in range(len(self.params)) if j not in self._sparse), None)
-        self._first_grads = [None if self._dense is None else leaves[self._dense].grad for leaves in self.leaves]
+        self._first_grads = [leaves[dense[0]].grad if dense else None for leaves in self.leaves]
+        self._dense = dense[0] if dense else None
         self._pointers = list(map(_data_ptr, self.params + self.buffers))
         self._stamps: list[Any] = [None, None]  # per kind, versions of the originals and copies at the last copy
         self._set_trainable(list(map(_requires_grad, self.params)))
@@ -223,26 +214,23 @@ class ReplicaParameters:
         self.pending = False  # replicas ran since the last reduction: their gradients may not be on the originals yet
 
     def _make_leaf(self, i: int, j: int) -> Tensor:
-        is_param = j < len(self.params)
-        t = self.params[j] if is_param else self.buffers[j - len(self.params)]
+        kind = int(j >= len(self.params))
+        t = self.buffers[j - len(self.params)] if kind else self.params[j]
         if i == self._alias:
-            data = t.detach() if is_param else t
-        elif is_param and j in self._renormed and self.devices[i] == self.root:
+            data = t if kind else t.detach()
+        elif not kind and j in self._renormed and self.devices[i] == self.root:
             data = alias(t, 0, t.shape, t.stride())
         else:
-            groups, first = self._parts[0 if is_param else 1]
-            data = groups.alias(self._storage[i][0 if is_param else 1], j - first)
-        return nn.Parameter(data, requires_grad=t.requires_grad) if is_param else data
+            groups, first = self._parts[kind]
+            data = groups.alias(self._storage[i][kind], j - first)
+        return data if kind else nn.Parameter(data, requires_grad=t.requires_grad)
 
     def _new_root_grads(self) -> None:
-        """The originals' ``.grad`` to be: views of one flat buffer per dtype on the root, reused from step to step."""
+        """The originals' ``.grad`` to be: views of one flat buffer per dtype on the root, reused across steps."""
         with torch.inference_mode(False), torch.no_grad():
             self._root_grads = self._groups.flats(self.root)
             self._root_views = [self._groups.alias(self._root_grads, j) for j in range(len(self.params))]
         self._root_uses = list(map(_storage_uses, self._root_grads.values()))  # held by this class alone
-        self._index_views()
-
-    def _index_views(self) -> None:
         self._train_views = [self._root_views[j] for j in self._train_index]
         self._frozen_views = [self._root_views[j] for j in self._frozen_index]
 
@@ -252,17 +240,19 @@ class ReplicaParameters:
             for leaf, flag in zip(leaves, trainable, strict=False):  # the parameters' leaves
                 if leaf.requires_grad != flag:
                     leaf.requires_grad_(flag)
-        self._train_index = [j for j, flag in enumerate(trainable) if flag and j not in self._sparse]
-        self._frozen_index = [j for j, flag in enumerate(trainable) if not flag and j not in self._sparse]
+        dense = [j for j in range(len(self.params)) if j not in self._sparse]
+        self._train_index = [j for j in dense if trainable[j]]
+        self._frozen_index = [j for j in dense if not trainable[j]]
         self._train_params = [self.params[j] for j in self._train_index]
         self._frozen_params = [self.params[j] for j in self._frozen_index]
-        self._index_views()
+        self._train_views = [self._root_views[j] for j in self._train_index]
+        self._frozen_views = [self._root_views[j] for j in self._frozen_index]
         self._train_counted = [[counted[j] for j in self._train_index] for counted in self._counted]
         self._seen = [list(map(_version, counted)) for counted in self._train_counted]
 
     def sync(self, n: int) -> bool:
-        """Bring the first ``n`` replicas up to date with the originals (``requires_grad``, values); ``False``
-        (nothing done) when an original's tensor was replaced (``param.data = ...``): rebuild."""
+        """The first ``n`` replicas take the originals' ``requires_grad`` and values; ``False`` (nothing done) when an
+        original's tensor was replaced (``param.data = ...``): rebuild."""
         if list(map(_data_ptr, self.params + self.buffers)) != self._pointers:
             return False
         trainable = list(map(_requires_grad, self.params))
@@ -275,8 +265,7 @@ class ReplicaParameters:
         return True
 
     def copy_values(self, n: int) -> None:
-        """The originals' values into the first ``n`` replicas' copies, per kind where the originals (an optimizer
-        step, the root's running statistics) or the copies (a replica's in-place change of its own) changed."""
+        """The originals' values into the first ``n`` replicas' copies, per kind where either changed."""
         owners = [i for i in self._owners if i < n]
         for kind, (groups, first) in enumerate(self._parts):
             last = first + len(groups.tensors)
@@ -292,8 +281,8 @@ class ReplicaParameters:
                 self._stamps[kind] = stamp
 
     def replace(self, old: Tensor, new: Tensor) -> bool:
-        """Keep ``new`` (shaped like the original buffer ``old``, same dtype), which a step bound in its place, up to
-        date in the replicas; ``False`` when ``old`` is none of the buffers."""
+        """``new`` (like the buffer ``old``), which a step bound in its place, in place of ``old`` (``False``: not
+        one of them)."""
         k = next((k for k, b in enumerate(self.buffers) if b is old), None)
         if k is None:
             return False
@@ -305,9 +294,8 @@ class ReplicaParameters:
         return True
 
     def keep_rebound_data(self) -> bool:
-        """After a step that rebound a parameter's ``.data`` on the replica that stands for the root (MoCo's momentum
-        update): the original takes its new value, and every replica gets new leaves over its storage (their ``.grad``
-        kept); ``True`` when the caller must point its modules at :attr:`leaves` again."""
+        """A parameter's ``.data`` rebound on the replica that stands for the root (a momentum update) becomes the
+        original's value; every replica gets new leaves (``.grad`` kept): ``True``, point the modules at them again."""
         m = len(self.params)
         if self._alias is None or list(map(_data_ptr, self.leaves[self._alias][:m])) == self._pointers[:m]:
             return False
@@ -322,7 +310,7 @@ class ReplicaParameters:
         return True
 
     def mark_stale(self) -> None:
-        """Copy the originals into the replicas at the next :meth:`sync`, whatever their version counters say."""
+        """Copy the originals into the replicas at the next :meth:`sync`, whatever the version counters say."""
         self._stamps = [None, None]
 
     def backward_done(self) -> None:
@@ -339,13 +327,10 @@ class ReplicaParameters:
                 )
 
     def reduce(self, run_hooks: bool = True, only_trainable: bool = False) -> None:
-        """Add the replicas' gradients onto the originals' ``.grad`` (per device its replicas, then the devices, one
-        copy to the root per dtype) and zero them. As on one device, a parameter no backward reached (no version
-        counter moved) keeps its ``.grad``, and with ``only_trainable`` one frozen since the sync (``toggle_optimizer``)
-        gets nothing. The originals' gradient hooks run once, on the sum (``run_hooks=False``: backward passes that ran
-        before the hooks existed)."""
-        count = self.active
-        self.pending = False
+        """Add the replicas' gradients onto the originals' ``.grad`` (per device, then one copy to the root per dtype)
+        and zero them. A parameter no backward reached keeps its ``.grad``, as does one frozen since the sync with
+        ``only_trainable``. The originals' gradient hooks run once, on the sum, unless ``run_hooks=False``."""
+        count, self.pending = self.active, False
         self._reduce_sparse(count)
         if count == 0 or not self._train_index:
             return
@@ -363,8 +348,8 @@ class ReplicaParameters:
         everywhere = reached is None or all(reached)
         params = self._train_params
         hooked = run_hooks and (any(map(_tensor_hooks, params)) or any(map(_post_accumulate_hooks, params)))
-        fast = everywhere and not hooked  # whole flat buffers at once
         grads = list(map(_grad, params))
+        unset = all(map(operator.is_, grads, repeat(None)))
         # Views that .grad dropped (zero_grad(set_to_none=True)) but something still holds, as such or through another
         # tensor on their storage (PCGrad's kept gradients, a `.detach()` kept to compare with the next step's): this
         # step's gradients go to new tensors, as on one device.
@@ -374,17 +359,15 @@ class ReplicaParameters:
         ):
             self._new_root_grads()
         with torch.no_grad():
-            # After zero_grad(set_to_none=True), unless a frozen parameter's .grad still is its part of the buffer
-            # (frozen between backward passes, as toggle_optimizer does): a whole-buffer copy would overwrite it.
-            if (
-                fast
-                and all(map(operator.is_, grads, repeat(None)))
-                and not any(map(operator.is_, map(_grad, self._frozen_params), self._frozen_views))
-            ):
+            # Whole flat buffers at once where every parameter was reached and no hook runs: written after
+            # zero_grad(set_to_none=True), unless a frozen parameter's .grad still is its part of the buffer (frozen
+            # between backward passes, as toggle_optimizer does); added where .grad still are the views.
+            whole = everywhere and not hooked
+            fresh = unset and not any(map(operator.is_, map(_grad, self._frozen_params), self._frozen_views))
+            if whole and fresh:
                 deque(map(setattr, params, repeat("grad"), self._train_views), maxlen=0)
-                self._sum_into(count, self._root_grads, accumulate=False)
-            elif fast and all(map(operator.is_, grads, self._train_views)):  # .grad still the views
-                self._sum_into(count, self._root_grads, accumulate=True)
+            if whole and (fresh or all(map(operator.is_, grads, self._train_views))):
+                self._sum_into(count, self._root_grads, accumulate=not fresh)
             else:
                 totals = {dtype: torch.empty_like(flat) for dtype, flat in self._root_grads.items()}
                 self._sum_into(count, totals, accumulate=False)
@@ -405,8 +388,8 @@ class ReplicaParameters:
                     leaves[j].grad = None
 
     def _sum_into(self, count: int, targets: dict[torch.dtype, Tensor], accumulate: bool) -> None:
-        """``targets`` (flat, per dtype, on the root) += (or =) the first ``count`` replicas' gradients: per device
-        its replicas in replica order (in place, into the first one's), then the devices' sums in device order."""
+        """``targets`` += (or =) the first ``count`` replicas' gradients: per device in replica order, into the first
+        one's, then the devices' sums in device order."""
         sums: dict[torch.device, dict[torch.dtype, Tensor]] = {}
         for i in range(count):
             if self.devices[i] in sums:
@@ -421,11 +404,9 @@ class ReplicaParameters:
     def _assign_each(
         self, totals: dict[torch.dtype, Tensor], grads: list[Tensor | None], reached: list[bool] | None, hooked: bool
     ) -> None:
-        """The general case, one parameter at a time: ``.grad`` set by someone else, parameters not every replica's
-        backward reached (skipped where ``reached`` says none did), or, when ``hooked``, gradient hooks to run as
-        ``AccumulateGrad`` does: tensor hooks on the incoming gradient, then post-accumulate hooks."""
-        hits = repeat(True) if reached is None else reached
-        for j, p, grad, hit in zip(self._train_index, self._train_params, grads, hits, strict=False):
+        """One parameter at a time (``.grad`` set by someone else, parameters not ``reached``, or hooks, run as
+        ``AccumulateGrad`` does: tensor hooks on the incoming gradient, then post-accumulate hooks)."""
+        for j, p, grad, hit in zip(self._train_index, self._train_params, grads, reached or repeat(True), strict=False):
             if not hit:
                 continue
             part = self._groups.view(totals, j)
@@ -445,14 +426,10 @@ class ReplicaParameters:
 
 
 class ReplicaSet:
-    """Lasting replicas of ``module``, one per device of ``devices`` (devices may repeat: "virtual devices").
-
-    Call :meth:`prepare` before each step and :meth:`watch` right after it. Every replica owns its parameters and
-    buffers (:class:`ReplicaParameters`); a buffer a step rebinds takes replica 0's value. Attributes rebound on the
-    originals reach the replicas, except ``overrides`` (set per replica by the owner); a structural change rebuilds
-    them (:attr:`builds`). Every replica holds the original of a ``shared(submodule)`` (``on_build`` may swap in
-    per-replica objects).
-    """
+    """Lasting replicas of ``module``, one per device of ``devices`` (which may repeat: "virtual devices"). Call
+    :meth:`prepare` before each step and :meth:`watch` right after it. A buffer a step rebinds takes replica 0's value;
+    attributes rebound on the originals reach the replicas, except ``overrides``; a structural change rebuilds them
+    (:attr:`builds`). Every replica holds the original of a ``shared(submodule)`` (``on_build`` may swap it)."""
 
     def __init__(
         self,
@@ -473,8 +450,7 @@ class ReplicaSet:
         self._structure_checked = False  # by execution_mode(), for the prepare() that follows it
         self.meets_at_batchnorm = False  # set by execution_mode()
         self.defer_reduction = False
-        self._owning = False
-        self._queued = False
+        self._owning = self._queued = False
         self._queue_lock = threading.Lock()
         self._stop_recording: Callable[[], Any] | None = None  # between prepare() and watch()
         self._rebound: set[tuple[int, int, str]] = set()  # (replica, position, buffer name) the step rebound
@@ -507,6 +483,7 @@ class ReplicaSet:
         with torch.inference_mode(False), torch.no_grad():  # copies must be normal tensors, whatever the caller's mode
             built = [self._replica(index) for _ in self.devices]
         self._copies, self._slots, self._rnns = map(list, zip(*built, strict=True))  # per replica
+        self.replicas = [copies[0] for copies in self._copies]  # every replica's root module, in device order
         self._new_flat(buffers)
         self._places = {
             id(c): (i, k) for i, cs in enumerate(self._copies) for k, c in enumerate(cs) if c is not originals[k]
@@ -524,9 +501,7 @@ class ReplicaSet:
             self._on_build(self.replicas)
 
     def _replica(self, index: dict[int, int]) -> tuple[list[nn.Module], list[Slot], list[nn.RNNBase]]:
-        """One replica's modules (shared ones as they are, shallow copies of the others, ``torch.compile`` wrappers
-        built around their wrapped module's copy), the slots of their tensors (``index``: tensor id -> leaf index)
-        and their RNNs."""
+        """One replica's modules (shallow copies; compile wrappers around their module's copy), slots and RNNs."""
         copies: list[Any] = [
             m if self._shared(m) else None if is_optimized_module(m) else m._replicate_for_data_parallel()
             for m in self._originals
@@ -553,15 +528,9 @@ class ReplicaSet:
         position = self._position
         return {n: None if c is None else copies[position[id(c)]] for n, c in self._originals[k]._modules.items()}
 
-    @property
-    def replicas(self) -> list[nn.Module]:
-        """Every replica's root module, in device order."""
-        return [copies[0] for copies in self._copies]
-
     def execution_mode(self, requested: ExecutionMode, count: int) -> tuple[ExecutionMode, str | None]:
-        """The mode to run ``count`` replicas in, and why it is not ``requested`` (``None`` when it is): compiled
-        replicas run one after another (Dynamo is not thread-safe), SyncBatchNorm in training needs threads. Checks
-        the structure first, for the next :meth:`prepare`."""
+        """The mode to run ``count`` replicas in, and why it is not ``requested`` (``None`` when it is). Checks the
+        structure first, for the next :meth:`prepare`."""
         self._sync_structure()
         sync = count > 1 and any(layer._uses_batch_stats() for layer in self._sync_layers)
         self.meets_at_batchnorm = sync  # the replicas hand over inside their step, at every SyncBatchNorm layer
@@ -573,29 +542,20 @@ class ReplicaSet:
                 "the model here (DDP runs compiled models with synchronised BatchNorm)."
             )
         self._structure_checked = True
-        if self.compiled:
-            mode: ExecutionMode = "sequential"
-            reason = (
-                "the model is compiled, and torch.compile's compiler is not thread-safe: replicas run one after "
-                "another from one thread (on distinct GPUs they still overlap)"
-            )
-        elif sync:
-            mode, reason = "threads", SYNC_BATCHNORM_THREADS
-        else:
+        if not self.compiled and not sync:
             return requested, None
+        mode, reason = ("sequential", _COMPILED_SEQUENTIAL) if self.compiled else ("threads", SYNC_BATCHNORM_THREADS)
         return mode, reason if resolve_mode(requested, self.devices[:count]) != mode else None
 
     def prepare(self, n: int | None = None, linked: bool = False) -> list[nn.Module]:
-        """The first ``n`` replicas (default all), synced with the original for a step, each with its own leaves:
-        pass their outputs to :meth:`watch`. ``linked=True``: see :func:`replicate`."""
+        """The first ``n`` replicas (default all), synced for a step (``linked=True``: see :func:`replicate`)."""
         n = len(self.devices) if n is None else n
         if not 1 <= n <= len(self.devices):
             raise ValueError(f"Asked for {n} replicas of a set of {len(self.devices)}.")
         self._end_run(adopt=True)  # a step that raised before watch(): keep what replica 0 rebound
         if not self._structure_checked:
             self._sync_structure()
-        self._structure_checked = False
-        self._queued = False
+        self._structure_checked = self._queued = False
         self._owning = not linked
         if not self._flat.sync(n):  # an original's tensor was replaced (``param.data = ...``)
             self._flat.reduce()  # what the replicas accumulated still belongs to the originals
@@ -620,8 +580,7 @@ class ReplicaSet:
 
     def _linked(self, i: int, params: bool) -> list[Tensor]:
         """Replica ``i``'s leaves, but linked to the originals by autograd for one step: the buffers that require grad
-        (as under ``nn.DataParallel``) and with ``params`` the parameters (see :func:`replicate`: the trainable ones
-        as views on the root's device, copies elsewhere, the others detached)."""
+        (as under ``nn.DataParallel``) and with ``params`` the parameters (see :func:`replicate`)."""
         grad, flat, device = torch.is_grad_enabled(), self._flat, self.devices[i]
         tensors = list(flat.leaves[i])
         for j, p in enumerate(flat.params if params else ()):
@@ -639,17 +598,8 @@ class ReplicaSet:
         for rnn in self._rnns[i]:  # RNNs run on a cached list of their weights, which must hold this replica's tensors
             rnn._flat_weights = [getattr(rnn, wn, None) for wn in rnn._flat_weights_names]
 
-    def _end_run(self, adopt: bool) -> None:
-        """Stop recording the step's buffer rebinding; ``adopt``: rebound buffers take replica 0's value."""
-        stop, self._stop_recording = self._stop_recording, None
-        if stop is not None:
-            stop()
-            if adopt and self._rebound:
-                self._adopt_buffers(self._rebound)
-
     def watch(self, outputs: Sequence[Any]) -> None:
-        """Reduce the replicas' gradients onto the originals after any backward pass that reaches ``outputs`` (this
-        step's replica outputs)."""
+        """Reduce the replicas' gradients after any backward pass that reaches ``outputs`` (this step's)."""
         self._end_run(adopt=True)
         for module, hook in self._weight_hooks:  # what one device's forward leaves on the module (ModelPruning ranks
             if isinstance(hook, SpectralNorm):  # by it); replica 0's forward already ran the power iteration
@@ -684,8 +634,8 @@ class ReplicaSet:
             self.reduce_gradients()
 
     def reduce_gradients(self, run_hooks: bool = True) -> None:
-        """Add the replicas' gradients onto the originals' ``.grad`` (after every backward pass unless
-        :attr:`defer_reduction`). ``run_hooks=False``: backward passes ran before the originals had hooks."""
+        """Add the replicas' gradients onto the originals' ``.grad`` (after every backward unless
+        :attr:`defer_reduction`)."""
         self._flat.reduce(run_hooks)
 
     def after_manual_backward(self) -> None:
@@ -698,16 +648,14 @@ class ReplicaSet:
         self._flat.copy_values(n)
 
     def leaves_of(self, param: Tensor) -> list[Tensor]:
-        """The replicas' own leaves that stand for the original ``param`` in the graph of the last step, for
-        ``backward(inputs=...)``: empty when the replicas held the originals (or ``param`` is none of them)."""
+        """The replicas' leaves that stand for ``param`` in the last step's graph, for ``backward(inputs=...)``."""
         j = self._param_index.get(id(param))
         if not self._owning or j is None or self._params[j] is not param:
             return []
         return [leaves[j] for leaves in self._flat.leaves[: self._flat.active]]
 
     def mark_stale(self) -> None:
-        """Copy every parameter and buffer into the replicas at the next :meth:`prepare`, changed or not: writes
-        through ``.data`` (Lightning's ``WeightAveraging`` swaps weights so) move no version counter."""
+        """Copy everything at the next :meth:`prepare` (writes through ``.data`` move no version counter)."""
         self._flat.mark_stale()
 
     @property
@@ -715,11 +663,16 @@ class ReplicaSet:
         """Replicas ran since the last reduction (their gradients may wait for one)."""
         return self._flat.pending
 
-    def _adopt_buffers(self, rebound: set[tuple[int, int, str]]) -> None:
-        """Buffers the step rebound: replica 0's value becomes the original's (a new value of the same shape and dtype
-        is no structural change; anything else rebuilds at the next :meth:`prepare`), and every replica holds its
-        own again."""
-        for k, name in sorted({(k, name) for i, k, name in rebound if i == 0}):
+    def _end_run(self, adopt: bool) -> None:
+        """Stop recording the step's buffer rebinding; with ``adopt``, buffers replica 0 rebound become the
+        original's (of another shape or dtype: a rebuild at the next :meth:`prepare`); every replica holds its own."""
+        stop, self._stop_recording = self._stop_recording, None
+        if stop is None:
+            return
+        stop()
+        if not adopt or not self._rebound:
+            return
+        for k, name in sorted({(k, name) for i, k, name in self._rebound if i == 0}):
             value, buffers = self._copies[0][k]._buffers.get(name), self._originals[k]._buffers
             old = buffers.get(name)
             if value is not None and old is not None:
@@ -727,10 +680,10 @@ class ReplicaSet:
                 if value.shape == old.shape and value.dtype == old.dtype and self._flat.replace(old, value):
                     self._saved[4 * k + 2][name] = value  # the saved copy of its buffer dict
             buffers[name] = value
-        for i, k, name in rebound:
+        for i, k, name in self._rebound:
             if name not in self._originals[k]._buffers:
                 self._copies[i][k]._buffers.pop(name, None)
-        for i in sorted({i for i, _, _ in rebound}):
+        for i in sorted({i for i, _, _ in self._rebound}):
             self._point(i, self._flat.leaves[i])
 
     def _sync_structure(self) -> None:
@@ -742,9 +695,8 @@ class ReplicaSet:
             live, (before, *saved) = self._live[4 * k : 4 * k + 4], self._saved[4 * k : 4 * k + 4]
             if _same(live, [before, *saved]):
                 continue
-            if not _same(live[1:], saved) or live[0].get("_compiled_call_impl") is not before.get(
-                "_compiled_call_impl"
-            ):
+            compiled = live[0].get("_compiled_call_impl") is not before.get("_compiled_call_impl")
+            if compiled or not _same(live[1:], saved):
                 self.reduce_gradients()  # what the old replicas accumulated still belongs to the originals
                 self._build()
                 return
@@ -757,32 +709,29 @@ class ReplicaSet:
             self._saved[4 * k : 4 * k + 4] = [d.copy() for d in live]
 
     def keep_first_replicas(self, before: dict[str, Any]) -> dict[str, Any]:
-        """Rebind on the original module what replica 0's root module rebound in its step since ``before`` (a copy of
-        its ``__dict__``): the original stands for replica 0, as DDP's rank 0 does; the next :meth:`prepare` hands
-        the values to every replica. Returns them (per-replica ``overrides`` are never taken)."""
+        """Rebind on the original module, and return, what replica 0's root module rebound since ``before`` (a copy of
+        its ``__dict__``), ``overrides`` aside; the next :meth:`prepare` hands them to every replica."""
         rebound = rebound_attributes(self._copies[0][0], before, self._overrides)
         self.module.__dict__.update(rebound)
         return rebound
 
     def _for_replica(self, attributes: dict[str, Any], copies: Sequence[nn.Module]) -> dict[str, Any]:
-        """``attributes`` for the replica whose modules are ``copies``: :class:`OriginalOnly` values replaced by what
-        replicas get, and methods bound to an original module (a ``forward`` replaced on the instance) bound to its
-        copy, else the replica would run on the original's parameters."""
+        """``attributes`` for the replica of ``copies``: :class:`OriginalOnly` values replaced, methods bound to an
+        original module (a ``forward`` set on the instance) bound to its copy."""
         kept = {}
         for key, value in attributes.items():
             if isinstance(value, OriginalOnly) and (value := value.replica_value) is None:
                 continue
             owner = value.__self__ if isinstance(value, types.MethodType) else None
             k = self._position.get(id(owner))
-            kept[key] = (
-                types.MethodType(value.__func__, copies[k]) if k is not None and self._originals[k] is owner else value
-            )
+            bound = k is not None and self._originals[k] is owner
+            kept[key] = types.MethodType(value.__func__, copies[k]) if bound else value
         return kept
 
     def release(self) -> None:
-        """Drop every replica and copy (frees their memory on the other devices); the set is not used again."""
+        """Drop every replica and copy; the set is not used again."""
         self._end_run(adopt=False)
-        self._copies, self._slots, self._rnns, self._places = [], [], [], {}
+        self._copies, self._slots, self._rnns, self._places, self.replicas = [], [], [], {}, []
         self._flat = ReplicaParameters([], self.devices, self._root)
 
 
@@ -800,8 +749,7 @@ def _on_buffer(module: nn.Module, name: str, value: Tensor | None) -> None:
 
 
 def _record(owner: object, places: dict[int, tuple[int, int]], record: set[tuple[int, int, str]]) -> Callable[[], Any]:
-    """Record into ``record`` the buffers that the modules of ``places`` rebind, until the returned stop is called or
-    ``owner`` is collected."""
+    """Record the buffers the modules of ``places`` rebind, until the returned stop is called or ``owner`` dies."""
     with _lock:
         _recording.update({key: (record, i, k) for key, (i, k) in places.items()})
         if not _hook:
@@ -822,8 +770,7 @@ _MISSING = object()
 
 
 def rebound_attributes(module: nn.Module, before: dict[str, Any], skip: Collection[str] = ()) -> dict[str, Any]:
-    """The attributes ``module`` rebound since ``before`` (a copy of its ``__dict__``), with their new values, but
-    those in ``skip``."""
+    """The attributes (but ``skip``) ``module`` rebound since ``before`` (a copy of its ``__dict__``)."""
     current = module.__dict__
     if len(current) == len(before) and all(map(operator.is_, current.values(), before.values())):
         return {}  # the common case, checked at C speed
@@ -840,29 +787,21 @@ def _differentiable(outputs: Any, depth: int = 3) -> Iterator[Tensor]:
         if isinstance(node, Tensor):
             if node.requires_grad:
                 yield node
-        elif (
-            depth
-            and hasattr(node, "__dict__")
-            and not isinstance(node, _NOT_OPAQUE)
-            and not is_dataclass_instance(node)
-        ):
+        elif depth and hasattr(node, "__dict__") and not (isinstance(node, _NOT_OPAQUE) or is_dataclass_instance(node)):
             yield from _differentiable(vars(node), depth - 1)
 
 
 def _walk(module: nn.Module, shared: Callable[[nn.Module], bool]) -> list[nn.Module]:
     """Every distinct module of the tree, parents before children, without entering a ``shared`` module's subtree."""
-    seen: set[int] = set()
-    order: list[nn.Module] = []
+    order: dict[int, nn.Module] = {}
     stack = [module]
     while stack:
         current = stack.pop()
-        if id(current) in seen:
-            continue
-        seen.add(id(current))
-        order.append(current)
-        if current is module or not shared(current):
-            stack.extend(child for child in reversed(current._modules.values()) if child is not None)
-    return order
+        if id(current) not in order:
+            order[id(current)] = current
+            if current is module or not shared(current):
+                stack.extend(child for child in reversed(current._modules.values()) if child is not None)
+    return list(order.values())
 
 
 def _check_initialized(root: nn.Module, modules: Iterable[nn.Module]) -> None:
@@ -883,20 +822,15 @@ def _unique(tensors: Iterable[Tensor]) -> list[Tensor]:
 
 
 def _same(current: Any, saved: Any) -> bool:
-    """Whether a dict still holds what ``saved`` copied from it (identity first, at C speed); a value whose ``==``
-    cannot answer (a tensor rebound to another tensor) counts as changed."""
+    """Whether ``current == saved`` (identity first, at C speed); a value whose ``==`` cannot answer counts as
+    changed."""
     try:
         return bool(current == saved)
     except Exception:
         return False
 
 
-class _Entry(Protocol):
-    module: nn.Module
-    devices: list[torch.device]
-
-
-R = TypeVar("R", bound=_Entry)
+R = TypeVar("R")
 
 
 class ReplicaCache(Generic[R]):
@@ -905,24 +839,23 @@ class ReplicaCache(Generic[R]):
 
     def __init__(self, build: Callable[[nn.Module, list[torch.device]], R]) -> None:
         self._build = build
-        self._entries: dict[int, R] = {}
+        self._entries: dict[int, tuple[nn.Module, list[torch.device], R]] = {}
 
     def of(self, module: nn.Module, devices: Sequence[torch.device]) -> R:
-        devices = list(devices)
         entry = self._entries.get(id(module))
-        if entry is None or entry.module is not module or entry.devices != devices:
-            entry = self._entries[id(module)] = self._build(module, devices)
-        return entry
+        if entry is None or entry[0] is not module or entry[1] != list(devices):
+            entry = self._entries[id(module)] = (module, list(devices), self._build(module, list(devices)))
+        return entry[2]
 
     def values(self) -> list[R]:
-        return list(self._entries.values())
+        return list(map(operator.itemgetter(2), self._entries.values()))
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def pop_all(self) -> list[R]:
         """Every entry, removed from the cache (to release them)."""
-        entries, self._entries = list(self._entries.values()), {}
+        entries, self._entries = self.values(), {}
         return entries
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ReplicaCache[R]:

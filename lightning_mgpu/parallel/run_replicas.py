@@ -1,5 +1,5 @@
-"""Run one callable per replica, in threads or one after another, each with the caller's thread-local torch state
-and as a member of one :class:`~.replica_group.ReplicaGroup`.
+"""Run one callable per replica, in threads or one after another, each as a member of one
+:class:`~.replica_group.ReplicaGroup` and with the caller's thread-local torch state (:class:`ThreadState`).
 
 A failing replica's own exception reaches the caller once every replica has stopped, with ``replica_index``,
 ``replica_device`` and a note in torch's wording (``Caught ValueError in replica 2 on device cuda:2.``); of several,
@@ -13,8 +13,9 @@ import functools
 import os
 import sys
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from typing import Any, Literal, TypeVar, get_args
 
 import torch
@@ -22,12 +23,49 @@ import torch
 from lightning_mgpu.parallel.collectives import forget_gathered
 from lightning_mgpu.parallel.devices import DeviceLike, to_device
 from lightning_mgpu.parallel.replica_group import PeerFailedError, ReplicaGroup
-from lightning_mgpu.parallel.thread_state import ThreadState
 
 T = TypeVar("T")
 ExecutionMode = Literal["auto", "threads", "sequential"]
 EXECUTION_MODES: tuple[str, ...] = get_args(ExecutionMode)
 Outcome = tuple[Any, BaseException | None]
+
+
+@dataclass(frozen=True)
+class ThreadState:
+    """The caller's thread-local torch state, which a new thread does not inherit: grad mode, inference mode, autocast
+    (enabled *and* dtype, per device type; torch's own ``parallel_apply`` drops the dtype: bf16 silently becomes fp16),
+    the current CUDA device and stream. Process-global state (the default dtype) is left alone."""
+
+    grad_enabled: bool
+    inference_mode: bool
+    autocast: dict[str, torch.dtype]  # the dtype of each device type with autocast enabled
+    autocast_cache: bool
+    cuda_streams: dict[int, torch.cuda.Stream]
+
+    @classmethod
+    def capture(cls, devices: Sequence[torch.device] = ()) -> ThreadState:
+        return cls(
+            grad_enabled=torch.is_grad_enabled(),
+            inference_mode=torch.is_inference_mode_enabled(),
+            autocast={t: torch.get_autocast_dtype(t) for t in ("cpu", "cuda") if torch.is_autocast_enabled(t)},
+            autocast_cache=torch.is_autocast_cache_enabled(),
+            cuda_streams={d.index: torch.cuda.current_stream(d) for d in devices if d.type == "cuda"},
+        )
+
+    @contextlib.contextmanager
+    def replay(self, device: torch.device | None = None) -> Iterator[None]:
+        """Enter this state (and ``device``'s CUDA device and captured stream) in the current thread."""
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(
+                torch.inference_mode() if self.inference_mode else torch.set_grad_enabled(self.grad_enabled)
+            )
+            if device is not None and device.type == "cuda":
+                stack.enter_context(torch.cuda.device(device))
+                if (stream := self.cuda_streams.get(device.index)) is not None:
+                    stack.enter_context(torch.cuda.stream(stream))
+            for device_type, dtype in self.autocast.items():
+                stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=self.autocast_cache))
+            yield
 
 
 @functools.cache
@@ -100,7 +138,8 @@ def run_replicas(
     """Call ``functions[i]()`` for replica ``i`` on ``devices[i]``; return the results in replica order.
 
     ``"threads"`` runs replica 0 in the calling thread and the others in a shared pool, and waits for all whatever was
-    raised (``KeyboardInterrupt`` included); ``"sequential"`` stops at the first failure.
+    raised (``KeyboardInterrupt`` included): a first interrupt stops the replicas at their next sync point, a second
+    gives up waiting. ``"sequential"`` stops at the first failure.
     """
     targets = [to_device(d) for d in devices]
     if len(functions) != len(targets):
@@ -117,26 +156,21 @@ def run_replicas(
         except BaseException as err:  # KeyboardInterrupt too: the caller re-raises it once every replica stopped
             return None, err
 
+    outcomes: list[Outcome] = []
     if sequential:
-        outcomes: list[Outcome] = []
         for i in range(len(functions)):
             outcomes.append(run(i))
             if outcomes[i][1] is not None:  # the replicas after it never run
                 break
     else:
-        futures = [_pool().submit(run, i) for i in range(1, len(functions))]
-        outcomes = [run(0), *_wait_for_all(futures, group)]
+        futures: list[Future] = [_pool().submit(run, i) for i in range(1, len(functions))]
+        outcomes.append(run(0))
+        try:
+            wait(futures)
+        except BaseException as err:  # run() never raises: this interrupted the wait itself
+            group.interrupt(err)
+            wait(futures)
+            raise
+        outcomes += [future.result() for future in futures]
     _raise_first_failure(outcomes, targets)
     return [value for value, _ in outcomes]
-
-
-def _wait_for_all(futures: Sequence[Future], group: ReplicaGroup) -> list[Outcome]:
-    """Every replica's outcome. A first interrupt (Ctrl-C) stops the replicas at their next sync point and keeps
-    waiting for them; a second gives up waiting."""
-    try:
-        wait(futures)
-    except BaseException as err:  # run() never raises: this interrupted the wait itself
-        group.interrupt(err)
-        wait(futures)
-        raise
-    return [future.result() for future in futures]

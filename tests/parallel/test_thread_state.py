@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from lightning_mgpu.parallel import DataParallelModel, run_replicas
-from lightning_mgpu.parallel.thread_state import ThreadState
+from lightning_mgpu.parallel.run_replicas import ThreadState
 
 N = 3
 
