@@ -2,11 +2,10 @@
 clone of every torchmetrics metric the module holds (as a submodule, or in a dict, list or tuple attribute).
 
 After the step every metric of a clone's tree folds into the root metric at the same place by each state's
-``dist_reduce_fx``, as DDP combines ranks (``Metric.merge_state`` refuses metrics with ``full_state_update``, moves no
-state between devices and stacks unreduced states per merge). A value a clone's forward returned and the step logged
-becomes one device's batch value, computed on the replicas' batch states of that call. An aggregation metric
-(``MeanMetric``...) given one scalar per replica is called on the root with the merged scalar (a loss by its rule).
-What states cannot carry is refused."""
+``dist_reduce_fx``, as DDP combines ranks (``Metric.merge_state`` refuses ``full_state_update`` metrics and moves no
+state between devices). A logged value a clone's forward returned becomes one device's batch value, computed on the
+replicas' batch states of that call; an aggregation metric (``MeanMetric``...) given one scalar per replica is called
+on the root with the merged scalar (a loss by its rule). What states cannot carry is refused."""
 
 from __future__ import annotations
 
@@ -34,8 +33,7 @@ if TYPE_CHECKING:
 _PER_REPLICA = ("log", "_device")
 _DEPTH = 3  # dicts, lists and tuples searched this deep: {"train": {"f1": F1Score()}}
 _AGGREGATES = {MeanMetric: "mean", SumMetric: "sum", MaxMetric: "max", MinMetric: "min", CatMetric: "cat"}
-#: Merges one call's scalar inputs of an aggregation metric over the replicas: (entries, weights, kind), see
-#: :func:`.replica_logging.merge_scalars`.
+#: Merges one call's scalar inputs of an aggregation metric over the replicas: see ``merge_scalars``.
 ScalarMerge = Callable[[list[tuple[int, Any]], list[Any] | None, str], Tensor | None]
 
 
@@ -376,6 +374,7 @@ class MetricReplicas:
         self._signature = self._current()
 
     def _register(self, nodes: list[_Node]) -> list[_Node]:
+        """Note each clone's root metric and plain attributes."""
         for node in nodes:
             for clone in node.clones:
                 self._owners[id(clone)] = node.metric
