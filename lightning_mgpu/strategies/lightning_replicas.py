@@ -2,10 +2,10 @@
 clone of every torchmetrics metric the module holds (as a submodule, or in a dict, list or tuple attribute).
 
 After the step every metric of a clone's tree folds into the root metric at the same place by each state's
-``dist_reduce_fx``, as DDP combines ranks (by hand: ``Metric.merge_state`` refuses metrics without
-``full_state_update=False``). A clone's call returns its shard's value; logged, it becomes one device's batch value,
-computed on the replicas' batch states of that call. An aggregation metric (``MeanMetric``...) given one scalar per
-replica is called on the root with the merged scalar (a loss by its rule). What states cannot carry is refused."""
+``dist_reduce_fx``, as DDP combines ranks (``Metric.merge_state`` refuses ``full_state_update`` metrics and moves no
+state between devices). A logged value a clone's forward returned becomes one device's batch value, computed on the
+replicas' batch states of that call; an aggregation metric (``MeanMetric``...) given one scalar per replica is called
+on the root with the merged scalar (a loss by its rule). What states cannot carry is refused."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from operator import attrgetter, is_
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,8 +31,9 @@ if TYPE_CHECKING:
     from lightning_mgpu.strategies.single_process import LightningNamespace
 
 _PER_REPLICA = ("log", "_device")
-#: Merges one call's inputs of an aggregation metric over the replicas: ``(entries, weights, kind)``, see
-#: :func:`.replica_logging.merge_scalars`.
+_DEPTH = 3  # dicts, lists and tuples searched this deep: {"train": {"f1": F1Score()}}
+_AGGREGATES = {MeanMetric: "mean", SumMetric: "sum", MaxMetric: "max", MinMetric: "min", CatMetric: "cat"}
+#: Merges one call's scalar inputs of an aggregation metric over the replicas: see ``merge_scalars``.
 ScalarMerge = Callable[[list[tuple[int, Any]], list[Any] | None, str], Tensor | None]
 
 
@@ -45,8 +45,7 @@ class LightningReplicas:
         self.devices = list(devices)
         self._namespace = namespace
         self.recorders = [LogRecorder() for _ in self.devices]
-        # Lightning's own attributes hold no metrics: not searched for them.
-        self._lightning_attributes = _attributes_of(namespace.lightning_module)
+        self._lightning_attributes = _attributes_of(namespace.lightning_module)  # they hold no metrics
         self.metrics = MetricReplicas(self._lightning_attributes)
         self.hook: str | None = None  # the step hook of the last run
         self.replica_set = ReplicaSet(
@@ -54,12 +53,11 @@ class LightningReplicas:
         )
 
     def _install(self, replicas: list[nn.Module]) -> None:
-        root_device = self.devices[0]
         for replica, device, recorder in zip(replicas, self.devices, self.recorders, strict=True):
             for sub in replica.modules():
                 if isinstance(sub, self._namespace.lightning_module):
                     sub.log = recorder.log
-                if device != root_device and isinstance(sub, self._namespace.device_dtype_mixin):
+                if device != self.devices[0] and isinstance(sub, self._namespace.device_dtype_mixin):
                     sub._device = device
         self.metrics.install(self.module, replicas, self.devices)
 
@@ -83,20 +81,9 @@ class LightningReplicas:
         """Fold the metric clones into the root metrics and log every recorded name once on ``root``; return the names
         one replica alone logged, of unknown one-device value (see :func:`.replica_logging.merge_and_log`)."""
         recorders = self.recorders[: len(sample_counts)]
-        in_training = root._current_fx_name == "training_step"
-        owners, logged, on_step = self.metrics.owners, set(), set()
-        for recorder in recorders:
-            for call in recorder.calls:
-                logged.add(id(call.value))
-                owner = owners.get(id(call.value)) if isinstance(call.value, Metric) else None
-                if owner is not None and (in_training if (step := call.options.get("on_step")) is None else step):
-                    on_step.add(id(owner))
         scalars = partial(merge_scalars, sample_counts=sample_counts, replicas=len(recorders), loss_copy=loss_copy)
-        try:
-            step_values = self.metrics.merge(on_step, logged, scalars)
-            return merge_and_log(root, recorders, sample_counts, self.metrics.owner_of, loss_copy, step_values, outputs)
-        finally:
-            self.metrics.step_values = {}
+        values = self.metrics.merge(recorders, root._current_fx_name == "training_step", scalars)
+        return merge_and_log(root, recorders, sample_counts, self.metrics.owner_of, loss_copy, values, outputs)
 
     def release(self) -> None:
         """Free the replicas and metric clones on the other devices."""
@@ -111,46 +98,38 @@ def _attributes_of(module_class: type[nn.Module]) -> frozenset[str]:
 
 
 # --- where metrics are held ------------------------------------------------------------------------------------------
-_CONTAINER_DEPTH = 3  # dicts, lists and tuples searched this deep: {"train": {"f1": F1Score()}}
-
-
 def _is_container(value: Any) -> bool:
     """A dict, list or tuple that may hold metrics (a larger one, a vocabulary or a cache, is not searched)."""
     return (isinstance(value, (dict, list)) or type(value) is tuple) and len(value) <= ENTRIES_READ
 
 
+def _entries(container: Any) -> Any:
+    return container.items() if isinstance(container, dict) else enumerate(container)
+
+
 def _items(container: Any) -> Any:
-    """A container's items (a dict's values)."""
     return container.values() if isinstance(container, dict) else container
 
 
-def _holds_metrics(value: Any, depth: int = _CONTAINER_DEPTH) -> bool:
-    """Whether ``value`` is a metric, a module with metrics (a ``MetricCollection``) or a container holding one."""
-    if isinstance(value, Metric):
-        return True
-    if isinstance(value, nn.Module):
-        return any(isinstance(m, Metric) for m in value.modules())
-    return bool(depth) and _is_container(value) and any(_holds_metrics(item, depth - 1) for item in _items(value))
-
-
-def _swapped(value: Any, path: str, swap: Callable[[str, Metric], Metric], depth: int = _CONTAINER_DEPTH) -> Any:
-    """A copy of ``value`` (a container attribute) for one replica: every metric in it replaced by ``swap(path,
-    metric)``, modules with metrics (``MetricCollection``) shallow-copied around theirs; what holds none is kept."""
+def _swapped(value: Any, path: str, swap: Callable[[str, Metric], Metric], depth: int = _DEPTH) -> Any:
+    """``value`` for one replica: every metric in it replaced by ``swap(path, metric)``, the containers and modules
+    (``MetricCollection``) around them copied; ``value`` itself where it holds no metric."""
     if isinstance(value, Metric):
         return swap(path, value)
-    if not _holds_metrics(value, depth):
-        return value
     if isinstance(value, nn.Module):
-        replica = value._replicate_for_data_parallel()
-        for name, child in value._modules.items():
-            replica._modules[name] = child if child is None else _swapped(child, f"{path}.{name}", swap)
-        return replica
+        items = [(k, m, m if m is None else _swapped(m, f"{path}.{k}", swap)) for k, m in value._modules.items()]
+    elif depth and _is_container(value):
+        items = [(k, v, _swapped(v, f"{path}[{k!r}]", swap, depth - 1)) for k, v in _entries(value)]
+    else:
+        return value
+    if all(new is old for _, old, new in items):
+        return value
     if type(value) is tuple:
-        return tuple(_swapped(item, f"{path}[{k}]", swap, depth - 1) for k, item in enumerate(value))
-    replica = copy.copy(value)  # dict and list subclasses keep their type (a defaultdict its factory)
-    for key, item in value.items() if isinstance(value, dict) else enumerate(value):
-        replica[key] = _swapped(item, f"{path}[{key!r}]", swap, depth - 1)
-    return replica
+        return tuple(new for _, _, new in items)
+    copied = value._replicate_for_data_parallel() if isinstance(value, nn.Module) else copy.copy(value)
+    for key, _, new in items:  # a dict or list subclass keeps its type (a defaultdict its factory)
+        (copied._modules if isinstance(value, nn.Module) else copied)[key] = new
+    return copied
 
 
 def _module_paths(root: nn.Module) -> Iterator[tuple[str, nn.Module]]:
@@ -166,51 +145,23 @@ def _module_paths(root: nn.Module) -> Iterator[tuple[str, nn.Module]]:
         )
 
 
-@dataclass
-class _Holder:
-    """A container attribute that holds metrics: on which module, and the copy installed on each replica."""
-
-    module: nn.Module
-    attribute: str
-    installed: list[tuple[nn.Module, Any]] = field(default_factory=list)  # (replica's module, its copy)
-
-    def in_place(self) -> bool:
-        """Whether every replica still holds its copy (a rebinding on the root reaches the replicas as it is)."""
-        return all(vars(module).get(self.attribute) is value for module, value in self.installed)
-
-
 # --- per-replica clones ----------------------------------------------------------------------------------------------
 @dataclass
 class _Call:
-    """One call of a replica's metric clone in a step: ``forward`` (``self.metric(...)``) or ``update``. A forward
-    keeps the batch states its shard alone gave and the value it returned; an aggregation metric its arguments."""
+    """One call of a replica's clone in a step, ``forward`` or ``update``: an aggregation metric's arguments, and a
+    forward's batch states (its shard's alone) and value."""
 
     forward: bool
-    arguments: dict[str, Any] | None = None
+    arguments: dict[str, Any] | None
     states: dict[str, Any] | None = None
     value: Any = None
 
 
-_FORWARD = attrgetter("forward")
-_Calls = list[tuple[int, list[_Call]]]  # each used clone's replica index and calls, paired over the replicas
-_States = dict[int, dict[str, Any]]  # id(root metric) -> the replicas' states combined
-_Leaves = list[tuple[tuple[Any, ...], Any]]  # (path, leaf) of a metric's value
-
-_AGGREGATES: dict[type[Metric], str] = {
-    MeanMetric: "mean",
-    SumMetric: "sum",
-    MaxMetric: "max",
-    MinMetric: "min",
-    CatMetric: "cat",
-}
-
-
 def _shard_clone(path: str, metric: Metric, calls: list[_Call]) -> Metric:
-    """A reset clone of ``metric`` for one replica, appending each of its calls in a step to ``calls`` (a forward
-    once: it updates once or twice inside). A direct ``compute()`` (of a shard) is refused; torchmetrics' forward
-    computes with ``_should_unsync`` off, on its shard's batch states, kept for the merged batch value. Without
-    gradients an aggregation metric gets ``detach()`` aliases of its tensors (the same tensors): evaluation reads its
-    losses by object while the step runs, and the metric's own reads of them must not count as the step's."""
+    """A reset clone of ``metric`` for one replica that appends each of its calls in a step to ``calls`` (a forward
+    once, its own updates inside it not) and refuses ``compute()`` (of a shard) outside its forward. Without gradients
+    an aggregation metric gets ``detach()`` aliases of its tensors: evaluation reads its losses by object while the
+    step runs, and the metric's own reads must not count as the step's."""
     clone = metric.clone()
     clone.reset()
     forward, update, compute = clone.forward, clone.update, clone.compute
@@ -220,12 +171,11 @@ def _shard_clone(path: str, metric: Metric, calls: list[_Call]) -> Metric:
     def recorded(method: Callable[..., Any], is_forward: bool) -> Callable[..., Any]:
         def record(*args: Any, **kwargs: Any) -> Any:
             nonlocal inside
-            if inside:  # forward's own updates
+            if inside:
                 return method(*args, **kwargs)
-            # An aggregation metric's arguments by name: update(value, weight=...).
             named = {**dict(zip(("value", "weight"), args, strict=False)), **kwargs} if aggregate else None
             calls.append(call := _Call(is_forward, named))
-            if named is not None and not torch.is_grad_enabled():  # detach() aliases: the same tensors
+            if named is not None and not torch.is_grad_enabled():
                 args, kwargs = (), {k: v.detach() if isinstance(v, Tensor) else v for k, v in named.items()}
             inside = True
             try:
@@ -237,15 +187,15 @@ def _shard_clone(path: str, metric: Metric, calls: list[_Call]) -> Metric:
         return record
 
     def guarded_compute(*args: Any, **kwargs: Any) -> Any:
-        if clone._should_unsync:
+        if clone._should_unsync:  # torchmetrics' forward turns it off while it computes the batch value
             raise RuntimeError(
                 f"compute() was called on self.{path} inside a step run on several replicas, where it holds only "
                 f"this replica's shard of the batch. Log the metric object instead (self.log(name, self.{path})), or "
                 "call compute() after the step (on_train_batch_end, on_*_epoch_end)."
             )
-        if calls and calls[-1].forward and calls[-1].states is None:  # forward computes its batch value
-            states = {attr: getattr(clone, attr) for attr in clone._defaults}  # lists copied: they may grow
-            calls[-1].states = {attr: list(v) if isinstance(v, list) else v for attr, v in states.items()}
+        if calls and calls[-1].forward and calls[-1].states is None:  # lists copied: they may grow
+            states = {k: getattr(clone, k) for k in clone._defaults}
+            calls[-1].states = {k: list(v) if isinstance(v, list) else v for k, v in states.items()}
         return compute(*args, **kwargs)
 
     clone.forward, clone.update, clone.compute = recorded(forward, True), recorded(update, False), guarded_compute
@@ -254,13 +204,37 @@ def _shard_clone(path: str, metric: Metric, calls: list[_Call]) -> Metric:
 
 def _reset(clone: Metric) -> None:
     clone.reset()
-    if clone._forward_cache is not None:  # a wrapper's reset may keep it (CompositionalMetric's does)
-        clone._forward_cache = None
+    clone._forward_cache = None  # a wrapper's reset may keep it (CompositionalMetric's does)
 
 
 def _counted(clone: Metric) -> bool:
     """Whether ``clone`` counted an update or ran its forward in the step (a wrapper counts no updates)."""
     return bool(clone._update_count) or clone._forward_cache is not None
+
+
+def _mark_folded(metric: Metric, step_value: Any = None) -> None:
+    """Record on ``metric`` what its own ``update``/``forward`` would (torchmetrics has no setters for them)."""
+    metric._update_count += 1
+    metric._computed = None
+    if step_value is not None:
+        metric._forward_cache = step_value
+
+
+_MISSING = object()
+# nn.Module's and torchmetrics' own bookkeeping, which every metric sets: that of a metric with nothing of its own.
+_METRIC_ATTRS = frozenset(vars(type("_Bare", (Metric,), {"update": lambda self: None, "compute": lambda self: None})()))
+
+
+def _plain_attributes(metric: Metric) -> dict[str, Any]:
+    """What ``metric`` keeps outside its states and every metric's bookkeeping: merging states cannot carry it."""
+    return {k: v for k, v in vars(metric).items() if k not in _METRIC_ATTRS and k not in metric._defaults}
+
+
+def _leaves(value: Any, path: tuple[Any, ...] = ()) -> list[tuple[tuple[Any, ...], Any]]:
+    """``(path, leaf)`` of a metric's value: itself, or the items of its dicts, lists and tuples."""
+    if not isinstance(value, (dict, list, tuple)):
+        return [(path, value)]
+    return [leaf for key, item in _entries(value) for leaf in _leaves(item, (*path, key))]
 
 
 # --- states ----------------------------------------------------------------------------------------------------------
@@ -274,46 +248,31 @@ def _combine(values: Sequence[Any], reduce_fx: Any, device: torch.device) -> Any
     return torch.stack(moved) if reduce_fx is None else reduce_fx(torch.stack(moved))
 
 
+def _combined(metric: Metric, states: Sequence[dict[str, Any]], device: torch.device) -> dict[str, Any]:
+    """The replicas' ``states`` of ``metric`` combined as DDP combines ranks'."""
+    combined = {}
+    for attr in states[0]:
+        values = [s[attr] for s in states]
+        if not isinstance(values[0], (Tensor, list)):
+            raise TypeError(
+                f"The torchmetrics metric {type(metric).__name__} keeps its state {attr!r} as a "
+                f"{type(values[0]).__name__}, which cannot be merged across replicas (only tensors and lists of "
+                "tensors can). Update it outside the replicated step (e.g. in on_train_batch_end), or use "
+                "strategy='dp' or 'ddp'."
+            )
+        combined[attr] = _combine(values, metric._reductions[attr], device)
+    return combined
+
+
 def _folded(current: Any, value: Any, reduce_fx: Any, device: torch.device, folded: int, n: int) -> Any:
     """A state holding ``folded`` replica states (0: fresh) and a batch's ``value`` from ``n`` more, in one."""
-    if isinstance(current, list):  # list states (retrieval, SSIM, mAP...): every element, in order
-        return _combine([current, value], reduce_fx, device)
-    if folded == 0:
+    if folded == 0 and not isinstance(current, list):
         return value
-    if reduce_fx is None:  # unreduced states (PearsonCorrCoef's): one row per contributor, as DDP stacks ranks
+    if isinstance(current, list) or reduce_fx not in (None, dim_zero_mean):  # lists (retrieval, mAP...): in order
+        return _combine([current, value], reduce_fx, device)
+    if reduce_fx is None:  # unreduced (PearsonCorrCoef's): one row per contributor, as DDP stacks ranks
         return torch.cat([current.to(device), value])
-    if reduce_fx is dim_zero_mean:  # DDP's equal-weight mean over ranks: over every replica state folded in so far
-        return (current.to(device) * folded + value * n) / (folded + n)
-    return _combine([current, value], reduce_fx, device)
-
-
-def _mark_folded(metric: Metric, step_value: Any = None) -> None:
-    """Record on ``metric`` what its own ``update``/``forward`` would (torchmetrics has no setters for them)."""
-    metric._update_count += 1
-    metric._computed = None
-    if step_value is not None:
-        metric._forward_cache = step_value
-
-
-def _leaves(value: Any, path: tuple[Any, ...] = ()) -> _Leaves:
-    """``(path, leaf)`` of a metric's value: itself, or the items of its dicts, lists and tuples."""
-    if isinstance(value, dict):
-        items: Any = value.items()
-    elif isinstance(value, (list, tuple)):
-        items = enumerate(value)
-    else:
-        return [(path, value)]
-    return [leaf for key, item in items for leaf in _leaves(item, (*path, key))]
-
-
-_MISSING = object()
-# nn.Module's and torchmetrics' own bookkeeping, which every metric sets: that of a metric with nothing of its own.
-_METRIC_ATTRS = frozenset(vars(type("_Bare", (Metric,), {"update": lambda self: None, "compute": lambda self: None})()))
-
-
-def _plain_attributes(metric: Metric) -> dict[str, Any]:
-    """What ``metric`` keeps outside its states and every metric's bookkeeping: merging states cannot carry it."""
-    return {k: v for k, v in vars(metric).items() if k not in _METRIC_ATTRS and k not in metric._defaults}
+    return (current.to(device) * folded + value * n) / (folded + n)  # DDP's equal-weight mean over every state
 
 
 @dataclass
@@ -338,44 +297,33 @@ def _nodes(path: str, metric: Metric, clones: Sequence[Metric]) -> list[_Node]:
             folds = bool(sub._defaults) and id(sub._defaults) not in seen
             wraps = any(isinstance(m, Metric) and m._defaults for m in list(sub.modules())[1:])
             seen.add(id(sub._defaults))
-            clones = [tree[k] for tree in trees]
-            nodes.append(
-                _Node(f"{path}.{name}" if name else path, sub, clones, folds, wraps, _AGGREGATES.get(type(sub)))
-            )
+            path_k = f"{path}.{name}" if name else path
+            nodes.append(_Node(path_k, sub, [t[k] for t in trees], folds, wraps, _AGGREGATES.get(type(sub))))
     return nodes
 
 
-def _combined(metric: Metric, states: Sequence[dict[str, Any]], device: torch.device) -> dict[str, Any]:
-    """The replicas' ``states`` of ``metric`` combined as DDP combines ranks'."""
-    combined = {}
-    for attr, values in {attr: [s[attr] for s in states] for attr in states[0]}.items():
-        if not isinstance(values[0], (Tensor, list)):
-            raise TypeError(
-                f"The torchmetrics metric {type(metric).__name__} keeps its state {attr!r} as a "
-                f"{type(values[0]).__name__}, which cannot be merged across replicas (only tensors and lists of "
-                "tensors can). Update it outside the replicated step (e.g. in on_train_batch_end), or use "
-                "strategy='dp' or 'ddp'."
-            )
-        combined[attr] = _combine(values, metric._reductions[attr], device)
-    return combined
+_Calls = list[tuple[int, list[_Call]]]  # each used clone's replica index and calls, paired over the replicas
 
 
-def _merged_inputs(calls: _Calls, scalars: ScalarMerge, kind: str) -> list[dict[str, Any]] | None:
-    """The update arguments one device's calls of an aggregation metric would get: per call, the replicas' scalar
-    ``value`` merged by ``scalars``, and a ``weight`` passed on every replica summed (each weighs its shard, as
-    ``self.log``'s ``batch_size=``); ``None`` where a call's inputs cannot be merged so (they fold instead)."""
-    inputs = []
-    for k in range(len(calls[0][1])):
-        arguments = [(index, c[k].arguments or {}) for index, c in calls]
-        weights = [a.get("weight") for _, a in arguments]
-        if len({w is None for w in weights}) > 1:
-            return None
-        given = None if weights[0] is None else weights
-        value = scalars([(index, a.get("value")) for index, a in arguments], given, kind)
-        if value is None:
-            return None
-        inputs.append({"value": value} if given is None else {"value": value, "weight": sum(map(float, given))})
-    return inputs
+@dataclass
+class _Step:
+    """One step's merge: the ids of the root metrics logged on_step and of the values logged, and one device's value
+    of each logged value a metric call returned: id(value) -> (the call's key, the same on every replica; the value)."""
+
+    on_step: set[int]
+    logged: set[int]
+    scalars: ScalarMerge | None
+    values: dict[int, tuple[tuple[Any, ...], Any]] = field(default_factory=dict)
+
+    def note(self, metric: Metric, k: int, calls: _Calls, value: Any) -> None:
+        """Map each logged leaf of the replicas' k-th call's value to the same leaf of one device's ``value``."""
+        merged = dict(_leaves(value))
+        for path, leaf in self.logged_leaves(calls, k):
+            if path in merged:
+                self.values[id(leaf)] = ((id(metric), k, path), merged[path])
+
+    def logged_leaves(self, calls: _Calls, k: int) -> list[tuple[tuple[Any, ...], Any]]:
+        return [(p, leaf) for _, c in calls for p, leaf in _leaves(c[k].value) if id(leaf) in self.logged]
 
 
 class MetricReplicas:
@@ -386,21 +334,16 @@ class MetricReplicas:
         self._ignored = _attributes_of(nn.Module) | ignored
         self._clones: dict[tuple[int, int], Metric] = {}  # (id(root metric), replica index) -> clone
         self._calls: dict[int, list[_Call]] = {}  # id(clone) -> its calls in this step
-        self.owners: dict[int, Metric] = {}  # id(clone or a metric in it) -> the root metric it stands for
-        self._installed: dict[int, tuple[int, dict[str, Any]]] = {}  # id(clone's metric) -> attribute count, plain
-        self._scratch: dict[int, Metric] = {}  # id(root metric) -> clone used to compute batch values
+        self._owners: dict[int, Metric] = {}  # id(a clone or a metric in it) -> the root metric it stands for
+        self._plain: dict[int, dict[str, Any]] = {}  # id(a clone's metric) -> its plain attributes when installed
+        self._scratch: dict[int, Metric] = {}  # id(root metric) -> a copy to compute batch values on
+        self._folded: dict[int, int] = {}  # id(root metric) -> replica states folded into it since its reset
         self._trees: list[list[_Node]] = []  # per root metric, its subtree's nodes
-        self._holders: list[_Holder] = []
         self._devices: Sequence[torch.device] = ()
-        self._watched: list[nn.Module] = []  # the root and the holders' modules
-        self._signature: list[tuple[Any, ...]] = []
-        self._contributions: dict[int, int] = {}  # id(root metric) -> replica states folded in since its reset
-        #: One device's value of what a replica's metric call returned in this step and logged: id(value) -> (the
-        #: call's key, the same on every replica, and the value).
-        self.step_values: dict[int, tuple[tuple[Any, ...], Any]] = {}
-        self._on_step: set[int] = set()  # this step's: ids of the root metrics logged on_step
-        self._logged: set[int] = set()  # ids of the values logged
-        self._scalars: ScalarMerge | None = None
+        self._watched: dict[int, nn.Module] = {}  # the root and the modules whose containers hold metrics
+        self._holding: set[tuple[int, str]] = set()  # (id(module), attribute) of those containers
+        self._copies: list[tuple[nn.Module, str, Any]] = []  # (replica's module, attribute, the copy installed)
+        self._signature: list[Any] = []
 
     def install(self, root: nn.Module, replicas: Sequence[nn.Module], devices: Sequence[torch.device]) -> None:
         """Put a clone of each root metric into every replica: on the replica's device for a submodule; in a copy of
@@ -411,13 +354,12 @@ class MetricReplicas:
         def clone_of(index: int, device: torch.device | None, path: str, metric: Metric) -> Metric:
             clone = self._clones.get((id(metric), index))
             if clone is None:
-                calls: list[_Call] = []
-                clone = self._clones[id(metric), index] = _shard_clone(path, metric, calls)
+                clone = self._clones[id(metric), index] = _shard_clone(path, metric, calls := [])
                 self._calls[id(clone)] = calls
             found.setdefault(id(metric), (path, metric, [None] * len(replicas)))[2][index] = clone
             return clone if device is None else clone.to(device)
 
-        self._holders, self._devices = [], devices
+        self._devices, self._watched, self._holding, self._copies = devices, {id(root): root}, set(), []
         for module_path, module in _module_paths(root):
             prefix = f"{module_path}." if module_path else ""
             targets = [replica.get_submodule(module_path) for replica in replicas]
@@ -426,41 +368,50 @@ class MetricReplicas:
                     for index, target in enumerate(targets):
                         target._modules[name] = clone_of(index, devices[index], prefix + name, child)
             for name, value in vars(module).items():
-                if name not in self._ignored and _is_container(value) and _holds_metrics(value):
-                    holder = _Holder(module, name)
-                    for index, target in enumerate(targets):
-                        target.__dict__[name] = copied = _swapped(
-                            value, prefix + name, functools.partial(clone_of, index, None)
-                        )
-                        holder.installed.append((target, copied))
-                    self._holders.append(holder)
+                if name not in self._ignored and _is_container(value):
+                    self._install_copies(module, name, prefix + name, targets, clone_of)
         self._trees = [self._register(_nodes(*entry)) for entry in found.values()]
-        self._watched = list({id(m): m for m in (root, *(h.module for h in self._holders))}.values())
-        self._signature = self._container_signature()
+        self._signature = self._current()
+
+    def _register(self, nodes: list[_Node]) -> list[_Node]:
+        """Note each clone's root metric and plain attributes."""
+        for node in nodes:
+            for clone in node.clones:
+                self._owners[id(clone)] = node.metric
+                self._plain[id(clone)] = _plain_attributes(clone)
+        return nodes
+
+    def _install_copies(
+        self, module: nn.Module, name: str, path: str, targets: list[nn.Module], clone_of: Callable[..., Metric]
+    ) -> None:
+        """Give each replica (``targets``) a copy of ``module``'s container attribute ``name`` with its clones."""
+        value = vars(module)[name]
+        for index, target in enumerate(targets):
+            if (copied := _swapped(value, path, partial(clone_of, index, None))) is value:
+                return
+            target.__dict__[name] = copied
+            self._copies.append((target, name, copied))
+            self._holding.add((id(module), name))
+            self._watched[id(module)] = module
 
     def refresh(self, root: nn.Module, replicas: Sequence[nn.Module]) -> None:
-        """Install again where a container attribute of the root or of a holder's module was rebound, one holding
-        metrics changed its items, or a rebinding on the root reached the replicas (else one comparison)."""
-        if self._container_signature() != self._signature or not all(map(_Holder.in_place, self._holders)):
+        """Install again where a container attribute of a watched module was rebound, one holding metrics changed its
+        items, or a rebinding on the root reached a replica's copy (else one comparison)."""
+        if self._current() != self._signature:
             self.install(root, replicas, self._devices)
 
-    def _container_signature(self) -> list[tuple[Any, ...]]:
-        """The watched modules' container attributes, and the items of those holding metrics (a list of outputs grown
-        every step changes nothing here; a metric put in place into it is not seen)."""
-        holding = {(id(h.module), h.attribute) for h in self._holders}
-        return [
-            (id(module), name, id(value), *(map(id, _items(value)) if (id(module), name) in holding else ()))
-            for module in self._watched
+    def _current(self) -> list[Any]:
+        """The watched modules' container attributes, the items of those holding metrics (a list of outputs grown every
+        step changes nothing here; a metric put in place into it is not seen), whether each replica keeps its copy."""
+        state: list[Any] = [
+            (id(module), name, id(value), *(map(id, _items(value)) if (id(module), name) in self._holding else ()))
+            for module in self._watched.values()
             for name, value in vars(module).items()
             if (isinstance(value, (dict, list)) or type(value) is tuple) and name not in self._ignored
         ]
-
-    def _register(self, nodes: list[_Node]) -> list[_Node]:
-        for node in nodes:
-            for clone in node.clones:
-                self.owners[id(clone)] = node.metric
-                self._installed[id(clone)] = (len(vars(clone)), _plain_attributes(clone))
-        return nodes
+        for target, name, copied in self._copies:
+            state.append(vars(target).get(name) is copied)
+        return state
 
     def discard(self) -> None:
         """Reset the clones of a failed step, so no partial update reaches a later step."""
@@ -473,33 +424,40 @@ class MetricReplicas:
 
     def owner_of(self, value: Any) -> Metric | None:
         """The root metric a replica's clone (or a metric inside it) stands for."""
-        return self.owners.get(id(value)) if isinstance(value, Metric) else None
+        return self._owners.get(id(value)) if isinstance(value, Metric) else None
 
     def merge(
-        self, on_step: set[int], logged: set[int], scalars: ScalarMerge | None = None
+        self, recorders: Sequence[LogRecorder], in_training: bool, scalars: ScalarMerge | None = None
     ) -> dict[int, tuple[tuple[Any, ...], Any]]:
         """Fold every used clone's states into the root metric at the same place, children first, then reset the
-        clones; return :attr:`step_values`. ``on_step``: ids of the root metrics logged with ``on_step``; ``logged``:
-        ids of the values logged in the step (a call's returned value among them gets one device's); ``scalars``
-        merges an aggregation metric's scalar inputs (``None``: its clones' states fold as any metric's)."""
-        self.step_values, self._on_step, self._logged, self._scalars = {}, on_step, logged, scalars
-        calls = self._calls
+        clones; return one device's values of what metric calls returned and the step logged (see :class:`_Step`).
+        ``scalars`` merges an aggregation metric's scalar inputs (``None``: its states fold as any metric's)."""
+        if not self._trees:
+            return {}
+        step = _Step(set(), set(), scalars)
+        for call in (call for recorder in recorders for call in recorder.calls):
+            step.logged.add(id(call.value))
+            on_step = call.options.get("on_step")
+            if (owner := self.owner_of(call.value)) is not None and (in_training if on_step is None else on_step):
+                step.on_step.add(id(owner))
         for nodes in self._trees:
-            used = [
-                (node, [(i, c) for i, c in enumerate(node.clones) if _counted(c) or calls.get(id(c))]) for node in nodes
-            ]
-            for node, clones in used:  # all of a wrapper's: torchmetrics' WrapperMetric counts no updates of its own
-                for clone in node.clones if node.wraps else [c for _, c in clones]:
-                    self._check(node, clone)
-            batch_states: _States = {}
-            for node, clones in used:
-                if clones:
-                    self._fold(node, clones, batch_states)
-            for _, clones in used:
-                for _, clone in clones:
-                    _reset(clone)
-                    calls.get(id(clone), []).clear()
-        return self.step_values
+            self._merge_tree(nodes, step)
+        return step.values
+
+    def _merge_tree(self, nodes: list[_Node], step: _Step) -> None:
+        """Check and fold the used clones of one root metric's subtree, children first, then reset them."""
+        used = [(n, [(i, c) for i, c in enumerate(n.clones) if _counted(c) or self._calls.get(id(c))]) for n in nodes]
+        for node, clones in used:  # all of a wrapper's: torchmetrics' WrapperMetric counts no updates of its own
+            for clone in node.clones if node.wraps else [c for _, c in clones]:
+                self._check(node, clone)
+        batch_states: dict[int, dict[str, Any]] = {}  # id(root metric) -> the replicas' states combined
+        for node, clones in used:
+            if clones:
+                self._fold(node, clones, batch_states, step)
+        for _, clones in used:
+            for _, clone in clones:
+                _reset(clone)
+                self._calls.get(id(clone), []).clear()
 
     def _check(self, node: _Node, clone: Metric) -> None:
         """Refuse what the replicas' states cannot reproduce: torchmetrics' own forward of a wrapper (on one device it
@@ -513,10 +471,7 @@ class MetricReplicas:
                 "one device it resets the metrics it wraps, which the replicas cannot reproduce. Call "
                 f"self.{node.path}.update(...) in the step instead, or use strategy='dp' or 'ddp'."
             )
-        size, before = self._installed[id(clone)]
-        attrs = vars(clone)
-        if len(attrs) == size and all(map(is_, map(attrs.get, before), before.values())):
-            return
+        before = self._plain[id(clone)]
         changed = {k: v for k, v in _plain_attributes(clone).items() if before.get(k, _MISSING) is not v}
         if refused := [k for k in changed if all(before.get(k, _MISSING) is not u for u in (_MISSING, None, False))]:
             raise TypeError(
@@ -528,83 +483,78 @@ class MetricReplicas:
         for name, value in changed.items():
             setattr(node.metric, name, value)
 
-    def _fold(self, node: _Node, clones: list[tuple[int, Metric]], batch_states: _States) -> None:
-        """Fold the used clones' states into one root metric and record the update, with the batch value where the
+    def _fold(
+        self, node: _Node, clones: list[tuple[int, Metric]], batch_states: dict[int, dict[str, Any]], step: _Step
+    ) -> None:
+        """Fold the used clones' states into one root metric and count the update, with the batch value where the
         metric is logged on_step and the step ran its forward."""
         metric = node.metric
-        calls = self._aligned_calls(node, clones)
-        if node.aggregate is not None and calls is not None and self._replayed(metric, node.aggregate, calls):
+        calls = [(index, self._calls.get(id(clone))) for index, clone in clones]
+        kinds = {tuple(call.forward for call in c) if c else None for _, c in calls}
+        # Calls pair up where every replica made the same sequence of forwards and updates (the k-th call of each is
+        # one device's k-th call); a wrapper's only where it ran one forward (its batch states are the whole step's).
+        aligned = len(kinds) == 1 and None not in kinds and (not node.wraps or kinds == {(True,)})
+        if aligned and node.aggregate is not None and self._replayed(metric, node.aggregate, calls, step):
             return
         device = next((v.device for v in metric.metric_state.values() if isinstance(v, Tensor)), metric.device)
         own = [{attr: getattr(c, attr) for attr in metric._reductions} for _, c in clones] if node.folds else [{}]
         states = batch_states[id(metric)] = _combined(metric, own, device)
-        last = None if calls is None else self._call_values(node, calls, batch_states, device)
+        last = self._call_values(node, calls, batch_states, device, step) if aligned else None
         step_value = None
-        if id(metric) in self._on_step and any(c._forward_cache is not None for _, c in clones):
+        if id(metric) in step.on_step and any(c._forward_cache is not None for _, c in clones):
             step_value = last if last is not None else self._value(node, batch_states)
         if states:
-            folded = 0 if metric._update_count == 0 else self._contributions.get(id(metric), 1)
+            folded = 0 if metric._update_count == 0 else self._folded.get(id(metric), 1)
             for attr, value in states.items():
                 current, reduce_fx = getattr(metric, attr), metric._reductions[attr]
                 setattr(metric, attr, _folded(current, value, reduce_fx, device, folded, len(clones)))
-            self._contributions[id(metric)] = folded + len(clones)
+            self._folded[id(metric)] = folded + len(clones)
         if any(_counted(c) for _, c in clones):  # as its own update or forward would (a wrapper's counts nothing)
             _mark_folded(metric, step_value)
 
-    def _aligned_calls(self, node: _Node, clones: list[tuple[int, Metric]]) -> _Calls | None:
-        """Each used clone's calls in the step, where they pair up (the same sequence of forwards and updates on
-        every replica: the k-th call of each is one device's k-th call); ``None`` otherwise, for metrics inside
-        another (not called by the step) and for a wrapper called otherwise than once (its batch states, those of
-        the metrics it wraps, are the whole step's)."""
-        calls = [(index, self._calls.get(id(clone))) for index, clone in clones]
-        kinds = {tuple(map(_FORWARD, c)) if c else None for _, c in calls}
-        if len(kinds) != 1 or None in kinds or (node.wraps and kinds != {(True,)}):
-            return None
-        return calls  # type: ignore[return-value]
-
-    def _replayed(self, metric: Metric, kind: str, calls: _Calls) -> bool:
-        """Call ``metric``, an aggregation metric, on the root as one device calls it, with each call's scalar inputs
-        merged (``self.mean_loss(loss)``: the loss by its rule); ``False`` where they are not one number per replica
-        (its clones' states then fold, exact for per-sample values)."""
-        inputs = None if self._scalars is None else _merged_inputs(calls, self._scalars, kind)
-        if inputs is None:
+    def _replayed(self, metric: Metric, kind: str, calls: _Calls, step: _Step) -> bool:
+        """Call ``metric``, an aggregation metric, on the root as one device calls it, each call's scalar inputs merged
+        as ``self.log`` merges them (``self.mean_loss(loss)``: the loss by its rule), a ``weight`` passed on every
+        replica summed; ``False`` where they are not one number per replica (its clones' states then fold, exact for
+        per-sample values)."""
+        if step.scalars is None:
             return False
+        inputs = []
+        for k in range(len(calls[0][1])):
+            arguments = [(index, c[k].arguments or {}) for index, c in calls]
+            weights = [a.get("weight") for _, a in arguments]
+            if len({w is None for w in weights}) > 1:
+                return False
+            given = None if weights[0] is None else weights
+            if (value := step.scalars([(index, a.get("value")) for index, a in arguments], given, kind)) is None:
+                return False
+            inputs.append({"value": value} if given is None else {"value": value, "weight": sum(map(float, given))})
         for k, merged in enumerate(inputs):
             if calls[0][1][k].forward:
-                self._note(metric, k, self._logged_leaves(calls, k), metric(**merged))
+                step.note(metric, k, calls, metric(**merged))
             else:
                 metric.update(**merged)
         return True
 
-    def _logged_leaves(self, calls: _Calls, k: int) -> _Leaves:
-        """What the replicas' k-th calls returned and the step logged (or an item of it)."""
-        return [(p, leaf) for _, c in calls for p, leaf in _leaves(c[k].value) if id(leaf) in self._logged]
-
-    def _note(self, metric: Metric, k: int, logged: _Leaves, value: Any) -> None:
-        """Map each logged leaf of the k-th call to the same leaf of one device's ``value`` of that call."""
-        merged = dict(_leaves(value))
-        for path, leaf in logged:
-            if path in merged:
-                self.step_values[id(leaf)] = ((id(metric), k, path), merged[path])
-
-    def _call_values(self, node: _Node, calls: _Calls, batch_states: _States, device: torch.device) -> Any:
+    def _call_values(
+        self, node: _Node, calls: _Calls, batch_states: dict[int, dict[str, Any]], device: torch.device, step: _Step
+    ) -> Any:
         """Note one device's value of each forward whose value was logged: on the replicas' batch states of that call
-        combined (a wrapper is called once, see :meth:`_aligned_calls`: on the batch states of the metrics it wraps).
-        Return the last forward's value where the metric itself is logged on_step, else ``None``."""
+        combined (a wrapper's, called once: on the batch states of the metrics it wraps). Return the last forward's
+        value where the metric itself is logged on_step, else ``None``."""
         metric, last = node.metric, None
         forwards = [k for k, call in enumerate(calls[0][1]) if call.forward]
         for k in forwards:
-            logged = self._logged_leaves(calls, k)
-            on_step = k == forwards[-1] and id(metric) in self._on_step
+            on_step = k == forwards[-1] and id(metric) in step.on_step
             states = [c[k].states for _, c in calls]
-            if not (logged or on_step) or (not node.wraps and None in states):
+            if not (on_step or step.logged_leaves(calls, k)) or (not node.wraps and None in states):
                 continue
             value = self._value(node, batch_states if node.wraps else {id(metric): _combined(metric, states, device)})
-            self._note(metric, k, logged, value)
+            step.note(metric, k, calls, value)
             last = value if on_step else last
         return last
 
-    def _value(self, node: _Node, batch_states: _States) -> Any:
+    def _value(self, node: _Node, batch_states: dict[int, dict[str, Any]]) -> Any:
         """The node's metric's value on the given states alone (those of the metrics it wraps too), on a scratch copy
         made again when the metric moved or changed dtype (``64-true`` converts metrics after the module was built)."""
         metric = node.metric

@@ -114,13 +114,12 @@ def _say_unexplained(root: Any, name: str, values: list[Any], options: dict[str,
     strategy, key = root.trainer.strategy, f"unfollowed:{name}"
     if key in strategy._announced:
         return
-    hook = root._current_fx_name
-    if op is not None:
-        strategy._warn_once(key, merged_per_sample_message(strategy.strategy_name, hook, name, op, graph=False))
-    elif (node := _unexplained(values)) is not None:
-        strategy._warn_once(key, merged_per_sample_message(strategy.strategy_name, hook, name, node, graph=True))
-    else:
+    made_by = op if op is not None else _unexplained(values)
+    if made_by is None:
         strategy._announced.add(key)  # read, or alike on every device: said never, read no more
+        return
+    hook = root._current_fx_name
+    strategy._warn_once(key, merged_per_sample_message(strategy.strategy_name, hook, name, made_by, graph=op is None))
 
 
 def _unexplained(values: list[Tensor]) -> str | None:
@@ -167,10 +166,9 @@ def merged_per_sample_message(strategy: str, hook: str, name: str, made_by: str,
 def _require_same_options(name: str, entries: list[tuple[int, LogCall]]) -> None:
     """Replicas log a name with the same options (``batch_size=`` may differ: each replica counts its shard)."""
     (first_index, first), *others = entries
+    expected = {**_LOG_DEFAULTS, **first.options, "batch_size": None}
     for index, call in others:
-        if call.options != first.options and (got := {**_LOG_DEFAULTS, **call.options, "batch_size": None}) != (
-            expected := {**_LOG_DEFAULTS, **first.options, "batch_size": None}
-        ):
+        if call.options != first.options and (got := {**_LOG_DEFAULTS, **call.options, "batch_size": None}) != expected:
             raise ValueError(
                 f"Replicas logged {name!r} with different options ({expected} on replica {first_index} vs {got} "
                 f"on replica {index}); log it the same way."

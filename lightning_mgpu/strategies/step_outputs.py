@@ -19,10 +19,6 @@ LOSS_WEIGHT_KEY = "loss_weight"
 LOSS_TERMS_KEY = "loss_terms"
 
 
-class _TermsTotal(tuple):
-    """A replica's logged total of ``loss_terms``: its ``(term loss, weight)`` pairs, merged term by term."""
-
-
 def all_or_none(outputs: Sequence[Any], hook: str) -> bool:
     """True when every replica returned ``None``; raise when only some did (the step would be half-skipped)."""
     skipped = [i for i, output in enumerate(outputs) if output is None]
@@ -55,34 +51,30 @@ def declared_copy(values: Sequence[Any], outputs: Sequence[Any], root: torch.dev
     by ``loss_weight``, the total of ``loss_terms`` term by term, a term by its weight; ``None`` otherwise."""
     if not isinstance(outputs[0], Mapping):  # replica 0 declares nothing
         return None
-    found = [_declared_weight(value, output) for value, output in zip(values, outputs, strict=True)]
-    totals = sum(isinstance(weight, _TermsTotal) for weight in found)
-    if None in found or 0 < totals < len(found):
+    found = [_declared_pairs(value, output) for value, output in zip(values, outputs, strict=True)]
+    if None in found or len({len(pairs) for pairs in found}) > 1:
         return None
     dtype = torch.promote_types(values[0].dtype, torch.float32)
-    # Per replica, its (loss, weight) pairs: one, or one per term of a total; merged term by term.
-    pairs = found if totals else [[(value, weight)] for value, weight in zip(values, found, strict=True)]
     return sum(
         weighted_mean(
             stack_scalars([loss.detach() for loss, _ in term], root, dtype),
             stack_scalars([weight for _, weight in term], root, dtype),
         )
-        for term in zip(*pairs, strict=True)
+        for term in zip(*found, strict=True)
     )
 
 
-def _declared_weight(value: Any, output: Any) -> Any:
-    """What a step returning ``output`` declares ``value`` divides by, where ``value`` is its loss, a term or the
-    terms' total; ``None`` otherwise."""
+def _declared_pairs(value: Any, output: Any) -> list[tuple[Any, Any]] | None:
+    """The ``(loss, weight)`` pairs that a step returning ``output`` declares ``value`` is: its loss or a term (one
+    pair), the terms' total (one per term); ``None`` otherwise."""
     mapping = output if isinstance(output, Mapping) else {}
     terms, loss = mapping.get(LOSS_TERMS_KEY), mapping.get("loss")
-    pairs: list[tuple[Any, Any]] = []
     if isinstance(terms, Mapping):
         pairs = [(t[0], t[1]) for t in terms.values() if isinstance(t, (tuple, list)) and len(t) == 2]
-        pairs.append((loss, _TermsTotal(pairs)))
-    elif LOSS_WEIGHT_KEY in mapping:
-        pairs = [(loss, mapping[LOSS_WEIGHT_KEY])]
-    return next((weight for tensor, weight in pairs if same_tensor(value, tensor)), None)
+        total = pairs if same_tensor(value, loss) else None
+    else:
+        pairs, total = [(loss, mapping[LOSS_WEIGHT_KEY])] if LOSS_WEIGHT_KEY in mapping else [], None
+    return next(([pair] for pair in pairs if same_tensor(value, pair[0])), total)
 
 
 def combine_losses(losses: Sequence[Tensor], weights: Sequence[Any], root: torch.device) -> Tensor:
