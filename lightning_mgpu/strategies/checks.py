@@ -14,7 +14,7 @@ import itertools
 import re
 import sys
 import types
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -374,13 +374,9 @@ class StepChecks:
     device would not: held objects changed, tensors written into shared dicts, schedulers stepped (an error),
     attributes rebound and buffers updated to values that differ between the replicas."""
 
-    def __init__(
-        self, strategy_name: str, step_per_replica: bool, announced: set[str], warn_once: Callable[[str, str], None]
-    ) -> None:
-        self._strategy_name = strategy_name
-        self._step_per_replica = step_per_replica
-        self._announced = announced
-        self._warn_once = warn_once
+    def __init__(self, strategy: Any) -> None:  # the strategy's name, step_per_replica flag, announced keys, warn_once
+        self._strategy_name, self._step_per_replica = strategy.strategy_name, strategy._STEP_PER_REPLICA
+        self._announced, self._warn_once = strategy._announced, strategy._warn_once
         self.calls: collections.Counter[str] = collections.Counter()  # replicated calls per hook
         self._before: tuple[Any, ...] | None = None
 

@@ -103,7 +103,7 @@ class SingleProcessParallel:
         #: shape: a step whose shards make it ambiguous (a constant equal to every shard's size) follows earlier ones.
         self._settled: dict[Any, str] = {}
         self._replicated_on: list[torch.device] = []
-        self._checks = StepChecks(self.strategy_name, self._STEP_PER_REPLICA, self._announced, self._warn_once)
+        self._checks = StepChecks(self)
 
     # --- one Trainer per instance: the connector reads `_accelerator` of an instance it receives: refused there ---
     @property
@@ -329,13 +329,9 @@ class SingleProcessParallel:
                     "strategy='dp' (the step runs once, on the whole batch) or strategy='ddp'."
                 )
             mode, reason = "threads", _meeting_notice(meets)
-        if reason is not None and reason not in self._announced:  # a mode chosen by 'auto' is no override: said once
+        if reason is not None:  # a mode chosen by 'auto' is no override: said as information
             message = f"{self.strategy_name}: execution_mode={self.execution_mode!r} overridden: {reason}."
-            if self.execution_mode == "auto":
-                self._log(message)
-            else:
-                warnings.warn(message, UserWarning, stacklevel=2)
-            self._announced.add(reason)
+            self._warn_once(reason, message, log=self.execution_mode == "auto")
         threads = count > 1 and resolve_mode(mode, replicas.devices[:count]) == "threads"
         return mode, threads and (not TAKE_TURNS or meets is not None or replicas.replica_set.meets_at_batchnorm)
 
@@ -361,11 +357,12 @@ class SingleProcessParallel:
         replicas = self._replicas.of(module, self.parallel_devices)
         replica_set, root, count = replicas.replica_set, self.lightning_module, len(sample_counts)
         self._replicated_on = replicas.devices[:count]
-        if count < len(self.parallel_devices) and "fewer samples than devices" not in self._announced:
-            self._announced.add("fewer samples than devices")  # said once: BoringModel's batches of 1 sample
-            self._log(
+        if count < len(self.parallel_devices):  # said once: BoringModel's batches of 1 sample
+            self._warn_once(
+                "fewer samples than devices",
                 f"{self.strategy_name}: a batch of {sum(sample_counts)} sample(s) ran on {count} of the "
-                f"{len(self.parallel_devices)} devices (at least one sample per device); the others had nothing to do."
+                f"{len(self.parallel_devices)} devices (at least one sample per device); the others had nothing to do.",
+                log=True,
             )
         hook = root._current_fx_name
         if replicas.hook != hook:  # a new stage: callbacks swap weights in through .data (EMA), which moves no
@@ -424,31 +421,33 @@ class SingleProcessParallel:
     def _log(self, message: str) -> None:
         logging.getLogger(self.namespace.name).info(message)
 
-    def _warn_once(self, key: str, message: str) -> None:
+    def _warn_once(self, key: str, message: str, log: bool = False) -> None:
+        """Say ``message`` once per ``key``: a warning, or information (``log``)."""
         if key not in self._announced:
             self._announced.add(key)
-            warnings.warn(message, UserWarning, stacklevel=3)
+            if log:
+                self._log(message)
+            else:
+                warnings.warn(message, UserWarning, stacklevel=3)
 
     def _split(self, split: Callable[[], T], roots: Sequence[tuple[str, Any]], what: str, runs: str) -> T | None:
         """``split()``, or ``None`` when ``what`` holds nothing to split or a cache every replica would change: then
         ``runs`` runs once, on the root, which is said once."""
         result = split_or_run_once(split, roots)
-        if result is not None:
-            return result
-        if (held := shared_state(roots)) is not None:
+        if result is None and (held := shared_state(roots)) is not None:
             self._warn_once(
                 f"unsplit:cache:{runs}",
                 f"{self.strategy_name}: {what} holds {held}, a transformers cache every replica would append to, so "
                 f"{runs} runs once, unsplit, on {self.root_device} while it holds one: nothing runs in parallel then.",
             )
-        else:
+        elif result is None:
             self._warn_once(
                 f"unsplit:{runs}",
                 f"{self.strategy_name}: nothing in {what} can be split along dim {self.dim}, so {runs} runs once, on "
                 f"{self.root_device}: nothing runs in parallel. Pass tensors in tuples, lists, dicts, namedtuples or "
                 "dataclasses.",
             )
-        return None
+        return result
 
     # --- the four step hooks Lightning calls on the strategy (above) run this -----------------------------------------
     def _run_step(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
