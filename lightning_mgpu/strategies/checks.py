@@ -268,9 +268,10 @@ def _state(value: Any) -> Any:
     collections' sizes."""
     if isinstance(value, _COLLECTIONS):
         return _size(value)
-    entries = value if isinstance(value, dict) else vars(value)
-    read = dict(entries) if len(entries) <= ENTRIES_READ else None
-    return len(entries), read, {key: _size(e) for key, e in (read or {}).items() if isinstance(e, _CONTAINERS)}
+    if isinstance(value, dict) and len(value) > ENTRIES_READ:
+        return len(value), None, {}
+    entries = dict(value if isinstance(value, dict) else vars(value))
+    return len(entries), entries, {key: _size(e) for key, e in entries.items() if isinstance(e, _CONTAINERS)}
 
 
 def _size(value: Any) -> tuple[int, Any]:
