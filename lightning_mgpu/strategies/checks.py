@@ -117,18 +117,19 @@ def _wanted(finding: str, obj: Any) -> str | None:
 
 
 def _route(target: Any, owner: type | None, depth: int, seen: set[int], finding: str) -> list[str] | None:
-    """The names from ``target`` (a function, or a class whose functions are read) to a call ``finding`` looks for."""
+    """The names from ``target`` (a function, or a class whose functions are read) to a call ``finding`` looks for:
+    ``["MoCo.training_step", "concat_all_gather", "torch.distributed.all_gather"]``."""
     if depth == 0 or id(target) in seen:
         return None
     seen.add(id(target))
     functions = [function for _, function in _functions(target)] if isinstance(target, type) else [target]
+    label = target.__name__ if isinstance(target, type) else target.__qualname__
     for obj in itertools.chain.from_iterable(_loaded(function, owner) for function in functions):
         if (name := _wanted(finding, obj)) is not None:
-            return [name]
-        if isinstance(obj, (type, types.FunctionType)) and not _is_library(obj):
-            route = _route(obj, obj if isinstance(obj, type) else owner, depth - 1, seen, finding)
-            if route is not None:
-                return [obj.__name__ if isinstance(obj, type) else obj.__qualname__, *route]
+            return [label, name]
+        followed = isinstance(obj, (type, types.FunctionType)) and not _is_library(obj)
+        if followed and (route := _route(obj, obj if isinstance(obj, type) else owner, depth - 1, seen, finding)):
+            return [label, *route]
     return None
 
 
@@ -137,9 +138,8 @@ def _code_finding(cls: type, entries: tuple[str, ...], finding: str) -> str | No
     """``"(MoCo) calls torch.distributed.all_gather through MoCo.training_step -> concat_all_gather"``, or ``None``:
     a call ``finding`` looks for in the ``entries`` methods of ``cls`` and its user-defined bases, or what they call."""
     for _, function in _functions(cls, entries):
-        if (route := _route(function, cls, _MAX_DEPTH, set(), finding)) is not None:
-            *through, call = [function.__qualname__, *route]
-            return f"({cls.__name__}) calls {call} through {' -> '.join(through)}"
+        if route := _route(function, cls, _MAX_DEPTH, set(), finding):
+            return f"({cls.__name__}) calls {route[-1]} through {' -> '.join(route[:-1])}"
     return None
 
 
