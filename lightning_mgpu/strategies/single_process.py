@@ -218,9 +218,9 @@ class SingleProcessParallel:
         threads = resolve_mode(self.execution_mode, devices) == "threads"
         chosen = " (execution_mode='auto')" if self.execution_mode == "auto" else ""
         synced = sync_batchnorm.has_sync_batchnorm(module)
-        if (meets := self._why_replicas_meet(module, "training_step")) is not None:
-            notice = _meeting_notice(meets)  # the key of _mode_for's override notice
-        elif synced:
+        meets = self._why_replicas_meet(module, "training_step")
+        notice = None if meets is None else _meeting_notice(meets)  # the key of _mode_for's override notice
+        if meets is None and synced:
             meets, notice = SYNC_BATCHNORM_THREADS.partition(":")[0], SYNC_BATCHNORM_THREADS
         if meets is not None and not threads:
             threads, chosen = True, f" ({meets})"
