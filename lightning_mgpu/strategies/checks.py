@@ -1,5 +1,5 @@
 """Checks of user code that make a run on replicas differ from one device, said once, never around every step: at
-set-up, read from the bytecode of the user's classes (nothing run), ``torch.distributed`` gathers, ``torchmetrics``
+set-up, read from the bytecode of the user's classes (nothing runs): ``torch.distributed`` gathers, ``torchmetrics``
 functional metrics and Lightning's collectives; on the first two replicated calls of each hook, :class:`StepChecks`."""
 
 from __future__ import annotations
@@ -14,13 +14,15 @@ import itertools
 import re
 import sys
 import types
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.optim.lr_scheduler import LRScheduler
+
+from lightning_mgpu.parallel.replicas import rebound_attributes
 
 # Packages whose code is not read and whose objects (configs, loggers, metrics) are not watched.
 _LIBRARIES = frozenset(
@@ -57,7 +59,20 @@ def _functions(cls: type, names: Sequence[str] | None = None) -> Iterator[tuple[
 # --- reading the user's code ----------------------------------------------------------------------------------------
 _CHAIN_STARTS = ("LOAD_GLOBAL", "LOAD_NAME", "LOAD_DEREF", "LOAD_CLASSDEREF", "LOAD_FAST")  # LOAD_FAST_CHECK...
 _MAX_DEPTH = 4  # calls followed from a step or forward: class -> helper -> autograd Function -> torch.distributed
-Wanted = Callable[[Any], "str | None"]
+# torch.distributed calls whose result depends on the other ranks' values (not a broadcast or a barrier).
+_GATHERS = frozenset(
+    {"all_gather", "all_gather_into_tensor", "_all_gather_base", "all_gather_object", "all_gather_tensor", "gather"}
+    | {"gather_object", "all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor", "all_to_all"}
+    | {"all_to_all_single"}
+)
+# What each finding looks for: a function of a module under these prefixes, of these names (None: any).
+_WANTED = {
+    "gather": (("torch.distributed.nn", "torch.distributed"), _GATHERS),
+    "metric": (("torchmetrics.functional",), None),
+}
+_FLAG = re.compile(r"gather.*dist|dist.*gather", re.IGNORECASE)  # gather_distributed (lightly), distributed_gather...
+_LIGHTNING_COLLECTIVES = frozenset(("all_gather", "reduce_boolean_decision", "barrier", "broadcast"))
+_STEPS = ("training_step", "validation_step", "test_step")
 
 
 def _chains(code: types.CodeType) -> Iterator[tuple[str, list[str]]]:
@@ -93,53 +108,39 @@ def _loaded(function: types.FunctionType, owner: type | None) -> Iterator[Any]:
                 yield obj
 
 
-def _route(target: Any, owner: type | None, depth: int, seen: set[int], wanted: Wanted) -> list[str] | None:
-    """The names from ``target`` (a function, or a class whose functions are read) to a call ``wanted`` names."""
-    if depth == 0 or id(target) in seen:
-        return None
-    seen.add(id(target))
-    functions = [function for _, function in _functions(target)] if isinstance(target, type) else [target]
-    for obj in itertools.chain.from_iterable(_loaded(function, owner) for function in functions):
-        if (name := wanted(obj)) is not None:
-            return [name]
-        if isinstance(obj, (type, types.FunctionType)) and not _is_library(obj):
-            route = _route(obj, obj if isinstance(obj, type) else owner, depth - 1, seen, wanted)
-            if route is not None:
-                return [obj.__name__ if isinstance(obj, type) else obj.__qualname__, *route]
-    return None
-
-
-@functools.cache
-def _code_finding(cls: type, entries: tuple[str, ...], wanted: Wanted) -> str | None:
-    """``"(MoCo) calls torch.distributed.all_gather through MoCo.training_step -> concat_all_gather"``, or ``None``:
-    a call ``wanted`` names in the ``entries`` methods of ``cls`` and its user-defined bases, or what they call."""
-    for _, function in _functions(cls, entries):
-        if (route := _route(function, cls, _MAX_DEPTH, set(), wanted)) is not None:
-            *through, call = [function.__qualname__, *route]
-            return f"({cls.__name__}) calls {call} through {' -> '.join(through)}"
-    return None
-
-
-# torch.distributed calls whose result depends on the other ranks' values (not a broadcast or a barrier).
-_GATHERS = frozenset(
-    {"all_gather", "all_gather_into_tensor", "_all_gather_base", "all_gather_object", "all_gather_tensor", "gather"}
-    | {"gather_object", "all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor", "all_to_all"}
-    | {"all_to_all_single"}
-)
-_FLAG = re.compile(r"gather.*dist|dist.*gather", re.IGNORECASE)  # gather_distributed (lightly), distributed_gather...
-_LIGHTNING_COLLECTIVES = frozenset(("all_gather", "reduce_boolean_decision", "barrier", "broadcast"))
-_STEPS = ("training_step", "validation_step", "test_step")
-
-
-def _library_call(prefixes: tuple[str, ...], names: frozenset[str] | None, obj: Any) -> str | None:
-    """``"torch.distributed.all_gather"`` for a function of a module under ``prefixes`` (of ``names`` if given)."""
+def _wanted(finding: str, obj: Any) -> str | None:
+    """``"torch.distributed.all_gather"`` where ``obj`` is a call that ``finding`` (of :data:`_WANTED`) looks for."""
+    prefixes, names = _WANTED[finding]
     module, name = getattr(obj, "__module__", None) or "", getattr(obj, "__name__", "")
     prefix = next((p for p in prefixes if module.startswith(p)), None)
     return f"{prefix}.{name}" if prefix and callable(obj) and (names is None or name in names) else None
 
 
-_gather = functools.partial(_library_call, ("torch.distributed.nn", "torch.distributed"), _GATHERS)
-_functional_metric = functools.partial(_library_call, ("torchmetrics.functional",), None)
+def _route(target: Any, owner: type | None, depth: int, seen: set[int], finding: str) -> list[str] | None:
+    """The names from ``target`` (a function, or a class whose functions are read) to a call ``finding`` looks for:
+    ``["MoCo.training_step", "concat_all_gather", "torch.distributed.all_gather"]``."""
+    if depth == 0 or id(target) in seen:
+        return None
+    seen.add(id(target))
+    functions = [function for _, function in _functions(target)] if isinstance(target, type) else [target]
+    label = target.__name__ if isinstance(target, type) else target.__qualname__
+    for obj in itertools.chain.from_iterable(_loaded(function, owner) for function in functions):
+        if (name := _wanted(finding, obj)) is not None:
+            return [label, name]
+        followed = isinstance(obj, (type, types.FunctionType)) and not _is_library(obj)
+        if followed and (route := _route(obj, obj if isinstance(obj, type) else owner, depth - 1, seen, finding)):
+            return [label, *route]
+    return None
+
+
+@functools.cache
+def _code_finding(cls: type, entries: tuple[str, ...], finding: str) -> str | None:
+    """``"(MoCo) calls torch.distributed.all_gather through MoCo.training_step -> concat_all_gather"``, or ``None``:
+    a call ``finding`` looks for in the ``entries`` methods of ``cls`` and its user-defined bases, or what they call."""
+    for _, function in _functions(cls, entries):
+        if route := _route(function, cls, _MAX_DEPTH, set(), finding):
+            return f"({cls.__name__}) calls {route[-1]} through {' -> '.join(route[:-1])}"
+    return None
 
 
 def distributed_gathers(module: nn.Module) -> list[str]:
@@ -150,7 +151,7 @@ def distributed_gathers(module: nn.Module) -> list[str]:
         flags = {name: value for name, value in vars(sub).items() if isinstance(value, bool) and _FLAG.search(name)}
         on = [f"({type(sub).__name__}) has {name}=True" for name, value in flags.items() if value]
         entries = (*_STEPS, "predict_step", "forward") if sub is module else ("forward",)
-        what = on[0] if on else (None if flags else _code_finding(type(sub), entries, _gather))  # flag off: not read
+        what = on[0] if on else (None if flags else _code_finding(type(sub), entries, "gather"))  # flag off: not read
         if what is not None:
             found.setdefault(what, []).append(f"`self.{path}`" if path else "`self`")
     return [
@@ -172,34 +173,26 @@ def distributed_gather_message(strategy_name: str, findings: Sequence[str]) -> s
     )
 
 
-def functional_metrics(module: nn.Module) -> str | None:
-    """Where ``module``'s step calls a ``torchmetrics.functional`` metric (read once per class, never run)."""
-    what = _code_finding(type(module), _STEPS, _functional_metric)
-    return None if what is None else f"`self` {what}"
-
-
-def functional_metric_message(strategy_name: str, finding: str) -> str:
-    """The notice for :func:`functional_metrics`' finding, with the fix that equals one device: the metric's object
-    (the class torchmetrics names like the function: ``multiclass_accuracy`` -> ``MulticlassAccuracy``)."""
-    function = re.search(r"torchmetrics\.functional\.(\w+)", finding)
-    metric = _metric_class(function.group(1)) if function else None
+def functional_metric_message(strategy_name: str, module: nn.Module) -> str | None:
+    """The notice where ``module``'s step calls a ``torchmetrics.functional`` metric (read once per class, never run),
+    with the fix that equals one device: the metric's object (``multiclass_accuracy`` -> ``MulticlassAccuracy``)."""
+    finding = _code_finding(type(module), _STEPS, "metric")
+    if finding is None:
+        return None
+    function = finding.partition("torchmetrics.functional.")[2].partition(" ")[0]
+    modules = [importlib.import_module(f"torchmetrics{m}") for m in ("", ".classification", ".regression")]
+    found = ((m, n) for m in modules for n in dir(m) if n.lower() == function.replace("_", "").lower())
+    metric = next((f"{m.__name__}.{n}" for m, n in found if isinstance(getattr(m, n), type)), None)
     example = (
         f"`self.metric = {metric}(...)` in `__init__`, `self.log('metric', self.metric(preds, y))` in the step"
         if metric
         else "torchmetrics' class of the same name, created in `__init__` and called in the step"
     )
     return (
-        f"{strategy_name}: {finding}. Each device computes it on its own shard, and its logged value is a "
+        f"{strategy_name}: `self` {finding}. Each device computes it on its own shard, and its logged value is a "
         "sample-weighted mean of the devices' values: one device's only for a mean over samples (not F1, precision, "
         f"recall, AUROC). Log the metric's object, whose states are combined across the devices: {example}."
     )
-
-
-def _metric_class(function: str) -> str | None:
-    """``"torchmetrics.classification.MulticlassAccuracy"`` for ``"multiclass_accuracy"``, where torchmetrics has it."""
-    modules = [importlib.import_module(f"torchmetrics{m}") for m in ("", ".classification", ".regression")]
-    found = ((m, n) for m in modules for n in dir(m) if n.lower() == function.replace("_", "").lower())
-    return next((f"{m.__name__}.{n}" for m, n in found if isinstance(getattr(m, n), type)), None)
 
 
 @functools.cache
@@ -217,7 +210,8 @@ def lightning_collectives(cls: type) -> str | None:
 # --- plain Python objects a replicated step changed -----------------------------------------------------------------
 _MODULE_REGISTRIES = frozenset(vars(nn.Module()))  # nn.Module's own dicts and sets: parameters, buffers, hooks...
 _PLAIN = (bool, int, float, complex, str, bytes, type(None))
-_CONTAINERS = (list, collections.deque, set, dict)
+_COLLECTIONS = (list, collections.deque, set)
+_CONTAINERS = (*_COLLECTIONS, dict)
 _NOT_PLAIN = (nn.Module, Tensor, type, types.FunctionType, types.MethodType, types.ModuleType)
 ENTRIES_READ = 1024  # the most entries of a dict read: a larger one (a vocabulary, a cache) is compared by its length
 
@@ -270,13 +264,14 @@ def _lightning_attributes(cls: type) -> frozenset[str]:
 
 
 def _state(value: Any) -> Any:
-    """A collection's size; a dict's or an object's length, entries and their collections' sizes."""
-    if isinstance(value, _CONTAINERS) and not isinstance(value, dict):
+    """A collection's size; a dict's or an object's length, entries (``None``: a dict too large to read) and their
+    collections' sizes."""
+    if isinstance(value, _COLLECTIONS):
         return _size(value)
     if isinstance(value, dict) and len(value) > ENTRIES_READ:
-        return len(value), {}, None
-    mapping = dict(value if isinstance(value, dict) else vars(value))
-    return len(mapping), mapping, {key: _size(e) for key, e in mapping.items() if isinstance(e, _CONTAINERS)}
+        return len(value), None, {}
+    entries = dict(value if isinstance(value, dict) else vars(value))
+    return len(entries), entries, {key: _size(e) for key, e in entries.items() if isinstance(e, _CONTAINERS)}
 
 
 def _size(value: Any) -> tuple[int, Any]:
@@ -292,41 +287,37 @@ def _size_change(before: tuple[int, Any], after: tuple[int, Any]) -> str | None:
 
 
 def _compare(path: str, value: Any, before: Any) -> list[HeldChange]:
-    """What changed since :func:`_state`: a collection's size; an object's attributes (a plain value rebound to an
-    equal one does not count) and its collections' sizes."""
+    """What changed since :func:`_state`. A collection: its size. An object, as one change: its attributes rebound (a
+    plain value rebound to an equal one does not count) and its collections' sizes. A dict: each collection it holds
+    that changed (``outputs['loss']``), else entries added (not tensors: the shared-entries check's; nor flags: a
+    warned-once dict); and plain entries rebound (``self.counts['steps'] += 1``)."""
     kind = type(value).__name__
-    if isinstance(value, dict):
-        return _dict_changes(path, value, *before)
-    if isinstance(value, _CONTAINERS):
+    if isinstance(value, _COLLECTIONS):
         detail = _size_change(before, _size(value))
         return [] if detail is None else [HeldChange(path, kind, detail, detail.endswith("more"))]
-    (_, attributes, sizes), current = before, vars(value)
-    names = dict.fromkeys([*attributes, *current])
-    rebound = [n for n in names if not _same(attributes.get(n, _MISSING), current.get(n, _MISSING))]
-    details = [f"its attribute{'s' if len(rebound) > 1 else ''} {', '.join(rebound)} changed"] if rebound else []
-    details += [  # the same collection unless rebound
-        f"its {name}: {detail}"
-        for name, size in sizes.items()
-        if name not in rebound and (detail := _size_change(size, _size(current[name])))
-    ]
-    return [HeldChange(path, kind, "; ".join(details), False)] if details else []
-
-
-def _dict_changes(path: str, value: dict, length: int, entries: dict, sizes: dict | None) -> list[HeldChange]:
-    """A dict's collections that changed (``outputs['loss']``); else entries added, not tensors (the shared-entries
-    check's) nor flags (a warned-once dict); and plain entries rebound (``self.counts['steps'] += 1``)."""
+    length, entries, sizes = before
+    if not isinstance(value, dict):
+        now = vars(value)
+        rebound = [n for n in {**entries, **now} if not _same(entries.get(n, _MISSING), now.get(n, _MISSING))]
+        details = [f"its attribute{'s' if len(rebound) > 1 else ''} {', '.join(rebound)} changed"] if rebound else []
+        details += [  # the same collection unless rebound
+            f"its {name}: {detail}"
+            for name, size in sizes.items()
+            if name not in rebound and (detail := _size_change(size, _size(now[name])))
+        ]
+        return [HeldChange(path, kind, "; ".join(details), False)] if details else []
     changes = [
         HeldChange(f"{path}[{key!r}]", type(entry).__name__, detail, detail.endswith("more"))
-        for key, entry in (value.items() if sizes is not None else ())  # only the dicts whose entries were read
+        for key, entry in (value.items() if entries is not None else ())
         if isinstance(entry, _CONTAINERS) and (detail := _size_change(sizes.get(key, (0, _MISSING)), _size(entry)))
     ]
     new = list(itertools.islice(value.values(), length, length + ENTRIES_READ))
     if not changes and new and not any(_holds_tensors(v) or isinstance(v, (bool, type(None))) for v in new):
-        changes.append(HeldChange(path, type(value).__name__, _size_change((0, None), (len(new), None)), True))
-    plain = [k for k in entries if k in value and not isinstance(value[k], _CONTAINERS)]
+        changes.append(HeldChange(path, kind, _size_change((0, None), (len(new), None)), True))
+    plain = [k for k in entries or {} if k in value and not isinstance(value[k], _CONTAINERS)]
     if rebound := [repr(k) for k in plain if not _holds_tensors(value[k]) and not _same(entries[k], value[k])]:
         detail = f"its entr{'ies' if len(rebound) > 1 else 'y'} {', '.join(rebound)} changed"
-        changes.append(HeldChange(path, type(value).__name__, detail, False))
+        changes.append(HeldChange(path, kind, detail, False))
     return changes
 
 
@@ -379,7 +370,113 @@ def held_objects_message(owner: str, changes: Sequence[HeldChange], replicas: in
 _ON_ROOT = "in `on_train_batch_end` / `on_validation_batch_end` (once, on the root, with the gathered outputs)"
 
 
-def diverged_buffers(replicas: Sequence[nn.Module]) -> list[str]:
+class StepChecks:
+    """Around the first two replicated calls of each hook (:attr:`calls` counts them), what the call did that one
+    device would not: held objects changed, tensors written into shared dicts, schedulers stepped (an error),
+    attributes rebound and buffers updated to values that differ between the replicas."""
+
+    def __init__(self, strategy: Any) -> None:  # the strategy's name, step_per_replica flag, announced keys, warn_once
+        self._strategy_name, self._step_per_replica = strategy.strategy_name, strategy._STEP_PER_REPLICA
+        self._announced, self._warn_once = strategy._announced, strategy._warn_once
+        self.calls: collections.Counter[str] = collections.Counter()  # replicated calls per hook
+        self._before: tuple[Any, ...] | None = None
+
+    def before(self, hook: str, module: nn.Module, root: Any) -> bool:
+        """Snapshot what a call of ``hook`` may change; whether it is among the first two (checked)."""
+        self.calls[hook] += 1
+        if self.calls[hook] > 2:
+            return False
+        dicts = [  # the dicts every replica shares with the root (not nn.Module's registries nor large ones)
+            (f"{prefix}.{name}" if prefix else name, value)
+            for prefix, m in root.named_modules()
+            for name, value in vars(m).items()
+            if isinstance(value, dict) and name not in _MODULE_REGISTRIES and len(value) <= ENTRIES_READ
+        ]
+        configs = root.trainer.lr_scheduler_configs if getattr(root, "_trainer", None) is not None else []
+        held = [value for value in vars(root).values() if isinstance(value, LRScheduler)]
+        schedulers = {id(s): (s, getattr(s, "last_epoch", None)) for s in [*(c.scheduler for c in configs), *held]}
+        self._before = (module, root, HeldObjects(module), dicts, _dict_entries(dicts), schedulers.values())
+        return True
+
+    def after(
+        self,
+        hook: str,
+        kept: dict[str, Any],
+        replicas: Sequence[nn.Module],
+        snapshots: Sequence[dict[str, Any]],
+        *,
+        manual: bool,
+        interleaved: bool,
+    ) -> None:
+        """Say what the call on ``replicas`` changed: ``kept``, the attributes replica 0 rebound (the module's);
+        ``snapshots``, each replica's ``__dict__`` before it."""
+        assert self._before is not None, "after() without before()"
+        (module, root, held, dicts, entries, schedulers), self._before = self._before, None
+        count, owner = len(replicas), type(module).__name__
+        _check_scheduler_steps(hook, schedulers, count, manual)
+        if changes := [c for c in held.changes() if c.key not in self._announced]:
+            said = hook if self._step_per_replica else "forward"
+            self._warn_once(changes[0].key, held_objects_message(owner, changes, count, said))
+            self._announced.update(c.key for c in changes)
+        others = [rebound_attributes(r, b) for r, b in zip(replicas[1:], snapshots[1:], strict=True)]
+        for name, value in kept.items():
+            if not all(name in other and _alike(value, other[name]) for other in others):
+                self._warn_once(
+                    f"rebound:{name}",
+                    f"`{owner}.{name}` was rebound during a step that ran on {count} replicas to values that differ "
+                    "between the replicas (each computed from its shard): the module keeps replica 0's, where one "
+                    f"device keeps the whole batch's. Compute it {_ON_ROOT}, keep it in a torchmetrics metric or log "
+                    "it.",
+                )
+        # Tensors written into a dict every replica shares (a forward hook's feature maps): one replica's remain.
+        written = [path for (path, key), value in _dict_entries(dicts).items() if entries.get((path, key)) is not value]
+        for path in dict.fromkeys(written):
+            self._warn_once(
+                f"entries:{path}",
+                f"`{type(root).__name__}.{path}` got tensors during a call that ran on several replicas, which share "
+                f"that dict: {self._shared_entries_advice(interleaved)}.",
+            )
+        if names := _diverged_buffers(replicas):
+            self._warn_once(f"buffers:{','.join(names)}", self._diverged_buffers_message(hook, names))
+
+    def _shared_entries_advice(self, interleaved: bool) -> str:
+        """What a write into a dict the replicas share leaves, and how to keep such values as one device does."""
+        if not self._step_per_replica:
+            return "the step reads the last replica's entries, one shard's. Return them from `forward`: dp gathers them"
+        consequence = (
+            "the replicas ran interleaved (at SyncBatchNorm layers or collectives), so a replica may have read "
+            "another's entry, another shard's tensor"
+            if interleaved
+            else "after the step it holds the last replica's entries, one shard's"
+        )
+        return (
+            f"{consequence}. Keep such values per replica: from a forward hook, set them on the hooked module (`lambda "
+            "module, args, output: setattr(module, 'features', output)`, read as `self.<layer>.features`), or return "
+            f"them from `forward`; step outputs: return them and collect them {_ON_ROOT}. A cache alike on every "
+            "replica: key it by device, or hold it as a buffer (`register_buffer(..., persistent=False)`), for "
+            "distinct GPUs"
+        )
+
+    def _diverged_buffers_message(self, hook: str, names: list[str]) -> str:
+        fix = (
+            "compute the update from the whole batch (`self.all_gather(...)`, or `torch.distributed.all_reduce` of "
+            "the batch statistic, as DINO's update_center does: it runs across the replicas here)"
+            if self._step_per_replica
+            else "update it in `training_step` from the gathered outputs (the step runs once, on the root)"
+        )
+        return (
+            f"{self._strategy_name}: buffer(s) {', '.join(f'`{n}`' for n in names)} changed differently on each "
+            f"replica during `{hook}` (each updated from its shard, e.g. an average of inputs in forward): the module "
+            f"keeps replica 0's, where one device updates it from the whole batch. For one device's value, {fix}."
+        )
+
+
+def _dict_entries(dicts: Sequence[tuple[str, dict]]) -> dict[tuple[str, Any], Any]:
+    """The values holding tensors in ``dicts``, by (path, key)."""
+    return {(path, key): value for path, held in dicts for key, value in held.items() if _holds_tensors(value)}
+
+
+def _diverged_buffers(replicas: Sequence[nn.Module]) -> list[str]:
     """Buffers (BatchNorm's statistics aside) that a call changed differently on the replicas, synced alike before
     it: updated from each shard (an EMA of inputs in ``forward``, DINO's center)."""
     others = [dict(replica.named_buffers()) for replica in replicas[1:]]
@@ -397,108 +494,7 @@ def diverged_buffers(replicas: Sequence[nn.Module]) -> list[str]:
     ]
 
 
-def diverged_buffers_message(strategy: str, hook: str, names: list[str], step_per_replica: bool) -> str:
-    fix = (
-        "compute the update from the whole batch (`self.all_gather(...)`, or `torch.distributed.all_reduce` of the "
-        "batch statistic, as DINO's update_center does: it runs across the replicas here)"
-        if step_per_replica
-        else "update it in `training_step` from the gathered outputs (the step runs once, on the root)"
-    )
-    return (
-        f"{strategy}: buffer(s) {', '.join(f'`{n}`' for n in names)} changed differently on each replica during "
-        f"`{hook}` (each updated from its shard, e.g. an average of inputs in forward): the module keeps replica 0's, "
-        f"where one device updates it from the whole batch. For one device's value, {fix}."
-    )
-
-
-class StepChecks:
-    """Around the first two replicated calls of each hook, what the call did that one device would not: held objects
-    changed, tensors written into shared dicts, schedulers stepped (an error), attributes rebound to unequal values."""
-
-    def __init__(self, step_per_replica: bool, announced: set[str], warn_once: Callable[[str, str], None]) -> None:
-        self._step_per_replica = step_per_replica
-        self._announced = announced
-        self._warn_once = warn_once
-        self._calls: collections.Counter[str] = collections.Counter()  # replicated calls per hook
-        self._before: tuple[Any, ...] | None = None
-
-    def before(self, hook: str, module: nn.Module, root: Any, builds: int) -> bool:
-        """Snapshot what the call may change if it is among the first two of ``hook``; whether it is (``builds``:
-        unused, the shared dicts are found again at each snapshot)."""
-        self._calls[hook] += 1
-        if self._calls[hook] > 2:
-            return False
-        dicts = [  # the dicts every replica shares with the root (not nn.Module's registries nor large ones)
-            (f"{prefix}.{name}" if prefix else name, value)
-            for prefix, m in root.named_modules()
-            for name, value in vars(m).items()
-            if isinstance(value, dict) and name not in _MODULE_REGISTRIES and len(value) <= ENTRIES_READ
-        ]
-        self._before = (module, root, HeldObjects(module), dicts, _dict_entries(dicts), _scheduler_steps(root))
-        return True
-
-    def after(
-        self, hook: str, kept: dict[str, Any], others: Sequence[dict[str, Any]], *, manual: bool, interleaved: bool
-    ) -> None:
-        """Say what the call changed: ``kept``, the attributes replica 0 rebound (the module's); ``others``, theirs."""
-        assert self._before is not None, "after() without before()"
-        (module, root, held, dicts, entries, steps), self._before = self._before, None
-        count = len(others) + 1
-        _check_scheduler_steps(hook, steps, count, manual)
-        if changes := [c for c in held.changes() if c.key not in self._announced]:
-            owner, said = type(module).__name__, hook if self._step_per_replica else "forward"
-            self._warn_once(changes[0].key, held_objects_message(owner, changes, count, said))
-            self._announced.update(c.key for c in changes)
-        for name, value in kept.items():
-            if not all(name in other and _alike(value, other[name]) for other in others):
-                self._warn_once(
-                    f"rebound:{name}",
-                    f"`{type(module).__name__}.{name}` was rebound during a step that ran on {count} replicas to "
-                    "values that differ between the replicas (each computed from its shard): the module keeps replica "
-                    f"0's, where one device keeps the whole batch's. Compute it {_ON_ROOT}, keep it in a torchmetrics "
-                    "metric or log it.",
-                )
-        # Tensors written into a dict every replica shares (a forward hook's feature maps): one replica's remain.
-        written = [path for (path, key), value in _dict_entries(dicts).items() if entries.get((path, key)) is not value]
-        for path in dict.fromkeys(written):
-            self._warn_once(
-                f"entries:{path}",
-                f"`{type(root).__name__}.{path}` got tensors during a call that ran on several replicas, which share "
-                f"that dict: {_shared_entries_advice(self._step_per_replica, interleaved)}.",
-            )
-
-
-def _shared_entries_advice(step_per_replica: bool, interleaved: bool) -> str:
-    """What a write into a dict the replicas share leaves, and how to keep such values as one device does."""
-    if not step_per_replica:
-        return "the step reads the last replica's entries, one shard's. Return them from `forward`: dp gathers them"
-    consequence = (
-        "the replicas ran interleaved (at SyncBatchNorm layers or collectives), so a replica may have read another's "
-        "entry, another shard's tensor"
-        if interleaved
-        else "after the step it holds the last replica's entries, one shard's"
-    )
-    return (
-        f"{consequence}. Keep such values per replica: from a forward hook, set them on the hooked module (`lambda "
-        "module, args, output: setattr(module, 'features', output)`, read as `self.<layer>.features`), or return them "
-        f"from `forward`; step outputs: return them and collect them {_ON_ROOT}. A cache alike on every replica: key "
-        "it by device, or hold it as a buffer (`register_buffer(..., persistent=False)`), for distinct GPUs"
-    )
-
-
-def _dict_entries(dicts: Sequence[tuple[str, dict]]) -> dict[tuple[str, Any], Any]:
-    """The values holding tensors in ``dicts``, by (path, key)."""
-    return {(path, key): value for path, held in dicts for key, value in held.items() if _holds_tensors(value)}
-
-
-def _scheduler_steps(root: Any) -> dict[int, tuple[Any, Any]]:
-    """(scheduler, ``last_epoch``) of each learning-rate scheduler of the trainer or held by ``root``, by id."""
-    configs = root.trainer.lr_scheduler_configs if getattr(root, "_trainer", None) is not None else []
-    held = [value for value in vars(root).values() if isinstance(value, LRScheduler)]
-    return {id(s): (s, getattr(s, "last_epoch", None)) for s in [*(c.scheduler for c in configs), *held]}
-
-
-def _check_scheduler_steps(hook: str, before: dict[int, tuple[Any, Any]], count: int, manual: bool) -> None:
+def _check_scheduler_steps(hook: str, before: Iterable[tuple[Any, Any]], count: int, manual: bool) -> None:
     """Raise if a scheduler stepped during a call on ``count`` replicas (under manual optimization
     ``self.lr_schedulers()`` steps replica 0's only: a move by a multiple of ``count`` is one per replica)."""
     fix = (  # under manual optimization Lightning steps none
@@ -509,7 +505,7 @@ def _check_scheduler_steps(hook: str, before: dict[int, tuple[Any, Any]], count:
         "Lightning step it (configure_optimizers returning {'optimizer': ..., 'lr_scheduler': {'scheduler': ..., "
         "'interval': 'step'}})."
     )
-    for scheduler, first in before.values():
+    for scheduler, first in before:
         last = getattr(scheduler, "last_epoch", None)
         counted = manual and isinstance(first, int) and isinstance(last, int) and (last - first) % count
         if first != last and not counted:

@@ -1,9 +1,8 @@
 """Manual optimization under ``parallel_criterion``: every replica runs the whole ``training_step`` on its shard, and
 the replicas meet where one device would touch the shared optimizer state: at ``self.manual_backward(loss)`` (their
 losses combined by the loss rule, one backward pass) and at ``opt.step()`` (one step on the root, the replicas' copies
-synced before any goes on). Replica 0 steps the schedulers; another replica that steps one waits there for replica
-0's step, so that none reads the rate before it changed. ``clip_gradients`` and ``toggle_optimizer`` /
-``untoggle_optimizer`` act on the originals: replica 0 alone calls them. A replica that skips a meeting fails the
+synced before any goes on). Replica 0 steps the schedulers (the others wait there for its step) and alone calls
+``clip_gradients`` and ``(un)toggle_optimizer``, which act on the originals. A replica that skips a meeting fails the
 others with an error naming it (:mod:`..parallel.replica_group`), never a hang.
 """
 
@@ -34,22 +33,18 @@ def meet(what: str, value: Any, combine: Callable[[list[Any]], Any]) -> Any:
     replica = current_replica()
     assert replica is not None
     call = replica.next_call(what)
+    label = f"{what} (call {call} of this step)"
     return replica.group.rendezvous(
-        replica.index,
-        ("manual", what, call),
-        value,
-        lambda values: [combine(values)] * len(values),
-        f"{what} (call {call} of this step)",
-        _HINT,
+        replica.index, ("manual", what, call), value, lambda v: [combine(v)] * len(v), label, _HINT
     )
 
 
 class _Shared:
-    """An object the replicas share, as one replica sees it: what is not overridden is the object's."""
+    """An object the replicas share, as one replica (``first``: replica 0) sees it: what is not overridden is the
+    object's."""
 
-    def __init__(self, wrapped: Any, first: bool) -> None:
-        self._wrapped = wrapped
-        self._first = first  # replica 0
+    def __init__(self, wrapped: Any, first: bool, after_step: Callable[[], None] | None = None) -> None:
+        self._wrapped, self._first, self._after_step = wrapped, first, after_step
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._wrapped, name)
@@ -57,20 +52,12 @@ class _Shared:
 
 class ReplicaOptimizer(_Shared):
     """What ``self.optimizers()`` returns on a replica: the Lightning optimizer, whose ``step`` runs once for all
-    replicas (the closure, if any, runs on each replica first: it holds that replica's ``manual_backward``)."""
-
-    def __init__(self, optimizer: Any, after_step: Callable[[], None], first: bool) -> None:
-        super().__init__(optimizer, first)
-        self._after_step = after_step
+    replicas (the closure, if any, runs on each replica first: it holds that replica's ``manual_backward``), then
+    ``after_step`` syncs the replicas' copies before any replica goes on."""
 
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
         result = closure() if closure is not None else None
-
-        def step_once(_: list[Any]) -> None:
-            self._wrapped.step(**kwargs)
-            self._after_step()  # the replicas' copies follow the root before any replica goes on
-
-        meet("optimizer.step()", None, step_once)
+        meet("optimizer.step()", None, lambda _: (self._wrapped.step(**kwargs), self._after_step()))
         return result
 
     @contextlib.contextmanager
@@ -98,21 +85,22 @@ class _Scheduler(_Shared):
 def replica_overrides(module: Any, replica: ReplicaContext | None, after_step: Callable[[], None]) -> dict[str, Any]:
     """The per-replica methods that make manual optimization meet: ``optimizers``, ``lr_schedulers`` and those of
     ``_ONCE`` (bound to ``module``, the LightningModule the replicas copy)."""
-    wrapped: dict[int, ReplicaOptimizer] = {}
     first = replica is None or replica.index == 0
+    wrapped: dict[int, ReplicaOptimizer] = {}  # one per optimizer, whichever call returns it
+
+    def each(found: Any, wrap: Callable[[Any], Any]) -> Any:
+        return [wrap(item) for item in found] if isinstance(found, list) else wrap(found)
 
     def optimizer(found: Any) -> ReplicaOptimizer:
-        if id(found) not in wrapped:
-            wrapped[id(found)] = ReplicaOptimizer(found, after_step, first)
-        return wrapped[id(found)]
+        return wrapped.setdefault(id(found), ReplicaOptimizer(found, first, after_step))
 
     def optimizers(use_pl_optimizer: bool = True) -> Any:
         found = module.optimizers(use_pl_optimizer)
-        return _each(found, optimizer) if use_pl_optimizer else found
+        return each(found, optimizer) if use_pl_optimizer else found
 
     def lr_schedulers() -> Any:
         found = module.lr_schedulers()
-        return None if found is None else _each(found, lambda scheduler: _Scheduler(scheduler, first))
+        return None if found is None else each(found, lambda scheduler: _Scheduler(scheduler, first))
 
     def once(name: str) -> Callable[..., None]:
         def call(optimizer: Any, *args: Any, **kwargs: Any) -> None:
@@ -123,8 +111,3 @@ def replica_overrides(module: Any, replica: ReplicaContext | None, after_step: C
         return call
 
     return {"optimizers": optimizers, "lr_schedulers": lr_schedulers, **{name: once(name) for name in _ONCE}}
-
-
-def _each(found: Any, wrap: Callable[[Any], Any]) -> Any:
-    """``wrap`` applied to ``found``, or to each of its items where it is a list."""
-    return [wrap(item) for item in found] if isinstance(found, list) else wrap(found)

@@ -22,7 +22,7 @@ from typing_extensions import override
 from lightning_mgpu.parallel import collectives, sync_batchnorm
 from lightning_mgpu.parallel.modules import say_split_sensitive_layers
 from lightning_mgpu.parallel.replica_group import TAKE_TURNS, current_replica
-from lightning_mgpu.parallel.replicas import SYNC_BATCHNORM_THREADS, ReplicaCache, rebound_attributes
+from lightning_mgpu.parallel.replicas import SYNC_BATCHNORM_THREADS, ReplicaCache
 from lightning_mgpu.parallel.run_replicas import EXECUTION_MODES, ExecutionMode, add_note, resolve_mode
 from lightning_mgpu.parallel.scatter_gather import shared_state, split_or_run_once
 from lightning_mgpu.strategies import manual_optimization
@@ -30,10 +30,7 @@ from lightning_mgpu.strategies.checks import (
     StepChecks,
     distributed_gather_message,
     distributed_gathers,
-    diverged_buffers,
-    diverged_buffers_message,
     functional_metric_message,
-    functional_metrics,
 )
 from lightning_mgpu.strategies.lightning_replicas import LightningReplicas
 from lightning_mgpu.strategies.loss_rules import LossNormalization
@@ -51,6 +48,16 @@ class LightningNamespace:
 
 
 T = TypeVar("T")
+
+
+def _step_hook(hook: str) -> Callable[..., Any]:
+    """The strategy's ``hook`` (``training_step``...), which Lightning calls: the subclass's ``_run_step``."""
+
+    def step(self: SingleProcessParallel, *args: Any, **kwargs: Any) -> Any:
+        return self._run_step(hook, args, kwargs)
+
+    step.__name__ = step.__qualname__ = hook
+    return override(step)
 
 
 class SingleProcessParallel:
@@ -84,13 +91,11 @@ class SingleProcessParallel:
             raise ValueError(f"execution_mode must be one of {EXECUTION_MODES}, got {execution_mode!r}.")
         if not isinstance(dim, int) or isinstance(dim, bool):
             raise TypeError(f"dim must be an int (the batch dimension), got {dim!r}.")
-        self.dim = dim
-        self.execution_mode: ExecutionMode = execution_mode
-        self.normalization = LossNormalization.parse(loss_reduction)
-        self.loss_reduction = loss_reduction
         if not isinstance(sync_batchnorm, bool):
             raise TypeError(f"sync_batchnorm must be True or False, got {sync_batchnorm!r}.")
-        self.sync_batchnorm = sync_batchnorm
+        self.dim, self.execution_mode, self.sync_batchnorm = dim, execution_mode, sync_batchnorm
+        self.normalization = LossNormalization.parse(loss_reduction)
+        self.loss_reduction = loss_reduction
         self._replicas = ReplicaCache(partial(LightningReplicas, namespace=self.namespace))
         self._converted_batchnorm = False
         self._announced: set[str] = set()
@@ -98,7 +103,7 @@ class SingleProcessParallel:
         #: shape: a step whose shards make it ambiguous (a constant equal to every shard's size) follows earlier ones.
         self._settled: dict[Any, str] = {}
         self._replicated_on: list[torch.device] = []
-        self._checks = StepChecks(self._STEP_PER_REPLICA, self._announced, self._warn_once)
+        self._checks = StepChecks(self)
 
     # --- one Trainer per instance: the connector reads `_accelerator` of an instance it receives: refused there ---
     @property
@@ -108,8 +113,7 @@ class SingleProcessParallel:
 
     @accelerator.setter
     def accelerator(self, accelerator: Any) -> None:  # called by the Trainer that takes this instance
-        self.__dict__["_mgpu_accelerator"] = accelerator
-        self.__dict__["_mgpu_configured"] = True
+        self.__dict__.update(_mgpu_accelerator=accelerator, _mgpu_configured=True)
 
     @property
     def _accelerator(self) -> Any:
@@ -129,6 +133,10 @@ class SingleProcessParallel:
     world_size = 1
     is_distributed = False  # no DistributedSampler; self.log(sync_dist=True) is a no-op
     distributed_sampler_kwargs = None
+    training_step = _step_hook("training_step")
+    validation_step = _step_hook("validation_step")
+    test_step = _step_hook("test_step")
+    predict_step = _step_hook("predict_step")
 
     @property
     @override
@@ -196,8 +204,9 @@ class SingleProcessParallel:
         self._say_setup()
 
     def _say_setup(self) -> None:
-        """One line beside Lightning's own ("GPU available: ..."): the replicas and how they run."""
-        devices = list(self.parallel_devices)
+        """One line beside Lightning's own ("GPU available: ..."): the replicas, how they run, BatchNorm; then warnings
+        of what the module's code computes per shard."""
+        devices, module = list(self.parallel_devices), self.lightning_module
         if len(devices) == 1:
             warnings.warn(
                 f"{self.strategy_name} is running on one device ({devices[0]}), as without the strategy. Pass "
@@ -208,9 +217,10 @@ class SingleProcessParallel:
             return
         threads = resolve_mode(self.execution_mode, devices) == "threads"
         chosen = " (execution_mode='auto')" if self.execution_mode == "auto" else ""
-        meets = self._why_replicas_meet(self.lightning_module, "training_step")
+        synced = sync_batchnorm.has_sync_batchnorm(module)
+        meets = self._why_replicas_meet(module, "training_step")
         notice = None if meets is None else _meeting_notice(meets)  # the key of _mode_for's override notice
-        if meets is None and sync_batchnorm.has_sync_batchnorm(self.lightning_module):
+        if meets is None and synced:
             meets, notice = SYNC_BATCHNORM_THREADS.partition(":")[0], SYNC_BATCHNORM_THREADS
         if meets is not None and not threads:
             threads, chosen = True, f" ({meets})"
@@ -218,31 +228,26 @@ class SingleProcessParallel:
                 self._announced.add(notice)
         physical = len({(d.type, d.index) for d in devices})
         virtual = f"; virtual devices: {physical} physical device(s)" if physical < len(devices) else ""
-        where = ", ".join(map(str, devices))
         mode = "in threads, one per device" if threads else "one after another"
-        self._log(
-            f"{self.strategy_name}: {len(devices)} replicas on {where}{virtual}; replicas run {mode}{chosen}"
-            f"{self._batchnorm_words()}."
+        batchnorm = (
+            f"; BatchNorm synchronised across the replicas, as one device on the whole batch (opt out: "
+            f"{type(self).__name__}(sync_batchnorm=False))"
+            if synced
+            else "; BatchNorm normalises each shard with its own statistics (sync_batchnorm=False)"
+            if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
+            else ""
         )
-        for module in self._replicated_modules():
-            say_split_sensitive_layers(module, self.strategy_name)
-        if not self._STEP_PER_REPLICA:  # dp: the step runs once, on the whole batch
-            return
-        if found := distributed_gathers(self.lightning_module):
-            self._warn_once("torch.distributed", distributed_gather_message(self.strategy_name, found))
-        if metric := functional_metrics(self.lightning_module):
-            self._warn_once("functional metric", functional_metric_message(self.strategy_name, metric))
-
-    def _batchnorm_words(self) -> str:
-        """What the set-up line says of BatchNorm layers, where the module has any."""
-        if sync_batchnorm.has_sync_batchnorm(self.lightning_module):
-            return (
-                f"; BatchNorm synchronised across the replicas, as one device on the whole batch (opt out: "
-                f"{type(self).__name__}(sync_batchnorm=False))"
-            )
-        if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in self.lightning_module.modules()):
-            return "; BatchNorm normalises each shard with its own statistics (sync_batchnorm=False)"
-        return ""
+        self._log(
+            f"{self.strategy_name}: {len(devices)} replicas on {', '.join(map(str, devices))}{virtual}; replicas run "
+            f"{mode}{chosen}{batchnorm}."
+        )
+        for replicated in self._replicated_modules():
+            say_split_sensitive_layers(replicated, self.strategy_name)
+        if self._STEP_PER_REPLICA:  # dp: the step runs once, on the whole batch
+            if found := distributed_gathers(module):
+                self._warn_once("torch.distributed", distributed_gather_message(self.strategy_name, found))
+            if message := functional_metric_message(self.strategy_name, module):
+                self._warn_once("functional metric", message)
 
     def _replicated_modules(self) -> list[nn.Module]:
         return [self.lightning_module]
@@ -256,6 +261,7 @@ class SingleProcessParallel:
             self._converted_batchnorm = False
         super().teardown()  # type: ignore[misc]  # a mixin: ParallelStrategy is next in the MRO
 
+    # --- optimization ------------------------------------------------------------------------------------------------
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         def closure_then_reduce() -> Any:
@@ -272,23 +278,17 @@ class SingleProcessParallel:
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self._STEP_PER_REPLICA and current_replica() is not None:  # manual_backward inside a replicated step
-            return self._backward_across_replicas(closure_loss, optimizer, args, kwargs)
+            # The replicas meet: their losses combined by the loss rule, one backward pass through all of them, the
+            # gradients reduced onto the originals (those trainable now), as one device's manual_backward leaves them.
+            def backward_once(losses: list[torch.Tensor]) -> torch.Tensor:
+                combined = self._combine_replica_losses(losses)
+                self._backward_on_root(combined, optimizer, args, kwargs)
+                for replicas in self._replicas.values():
+                    replicas.replica_set.after_manual_backward()
+                return combined
+
+            return manual_optimization.meet("manual_backward", closure_loss, backward_once)
         return self._backward_on_root(closure_loss, optimizer, args, kwargs)
-
-    def _backward_across_replicas(
-        self, loss: torch.Tensor, optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> torch.Tensor:
-        """The replicas meet: their losses combined by the loss rule, one backward pass through all of them, the
-        gradients reduced onto the originals (those trainable now), as one device's ``manual_backward`` leaves them."""
-
-        def backward_once(losses: list[torch.Tensor]) -> torch.Tensor:
-            combined = self._combine_replica_losses(losses)
-            self._backward_on_root(combined, optimizer, args, kwargs)
-            for replicas in self._replicas.values():
-                replicas.replica_set.after_manual_backward()
-            return combined
-
-        return manual_optimization.meet("manual_backward", loss, backward_once)
 
     def _combine_replica_losses(self, losses: list[torch.Tensor]) -> torch.Tensor:
         """The step's replicas' losses as one loss on the root (by the strategy's loss rule)."""
@@ -297,8 +297,12 @@ class SingleProcessParallel:
     def _backward_on_root(
         self, closure_loss: torch.Tensor, optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> torch.Tensor:
-        if kwargs.get("inputs") is not None:  # manual_backward(loss, inputs=[...]) names the module's parameters
-            kwargs["inputs"] = self._replica_inputs(kwargs["inputs"])
+        if (inputs := kwargs.get("inputs")) is not None:
+            # manual_backward(loss, inputs=[...]) names the module's parameters; the graph reaches the leaves the
+            # replicas hold of them (threads, other devices), whose gradients reach them by the reduction.
+            sets, kwargs["inputs"] = [replicas.replica_set for replicas in self._replicas.values()], []
+            for tensor in [inputs] if isinstance(inputs, torch.Tensor) else inputs:
+                kwargs["inputs"].extend(next((found for rs in sets if (found := rs.leaves_of(tensor))), [tensor]))
         try:
             return super().backward(closure_loss, optimizer, *args, **kwargs)  # type: ignore[misc]  # mixin
         except Exception as err:
@@ -310,15 +314,6 @@ class SingleProcessParallel:
                     "the replica in a frame `replica_<index>`.",
                 )
             raise
-
-    def _replica_inputs(self, inputs: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """``inputs`` with each parameter the replicas hold leaves of their own for (threads, other devices) replaced
-        by those leaves: the graph reaches them, not the parameter; their gradients reach it by the reduction."""
-        replica_sets = [replicas.replica_set for replicas in self._replicas.values()]
-        mapped: list[torch.Tensor] = []
-        for tensor in [inputs] if isinstance(inputs, torch.Tensor) else inputs:
-            mapped.extend(next((found for rs in replica_sets if (found := rs.leaves_of(tensor))), [tensor]))
-        return mapped
 
     # --- replicated calls --------------------------------------------------------------------------------------------
     def _mode_for(self, replicas: LightningReplicas, count: int) -> tuple[ExecutionMode, bool]:
@@ -334,13 +329,9 @@ class SingleProcessParallel:
                     "strategy='dp' (the step runs once, on the whole batch) or strategy='ddp'."
                 )
             mode, reason = "threads", _meeting_notice(meets)
-        if reason is not None and reason not in self._announced:  # a mode chosen by 'auto' is no override: said once
+        if reason is not None:  # a mode chosen by 'auto' is no override: said as information
             message = f"{self.strategy_name}: execution_mode={self.execution_mode!r} overridden: {reason}."
-            if self.execution_mode == "auto":
-                self._log(message)
-            else:
-                warnings.warn(message, UserWarning, stacklevel=2)
-            self._announced.add(reason)
+            self._warn_once(reason, message, log=self.execution_mode == "auto")
         threads = count > 1 and resolve_mode(mode, replicas.devices[:count]) == "threads"
         return mode, threads and (not TAKE_TURNS or meets is not None or replicas.replica_set.meets_at_batchnorm)
 
@@ -351,7 +342,7 @@ class SingleProcessParallel:
         return self._collectives_reason(module)
 
     def _collectives_reason(self, module: nn.Module) -> str | None:
-        """Why the replicas of ``module`` meet inside a step, or ``None``."""
+        """Why the replicas of ``module`` meet inside a step (its collectives), or ``None``."""
         return None
 
     def _run_replicated(
@@ -366,11 +357,12 @@ class SingleProcessParallel:
         replicas = self._replicas.of(module, self.parallel_devices)
         replica_set, root, count = replicas.replica_set, self.lightning_module, len(sample_counts)
         self._replicated_on = replicas.devices[:count]
-        if count < len(self.parallel_devices) and "fewer samples than devices" not in self._announced:
-            self._announced.add("fewer samples than devices")  # said once: BoringModel's batches of 1 sample
-            self._log(
+        if count < len(self.parallel_devices):  # said once: BoringModel's batches of 1 sample
+            self._warn_once(
+                "fewer samples than devices",
                 f"{self.strategy_name}: a batch of {sum(sample_counts)} sample(s) ran on {count} of the "
-                f"{len(self.parallel_devices)} devices (at least one sample per device); the others had nothing to do."
+                f"{len(self.parallel_devices)} devices (at least one sample per device); the others had nothing to do.",
+                log=True,
             )
         hook = root._current_fx_name
         if replicas.hook != hook:  # a new stage: callbacks swap weights in through .data (EMA), which moves no
@@ -386,8 +378,8 @@ class SingleProcessParallel:
         if waiting and reads:  # a hook (on_train_batch_start) came after the backward passes whose reduction waits
             replica_set.reduce_gradients(run_hooks=False)
         replica_set.defer_reduction = accumulating and not reads
-        # On the first steps only: what a step could change once per replica (lists, shared dicts, schedulers).
-        checking = self._checks.before(hook, module, root, replica_set.builds) if count > 1 else False
+        # On the first two calls of each hook only: what a call could change once per replica (StepChecks).
+        checking = count > 1 and self._checks.calls[hook] < 2 and self._checks.before(hook, module, root)
         snapshots: list[dict[str, Any]] = [{}] * count  # replaced, never mutated
         manual = self._STEP_PER_REPLICA and training and not root.automatic_optimization
 
@@ -403,27 +395,21 @@ class SingleProcessParallel:
         outputs = replicas.run(count, watched, mode)
         kept = replica_set.keep_first_replicas(snapshots[0])  # the root module stands for replica 0
         if checking:
-            others = [rebound_attributes(r, b) for r, b in zip(replica_set.replicas[1:], snapshots[1:], strict=False)]
-            self._checks.after(hook, kept, others, manual=manual, interleaved=interleaved)
-            if names := diverged_buffers(replica_set.replicas[:count]):
-                message = diverged_buffers_message(self.strategy_name, hook, names, self._STEP_PER_REPLICA)
-                self._warn_once(f"buffers:{','.join(names)}", message)
+            used = replica_set.replicas[:count]
+            self._checks.after(hook, kept, used, snapshots, manual=manual, interleaved=interleaved)
         copy = loss_copy(outputs) if loss_copy is not None else None
-        if alone := replicas.merge_into(root, sample_counts, copy, outputs):
-            self._warn_once(f"logged alone:{hook}", self._alone_message(hook, alone, sample_counts))
+        if alone := replicas.merge_into(root, sample_counts, copy, outputs):  # logged behind is_global_zero
+            index = next(iter(alone.values()))
+            self._warn_once(
+                f"logged alone:{hook}",
+                f"{self.strategy_name}: `{hook}` logged {', '.join(map(repr, alone))} on replica {index} alone (behind "
+                f"`self.trainer.is_global_zero`, or a condition only its shard met), so the value logged is replica "
+                f"{index}'s, from its shard ({sample_counts[index]} of {sum(sample_counts)} samples), not the whole "
+                "batch's as on one device (ModelCheckpoint and EarlyStopping read it too). Call self.log on every "
+                "replica (without the condition; rank_zero_only=True may stay): their values merge into one device's. "
+                "A value that does not depend on the batch (a learning rate) is right as it is.",
+            )
         return outputs
-
-    def _alone_message(self, hook: str, alone: dict[str, int], sample_counts: Sequence[int]) -> str:
-        """Names one replica alone logged (behind ``is_global_zero``): its shard's value, not the whole batch's."""
-        index = next(iter(alone.values()))
-        return (
-            f"{self.strategy_name}: `{hook}` logged {', '.join(map(repr, alone))} on replica {index} alone (behind "
-            f"`self.trainer.is_global_zero`, or a condition only its shard met), so the value logged is replica "
-            f"{index}'s, from its shard ({sample_counts[index]} of {sum(sample_counts)} samples), not the whole "
-            "batch's as on one device (ModelCheckpoint and EarlyStopping read it too). Call self.log on every replica "
-            "(without the condition; rank_zero_only=True may stay): their values merge into one device's. A value "
-            "that does not depend on the batch (a learning rate) is right as it is."
-        )
 
     def _reads_gradients_between_backward_passes(self, root: Any) -> bool:
         """Whether ``on_after_backward`` or a gradient hook must see each backward pass's gradients."""
@@ -435,51 +421,37 @@ class SingleProcessParallel:
     def _log(self, message: str) -> None:
         logging.getLogger(self.namespace.name).info(message)
 
-    def _warn_once(self, key: str, message: str) -> None:
+    def _warn_once(self, key: str, message: str, log: bool = False) -> None:
+        """Say ``message`` once per ``key``: a warning, or information (``log``)."""
         if key not in self._announced:
             self._announced.add(key)
-            warnings.warn(message, UserWarning, stacklevel=3)
+            if log:
+                self._log(message)
+            else:
+                warnings.warn(message, UserWarning, stacklevel=3)
 
     def _split(self, split: Callable[[], T], roots: Sequence[tuple[str, Any]], what: str, runs: str) -> T | None:
         """``split()``, or ``None`` when ``what`` holds nothing to split or a cache every replica would change: then
         ``runs`` runs once, on the root, which is said once."""
         result = split_or_run_once(split, roots)
-        if result is not None:
-            return result
-        if (held := shared_state(roots)) is not None:
+        if result is None and (held := shared_state(roots)) is not None:
             self._warn_once(
                 f"unsplit:cache:{runs}",
                 f"{self.strategy_name}: {what} holds {held}, a transformers cache every replica would append to, so "
                 f"{runs} runs once, unsplit, on {self.root_device} while it holds one: nothing runs in parallel then.",
             )
-        else:
+        elif result is None:
             self._warn_once(
                 f"unsplit:{runs}",
                 f"{self.strategy_name}: nothing in {what} can be split along dim {self.dim}, so {runs} runs once, on "
                 f"{self.root_device}: nothing runs in parallel. Pass tensors in tuples, lists, dicts, namedtuples or "
                 "dataclasses.",
             )
-        return None
+        return result
 
-    # --- the four step hooks Lightning calls on the strategy ----------------------------------------------------------
+    # --- the four step hooks Lightning calls on the strategy (above) run this -----------------------------------------
     def _run_step(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         raise NotImplementedError
-
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._run_step("training_step", args, kwargs)
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._run_step("validation_step", args, kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._run_step("test_step", args, kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._run_step("predict_step", args, kwargs)
 
     def _step_context(self, hook: str) -> AbstractContextManager[Any]:
         """The precision plugin's context for ``hook``."""
