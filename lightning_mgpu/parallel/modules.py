@@ -136,7 +136,7 @@ class DataParallelModel(_Replicated):
             say_split_sensitive_layers(module, "DataParallelModel")
 
     def forward(self, *inputs: Any, **kwargs: Any) -> list[Any]:
-        root, split = self.device_ids[0], None
+        root = self.device_ids[0]
         if len(self.device_ids) > 1:
             roots = argument_roots(inputs, kwargs)
             split = split_or_run_once(lambda: split_arguments(inputs, kwargs, self.device_ids, self.dim), roots)
@@ -179,11 +179,6 @@ class DataParallelCriterion(_Replicated):
         self.criterion = criterion
         self.weight_fn = weight_fn
         self._said_sample_weights = False
-
-    @property
-    def reduction(self) -> str:
-        """The criterion's own reduction (a call may override it with a ``reduction=`` keyword argument)."""
-        return _reduction(self.criterion, {})
 
     def forward(self, outputs: Sequence[Any], *targets: Any, **kwargs: Any) -> Tensor:
         self._check_outputs(outputs)

@@ -157,7 +157,7 @@ class _JointBatchNorm(Function):
         root, active = xs[0].device, [p for p in parts if p.count]
         means, invstds = (torch.stack([p.stats[k].to(root, non_blocking=True) for p in active]) for k in range(2))
         counts = torch.tensor([p.count for p in active], dtype=means.dtype)  # copied without blocking the host:
-        counts = (counts.pin_memory() if root.type == "cuda" else counts).to(root, non_blocking=True)
+        counts = counts.pin_memory().to(root, non_blocking=True)
         mean, invstd = torch.batch_norm_gather_stats_with_counts(
             means, means, invstds, None, None, 0.0, layer.eps, counts
         )
