@@ -250,60 +250,51 @@ def convert_sync_batchnorm(module: nn.Module) -> nn.Module:
     """Replace every BatchNorm (any ``_BatchNorm``) in ``module`` by a :class:`SyncBatchNorm` holding the same Parameter
     and buffer objects (optimizers stay valid), flags, hooks and attributes; return ``module`` (a new object only when
     it is itself a BatchNorm). State-dict keys are unchanged; :func:`revert_sync_batchnorm` undoes it."""
-
-    def convert(sub: nn.Module, name: str) -> nn.Module | None:
-        if not isinstance(sub, _BatchNorm) or isinstance(sub, SyncBatchNorm):
-            return None
-        new = _retype(sub, SyncBatchNorm, name)
-        new._sync_key = _LayerKey(name, type(sub))
-        return new
-
     uses_sync_batchnorm(module)  # names the layers built as SyncBatchNorm, for their errors
-    return _replace_layers(module, convert)
+    return _retype_layers(module, lambda layer, name: None if isinstance(layer, SyncBatchNorm) else SyncBatchNorm)
 
 
 def revert_sync_batchnorm(module: nn.Module, default: type[_BatchNorm] | None = None) -> nn.Module:
     """Turn every :class:`SyncBatchNorm` in ``module`` back into the BatchNorm class it was converted from (``default``
     for layers built as SyncBatchNorm directly), keeping the same Parameter and buffer objects; return the module."""
 
-    def revert(sub: nn.Module, name: str) -> nn.Module | None:
-        if not isinstance(sub, SyncBatchNorm):
+    def original(layer: _BatchNorm, name: str) -> type[_BatchNorm] | None:
+        if not isinstance(layer, SyncBatchNorm):
             return None
-        cls = sub._sync_key.original_class or default
-        if cls is None:
+        if (cls := layer._sync_key.original_class or default) is None:
             raise ValueError(
                 f"SyncBatchNorm layer {_quoted(name)} was built directly, not by convert_sync_batchnorm, so the "
                 "BatchNorm class to restore is unknown: pass e.g. revert_sync_batchnorm(model, default=nn.BatchNorm2d)."
             )
-        new = _retype(sub, cls, name)
-        new.__dict__.pop("_sync_key", None)
-        return new
+        return cls
 
-    return _replace_layers(module, revert)
+    return _retype_layers(module, original)
 
 
-def _replace_layers(module: nn.Module, replace: Callable[[nn.Module, str], nn.Module | None]) -> nn.Module:
-    """``module`` with each submodule for which ``replace(sub, dotted_name)`` returns a layer swapped for it; a module
-    used at several places is offered once (under its first name) and replaced everywhere by one new object."""
-    new = {id(sub): layer for name, sub in module.named_modules() if (layer := replace(sub, name)) is not None}
+def _retype_layers(module: nn.Module, new_class: Callable[[_BatchNorm, str], type[_BatchNorm] | None]) -> nn.Module:
+    """``module`` with each BatchNorm for which ``new_class(layer, dotted_name)`` gives a class swapped for an instance
+    of it with the layer's state: the same tensors, flags, hooks and attributes (containers copied, so the two modules
+    do not share later registrations). A layer used at several places is offered once (under its first name) and
+    replaced everywhere by one new object."""
+    new: dict[int, nn.Module] = {}
+    for name, sub in module.named_modules():
+        if not isinstance(sub, _BatchNorm) or (cls := new_class(sub, name)) is None:
+            continue
+        if isinstance(sub, LazyModuleMixin) and sub.has_uninitialized_params():
+            raise ValueError(
+                f"Cannot convert {type(sub).__name__} {_quoted(name)}: its parameters are not initialised yet. Run one "
+                "forward pass (a dry run on a sample batch) before converting."
+            )
+        layer = new[id(sub)] = cls.__new__(cls)
+        state = {k: v.copy() if isinstance(v, (dict, set)) else v for k, v in sub.__dict__.items() if k != "_sync_key"}
+        layer.__dict__.update(state)
+        if isinstance(layer, SyncBatchNorm):
+            layer._sync_key = _LayerKey(name, type(sub))
     for path, sub in list(module.named_modules(remove_duplicate=False)):
         if path and id(sub) in new:
             parent, _, leaf = path.rpartition(".")
             setattr(module.get_submodule(parent), leaf, new[id(sub)])
     return new.get(id(module), module)
-
-
-def _retype(layer: _BatchNorm, cls: type[_BatchNorm], name: str) -> Any:
-    """A ``cls`` instance with ``layer``'s state: the same tensors, flags, hooks and attributes (containers copied, so
-    the two modules do not share later registrations)."""
-    if isinstance(layer, LazyModuleMixin) and layer.has_uninitialized_params():
-        raise ValueError(
-            f"Cannot convert {type(layer).__name__} {_quoted(name)}: its parameters are not initialised yet. Run one "
-            "forward pass (a dry run on a sample batch) before converting."
-        )
-    new = cls.__new__(cls)
-    new.__dict__.update({k: v.copy() if isinstance(v, (dict, set)) else v for k, v in layer.__dict__.items()})
-    return new
 
 
 def uses_sync_batchnorm(module: nn.Module) -> bool:
