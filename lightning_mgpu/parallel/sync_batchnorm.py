@@ -129,13 +129,13 @@ def _combine(parts: list[_Part]) -> tuple[Tensor, ...]:
 
 def _plain_joint(parts: list[_Part], total: int) -> list[Tensor]:
     """The layer call in differentiable tensor ops, where torch has no batch-norm primitives (the CPU): statistics in
-    float32 at least, the whole batch's variance as the count-weighted within- plus between-shard variances."""
+    float32 at least, the whole batch's variance as the count-weighted within- plus between-shard variances. No sum
+    over a stack of shards: ``loss_graph.coupling`` would take it for a reduction over the batch dimension."""
     layer, root, dims = parts[0].layer, parts[0].x.device, [0, *range(2, parts[0].x.dim())]
-    shards = [(p.count, torch.var_mean(_upcast(p.x), dims, correction=0)) for p in parts if p.count]
-    variances, means = (torch.stack([stats[k].to(root) for _, stats in shards]) for k in range(2))
-    weights = torch.tensor([n / total for n, _ in shards], dtype=means.dtype, device=root).unsqueeze(1)
-    mean = (weights * means).sum(0)
-    invstd = ((weights * (variances + (means - mean).square())).sum(0) + layer.eps).rsqrt()
+    shards = [(p.count / total, torch.var_mean(_upcast(p.x), dims, correction=0)) for p in parts if p.count]
+    mean = sum(w * m.to(root) for w, (_, m) in shards)
+    var = sum(w * (v.to(root) + (m.to(root) - mean).square()) for w, (v, m) in shards)
+    invstd = (var + layer.eps).rsqrt()
     _update_running(layer, mean.detach(), invstd.detach(), total)
     outputs = []
     for p in parts:
