@@ -82,10 +82,9 @@ class _Replicated(nn.Module):
     def _run(
         self, module: Any, devices: list[torch.device], count: int, replicate: bool, call: Callable[[Any, int], Any]
     ) -> list[Any]:
-        """``call(replica, i)`` for each of the first ``count`` devices, from lasting replicas of ``module`` where
-        ``replicate``, else on ``module`` itself (stateless: calling one object from threads is safe). The outputs are
-        watched: the backward pass through them reduces the replicas' gradients. A failed run ends at once, keeping
-        what replica 0 rebound, rather than at the next call (its hooks are global)."""
+        """``call(replica, i)`` on the first ``count`` devices, with lasting replicas of ``module`` where ``replicate``
+        (else ``module`` itself: stateless, safe to call from threads), the outputs watched so that backward reduces
+        the replicas' gradients. A failed run ends at once, keeping what replica 0 rebound (its hooks are global)."""
         # A compiled module runs one replica after another: Dynamo is not thread-safe.
         mode: ExecutionMode = "sequential" if is_compiled(module) else self.execution_mode
         replica_set, replicas = None, [module] * count
@@ -97,11 +96,9 @@ class _Replicated(nn.Module):
                 message = f"{type(self).__name__}: execution_mode={self.execution_mode!r} overridden: {reason}."
                 warnings.warn(message, UserWarning, stacklevel=3)
             replicas = replica_set.prepare(count)
-        outputs: list[Any] = []
+        calls, outputs = [functools.partial(call, r, i) for i, r in enumerate(replicas)], []
         try:
-            outputs = run_replicas(
-                [functools.partial(call, r, i) for i, r in enumerate(replicas)], devices[:count], mode
-            )
+            outputs = run_replicas(calls, devices[:count], mode)
         finally:
             if replica_set is not None:
                 replica_set.watch(outputs)
