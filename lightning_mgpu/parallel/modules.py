@@ -133,7 +133,6 @@ class DataParallelModel(_Replicated):
             say_split_sensitive_layers(module, "DataParallelModel")
 
     def forward(self, *inputs: Any, **kwargs: Any) -> list[Any]:
-        root = self.device_ids[0]
         if len(self.device_ids) > 1:
             roots = argument_roots(inputs, kwargs)
             split = split_or_run_once(lambda: split_arguments(inputs, kwargs, self.device_ids, self.dim), roots)
@@ -142,7 +141,8 @@ class DataParallelModel(_Replicated):
         args, kwargs_chunks, sizes = split or ([inputs], [kwargs], [])
         self.__dict__["last_split_sizes"] = tuple(sizes)  # skips nn.Module.__setattr__'s checks
         if len(args) == 1:  # one run on the root, no replica needed
-            return [self.module(*move_to(args[0], root), **move_to(kwargs_chunks[0], root))]
+            call_args, call_kwargs = _placed((args[0], kwargs_chunks[0]), self.device_ids[0])
+            return [self.module(*call_args, **call_kwargs)]
         return self._run(self.module, self.device_ids, len(sizes), True, lambda r, i: r(*args[i], **kwargs_chunks[i]))
 
     def gather(self, outputs: Sequence[Any]) -> Any:
@@ -180,7 +180,7 @@ class DataParallelCriterion(_Replicated):
     def forward(self, outputs: Sequence[Any], *targets: Any, **kwargs: Any) -> Tensor:
         self._check_outputs(outputs)
         if len(outputs) == 1:  # a plain call on the one output: exactly the criterion's result, whatever its reduction
-            targets, kwargs = move_to((targets, kwargs), _output_device(outputs[0], self.device_ids[0]))
+            targets, kwargs = _placed((targets, kwargs), _output_device(outputs[0], self.device_ids[0]))
             return self.criterion(*_as_args(outputs[0]), *targets, **kwargs)
         devices = [_output_device(o, d) for o, d in zip(outputs, self.device_ids, strict=False)]
         target_chunks, kwargs_chunks, samples = self._split_targets(outputs, targets, kwargs, devices)
@@ -332,6 +332,11 @@ def _reduction(criterion: Any, kwargs: dict[str, Any]) -> str:
     """The reduction of a call: its ``reduction=`` keyword, a partial's, else the criterion's attribute, else mean."""
     keywords = criterion.keywords if isinstance(criterion, functools.partial) else {}
     return kwargs.get("reduction", keywords.get("reduction", getattr(criterion, "reduction", "mean")))
+
+
+def _placed(values: Any, device: torch.device) -> Any:
+    """``values`` with its tensors on ``device``: the very objects when they all are (a plain call gets its own)."""
+    return values if all(t.device == device for _, t in iter_tensors(values)) else move_to(values, device)
 
 
 def _as_args(output: Any) -> tuple[Any, ...]:
