@@ -30,13 +30,11 @@ from lightning_mgpu.parallel.scatter_gather import (
     is_namedtuple,
     iter_tensors,
     move_to,
-    roots_batch_size,
     split_arguments,
     split_or_run_once,
 )
 
 WeightFn = Callable[[Any, tuple[Any, ...]], float | int | Tensor]
-_PLAIN_TYPES = (int, float, str, bool, type(None))
 #: Keywords of torch's loss functions that hold one value per class, not per sample: they go whole to every device.
 _PER_CLASS = ((F.cross_entropy, "weight"), (F.nll_loss, "weight"), (F.binary_cross_entropy_with_logits, "pos_weight"))
 
@@ -70,7 +68,7 @@ def say_split_sensitive_layers(module: nn.Module, who: str) -> None:
 
 
 class _Replicated(nn.Module):
-    """What both modules share: their devices, batch dimension, execution mode and lasting replicas."""
+    """What both modules share: their devices, batch dimension, execution mode, lasting replicas and run path."""
 
     def __init__(self, devices: list[torch.device], dim: int, execution_mode: ExecutionMode) -> None:
         super().__init__()
@@ -79,6 +77,32 @@ class _Replicated(nn.Module):
         resolve_mode(execution_mode, devices)  # checks the value
         self.execution_mode: ExecutionMode = execution_mode
         self._replicas: ReplicaCache[ReplicaSet] = ReplicaCache(ReplicaSet)
+        self._said: set[str] = set()  # overrides of the execution mode, warned once each
+
+    def _run(
+        self, module: Any, devices: list[torch.device], count: int, replicate: bool, call: Callable[[Any, int], Any]
+    ) -> list[Any]:
+        """``call(replica, i)`` on the first ``count`` devices, with lasting replicas of ``module`` where ``replicate``
+        (else ``module`` itself: stateless, safe to call from threads), the outputs watched so that backward reduces
+        the replicas' gradients. A failed run ends at once, keeping what replica 0 rebound (its hooks are global)."""
+        # A compiled module runs one replica after another: Dynamo is not thread-safe.
+        mode: ExecutionMode = "sequential" if is_compiled(module) else self.execution_mode
+        replica_set, replicas = None, [module] * count
+        if replicate:
+            replica_set = self._replicas.of(module, devices)
+            mode, reason = replica_set.execution_mode(self.execution_mode, count)
+            if reason is not None and self.execution_mode != "auto" and reason not in self._said:  # once, as chosen
+                self._said.add(reason)
+                message = f"{type(self).__name__}: execution_mode={self.execution_mode!r} overridden: {reason}."
+                warnings.warn(message, UserWarning, stacklevel=3)
+            replicas = replica_set.prepare(count)
+        calls, outputs = [functools.partial(call, r, i) for i, r in enumerate(replicas)], []
+        try:
+            outputs = run_replicas(calls, devices[:count], mode)
+        finally:
+            if replica_set is not None:
+                replica_set.watch(outputs)
+        return outputs
 
 
 class DataParallelModel(_Replicated):
@@ -104,73 +128,28 @@ class DataParallelModel(_Replicated):
         self.module = module
         self.output_device = to_device(output_device) if output_device is not None else self.device_ids[0]
         self.last_split_sizes: tuple[int, ...] = ()
-        self._said: set[str] = set()  # overrides of the execution mode, warned once each
         check_module_on(module, self.device_ids[0])
         if len(self.device_ids) > 1:
             say_split_sensitive_layers(module, "DataParallelModel")
 
     def forward(self, *inputs: Any, **kwargs: Any) -> list[Any]:
-        one_device, split = len(self.device_ids) == 1, None
-        if not one_device:
+        if len(self.device_ids) > 1:
             roots = argument_roots(inputs, kwargs)
             split = split_or_run_once(lambda: split_arguments(inputs, kwargs, self.device_ids, self.dim), roots)
-        if split is None:  # one run on the root, inputs moved only when some are elsewhere
-            on_root, size = _scan(inputs, kwargs, self.device_ids[0], self.dim)
-            if not on_root:
-                inputs, kwargs = move_to((inputs, kwargs), self.device_ids[0])
-            split = [inputs], [kwargs], [size] if one_device else []
-        args_chunks, kwargs_chunks, sizes = split
+        else:
+            split = [inputs], [kwargs], [agreed_size((inputs, kwargs), self.dim) or 0]
+        args, kwargs_chunks, sizes = split or ([inputs], [kwargs], [])
         self.__dict__["last_split_sizes"] = tuple(sizes)  # skips nn.Module.__setattr__'s checks
-        if len(args_chunks) == 1:  # one run on the root, no replica needed
-            return [self.module(*args_chunks[0], **kwargs_chunks[0])]
-        used = self.device_ids[: len(sizes)]
-        replica_set = self._replicas.of(self.module, self.device_ids)
-        mode, reason = replica_set.execution_mode(self.execution_mode, len(used))
-        if reason is not None and self.execution_mode != "auto" and reason not in self._said:  # once, as chosen
-            self._said.add(reason)
-            message = f"DataParallelModel: execution_mode={self.execution_mode!r} overridden: {reason}."
-            warnings.warn(message, UserWarning, stacklevel=2)
-        replicas = replica_set.prepare(len(used))
-        calls = [functools.partial(r, *a, **k) for r, a, k in zip(replicas, args_chunks, kwargs_chunks, strict=True)]
-        return _run_watched(replica_set, calls, used, mode)
+        if len(args) == 1:  # one run on the root, no replica needed
+            call_args, call_kwargs = _placed((args[0], kwargs_chunks[0]), self.device_ids[0])
+            return [self.module(*call_args, **call_kwargs)]
+        return self._run(self.module, self.device_ids, len(sizes), True, lambda r, i: r(*args[i], **kwargs_chunks[i]))
 
     def gather(self, outputs: Sequence[Any]) -> Any:
         """Concatenate per-device outputs on ``output_device`` (for metrics, logging), with the last call's split
         sizes, which tell per-sample lists of plain items (ids) from fixed ones."""
         sizes = self.last_split_sizes if len(self.last_split_sizes) == len(outputs) else None
         return merge_outputs(outputs, self.output_device, self.dim, sizes=sizes)
-
-
-def _run_watched(
-    replica_set: ReplicaSet | None, calls: list[Callable[[], Any]], devices: list[torch.device], mode: ExecutionMode
-) -> list[Any]:
-    """The replicas' results, watched: the backward pass through them reduces the replicas' gradients. A failed run
-    ends at once, keeping what replica 0 rebound, rather than at the next call (its hooks are global)."""
-    outputs: list[Any] = []
-    try:
-        outputs = run_replicas(calls, devices, mode)
-    finally:
-        if replica_set is not None:
-            replica_set.watch(outputs)
-    return outputs
-
-
-def _scan(args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device, dim: int) -> tuple[bool, int]:
-    """``(every tensor is on device, the first size along dim or 0)`` in one pass; flat tensor arguments take a loop
-    with no generator (a one-device, launch-bound CUDA step feels each µs)."""
-    on_device, size, nested = True, 0, False
-    for value in itertools.chain(args, kwargs.values()):
-        if isinstance(value, _PLAIN_TYPES):
-            continue
-        nested = nested or not isinstance(value, Tensor)
-        for tensor in (value,) if isinstance(value, Tensor) else (t for _, t in iter_tensors(value)):
-            on_device = on_device and tensor.device == device
-            if not size and tensor.dim() > dim:
-                size = tensor.shape[dim]
-    if nested:  # containers may hold a PerSample, whose length is the batch size
-        with contextlib.suppress(BatchSplitError):
-            size = roots_batch_size(argument_roots(args, kwargs), dim)
-    return on_device, size
 
 
 class DataParallelCriterion(_Replicated):
@@ -198,17 +177,10 @@ class DataParallelCriterion(_Replicated):
         self.weight_fn = weight_fn
         self._said_sample_weights = False
 
-    @property
-    def reduction(self) -> str:
-        """The criterion's own reduction (a call may override it with a ``reduction=`` keyword argument)."""
-        return _reduction(self.criterion, {})
-
     def forward(self, outputs: Sequence[Any], *targets: Any, **kwargs: Any) -> Tensor:
         self._check_outputs(outputs)
         if len(outputs) == 1:  # a plain call on the one output: exactly the criterion's result, whatever its reduction
-            device = _output_device(outputs[0], self.device_ids[0])
-            if not _scan(targets, kwargs, device, self.dim)[0]:
-                targets, kwargs = move_to((targets, kwargs), device)
+            targets, kwargs = _placed((targets, kwargs), _output_device(outputs[0], self.device_ids[0]))
             return self.criterion(*_as_args(outputs[0]), *targets, **kwargs)
         devices = [_output_device(o, d) for o, d in zip(outputs, self.device_ids, strict=False)]
         target_chunks, kwargs_chunks, samples = self._split_targets(outputs, targets, kwargs, devices)
@@ -273,14 +245,9 @@ class DataParallelCriterion(_Replicated):
         """Each device's loss on its output and targets (from lasting replicas of a criterion that holds tensors), and
         with ``record`` the loss calls of each loss without an autograd record."""
         criterion = self.criterion
-        # A compiled criterion runs one replica after another: Dynamo is not thread-safe.
-        mode: ExecutionMode = "sequential" if is_compiled(criterion) else self.execution_mode
-        replica_set: ReplicaSet | None = None
-        replicas: Sequence[Any] = [criterion] * len(outputs)  # stateless: calling one object from threads is safe
-        if isinstance(criterion, nn.Module) and module_device(criterion) is not None:
+        stateful = isinstance(criterion, nn.Module) and module_device(criterion) is not None
+        if stateful:
             check_module_on(criterion, self.device_ids[0], what="criterion")
-            replica_set = self._replicas.of(criterion, devices)
-            replicas = replica_set.prepare(len(devices))
         # Loss calls say the count of a loss that will carry no autograd record (no gradients, or outputs without).
         grads = torch.is_grad_enabled()
         calls = [
@@ -288,12 +255,12 @@ class DataParallelCriterion(_Replicated):
             for o in outputs
         ]
 
-        def call(i: int) -> Tensor:
+        def call(replica: Any, i: int) -> Tensor:
             with contextlib.nullcontext() if calls[i] is None else calls[i]:
-                return replicas[i](*_as_args(outputs[i]), *targets[i], **kwargs[i])
+                return replica(*_as_args(outputs[i]), *targets[i], **kwargs[i])
 
         try:
-            losses = _run_watched(replica_set, [functools.partial(call, i) for i in range(len(outputs))], devices, mode)
+            return self._run(criterion, devices, len(outputs), stateful, call), calls
         except TypeError as err:
             if isinstance(outputs[0], tuple) and not is_namedtuple(outputs[0]):
                 add_note(
@@ -303,7 +270,6 @@ class DataParallelCriterion(_Replicated):
                     "(def criterion(logits, aux, target)), or return a namedtuple or dict, which is passed whole.",
                 )
             raise
-        return losses, calls
 
     def _split_targets(
         self, outputs: list[Any], targets: tuple[Any, ...], kwargs: dict[str, Any], devices: list[torch.device]
@@ -366,6 +332,11 @@ def _reduction(criterion: Any, kwargs: dict[str, Any]) -> str:
     """The reduction of a call: its ``reduction=`` keyword, a partial's, else the criterion's attribute, else mean."""
     keywords = criterion.keywords if isinstance(criterion, functools.partial) else {}
     return kwargs.get("reduction", keywords.get("reduction", getattr(criterion, "reduction", "mean")))
+
+
+def _placed(values: Any, device: torch.device) -> Any:
+    """``values`` with its tensors on ``device``: the very objects when they all are (a plain call gets its own)."""
+    return values if all(t.device == device for _, t in iter_tensors(values)) else move_to(values, device)
 
 
 def _as_args(output: Any) -> tuple[Any, ...]:

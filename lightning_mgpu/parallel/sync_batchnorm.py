@@ -1,11 +1,11 @@
 """Single-process SyncBatchNorm: BatchNorm statistics over the whole batch, across the replicas of one call.
 
-The k-th call of a layer in each replica meets the others'; the last to arrive runs one autograd node over every
-replica's input (statistics weighted by shard size, running statistics on replica 0's buffers, the module's own), so
-backward needs no rendezvous. The node runs torch's batch-norm primitives (those of ``torch.nn.SyncBatchNorm``) on
-CUDA and the same steps in plain tensor ops elsewhere. Outside a replicated call, with one replica, or in eval mode
-with running statistics, the layer is ``BatchNorm``. Limits: replicas in threads, calling the sync layers in the same
-order; one ``backward`` over the outputs (no double backward, no checkpointed segments holding sync layers).
+The k-th call of a layer in each replica meets the others'; the last to arrive normalises every replica's input at once
+(statistics weighted by shard size, running statistics on replica 0's buffers, the module's own), so backward needs no
+rendezvous: on CUDA in one autograd node running torch's batch-norm primitives (those of ``torch.nn.SyncBatchNorm``),
+elsewhere in plain tensor ops. Outside a replicated call, with one replica, or in eval mode with running statistics,
+the layer is ``BatchNorm``. Limits: replicas in threads, calling the sync layers in the same order; one ``backward``
+over the outputs (no double backward, no checkpointed segments holding sync layers).
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ class SyncBatchNorm(_BatchNorm):
             )
         x = _contiguous(input)
         count = x.numel() // x.size(1)
-        stats = _ops(x).batch_norm_stats(x.detach(), self.eps) if count else None
+        stats = torch.batch_norm_stats(x.detach(), self.eps) if count and x.is_cuda else None
         part = _Part(self, x, stats, count, torch.cuda.current_stream(x.device) if x.is_cuda else None)
         site = (self._sync_key, call)
         return replica.group.rendezvous(replica.index, site, part, _combine, label, _HINT, _SEQUENTIAL_HINT)
@@ -102,7 +102,7 @@ def _quoted(name: str | None, features: int = 0) -> str:
 
 class _Part(NamedTuple):
     """What one replica brings to a layer call's rendezvous: its layer (replica 0's buffers are the module's own),
-    input, mean and inverse std (None for an empty shard), values per channel, CUDA stream."""
+    input, mean and inverse std (CUDA only, None for an empty shard), values per channel, CUDA stream."""
 
     layer: SyncBatchNorm
     x: Tensor
@@ -119,10 +119,31 @@ def _combine(parts: list[_Part]) -> tuple[Tensor, ...]:
             f"Expected more than 1 value per channel when training, got {total} over all replicas "
             f"(SyncBatchNorm layer {_quoted(layer._sync_key.name, layer.num_features)})"
         )
+    if not parts[0].x.is_cuda:
+        return _plain_joint(parts, total)
     tensors = [p.x for p in parts] + [p.layer.weight for p in parts] + [p.layer.bias for p in parts]
     # Each replica's stream is current on its device while the node runs *and* while autograd records its outputs.
     with _streams([p.stream for p in parts]):
         return _JointBatchNorm.apply(parts, *tensors)
+
+
+def _plain_joint(parts: list[_Part], total: int) -> list[Tensor]:
+    """The layer call in differentiable tensor ops, where torch has no batch-norm primitives (the CPU): statistics in
+    float32 at least, the whole batch's variance as the count-weighted within- plus between-shard variances. No sum
+    over a stack of shards: ``loss_graph.coupling`` would take it for a reduction over the batch dimension."""
+    layer, root, dims = parts[0].layer, parts[0].x.device, [0, *range(2, parts[0].x.dim())]
+    shards = [(p.count / total, torch.var_mean(_upcast(p.x), dims, correction=0)) for p in parts if p.count]
+    mean = sum(w * m.to(root) for w, (_, m) in shards)
+    var = sum(w * (v.to(root) + (m.to(root) - mean).square()) for w, (v, m) in shards)
+    invstd = (var + layer.eps).rsqrt()
+    _update_running(layer, mean.detach(), invstd.detach(), total)
+    outputs = []
+    for p in parts:
+        shape, weight, bias = (1, -1) + (1,) * (p.x.dim() - 2), p.layer.weight, p.layer.bias
+        scale = invstd.to(p.x.device) if weight is None else invstd.to(p.x.device) * weight.to(invstd.dtype)
+        y = (_upcast(p.x) - mean.to(p.x.device).view(shape)) * scale.view(shape)
+        outputs.append((y if bias is None else y + bias.to(y.dtype).view(shape)).to(p.x.dtype))
+    return outputs
 
 
 class _JointBatchNorm(Function):
@@ -131,38 +152,38 @@ class _JointBatchNorm(Function):
 
     @staticmethod
     def forward(ctx: FunctionCtx, parts: list[_Part], *tensors: Tensor | None) -> tuple[Tensor, ...]:
-        n, layer, ops = len(parts), parts[0].layer, _ops(parts[0].x)
+        n, layer = len(parts), parts[0].layer
         xs, weights, biases = tensors[:n], tensors[n : 2 * n], tensors[2 * n :]
         root, active = xs[0].device, [p for p in parts if p.count]
         means, invstds = (torch.stack([p.stats[k].to(root, non_blocking=True) for p in active]) for k in range(2))
         counts = torch.tensor([p.count for p in active], dtype=means.dtype)  # copied without blocking the host:
-        counts = (counts.pin_memory() if root.type == "cuda" else counts).to(root, non_blocking=True)
-        mean, invstd = ops.batch_norm_gather_stats_with_counts(
+        counts = counts.pin_memory().to(root, non_blocking=True)
+        mean, invstd = torch.batch_norm_gather_stats_with_counts(
             means, means, invstds, None, None, 0.0, layer.eps, counts
         )
         _update_running(layer, mean, invstd, sum(p.count for p in parts))
         joint = torch.stack([mean, invstd])
         stats = [joint.to(x.device, non_blocking=True) for x in xs]  # one copy per other device
         outputs = [
-            ops.batch_norm_elemt(x, weight, bias, *stats_i, layer.eps) if p.count else torch.empty_like(x)
+            torch.batch_norm_elemt(x, weight, bias, *stats_i, layer.eps) if p.count else torch.empty_like(x)
             for p, x, weight, bias, stats_i in zip(parts, xs, weights, biases, stats, strict=True)
         ]
         # No reference to the parts is kept past the forward.
-        ctx.ops, ctx.counts, ctx.streams = ops, [p.count for p in parts], [p.stream for p in parts]
+        ctx.counts, ctx.streams = [p.count for p in parts], [p.stream for p in parts]
         ctx.save_for_backward(*xs, *weights, *stats)
         return tuple(outputs)
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
-        ops, counts, n = ctx.ops, ctx.counts, len(ctx.counts)
+        counts, n = ctx.counts, len(ctx.counts)
         xs, weights, stats = (ctx.saved_tensors[k * n : (k + 1) * n] for k in range(3))
         needs_x, needs_w, needs_b = (ctx.needs_input_grad[1 + k * n : 1 + (k + 1) * n] for k in range(3))
         input_grad, grads_x, grads_w, grads_b, sums = any(needs_x), [None] * n, [None] * n, [None] * n, []
         with _streams(ctx.streams):
             dys = [_contiguous(g) for g in grads]
             for i in (i for i in range(n) if counts[i] and (input_grad or needs_w[i] or needs_b[i])):
-                sum_dy, sum_dy_xmu, grads_w[i], grads_b[i] = ops.batch_norm_backward_reduce(
+                sum_dy, sum_dy_xmu, grads_w[i], grads_b[i] = torch.batch_norm_backward_reduce(
                     dys[i], xs[i], *stats[i], weights[i], input_grad, needs_w[i], needs_b[i]
                 )
                 if input_grad:  # else the sums are left undefined
@@ -174,7 +195,7 @@ class _JointBatchNorm(Function):
                 count = torch.full((1,), sum(counts), dtype=torch.int32, device=xs[i].device)
                 sums_i = total_sums.to(xs[i].device, non_blocking=True)
                 grads_x[i] = (
-                    ops.batch_norm_backward_elemt(dys[i], xs[i], *stats[i], weight, *sums_i, count)
+                    torch.batch_norm_backward_elemt(dys[i], xs[i], *stats[i], weight, *sums_i, count)
                     if counts[i]
                     else torch.zeros_like(xs[i])
                 )
@@ -216,69 +237,8 @@ def _contiguous(t: Tensor) -> Tensor:
     return t if any(t.is_contiguous(memory_format=layout) for layout in layouts) else t.contiguous()
 
 
-# --- torch's batch-norm primitives, in plain tensor ops where torch has none (the CPU) -----------------------------
-def _ops(x: Tensor) -> Any:
-    return torch if x.is_cuda else _PlainOps
-
-
-def _shape(x: Tensor) -> tuple[int, ...]:
-    """Broadcast shape of a per-channel vector against ``x``."""
-    return (1, x.size(1)) + (1,) * (x.dim() - 2)
-
-
 def _upcast(x: Tensor) -> Tensor:
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
-
-
-class _PlainOps:
-    """``torch.batch_norm_*`` (CUDA only) with their signatures and results, statistics in float32 at least; the
-    node passes ``batch_norm_gather_stats_with_counts`` no running statistics (:func:`_update_running` updates them)."""
-
-    @staticmethod
-    def batch_norm_stats(x: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-        var, mean = torch.var_mean(_upcast(x), [0, *range(2, x.dim())], correction=0)
-        return mean, (var + eps).rsqrt()
-
-    @staticmethod
-    def batch_norm_gather_stats_with_counts(
-        x: Tensor, means: Tensor, invstds: Tensor, *args: Any
-    ) -> tuple[Tensor, ...]:
-        *_, eps, counts = args  # after running_mean, running_var, momentum: None, None, 0.0
-        weights = (counts / counts.sum()).unsqueeze(1)
-        mean = (weights * means).sum(0)
-        var = (weights * (invstds.pow(-2) - eps + (means - mean).square())).sum(0)  # within- plus between-shard
-        return mean, (var + eps).rsqrt()
-
-    @staticmethod
-    def batch_norm_elemt(x: Tensor, weight: Tensor | None, bias: Tensor | None, *stats_eps: Any) -> Tensor:
-        (mean, invstd, _), shape = stats_eps, _shape(x)
-        scale = invstd if weight is None else invstd * weight.to(invstd.dtype)
-        y = (_upcast(x) - mean.view(shape)) * scale.view(shape)
-        return (y if bias is None else y + bias.to(y.dtype).view(shape)).to(x.dtype)
-
-    @staticmethod
-    def batch_norm_backward_reduce(
-        dy: Tensor, x: Tensor, mean: Tensor, invstd: Tensor, weight: Tensor | None, *needs: bool
-    ) -> tuple[Tensor | None, ...]:
-        """``sum(dy)``, ``sum(dy * (x - mean))`` per channel, and the weight and bias gradients (where ``needs``)."""
-        dims, dy, (_, weight_g, bias_g) = [0, *range(2, x.dim())], dy.to(mean.dtype), needs
-        sum_dy, sum_dy_xmu = dy.sum(dims), (dy * (_upcast(x) - mean.view(_shape(x)))).sum(dims)
-        grad_weight = (sum_dy_xmu * invstd).to(weight.dtype) if weight_g and weight is not None else None
-        grad_bias = sum_dy.to(weight.dtype) if bias_g and weight is not None else None
-        return sum_dy, sum_dy_xmu, grad_weight, grad_bias
-
-    @staticmethod
-    def batch_norm_backward_elemt(
-        dy: Tensor, x: Tensor, mean: Tensor, invstd: Tensor, weight: Tensor | None, *sums_count: Tensor
-    ) -> Tensor:
-        """The input gradient, given the whole batch's ``sum(dy)``, ``sum(dy * (x - mean))`` and ``count``."""
-        (sum_dy, sum_dy_xmu, count), shape = sums_count, _shape(x)
-        total, scale = count.sum(), invstd if weight is None else invstd * weight
-        xmu = _upcast(x) - mean.view(shape)
-        grad = (
-            dy.to(mean.dtype) - (sum_dy / total).view(shape) - xmu * (invstd.square() * sum_dy_xmu / total).view(shape)
-        )
-        return (grad * scale.view(shape)).to(x.dtype)
 
 
 def has_sync_batchnorm(module: nn.Module) -> bool:
@@ -290,60 +250,51 @@ def convert_sync_batchnorm(module: nn.Module) -> nn.Module:
     """Replace every BatchNorm (any ``_BatchNorm``) in ``module`` by a :class:`SyncBatchNorm` holding the same Parameter
     and buffer objects (optimizers stay valid), flags, hooks and attributes; return ``module`` (a new object only when
     it is itself a BatchNorm). State-dict keys are unchanged; :func:`revert_sync_batchnorm` undoes it."""
-
-    def convert(sub: nn.Module, name: str) -> nn.Module | None:
-        if not isinstance(sub, _BatchNorm) or isinstance(sub, SyncBatchNorm):
-            return None
-        new = _retype(sub, SyncBatchNorm, name)
-        new._sync_key = _LayerKey(name, type(sub))
-        return new
-
     uses_sync_batchnorm(module)  # names the layers built as SyncBatchNorm, for their errors
-    return _replace_layers(module, convert)
+    return _retype_layers(module, lambda layer, name: None if isinstance(layer, SyncBatchNorm) else SyncBatchNorm)
 
 
 def revert_sync_batchnorm(module: nn.Module, default: type[_BatchNorm] | None = None) -> nn.Module:
     """Turn every :class:`SyncBatchNorm` in ``module`` back into the BatchNorm class it was converted from (``default``
     for layers built as SyncBatchNorm directly), keeping the same Parameter and buffer objects; return the module."""
 
-    def revert(sub: nn.Module, name: str) -> nn.Module | None:
-        if not isinstance(sub, SyncBatchNorm):
+    def original(layer: _BatchNorm, name: str) -> type[_BatchNorm] | None:
+        if not isinstance(layer, SyncBatchNorm):
             return None
-        cls = sub._sync_key.original_class or default
-        if cls is None:
+        if (cls := layer._sync_key.original_class or default) is None:
             raise ValueError(
                 f"SyncBatchNorm layer {_quoted(name)} was built directly, not by convert_sync_batchnorm, so the "
                 "BatchNorm class to restore is unknown: pass e.g. revert_sync_batchnorm(model, default=nn.BatchNorm2d)."
             )
-        new = _retype(sub, cls, name)
-        new.__dict__.pop("_sync_key", None)
-        return new
+        return cls
 
-    return _replace_layers(module, revert)
+    return _retype_layers(module, original)
 
 
-def _replace_layers(module: nn.Module, replace: Callable[[nn.Module, str], nn.Module | None]) -> nn.Module:
-    """``module`` with each submodule for which ``replace(sub, dotted_name)`` returns a layer swapped for it; a module
-    used at several places is offered once (under its first name) and replaced everywhere by one new object."""
-    new = {id(sub): layer for name, sub in module.named_modules() if (layer := replace(sub, name)) is not None}
+def _retype_layers(module: nn.Module, new_class: Callable[[_BatchNorm, str], type[_BatchNorm] | None]) -> nn.Module:
+    """``module`` with each BatchNorm for which ``new_class(layer, dotted_name)`` gives a class swapped for an instance
+    of it with the layer's state: the same tensors, flags, hooks and attributes (containers copied, so the two modules
+    do not share later registrations). A layer used at several places is offered once (under its first name) and
+    replaced everywhere by one new object."""
+    new: dict[int, nn.Module] = {}
+    for name, sub in module.named_modules():
+        if not isinstance(sub, _BatchNorm) or (cls := new_class(sub, name)) is None:
+            continue
+        if isinstance(sub, LazyModuleMixin) and sub.has_uninitialized_params():
+            raise ValueError(
+                f"Cannot convert {type(sub).__name__} {_quoted(name)}: its parameters are not initialised yet. Run one "
+                "forward pass (a dry run on a sample batch) before converting."
+            )
+        layer = new[id(sub)] = cls.__new__(cls)
+        state = {k: v.copy() if isinstance(v, (dict, set)) else v for k, v in sub.__dict__.items() if k != "_sync_key"}
+        layer.__dict__.update(state)
+        if isinstance(layer, SyncBatchNorm):
+            layer._sync_key = _LayerKey(name, type(sub))
     for path, sub in list(module.named_modules(remove_duplicate=False)):
         if path and id(sub) in new:
             parent, _, leaf = path.rpartition(".")
             setattr(module.get_submodule(parent), leaf, new[id(sub)])
     return new.get(id(module), module)
-
-
-def _retype(layer: _BatchNorm, cls: type[_BatchNorm], name: str) -> Any:
-    """A ``cls`` instance with ``layer``'s state: the same tensors, flags, hooks and attributes (containers copied, so
-    the two modules do not share later registrations)."""
-    if isinstance(layer, LazyModuleMixin) and layer.has_uninitialized_params():
-        raise ValueError(
-            f"Cannot convert {type(layer).__name__} {_quoted(name)}: its parameters are not initialised yet. Run one "
-            "forward pass (a dry run on a sample batch) before converting."
-        )
-    new = cls.__new__(cls)
-    new.__dict__.update({k: v.copy() if isinstance(v, (dict, set)) else v for k, v in layer.__dict__.items()})
-    return new
 
 
 def uses_sync_batchnorm(module: nn.Module) -> bool:

@@ -495,6 +495,17 @@ def test_uses_sync_batchnorm():
     assert not uses_sync_batchnorm(converted)
 
 
+@pytest.mark.parametrize("replicas", [2, 3])
+def test_the_synchronised_statistics_do_not_read_as_a_loss_coupled_across_the_shard(replicas):
+    """A shard normalised with the whole batch's statistics trains as one device: the loss graph's coupling check
+    (which flags a per-shard BatchNorm) finds nothing, also where the shard size equals the number of replicas."""
+    from lightning_mgpu.parallel.loss_graph import coupling
+
+    model = convert_sync_batchnorm(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 1)))
+    outputs = DataParallelModel(model, ["cpu"] * replicas, execution_mode="threads")(torch.randn(replicas**2, 3))
+    assert [coupling(o.pow(2).mean(), replicas) for o in outputs] == [None] * replicas
+
+
 # --- CUDA ---------------------------------------------------------------------------------------------------------
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
