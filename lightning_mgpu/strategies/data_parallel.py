@@ -71,7 +71,6 @@ class DataParallelStrategyBase(SingleProcessParallel):
 
     @property
     def output_device(self) -> torch.device:
-        """The device outputs are gathered on."""
         return self.root_device if self._output_device is None else self._output_device
 
     @override
@@ -81,8 +80,7 @@ class DataParallelStrategyBase(SingleProcessParallel):
             self._wrap()
 
     def _wrap(self) -> None:
-        """Install the replicated ``forward`` on the named submodules, also on any replaced since (``self.net = Net()``
-        between epochs)."""
+        """Install the replicated ``forward`` on the named submodules, also on any replaced since (``self.net = ...``)."""
         module = self.lightning_module
         targets = []
         for name in self.parallel_modules:
@@ -101,8 +99,7 @@ class DataParallelStrategyBase(SingleProcessParallel):
         self._wrapped = targets
 
     def _unwrap(self, targets: list[nn.Module]) -> None:
-        """``targets`` with the ``forward`` they had before ``dp`` wrapped them."""
-        for target in targets:
+        for target in targets:  # the forward they had before dp wrapped them
             current = target.__dict__.pop("forward", None)
             if isinstance(current, ParallelForward) and current.replica_value is not None:
                 target.__dict__["forward"] = current.replica_value
