@@ -80,7 +80,7 @@ class DataParallelStrategyBase(SingleProcessParallel):
             self._wrap()
 
     def _wrap(self) -> None:
-        """Install the replicated ``forward`` on the named submodules, also on any replaced since (``self.net = ...``)."""
+        """Install the replicated ``forward`` on the named submodules, also on any replaced since."""
         module = self.lightning_module
         targets = []
         for name in self.parallel_modules:

@@ -96,7 +96,8 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
             chunks, sizes = self._split_batch(args)
             # Counted once per step (token counts: device tensors), for the loss and its logged copies.
             self._shards = (sizes, None if chunks is None else self._declared_weights(hook, chunks, sizes))
-            weights, combine = self._shards[1], _once(partial(self._combine, *self._shards))
+            weights, memo = self._shards[1], {}  # the training loss, combined once: for its logged copies and return
+            combine = partial(self._combine, *self._shards, memo=memo)
             if chunks is None:
                 outputs = [getattr(module, hook)(*args, **kwargs)]
             else:
@@ -147,8 +148,13 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
                 raise
             return None
 
-    def _combine(self, sizes: list[int], weights: list[Any] | None, losses: list[Tensor]) -> Tensor:
-        """The training losses on the root: by the declared rule, else by their autograd record, else per sample."""
+    def _combine(
+        self, sizes: list[int], weights: list[Any] | None, losses: list[Tensor], memo: dict[str, Tensor] | None = None
+    ) -> Tensor:
+        """The training losses on the root: by the declared rule, else by their autograd record, else per sample;
+        kept in ``memo`` (the step's) on the first call."""
+        if memo:
+            return memo["loss"]
         if weights is not None:
             self._read_weights = None
             if "rule" not in self._announced:
@@ -157,16 +163,18 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
                     f"{self.strategy_name}: the training loss is {self.normalization.describe()}, as the declared "
                     f"loss_reduction={self.loss_reduction!r} says; the devices' losses are combined accordingly."
                 )
-            return combine_losses(losses, weights, self.root_device)
-        records = [read_loss(loss, size) for loss, size in zip(losses, sizes, strict=True)]
-        combined = combine_losses_by_record(
-            losses, records, sizes, self.root_device, memory=self._settled, gathered=collectives.gathered_in_call()
-        )
-        self._say_read_rule(losses, records, sizes, combined)
-        self._read_weights = None if combined is None else combined.weights  # numbers and counts, no graph
-        if combined is None:
-            return combine_losses(losses, SAMPLES.weights([], sizes), self.root_device)
-        return combined.loss
+            loss = combine_losses(losses, weights, self.root_device)
+        else:
+            records = [read_loss(value, size) for value, size in zip(losses, sizes, strict=True)]
+            combined = combine_losses_by_record(
+                losses, records, sizes, self.root_device, memory=self._settled, gathered=collectives.gathered_in_call()
+            )
+            self._say_read_rule(losses, records, sizes, combined)
+            self._read_weights = None if combined is None else combined.weights  # numbers and counts, no graph
+            loss = combined.loss if combined else combine_losses(losses, SAMPLES.weights([], sizes), self.root_device)
+        if memo is not None:
+            memo["loss"] = loss
+        return loss
 
     def _say_read_rule(
         self, losses: list[Tensor], records: list[Any], sizes: list[int], combined: Combined | None
@@ -291,18 +299,6 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         if self.collectives is None:
             return lightning_collectives(type(module))
         return "collectives=True" if self.collectives else None
-
-
-def _once(function: Callable[[list[Tensor]], Tensor]) -> Callable[[list[Tensor]], Tensor]:
-    """``function``, run on its first call only: the training loss is combined once for its logged copies and return."""
-    done: list[Tensor] = []
-
-    def once(losses: list[Tensor]) -> Tensor:
-        if not done:
-            done.append(function(losses))
-        return done[0]
-
-    return once
 
 
 def _same_number(a: float, b: float) -> bool:
