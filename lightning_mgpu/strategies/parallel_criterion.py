@@ -106,7 +106,7 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
                 if id(module) not in self._readable:
                     self._readable[id(module)] = can_read_calls(module)
                 evaluating = hook in ("validation_step", "test_step") and self._readable[id(module)]
-                calls = [LossCalls() for _ in sizes]  # entered only when evaluating
+                calls = [LossCalls() for _ in sizes] if evaluating else []
 
                 def call(index: int, replica: nn.Module) -> Any:
                     with calls[index] if evaluating else contextlib.nullcontext():
@@ -276,10 +276,12 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
             return None
         if hook == "training_step":
             records = [read_loss(value, size) for value, size in zip(values, sizes, strict=True)]
-        else:
+        elif calls:
             records = [recorded.record_of(value) for value, recorded in zip(values, calls, strict=True)]
             if all(record is not None for record in records):
                 once_per_shard_alike(records)
+        else:  # evaluation without its loss calls recorded
+            return None
         gathered = collectives.gathered_in_call()
         combined = combine_losses_by_record(values, records, sizes, self.root_device, False, self._settled, gathered)
         return None if combined is None else combined.loss
