@@ -163,10 +163,10 @@ class DataParallelStrategyBase(SingleProcessParallel):
             return original(*args_chunks[0], **kwargs_chunks[0])
         # No autograd record: the loss calls say their counts (not with a fast-path layer, whose outputs would change).
         evaluating = not torch.is_grad_enabled() and can_read_calls(target)
-        calls = [LossCalls() for _ in sizes]
+        calls = [LossCalls() if evaluating else None for _ in sizes]
 
         def call(index: int, replica: nn.Module) -> Any:
-            with calls[index] if evaluating else contextlib.nullcontext():
+            with calls[index] or contextlib.nullcontext():
                 return replica(*args_chunks[index], **kwargs_chunks[index])
 
         outputs = self._run_replicated(target, sizes, call)
@@ -176,7 +176,7 @@ class DataParallelStrategyBase(SingleProcessParallel):
         }
         return merge_outputs(outputs, self.output_device, self.dim, sizes=sizes, weights=weights)
 
-    def _loss_weights(self, where: str, values: list[Tensor], split: Any, calls: list[LossCalls]) -> Any:
+    def _loss_weights(self, where: str, values: list[Tensor], split: Any, calls: list[LossCalls | None]) -> Any:
         """How a scalar the replicas returned merges: by ``loss_reduction``, else by its record (autograd, or the loss
         call that made it in evaluation: the merged value itself), else per sample (said once)."""
         args_chunks, kwargs_chunks, sizes = split
