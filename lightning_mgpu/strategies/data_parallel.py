@@ -71,7 +71,6 @@ class DataParallelStrategyBase(SingleProcessParallel):
 
     @property
     def output_device(self) -> torch.device:
-        """The device outputs are gathered on."""
         return self.root_device if self._output_device is None else self._output_device
 
     @override
@@ -81,8 +80,7 @@ class DataParallelStrategyBase(SingleProcessParallel):
             self._wrap()
 
     def _wrap(self) -> None:
-        """Install the replicated ``forward`` on the named submodules, also on any replaced since (``self.net = Net()``
-        between epochs)."""
+        """Install the replicated ``forward`` on the named submodules, also on any replaced since."""
         module = self.lightning_module
         targets = []
         for name in self.parallel_modules:
@@ -101,8 +99,7 @@ class DataParallelStrategyBase(SingleProcessParallel):
         self._wrapped = targets
 
     def _unwrap(self, targets: list[nn.Module]) -> None:
-        """``targets`` with the ``forward`` they had before ``dp`` wrapped them."""
-        for target in targets:
+        for target in targets:  # the forward they had before dp wrapped them
             current = target.__dict__.pop("forward", None)
             if isinstance(current, ParallelForward) and current.replica_value is not None:
                 target.__dict__["forward"] = current.replica_value
@@ -166,10 +163,10 @@ class DataParallelStrategyBase(SingleProcessParallel):
             return original(*args_chunks[0], **kwargs_chunks[0])
         # No autograd record: the loss calls say their counts (not with a fast-path layer, whose outputs would change).
         evaluating = not torch.is_grad_enabled() and can_read_calls(target)
-        calls = [LossCalls() for _ in sizes]
+        calls = [LossCalls() if evaluating else None for _ in sizes]
 
         def call(index: int, replica: nn.Module) -> Any:
-            with calls[index] if evaluating else contextlib.nullcontext():
+            with calls[index] or contextlib.nullcontext():
                 return replica(*args_chunks[index], **kwargs_chunks[index])
 
         outputs = self._run_replicated(target, sizes, call)
@@ -179,7 +176,7 @@ class DataParallelStrategyBase(SingleProcessParallel):
         }
         return merge_outputs(outputs, self.output_device, self.dim, sizes=sizes, weights=weights)
 
-    def _loss_weights(self, where: str, values: list[Tensor], split: Any, calls: list[LossCalls]) -> Any:
+    def _loss_weights(self, where: str, values: list[Tensor], split: Any, calls: list[LossCalls | None]) -> Any:
         """How a scalar the replicas returned merges: by ``loss_reduction``, else by its record (autograd, or the loss
         call that made it in evaluation: the merged value itself), else per sample (said once)."""
         args_chunks, kwargs_chunks, sizes = split

@@ -2,4 +2,4 @@
 
 from lightning_mgpu.registration import define
 
-ParallelCriterionStrategy, DataParallelStrategy = define("lightning.pytorch", "lightning.fabric", __name__)
+ParallelCriterionStrategy, DataParallelStrategy = define("lightning.pytorch")

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-import operator
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 
@@ -81,7 +80,6 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         self._counted: tuple[str, str] | None = None  # a read training rule other than a per-sample mean, its spec
         self._readable: dict[int, bool] = {}  # per module: whether evaluation reads its loss calls
         self._shards: tuple[list[int], list[Any] | None] = ([], None)  # the step's sample counts and declared weights
-        self._combined: tuple[list[Tensor], Tensor] | None = None  # this step's training losses and their combination
         self._number_copies: dict[tuple[str, str | None], bool] = {}  # (hook, name) logged as numbers: the loss's?
 
     @property
@@ -92,37 +90,33 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
 
     @override
     def _run_step(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        try:
-            return self._step(hook, args, kwargs)
-        finally:  # what the step combined holds its graphs: not kept past it
-            self._combined = None
-
-    def _step(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """One replicated step: split, run, combine the losses, merge the outputs."""
         module = self.lightning_module
+        training = hook == "training_step" and module.automatic_optimization
         evaluating, calls = False, []
         with self._step_context(hook):
             chunks, sizes = self._split_batch(args)
+            # Counted once per step (token counts: device tensors), for the loss and its logged copies.
+            self._shards = (sizes, None if chunks is None else self._declared_weights(hook, chunks, sizes))
+            weights, memo = self._shards[1], {}  # the training loss, combined once: for its logged copies and return
+            combine = partial(self._combine, *self._shards, memo=memo)
             if chunks is None:
-                outputs, weights = [getattr(module, hook)(*args, **kwargs)], None
+                outputs = [getattr(module, hook)(*args, **kwargs)]
             else:
-                # Counted once per step (token counts: device tensors), for the loss and its logged copies.
-                weights = self._declared_weights(hook, chunks, sizes)
                 # Evaluation has no autograd record: its loss calls say their counts while they run.
                 # (not with a layer whose fast path that would switch off: its outputs would differ from one device's)
                 if id(module) not in self._readable:
                     self._readable[id(module)] = can_read_calls(module)
                 evaluating = hook in ("validation_step", "test_step") and self._readable[id(module)]
-                calls = [LossCalls() for _ in sizes]  # entered only when evaluating
+                calls = [LossCalls() for _ in sizes] if evaluating else []
 
                 def call(index: int, replica: nn.Module) -> Any:
                     with calls[index] if evaluating else contextlib.nullcontext():
                         return getattr(replica, hook)(chunks[index], *args[1:], **kwargs)
 
-                self._shards = (sizes, weights)  # for manual_backward's meeting of the replicas
-                manual = hook == "training_step" and not module.automatic_optimization
                 # Manual optimization: the backward passes freed the losses' records: logged values merge per sample.
-                copy = None if manual else partial(self._loss_copy, hook, sizes, weights, calls)
+                manual = hook == "training_step" and not training
+                copy = None if manual else partial(self._loss_copy, hook, calls, combine if training else None)
                 outputs = self._run_replicated(module, sizes, call, copy)
                 if evaluating and weights is None:  # a returned loss its calls recorded: merged by them
                     weights = self._by_record(hook, [_returned_loss(output) for output in outputs], sizes, calls)
@@ -130,8 +124,7 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
             self._say_evaluation_rule(hook)  # no loss call said its count: values merge per sample
         if all_or_none(outputs, hook):
             return None
-        if hook == "training_step" and module.automatic_optimization:
-            combine = partial(self._combine, sizes, weights)
+        if training:
             return reduce_training_outputs(outputs, sizes, self.root_device, combine, self.dim)
         if chunks is None:
             return outputs[0]
@@ -157,8 +150,13 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
                 raise
             return None
 
-    def _combine(self, sizes: list[int], weights: list[Any] | None, losses: list[Tensor]) -> Tensor:
-        """The training losses on the root: by the declared rule, else by their autograd record, else per sample."""
+    def _combine(
+        self, sizes: list[int], weights: list[Any] | None, losses: list[Tensor], memo: dict[str, Tensor] | None = None
+    ) -> Tensor:
+        """The training losses on the root: by the declared rule, else by their autograd record, else per sample;
+        kept in ``memo`` (the step's) on the first call."""
+        if memo:
+            return memo["loss"]
         if weights is not None:
             self._read_weights = None
             if "rule" not in self._announced:
@@ -167,21 +165,18 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
                     f"{self.strategy_name}: the training loss is {self.normalization.describe()}, as the declared "
                     f"loss_reduction={self.loss_reduction!r} says; the devices' losses are combined accordingly."
                 )
-            return combine_losses(losses, weights, self.root_device)
-        done = self._combined
-        if done is not None and len(done[0]) == len(losses) and all(map(operator.is_, done[0], losses)):
-            return done[1]  # combined already for its logged copy, in this step
-        records = [read_loss(loss, size) for loss, size in zip(losses, sizes, strict=True)]
-        combined = combine_losses_by_record(
-            losses, records, sizes, self.root_device, memory=self._settled, gathered=collectives.gathered_in_call()
-        )
-        self._say_read_rule(losses, records, sizes, combined)
-        self._read_weights = None if combined is None else combined.weights  # numbers and counts, no graph
-        result = (
-            combine_losses(losses, SAMPLES.weights([], sizes), self.root_device) if combined is None else combined.loss
-        )
-        self._combined = (list(losses), result)
-        return result
+            loss = combine_losses(losses, weights, self.root_device)
+        else:
+            records = [read_loss(value, size) for value, size in zip(losses, sizes, strict=True)]
+            combined = combine_losses_by_record(
+                losses, records, sizes, self.root_device, memory=self._settled, gathered=collectives.gathered_in_call()
+            )
+            self._say_read_rule(losses, records, sizes, combined)
+            self._read_weights = None if combined is None else combined.weights  # numbers and counts, no graph
+            loss = combined.loss if combined else combine_losses(losses, SAMPLES.weights([], sizes), self.root_device)
+        if memo is not None:
+            memo["loss"] = loss
+        return loss
 
     def _say_read_rule(
         self, losses: list[Tensor], records: list[Any], sizes: list[int], combined: Combined | None
@@ -240,11 +235,12 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
         )
 
     def _loss_copy(
-        self, hook: str, sizes: list[int], weights: list[Any] | None, calls: list[Any], outputs: list[Any]
+        self, hook: str, calls: list[Any], combine: Callable[[list[Tensor]], Tensor] | None, outputs: list[Any]
     ) -> LossCopy:
-        """Merges logged values as the loss they copy: as the step declares, by the declared rule (the returned loss),
-        by their own autograd record (training) or by the loss call that made them (evaluation); ``None`` for other
-        values (merged per sample)."""
+        """Merges logged values as the loss they copy: as the step declares, as the training loss (``combine``), by
+        the declared rule (the returned loss), or by their own autograd record (training) or the loss call that made
+        them (evaluation); ``None`` for other values (merged per sample)."""
+        sizes, weights = self._shards
 
         def merge(values: list[Any], name: str | None) -> Tensor | None:
             declared = declared_copy(values, outputs, self.root_device)
@@ -254,12 +250,11 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
             copies = all(map(same_tensor, values, returned)) or self._number_copy((hook, name), values, returned)
             # A logged number becomes a tensor of the default dtype in self.log, as on one device.
             dtype = torch.get_default_dtype() if isinstance(values[0], float) else None
-            if weights is not None and copies:
+            if copies and combine is not None:  # the training loss itself: combined once, for both
+                return combine(returned).detach().to(dtype)
+            if copies and weights is not None:
                 return combine_losses([r.detach() for r in returned], weights, self.root_device).to(dtype)
-            if copies and hook == "training_step":  # the training loss itself: combined once, for both
-                return self._combine(sizes, None, returned).detach().to(dtype)
-            sources = returned if copies else values  # a detached copy merges as the loss it copies
-            combined = self._by_record(hook, sources, sizes, calls)
+            combined = self._by_record(hook, returned if copies else values, sizes, calls)  # a copy: as its loss
             return None if combined is None else combined.detach()
 
         return merge
@@ -283,10 +278,12 @@ class ParallelCriterionStrategyBase(SingleProcessParallel):
             return None
         if hook == "training_step":
             records = [read_loss(value, size) for value, size in zip(values, sizes, strict=True)]
-        else:
+        elif calls:
             records = [recorded.record_of(value) for value, recorded in zip(values, calls, strict=True)]
             if all(record is not None for record in records):
                 once_per_shard_alike(records)
+        else:  # evaluation without its loss calls recorded
+            return None
         gathered = collectives.gathered_in_call()
         combined = combine_losses_by_record(values, records, sizes, self.root_device, False, self._settled, gathered)
         return None if combined is None else combined.loss

@@ -2,4 +2,4 @@
 
 from lightning_mgpu.registration import define
 
-ParallelCriterionStrategy, DataParallelStrategy = define("pytorch_lightning", "lightning_fabric", __name__)
+ParallelCriterionStrategy, DataParallelStrategy = define("pytorch_lightning")
