@@ -130,7 +130,7 @@ def _combine(parts: list[_Part]) -> tuple[Tensor, ...]:
 def _plain_joint(parts: list[_Part], total: int) -> list[Tensor]:
     """The layer call in differentiable tensor ops, where torch has no batch-norm primitives (the CPU): statistics in
     float32 at least, the whole batch's variance as the count-weighted within- plus between-shard variances. No sum
-    over a stack of shards: ``loss_graph.coupling`` would take it for a reduction over the batch dimension."""
+    over a stack of shards: ``loss_coupling.coupling`` would take it for a reduction over the batch dimension."""
     layer, root, dims = parts[0].layer, parts[0].x.device, [0, *range(2, parts[0].x.dim())]
     shards = [(p.count / total, torch.var_mean(_upcast(p.x), dims, correction=0)) for p in parts if p.count]
     mean = sum(w * m.to(root) for w, (_, m) in shards)

@@ -499,7 +499,7 @@ def test_uses_sync_batchnorm():
 def test_the_synchronised_statistics_do_not_read_as_a_loss_coupled_across_the_shard(replicas):
     """A shard normalised with the whole batch's statistics trains as one device: the loss graph's coupling check
     (which flags a per-shard BatchNorm) finds nothing, also where the shard size equals the number of replicas."""
-    from lightning_mgpu.parallel.loss_graph import coupling
+    from lightning_mgpu.parallel.loss_coupling import coupling
 
     model = convert_sync_batchnorm(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 1)))
     outputs = DataParallelModel(model, ["cpu"] * replicas, execution_mode="threads")(torch.randn(replicas**2, 3))
