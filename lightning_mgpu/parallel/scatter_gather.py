@@ -473,6 +473,9 @@ def _split_roots(
 ) -> tuple[list[list[Any]], list[int]]:
     """Each root's chunks and the chunk sizes; ``batch_size`` serves when nothing tells it (a list of ids).
     ``plain_lists=False``: plain lists go whole to every chunk (torch's ``scatter``)."""
+    flat = None if sizes is not None else _split_flat(roots, devices, dim, batch_size, samples)
+    if flat is not None:
+        return flat
     found = _sample_items(roots, dim, samples) if plain_lists and samples else []
     try:
         size = len(found[0][1]) if found else roots_batch_size(roots, dim, what, samples=samples)
@@ -493,6 +496,34 @@ def _split_roots(
             stacklevel=3,
         )
     return mapped, split.chunks
+
+
+def _split_flat(
+    roots: Roots, devices: Sequence[DeviceLike], dim: int, batch_size: int | None, samples: Sequence[int]
+) -> tuple[list[list[Any]], list[int]] | None:
+    """The common batch in one pass: tensors, or a list, tuple or dict of tensors, all of one size along ``dim`` (one
+    of the DataLoader's counts, so no part can hold one item per sample); ``None`` for anything else."""
+    parts = [list(v.values()) if type(v) is dict else v if type(v) in (list, tuple) else [v] for _, v in roots]
+    tensors = [t for part in parts for t in part]
+    if not tensors or not all(isinstance(t, Tensor) and t.dim() > dim for t in tensors):
+        return None
+    size = tensors[0].shape[dim]
+    if not size or any(t.shape[dim] != size for t in tensors) or (samples and size not in samples):
+        return None
+    if batch_size not in (None, size):
+        return None  # the general path says what disagrees
+    chunks = split_sizes(size, len(devices))
+    bounds, targets = list(accumulate(chunks[:-1])), [to_device(d) for d in devices]
+    columns = [[p.to(d) for p, d in zip(torch.tensor_split(t, bounds, dim), targets, strict=False)] for t in tensors]
+    rows, mapped, start = list(zip(*columns, strict=True)), [], 0
+    for (_, value), part in zip(roots, parts, strict=True):
+        end = start + len(part)
+        if type(value) is dict:
+            mapped.append([dict(zip(value, row[start:end], strict=True)) for row in rows])
+        else:
+            mapped.append([row[start] if part is not value else type(value)(row[start:end]) for row in rows])
+        start = end
+    return mapped, chunks
 
 
 class _Split:

@@ -572,3 +572,27 @@ def test_dim_1_labels_with_their_samples_on_dim_0_are_told_where_they_are_and_ho
     assert "keep it out of what is split" not in message
     chunks, sizes = split_batch((x, y.movedim(0, 1)), ["cpu"] * 2, dim=1, samples=samples)
     assert sizes == [2, 2] and torch.equal(chunks[1][1].movedim(1, 0), y[2:])
+
+
+@pytest.mark.parametrize("samples", [(), (10, 4)])
+@pytest.mark.parametrize("kind", ["tensor", "tuple", "list", "dict"])
+def test_flat_batches_split_into_their_own_rows_on_every_device(kind, samples):
+    """The common batch (tensors, or a flat list, tuple or dict of them) keeps its type, its keys' order and each
+    device's own rows: 10 samples over 3 devices are rows 0-3, 4-6 and 7-9 of every part."""
+    x, y = torch.arange(40.0).view(10, 4), torch.arange(10)
+    batch = {"tensor": x, "tuple": (x, y), "list": [x, y], "dict": {"y": y, "x": x}}[kind]
+    chunks, sizes = split_batch(batch, ["cpu"] * 3, samples=samples)
+    assert sizes == [4, 3, 3]
+    rows = [torch.arange(0, 4), torch.arange(4, 7), torch.arange(7, 10)]
+    for chunk, index in zip(chunks, rows, strict=True):
+        assert type(chunk) is type(batch)
+        parts = [chunk] if kind == "tensor" else list(chunk.values()) if kind == "dict" else chunk
+        whole = [x] if kind == "tensor" else [y, x] if kind == "dict" else [x, y]
+        if kind == "dict":
+            assert list(chunk) == ["y", "x"]
+        assert all(torch.equal(part, full[index]) for part, full in zip(parts, whole, strict=True))
+
+
+def test_a_flat_batch_whose_parts_disagree_is_refused_with_both_sizes():
+    with pytest.raises(BatchSplitError, match=r"batch\[0\] has size 10 but batch\[1\] has size 9"):
+        split_batch((torch.zeros(10, 2), torch.zeros(9)), ["cpu"] * 2)
