@@ -452,8 +452,8 @@ class ReplicaSet:
         self.defer_reduction = False
         self._owning = self._queued = False
         self._queue_lock = threading.Lock()
-        self._stop_recording: Callable[[], Any] | None = None  # between prepare() and watch()
-        self._rebound: set[tuple[int, int, str]] = set()  # (replica, position, buffer name) the step rebound
+        self._recorder = _Recorder()  # active between prepare() and watch(): the buffers the step rebinds
+        self._unregister: Callable[[], Any] | None = None
         self._build()
 
     def _build(self) -> None:
@@ -488,6 +488,9 @@ class ReplicaSet:
         self._places = {
             id(c): (i, k) for i, cs in enumerate(self._copies) for k, c in enumerate(cs) if c is not originals[k]
         }
+        if self._unregister is not None:
+            self._unregister()
+        self._unregister = _register(self, self._places, self._recorder)
         # Per module its attribute, parameter, buffer and child dicts (none for a shared one: replicas hold it), and
         # shallow copies of them: one ``==`` of the two lists tells whether anything changed.
         self._live = [
@@ -567,8 +570,8 @@ class ReplicaSet:
                 self._point(i, self._linked(i, linked) if relink else self._flat.leaves[i])
             self._pointed[i] = not relink
         if not linked:
-            self._rebound = set()
-            self._stop_recording = _record(self, self._places, self._rebound)
+            self._recorder.rebound = set()
+            _set_active(self._recorder, True)
         return self.replicas[:n]
 
     def _new_flat(self, buffers: list[Tensor]) -> None:
@@ -666,13 +669,13 @@ class ReplicaSet:
     def _end_run(self, adopt: bool) -> None:
         """Stop recording the step's buffer rebinding; with ``adopt``, buffers replica 0 rebound become the
         original's (of another shape or dtype: a rebuild at the next :meth:`prepare`); every replica holds its own."""
-        stop, self._stop_recording = self._stop_recording, None
-        if stop is None:
+        if not self._recorder.active:
             return
-        stop()
-        if not adopt or not self._rebound:
+        _set_active(self._recorder, False)
+        rebound = self._recorder.rebound
+        if not adopt or not rebound:
             return
-        for k, name in sorted({(k, name) for i, k, name in self._rebound if i == 0}):
+        for k, name in sorted({(k, name) for i, k, name in rebound if i == 0}):
             value, buffers = self._copies[0][k]._buffers.get(name), self._originals[k]._buffers
             old = buffers.get(name)
             if value is not None and old is not None:
@@ -680,10 +683,10 @@ class ReplicaSet:
                 if value.shape == old.shape and value.dtype == old.dtype and self._flat.replace(old, value):
                     self._saved[4 * k + 2][name] = value  # the saved copy of its buffer dict
             buffers[name] = value
-        for i, k, name in self._rebound:
+        for i, k, name in rebound:
             if name not in self._originals[k]._buffers:
                 self._copies[i][k]._buffers.pop(name, None)
-        for i in sorted({i for i, _, _ in self._rebound}):
+        for i in sorted({i for i, _, _ in rebound}):
             self._point(i, self._flat.leaves[i])
 
     def _sync_structure(self) -> None:
@@ -731,38 +734,57 @@ class ReplicaSet:
     def release(self) -> None:
         """Drop every replica and copy; the set is not used again."""
         self._end_run(adopt=False)
+        if self._unregister is not None:
+            self._unregister()
         self._copies, self._slots, self._rnns, self._places, self.replicas = [], [], [], {}, []
         self._flat = ReplicaParameters([], self.devices, self._root)
 
 
-# Replica modules whose buffer rebinding is recorded -> (the record, replica, position); torch's global buffer
-# registration hook is installed while any are (replica sets may nest, or run in threads).
-_recording: dict[int, tuple[set[tuple[int, int, str]], int, int]] = {}
+class _Recorder:
+    """The buffers (replica, position, name) a replica set's modules rebind while it is ``active`` (one run)."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self.rebound: set[tuple[int, int, str]] = set()
+
+
+# Replica modules -> (their set's recorder, replica, position), registered once per build; torch's global buffer
+# registration hook is installed only while some recorder is active (replica sets may nest, or run in threads).
+_recording: dict[int, tuple[_Recorder, int, int]] = {}
+_active: set[int] = set()
 _lock = threading.RLock()  # re-entered when the collector frees a replica set inside a locked section
 _hook: list[Any] = []
 
 
 def _on_buffer(module: nn.Module, name: str, value: Tensor | None) -> None:
     place = _recording.get(id(module))
-    if place is not None:
-        place[0].add((place[1], place[2], name))
+    if place is not None and place[0].active:
+        place[0].rebound.add((place[1], place[2], name))
 
 
-def _record(owner: object, places: dict[int, tuple[int, int]], record: set[tuple[int, int, str]]) -> Callable[[], Any]:
-    """Record the buffers the modules of ``places`` rebind, until the returned stop is called or ``owner`` dies."""
+def _register(owner: object, places: dict[int, tuple[int, int]], recorder: _Recorder) -> Callable[[], Any]:
+    """Map the modules of ``places`` to ``recorder`` until the returned call, or until ``owner`` dies."""
     with _lock:
-        _recording.update({key: (record, i, k) for key, (i, k) in places.items()})
-        if not _hook:
-            _hook.append(register_module_buffer_registration_hook(_on_buffer))
-    return weakref.finalize(owner, _stop, list(places), record)
+        _recording.update({key: (recorder, i, k) for key, (i, k) in places.items()})
+    return weakref.finalize(owner, _unregister, list(places), recorder)
 
 
-def _stop(keys: list[int], record: set[tuple[int, int, str]]) -> None:
+def _unregister(keys: list[int], recorder: _Recorder) -> None:
     with _lock:
         for key in keys:
-            if _recording.get(key, (None,))[0] is record:
+            if _recording.get(key, (None,))[0] is recorder:
                 del _recording[key]
-        if _hook and not _recording:
+    _set_active(recorder, False)
+
+
+def _set_active(recorder: _Recorder, active: bool) -> None:
+    """Start or stop ``recorder``'s run; the hook is installed while any recorder runs."""
+    with _lock:
+        recorder.active = active
+        (_active.add if active else _active.discard)(id(recorder))
+        if _active and not _hook:
+            _hook.append(register_module_buffer_registration_hook(_on_buffer))
+        elif not _active and _hook:
             _hook.pop().remove()
 
 
