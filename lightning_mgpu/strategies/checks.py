@@ -381,11 +381,9 @@ class StepChecks:
         self.calls: collections.Counter[str] = collections.Counter()  # replicated calls per hook
         self._before: tuple[Any, ...] | None = None
 
-    def before(self, hook: str, module: nn.Module, root: Any) -> bool:
-        """Snapshot what a call of ``hook`` may change; whether it is among the first two (checked)."""
+    def before(self, hook: str, module: nn.Module, root: Any) -> None:
+        """Count a checked call of ``hook`` (the caller checks the first two) and snapshot what it may change."""
         self.calls[hook] += 1
-        if self.calls[hook] > 2:
-            return False
         dicts = [  # the dicts every replica shares with the root (not nn.Module's registries nor large ones)
             (f"{prefix}.{name}" if prefix else name, value)
             for prefix, m in root.named_modules()
@@ -396,7 +394,6 @@ class StepChecks:
         held = [value for value in vars(root).values() if isinstance(value, LRScheduler)]
         schedulers = {id(s): (s, getattr(s, "last_epoch", None)) for s in [*(c.scheduler for c in configs), *held]}
         self._before = (module, root, HeldObjects(module), dicts, _dict_entries(dicts), schedulers.values())
-        return True
 
     def after(
         self,

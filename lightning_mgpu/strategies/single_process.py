@@ -379,7 +379,9 @@ class SingleProcessParallel:
             replica_set.reduce_gradients(run_hooks=False)
         replica_set.defer_reduction = accumulating and not reads
         # On the first two calls of each hook only: what a call could change once per replica (StepChecks).
-        checking = count > 1 and self._checks.calls[hook] < 2 and self._checks.before(hook, module, root)
+        checking = count > 1 and self._checks.calls[hook] < 2
+        if checking:
+            self._checks.before(hook, module, root)
         snapshots: list[dict[str, Any]] = [{}] * count  # replaced, never mutated
         manual = self._STEP_PER_REPLICA and training and not root.automatic_optimization
 
